@@ -1,0 +1,192 @@
+"""The block index: which (namespace, block hash) keys are resident, in which pool
+slots, and whether they are complete, pinned or in flight.
+
+Bookkeeping only; bytes move in pegaflow.engine through a copy engine. A block has
+one slot per TP shard; it becomes visible (and evictable) only when every layer of
+every shard has landed. Pinned blocks (leased or being copied) are never evicted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pegaflow.instances import Namespace
+from pegaflow.policy import EvictionPolicy
+from pegaflow.pool import SlabAllocator
+
+logger = logging.getLogger(__name__)
+
+BlockHash = bytes
+Key = tuple[int, BlockHash]
+
+
+@dataclass(slots=True)
+class BlockEntry:
+    slots: np.ndarray  # uint64 address per TP shard, 0 until allocated
+    landed: np.ndarray  # bool [tp_size, num_layers]
+    in_flight: np.ndarray  # bool [tp_size, num_layers]
+    ready: bool = False
+    pins: int = 0
+    created: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveReservation:
+    """Blocks of one Save that need copying, with their (now pinned) slots."""
+
+    keys: list[Key]
+    entries: list[BlockEntry]
+    positions: np.ndarray  # index into the request's block list
+    slots: np.ndarray  # uint64 slot address of this rank, per key
+    deduplicated: int
+    rejected: int
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    evictions: int = 0
+    admission_rejections: int = 0
+    pool_full_rejections: int = 0
+    stale_dropped: int = 0
+
+
+class BlockStore:
+    def __init__(self, slabs: SlabAllocator, policy: EvictionPolicy) -> None:
+        self.slabs = slabs
+        self.policy = policy
+        self.entries: dict[Key, BlockEntry] = {}
+        self.counters = StoreCounters()
+        self.resident_ready = 0
+
+    def _protected(self, key: Key) -> bool:
+        return self.entries[key].pins > 0
+
+    def longest_prefix(self, ns: Namespace, hashes: list[BlockHash]) -> list[Key]:
+        """Keys of the ready prefix; stops at the first block that is not ready."""
+        keys: list[Key] = []
+        entries = self.entries
+        for h in hashes:
+            key = (ns.id, h)
+            entry = entries.get(key)
+            if entry is None or not entry.ready:
+                break
+            keys.append(key)
+        for key in keys:
+            self.policy.touch(key)
+        return keys
+
+    def reserve_save(
+        self, ns: Namespace, rank: int, hashes: list[BlockHash], layers: np.ndarray
+    ) -> SaveReservation:
+        keys: list[Key] = []
+        entries: list[BlockEntry] = []
+        positions: list[int] = []
+        dedup = rejected = 0
+        for pos, h in enumerate(hashes):
+            key = (ns.id, h)
+            entry = self.entries.get(key)
+            if entry is not None and (
+                entry.ready or (entry.landed[rank, layers] | entry.in_flight[rank, layers]).all()
+            ):
+                dedup += 1
+                continue
+            if entry is None:
+                entry = self._admit(ns, key)
+                if entry is None:
+                    rejected += 1
+                    continue
+            if entry.slots[rank] == 0:
+                slot = self._allocate(ns.slot_bytes, key)
+                if slot is None:
+                    self._drop_if_empty(key, entry)
+                    rejected += 1
+                    self.counters.pool_full_rejections += 1
+                    continue
+                entry.slots[rank] = slot
+            entry.in_flight[rank, layers] = True
+            entry.pins += 1
+            keys.append(key)
+            entries.append(entry)
+            positions.append(pos)
+        slots = np.array([e.slots[rank] for e in entries], np.uint64)
+        return SaveReservation(
+            keys, entries, np.asarray(positions, np.int64), slots, dedup, rejected
+        )
+
+    def finish_save(
+        self, res: SaveReservation, rank: int, layers: np.ndarray, ok: bool
+    ) -> None:
+        for key, entry in zip(res.keys, res.entries, strict=True):
+            entry.pins -= 1
+            entry.in_flight[rank, layers] = False
+            if ok:
+                entry.landed[rank, layers] = True
+                if not entry.ready and entry.landed.all():
+                    entry.ready = True
+                    self.resident_ready += 1
+                    self.policy.insert(key)
+            elif not entry.landed[rank].any() and not entry.in_flight[rank].any():
+                self.slabs.free(entry.slots[rank : rank + 1])
+                entry.slots[rank] = 0
+                self._drop_if_empty(key, entry)
+
+    def _admit(self, ns: Namespace, key: Key) -> BlockEntry | None:
+        if self.slabs.free_slots(ns.slot_bytes) == 0 and not self.policy.should_admit(
+            key, self._protected
+        ):
+            self.counters.admission_rejections += 1
+            return None
+        entry = BlockEntry(
+            np.zeros(ns.tp_size, np.uint64),
+            np.zeros((ns.tp_size, ns.num_layers), bool),
+            np.zeros((ns.tp_size, ns.num_layers), bool),
+        )
+        self.entries[key] = entry
+        return entry
+
+    def _allocate(self, slot_bytes: int, key: Key) -> int | None:
+        """One slot, evicting LRU blocks (of any class) until one frees up."""
+        while True:
+            got = self.slabs.allocate(slot_bytes, 1)
+            if len(got):
+                return int(got[0])
+            victims = self.policy.evict(1, self._protected)
+            if not victims:
+                return None
+            self._remove(victims[0])
+            self.counters.evictions += 1
+
+    def _remove(self, key: Key) -> None:
+        entry = self.entries.pop(key)
+        if entry.ready:
+            self.resident_ready -= 1
+        self.slabs.free(entry.slots[entry.slots != 0])
+        logger.debug("evicted block %s", key[1][:8].hex())
+
+    def _drop_if_empty(self, key: Key, entry: BlockEntry) -> None:
+        if not entry.slots.any() and entry.pins == 0:
+            self.entries.pop(key, None)
+
+    def pin(self, entries: list[BlockEntry]) -> None:
+        for entry in entries:
+            entry.pins += 1
+
+    def unpin(self, entries: list[BlockEntry]) -> None:
+        for entry in entries:
+            entry.pins -= 1
+
+    def drop_stale(self, older_than: float) -> int:
+        """Free incomplete blocks whose other shards or layers never came."""
+        stale = [
+            key
+            for key, e in self.entries.items()
+            if not e.ready and e.pins == 0 and e.created < older_than
+        ]
+        for key in stale:
+            self._remove(key)
+        self.counters.stale_dropped += len(stale)
+        return len(stale)

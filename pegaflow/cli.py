@@ -1,0 +1,122 @@
+"""`pegaflow-server`: the daemon's command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from pegaflow.config import EngineConfig, PoolConfig, ServerConfig, parse_addr, parse_size
+from pegaflow.pool import HugepagesUnavailable
+
+# PegaFlow flags that later issues implement; refused clearly until then.
+NOT_YET = {
+    "--ssd-cache-path": "the SSD tier (issue: L3 SSD tier)",
+    "--ssd-cache-capacity": "the SSD tier (issue: L3 SSD tier)",
+    "--metaserver-addr": "cross-node sharing",
+    "--enable-rdma": "the RDMA transport",
+    "--nics": "the RDMA transport",
+    "--metric-hll-windows": "hit-rate ceiling metrics",
+    "--metric-hll-bucket-bits": "hit-rate ceiling metrics",
+    "--devices": "the GPU data path",
+}
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _addr(text: str) -> str:
+    try:
+        parse_addr(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pegaflow-server",
+        description="External KV-cache server for LLM inference engines.",
+    )
+    p.add_argument("--addr", type=_addr, default="127.0.0.1:50055",
+                   help="gRPC listen address (default: %(default)s, loopback)")
+    p.add_argument("--http-addr", type=_addr, default="127.0.0.1:9091",
+                   help="/health and /metrics address (default: %(default)s)")
+    p.add_argument("--no-http", action="store_true", help="do not serve HTTP")
+    p.add_argument("--pool-size", type=_size, default=_size("1gb"),
+                   help="L1 host pool size, e.g. 512mb, 64gb, 1tb (default: 1gb)")
+    p.add_argument("--use-hugepages", action="store_true",
+                   help="back the pool with reserved 2 MiB hugepages")
+    p.add_argument("--enable-lfu-admission", action="store_true",
+                   help="TinyLFU admission: keep hot blocks through scans")
+    p.add_argument("--lease-ttl", type=float, default=30.0,
+                   help="seconds a query's lease pins its blocks (default: 30)")
+    p.add_argument("--copy-threads", type=int, default=2,
+                   help="threads moving bytes for host engines (default: 2)")
+    p.add_argument("--prefault-threads", type=int, default=None,
+                   help="threads pre-touching the pool (default: min(8, cpus))")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   default="info")
+    for flag, what in NOT_YET.items():
+        p.add_argument(flag, dest=flag.lstrip("-").replace("-", "_"), default=None,
+                       help=argparse.SUPPRESS, metavar=what)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    pool_kwargs: dict[str, object] = {
+        "size_bytes": args.pool_size,
+        "use_hugepages": args.use_hugepages,
+        "show_progress": not args.no_progress,
+    }
+    if args.prefault_threads is not None:
+        pool_kwargs["prefault_threads"] = args.prefault_threads
+    return ServerConfig(
+        addr=args.addr,
+        http_addr=None if args.no_http else args.http_addr,
+        log_level=args.log_level,
+        pool=PoolConfig(**pool_kwargs),
+        engine=EngineConfig(
+            enable_lfu_admission=args.enable_lfu_admission,
+            lease_ttl_s=args.lease_ttl,
+            copy_threads=args.copy_threads,
+        ),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag, what in NOT_YET.items():
+        if getattr(args, flag.lstrip("-").replace("-", "_")) is not None:
+            parser.error(f"{flag} needs {what}, which this version does not have yet")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from pegaflow.server import serve  # grpc/numpy import after argument errors
+
+    try:
+        asyncio.run(serve(config))
+    except HugepagesUnavailable as exc:
+        print(f"pegaflow-server: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"pegaflow-server: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

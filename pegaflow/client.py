@@ -1,0 +1,230 @@
+"""Engine-side client: every call carries a deadline; failures raise the typed
+exceptions of pegaflow.errors. Light on purpose: grpcio, protobuf, numpy."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from pegaflow.errors import PegaflowError, from_status
+from pegaflow.layout import LayerLayout
+from pegaflow.proto import pegaflow_pb2 as pb
+from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ADDR = "127.0.0.1:50055"
+PR_SET_PTRACER = 0x59616D61
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    server_pid: int
+    slot_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    stored: int
+    deduplicated: int
+    rejected: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueryResult:
+    num_blocks: int
+    lease_id: int
+    loading: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    loaded: int
+    bytes: int
+
+
+def allow_ptrace_from(pid: int) -> None:
+    """Let the server read/write our KV memory where Yama restricts ptrace."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: nothing to allow
+        logger.debug("prctl(PR_SET_PTRACER) unavailable")
+
+
+class PegaflowClient:
+    def __init__(
+        self, addr: str = DEFAULT_ADDR, timeout_s: float = 5.0,
+        max_message_bytes: int = 64 << 20,
+    ) -> None:
+        self.addr = addr
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(
+            addr,
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ],
+        )
+        self._stub = pb_grpc.PegaFlowStub(self._channel)
+
+    def _call(self, method: str, request: object, timeout_s: float | None = None) -> object:
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=timeout_s or self.timeout_s
+            )
+        except grpc.RpcError as exc:
+            raise from_status(exc.code(), exc.details() or "") from None
+
+    def register_host(
+        self, instance_id: str, namespace: str, pid: int,
+        regions: Sequence[tuple[int, int]], layers: Sequence[LayerLayout],
+        tp_rank: int = 0, tp_size: int = 1, world_size: int | None = None,
+    ) -> Registration:
+        """Register KV memory in this host's CPU RAM (pid, address, size)."""
+        req = pb.RegisterInstanceRequest(
+            instance_id=instance_id, namespace=namespace, tp_rank=tp_rank,
+            tp_size=tp_size, world_size=world_size or tp_size, device="cpu",
+            regions=[
+                pb.MemoryRegion(host=pb.HostRegion(pid=pid, address=a, size=n))
+                for a, n in regions
+            ],
+            layers=[_layer_message(layer) for layer in layers],
+        )
+        resp = self._call("RegisterInstance", req)
+        allow_ptrace_from(resp.server_pid)
+        return Registration(resp.server_pid, resp.slot_bytes)
+
+    def save(
+        self, instance_id: str, block_ids: Sequence[int] | np.ndarray,
+        block_hashes: Sequence[bytes], tp_rank: int = 0,
+        layer_ids: Sequence[int] | None = None,
+    ) -> SaveResult:
+        resp = self._call("Save", pb.SaveRequest(
+            instance_id=instance_id, tp_rank=tp_rank,
+            block_ids=np.asarray(block_ids, np.uint32).tolist(),
+            block_hashes=list(block_hashes), layer_ids=list(layer_ids or ()),
+        ))
+        return SaveResult(resp.stored, resp.deduplicated, resp.rejected)
+
+    def query(self, instance_id: str, block_hashes: Sequence[bytes]) -> QueryResult:
+        resp = self._call("QueryPrefix", pb.QueryPrefixRequest(
+            instance_id=instance_id, block_hashes=list(block_hashes)
+        ))
+        if resp.WhichOneof("result") == "loading":
+            return QueryResult(resp.loading.num_blocks, 0, loading=True)
+        return QueryResult(resp.ready.num_blocks, resp.ready.lease_id)
+
+    def load(
+        self, instance_id: str, lease_id: int, block_ids: Sequence[int] | np.ndarray,
+        tp_rank: int = 0, lease_offset: int = 0,
+    ) -> LoadResult:
+        resp = self._call("Load", pb.LoadRequest(
+            instance_id=instance_id, tp_rank=tp_rank, lease_id=lease_id,
+            lease_offset=lease_offset,
+            block_ids=np.asarray(block_ids, np.uint32).tolist(),
+        ))
+        return LoadResult(resp.loaded, resp.bytes)
+
+    def release_lease(self, lease_id: int) -> None:
+        self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
+
+    def unregister(self, instance_id: str, tp_rank: int = 0) -> None:
+        self._call("Unregister", pb.UnregisterRequest(
+            instance_id=instance_id, tp_rank=tp_rank
+        ))
+
+    def health(self, timeout_s: float | None = None) -> bool:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            resp = stub.Check(
+                health_pb2.HealthCheckRequest(service=""),
+                timeout=timeout_s or self.timeout_s,
+            )
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def open_session(
+        self, instance_id: str, tp_rank: int = 0, interval_s: float = 5.0
+    ) -> Session:
+        return Session(self._stub, instance_id, tp_rank, interval_s)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> PegaflowClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Session:
+    """Keeps the liveness stream open from a daemon thread; the server drops the
+    worker when it closes (close(), process exit or crash)."""
+
+    def __init__(
+        self, stub: pb_grpc.PegaFlowStub, instance_id: str, tp_rank: int,
+        interval_s: float,
+    ) -> None:
+        self._pings: queue.Queue[pb.SessionPing | None] = queue.Queue()
+        self._interval = interval_s
+        self._ping = pb.SessionPing(instance_id=instance_id, tp_rank=tp_rank)
+        self._stream = stub.Session(self._requests())
+        self.error: PegaflowError | None = None
+        self._first = threading.Event()
+        self._thread = threading.Thread(target=self._drain, daemon=True, name="pegaflow-session")
+        self._thread.start()
+        if not self._first.wait(10.0) and self.error is None:
+            self.error = from_status(grpc.StatusCode.DEADLINE_EXCEEDED, "no session reply")
+        if self.error is not None:
+            raise self.error
+
+    def _requests(self) -> Iterator[pb.SessionPing]:
+        yield self._ping
+        while True:
+            try:
+                item = self._pings.get(timeout=self._interval)
+            except queue.Empty:
+                item = self._ping
+            if item is None:
+                return
+            yield item
+
+    def _drain(self) -> None:
+        try:
+            for _ in self._stream:
+                self._first.set()
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                self.error = from_status(exc.code(), exc.details() or "")
+        finally:
+            self._first.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        self._pings.put(None)
+        self._thread.join(timeout=5.0)
+        if self._thread.is_alive():
+            self._stream.cancel()
+
+
+def _layer_message(layer: LayerLayout) -> pb.LayerLayout:
+    return pb.LayerLayout(
+        region_index=layer.region_index, offset=layer.offset,
+        num_blocks=layer.num_blocks, block_stride=layer.block_stride,
+        segments=[pb.Segment(offset=s.offset, size=s.size) for s in layer.segments],
+    )

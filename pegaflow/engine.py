@@ -1,0 +1,231 @@
+"""The server's core: registration, save, prefix query, load and leases.
+
+Metadata changes run on one thread (the asyncio loop); only byte copies leave it,
+for a worker thread, with every block they touch pinned. Between the awaits the
+bookkeeping is therefore atomic without locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pegaflow.blocks import BlockHash, BlockStore
+from pegaflow.config import EngineConfig
+from pegaflow.errors import InvalidRequest
+from pegaflow.instances import CopyEngine, RegionKind, Registry, RegisterSpec, Worker
+from pegaflow.layout import Transfers, check_block_ids
+from pegaflow.leases import LeaseTable
+from pegaflow.metrics import Metrics
+from pegaflow.policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
+from pegaflow.pool import HostPool
+
+logger = logging.getLogger(__name__)
+
+MAX_HASH_BYTES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    stored: int
+    deduplicated: int
+    rejected: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueryResult:
+    num_blocks: int
+    lease_id: int
+    lease_ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    loaded: int
+    bytes: int
+
+
+def check_hashes(hashes: list[BlockHash], limit: int) -> None:
+    if len(hashes) > limit:
+        raise InvalidRequest(f"block_hashes: {len(hashes)} exceeds {limit}")
+    for i, h in enumerate(hashes):
+        if not 0 < len(h) <= MAX_HASH_BYTES:
+            raise InvalidRequest(
+                f"block_hashes[{i}]: {len(h)} bytes, need 1..{MAX_HASH_BYTES}"
+            )
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: HostPool,
+        copiers: dict[RegionKind, CopyEngine],
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        policy: EvictionPolicy = LRUPolicy()
+        if config.enable_lfu_admission:
+            # Block sizes are unknown until engines register; ~1 MiB is typical.
+            capacity = max(1024, pool.size >> 20)
+            policy = AdmissionPolicy(LRUPolicy(), TinyLFU(capacity))
+        self.store = BlockStore(pool.slabs, policy)
+        self.leases = LeaseTable(self.store, config.lease_ttl_s)
+        self.registry = Registry(copiers)
+        self.metrics = metrics or Metrics()
+        self._seen = dataclasses.replace(self.store.counters)
+        self.metrics.bind_gauges(
+            pool.size,
+            lambda: pool.slabs.used_bytes,
+            lambda: self.store.resident_ready,
+            lambda: len(self.leases),
+            lambda: sum(len(i.workers) for i in self.registry.instances.values()),
+        )
+
+    # -- registration ---------------------------------------------------------
+    def register(self, spec: RegisterSpec) -> Worker:
+        return self.registry.register(spec)
+
+    def unregister(self, instance_id: str, tp_rank: int) -> None:
+        self.registry.unregister(instance_id, tp_rank)
+        if instance_id not in self.registry.instances:
+            dropped = self.leases.release_owned_by(instance_id)
+            if dropped:
+                logger.info("released %d lease(s) of %s", dropped, instance_id)
+
+    # -- save -----------------------------------------------------------------
+    async def save(
+        self,
+        instance_id: str,
+        tp_rank: int,
+        block_ids: np.ndarray,
+        hashes: list[BlockHash],
+        layer_ids: np.ndarray | None,
+    ) -> SaveResult:
+        worker = self.registry.worker(instance_id, tp_rank)
+        ns = worker.namespace
+        if len(block_ids) != len(hashes):
+            raise InvalidRequest(
+                f"block_hashes: {len(hashes)} hashes for {len(block_ids)} block_ids"
+            )
+        check_hashes(hashes, self.config.max_blocks_per_request)
+        check_block_ids(block_ids, worker.geometry.num_blocks, "block_ids")
+        layers = self._layers(layer_ids, ns.num_layers)
+        res = self.store.reserve_save(ns, tp_rank, hashes, layers)
+        self._sync_counters()
+        if not res.keys:
+            return SaveResult(0, res.deduplicated, res.rejected)
+        transfers = worker.geometry.engine_to_slots(
+            block_ids[res.positions], res.slots, layers
+        )
+        ok = False
+        try:
+            seconds = await self._copy(worker, worker.copier.gather, transfers)
+            ok = True
+        finally:
+            self.store.finish_save(res, tp_rank, layers, ok)
+        self._account("save", len(res.keys), transfers.total_bytes, seconds)
+        return SaveResult(len(res.keys), res.deduplicated, res.rejected)
+
+    @staticmethod
+    def _layers(layer_ids: np.ndarray | None, num_layers: int) -> np.ndarray:
+        if layer_ids is None or len(layer_ids) == 0:
+            return np.arange(num_layers)
+        if layer_ids.min() < 0 or layer_ids.max() >= num_layers:
+            raise InvalidRequest(f"layer_ids: must lie in [0, {num_layers})")
+        if len(np.unique(layer_ids)) != len(layer_ids):
+            raise InvalidRequest("layer_ids: duplicates")
+        return np.sort(layer_ids)
+
+    # -- query ----------------------------------------------------------------
+    def query(self, instance_id: str, hashes: list[BlockHash]) -> QueryResult:
+        inst = self.registry.instance(instance_id)
+        check_hashes(hashes, self.config.max_blocks_per_request)
+        keys = self.store.longest_prefix(inst.namespace, hashes)
+        self.metrics.hits.inc(len(keys))
+        self.metrics.misses.inc(len(hashes) - len(keys))
+        if not keys:
+            return QueryResult(0, 0, 0.0)
+        lease = self.leases.create(
+            instance_id, inst.namespace.id, keys, inst.world_size
+        )
+        return QueryResult(len(keys), lease.id, self.leases.ttl_s)
+
+    # -- load -----------------------------------------------------------------
+    async def load(
+        self,
+        instance_id: str,
+        tp_rank: int,
+        lease_id: int,
+        lease_offset: int,
+        block_ids: np.ndarray,
+    ) -> LoadResult:
+        worker = self.registry.worker(instance_id, tp_rank)
+        lease = self.leases.get(lease_id)
+        if lease.owner != instance_id:
+            raise InvalidRequest(
+                f"lease_id: lease belongs to {lease.owner!r}, not {instance_id!r}"
+            )
+        end = lease_offset + len(block_ids)
+        if end > len(lease.entries):
+            raise InvalidRequest(
+                f"block_ids: lease_offset {lease_offset} + {len(block_ids)} blocks "
+                f"exceeds the {len(lease.entries)} leased blocks"
+            )
+        check_block_ids(block_ids, worker.geometry.num_blocks, "block_ids")
+        entries = lease.entries[lease_offset:end]
+        slots = np.array([e.slots[tp_rank] for e in entries], np.uint64)
+        transfers = worker.geometry.slots_to_engine(slots, block_ids)
+        self.store.pin(entries)  # the lease may expire while we copy
+        try:
+            seconds = await self._copy(worker, worker.copier.scatter, transfers)
+        finally:
+            self.store.unpin(entries)
+        if lease.id in self.leases:
+            self.leases.consumed(lease, tp_rank)
+        self._account("load", len(entries), transfers.total_bytes, seconds)
+        return LoadResult(len(entries), transfers.total_bytes)
+
+    def release_lease(self, lease_id: int) -> None:
+        self.leases.release(lease_id)
+
+    # -- housekeeping -----------------------------------------------------------
+    def sweep(self) -> None:
+        now = time.monotonic()
+        self.leases.sweep(now)
+        self.store.drop_stale(now - self.config.lease_ttl_s)
+
+    async def _copy(
+        self, worker: Worker, fn: Callable[[object, Transfers], None], t: Transfers
+    ) -> float:
+        worker.active_ops += 1
+        start = time.perf_counter()
+        try:
+            await asyncio.to_thread(fn, worker.handle, t)
+        finally:
+            self.registry.finish_op(worker)
+        return time.perf_counter() - start
+
+    def _account(self, direction: str, blocks: int, nbytes: int, sec: float) -> None:
+        self.metrics.bytes.labels(direction).inc(nbytes)
+        self.metrics.blocks.labels(direction).inc(blocks)
+        self.metrics.transfer_seconds.labels(direction).observe(sec)
+        logger.debug("%s %d blocks, %d B in %.3f ms", direction, blocks, nbytes, sec * 1e3)
+
+    def _sync_counters(self) -> None:
+        c, seen = self.store.counters, self._seen
+        self.metrics.evictions.inc(c.evictions - seen.evictions)
+        rej = self.metrics.admission_rejections
+        rej.labels("tinylfu").inc(c.admission_rejections - seen.admission_rejections)
+        rej.labels("pool_full").inc(c.pool_full_rejections - seen.pool_full_rejections)
+        self._seen = dataclasses.replace(c)
+
+    def close(self) -> None:
+        self.registry.close()

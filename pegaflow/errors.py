@@ -1,0 +1,70 @@
+"""Error hierarchy: each class maps to exactly one gRPC status code.
+
+An expected "no" (a cache miss, an admission rejection) is a return value, never
+one of these.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class PegaflowError(Exception):
+    """Base class; `code` is the gRPC status the service answers with."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequest(PegaflowError, ValueError):
+    """A field of a request is malformed; the message names the field."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class UnknownInstance(PegaflowError):
+    """The instance (or its rank) is not registered, or went away."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotSupported(PegaflowError):
+    """The server cannot serve this kind of request (e.g. GPU memory, no GPU)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class LeaseNotFound(PegaflowError):
+    """The lease never existed, expired, or was fully consumed."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class PoolExhausted(PegaflowError):
+    """No slot can be freed: everything resident is leased or in flight."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class CopyFailed(PegaflowError):
+    """Moving bytes to or from an engine failed (process gone, memory unmapped)."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class ServerUnavailable(PegaflowError):
+    """Client side: the server could not be reached before the deadline."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+_BY_CODE: dict[grpc.StatusCode, type[PegaflowError]] = {
+    cls.code: cls
+    for cls in (InvalidRequest, UnknownInstance, LeaseNotFound, PoolExhausted)
+}
+_BY_CODE[grpc.StatusCode.UNAVAILABLE] = ServerUnavailable
+_BY_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = ServerUnavailable
+
+
+def from_status(code: grpc.StatusCode, message: str) -> PegaflowError:
+    """The typed exception a client raises for a failed RPC."""
+    return _BY_CODE.get(code, PegaflowError)(f"{code.name}: {message}")

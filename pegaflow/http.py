@@ -1,0 +1,46 @@
+"""HTTP endpoint: /health (JSON) and /metrics (Prometheus text)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+logger = logging.getLogger(__name__)
+
+
+def start_http(
+    host: str,
+    port: int,
+    registry: CollectorRegistry,
+    health: Callable[[], dict[str, object]],
+) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's hook name
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                body, ctype, status = generate_latest(registry), CONTENT_TYPE_LATEST, 200
+            elif path == "/health":
+                report = health()
+                status = 200 if report.get("status") == "ok" else 503
+                body, ctype = json.dumps(report).encode(), "application/json"
+            else:
+                body, ctype, status = b"not found\n", "text/plain", 404
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            logger.debug("http: " + format, *args)
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
+    thread.start()
+    return server

@@ -1,0 +1,237 @@
+"""Registered engine workers and the namespaces they belong to.
+
+A namespace fixes the byte geometry of its blocks (TP size and per-layer segment
+sizes); every worker that joins it later must agree, so blocks saved by one engine
+are byte-compatible with every other engine that loads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from pegaflow.errors import InvalidRequest, NotSupported, UnknownInstance
+from pegaflow.layout import KVGeometry, LayerLayout, validate_layers
+
+logger = logging.getLogger(__name__)
+
+RegionKind = Literal["host", "cuda"]
+MAX_ID_LEN = 256
+MAX_TP = 1024
+MAX_REGIONS = 64
+_DEVICE_RE = re.compile(r"^(cpu|cuda:\d{1,3})$")
+
+
+class CopyEngine(Protocol):
+    """Moves descriptor tables between one worker's KV memory and pool slots."""
+
+    def open(self, pid: int, regions: list[tuple[int, int]]) -> object: ...
+    def gather(self, handle: object, transfers: object) -> None: ...
+    def scatter(self, handle: object, transfers: object) -> None: ...
+    def close(self, handle: object) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterSpec:
+    instance_id: str
+    namespace: str
+    tp_rank: int
+    tp_size: int
+    world_size: int
+    device: str
+    region_kind: RegionKind
+    pid: int
+    regions: tuple[tuple[int, int], ...]  # (address or offset, size)
+    layers: tuple[LayerLayout, ...]
+
+
+@dataclass(slots=True)
+class Namespace:
+    name: str
+    id: int
+    tp_size: int
+    num_layers: int
+    slot_bytes: int
+    signature: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Worker:
+    instance_id: str
+    tp_rank: int
+    namespace: Namespace
+    world_size: int
+    geometry: KVGeometry
+    copier: CopyEngine
+    handle: object
+    active_ops: int = 0
+    closed: bool = False
+
+
+@dataclass(slots=True)
+class Instance:
+    id: str
+    namespace: Namespace
+    tp_size: int
+    world_size: int
+    workers: dict[int, Worker] = field(default_factory=dict)
+
+
+def _check_ident(value: str, field_name: str) -> None:
+    if not value or len(value) > MAX_ID_LEN or not value.isprintable():
+        raise InvalidRequest(
+            f"{field_name}: must be 1..{MAX_ID_LEN} printable characters"
+        )
+
+
+def validate_spec(spec: RegisterSpec) -> None:
+    _check_ident(spec.instance_id, "instance_id")
+    _check_ident(spec.namespace, "namespace")
+    if not 1 <= spec.tp_size <= MAX_TP:
+        raise InvalidRequest(f"tp_size: {spec.tp_size} not in 1..{MAX_TP}")
+    if not 0 <= spec.tp_rank < spec.tp_size:
+        raise InvalidRequest(f"tp_rank: {spec.tp_rank} not in 0..{spec.tp_size - 1}")
+    if not spec.tp_size <= spec.world_size <= MAX_TP * 64:
+        raise InvalidRequest(
+            f"world_size: {spec.world_size} must be >= tp_size ({spec.tp_size})"
+        )
+    if not _DEVICE_RE.match(spec.device):
+        raise InvalidRequest(f"device: {spec.device!r} is not 'cpu' or 'cuda:N'")
+    if not 1 <= len(spec.regions) <= MAX_REGIONS:
+        raise InvalidRequest(f"regions: need 1..{MAX_REGIONS}, got {len(spec.regions)}")
+    if (spec.region_kind == "host") != (spec.device == "cpu"):
+        raise InvalidRequest(
+            f"regions: {spec.region_kind} regions do not match device {spec.device}"
+        )
+    for i, (_, size) in enumerate(spec.regions):
+        if size <= 0:
+            raise InvalidRequest(f"regions[{i}].size: must be > 0")
+    validate_layers(spec.layers, [size for _, size in spec.regions])
+
+
+class Registry:
+    """Namespaces, instances and their workers; all calls from one thread."""
+
+    def __init__(self, copiers: dict[RegionKind, CopyEngine]) -> None:
+        self._copiers = copiers
+        self.namespaces: dict[str, Namespace] = {}
+        self.instances: dict[str, Instance] = {}
+
+    def register(self, spec: RegisterSpec) -> Worker:
+        validate_spec(spec)
+        copier = self._copiers.get(spec.region_kind)
+        if copier is None:
+            raise NotSupported(
+                f"regions: this server has no {spec.region_kind} copy engine "
+                "(started without a GPU stack?)"
+            )
+        handle = copier.open(spec.pid, list(spec.regions))
+        try:
+            bases = [_base(handle, i, spec.regions) for i in range(len(spec.regions))]
+            geometry = KVGeometry(spec.layers, bases)
+            ns = self._namespace_for(spec, geometry)
+            instance = self._instance_for(spec, ns)
+        except BaseException:
+            copier.close(handle)
+            raise
+        old = instance.workers.get(spec.tp_rank)
+        if old is not None:
+            self._retire(old)
+        worker = Worker(
+            spec.instance_id, spec.tp_rank, ns, spec.world_size, geometry, copier, handle
+        )
+        instance.workers[spec.tp_rank] = worker
+        logger.info(
+            "registered %s rank %d/%d in namespace %s (%d layers, %d B/block)",
+            spec.instance_id, spec.tp_rank, spec.tp_size, ns.name,
+            geometry.num_layers, geometry.slot_bytes,
+        )
+        return worker
+
+    def _namespace_for(self, spec: RegisterSpec, geometry: KVGeometry) -> Namespace:
+        ns = self.namespaces.get(spec.namespace)
+        if ns is None:
+            ns = Namespace(
+                spec.namespace, len(self.namespaces) + 1, spec.tp_size,
+                geometry.num_layers, geometry.slot_bytes, geometry.signature(),
+            )
+            self.namespaces[spec.namespace] = ns
+            return ns
+        if ns.tp_size != spec.tp_size:
+            raise InvalidRequest(
+                f"tp_size: {spec.tp_size} but namespace {spec.namespace!r} "
+                f"has tp_size {ns.tp_size}"
+            )
+        if ns.signature != geometry.signature():
+            raise InvalidRequest(
+                f"layers: page geometry differs from namespace {spec.namespace!r} "
+                f"({geometry.num_layers} layers, {geometry.slot_bytes} B/block vs "
+                f"{ns.num_layers} layers, {ns.slot_bytes} B/block)"
+            )
+        return ns
+
+    def _instance_for(self, spec: RegisterSpec, ns: Namespace) -> Instance:
+        inst = self.instances.get(spec.instance_id)
+        if inst is None:
+            inst = Instance(spec.instance_id, ns, spec.tp_size, spec.world_size)
+            self.instances[spec.instance_id] = inst
+        elif (inst.namespace, inst.tp_size, inst.world_size) != (
+            ns, spec.tp_size, spec.world_size
+        ) and inst.workers:
+            raise InvalidRequest(
+                f"instance_id: {spec.instance_id!r} is registered with another "
+                "namespace, tp_size or world_size"
+            )
+        else:
+            inst.namespace, inst.tp_size, inst.world_size = (
+                ns, spec.tp_size, spec.world_size
+            )
+        return inst
+
+    def instance(self, instance_id: str) -> Instance:
+        inst = self.instances.get(instance_id)
+        if inst is None or not inst.workers:
+            raise UnknownInstance(f"instance_id: {instance_id!r} is not registered")
+        return inst
+
+    def worker(self, instance_id: str, tp_rank: int) -> Worker:
+        worker = self.instance(instance_id).workers.get(tp_rank)
+        if worker is None:
+            raise UnknownInstance(
+                f"tp_rank: rank {tp_rank} of {instance_id!r} is not registered"
+            )
+        return worker
+
+    def unregister(self, instance_id: str, tp_rank: int) -> Worker:
+        worker = self.worker(instance_id, tp_rank)
+        inst = self.instances[instance_id]
+        del inst.workers[tp_rank]
+        if not inst.workers:
+            del self.instances[instance_id]
+        self._retire(worker)
+        logger.info("unregistered %s rank %d", instance_id, tp_rank)
+        return worker
+
+    def _retire(self, worker: Worker) -> None:
+        worker.closed = True
+        if worker.active_ops == 0:
+            worker.copier.close(worker.handle)
+
+    def finish_op(self, worker: Worker) -> None:
+        """Called when a copy on the worker's memory ends; closes it if retired."""
+        worker.active_ops -= 1
+        if worker.closed and worker.active_ops == 0:
+            worker.copier.close(worker.handle)
+
+    def close(self) -> None:
+        for inst in list(self.instances.values()):
+            for worker in list(inst.workers.values()):
+                self._retire(worker)
+        self.instances.clear()
+
+
+def _base(handle: object, index: int, regions: tuple[tuple[int, int], ...]) -> int:
+    bases = getattr(handle, "bases", None)
+    return int(bases[index]) if bases is not None else regions[index][0]

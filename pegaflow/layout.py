@@ -1,0 +1,165 @@
+"""KV memory geometry: where each (layer, block) page of an engine lives, and where
+it lives in an L1 slot. Everything here is vectorised numpy; it produces the copy
+descriptor tables that the host copy engine and the CUDA kernels both consume.
+
+A page of (layer l, block b) may consist of several segments (K/V-first layouts put
+K and V far apart). Segment s of that page starts at
+
+    region_base + layer.offset + b * layer.block_stride + layer.segments[s].offset
+
+In an L1 slot (one TP shard of one block, all layers) the segments are packed
+back to back in (layer, segment) order, so two engines with different physical
+layouts but equal segment sizes produce the same slot bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pegaflow.errors import InvalidRequest
+
+MAX_LAYERS = 4096
+MAX_SEGMENTS_PER_LAYER = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLayout:
+    """One layer's pages inside a registered memory region."""
+
+    region_index: int
+    offset: int
+    num_blocks: int
+    block_stride: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(s.size for s in self.segments)
+
+    def span_end(self) -> int:
+        """One past the last byte any block of this layer touches."""
+        last = max(s.offset + s.size for s in self.segments)
+        return self.offset + (self.num_blocks - 1) * self.block_stride + last
+
+
+@dataclass(frozen=True, slots=True)
+class Transfers:
+    """A copy descriptor table: copy nbytes[i] bytes from src[i] to dst[i]."""
+
+    src: np.ndarray  # uint64 addresses
+    dst: np.ndarray  # uint64 addresses
+    nbytes: np.ndarray  # uint64
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+
+class KVGeometry:
+    """Precomputed per-(layer, segment) tables for one registered worker."""
+
+    def __init__(self, layers: tuple[LayerLayout, ...], region_bases: list[int]):
+        seg_counts = [len(layer.segments) for layer in layers]
+        rows = sum(seg_counts)
+        # One row per (layer, segment), in slot order.
+        self.engine_offset = np.empty(rows, np.uint64)
+        self.block_stride = np.empty(rows, np.uint64)
+        self.seg_bytes = np.empty(rows, np.uint64)
+        i = 0
+        for layer in layers:  # per layer, at registration only, not on a data path
+            base = region_bases[layer.region_index] + layer.offset
+            for seg in layer.segments:
+                self.engine_offset[i] = base + seg.offset
+                self.block_stride[i] = layer.block_stride
+                self.seg_bytes[i] = seg.size
+                i += 1
+        self.slot_offset = np.concatenate(
+            ([0], np.cumsum(self.seg_bytes)[:-1])
+        ).astype(np.uint64)
+        self.slot_bytes = int(self.seg_bytes.sum())
+        self.num_blocks = layers[0].num_blocks
+        self.num_layers = len(layers)
+        self.layer_rows = np.repeat(np.arange(len(layers)), seg_counts)
+
+    def engine_to_slots(
+        self, block_ids: np.ndarray, slot_addrs: np.ndarray, layer_ids: np.ndarray
+    ) -> Transfers:
+        """Descriptors copying the given layers of engine blocks into slots."""
+        rows = np.flatnonzero(np.isin(self.layer_rows, layer_ids))
+        eng = (
+            self.engine_offset[rows][None, :]
+            + block_ids.astype(np.uint64)[:, None] * self.block_stride[rows][None, :]
+        )
+        slot = slot_addrs.astype(np.uint64)[:, None] + self.slot_offset[rows][None, :]
+        size = np.broadcast_to(self.seg_bytes[rows][None, :], eng.shape)
+        return Transfers(eng.ravel(), slot.ravel(), size.ravel().copy())
+
+    def slots_to_engine(
+        self, slot_addrs: np.ndarray, block_ids: np.ndarray
+    ) -> Transfers:
+        """Descriptors copying whole slots back into engine blocks."""
+        t = self.engine_to_slots(block_ids, slot_addrs, np.arange(self.num_layers))
+        return Transfers(t.dst, t.src, t.nbytes)
+
+    def signature(self) -> tuple[int, ...]:
+        """What must agree between workers sharing a namespace: segment sizes."""
+        return (self.num_layers, *self.seg_bytes.tolist())
+
+
+def validate_layers(
+    layers: tuple[LayerLayout, ...], region_sizes: list[int]
+) -> None:
+    """Reject a layout that is empty, inconsistent or reaches outside a region."""
+    if not layers:
+        raise InvalidRequest("layers: at least one layer is required")
+    if len(layers) > MAX_LAYERS:
+        raise InvalidRequest(f"layers: {len(layers)} layers exceeds {MAX_LAYERS}")
+    num_blocks = layers[0].num_blocks
+    for i, layer in enumerate(layers):
+        field = f"layers[{i}]"
+        if not 0 <= layer.region_index < len(region_sizes):
+            raise InvalidRequest(
+                f"{field}.region_index: {layer.region_index} but "
+                f"{len(region_sizes)} region(s) registered"
+            )
+        if layer.num_blocks <= 0 or layer.num_blocks != num_blocks:
+            raise InvalidRequest(
+                f"{field}.num_blocks: {layer.num_blocks}; every layer needs the "
+                f"same positive count ({num_blocks})"
+            )
+        if not 1 <= len(layer.segments) <= MAX_SEGMENTS_PER_LAYER:
+            raise InvalidRequest(
+                f"{field}.segments: need 1..{MAX_SEGMENTS_PER_LAYER}, got "
+                f"{len(layer.segments)}"
+            )
+        if any(s.size <= 0 or s.offset < 0 for s in layer.segments):
+            raise InvalidRequest(f"{field}.segments: sizes must be > 0, offsets >= 0")
+        if layer.block_stride <= 0 and layer.num_blocks > 1:
+            raise InvalidRequest(f"{field}.block_stride: must be > 0")
+        end = layer.span_end()
+        size = region_sizes[layer.region_index]
+        if layer.offset < 0 or end > size:
+            raise InvalidRequest(
+                f"{field}: pages reach byte {end} but region "
+                f"{layer.region_index} is {size} bytes"
+            )
+
+
+def check_block_ids(block_ids: np.ndarray, num_blocks: int, field: str) -> None:
+    """Every id must address a block the worker registered."""
+    if block_ids.size and (block_ids.min() < 0 or block_ids.max() >= num_blocks):
+        bad = block_ids[(block_ids < 0) | (block_ids >= num_blocks)][0]
+        raise InvalidRequest(
+            f"{field}: block id {int(bad)} outside [0, {num_blocks})"
+        )

@@ -1,0 +1,88 @@
+"""Leases pin the blocks a query hit until every worker of the instance loaded
+them, the engine released them, or they expired."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from pegaflow.blocks import BlockEntry, BlockStore, Key
+from pegaflow.errors import LeaseNotFound
+
+
+@dataclass(slots=True)
+class Lease:
+    id: int
+    owner: str  # instance id that queried; only its workers load it
+    namespace_id: int
+    keys: list[Key]
+    entries: list[BlockEntry]
+    world_size: int
+    expires: float
+    loaded_by: set[int] = field(default_factory=set)
+
+
+class LeaseTable:
+    def __init__(self, store: BlockStore, ttl_s: float) -> None:
+        self._store = store
+        self.ttl_s = ttl_s
+        self._leases: dict[int, Lease] = {}
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __contains__(self, lease_id: int) -> bool:
+        return lease_id in self._leases
+
+    def create(
+        self, owner: str, namespace_id: int, keys: list[Key], world_size: int
+    ) -> Lease:
+        entries = [self._store.entries[k] for k in keys]
+        self._store.pin(entries)
+        lease_id = secrets.randbits(63) | 1  # unguessable, never 0 ("no lease")
+        while lease_id in self._leases:
+            lease_id = secrets.randbits(63) | 1
+        lease = Lease(
+            lease_id, owner, namespace_id, keys, entries, world_size,
+            time.monotonic() + self.ttl_s,
+        )
+        self._leases[lease.id] = lease
+        return lease
+
+    def get(self, lease_id: int) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise LeaseNotFound(
+                f"lease_id: {lease_id} is unknown, expired or already consumed"
+            )
+        return lease
+
+    def consumed(self, lease: Lease, worker_rank: int) -> None:
+        """A worker finished its load; the last one releases the pins."""
+        lease.loaded_by.add(worker_rank)
+        if len(lease.loaded_by) >= lease.world_size:
+            self.release(lease.id)
+
+    def release(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            raise LeaseNotFound(
+                f"lease_id: {lease_id} is unknown, expired or already consumed"
+            )
+        self._store.unpin(lease.entries)
+
+    def release_owned_by(self, owner: str) -> int:
+        owned = [lid for lid, lease in self._leases.items() if lease.owner == owner]
+        for lid in owned:
+            self.release(lid)
+        return len(owned)
+
+    def sweep(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        dead = [lid for lid, lease in self._leases.items() if lease.expires <= now]
+        for lid in dead:
+            self.release(lid)
+        self.expired += len(dead)
+        return len(dead)

@@ -1,0 +1,231 @@
+"""L1 host pool: one mmap'd region, pre-touched in parallel, carved into slabs that
+hold fixed-size slots of one size class each (one class per block size in use).
+
+The pool only owns memory and slot accounting; which blocks live in the slots, and
+which to evict, belongs to pegaflow.blocks and pegaflow.policy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+from tqdm import tqdm
+
+from pegaflow.config import PoolConfig
+
+logger = logging.getLogger(__name__)
+
+HUGEPAGE_BYTES = 2 << 20
+PREFAULT_CHUNK = 256 << 20
+MADV_POPULATE_WRITE = 23  # Linux 5.14+; faults pages in without touching them
+
+
+class PoolRegistrar(Protocol):
+    """Seam for the GPU data path: pins the region for DMA (cudaHostRegister)."""
+
+    def register(self, address: int, size: int) -> None: ...
+    def unregister(self, address: int) -> None: ...
+
+
+class HugepagesUnavailable(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class BringUp:
+    seconds: float
+    bytes: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else float("inf")
+
+
+def _map_region(size: int, hugepages: bool) -> mmap.mmap:
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if not hugepages:
+        return mmap.mmap(-1, size, flags=flags)
+    free_pages = _hugepages_free()
+    need = size // HUGEPAGE_BYTES
+    if free_pages < need:
+        raise HugepagesUnavailable(
+            f"--use-hugepages: need {need} free 2 MiB hugepages for the pool, "
+            f"{free_pages} are free; reserve them with "
+            f"'echo {need} > /proc/sys/vm/nr_hugepages' or drop --use-hugepages"
+        )
+    try:
+        return mmap.mmap(-1, size, flags=flags | mmap.MAP_HUGETLB)
+    except OSError as exc:
+        raise HugepagesUnavailable(f"--use-hugepages: mmap failed: {exc}") from exc
+
+
+def _hugepages_free() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("HugePages_Free:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class HostPool:
+    """The mmap'd region plus its slab allocator."""
+
+    def __init__(
+        self, config: PoolConfig, registrar: PoolRegistrar | None = None
+    ) -> None:
+        align = HUGEPAGE_BYTES if config.use_hugepages else mmap.PAGESIZE
+        slab = min(config.slab_bytes, max(1 << 16, config.size_bytes // 16))
+        self.slab_bytes = slab // align * align or align
+        self.size = config.size_bytes // self.slab_bytes * self.slab_bytes
+        self._mmap = _map_region(self.size, config.use_hugepages)
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.base = int(self.array.ctypes.data)
+        self.bring_up = self._prefault(config)
+        self._registrar = registrar
+        if registrar is not None:
+            registrar.register(self.base, self.size)
+        self.slabs = SlabAllocator(self.base, self.size, self.slab_bytes)
+        logger.info(
+            "pool ready: %.2f GiB at %.2f GB/s (%d slabs of %d MiB, hugepages=%s)",
+            self.size / (1 << 30),
+            self.bring_up.gb_per_s,
+            self.size // self.slab_bytes,
+            self.slab_bytes >> 20,
+            config.use_hugepages,
+        )
+
+    def _prefault(self, config: PoolConfig) -> BringUp:
+        start = time.perf_counter()
+        chunks = range(0, self.size, PREFAULT_CHUNK)
+        touch = _touch_function(self.base)
+        bar = tqdm(
+            total=self.size,
+            unit="B",
+            unit_scale=True,
+            desc="pre-touching pool",
+            disable=not config.show_progress,
+        )
+        with ThreadPoolExecutor(config.prefault_threads) as pool:
+            sizes = [min(PREFAULT_CHUNK, self.size - off) for off in chunks]
+            for done in pool.map(touch, chunks, sizes):
+                bar.update(done)
+        bar.close()
+        return BringUp(time.perf_counter() - start, self.size)
+
+    def view(self, address: int, size: int) -> np.ndarray:
+        """A numpy view of pool bytes (tests and the demo check bytes with it)."""
+        off = address - self.base
+        if off < 0 or off + size > self.size:
+            raise ValueError(f"address range outside the pool: {address:#x}+{size}")
+        return self.array[off : off + size]
+
+    def close(self) -> None:
+        if self._registrar is not None:
+            self._registrar.unregister(self.base)
+            self._registrar = None
+        del self.array
+        try:
+            self._mmap.close()
+        except BufferError:  # a view is still alive; the OS frees it at exit
+            logger.debug("pool mmap still referenced at close")
+
+
+def _touch_function(base: int) -> Callable[[int, int], int]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def touch(offset: int, size: int) -> int:
+        # ctypes drops the GIL, so chunks fault in on all threads at once.
+        if madvise(base + offset, size, MADV_POPULATE_WRITE) != 0:
+            ctypes.memset(base + offset, 0, size)  # kernels before 5.14
+        return size
+
+    return touch
+
+
+class SlabAllocator:
+    """Fixed-size slots per size class; whole slabs move between classes.
+
+    A slot is named by its absolute address. Slabs that become empty return to the
+    shared free list, so a class that shrinks gives memory back to the others.
+    """
+
+    def __init__(self, base: int, size: int, slab_bytes: int) -> None:
+        self.base = base
+        self.slab_bytes = slab_bytes
+        self.free_slabs: list[int] = list(range(size // slab_bytes - 1, -1, -1))
+        self._slab_class: dict[int, int] = {}  # slab -> slot bytes
+        self._free_slots: dict[int, list[int]] = {}  # slab -> free slot indices
+        self._partial: dict[int, dict[int, None]] = {}  # class -> slabs with room
+        self.used_bytes = 0
+
+    def slots_per_slab(self, slot_bytes: int) -> int:
+        return self.slab_bytes // slot_bytes
+
+    def allocate(self, slot_bytes: int, n: int) -> np.ndarray:
+        """Up to n slot addresses of the class (fewer when memory runs out)."""
+        if not 0 < slot_bytes <= self.slab_bytes:
+            raise ValueError(f"slot of {slot_bytes} bytes does not fit a slab")
+        partial = self._partial.setdefault(slot_bytes, {})
+        out: list[np.ndarray] = []
+        need = n
+        while need > 0:
+            if not partial:
+                if not self.free_slabs:
+                    break
+                slab = self.free_slabs.pop()
+                self._slab_class[slab] = slot_bytes
+                self._free_slots[slab] = list(
+                    range(self.slots_per_slab(slot_bytes) - 1, -1, -1)
+                )
+                partial[slab] = None
+            slab = next(iter(partial))
+            free = self._free_slots[slab]
+            take = free[-need:] if need < len(free) else free[:]
+            del free[len(free) - len(take) :]
+            if not free:
+                del partial[slab]
+            start = self.base + slab * self.slab_bytes
+            out.append(start + np.asarray(take, np.uint64) * np.uint64(slot_bytes))
+            need -= len(take)
+        got = np.concatenate(out) if out else np.empty(0, np.uint64)
+        self.used_bytes += len(got) * slot_bytes
+        return got
+
+    def free(self, addresses: np.ndarray) -> None:
+        for addr in np.asarray(addresses, np.uint64).tolist():
+            off = addr - self.base
+            slab = off // self.slab_bytes
+            slot_bytes = self._slab_class[slab]
+            free = self._free_slots[slab]
+            free.append((off % self.slab_bytes) // slot_bytes)
+            self.used_bytes -= slot_bytes
+            if len(free) == self.slots_per_slab(slot_bytes):
+                self._release_slab(slab, slot_bytes)
+            else:
+                self._partial[slot_bytes][slab] = None
+
+    def _release_slab(self, slab: int, slot_bytes: int) -> None:
+        self._partial[slot_bytes].pop(slab, None)
+        del self._free_slots[slab]
+        del self._slab_class[slab]
+        self.free_slabs.append(slab)
+
+    def free_slots(self, slot_bytes: int) -> int:
+        """Slots of the class obtainable without eviction."""
+        partial = self._partial.get(slot_bytes, {})
+        room = sum(len(self._free_slots[s]) for s in partial)
+        return room + len(self.free_slabs) * self.slots_per_slab(slot_bytes)
+

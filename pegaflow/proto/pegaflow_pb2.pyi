@@ -1,0 +1,198 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HostRegion(_message.Message):
+    __slots__ = ("pid", "address", "size")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    address: int
+    size: int
+    def __init__(self, pid: _Optional[int] = ..., address: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class CudaRegion(_message.Message):
+    __slots__ = ("ipc_handle", "offset", "size", "device_uuid")
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    ipc_handle: bytes
+    offset: int
+    size: int
+    device_uuid: bytes
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., device_uuid: _Optional[bytes] = ...) -> None: ...
+
+class MemoryRegion(_message.Message):
+    __slots__ = ("host", "cuda")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    host: HostRegion
+    cuda: CudaRegion
+    def __init__(self, host: _Optional[_Union[HostRegion, _Mapping]] = ..., cuda: _Optional[_Union[CudaRegion, _Mapping]] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("offset", "size")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    size: int
+    def __init__(self, offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class LayerLayout(_message.Message):
+    __slots__ = ("region_index", "offset", "num_blocks", "block_stride", "segments")
+    REGION_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    region_index: int
+    offset: int
+    num_blocks: int
+    block_stride: int
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, region_index: _Optional[int] = ..., offset: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_stride: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
+class RegisterInstanceRequest(_message.Message):
+    __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "world_size", "device", "regions", "layers")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    namespace: str
+    tp_rank: int
+    tp_size: int
+    world_size: int
+    device: str
+    regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerLayout]
+    def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[LayerLayout, _Mapping]]] = ...) -> None: ...
+
+class RegisterInstanceResponse(_message.Message):
+    __slots__ = ("server_pid", "slot_bytes")
+    SERVER_PID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    server_pid: int
+    slot_bytes: int
+    def __init__(self, server_pid: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+
+class SaveRequest(_message.Message):
+    __slots__ = ("instance_id", "tp_rank", "block_ids", "block_hashes", "layer_ids")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    tp_rank: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SaveResponse(_message.Message):
+    __slots__ = ("stored", "deduplicated", "rejected")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    deduplicated: int
+    rejected: int
+    def __init__(self, stored: _Optional[int] = ..., deduplicated: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+
+class QueryPrefixRequest(_message.Message):
+    __slots__ = ("instance_id", "block_hashes")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, instance_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class QueryPrefixResponse(_message.Message):
+    __slots__ = ("ready", "loading")
+    class Ready(_message.Message):
+        __slots__ = ("num_blocks", "lease_id", "lease_ttl_s")
+        NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+        LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+        LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+        num_blocks: int
+        lease_id: int
+        lease_ttl_s: float
+        def __init__(self, num_blocks: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    class Loading(_message.Message):
+        __slots__ = ("num_blocks",)
+        NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+        num_blocks: int
+        def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+    READY_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FIELD_NUMBER: _ClassVar[int]
+    ready: QueryPrefixResponse.Ready
+    loading: QueryPrefixResponse.Loading
+    def __init__(self, ready: _Optional[_Union[QueryPrefixResponse.Ready, _Mapping]] = ..., loading: _Optional[_Union[QueryPrefixResponse.Loading, _Mapping]] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("instance_id", "tp_rank", "lease_id", "lease_offset", "block_ids")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    tp_rank: int
+    lease_id: int
+    lease_offset: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_offset: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("loaded", "bytes")
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    loaded: int
+    bytes: int
+    def __init__(self, loaded: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnregisterRequest(_message.Message):
+    __slots__ = ("instance_id", "tp_rank")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    tp_rank: int
+    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ...) -> None: ...
+
+class UnregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionPing(_message.Message):
+    __slots__ = ("instance_id", "tp_rank")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    tp_rank: int
+    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ...) -> None: ...
+
+class SessionPong(_message.Message):
+    __slots__ = ("server_time_ns",)
+    SERVER_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    server_time_ns: int
+    def __init__(self, server_time_ns: _Optional[int] = ...) -> None: ...

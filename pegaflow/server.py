@@ -1,0 +1,127 @@
+"""Server assembly: pool + engine + gRPC + HTTP, and the serve loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from http.server import ThreadingHTTPServer
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pegaflow.config import ServerConfig, parse_addr
+from pegaflow.engine import Engine
+from pegaflow.hostcopy import HostCopyEngine
+from pegaflow.http import start_http
+from pegaflow.metrics import Metrics
+from pegaflow.pool import HostPool
+from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+from pegaflow.service import ErrorInterceptor, PegaFlowServicer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "pegaflow.v1.PegaFlow"
+
+
+@dataclass(slots=True)
+class RunningServer:
+    grpc_server: grpc.aio.Server
+    port: int
+    http: ThreadingHTTPServer | None
+    engine: Engine
+    pool: HostPool
+    sweeper: asyncio.Task | None = None
+
+    @property
+    def http_port(self) -> int | None:
+        return self.http.server_address[1] if self.http else None
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+        await self.grpc_server.stop(grace_s)
+        if self.http is not None:
+            self.http.shutdown()
+            self.http.server_close()
+        self.engine.close()
+        self.pool.close()
+
+
+async def create_server(config: ServerConfig) -> RunningServer:
+    """Bring up the pool, bind gRPC (port 0 picks one) and HTTP; start serving."""
+    pool = HostPool(config.pool)
+    metrics = Metrics()
+    copier = HostCopyEngine(threads=config.engine.copy_threads)
+    engine = Engine(config.engine, pool, {"host": copier}, metrics)
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor(metrics)],
+        options=[
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    pb_grpc.add_PegaFlowServicer_to_server(PegaFlowServicer(engine, os.getpid()), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    host, port = parse_addr(config.addr)
+    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    if bound == 0:
+        pool.close()
+        raise OSError(f"--addr: cannot bind {config.addr}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    http = None
+    if config.http_addr is not None:
+        http_host, http_port = parse_addr(config.http_addr)
+        http = start_http(http_host, http_port, metrics.registry, _health_report(engine))
+    running = RunningServer(server, bound, http, engine, pool)
+    running.sweeper = asyncio.create_task(_sweep_forever(engine))
+    return running
+
+
+def _health_report(engine: Engine):  # noqa: ANN202 - a closure for the HTTP thread
+    def report() -> dict[str, object]:
+        slabs = engine.pool.slabs
+        return {
+            "status": "ok",
+            "pool_capacity_bytes": engine.pool.size,
+            "pool_used_bytes": slabs.used_bytes,
+            "resident_blocks": engine.store.resident_ready,
+            "namespaces": len(engine.registry.namespaces),
+            "workers": sum(len(i.workers) for i in engine.registry.instances.values()),
+        }
+
+    return report
+
+
+async def _sweep_forever(engine: Engine) -> None:
+    while True:
+        await asyncio.sleep(engine.config.lease_sweep_interval_s)
+        try:
+            engine.sweep()
+        except Exception:  # a background loop must survive any one bad sweep
+            logger.exception("sweep failed")
+
+
+async def serve(config: ServerConfig) -> None:
+    """Run until SIGTERM/SIGINT; print one READY line for supervisors and tests."""
+    running = await create_server(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    host, _ = parse_addr(config.addr)
+    http = f"{config.http_addr.rpartition(':')[0]}:{running.http_port}" if running.http else "off"
+    print(f"READY grpc={host}:{running.port} http={http} pid={os.getpid()}", flush=True)
+    logger.info("serving on %s:%d (http %s)", host, running.port, http)
+    await stop.wait()
+    logger.info("stopping")
+    with contextlib.suppress(asyncio.CancelledError):
+        await running.stop()
+    logger.info("stopped")

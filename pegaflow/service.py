@@ -1,0 +1,190 @@
+"""gRPC servicer: message -> engine call -> message. Errors become statuses in one
+interceptor; the servicer itself never builds a status."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+import numpy as np
+
+from pegaflow.engine import Engine
+from pegaflow.errors import InvalidRequest, PegaflowError
+from pegaflow.instances import RegisterSpec
+from pegaflow.layout import LayerLayout, Segment
+from pegaflow.metrics import Metrics
+from pegaflow.proto import pegaflow_pb2 as pb
+from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps PegaflowError to its status, anything else to INTERNAL, and times RPCs."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+        method = details.method.rsplit("/", 1)[-1]
+        seconds = self._metrics.rpc_seconds
+
+        async def guarded(request: object, context: grpc.aio.ServicerContext) -> object:
+            start = time.perf_counter()
+            code = "OK"
+            try:
+                return await inner(request, context)
+            except PegaflowError as exc:
+                code = exc.code.name
+                logger.debug("%s -> %s: %s", method, code, exc)
+                await context.abort(exc.code, str(exc))
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                code = "ABORTED"
+                raise
+            except Exception:
+                code = "INTERNAL"
+                logger.exception("%s failed", method)
+                await context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error")
+            finally:
+                seconds.labels(method, code).observe(time.perf_counter() - start)
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def _ids(values: object, field: str) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def spec_from_message(req: pb.RegisterInstanceRequest) -> RegisterSpec:
+    kinds = {r.WhichOneof("kind") for r in req.regions}
+    if None in kinds or len(kinds) > 1:
+        raise InvalidRequest("regions: each needs host or cuda, all of one kind")
+    kind = kinds.pop() if kinds else "host"
+    if kind == "host":
+        pids = {r.host.pid for r in req.regions}
+        if len(pids) > 1:
+            raise InvalidRequest("regions: host regions of several pids")
+        pid = pids.pop() if pids else 0
+        if pid <= 0 and req.regions:
+            raise InvalidRequest("regions[0].host.pid: must be > 0")
+        regions = tuple((r.host.address, r.host.size) for r in req.regions)
+    else:
+        pid = 0
+        regions = tuple((r.cuda.offset, r.cuda.size) for r in req.regions)
+    layers = tuple(
+        LayerLayout(
+            layer.region_index,
+            layer.offset,
+            layer.num_blocks,
+            layer.block_stride,
+            tuple(Segment(s.offset, s.size) for s in layer.segments),
+        )
+        for layer in req.layers
+    )
+    return RegisterSpec(
+        req.instance_id, req.namespace, req.tp_rank, req.tp_size, req.world_size,
+        req.device, kind, pid, regions, layers,
+    )
+
+
+class PegaFlowServicer(pb_grpc.PegaFlowServicer):
+    def __init__(self, engine: Engine, server_pid: int) -> None:
+        self._engine = engine
+        self._pid = server_pid
+
+    async def RegisterInstance(
+        self, req: pb.RegisterInstanceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterInstanceResponse:
+        worker = self._engine.register(spec_from_message(req))
+        return pb.RegisterInstanceResponse(
+            server_pid=self._pid, slot_bytes=worker.geometry.slot_bytes
+        )
+
+    async def Save(
+        self, req: pb.SaveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SaveResponse:
+        layer_ids = _ids(req.layer_ids, "layer_ids") if req.layer_ids else None
+        res = await self._engine.save(
+            req.instance_id, req.tp_rank, _ids(req.block_ids, "block_ids"),
+            list(req.block_hashes), layer_ids,
+        )
+        return pb.SaveResponse(
+            stored=res.stored, deduplicated=res.deduplicated, rejected=res.rejected
+        )
+
+    async def QueryPrefix(
+        self, req: pb.QueryPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> pb.QueryPrefixResponse:
+        res = self._engine.query(req.instance_id, list(req.block_hashes))
+        return pb.QueryPrefixResponse(
+            ready=pb.QueryPrefixResponse.Ready(
+                num_blocks=res.num_blocks, lease_id=res.lease_id,
+                lease_ttl_s=res.lease_ttl_s,
+            )
+        )
+
+    async def Load(
+        self, req: pb.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadResponse:
+        res = await self._engine.load(
+            req.instance_id, req.tp_rank, req.lease_id, req.lease_offset,
+            _ids(req.block_ids, "block_ids"),
+        )
+        return pb.LoadResponse(loaded=res.loaded, bytes=res.bytes)
+
+    async def ReleaseLease(
+        self, req: pb.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseLeaseResponse:
+        self._engine.release_lease(req.lease_id)
+        return pb.ReleaseLeaseResponse()
+
+    async def Unregister(
+        self, req: pb.UnregisterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnregisterResponse:
+        self._engine.unregister(req.instance_id, req.tp_rank)
+        return pb.UnregisterResponse()
+
+    async def Session(
+        self,
+        requests: AsyncIterator[pb.SessionPing],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.SessionPong]:
+        first = await anext(requests, None)
+        if first is None:
+            return
+        try:
+            worker = self._engine.registry.worker(first.instance_id, first.tp_rank)
+        except PegaflowError as exc:
+            await context.abort(exc.code, str(exc))
+        try:
+            yield pb.SessionPong(server_time_ns=time.time_ns())
+            async for _ in requests:
+                yield pb.SessionPong(server_time_ns=time.time_ns())
+        finally:
+            self._drop_if_current(worker)
+
+    def _drop_if_current(self, worker: object) -> None:
+        """The stream ended: forget the worker unless it re-registered meanwhile."""
+        registry = self._engine.registry
+        inst = registry.instances.get(worker.instance_id)
+        if inst is not None and inst.workers.get(worker.tp_rank) is worker:
+            logger.info(
+                "session of %s rank %d closed; dropping its registration",
+                worker.instance_id, worker.tp_rank,
+            )
+            self._engine.unregister(worker.instance_id, worker.tp_rank)
