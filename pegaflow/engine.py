@@ -79,7 +79,7 @@ class Engine:
         self.store = BlockStore(pool.slabs, policy)
         self.leases = LeaseTable(self.store, config.lease_ttl_s)
         self.registry = Registry(copiers)
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics if metrics is not None else Metrics()
         self._seen = dataclasses.replace(self.store.counters)
         self.metrics.bind_gauges(
             pool.size,

@@ -1,0 +1,133 @@
+"""BlockStore bookkeeping without copies: visibility, dedup, pins, eviction order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pegaflow.blocks import BlockStore
+from pegaflow.instances import Namespace
+from pegaflow.leases import LeaseTable
+from pegaflow.policy import AdmissionPolicy, LRUPolicy, TinyLFU
+from pegaflow.pool import SlabAllocator
+
+SLOT = 4096
+
+
+def _ns(tp: int = 1, layers: int = 2, ident: int = 1) -> Namespace:
+    return Namespace(f"ns{ident}", ident, tp, layers, SLOT, (layers, SLOT))
+
+
+def _store(slots: int, policy: object | None = None) -> BlockStore:
+    return BlockStore(SlabAllocator(1 << 30, slots * SLOT, SLOT), policy if policy is not None else LRUPolicy())
+
+
+def _save(store: BlockStore, ns: Namespace, hashes: list[bytes], rank: int = 0,
+          layers: np.ndarray | None = None, ok: bool = True) -> tuple[int, int, int]:
+    layers = np.arange(ns.num_layers) if layers is None else layers
+    res = store.reserve_save(ns, rank, hashes, layers)
+    store.finish_save(res, rank, layers, ok)
+    return len(res.keys), res.deduplicated, res.rejected
+
+
+def _h(*ids: int) -> list[bytes]:
+    return [i.to_bytes(4, "big") * 8 for i in ids]
+
+
+def test_prefix_stops_at_first_miss_and_dedups() -> None:
+    store, ns = _store(16), _ns()
+    assert _save(store, ns, _h(1, 2, 3)) == (3, 0, 0)
+    assert _save(store, ns, _h(1, 2, 3, 3)) == (0, 4, 0)
+    assert len(store.longest_prefix(ns, _h(1, 2, 9, 3))) == 2
+    assert store.slabs.used_bytes == 3 * SLOT
+
+
+def test_block_visible_only_when_all_layers_and_shards_landed() -> None:
+    store, ns = _store(16), _ns(tp=2, layers=2)
+    _save(store, ns, _h(1), rank=0)
+    assert store.longest_prefix(ns, _h(1)) == []  # shard 1 missing
+    _save(store, ns, _h(1), rank=1, layers=np.array([0]))
+    assert store.longest_prefix(ns, _h(1)) == []  # layer 1 of shard 1 missing
+    _save(store, ns, _h(1), rank=1, layers=np.array([1]))
+    assert len(store.longest_prefix(ns, _h(1))) == 1
+    assert store.slabs.used_bytes == 2 * SLOT
+
+
+def test_failed_copy_frees_the_slot() -> None:
+    store, ns = _store(4), _ns()
+    _save(store, ns, _h(1, 2), ok=False)
+    assert store.slabs.used_bytes == 0 and not store.entries
+
+
+def test_lru_eviction_skips_leased_blocks_and_accounting_returns() -> None:
+    store, ns = _store(4), _ns()
+    leases = LeaseTable(store, ttl_s=60)
+    _save(store, ns, _h(1, 2, 3, 4))
+    lease = leases.create("i", ns.id, store.longest_prefix(ns, _h(1)), 1)  # pin 1
+    store.longest_prefix(ns, _h(2))  # touch 2: now LRU order is 3, 4, 1(pinned), 2
+    _save(store, ns, _h(5, 6))
+    assert set(k[1] for k in store.entries) == set(_h(1, 2, 5, 6))
+    assert store.counters.evictions == 2
+    _save(store, ns, _h(7, 8, 9))  # only 2 evictable (2, 5 ... order 2,5,6)
+    assert (1, _h(1)[0]) in store.entries  # the leased block survived everything
+    leases.consumed(lease, 0)
+    assert len(leases) == 0 and all(e.pins == 0 for e in store.entries.values())
+    assert store.slabs.used_bytes == len(store.entries) * SLOT == 4 * SLOT
+
+
+def test_pool_full_of_pinned_blocks_rejects() -> None:
+    store, ns = _store(2), _ns()
+    leases = LeaseTable(store, ttl_s=60)
+    _save(store, ns, _h(1, 2))
+    leases.create("i", ns.id, store.longest_prefix(ns, _h(1, 2)), 1)
+    assert _save(store, ns, _h(3)) == (0, 0, 1)
+    assert store.counters.pool_full_rejections == 1
+    assert store.slabs.used_bytes == 2 * SLOT  # nothing leaked by the rejection
+
+
+def test_expired_leases_are_swept() -> None:
+    store, ns = _store(4), _ns()
+    leases = LeaseTable(store, ttl_s=5)
+    _save(store, ns, _h(1))
+    lease = leases.create("i", ns.id, store.longest_prefix(ns, _h(1)), 2)
+    assert leases.sweep(now=lease.expires - 1) == 0
+    assert leases.sweep(now=lease.expires) == 1
+    assert store.entries[(1, _h(1)[0])].pins == 0
+
+
+def test_stale_partial_blocks_dropped() -> None:
+    store, ns = _store(4), _ns(tp=2)
+    _save(store, ns, _h(1), rank=0)
+    entry = store.entries[(1, _h(1)[0])]
+    assert store.drop_stale(older_than=entry.created - 1) == 0
+    assert store.drop_stale(older_than=entry.created + 1) == 1
+    assert store.slabs.used_bytes == 0
+
+
+def test_tinylfu_keeps_hot_set_through_a_scan() -> None:
+    """LRU loses the hot set to a scan of one-time blocks; TinyLFU keeps it."""
+
+    def run(policy: object) -> int:
+        store, ns = _store(32, policy), _ns()
+        hot = _h(*range(16))
+        for _ in range(5):
+            for h in hot:
+                if not store.longest_prefix(ns, [h]):
+                    _save(store, ns, [h])
+        for i in range(1000, 1200):  # a scan: each block seen once
+            if not store.longest_prefix(ns, _h(i)):
+                _save(store, ns, _h(i))
+        return sum(bool(store.longest_prefix(ns, [h])) for h in hot)
+
+    assert run(LRUPolicy()) == 0
+    assert run(AdmissionPolicy(LRUPolicy(), TinyLFU(64))) == 16
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_namespaces_are_isolated(tp: int) -> None:
+    store = _store(16)
+    a, b = _ns(tp=tp, ident=1), _ns(tp=tp, ident=2)
+    for rank in range(tp):
+        _save(store, a, _h(1, 2), rank=rank)
+    assert len(store.longest_prefix(a, _h(1, 2))) == 2
+    assert store.longest_prefix(b, _h(1, 2)) == []

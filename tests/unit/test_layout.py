@@ -1,0 +1,92 @@
+"""Descriptor tables from KV geometry, against a numpy reference copy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pegaflow.errors import InvalidRequest
+from pegaflow.kv_layouts import describe, vllm_layer_views
+from pegaflow.layout import KVGeometry, LayerLayout, Segment, check_block_ids, validate_layers
+
+
+def _apply(t, src_arr: np.ndarray, dst_arr: np.ndarray) -> None:
+    """Run a descriptor table with numpy, addresses relative to the two arrays."""
+    s0, d0 = src_arr.ctypes.data, dst_arr.ctypes.data
+    for s, d, n in zip(t.src.tolist(), t.dst.tolist(), t.nbytes.tolist(), strict=True):
+        dst_arr[d - d0 : d - d0 + n] = src_arr[s - s0 : s - s0 + n]
+
+
+@pytest.mark.parametrize("block_first", [False, True])
+def test_vllm_views_gather_matches_reference(block_first: bool) -> None:
+    layers, blocks, page = 3, 10, 256
+    buf = np.random.default_rng(1).integers(0, 256, layers * blocks * page, np.uint8)
+    views = vllm_layer_views(buf, layers, blocks, (page,), block_first)
+    mem = describe(views)
+    assert mem.regions == ((buf.ctypes.data, buf.nbytes),)
+    geo = KVGeometry(mem.layers, [r[0] for r in mem.regions])
+    assert geo.slot_bytes == layers * page
+    ids = np.array([7, 2, 2, 9])
+    slots = np.zeros(len(ids) * geo.slot_bytes, np.uint8)
+    addrs = slots.ctypes.data + np.arange(len(ids), dtype=np.uint64) * geo.slot_bytes
+    _apply(geo.engine_to_slots(ids, addrs, np.arange(layers)), buf, slots)
+    expect = np.concatenate([np.concatenate([v[b] for v in views]) for b in ids])
+    assert np.array_equal(slots, expect)
+
+
+def test_torch_kv_first_two_segments() -> None:
+    layers = [torch.randint(0, 100, (2, 5, 16, 2, 8), dtype=torch.int16) for _ in range(2)]
+    mem = describe(layers, kv_first=True)
+    assert len(mem.regions) == 2
+    half = 16 * 2 * 8 * 2
+    assert mem.layers[0].segments == (Segment(0, half), Segment(5 * half, half))
+    assert mem.layers[0].block_stride == half
+    geo = KVGeometry(mem.layers, [r[0] for r in mem.regions])
+    assert geo.slot_bytes == 2 * 2 * half
+    # slot order: layer 0 K, layer 0 V, layer 1 K, layer 1 V
+    slot = np.zeros(geo.slot_bytes, np.uint8)
+    t = geo.engine_to_slots(np.array([3]), np.array([slot.ctypes.data], np.uint64),
+                            np.arange(2))
+    src = [bytes(x[i, 3].contiguous().view(torch.uint8).numpy()) for x in layers
+           for i in (0, 1)]
+    import ctypes
+    for s, d, n in zip(t.src.tolist(), t.dst.tolist(), t.nbytes.tolist(), strict=True):
+        ctypes.memmove(d, s, n)
+    assert bytes(slot) == b"".join(src)
+
+
+def test_torch_permuted_lbnhc_view_is_one_page() -> None:
+    buf = torch.zeros(2 * 4 * 16 * 8 * 32, dtype=torch.int8)
+    phys = buf.view(2, 4, 16, 8, 32)  # L, B, N, H, C
+    views = [phys[i].permute(0, 2, 1, 3) for i in range(2)]  # [B, H, N, C]
+    mem = describe(views)
+    assert [lay.segments for lay in mem.layers] == [(Segment(0, 4096),)] * 2
+    assert mem.layers[1].offset == 4 * 4096
+
+
+def test_noncontiguous_page_rejected() -> None:
+    t = torch.zeros(4, 8, 8)[:, :, :4]
+    with pytest.raises(ValueError, match="not contiguous"):
+        describe([t])
+
+
+def test_validate_layers_bounds() -> None:
+    good = LayerLayout(0, 0, 4, 100, (Segment(0, 100),))
+    validate_layers((good,), [400])
+    with pytest.raises(InvalidRequest, match=r"layers\[0\].*reach byte 500"):
+        validate_layers((LayerLayout(0, 100, 4, 100, (Segment(0, 100),)),), [400])
+    with pytest.raises(InvalidRequest, match="region_index"):
+        validate_layers((LayerLayout(1, 0, 4, 100, (Segment(0, 100),)),), [400])
+    with pytest.raises(InvalidRequest, match="num_blocks"):
+        validate_layers((good, LayerLayout(0, 0, 3, 100, (Segment(0, 100),))), [400])
+    with pytest.raises(InvalidRequest, match="layers"):
+        validate_layers((), [400])
+
+
+def test_check_block_ids() -> None:
+    check_block_ids(np.array([0, 3]), 4, "block_ids")
+    with pytest.raises(InvalidRequest, match="block_ids: block id 4"):
+        check_block_ids(np.array([0, 4]), 4, "block_ids")
+    with pytest.raises(InvalidRequest, match="block id -1"):
+        check_block_ids(np.array([-1]), 4, "block_ids")
