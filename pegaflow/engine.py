@@ -78,7 +78,7 @@ class Engine:
             policy = AdmissionPolicy(LRUPolicy(), TinyLFU(capacity))
         self.store = BlockStore(pool.slabs, policy)
         self.leases = LeaseTable(self.store, config.lease_ttl_s)
-        self.registry = Registry(copiers)
+        self.registry = Registry(copiers, max_slot_bytes=pool.slab_bytes)
         self.metrics = metrics if metrics is not None else Metrics()
         self._seen = dataclasses.replace(self.store.counters)
         self.metrics.bind_gauges(

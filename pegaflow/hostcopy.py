@@ -201,6 +201,9 @@ class HostCopyEngine:
         """Check that `pid` lives and maps every (address, size) read-write."""
         if pid <= 0:
             raise InvalidRequest(f"pid: {pid} is not a process id")
+        if pid == os.getpid():
+            # Loads would write into the server's own memory, pool slots included.
+            raise InvalidRequest(f"pid: {pid} is the server itself, not an engine")
         if not regions:
             raise InvalidRequest("regions: at least one (address, size) is required")
         for i, (addr, size) in enumerate(regions):  # a handful, once per engine

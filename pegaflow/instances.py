@@ -114,8 +114,11 @@ def validate_spec(spec: RegisterSpec) -> None:
 class Registry:
     """Namespaces, instances and their workers; all calls from one thread."""
 
-    def __init__(self, copiers: dict[RegionKind, CopyEngine]) -> None:
+    def __init__(
+        self, copiers: dict[RegionKind, CopyEngine], max_slot_bytes: int = 1 << 62
+    ) -> None:
         self._copiers = copiers
+        self._max_slot_bytes = max_slot_bytes  # a block of one rank must fit a slot
         self.namespaces: dict[str, Namespace] = {}
         self.instances: dict[str, Instance] = {}
 
@@ -128,13 +131,21 @@ class Registry:
                 "(started without a GPU stack?)"
             )
         handle = copier.open(spec.pid, list(spec.regions))
+        new_namespace = spec.namespace not in self.namespaces
         try:
             bases = [_base(handle, i, spec.regions) for i in range(len(spec.regions))]
             geometry = KVGeometry(spec.layers, bases)
+            if geometry.slot_bytes > self._max_slot_bytes:
+                raise InvalidRequest(
+                    f"layers: a block is {geometry.slot_bytes} bytes per rank; the "
+                    f"pool's slots hold at most {self._max_slot_bytes}"
+                )
             ns = self._namespace_for(spec, geometry)
             instance = self._instance_for(spec, ns)
         except BaseException:
             copier.close(handle)
+            if new_namespace:  # a rejected request must not fix a geometry
+                self.namespaces.pop(spec.namespace, None)
             raise
         old = instance.workers.get(spec.tp_rank)
         if old is not None:

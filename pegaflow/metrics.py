@@ -67,6 +67,13 @@ class Metrics:
             registry=r,
         )
 
+        for direction in ("save", "load"):  # export zeros before the first copy
+            self.bytes.labels(direction)
+            self.blocks.labels(direction)
+            self.transfer_seconds.labels(direction)
+        for reason in ("tinylfu", "pool_full"):
+            self.admission_rejections.labels(reason)
+
     def bind_gauges(
         self,
         capacity: int,

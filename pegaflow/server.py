@@ -69,10 +69,14 @@ async def create_server(config: ServerConfig) -> RunningServer:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     host, port = parse_addr(config.addr)
-    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(target)
+    except RuntimeError:  # grpc's way of saying the port is taken
+        bound = 0
     if bound == 0:
         pool.close()
-        raise OSError(f"--addr: cannot bind {config.addr}")
+        raise OSError(f"--addr: cannot bind {config.addr} (in use or not local?)")
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -1,0 +1,222 @@
+"""`python -m pegaflow.demo`: two engine processes share one pegaflow-server.
+
+Engine A computes ("prefills") a 10K-token prompt's KV, saves it, and is killed.
+Engine B, a new process, asks for the same prompt's blocks, loads them into other
+block ids, and checks every byte against what A had.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from pegaflow.config import parse_size
+
+PAGE_SHAPE = (8, 16, 256)  # Llama-3.1-8B per layer and block: kv_heads, block, 2*head
+PAGE_BYTES = int(np.prod(PAGE_SHAPE)) * 2  # bf16
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    blocks: int  # engine KV capacity in blocks
+    prompt_blocks: int
+    block_size: int
+
+
+def block_hashes(tokens: np.ndarray, block_size: int) -> list[bytes]:
+    """Chained per-block hashes over full blocks, as vLLM's prefix cache does."""
+    out, parent = [], b"pegaflow-demo"
+    for i in range(len(tokens) // block_size):
+        chunk = tokens[i * block_size : (i + 1) * block_size].tobytes()
+        parent = hashlib.sha256(parent + chunk).digest()
+        out.append(parent)
+    return out
+
+
+def _kv(shape: Shape) -> tuple[np.ndarray, list[np.ndarray]]:
+    from pegaflow.kv_layouts import vllm_layer_views
+
+    buf = np.empty(shape.layers * shape.blocks * PAGE_BYTES, np.uint8)
+    buf.fill(0)  # touch it, as an engine's allocator does: no page faults mid-load
+    return buf, vllm_layer_views(buf, shape.layers, shape.blocks, (PAGE_BYTES,))
+
+
+def _prefill_bytes(seed: int, shape: Shape) -> np.ndarray:
+    """Deterministic stand-in for the prompt's KV: [layers, blocks, page] bytes."""
+    raw = np.random.default_rng(seed).bytes(
+        shape.layers * shape.prompt_blocks * PAGE_BYTES
+    )
+    return np.frombuffer(raw, np.uint8).reshape(shape.layers, shape.prompt_blocks, -1)
+
+
+def engine_a(addr: str, shape: Shape, seed: int, conn: object) -> None:
+    from pegaflow.client import PegaflowClient
+    from pegaflow.kv_layouts import describe
+
+    tokens = np.random.default_rng(seed).integers(
+        0, 128_000, shape.prompt_blocks * shape.block_size
+    )
+    hashes = block_hashes(tokens, shape.block_size)
+    buf, views = _kv(shape)
+    ids = np.random.default_rng(seed + 1).permutation(shape.blocks)[
+        : shape.prompt_blocks
+    ]
+    kv = _prefill_bytes(seed, shape)
+    for layer, view in enumerate(views):
+        view[ids] = kv[layer]
+    mem = describe(views)
+    with PegaflowClient(addr, timeout_s=60) as client:
+        client.register_host(
+            "engine-a", "demo-llama-8b", os.getpid(), mem.regions, mem.layers
+        )
+        session = client.open_session("engine-a")
+        start = time.perf_counter()
+        res = client.save("engine-a", ids, hashes)
+        conn.send({"stored": res.stored, "seconds": time.perf_counter() - start})
+        signal.pause()  # wait for the kill, session open
+        session.close()
+
+
+def engine_b(addr: str, shape: Shape, seed: int, conn: object) -> None:
+    from pegaflow.client import PegaflowClient
+    from pegaflow.kv_layouts import describe
+
+    tokens = np.random.default_rng(seed).integers(
+        0, 128_000, shape.prompt_blocks * shape.block_size
+    )
+    hashes = block_hashes(tokens, shape.block_size)
+    buf, views = _kv(shape)
+    ids = np.random.default_rng(seed + 2).permutation(shape.blocks)[
+        : shape.prompt_blocks
+    ]
+    mem = describe(views)
+    with PegaflowClient(addr, timeout_s=60) as client:
+        client.register_host(
+            "engine-b", "demo-llama-8b", os.getpid(), mem.regions, mem.layers
+        )
+        session = client.open_session("engine-b")
+        start = time.perf_counter()
+        hit = client.query("engine-b", hashes)
+        queried = time.perf_counter()
+        loaded = client.load("engine-b", hit.lease_id, ids[: hit.num_blocks])
+        seconds = time.perf_counter() - queried
+        expected = _prefill_bytes(seed, shape)
+        mismatched = sum(
+            int(
+                (view[ids[: hit.num_blocks]] != expected[layer, : hit.num_blocks])
+                .any(axis=1)
+                .sum()
+            )
+            for layer, view in enumerate(views)
+        )
+        session.close()
+    conn.send(
+        {
+            "queried": len(hashes),
+            "hit": hit.num_blocks,
+            "bytes": loaded.bytes,
+            "seconds": seconds,
+            "query_seconds": queried - start,
+            "mismatched_pages": mismatched,
+            "checked_bytes": int(hit.num_blocks) * shape.layers * PAGE_BYTES,
+        }
+    )
+
+
+def _start_server(pool_size: int) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pegaflow.cli",
+            "--addr",
+            "127.0.0.1:0",
+            "--no-http",
+            "--pool-size",
+            str(pool_size),
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    line = proc.stdout.readline().decode()
+    if not line.startswith("READY"):
+        proc.kill()
+        raise SystemExit(f"pegaflow-server did not start: {line!r}")
+    return proc, line.split()[1].split("=", 1)[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pegaflow.demo", description=__doc__)
+    p.add_argument("--addr", help="use a running server instead of starting one")
+    p.add_argument("--pool-size", type=parse_size, default=parse_size("512mb"))
+    p.add_argument("--tokens", type=int, default=10_000)
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=8,
+        help="layers of Llama-3.1-8B shape (64 KiB pages; 32 = full model)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    prompt_blocks = args.tokens // 16
+    shape = Shape(args.layers, prompt_blocks * 2, prompt_blocks, 16)
+    need = prompt_blocks * args.layers * PAGE_BYTES
+    server = None
+    addr = args.addr
+    if addr is None:
+        if args.pool_size < need * 1.1:
+            p.error(f"--pool-size: the prompt needs {need / 2**20:.0f} MiB; give more")
+        print(
+            f"starting pegaflow-server with a {args.pool_size / 2**20:.0f} MiB pool",
+            flush=True,
+        )
+        server, addr = _start_server(args.pool_size)
+    ctx = mp.get_context("spawn")
+    try:
+        recv, send = ctx.Pipe(duplex=False)
+        a = ctx.Process(target=engine_a, args=(addr, shape, args.seed, send))
+        a.start()
+        saved = recv.recv()
+        os.kill(a.pid, signal.SIGKILL)
+        a.join()
+        print(
+            f"engine A: saved {saved['stored']} blocks "
+            f"({need / 2**20:.0f} MiB) in {saved['seconds'] * 1e3:.1f} ms, then SIGKILLed",
+            flush=True,
+        )
+        b = ctx.Process(target=engine_b, args=(addr, shape, args.seed, send))
+        b.start()
+        got = recv.recv()
+        b.join()
+    finally:
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            server.wait(30)
+    gbps = got["bytes"] / got["seconds"] / 1e9
+    print(
+        f"engine B: hit {got['hit']}/{got['queried']} blocks "
+        f"(hit rate {got['hit'] / got['queried']:.1%}), loaded {got['bytes']} bytes "
+        f"into other block ids in {got['seconds'] * 1e3:.1f} ms ({gbps:.2f} GB/s; "
+        f"query {got['query_seconds'] * 1e3:.2f} ms)"
+    )
+    ok = got["mismatched_pages"] == 0 and got["hit"] == got["queried"]
+    print(
+        f"verified {got['checked_bytes']} bytes: "
+        f"{'all equal' if ok else str(got['mismatched_pages']) + ' pages differ'}"
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""Liveness (Session stream), CLI flags, HTTP endpoints and clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pegaflow.client import PegaflowClient
+from pegaflow.errors import UnknownInstance
+from tests.kvbuf import LocalKV, hashes
+from tests.procs import ROOT, _env
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_sigkilled_engine_is_dropped_and_blocks_kept(server, engines) -> None:
+    a = engines()
+    a.call("init", layout="LBNHC", layers=2, blocks=16, heads=2, block_size=16,
+           head=64, seed=1)
+    a.call("register", addr=server.addr, instance="a", namespace="ns")
+    hs = [secrets.token_hex(32) for _ in range(8)]
+    a.call("save", block_ids=list(range(8)), hashes=hs)
+    a.call("query", hashes=hs)  # a lease owned by a
+    assert server.metric("pegaflow_active_leases") == 1
+    a.kill()
+    assert _wait_for(lambda: server.metric("pegaflow_registered_workers") == 0)
+    assert server.metric("pegaflow_active_leases") == 0  # its leases went with it
+    assert server.metric("pegaflow_resident_blocks") == 8  # its blocks did not
+    with PegaflowClient(server.addr) as client:
+        with pytest.raises(UnknownInstance, match="instance_id"):
+            client.query("a", [bytes.fromhex(h) for h in hs])
+
+
+def test_session_close_drops_worker_and_reregister_survives(server) -> None:
+    kv = LocalKV()
+    with PegaflowClient(server.addr) as client:
+        kv.register(client, "e", "ns")
+        session = client.open_session("e", interval_s=0.2)
+        kv.register(client, "e", "ns")  # re-registration replaces the worker...
+        session.close()  # ...so the old session's end must not drop the new one
+        time.sleep(0.3)
+        assert client.query("e", hashes(1)).num_blocks == 0
+        session = client.open_session("e")
+        session.close()
+        assert _wait_for(lambda: server.metric("pegaflow_registered_workers") == 0)
+
+
+def test_health_and_metrics_endpoints(server) -> None:
+    with PegaflowClient(server.addr) as client:
+        assert client.health()
+        LocalKV().register(client, "e", "ns")
+        client.save("e", [0], hashes(1))
+    status, body = server.get("/health")
+    report = json.loads(body)
+    assert status == 200 and report["status"] == "ok"
+    assert report["pool_capacity_bytes"] == 64 << 20
+    status, body = server.get("/metrics")
+    text = body.decode()
+    for name in ("pegaflow_pool_capacity_bytes", "pegaflow_pool_used_bytes",
+                 "pegaflow_resident_blocks", "pegaflow_query_hit_blocks_total",
+                 "pegaflow_query_miss_blocks_total", "pegaflow_evictions_total",
+                 "pegaflow_admission_rejections_total", "pegaflow_transfer_bytes_total",
+                 "pegaflow_transfer_seconds_bucket", "pegaflow_rpc_seconds_bucket"):
+        assert name in text or name.replace("_total", "") in text, name
+    assert 'pegaflow_rpc_seconds_count{code="OK",method="Save"} 1.0' in text
+    assert server.get("/nope")[0] == 404
+
+
+def test_sigterm_stops_cleanly(server_factory) -> None:
+    server = server_factory("--pool-size", "8mb")
+    kv = LocalKV()
+    with PegaflowClient(server.addr) as client:
+        kv.register(client, "e", "ns")
+        session = client.open_session("e")
+        assert server.stop(signal.SIGTERM) == 0
+        assert "stopped" in server.log.read_text()
+        assert not client.health(timeout_s=0.5)
+        session.close()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pegaflow.cli", *args], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("flag", ["--ssd-cache-path", "--metaserver-addr",
+                                  "--metric-hll-windows"])
+def test_later_flags_rejected_clearly(flag: str) -> None:
+    res = _cli(flag, "x")
+    assert res.returncode == 2 and flag in res.stderr and "not have yet" in res.stderr
+
+
+def test_bad_flag_values() -> None:
+    assert "not a size" in _cli("--pool-size", "lots").stderr
+    assert "host:port" in _cli("--addr", "nowhere").stderr
+    res = _cli("--pool-size", "16kb", "--no-http")
+    assert res.returncode == 2 and "pool_size" in res.stderr
+
+
+def test_hugepages_without_reservation_fails_clearly() -> None:
+    from pegaflow.pool import _hugepages_free
+
+    if _hugepages_free() > 0:
+        pytest.skip("machine has hugepages reserved")
+    res = _cli("--use-hugepages", "--pool-size", "8mb", "--no-http", "--addr",
+               "127.0.0.1:0")
+    assert res.returncode == 2 and "nr_hugepages" in res.stderr
+
+
+def test_port_in_use_is_reported(server) -> None:
+    res = _cli("--addr", server.addr, "--no-http", "--pool-size", "4mb")
+    assert res.returncode == 2 and "--addr" in res.stderr
