@@ -90,7 +90,8 @@ class BlockStore:
             key = (ns.id, h)
             entry = self.entries.get(key)
             if entry is not None and (
-                entry.ready or (entry.landed[rank, layers] | entry.in_flight[rank, layers]).all()
+                entry.ready
+                or (entry.landed[rank, layers] | entry.in_flight[rank, layers]).all()
             ):
                 dedup += 1
                 continue

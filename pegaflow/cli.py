@@ -7,7 +7,13 @@ import asyncio
 import logging
 import sys
 
-from pegaflow.config import EngineConfig, PoolConfig, ServerConfig, parse_addr, parse_size
+from pegaflow.config import (
+    EngineConfig,
+    PoolConfig,
+    ServerConfig,
+    parse_addr,
+    parse_size,
+)
 from pegaflow.pool import HugepagesUnavailable
 
 # PegaFlow flags that later issues implement; refused clearly until then.
@@ -43,29 +49,65 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pegaflow-server",
         description="External KV-cache server for LLM inference engines.",
     )
-    p.add_argument("--addr", type=_addr, default="127.0.0.1:50055",
-                   help="gRPC listen address (default: %(default)s, loopback)")
-    p.add_argument("--http-addr", type=_addr, default="127.0.0.1:9091",
-                   help="/health and /metrics address (default: %(default)s)")
+    p.add_argument(
+        "--addr",
+        type=_addr,
+        default="127.0.0.1:50055",
+        help="gRPC listen address (default: %(default)s, loopback)",
+    )
+    p.add_argument(
+        "--http-addr",
+        type=_addr,
+        default="127.0.0.1:9091",
+        help="/health and /metrics address (default: %(default)s)",
+    )
     p.add_argument("--no-http", action="store_true", help="do not serve HTTP")
-    p.add_argument("--pool-size", type=_size, default=_size("1gb"),
-                   help="L1 host pool size, e.g. 512mb, 64gb, 1tb (default: 1gb)")
-    p.add_argument("--use-hugepages", action="store_true",
-                   help="back the pool with reserved 2 MiB hugepages")
-    p.add_argument("--enable-lfu-admission", action="store_true",
-                   help="TinyLFU admission: keep hot blocks through scans")
-    p.add_argument("--lease-ttl", type=float, default=30.0,
-                   help="seconds a query's lease pins its blocks (default: 30)")
-    p.add_argument("--copy-threads", type=int, default=2,
-                   help="threads moving bytes for host engines (default: 2)")
-    p.add_argument("--prefault-threads", type=int, default=None,
-                   help="threads pre-touching the pool (default: min(8, cpus))")
+    p.add_argument(
+        "--pool-size",
+        type=_size,
+        default=_size("1gb"),
+        help="L1 host pool size, e.g. 512mb, 64gb, 1tb (default: 1gb)",
+    )
+    p.add_argument(
+        "--use-hugepages",
+        action="store_true",
+        help="back the pool with reserved 2 MiB hugepages",
+    )
+    p.add_argument(
+        "--enable-lfu-admission",
+        action="store_true",
+        help="TinyLFU admission: keep hot blocks through scans",
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=30.0,
+        help="seconds a query's lease pins its blocks (default: 30)",
+    )
+    p.add_argument(
+        "--copy-threads",
+        type=int,
+        default=2,
+        help="threads moving bytes for host engines (default: 2)",
+    )
+    p.add_argument(
+        "--prefault-threads",
+        type=int,
+        default=None,
+        help="threads pre-touching the pool (default: min(8, cpus))",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
-                   default="info")
+    p.add_argument(
+        "--log-level", choices=["debug", "info", "warning", "error"], default="info"
+    )
     for flag, what in NOT_YET.items():
-        p.add_argument(flag, dest=flag.lstrip("-").replace("-", "_"), default=None,
-                       help=argparse.SUPPRESS, metavar=what)
+        p.add_argument(
+            flag,
+            dest=flag.lstrip("-").replace("-", "_"),
+            default=None,
+            help=argparse.SUPPRESS,
+            metavar=what,
+        )
     return p
 
 

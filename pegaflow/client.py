@@ -61,7 +61,9 @@ def allow_ptrace_from(pid: int) -> None:
 
 class PegaflowClient:
     def __init__(
-        self, addr: str = DEFAULT_ADDR, timeout_s: float = 5.0,
+        self,
+        addr: str = DEFAULT_ADDR,
+        timeout_s: float = 5.0,
         max_message_bytes: int = 64 << 20,
     ) -> None:
         self.addr = addr
@@ -75,7 +77,9 @@ class PegaflowClient:
         )
         self._stub = pb_grpc.PegaFlowStub(self._channel)
 
-    def _call(self, method: str, request: object, timeout_s: float | None = None) -> object:
+    def _call(
+        self, method: str, request: object, timeout_s: float | None = None
+    ) -> object:
         try:
             return getattr(self._stub, method)(
                 request, timeout=timeout_s or self.timeout_s
@@ -84,14 +88,24 @@ class PegaflowClient:
             raise from_status(exc.code(), exc.details() or "") from None
 
     def register_host(
-        self, instance_id: str, namespace: str, pid: int,
-        regions: Sequence[tuple[int, int]], layers: Sequence[LayerLayout],
-        tp_rank: int = 0, tp_size: int = 1, world_size: int | None = None,
+        self,
+        instance_id: str,
+        namespace: str,
+        pid: int,
+        regions: Sequence[tuple[int, int]],
+        layers: Sequence[LayerLayout],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        world_size: int | None = None,
     ) -> Registration:
         """Register KV memory in this host's CPU RAM (pid, address, size)."""
         req = pb.RegisterInstanceRequest(
-            instance_id=instance_id, namespace=namespace, tp_rank=tp_rank,
-            tp_size=tp_size, world_size=world_size or tp_size, device="cpu",
+            instance_id=instance_id,
+            namespace=namespace,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            world_size=world_size or tp_size,
+            device="cpu",
             regions=[
                 pb.MemoryRegion(host=pb.HostRegion(pid=pid, address=a, size=n))
                 for a, n in regions
@@ -103,43 +117,63 @@ class PegaflowClient:
         return Registration(resp.server_pid, resp.slot_bytes)
 
     def save(
-        self, instance_id: str, block_ids: Sequence[int] | np.ndarray,
-        block_hashes: Sequence[bytes], tp_rank: int = 0,
+        self,
+        instance_id: str,
+        block_ids: Sequence[int] | np.ndarray,
+        block_hashes: Sequence[bytes],
+        tp_rank: int = 0,
         layer_ids: Sequence[int] | None = None,
     ) -> SaveResult:
-        resp = self._call("Save", pb.SaveRequest(
-            instance_id=instance_id, tp_rank=tp_rank,
-            block_ids=np.asarray(block_ids, np.uint32).tolist(),
-            block_hashes=list(block_hashes), layer_ids=list(layer_ids or ()),
-        ))
+        resp = self._call(
+            "Save",
+            pb.SaveRequest(
+                instance_id=instance_id,
+                tp_rank=tp_rank,
+                block_ids=np.asarray(block_ids, np.uint32).tolist(),
+                block_hashes=list(block_hashes),
+                layer_ids=list(layer_ids or ()),
+            ),
+        )
         return SaveResult(resp.stored, resp.deduplicated, resp.rejected)
 
     def query(self, instance_id: str, block_hashes: Sequence[bytes]) -> QueryResult:
-        resp = self._call("QueryPrefix", pb.QueryPrefixRequest(
-            instance_id=instance_id, block_hashes=list(block_hashes)
-        ))
+        resp = self._call(
+            "QueryPrefix",
+            pb.QueryPrefixRequest(
+                instance_id=instance_id, block_hashes=list(block_hashes)
+            ),
+        )
         if resp.WhichOneof("result") == "loading":
             return QueryResult(resp.loading.num_blocks, 0, loading=True)
         return QueryResult(resp.ready.num_blocks, resp.ready.lease_id)
 
     def load(
-        self, instance_id: str, lease_id: int, block_ids: Sequence[int] | np.ndarray,
-        tp_rank: int = 0, lease_offset: int = 0,
+        self,
+        instance_id: str,
+        lease_id: int,
+        block_ids: Sequence[int] | np.ndarray,
+        tp_rank: int = 0,
+        lease_offset: int = 0,
     ) -> LoadResult:
-        resp = self._call("Load", pb.LoadRequest(
-            instance_id=instance_id, tp_rank=tp_rank, lease_id=lease_id,
-            lease_offset=lease_offset,
-            block_ids=np.asarray(block_ids, np.uint32).tolist(),
-        ))
+        resp = self._call(
+            "Load",
+            pb.LoadRequest(
+                instance_id=instance_id,
+                tp_rank=tp_rank,
+                lease_id=lease_id,
+                lease_offset=lease_offset,
+                block_ids=np.asarray(block_ids, np.uint32).tolist(),
+            ),
+        )
         return LoadResult(resp.loaded, resp.bytes)
 
     def release_lease(self, lease_id: int) -> None:
         self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
 
     def unregister(self, instance_id: str, tp_rank: int = 0) -> None:
-        self._call("Unregister", pb.UnregisterRequest(
-            instance_id=instance_id, tp_rank=tp_rank
-        ))
+        self._call(
+            "Unregister", pb.UnregisterRequest(instance_id=instance_id, tp_rank=tp_rank)
+        )
 
     def health(self, timeout_s: float | None = None) -> bool:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -174,7 +208,10 @@ class Session:
     worker when it closes (close(), process exit or crash)."""
 
     def __init__(
-        self, stub: pb_grpc.PegaFlowStub, instance_id: str, tp_rank: int,
+        self,
+        stub: pb_grpc.PegaFlowStub,
+        instance_id: str,
+        tp_rank: int,
         interval_s: float,
     ) -> None:
         self._pings: queue.Queue[pb.SessionPing | None] = queue.Queue()
@@ -183,10 +220,14 @@ class Session:
         self._stream = stub.Session(self._requests())
         self.error: PegaflowError | None = None
         self._first = threading.Event()
-        self._thread = threading.Thread(target=self._drain, daemon=True, name="pegaflow-session")
+        self._thread = threading.Thread(
+            target=self._drain, daemon=True, name="pegaflow-session"
+        )
         self._thread.start()
         if not self._first.wait(10.0) and self.error is None:
-            self.error = from_status(grpc.StatusCode.DEADLINE_EXCEEDED, "no session reply")
+            self.error = from_status(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "no session reply"
+            )
         if self.error is not None:
             raise self.error
 
@@ -224,7 +265,9 @@ class Session:
 
 def _layer_message(layer: LayerLayout) -> pb.LayerLayout:
     return pb.LayerLayout(
-        region_index=layer.region_index, offset=layer.offset,
-        num_blocks=layer.num_blocks, block_stride=layer.block_stride,
+        region_index=layer.region_index,
+        offset=layer.offset,
+        num_blocks=layer.num_blocks,
+        block_stride=layer.block_stride,
         segments=[pb.Segment(offset=s.offset, size=s.size) for s in layer.segments],
     )

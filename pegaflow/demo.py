@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         a.join()
         print(
             f"engine A: saved {saved['stored']} blocks "
-            f"({need / 2**20:.0f} MiB) in {saved['seconds'] * 1e3:.1f} ms, then SIGKILLed",
+            f"({need / 2**20:.0f} MiB) in {saved['seconds'] * 1e3:.1f} ms, "
+            "then SIGKILLed",
             flush=True,
         )
         b = ctx.Process(target=engine_b, args=(addr, shape, args.seed, send))

@@ -19,7 +19,7 @@ import numpy as np
 from pegaflow.blocks import BlockHash, BlockStore
 from pegaflow.config import EngineConfig
 from pegaflow.errors import InvalidRequest
-from pegaflow.instances import CopyEngine, RegionKind, Registry, RegisterSpec, Worker
+from pegaflow.instances import CopyEngine, RegionKind, RegisterSpec, Registry, Worker
 from pegaflow.layout import Transfers, check_block_ids
 from pegaflow.leases import LeaseTable
 from pegaflow.metrics import Metrics
@@ -217,7 +217,9 @@ class Engine:
         self.metrics.bytes.labels(direction).inc(nbytes)
         self.metrics.blocks.labels(direction).inc(blocks)
         self.metrics.transfer_seconds.labels(direction).observe(sec)
-        logger.debug("%s %d blocks, %d B in %.3f ms", direction, blocks, nbytes, sec * 1e3)
+        logger.debug(
+            "%s %d blocks, %d B in %.3f ms", direction, blocks, nbytes, sec * 1e3
+        )
 
     def _sync_counters(self) -> None:
         c, seen = self.store.counters, self._seen

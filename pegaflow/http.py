@@ -23,7 +23,11 @@ def start_http(
         def do_GET(self) -> None:  # noqa: N802 - http.server's hook name
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                body, ctype, status = generate_latest(registry), CONTENT_TYPE_LATEST, 200
+                body, ctype, status = (
+                    generate_latest(registry),
+                    CONTENT_TYPE_LATEST,
+                    200,
+                )
             elif path == "/health":
                 report = health()
                 status = 200 if report.get("status") == "ok" else 503

@@ -151,13 +151,23 @@ class Registry:
         if old is not None:
             self._retire(old)
         worker = Worker(
-            spec.instance_id, spec.tp_rank, ns, spec.world_size, geometry, copier, handle
+            spec.instance_id,
+            spec.tp_rank,
+            ns,
+            spec.world_size,
+            geometry,
+            copier,
+            handle,
         )
         instance.workers[spec.tp_rank] = worker
         logger.info(
             "registered %s rank %d/%d in namespace %s (%d layers, %d B/block)",
-            spec.instance_id, spec.tp_rank, spec.tp_size, ns.name,
-            geometry.num_layers, geometry.slot_bytes,
+            spec.instance_id,
+            spec.tp_rank,
+            spec.tp_size,
+            ns.name,
+            geometry.num_layers,
+            geometry.slot_bytes,
         )
         return worker
 
@@ -165,8 +175,12 @@ class Registry:
         ns = self.namespaces.get(spec.namespace)
         if ns is None:
             ns = Namespace(
-                spec.namespace, len(self.namespaces) + 1, spec.tp_size,
-                geometry.num_layers, geometry.slot_bytes, geometry.signature(),
+                spec.namespace,
+                len(self.namespaces) + 1,
+                spec.tp_size,
+                geometry.num_layers,
+                geometry.slot_bytes,
+                geometry.signature(),
             )
             self.namespaces[spec.namespace] = ns
             return ns
@@ -189,7 +203,9 @@ class Registry:
             inst = Instance(spec.instance_id, ns, spec.tp_size, spec.world_size)
             self.instances[spec.instance_id] = inst
         elif (inst.namespace, inst.tp_size, inst.world_size) != (
-            ns, spec.tp_size, spec.world_size
+            ns,
+            spec.tp_size,
+            spec.world_size,
         ) and inst.workers:
             raise InvalidRequest(
                 f"instance_id: {spec.instance_id!r} is registered with another "
@@ -197,7 +213,9 @@ class Registry:
             )
         else:
             inst.namespace, inst.tp_size, inst.world_size = (
-                ns, spec.tp_size, spec.world_size
+                ns,
+                spec.tp_size,
+                spec.world_size,
             )
         return inst
 

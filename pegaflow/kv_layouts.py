@@ -67,7 +67,9 @@ def describe(tensors: Sequence[object], kv_first: bool = False) -> KVMemory:
         else:
             block_dim, seg_offsets = 0, (0,)
         inner = [d for d in range(len(shape)) if d > block_dim]
-        covered, size = _span([shape[d] for d in inner], [strides[d] for d in inner], item)
+        covered, size = _span(
+            [shape[d] for d in inner], [strides[d] for d in inner], item
+        )
         if covered != size:
             raise ValueError(f"tensors[{i}]: a block's page is not contiguous")
         layers.append(
@@ -84,7 +86,10 @@ def describe(tensors: Sequence[object], kv_first: bool = False) -> KVMemory:
 
 
 def vllm_layer_views(
-    buffer: object, num_layers: int, num_blocks: int, page_shape: tuple[int, ...],
+    buffer: object,
+    num_layers: int,
+    num_blocks: int,
+    page_shape: tuple[int, ...],
     block_first: bool = False,
 ) -> list[object]:
     """Per-layer [blocks, *page_shape] views into one flat buffer, as vLLM 0.33
@@ -94,5 +99,5 @@ def vllm_layer_views(
         whole = buffer.reshape(num_blocks, num_layers, *page_shape)
         return [whole[:, layer] for layer in range(num_layers)]
     whole = buffer.reshape(num_layers, num_blocks, *page_shape)
-    assert whole.shape[-len(page_shape):] == tuple(page_shape) and page > 0
+    assert whole.shape[-len(page_shape) :] == tuple(page_shape) and page > 0
     return [whole[layer] for layer in range(num_layers)]

@@ -84,9 +84,9 @@ class KVGeometry:
                 self.block_stride[i] = layer.block_stride
                 self.seg_bytes[i] = seg.size
                 i += 1
-        self.slot_offset = np.concatenate(
-            ([0], np.cumsum(self.seg_bytes)[:-1])
-        ).astype(np.uint64)
+        self.slot_offset = np.concatenate(([0], np.cumsum(self.seg_bytes)[:-1])).astype(
+            np.uint64
+        )
         self.slot_bytes = int(self.seg_bytes.sum())
         self.num_blocks = layers[0].num_blocks
         self.num_layers = len(layers)
@@ -117,9 +117,7 @@ class KVGeometry:
         return (self.num_layers, *self.seg_bytes.tolist())
 
 
-def validate_layers(
-    layers: tuple[LayerLayout, ...], region_sizes: list[int]
-) -> None:
+def validate_layers(layers: tuple[LayerLayout, ...], region_sizes: list[int]) -> None:
     """Reject a layout that is empty, inconsistent or reaches outside a region."""
     if not layers:
         raise InvalidRequest("layers: at least one layer is required")
@@ -160,6 +158,4 @@ def check_block_ids(block_ids: np.ndarray, num_blocks: int, field: str) -> None:
     """Every id must address a block the worker registered."""
     if block_ids.size and (block_ids.min() < 0 or block_ids.max() >= num_blocks):
         bad = block_ids[(block_ids < 0) | (block_ids >= num_blocks)][0]
-        raise InvalidRequest(
-            f"{field}: block id {int(bad)} outside [0, {num_blocks})"
-        )
+        raise InvalidRequest(f"{field}: block id {int(bad)} outside [0, {num_blocks})")

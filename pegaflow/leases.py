@@ -45,7 +45,12 @@ class LeaseTable:
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) | 1
         lease = Lease(
-            lease_id, owner, namespace_id, keys, entries, world_size,
+            lease_id,
+            owner,
+            namespace_id,
+            keys,
+            entries,
+            world_size,
             time.monotonic() + self.ttl_s,
         )
         self._leases[lease.id] = lease

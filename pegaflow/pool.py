@@ -228,4 +228,3 @@ class SlabAllocator:
         partial = self._partial.get(slot_bytes, {})
         room = sum(len(self._free_slots[s]) for s in partial)
         return room + len(self.free_slabs) * self.slots_per_slab(slot_bytes)
-

@@ -65,7 +65,9 @@ async def create_server(config: ServerConfig) -> RunningServer:
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_PegaFlowServicer_to_server(PegaFlowServicer(engine, os.getpid()), server)
+    pb_grpc.add_PegaFlowServicer_to_server(
+        PegaFlowServicer(engine, os.getpid()), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     host, port = parse_addr(config.addr)
@@ -83,7 +85,9 @@ async def create_server(config: ServerConfig) -> RunningServer:
     http = None
     if config.http_addr is not None:
         http_host, http_port = parse_addr(config.http_addr)
-        http = start_http(http_host, http_port, metrics.registry, _health_report(engine))
+        http = start_http(
+            http_host, http_port, metrics.registry, _health_report(engine)
+        )
     running = RunningServer(server, bound, http, engine, pool)
     running.sweeper = asyncio.create_task(_sweep_forever(engine))
     return running
@@ -121,7 +125,11 @@ async def serve(config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     host, _ = parse_addr(config.addr)
-    http = f"{config.http_addr.rpartition(':')[0]}:{running.http_port}" if running.http else "off"
+    http = (
+        f"{config.http_addr.rpartition(':')[0]}:{running.http_port}"
+        if running.http
+        else "off"
+    )
     print(f"READY grpc={host}:{running.port} http={http} pid={os.getpid()}", flush=True)
     logger.info("serving on %s:%d (http %s)", host, running.port, http)
     await stop.wait()

@@ -30,7 +30,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]
+        ],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
@@ -55,7 +57,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             except Exception:
                 code = "INTERNAL"
                 logger.exception("%s failed", method)
-                await context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error")
+                await context.abort(
+                    grpc.StatusCode.INTERNAL, f"{method}: internal error"
+                )
             finally:
                 seconds.labels(method, code).observe(time.perf_counter() - start)
 
@@ -97,8 +101,16 @@ def spec_from_message(req: pb.RegisterInstanceRequest) -> RegisterSpec:
         for layer in req.layers
     )
     return RegisterSpec(
-        req.instance_id, req.namespace, req.tp_rank, req.tp_size, req.world_size,
-        req.device, kind, pid, regions, layers,
+        req.instance_id,
+        req.namespace,
+        req.tp_rank,
+        req.tp_size,
+        req.world_size,
+        req.device,
+        kind,
+        pid,
+        regions,
+        layers,
     )
 
 
@@ -120,8 +132,11 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
     ) -> pb.SaveResponse:
         layer_ids = _ids(req.layer_ids, "layer_ids") if req.layer_ids else None
         res = await self._engine.save(
-            req.instance_id, req.tp_rank, _ids(req.block_ids, "block_ids"),
-            list(req.block_hashes), layer_ids,
+            req.instance_id,
+            req.tp_rank,
+            _ids(req.block_ids, "block_ids"),
+            list(req.block_hashes),
+            layer_ids,
         )
         return pb.SaveResponse(
             stored=res.stored, deduplicated=res.deduplicated, rejected=res.rejected
@@ -133,7 +148,8 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
         res = self._engine.query(req.instance_id, list(req.block_hashes))
         return pb.QueryPrefixResponse(
             ready=pb.QueryPrefixResponse.Ready(
-                num_blocks=res.num_blocks, lease_id=res.lease_id,
+                num_blocks=res.num_blocks,
+                lease_id=res.lease_id,
                 lease_ttl_s=res.lease_ttl_s,
             )
         )
@@ -142,7 +158,10 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
         self, req: pb.LoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoadResponse:
         res = await self._engine.load(
-            req.instance_id, req.tp_rank, req.lease_id, req.lease_offset,
+            req.instance_id,
+            req.tp_rank,
+            req.lease_id,
+            req.lease_offset,
             _ids(req.block_ids, "block_ids"),
         )
         return pb.LoadResponse(loaded=res.loaded, bytes=res.bytes)
@@ -185,6 +204,7 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
         if inst is not None and inst.workers.get(worker.tp_rank) is worker:
             logger.info(
                 "session of %s rank %d closed; dropping its registration",
-                worker.instance_id, worker.tp_rank,
+                worker.instance_id,
+                worker.tp_rank,
             )
             self._engine.unregister(worker.instance_id, worker.tp_rank)

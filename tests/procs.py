@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -18,7 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), env.get("PYTHONPATH")])
+    )
     return env
 
 
@@ -42,7 +45,9 @@ class ServerProc:
         _, body = self.get("/metrics")
         total = 0.0
         for line in body.decode().splitlines():
-            if line.startswith(name + (labels and "{" + labels) ) and not line.startswith("#"):
+            if line.startswith(
+                name + (labels and "{" + labels)
+            ) and not line.startswith("#"):
                 head, value = line.rsplit(" ", 1)
                 if head == name or head.startswith(name + "{"):
                     total += float(value)
@@ -62,8 +67,17 @@ class ServerProc:
 def start_server(tmp: Path, *args: str, timeout: float = 60.0) -> ServerProc:
     log = tmp / f"server-{time.monotonic_ns()}.log"
     argv = [
-        sys.executable, "-m", "pegaflow.cli", "--addr", "127.0.0.1:0",
-        "--http-addr", "127.0.0.1:0", "--no-progress", "--log-level", "debug", *args,
+        sys.executable,
+        "-m",
+        "pegaflow.cli",
+        "--addr",
+        "127.0.0.1:0",
+        "--http-addr",
+        "127.0.0.1:0",
+        "--no-progress",
+        "--log-level",
+        "debug",
+        *args,
     ]
     with open(log, "wb") as err:
         proc = subprocess.Popen(
@@ -74,7 +88,9 @@ def start_server(tmp: Path, *args: str, timeout: float = 60.0) -> ServerProc:
         proc.kill()
         raise RuntimeError(f"server did not start: {line!r}\n{log.read_text()}")
     fields = dict(part.split("=", 1) for part in line.split()[1:])
-    return ServerProc(proc, fields["grpc"], fields["http"], int(fields["pid"]), log, argv)
+    return ServerProc(
+        proc, fields["grpc"], fields["http"], int(fields["pid"]), log, argv
+    )
 
 
 def _readline(proc: subprocess.Popen, timeout: float) -> str:
@@ -90,7 +106,10 @@ class EngineProc:
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "engine_worker.py")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env(), cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=_env(),
+            cwd=ROOT,
         )
 
     def call(self, op: str, timeout: float = 60.0, **kwargs: object) -> dict:
@@ -110,10 +129,8 @@ class EngineProc:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(RuntimeError, BrokenPipeError, OSError):
                 self.call("exit", timeout=10)
-            except (RuntimeError, BrokenPipeError, OSError):
-                pass
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:

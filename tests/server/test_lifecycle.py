@@ -28,8 +28,16 @@ def _wait_for(predicate, timeout: float = 10.0) -> bool:
 
 def test_sigkilled_engine_is_dropped_and_blocks_kept(server, engines) -> None:
     a = engines()
-    a.call("init", layout="LBNHC", layers=2, blocks=16, heads=2, block_size=16,
-           head=64, seed=1)
+    a.call(
+        "init",
+        layout="LBNHC",
+        layers=2,
+        blocks=16,
+        heads=2,
+        block_size=16,
+        head=64,
+        seed=1,
+    )
     a.call("register", addr=server.addr, instance="a", namespace="ns")
     hs = [secrets.token_hex(32) for _ in range(8)]
     a.call("save", block_ids=list(range(8)), hashes=hs)
@@ -39,9 +47,11 @@ def test_sigkilled_engine_is_dropped_and_blocks_kept(server, engines) -> None:
     assert _wait_for(lambda: server.metric("pegaflow_registered_workers") == 0)
     assert server.metric("pegaflow_active_leases") == 0  # its leases went with it
     assert server.metric("pegaflow_resident_blocks") == 8  # its blocks did not
-    with PegaflowClient(server.addr) as client:
-        with pytest.raises(UnknownInstance, match="instance_id"):
-            client.query("a", [bytes.fromhex(h) for h in hs])
+    with (
+        PegaflowClient(server.addr) as client,
+        pytest.raises(UnknownInstance, match="instance_id"),
+    ):
+        client.query("a", [bytes.fromhex(h) for h in hs])
 
 
 def test_session_close_drops_worker_and_reregister_survives(server) -> None:
@@ -69,11 +79,18 @@ def test_health_and_metrics_endpoints(server) -> None:
     assert report["pool_capacity_bytes"] == 64 << 20
     status, body = server.get("/metrics")
     text = body.decode()
-    for name in ("pegaflow_pool_capacity_bytes", "pegaflow_pool_used_bytes",
-                 "pegaflow_resident_blocks", "pegaflow_query_hit_blocks_total",
-                 "pegaflow_query_miss_blocks_total", "pegaflow_evictions_total",
-                 "pegaflow_admission_rejections_total", "pegaflow_transfer_bytes_total",
-                 "pegaflow_transfer_seconds_bucket", "pegaflow_rpc_seconds_bucket"):
+    for name in (
+        "pegaflow_pool_capacity_bytes",
+        "pegaflow_pool_used_bytes",
+        "pegaflow_resident_blocks",
+        "pegaflow_query_hit_blocks_total",
+        "pegaflow_query_miss_blocks_total",
+        "pegaflow_evictions_total",
+        "pegaflow_admission_rejections_total",
+        "pegaflow_transfer_bytes_total",
+        "pegaflow_transfer_seconds_bucket",
+        "pegaflow_rpc_seconds_bucket",
+    ):
         assert name in text or name.replace("_total", "") in text, name
     assert 'pegaflow_rpc_seconds_count{code="OK",method="Save"} 1.0' in text
     assert server.get("/nope")[0] == 404
@@ -92,12 +109,19 @@ def test_sigterm_stops_cleanly(server_factory) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pegaflow.cli", *args], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "pegaflow.cli", *args],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
-@pytest.mark.parametrize("flag", ["--ssd-cache-path", "--metaserver-addr",
-                                  "--metric-hll-windows"])
+@pytest.mark.parametrize(
+    "flag", ["--ssd-cache-path", "--metaserver-addr", "--metric-hll-windows"]
+)
 def test_later_flags_rejected_clearly(flag: str) -> None:
     res = _cli(flag, "x")
     assert res.returncode == 2 and flag in res.stderr and "not have yet" in res.stderr
@@ -115,8 +139,9 @@ def test_hugepages_without_reservation_fails_clearly() -> None:
 
     if _hugepages_free() > 0:
         pytest.skip("machine has hugepages reserved")
-    res = _cli("--use-hugepages", "--pool-size", "8mb", "--no-http", "--addr",
-               "127.0.0.1:0")
+    res = _cli(
+        "--use-hugepages", "--pool-size", "8mb", "--no-http", "--addr", "127.0.0.1:0"
+    )
     assert res.returncode == 2 and "nr_hugepages" in res.stderr
 
 

@@ -62,7 +62,9 @@ def test_eviction_keeps_leased_blocks_lru_order_and_accounting(server_factory) -
         client.unregister("e")
         assert server.metric("pegaflow_active_leases") == 0
         resident = server.metric("pegaflow_resident_blocks")
-        assert server.metric("pegaflow_pool_used_bytes") == resident * kv.layers * kv.page
+        assert (
+            server.metric("pegaflow_pool_used_bytes") == resident * kv.layers * kv.page
+        )
 
 
 def test_tinylfu_scan_keeps_hot_set(server_factory) -> None:

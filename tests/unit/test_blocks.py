@@ -19,11 +19,20 @@ def _ns(tp: int = 1, layers: int = 2, ident: int = 1) -> Namespace:
 
 
 def _store(slots: int, policy: object | None = None) -> BlockStore:
-    return BlockStore(SlabAllocator(1 << 30, slots * SLOT, SLOT), policy if policy is not None else LRUPolicy())
+    return BlockStore(
+        SlabAllocator(1 << 30, slots * SLOT, SLOT),
+        policy if policy is not None else LRUPolicy(),
+    )
 
 
-def _save(store: BlockStore, ns: Namespace, hashes: list[bytes], rank: int = 0,
-          layers: np.ndarray | None = None, ok: bool = True) -> tuple[int, int, int]:
+def _save(
+    store: BlockStore,
+    ns: Namespace,
+    hashes: list[bytes],
+    rank: int = 0,
+    layers: np.ndarray | None = None,
+    ok: bool = True,
+) -> tuple[int, int, int]:
     layers = np.arange(ns.num_layers) if layers is None else layers
     res = store.reserve_save(ns, rank, hashes, layers)
     store.finish_save(res, rank, layers, ok)

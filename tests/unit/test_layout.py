@@ -8,7 +8,13 @@ import torch
 
 from pegaflow.errors import InvalidRequest
 from pegaflow.kv_layouts import describe, vllm_layer_views
-from pegaflow.layout import KVGeometry, LayerLayout, Segment, check_block_ids, validate_layers
+from pegaflow.layout import (
+    KVGeometry,
+    LayerLayout,
+    Segment,
+    check_block_ids,
+    validate_layers,
+)
 
 
 def _apply(t, src_arr: np.ndarray, dst_arr: np.ndarray) -> None:
@@ -36,7 +42,9 @@ def test_vllm_views_gather_matches_reference(block_first: bool) -> None:
 
 
 def test_torch_kv_first_two_segments() -> None:
-    layers = [torch.randint(0, 100, (2, 5, 16, 2, 8), dtype=torch.int16) for _ in range(2)]
+    layers = [
+        torch.randint(0, 100, (2, 5, 16, 2, 8), dtype=torch.int16) for _ in range(2)
+    ]
     mem = describe(layers, kv_first=True)
     assert len(mem.regions) == 2
     half = 16 * 2 * 8 * 2
@@ -46,11 +54,16 @@ def test_torch_kv_first_two_segments() -> None:
     assert geo.slot_bytes == 2 * 2 * half
     # slot order: layer 0 K, layer 0 V, layer 1 K, layer 1 V
     slot = np.zeros(geo.slot_bytes, np.uint8)
-    t = geo.engine_to_slots(np.array([3]), np.array([slot.ctypes.data], np.uint64),
-                            np.arange(2))
-    src = [bytes(x[i, 3].contiguous().view(torch.uint8).numpy()) for x in layers
-           for i in (0, 1)]
+    t = geo.engine_to_slots(
+        np.array([3]), np.array([slot.ctypes.data], np.uint64), np.arange(2)
+    )
+    src = [
+        bytes(x[i, 3].contiguous().view(torch.uint8).numpy())
+        for x in layers
+        for i in (0, 1)
+    ]
     import ctypes
+
     for s, d, n in zip(t.src.tolist(), t.dst.tolist(), t.nbytes.tolist(), strict=True):
         ctypes.memmove(d, s, n)
     assert bytes(slot) == b"".join(src)

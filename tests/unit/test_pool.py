@@ -78,10 +78,15 @@ def test_registrar_seam_called_once_each_way() -> None:
     rec = _Recorder()
     pool = HostPool(PoolConfig(size_bytes=4 << 20, show_progress=False), rec)
     pool.close()
-    assert rec.calls == [("register", pool.base, pool.size), ("unregister", pool.base, 0)]
+    assert rec.calls == [
+        ("register", pool.base, pool.size),
+        ("unregister", pool.base, 0),
+    ]
 
 
 @pytest.mark.skipif(_hugepages_free() > 0, reason="machine has hugepages reserved")
 def test_hugepages_missing_is_a_clear_error() -> None:
     with pytest.raises(HugepagesUnavailable, match="nr_hugepages"):
-        HostPool(PoolConfig(size_bytes=8 << 20, use_hugepages=True, show_progress=False))
+        HostPool(
+            PoolConfig(size_bytes=8 << 20, use_hugepages=True, show_progress=False)
+        )

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The whole check CI runs: setup, lint, format, tests (GPU tests excluded).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/python -m pytest -q "$@"
