@@ -17,6 +17,7 @@ import ctypes
 import errno
 import logging
 import os
+import select
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -63,6 +64,9 @@ class HostRegions:
     pid: int
     bases: tuple[int, ...]
     sizes: tuple[int, ...]
+    # A pidfd names the process itself, not its number: once it exits, a new
+    # process that reuses the pid can never receive this engine's copies.
+    pidfd: int = -1
 
 
 def _merge_spans(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -175,6 +179,20 @@ def _rw_spans(pid: int) -> tuple[np.ndarray, np.ndarray]:
     return _merge_spans(starts, ends)
 
 
+def _pidfd_open(pid: int) -> int:
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):  # kernel < 5.3: fall back to the bare pid
+        return -1
+
+
+def _exited(pidfd: int) -> bool:
+    """A pidfd polls readable once its process has exited."""
+    if pidfd < 0:
+        return False
+    return bool(select.select([pidfd], [], [], 0)[0])
+
+
 def _split(count: int, total_bytes: int, threads: int) -> list[slice]:
     """Even slices of at most IOV_MAX iovecs; at least `threads` if large."""
     parts = -(-count // IOV_MAX)
@@ -233,7 +251,10 @@ class HostCopyEngine:
             "open pid=%d: %d region(s), %d bytes", pid, len(regions), size.sum()
         )
         return HostRegions(
-            pid, tuple(a for a, _ in regions), tuple(s for _, s in regions)
+            pid,
+            tuple(a for a, _ in regions),
+            tuple(s for _, s in regions),
+            _pidfd_open(pid),
         )
 
     def gather(self, regions: HostRegions, t: Transfers) -> None:
@@ -245,7 +266,9 @@ class HostCopyEngine:
         self._copy("scatter", regions, t.src, t.dst, t.nbytes)
 
     def close(self, regions: HostRegions) -> None:
-        """Nothing to release for host memory; kept for the copy-engine interface."""
+        """Host memory needs no unmapping; only the pidfd is released."""
+        if regions.pidfd >= 0:
+            os.close(regions.pidfd)
         logger.debug("close pid=%d", regions.pid)
 
     def shutdown(self) -> None:
@@ -272,6 +295,8 @@ class HostCopyEngine:
         local, remote, n = local[keep], remote[keep], n[keep]
         if not n.size:
             return
+        if _exited(regions.pidfd):
+            raise CopyFailed(f"{op}: engine process {regions.pid} is gone")
         local, remote, n = _coalesce(local, remote, n)
         liov, riov = _iovecs(local, n), _iovecs(remote, n)
         total = int(n.sum())

@@ -1,0 +1,178 @@
+"""Host copy path through a real server: Save/Load GB/s vs batch size, next to a
+single-thread memcpy of the same bytes; QueryPrefix latency; pool bring-up.
+
+    python benchmarks/host_path.py                  # full run (~4 GiB of RAM)
+    python benchmarks/host_path.py --quick          # small, for a smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import start_server, table, write_json  # noqa: E402
+from pegaflow.client import PegaflowClient  # noqa: E402
+from pegaflow.config import PoolConfig  # noqa: E402
+from pegaflow.kv_layouts import describe, vllm_layer_views  # noqa: E402
+from pegaflow.pool import HostPool  # noqa: E402
+
+PAGE = 64 << 10  # Llama-3.1-8B: 8 KV heads x 16 tokens x 2 x 128 x bf16
+
+
+def memcpy_gbps(nbytes: int, reps: int) -> float:
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    best = 0.0
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def bench_copies(addr: str, layers: int, sizes: list[int], reps: int) -> list[dict]:
+    blocks = max(sizes) * 2
+    buf = np.empty(layers * blocks * PAGE, np.uint8)
+    buf[:] = np.frombuffer(np.random.default_rng(0).bytes(buf.nbytes), np.uint8)
+    views = vllm_layer_views(buf, layers, blocks, (PAGE,))
+    mem = describe(views)
+    rows = []
+    rng = np.random.default_rng(1)
+    with PegaflowClient(addr, timeout_s=120) as client:
+        client.register_host(
+            "bench", "bench-llama", os.getpid(), mem.regions, mem.layers
+        )
+        for n in sizes:
+            nbytes = n * layers * PAGE
+            save_s, load_s = [], []
+            for _ in range(reps):
+                src = rng.choice(blocks, n, replace=False)
+                hashes = [secrets.token_bytes(32) for _ in range(n)]
+                t = time.perf_counter()
+                res = client.save("bench", src, hashes)
+                save_s.append(time.perf_counter() - t)
+                assert res.stored == n, res
+                hit = client.query("bench", hashes)
+                others = np.setdiff1d(np.arange(blocks), src)
+                dst = rng.choice(others, n, replace=False)
+                t = time.perf_counter()
+                client.load("bench", hit.lease_id, dst)
+                load_s.append(time.perf_counter() - t)
+                for layer in (0, layers - 1):  # spot-check bytes every rep
+                    assert np.array_equal(views[layer][dst], views[layer][src])
+            ref = memcpy_gbps(nbytes, 5)
+            save = nbytes / np.median(save_s) / 1e9
+            load = nbytes / np.median(load_s) / 1e9
+            rows.append(
+                {
+                    "blocks": n,
+                    "MiB": nbytes >> 20,
+                    "save_GBps": round(save, 2),
+                    "load_GBps": round(load, 2),
+                    "memcpy_GBps": round(ref, 2),
+                    "save/memcpy": round(save / ref, 2),
+                    "load/memcpy": round(load / ref, 2),
+                    "save_p50_ms": round(np.median(save_s) * 1e3, 3),
+                    "load_p50_ms": round(np.median(load_s) * 1e3, 3),
+                }
+            )
+            print(f"  {n} blocks done", file=sys.stderr)
+    return rows
+
+
+def bench_queries(addr: str, sizes: list[int], reps: int) -> list[dict]:
+    page = 256
+    blocks = max(sizes)
+    buf = np.zeros(blocks * page, np.uint8)
+    mem = describe(vllm_layer_views(buf, 1, blocks, (page,)))
+    rows = []
+    with PegaflowClient(addr, timeout_s=30) as client:
+        client.register_host("q", "bench-query", os.getpid(), mem.regions, mem.layers)
+        hashes = [secrets.token_bytes(32) for _ in range(blocks)]
+        client.save("q", np.arange(blocks), hashes)
+        for n in sizes:
+            lat = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                hit = client.query("q", hashes[:n])
+                lat.append(time.perf_counter() - t)
+                assert hit.num_blocks == n
+                client.release_lease(hit.lease_id)
+            lat_ms = np.array(lat) * 1e3
+            rows.append(
+                {
+                    "hashes": n,
+                    "p50_ms": round(float(np.percentile(lat_ms, 50)), 3),
+                    "p99_ms": round(float(np.percentile(lat_ms, 99)), 3),
+                }
+            )
+    return rows
+
+
+def bench_bring_up(size: int) -> dict:
+    pool = HostPool(PoolConfig(size_bytes=size, show_progress=False))
+    up = pool.bring_up
+    pool.close()
+    return {
+        "GiB": size >> 30,
+        "seconds": round(up.seconds, 3),
+        "GBps": round(up.gb_per_s, 2),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument(
+        "--json", help="output path (default benchmarks/results/host_path.json)"
+    )
+    p.add_argument("--copy-threads", default="2")
+    args = p.parse_args()
+    layers = 4 if args.quick else 32
+    sizes = [1, 16, 64] if args.quick else [1, 4, 16, 64, 256, 1024]
+    qsizes = [64, 640] if args.quick else [64, 640, 2560]
+    reps = 3 if args.quick else 7
+    pool = "256mb" if args.quick else "6gb"
+    proc, addr = start_server(
+        "--pool-size", pool, "--copy-threads", args.copy_threads, "--no-progress"
+    )
+    try:
+        copies = bench_copies(addr, layers, sizes, reps)
+        queries = bench_queries(addr, qsizes, 50 if args.quick else 300)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    bring_up = bench_bring_up((1 if args.quick else 8) << 30)
+    out = write_json(
+        "host_path",
+        {
+            "command": " ".join(sys.argv),
+            "layers": layers,
+            "page_bytes": PAGE,
+            "copy_threads": int(args.copy_threads),
+            "copies": copies,
+            "queries": queries,
+            "bring_up": bring_up,
+        },
+        args.json,
+    )
+    print(f"\nSave/Load through the server ({layers} layers x 64 KiB pages per block)")
+    print(table(copies, list(copies[0])))
+    print("\nQueryPrefix latency at the client (all hits)")
+    print(table(queries, list(queries[0])))
+    print(f"\nPool bring-up: {bring_up}")
+    print(f"JSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
