@@ -1,0 +1,126 @@
+"""The copy operations, written once over two backend hooks.
+
+A backend (cpu.py, cuda.py) supplies `_launch` (copy a checked offset table
+between two buffers in one go: one kernel launch on CUDA) and `_dma` (copy
+contiguous runs: the copy engine on CUDA). Everything else — validation, the
+direction of each step, staging rounds — is here, so both backends behave the
+same by construction and the CPU twin is a faithful reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pegaflow.layout import Transfers
+
+from .plan import Buffer, Width, check_launch, descriptor_table, stage_chunks
+
+
+class CopyKernels:
+    """Descriptor copies between buffers; subclasses move the bytes."""
+
+    def _launch(
+        self,
+        src: Buffer,
+        dst: Buffer,
+        table: np.ndarray,
+        stream: Any,
+        max_blocks: int | None,
+        width: int,
+    ) -> None:
+        raise NotImplementedError
+
+    def _dma(self, src: Buffer, dst: Buffer, runs: np.ndarray, stream: Any) -> None:
+        raise NotImplementedError
+
+    def copy_descriptors(
+        self,
+        src: Buffer,
+        dst: Buffer,
+        t: Transfers,
+        *,
+        stream: Any,
+        max_blocks: int | None = None,
+        width: Width = 16,
+    ) -> None:
+        """Copy every descriptor of `t` from `src` into `dst` in one launch.
+
+        `t` names bytes by absolute address (`Buffer.address` space); every
+        range must lie inside its buffer and destinations must not overlap, or
+        InvalidRequest names the field. `max_blocks` caps the CUDA grid (SM
+        share); `width` caps the store size (16, 8, or 1 = bytes only).
+        """
+        check_launch(width, max_blocks)
+        table = descriptor_table(src, dst, t)
+        self._launch(src, dst, table, stream, max_blocks, width)
+
+    def gather(
+        self,
+        src: Buffer,
+        dst: Buffer,
+        t: Transfers,
+        *,
+        stream: Any,
+        max_blocks: int | None = None,
+        width: Width = 16,
+    ) -> None:
+        """Save, zero-copy: engine KV pages (`src`) -> mapped pool slots (`dst`)."""
+        self.copy_descriptors(
+            src, dst, t, stream=stream, max_blocks=max_blocks, width=width
+        )
+
+    def scatter(
+        self,
+        src: Buffer,
+        dst: Buffer,
+        t: Transfers,
+        *,
+        stream: Any,
+        max_blocks: int | None = None,
+        width: Width = 16,
+    ) -> None:
+        """Load, zero-copy: mapped pool slots (`src`) -> engine KV pages (`dst`)."""
+        self.copy_descriptors(
+            src, dst, t, stream=stream, max_blocks=max_blocks, width=width
+        )
+
+    def gather_staged(
+        self,
+        src: Buffer,
+        dst: Buffer,
+        t: Transfers,
+        staging: Buffer,
+        *,
+        stream: Any,
+        max_blocks: int | None = None,
+        width: Width = 16,
+    ) -> None:
+        """Save via device `staging`: pack pages there, then DMA each host run.
+
+        Work larger than `staging` goes in rounds, ordered on `stream`.
+        """
+        check_launch(width, max_blocks)
+        table = descriptor_table(src, dst, t)
+        for chunk in stage_chunks(table, staging.nbytes, "gather"):
+            self._launch(src, staging, chunk.table, stream, max_blocks, width)
+            self._dma(staging, dst, chunk.runs, stream)
+
+    def scatter_staged(
+        self,
+        src: Buffer,
+        dst: Buffer,
+        t: Transfers,
+        staging: Buffer,
+        *,
+        stream: Any,
+        max_blocks: int | None = None,
+        width: Width = 16,
+    ) -> None:
+        """Load via device `staging`: DMA each host run there, then unpack."""
+        check_launch(width, max_blocks)
+        table = descriptor_table(src, dst, t)
+        for chunk in stage_chunks(table, staging.nbytes, "scatter"):
+            self._dma(src, staging, chunk.runs, stream)
+            self._launch(staging, dst, chunk.table, stream, max_blocks, width)

@@ -1,0 +1,78 @@
+"""Run the kernel cases on numba's CUDA simulator; print {name: traceback or ""}.
+
+test_kernels_sim.py starts this in fresh processes: NUMBA_ENABLE_CUDASIM must be
+set before numba.cuda is first imported, and setting it in the pytest process
+would leak into every other test (the gpu tests need the real numba.cuda).
+
+    python tests/kernels/sim_runner.py SHARD NSHARDS
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+
+# Pretend to be numpy >= 2.5, which dropped row_stack: kernels.cuda must cope.
+if hasattr(np, "row_stack"):
+    del np.row_stack
+
+from pegaflow import kernels  # noqa: E402
+from pegaflow.errors import InvalidRequest  # noqa: E402
+from pegaflow.layout import Transfers  # noqa: E402
+from tests.kernels.kernel_cases import all_cases, check, host_alloc, run_case  # noqa: E402
+
+
+def shim_installed() -> None:
+    assert np.row_stack is np.vstack
+
+
+def rejects_bad_requests() -> None:
+    """The CUDA wrappers validate before launching, naming the field."""
+    k = kernels.backend("cuda")
+    src = k.wrap_array(kernels.plan.aligned_empty(64))
+    dst = k.wrap_array(kernels.plan.aligned_empty(64))
+    t = Transfers(
+        np.array([src.address + 60], np.uint64),
+        np.array([dst.address], np.uint64),
+        np.array([16], np.uint64),
+    )
+    for call in (k.gather, k.scatter):
+        try:
+            call(src, dst, t, stream=k.stream())
+        except InvalidRequest as e:
+            assert "transfers.src[0]" in str(e), e
+        else:
+            raise AssertionError("out-of-bounds source accepted")
+
+
+def main(shard: int, shards: int) -> dict[str, str]:
+    k = kernels.backend("cuda")
+    assert k.SIMULATED, "simulator not active"
+    alloc = host_alloc(k)
+    jobs: list[tuple[str, Callable[[], None]]] = [
+        ("shim_installed", shim_installed),
+        ("rejects_bad_requests", rejects_bad_requests),
+    ]
+    for case in all_cases():
+        jobs.append((case.name, lambda c=case: check(c, run_case(k, c, alloc, alloc))))
+    results = {}
+    for name, job in jobs[shard::shards]:
+        try:
+            job()
+            results[name] = ""
+        except Exception:  # reported per case by the pytest side
+            results[name] = traceback.format_exc()
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(int(sys.argv[1]), int(sys.argv[2]))))

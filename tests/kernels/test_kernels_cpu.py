@@ -1,0 +1,159 @@
+"""CPU twin against the numpy reference, plus validation and staging plans.
+
+Runs in-process: pegaflow.kernels.cpu never imports numba.cuda.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pegaflow import kernels
+from pegaflow.errors import InvalidRequest
+from pegaflow.layout import Transfers
+from tests.kernels.kernel_cases import (
+    Case,
+    all_cases,
+    check,
+    from_geometry,
+    host_alloc,
+    lbnhc,
+    run_case,
+)
+
+cpu = kernels.backend("cpu")
+ROOT = Path(__file__).resolve().parents[2]
+CASES = all_cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_cpu_matches_reference(case: Case) -> None:
+    alloc = host_alloc(cpu)
+    check(case, run_case(cpu, case, alloc, alloc))
+
+
+def test_python_fallback_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without numba the descriptor loop runs in Python, with the same result."""
+    monkeypatch.setitem(sys.modules, "numba", None)
+    cpu._copy_table.cache_clear()
+    try:
+        assert cpu._copy_table() is cpu._copy_table_py
+        alloc = host_alloc(cpu)
+        for case in CASES[:3]:
+            check(case, run_case(cpu, case, alloc, alloc))
+    finally:
+        cpu._copy_table.cache_clear()
+
+
+def test_backend_import_is_cheap() -> None:
+    """The package and the CPU twin load without numba.cuda (fresh process)."""
+    code = (
+        "import sys; from pegaflow import kernels; kernels.backend('cpu'); "
+        "sys.exit('numba.cuda' in sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    with pytest.raises(ValueError, match="backend"):
+        kernels.backend("rocm")  # type: ignore[arg-type]
+
+
+def _setup(nbytes: int = 256) -> tuple:
+    src = cpu.wrap_array(kernels.plan.aligned_empty(nbytes))
+    dst = cpu.wrap_array(kernels.plan.aligned_empty(nbytes))
+    return src, dst
+
+
+def _t(src: object, dst: object, rows: list[tuple[int, int, int]]) -> Transfers:
+    a = np.array(rows, np.uint64).reshape(-1, 3)
+    return Transfers(
+        a[:, 0] + np.uint64(src.address), a[:, 1] + np.uint64(dst.address), a[:, 2]
+    )
+
+
+@pytest.mark.parametrize(
+    ("rows", "field"),
+    [
+        ([(250, 0, 16)], r"transfers\.src\[0\]"),
+        ([(0, 0, 16), (0, 300, 1)], r"transfers\.dst\[1\]"),
+        ([(0, 0, 16), (16, 8, 16)], r"transfers\.dst\[1\]: overlaps"),
+    ],
+)
+def test_out_of_bounds_and_overlap_rejected(rows: list, field: str) -> None:
+    src, dst = _setup()
+    with pytest.raises(InvalidRequest, match=field):
+        cpu.gather(src, dst, _t(src, dst, rows), stream=None)
+
+
+def test_below_base_rejected() -> None:
+    src, dst = _setup()
+    t = Transfers(
+        np.array([src.address - 16], np.uint64),
+        np.array([dst.address], np.uint64),
+        np.array([16], np.uint64),
+    )
+    with pytest.raises(InvalidRequest, match=r"transfers\.src\[0\]"):
+        cpu.copy_descriptors(src, dst, t, stream=None)
+
+
+def test_bad_tables_and_launch_args_rejected() -> None:
+    src, dst = _setup()
+    ok = _t(src, dst, [(0, 0, 16)])
+    with pytest.raises(InvalidRequest, match=r"transfers\.nbytes"):
+        cpu.scatter(
+            src, dst, replace(ok, nbytes=ok.nbytes.astype(np.int64)), stream=None
+        )
+    with pytest.raises(InvalidRequest, match=r"transfers\.dst: 2 rows"):
+        bad = Transfers(ok.src, np.repeat(ok.dst, 2), ok.nbytes)
+        cpu.scatter(src, dst, bad, stream=None)
+    with pytest.raises(InvalidRequest, match="width"):
+        cpu.gather(src, dst, ok, stream=None, width=4)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="max_blocks"):
+        cpu.gather(src, dst, ok, stream=None, max_blocks=0)
+
+
+def test_wrap_checks_alignment_and_size() -> None:
+    mem = kernels.plan.aligned_empty(64)
+    with pytest.raises(InvalidRequest, match="address"):
+        cpu.wrap(mem.ctypes.data + 8, 32)
+    with pytest.raises(InvalidRequest, match="nbytes"):
+        cpu.wrap(mem.ctypes.data, 8)
+    with pytest.raises(InvalidRequest, match="array"):
+        cpu.wrap_array(np.zeros((4, 8), np.uint8)[:, :4])
+
+
+def test_staging_rounds_merge_contiguous_slots() -> None:
+    """Aligned pages of consecutive slots become one DMA run per round."""
+    case = from_geometry("plan", lbnhc(4, 8, 64), [5, 2, 7], [0, 1, 2], 1)
+    table = np.ascontiguousarray(case.table.T.astype(np.int64))
+    chunks = kernels.plan.stage_chunks(table, 4 * 64 * 2, "gather")
+    assert [c.table.shape[1] for c in chunks] == [8, 4]
+    assert [c.runs.T.tolist() for c in chunks] == [[[0, 0, 512]], [[0, 512, 256]]]
+    np.testing.assert_array_equal(chunks[0].table[0], table[0, :8])
+
+
+def test_staging_keeps_device_alignment_and_rejects_huge_pages() -> None:
+    table = np.array([[3, 0, 20], [40, 100, 8]], np.int64).T
+    (chunk,) = kernels.plan.stage_chunks(table, 64, "scatter")
+    assert (chunk.table[0] % 16).tolist() == [0, 4]  # as device offsets 0, 100
+    assert chunk.runs[0].tolist() == [3, 40]  # scatter runs read the host
+    with pytest.raises(InvalidRequest, match="staging"):
+        kernels.plan.stage_chunks(table, 16, "gather")
+
+
+def test_split_keeps_alignment_and_bytes() -> None:
+    """Small requests are cut into 16-byte multiples that copy the same bytes."""
+    table = np.array([[16, 4096, 65536], [40, 8, 100], [0, 70000, 0]]).T
+    out = kernels.plan.split_table(table, 64, 4096)
+    assert out.shape[1] == 16 + 1 + 1  # 64 KiB in 4 KiB pieces, the rest whole
+    assert set((out[0] - out[1]).tolist()) == {16 - 4096, 40 - 8, -70000}
+    assert (out[2][:16] == 4096).all()
+    src = np.random.default_rng(0).integers(0, 256, 70016, dtype=np.uint8)
+    want, got = np.zeros((2, 70016), np.uint8)
+    cpu._copy_table_py(src, want, table)
+    cpu._copy_table_py(src, got, out)
+    np.testing.assert_array_equal(got, want)
+    assert kernels.plan.split_table(table, 3, 4096) is table  # enough rows
