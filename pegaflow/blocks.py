@@ -16,7 +16,7 @@ import numpy as np
 
 from pegaflow.instances import Namespace
 from pegaflow.policy import EvictionPolicy
-from pegaflow.pool import SlabAllocator
+from pegaflow.pool import SlabAllocator, SlotClass
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class BlockStore:
                     rejected += 1
                     continue
             if entry.slots[rank] == 0:
-                slot = self._allocate(ns.slot_bytes, key)
+                slot = self._allocate(ns.slot_class)
                 if slot is None:
                     self._drop_if_empty(key, entry)
                     rejected += 1
@@ -136,7 +136,7 @@ class BlockStore:
                 self._drop_if_empty(key, entry)
 
     def _admit(self, ns: Namespace, key: Key) -> BlockEntry | None:
-        if self.slabs.free_slots(ns.slot_bytes) == 0 and not self.policy.should_admit(
+        if self.slabs.free_slots(ns.slot_class) == 0 and not self.policy.should_admit(
             key, self._protected
         ):
             self.counters.admission_rejections += 1
@@ -149,10 +149,10 @@ class BlockStore:
         self.entries[key] = entry
         return entry
 
-    def _allocate(self, slot_bytes: int, key: Key) -> int | None:
+    def _allocate(self, cls: SlotClass) -> int | None:
         """One slot, evicting LRU blocks (of any class) until one frees up."""
         while True:
-            got = self.slabs.allocate(slot_bytes, 1)
+            got = self.slabs.allocate(cls, 1)
             if len(got):
                 return int(got[0])
             victims = self.policy.evict(1, self._protected)

@@ -208,7 +208,10 @@ class Engine:
         worker.active_ops += 1
         start = time.perf_counter()
         try:
-            await asyncio.to_thread(fn, worker.handle, t)
+            if t.total_bytes <= self.config.inline_copy_bytes:
+                fn(worker.handle, t)
+            else:
+                await asyncio.to_thread(fn, worker.handle, t)
         finally:
             self.registry.finish_op(worker)
         return time.perf_counter() - start

@@ -55,6 +55,11 @@ class Namespace:
     num_layers: int
     slot_bytes: int
     signature: tuple[int, ...]
+    slot_skew: int = 0  # engine pages' offset modulo 4 KiB (see pool.SlabAllocator)
+
+    @property
+    def slot_class(self) -> tuple[int, int]:
+        return (self.slot_bytes, self.slot_skew)
 
 
 @dataclass(slots=True)
@@ -135,7 +140,7 @@ class Registry:
         try:
             bases = [_base(handle, i, spec.regions) for i in range(len(spec.regions))]
             geometry = KVGeometry(spec.layers, bases)
-            if geometry.slot_bytes > self._max_slot_bytes:
+            if geometry.slot_bytes + geometry.page_skew > self._max_slot_bytes:
                 raise InvalidRequest(
                     f"layers: a block is {geometry.slot_bytes} bytes per rank; the "
                     f"pool's slots hold at most {self._max_slot_bytes}"
@@ -181,6 +186,7 @@ class Registry:
                 geometry.num_layers,
                 geometry.slot_bytes,
                 geometry.signature(),
+                geometry.page_skew,
             )
             self.namespaces[spec.namespace] = ns
             return ns

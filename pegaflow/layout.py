@@ -112,6 +112,19 @@ class KVGeometry:
         t = self.engine_to_slots(block_ids, slot_addrs, np.arange(self.num_layers))
         return Transfers(t.dst, t.src, t.nbytes)
 
+    @property
+    def page_skew(self) -> int:
+        """Engine pages' common offset modulo 4 KiB, or 0 when they have none.
+
+        Slots placed at the same offset copy without 4K aliasing.
+        """
+        residues = self.engine_offset % np.uint64(4096)
+        if (residues != residues[0]).any() or (self.seg_bytes % np.uint64(4096)).any():
+            return 0
+        if (self.block_stride % np.uint64(4096)).any():
+            return 0
+        return int(residues[0])
+
     def signature(self) -> tuple[int, ...]:
         """What must agree between workers sharing a namespace: segment sizes."""
         return (self.num_layers, *self.seg_bytes.tolist())

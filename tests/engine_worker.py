@@ -19,23 +19,41 @@ from pegaflow.kv_layouts import describe
 state: dict[str, object] = {}
 
 
-def init(layout: str, layers: int, blocks: int, heads: int, block_size: int,
-         head: int, seed: int, dtype: str = "bfloat16") -> dict:
+def init(
+    layout: str,
+    layers: int,
+    blocks: int,
+    heads: int,
+    block_size: int,
+    head: int,
+    seed: int,
+    dtype: str = "bfloat16",
+) -> dict:
     dt = getattr(torch, dtype)
     item = torch.empty((), dtype=dt).element_size()
     gen = torch.Generator().manual_seed(seed)
-    if layout == "kv_first":  # older vLLM: per layer [2, blocks, block_size, heads, head]
-        tensors = [torch.empty(2, blocks, block_size, heads, head, dtype=dt)
-                   for _ in range(layers)]
+    if (
+        layout == "kv_first"
+    ):  # older vLLM: per layer [2, blocks, block_size, heads, head]
+        tensors = [
+            torch.empty(2, blocks, block_size, heads, head, dtype=dt)
+            for _ in range(layers)
+        ]
         for t in tensors:
-            t.view(torch.int16 if item == 2 else torch.int8).copy_(torch.randint(
-                -(1 << 15) if item == 2 else -128, (1 << 15) if item == 2 else 128,
-                t.shape, generator=gen))
+            t.view(torch.int16 if item == 2 else torch.int8).copy_(
+                torch.randint(
+                    -(1 << 15) if item == 2 else -128,
+                    (1 << 15) if item == 2 else 128,
+                    t.shape,
+                    generator=gen,
+                )
+            )
         kv_first = True
     else:  # vLLM 0.33: one int8 buffer, per-layer [blocks, heads, block_size, 2*head]
         page = heads * block_size * 2 * head * item
-        buf = torch.randint(-128, 128, (layers * blocks * page,), dtype=torch.int8,
-                            generator=gen)
+        buf = torch.randint(
+            -128, 128, (layers * blocks * page,), dtype=torch.int8, generator=gen
+        )
         if layout == "LBNHC":
             phys = buf.view(dt).view(layers, blocks, block_size, heads, 2 * head)
             tensors = [phys[i].permute(0, 2, 1, 3) for i in range(layers)]
@@ -62,7 +80,9 @@ def _pages(block: int) -> bytes:
             region = state.get("buffer")
             if region is None:
                 region = _region_bytes(layer.region_index)
-            out.append(bytes(region.view(torch.uint8)[start : start + seg.size].numpy()))
+            out.append(
+                bytes(region.view(torch.uint8)[start : start + seg.size].numpy())
+            )
     return b"".join(out)
 
 
@@ -75,12 +95,25 @@ def digest(block_ids: list[int]) -> dict:
     return {"digests": [hashlib.sha256(_pages(b)).hexdigest() for b in block_ids]}
 
 
-def register(addr: str, instance: str, namespace: str, tp_rank: int = 0,
-             tp_size: int = 1, session: bool = True) -> dict:
+def register(
+    addr: str,
+    instance: str,
+    namespace: str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    session: bool = True,
+) -> dict:
     client = PegaflowClient(addr)
     mem = state["mem"]
-    reg = client.register_host(instance, namespace, os.getpid(), mem.regions,
-                               mem.layers, tp_rank=tp_rank, tp_size=tp_size)
+    reg = client.register_host(
+        instance,
+        namespace,
+        os.getpid(),
+        mem.regions,
+        mem.layers,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
     state.update(client=client, instance=instance, rank=tp_rank)
     if session:
         state["session"] = client.open_session(instance, tp_rank, interval_s=1.0)
@@ -88,10 +121,17 @@ def register(addr: str, instance: str, namespace: str, tp_rank: int = 0,
 
 
 def save(block_ids: list[int], hashes: list[str]) -> dict:
-    res = state["client"].save(state["instance"], block_ids,
-                               [bytes.fromhex(h) for h in hashes], tp_rank=state["rank"])
-    return {"stored": res.stored, "deduplicated": res.deduplicated,
-            "rejected": res.rejected}
+    res = state["client"].save(
+        state["instance"],
+        block_ids,
+        [bytes.fromhex(h) for h in hashes],
+        tp_rank=state["rank"],
+    )
+    return {
+        "stored": res.stored,
+        "deduplicated": res.deduplicated,
+        "rejected": res.rejected,
+    }
 
 
 def query(hashes: list[str]) -> dict:
@@ -100,13 +140,24 @@ def query(hashes: list[str]) -> dict:
 
 
 def load(lease_id: int, block_ids: list[int], offset: int = 0) -> dict:
-    res = state["client"].load(state["instance"], lease_id, block_ids,
-                               tp_rank=state["rank"], lease_offset=offset)
+    res = state["client"].load(
+        state["instance"],
+        lease_id,
+        block_ids,
+        tp_rank=state["rank"],
+        lease_offset=offset,
+    )
     return {"loaded": res.loaded, "bytes": res.bytes}
 
 
-OPS = {"init": init, "digest": digest, "register": register, "save": save,
-       "query": query, "load": load}
+OPS = {
+    "init": init,
+    "digest": digest,
+    "register": register,
+    "save": save,
+    "query": query,
+    "load": load,
+}
 
 
 def main() -> None:

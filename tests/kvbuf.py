@@ -15,8 +15,14 @@ from pegaflow.kv_layouts import KVMemory, describe, vllm_layer_views
 class LocalKV:
     """vLLM 0.33-style KV: one int8 buffer, per-layer [blocks, page] views."""
 
-    def __init__(self, layers: int = 4, blocks: int = 64, page: int = 4096,
-                 seed: int = 0, block_first: bool = False) -> None:
+    def __init__(
+        self,
+        layers: int = 4,
+        blocks: int = 64,
+        page: int = 4096,
+        seed: int = 0,
+        block_first: bool = False,
+    ) -> None:
         self.layers, self.blocks, self.page = layers, blocks, page
         rng = np.random.default_rng(seed)
         self.buf = rng.integers(0, 256, layers * blocks * page, dtype=np.uint8)
@@ -32,10 +38,23 @@ class LocalKV:
         for v in self.views:
             v[ids] = rng.integers(0, 256, (len(ids), self.page), dtype=np.uint8)
 
-    def register(self, client: PegaflowClient, instance: str, namespace: str,
-                 tp_rank: int = 0, tp_size: int = 1) -> Registration:
-        return client.register_host(instance, namespace, os.getpid(), self.mem.regions,
-                                    self.mem.layers, tp_rank=tp_rank, tp_size=tp_size)
+    def register(
+        self,
+        client: PegaflowClient,
+        instance: str,
+        namespace: str,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> Registration:
+        return client.register_host(
+            instance,
+            namespace,
+            os.getpid(),
+            self.mem.regions,
+            self.mem.layers,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
 
 
 def hashes(n: int, prefix: bytes = b"") -> list[bytes]:

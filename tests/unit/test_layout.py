@@ -103,3 +103,13 @@ def test_check_block_ids() -> None:
         check_block_ids(np.array([0, 4]), 4, "block_ids")
     with pytest.raises(InvalidRequest, match="block id -1"):
         check_block_ids(np.array([-1]), 4, "block_ids")
+
+
+def test_page_skew_follows_engine_alignment() -> None:
+    layers = tuple(
+        LayerLayout(0, i * 8192, 4, 4096, (Segment(0, 4096),)) for i in range(2)
+    )
+    assert KVGeometry(layers, [0x10000 + 64]).page_skew == 64
+    assert KVGeometry(layers, [0x10000]).page_skew == 0
+    odd = (LayerLayout(0, 0, 4, 1000, (Segment(0, 1000),)),)
+    assert KVGeometry(odd, [0x10000 + 64]).page_skew == 0  # no common residue

@@ -29,24 +29,36 @@ def test_parse_addr() -> None:
 
 def test_slab_classes_share_and_return_slabs() -> None:
     slabs = SlabAllocator(base=1 << 20, size=4 * 65536, slab_bytes=65536)
-    a = slabs.allocate(1000, 200)  # 65 per slab -> 4 slabs hold 260
+    a = slabs.allocate((1000, 0), 200)  # 65 per slab -> 4 slabs hold 260
     assert len(a) == 200 and len(set(a.tolist())) == 200
     assert slabs.used_bytes == 200 * 1000
-    assert slabs.allocate(4096, 1).size == 0  # no slab left for another class
+    assert slabs.allocate((4096, 0), 1).size == 0  # no slab left for another class
     slabs.free(a[:65])  # frees one whole slab worth? only if same slab
     slabs.free(a[65:])
     assert slabs.used_bytes == 0 and len(slabs.free_slabs) == 4
-    b = slabs.allocate(4096, 64)
+    b = slabs.allocate((4096, 0), 64)
     assert len(b) == 64 and slabs.used_bytes == 64 * 4096
     # slots lie inside the region, aligned to their class inside a slab
     off = b - np.uint64(1 << 20)
     assert ((off % np.uint64(65536)) % np.uint64(4096) == 0).all()
 
 
+def test_skewed_class_keeps_offset_modulo_4k() -> None:
+    slabs = SlabAllocator(base=1 << 20, size=4 * 65536, slab_bytes=65536)
+    got = slabs.allocate((8192, 64), 20)  # (65536 - 64) // 8192 = 7 per slab
+    assert len(got) == 20 and (got % np.uint64(4096) == 64).all()
+    assert slabs.slots_per_slab((8192, 64)) == 7
+    plain = slabs.allocate((8192, 0), 8)  # the other class takes the last slab
+    assert len(plain) == 8 and (plain % np.uint64(4096) == 0).all()
+    slabs.free(got)
+    slabs.free(plain)
+    assert slabs.used_bytes == 0 and len(slabs.free_slabs) == 4
+
+
 def test_slab_rejects_oversized_slot() -> None:
     slabs = SlabAllocator(0, 1 << 20, 1 << 16)
     with pytest.raises(ValueError, match="does not fit a slab"):
-        slabs.allocate((1 << 16) + 1, 1)
+        slabs.allocate(((1 << 16) + 1, 0), 1)
 
 
 def test_pool_bring_up_and_views() -> None:
@@ -54,7 +66,7 @@ def test_pool_bring_up_and_views() -> None:
     try:
         assert pool.size == 8 << 20
         assert pool.bring_up.bytes == pool.size
-        slot = int(pool.slabs.allocate(4096, 1)[0])
+        slot = int(pool.slabs.allocate((4096, 0), 1)[0])
         pool.view(slot, 4096)[:] = 7
         assert pool.view(slot, 4096).sum() == 7 * 4096
         with pytest.raises(ValueError):
