@@ -24,8 +24,9 @@ BlockHash = bytes
 Key = tuple[int, BlockHash]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: compared against None in bulk
 class BlockEntry:
+    key: Key
     slots: np.ndarray  # uint64 address per TP shard, 0 until allocated
     landed: np.ndarray  # bool [tp_size, num_layers]
     in_flight: np.ndarray  # bool [tp_size, num_layers]
@@ -59,25 +60,27 @@ class BlockStore:
         self.slabs = slabs
         self.policy = policy
         self.entries: dict[Key, BlockEntry] = {}
+        # Complete blocks per namespace, keyed by bare hash: the prefix query
+        # looks them up with one C-level map() and no key tuples.
+        self._ready: dict[int, dict[BlockHash, BlockEntry]] = {}
         self.counters = StoreCounters()
-        self.resident_ready = 0
+
+    @property
+    def resident_ready(self) -> int:
+        return sum(len(table) for table in self._ready.values())
 
     def _protected(self, key: Key) -> bool:
         return self.entries[key].pins > 0
 
-    def longest_prefix(self, ns: Namespace, hashes: list[BlockHash]) -> list[Key]:
-        """Keys of the ready prefix; stops at the first block that is not ready."""
-        keys: list[Key] = []
-        entries = self.entries
-        for h in hashes:
-            key = (ns.id, h)
-            entry = entries.get(key)
-            if entry is None or not entry.ready:
-                break
-            keys.append(key)
-        for key in keys:
-            self.policy.touch(key)
-        return keys
+    def longest_prefix(
+        self, ns: Namespace, hashes: list[BlockHash]
+    ) -> list[BlockEntry]:
+        """Entries of the ready prefix; stops at the first block not ready."""
+        found = list(map(self._ready.get(ns.id, {}).get, hashes))
+        if None in found:
+            del found[found.index(None) :]
+        self.policy.touch_many([e.key for e in found])
+        return found
 
     def reserve_save(
         self, ns: Namespace, rank: int, hashes: list[BlockHash], layers: np.ndarray
@@ -128,7 +131,7 @@ class BlockStore:
                 entry.landed[rank, layers] = True
                 if not entry.ready and entry.landed.all():
                     entry.ready = True
-                    self.resident_ready += 1
+                    self._ready.setdefault(key[0], {})[key[1]] = entry
                     self.policy.insert(key)
             elif not entry.landed[rank].any() and not entry.in_flight[rank].any():
                 self.slabs.free(entry.slots[rank : rank + 1])
@@ -142,6 +145,7 @@ class BlockStore:
             self.counters.admission_rejections += 1
             return None
         entry = BlockEntry(
+            key,
             np.zeros(ns.tp_size, np.uint64),
             np.zeros((ns.tp_size, ns.num_layers), bool),
             np.zeros((ns.tp_size, ns.num_layers), bool),
@@ -164,7 +168,7 @@ class BlockStore:
     def _remove(self, key: Key) -> None:
         entry = self.entries.pop(key)
         if entry.ready:
-            self.resident_ready -= 1
+            del self._ready[key[0]][key[1]]
         self.slabs.free(entry.slots[entry.slots != 0])
         logger.debug("evicted block %s", key[1][:8].hex())
 

@@ -54,11 +54,14 @@ class LoadResult:
 def check_hashes(hashes: list[BlockHash], limit: int) -> None:
     if len(hashes) > limit:
         raise InvalidRequest(f"block_hashes: {len(hashes)} exceeds {limit}")
-    for i, h in enumerate(hashes):
-        if not 0 < len(h) <= MAX_HASH_BYTES:
-            raise InvalidRequest(
-                f"block_hashes[{i}]: {len(h)} bytes, need 1..{MAX_HASH_BYTES}"
-            )
+    if not hashes:
+        return
+    lengths = list(map(len, hashes))
+    if min(lengths) < 1 or max(lengths) > MAX_HASH_BYTES:
+        i = next(i for i, n in enumerate(lengths) if not 0 < n <= MAX_HASH_BYTES)
+        raise InvalidRequest(
+            f"block_hashes[{i}]: {lengths[i]} bytes, need 1..{MAX_HASH_BYTES}"
+        )
 
 
 class Engine:
@@ -148,15 +151,15 @@ class Engine:
     def query(self, instance_id: str, hashes: list[BlockHash]) -> QueryResult:
         inst = self.registry.instance(instance_id)
         check_hashes(hashes, self.config.max_blocks_per_request)
-        keys = self.store.longest_prefix(inst.namespace, hashes)
-        self.metrics.hits.inc(len(keys))
-        self.metrics.misses.inc(len(hashes) - len(keys))
-        if not keys:
+        hits = self.store.longest_prefix(inst.namespace, hashes)
+        self.metrics.hits.inc(len(hits))
+        self.metrics.misses.inc(len(hashes) - len(hits))
+        if not hits:
             return QueryResult(0, 0, 0.0)
         lease = self.leases.create(
-            instance_id, inst.namespace.id, keys, inst.world_size
+            instance_id, inst.namespace.id, hits, inst.world_size
         )
-        return QueryResult(len(keys), lease.id, self.leases.ttl_s)
+        return QueryResult(len(hits), lease.id, self.leases.ttl_s)
 
     # -- load -----------------------------------------------------------------
     async def load(

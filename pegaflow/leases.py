@@ -7,7 +7,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from pegaflow.blocks import BlockEntry, BlockStore, Key
+from pegaflow.blocks import BlockEntry, BlockStore
 from pegaflow.errors import LeaseNotFound
 
 
@@ -16,7 +16,6 @@ class Lease:
     id: int
     owner: str  # instance id that queried; only its workers load it
     namespace_id: int
-    keys: list[Key]
     entries: list[BlockEntry]
     world_size: int
     expires: float
@@ -37,9 +36,8 @@ class LeaseTable:
         return lease_id in self._leases
 
     def create(
-        self, owner: str, namespace_id: int, keys: list[Key], world_size: int
+        self, owner: str, namespace_id: int, entries: list[BlockEntry], world_size: int
     ) -> Lease:
-        entries = [self._store.entries[k] for k in keys]
         self._store.pin(entries)
         lease_id = secrets.randbits(63) | 1  # unguessable, never 0 ("no lease")
         while lease_id in self._leases:
@@ -48,7 +46,6 @@ class LeaseTable:
             lease_id,
             owner,
             namespace_id,
-            keys,
             entries,
             world_size,
             time.monotonic() + self.ttl_s,

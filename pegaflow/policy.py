@@ -20,7 +20,7 @@ the same with or without admission:
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
@@ -47,6 +47,7 @@ _MAX_PENDING = 4096
 class EvictionPolicy(Protocol):
     def insert(self, key: Key) -> None: ...
     def touch(self, key: Key) -> None: ...
+    def touch_many(self, keys: Sequence[Key]) -> None: ...  # all resident, in order
     def remove(self, key: Key) -> None: ...
     def evict(self, n: int, protected: Protected) -> list[Key] | None: ...
     def peek_victim(self, protected: Protected) -> Key | None: ...
@@ -73,6 +74,11 @@ class LRUPolicy:
     def touch(self, key: Key) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def touch_many(self, keys: Sequence[Key]) -> None:
+        # The prefix-query hot path: one C-level pass (a zero-length deque
+        # consumes the map), no Python frame per key. Keys must be resident.
+        deque(map(self._order.move_to_end, keys), maxlen=0)
 
     def remove(self, key: Key) -> None:
         self._order.pop(key, None)
@@ -249,6 +255,10 @@ class AdmissionPolicy:
         if key in self._inner:
             self._sketch.record(key)
             self._inner.touch(key)
+
+    def touch_many(self, keys: Sequence[Key]) -> None:
+        self._sketch.record_many(keys)
+        self._inner.touch_many(keys)
 
     def remove(self, key: Key) -> None:
         self._pending.discard(key)
