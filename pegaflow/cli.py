@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="threads pre-touching the pool (default: min(8, cpus))",
     )
+    p.add_argument(
+        "--query-socket",
+        default="auto",
+        help="unix socket for fast prefix queries: a path, 'auto' "
+        "(temp dir, per server) or 'off' (default: auto)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], default="info"
@@ -122,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         addr=args.addr,
         http_addr=None if args.no_http else args.http_addr,
+        query_socket=None if args.query_socket == "off" else args.query_socket,
         log_level=args.log_level,
         pool=PoolConfig(**pool_kwargs),
         engine=EngineConfig(

@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 
 from pegaflow.errors import PegaflowError, from_status
+from pegaflow.fastpath import QuerySocketClient, encode_query
 from pegaflow.layout import LayerLayout
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
@@ -28,6 +29,7 @@ PR_SET_PTRACER = 0x59616D61
 class Registration:
     server_pid: int
     slot_bytes: int
+    query_socket: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,8 @@ class PegaflowClient:
             ],
         )
         self._stub = pb_grpc.PegaFlowStub(self._channel)
+        self._fast: QuerySocketClient | None = None
+        self._fast_path = ""
 
     def _call(
         self, method: str, request: object, timeout_s: float | None = None
@@ -114,7 +118,10 @@ class PegaflowClient:
         )
         resp = self._call("RegisterInstance", req)
         allow_ptrace_from(resp.server_pid)
-        return Registration(resp.server_pid, resp.slot_bytes)
+        if resp.query_socket != self._fast_path:
+            self._drop_fast_path()
+            self._fast_path = resp.query_socket
+        return Registration(resp.server_pid, resp.slot_bytes, resp.query_socket)
 
     def save(
         self,
@@ -137,6 +144,15 @@ class PegaflowClient:
         return SaveResult(resp.stored, resp.deduplicated, resp.rejected)
 
     def query(self, instance_id: str, block_hashes: Sequence[bytes]) -> QueryResult:
+        """Longest cached prefix; over the server's unix socket when it has one."""
+        fast = self._fast_client()
+        frame = encode_query(instance_id, list(block_hashes)) if fast else None
+        if fast is not None and frame is not None:
+            try:
+                return QueryResult(*fast.query(frame))
+            except OSError as exc:  # server gone or restarted: gRPC decides
+                logger.debug("query socket failed (%s); using gRPC", exc)
+                self._drop_fast_path()
         resp = self._call(
             "QueryPrefix",
             pb.QueryPrefixRequest(
@@ -167,6 +183,20 @@ class PegaflowClient:
         )
         return LoadResult(resp.loaded, resp.bytes)
 
+    def _fast_client(self) -> QuerySocketClient | None:
+        if self._fast is None and self._fast_path:
+            try:
+                self._fast = QuerySocketClient(self._fast_path, self.timeout_s)
+            except OSError as exc:  # another host, another user, or it is gone
+                logger.debug("query socket %s unusable: %s", self._fast_path, exc)
+                self._fast_path = ""
+        return self._fast
+
+    def _drop_fast_path(self) -> None:
+        if self._fast is not None:
+            self._fast.close()
+            self._fast = None
+
     def release_lease(self, lease_id: int) -> None:
         self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
 
@@ -194,6 +224,7 @@ class PegaflowClient:
         return Session(self._stub, instance_id, tp_rank, interval_s)
 
     def close(self) -> None:
+        self._drop_fast_path()
         self._channel.close()
 
     def __enter__(self) -> PegaflowClient:

@@ -77,6 +77,9 @@ class ServerConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_message_bytes: int = 64 << 20
+    # Unix socket for fast prefix queries: a path, "auto" (a per-server path in
+    # the temp directory) or None (off).
+    query_socket: str | None = "auto"
 
     def __post_init__(self) -> None:
         parse_addr(self.addr)

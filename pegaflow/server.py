@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import tempfile
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 
@@ -15,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pegaflow.config import ServerConfig, parse_addr
 from pegaflow.engine import Engine
+from pegaflow.fastpath import start_query_socket
 from pegaflow.hostcopy import HostCopyEngine
 from pegaflow.http import start_http
 from pegaflow.metrics import Metrics
@@ -35,6 +37,8 @@ class RunningServer:
     engine: Engine
     pool: HostPool
     sweeper: asyncio.Task | None = None
+    query_server: asyncio.AbstractServer | None = None
+    query_socket: str = ""
 
     @property
     def http_port(self) -> int | None:
@@ -43,6 +47,10 @@ class RunningServer:
     async def stop(self, grace_s: float = 2.0) -> None:
         if self.sweeper is not None:
             self.sweeper.cancel()
+        if self.query_server is not None:
+            self.query_server.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.query_socket)
         await self.grpc_server.stop(grace_s)
         if self.http is not None:
             self.http.shutdown()
@@ -65,9 +73,8 @@ async def create_server(config: ServerConfig) -> RunningServer:
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_PegaFlowServicer_to_server(
-        PegaFlowServicer(engine, os.getpid()), server
-    )
+    servicer = PegaFlowServicer(engine, os.getpid())
+    pb_grpc.add_PegaFlowServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     host, port = parse_addr(config.addr)
@@ -79,6 +86,10 @@ async def create_server(config: ServerConfig) -> RunningServer:
     if bound == 0:
         pool.close()
         raise OSError(f"--addr: cannot bind {config.addr} (in use or not local?)")
+    query_server = None
+    if config.query_socket is not None:
+        servicer.query_socket = _socket_path(config.query_socket)
+        query_server = await start_query_socket(servicer.query_socket, engine)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -88,9 +99,17 @@ async def create_server(config: ServerConfig) -> RunningServer:
         http = start_http(
             http_host, http_port, metrics.registry, _health_report(engine)
         )
-    running = RunningServer(server, bound, http, engine, pool)
+    running = RunningServer(
+        server, bound, http, engine, pool, None, query_server, servicer.query_socket
+    )
     running.sweeper = asyncio.create_task(_sweep_forever(engine))
     return running
+
+
+def _socket_path(setting: str) -> str:
+    if setting != "auto":
+        return setting
+    return os.path.join(tempfile.gettempdir(), f"pegaflow-{os.getpid()}.sock")
 
 
 def _health_report(engine: Engine):  # noqa: ANN202 - a closure for the HTTP thread

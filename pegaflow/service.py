@@ -118,13 +118,16 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
     def __init__(self, engine: Engine, server_pid: int) -> None:
         self._engine = engine
         self._pid = server_pid
+        self.query_socket = ""  # set once the socket listens
 
     async def RegisterInstance(
         self, req: pb.RegisterInstanceRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterInstanceResponse:
         worker = self._engine.register(spec_from_message(req))
         return pb.RegisterInstanceResponse(
-            server_pid=self._pid, slot_bytes=worker.geometry.slot_bytes
+            server_pid=self._pid,
+            slot_bytes=worker.geometry.slot_bytes,
+            query_socket=self.query_socket,
         )
 
     async def Save(

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0epegaflow.proto\x12\x0bpegaflow.v1\"8\n\nHostRegion\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\"S\n\nCudaRegion\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\x0c\"h\n\x0cMemoryRegion\x12\'\n\x04host\x18\x01 \x01(\x0b\x32\x17.pegaflow.v1.HostRegionH\x00\x12\'\n\x04\x63uda\x18\x02 \x01(\x0b\x32\x17.pegaflow.v1.CudaRegionH\x00\x42\x06\n\x04kind\"\'\n\x07Segment\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\"\x85\x01\n\x0bLayerLayout\x12\x14\n\x0cregion_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x04 \x01(\x04\x12&\n\x08segments\x18\x05 \x03(\x0b\x32\x14.pegaflow.v1.Segment\"\xdd\x01\n\x17RegisterInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12*\n\x07regions\x18\x07 \x03(\x0b\x32\x19.pegaflow.v1.MemoryRegion\x12(\n\x06layers\x18\x08 \x03(\x0b\x32\x18.pegaflow.v1.LayerLayout\"B\n\x18RegisterInstanceResponse\x12\x12\n\nserver_pid\x18\x01 \x01(\r\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\"o\n\x0bSaveRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x11\n\tlayer_ids\x18\x05 \x03(\r\"F\n\x0cSaveResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x02 \x01(\r\x12\x10\n\x08rejected\x18\x03 \x01(\r\"?\n\x12QueryPrefixRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"\xf8\x01\n\x13QueryPrefixResponse\x12\x37\n\x05ready\x18\x01 \x01(\x0b\x32&.pegaflow.v1.QueryPrefixResponse.ReadyH\x00\x12;\n\x07loading\x18\x02 \x01(\x0b\x32(.pegaflow.v1.QueryPrefixResponse.LoadingH\x00\x1a\x42\n\x05Ready\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\x1a\x1d\n\x07Loading\x12\x12\n\nnum_blocks\x18\x01 \x01(\rB\x08\n\x06result\"n\n\x0bLoadRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x14\n\x0clease_offset\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\"-\n\x0cLoadResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\x16\n\x14ReleaseLeaseResponse\"9\n\x11UnregisterRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"\x14\n\x12UnregisterResponse\"3\n\x0bSessionPing\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"%\n\x0bSessionPong\x12\x16\n\x0eserver_time_ns\x18\x01 \x01(\x04\x32\x9e\x04\n\x08PegaFlow\x12_\n\x10RegisterInstance\x12$.pegaflow.v1.RegisterInstanceRequest\x1a%.pegaflow.v1.RegisterInstanceResponse\x12;\n\x04Save\x12\x18.pegaflow.v1.SaveRequest\x1a\x19.pegaflow.v1.SaveResponse\x12P\n\x0bQueryPrefix\x12\x1f.pegaflow.v1.QueryPrefixRequest\x1a .pegaflow.v1.QueryPrefixResponse\x12;\n\x04Load\x12\x18.pegaflow.v1.LoadRequest\x1a\x19.pegaflow.v1.LoadResponse\x12S\n\x0cReleaseLease\x12 .pegaflow.v1.ReleaseLeaseRequest\x1a!.pegaflow.v1.ReleaseLeaseResponse\x12M\n\nUnregister\x12\x1e.pegaflow.v1.UnregisterRequest\x1a\x1f.pegaflow.v1.UnregisterResponse\x12\x41\n\x07Session\x12\x18.pegaflow.v1.SessionPing\x1a\x18.pegaflow.v1.SessionPong(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0epegaflow.proto\x12\x0bpegaflow.v1\"8\n\nHostRegion\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\"S\n\nCudaRegion\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\x0c\"h\n\x0cMemoryRegion\x12\'\n\x04host\x18\x01 \x01(\x0b\x32\x17.pegaflow.v1.HostRegionH\x00\x12\'\n\x04\x63uda\x18\x02 \x01(\x0b\x32\x17.pegaflow.v1.CudaRegionH\x00\x42\x06\n\x04kind\"\'\n\x07Segment\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\"\x85\x01\n\x0bLayerLayout\x12\x14\n\x0cregion_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x04 \x01(\x04\x12&\n\x08segments\x18\x05 \x03(\x0b\x32\x14.pegaflow.v1.Segment\"\xdd\x01\n\x17RegisterInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12*\n\x07regions\x18\x07 \x03(\x0b\x32\x19.pegaflow.v1.MemoryRegion\x12(\n\x06layers\x18\x08 \x03(\x0b\x32\x18.pegaflow.v1.LayerLayout\"X\n\x18RegisterInstanceResponse\x12\x12\n\nserver_pid\x18\x01 \x01(\r\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cquery_socket\x18\x03 \x01(\t\"o\n\x0bSaveRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x11\n\tlayer_ids\x18\x05 \x03(\r\"F\n\x0cSaveResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x02 \x01(\r\x12\x10\n\x08rejected\x18\x03 \x01(\r\"?\n\x12QueryPrefixRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"\xf8\x01\n\x13QueryPrefixResponse\x12\x37\n\x05ready\x18\x01 \x01(\x0b\x32&.pegaflow.v1.QueryPrefixResponse.ReadyH\x00\x12;\n\x07loading\x18\x02 \x01(\x0b\x32(.pegaflow.v1.QueryPrefixResponse.LoadingH\x00\x1a\x42\n\x05Ready\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\x1a\x1d\n\x07Loading\x12\x12\n\nnum_blocks\x18\x01 \x01(\rB\x08\n\x06result\"n\n\x0bLoadRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x14\n\x0clease_offset\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\"-\n\x0cLoadResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\x16\n\x14ReleaseLeaseResponse\"9\n\x11UnregisterRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"\x14\n\x12UnregisterResponse\"3\n\x0bSessionPing\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"%\n\x0bSessionPong\x12\x16\n\x0eserver_time_ns\x18\x01 \x01(\x04\x32\x9e\x04\n\x08PegaFlow\x12_\n\x10RegisterInstance\x12$.pegaflow.v1.RegisterInstanceRequest\x1a%.pegaflow.v1.RegisterInstanceResponse\x12;\n\x04Save\x12\x18.pegaflow.v1.SaveRequest\x1a\x19.pegaflow.v1.SaveResponse\x12P\n\x0bQueryPrefix\x12\x1f.pegaflow.v1.QueryPrefixRequest\x1a .pegaflow.v1.QueryPrefixResponse\x12;\n\x04Load\x12\x18.pegaflow.v1.LoadRequest\x1a\x19.pegaflow.v1.LoadResponse\x12S\n\x0cReleaseLease\x12 .pegaflow.v1.ReleaseLeaseRequest\x1a!.pegaflow.v1.ReleaseLeaseResponse\x12M\n\nUnregister\x12\x1e.pegaflow.v1.UnregisterRequest\x1a\x1f.pegaflow.v1.UnregisterResponse\x12\x41\n\x07Session\x12\x18.pegaflow.v1.SessionPing\x1a\x18.pegaflow.v1.SessionPong(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,35 +44,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERINSTANCEREQUEST']._serialized_start=458
   _globals['_REGISTERINSTANCEREQUEST']._serialized_end=679
   _globals['_REGISTERINSTANCERESPONSE']._serialized_start=681
-  _globals['_REGISTERINSTANCERESPONSE']._serialized_end=747
-  _globals['_SAVEREQUEST']._serialized_start=749
-  _globals['_SAVEREQUEST']._serialized_end=860
-  _globals['_SAVERESPONSE']._serialized_start=862
-  _globals['_SAVERESPONSE']._serialized_end=932
-  _globals['_QUERYPREFIXREQUEST']._serialized_start=934
-  _globals['_QUERYPREFIXREQUEST']._serialized_end=997
-  _globals['_QUERYPREFIXRESPONSE']._serialized_start=1000
-  _globals['_QUERYPREFIXRESPONSE']._serialized_end=1248
-  _globals['_QUERYPREFIXRESPONSE_READY']._serialized_start=1141
-  _globals['_QUERYPREFIXRESPONSE_READY']._serialized_end=1207
-  _globals['_QUERYPREFIXRESPONSE_LOADING']._serialized_start=1209
-  _globals['_QUERYPREFIXRESPONSE_LOADING']._serialized_end=1238
-  _globals['_LOADREQUEST']._serialized_start=1250
-  _globals['_LOADREQUEST']._serialized_end=1360
-  _globals['_LOADRESPONSE']._serialized_start=1362
-  _globals['_LOADRESPONSE']._serialized_end=1407
-  _globals['_RELEASELEASEREQUEST']._serialized_start=1409
-  _globals['_RELEASELEASEREQUEST']._serialized_end=1448
-  _globals['_RELEASELEASERESPONSE']._serialized_start=1450
-  _globals['_RELEASELEASERESPONSE']._serialized_end=1472
-  _globals['_UNREGISTERREQUEST']._serialized_start=1474
-  _globals['_UNREGISTERREQUEST']._serialized_end=1531
-  _globals['_UNREGISTERRESPONSE']._serialized_start=1533
-  _globals['_UNREGISTERRESPONSE']._serialized_end=1553
-  _globals['_SESSIONPING']._serialized_start=1555
-  _globals['_SESSIONPING']._serialized_end=1606
-  _globals['_SESSIONPONG']._serialized_start=1608
-  _globals['_SESSIONPONG']._serialized_end=1645
-  _globals['_PEGAFLOW']._serialized_start=1648
-  _globals['_PEGAFLOW']._serialized_end=2190
+  _globals['_REGISTERINSTANCERESPONSE']._serialized_end=769
+  _globals['_SAVEREQUEST']._serialized_start=771
+  _globals['_SAVEREQUEST']._serialized_end=882
+  _globals['_SAVERESPONSE']._serialized_start=884
+  _globals['_SAVERESPONSE']._serialized_end=954
+  _globals['_QUERYPREFIXREQUEST']._serialized_start=956
+  _globals['_QUERYPREFIXREQUEST']._serialized_end=1019
+  _globals['_QUERYPREFIXRESPONSE']._serialized_start=1022
+  _globals['_QUERYPREFIXRESPONSE']._serialized_end=1270
+  _globals['_QUERYPREFIXRESPONSE_READY']._serialized_start=1163
+  _globals['_QUERYPREFIXRESPONSE_READY']._serialized_end=1229
+  _globals['_QUERYPREFIXRESPONSE_LOADING']._serialized_start=1231
+  _globals['_QUERYPREFIXRESPONSE_LOADING']._serialized_end=1260
+  _globals['_LOADREQUEST']._serialized_start=1272
+  _globals['_LOADREQUEST']._serialized_end=1382
+  _globals['_LOADRESPONSE']._serialized_start=1384
+  _globals['_LOADRESPONSE']._serialized_end=1429
+  _globals['_RELEASELEASEREQUEST']._serialized_start=1431
+  _globals['_RELEASELEASEREQUEST']._serialized_end=1470
+  _globals['_RELEASELEASERESPONSE']._serialized_start=1472
+  _globals['_RELEASELEASERESPONSE']._serialized_end=1494
+  _globals['_UNREGISTERREQUEST']._serialized_start=1496
+  _globals['_UNREGISTERREQUEST']._serialized_end=1553
+  _globals['_UNREGISTERRESPONSE']._serialized_start=1555
+  _globals['_UNREGISTERRESPONSE']._serialized_end=1575
+  _globals['_SESSIONPING']._serialized_start=1577
+  _globals['_SESSIONPING']._serialized_end=1628
+  _globals['_SESSIONPONG']._serialized_start=1630
+  _globals['_SESSIONPONG']._serialized_end=1667
+  _globals['_PEGAFLOW']._serialized_start=1670
+  _globals['_PEGAFLOW']._serialized_end=2212
 # @@protoc_insertion_point(module_scope)

@@ -78,12 +78,14 @@ class RegisterInstanceRequest(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[LayerLayout, _Mapping]]] = ...) -> None: ...
 
 class RegisterInstanceResponse(_message.Message):
-    __slots__ = ("server_pid", "slot_bytes")
+    __slots__ = ("server_pid", "slot_bytes", "query_socket")
     SERVER_PID_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUERY_SOCKET_FIELD_NUMBER: _ClassVar[int]
     server_pid: int
     slot_bytes: int
-    def __init__(self, server_pid: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+    query_socket: str
+    def __init__(self, server_pid: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., query_socket: _Optional[str] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
     __slots__ = ("instance_id", "tp_rank", "block_ids", "block_hashes", "layer_ids")

@@ -1,0 +1,113 @@
+"""The unix-socket fast path for prefix queries: same answers as gRPC, clear
+errors for bad frames, and a silent fallback to gRPC when it is unusable."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+
+import grpc
+import pytest
+
+from pegaflow.client import PegaflowClient
+from pegaflow.errors import InvalidRequest, UnknownInstance
+from pegaflow.fastpath import decode_query, encode_query
+from pegaflow.proto import pegaflow_pb2 as pb
+from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+from tests.kvbuf import LocalKV, hashes
+
+
+def test_frame_round_trip() -> None:
+    hs = hashes(5)
+    frame = encode_query("inst-é", hs)
+    assert int.from_bytes(frame[:4], "little") == len(frame) - 4
+    assert decode_query(frame[4:]) == ("inst-é", hs)
+    assert encode_query("i", [b"a" * 32, b"b" * 8]) is None  # mixed: use gRPC
+    assert decode_query(encode_query("i", [])[4:]) == ("i", [])
+    with pytest.raises(InvalidRequest, match="frame"):
+        decode_query(frame[4:-1])
+
+
+def test_socket_answers_like_grpc(server) -> None:
+    kv = LocalKV()
+    with PegaflowClient(server.addr) as client:
+        reg = kv.register(client, "e", "ns")
+        assert reg.query_socket and os.path.exists(reg.query_socket)
+        assert stat.S_IMODE(os.stat(reg.query_socket).st_mode) == 0o600
+        hs = hashes(10)
+        client.save("e", list(range(6)), hs[:6])
+        fast = client.query("e", hs)
+        stub = pb_grpc.PegaFlowStub(grpc.insecure_channel(server.addr))
+        slow = stub.QueryPrefix(
+            pb.QueryPrefixRequest(instance_id="e", block_hashes=hs), timeout=5
+        )
+        assert fast.num_blocks == slow.ready.num_blocks == 6
+        assert fast.lease_id and fast.lease_id != slow.ready.lease_id
+        client.load("e", fast.lease_id, list(range(20, 26)))  # the lease is real
+        with pytest.raises(UnknownInstance, match="instance_id"):
+            client.query("nobody", hs)
+        with pytest.raises(InvalidRequest, match=r"block_hashes\[0\]"):
+            client.query("e", [b"x" * 65])
+    assert (
+        server.metric(
+            "pegaflow_rpc_seconds_count", 'code="OK",method="QueryPrefix/unix"'
+        )
+        >= 1
+    )
+
+
+def _raw(path: str, payload: bytes) -> bytes:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def test_bad_frames_get_errors_and_server_survives(server) -> None:
+    kv = LocalKV()
+    with PegaflowClient(server.addr) as client:
+        path = kv.register(client, "e", "ns").query_socket
+        body = struct.pack("<BBHI", 9, 32, 1, 0) + b"e"
+        reply = _raw(path, len(body).to_bytes(4, "little") + body)
+        assert reply[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert b"frame.version" in reply
+        body = struct.pack("<BBHI", 1, 32, 1, 3) + b"e" + b"x" * 10  # short
+        assert b"header promises" in _raw(path, len(body).to_bytes(4, "little") + body)
+        assert b"frame" in _raw(path, (1 << 31).to_bytes(4, "little"))  # oversized
+        assert _raw(path, b"\x01\x00") == b""  # truncated: connection just closes
+        body = struct.pack("<BBHI", 1, 32, 2, 0) + b"\xff\xfe"
+        assert b"instance_id" in _raw(path, len(body).to_bytes(4, "little") + body)
+        hs = hashes(3)
+        client.save("e", [0, 1, 2], hs)
+        assert client.query("e", hs).num_blocks == 3
+    assert server.get("/health")[0] == 200
+
+
+def test_falls_back_to_grpc_when_socket_is_unusable(server_factory) -> None:
+    server = server_factory("--pool-size", "8mb", "--query-socket", "off")
+    kv = LocalKV()
+    with PegaflowClient(server.addr) as client:
+        assert kv.register(client, "e", "ns").query_socket == ""
+        hs = hashes(2)
+        client.save("e", [0, 1], hs)
+        assert client.query("e", hs).num_blocks == 2
+    other = server_factory("--pool-size", "8mb")
+    with PegaflowClient(other.addr) as client:
+        path = kv.register(client, "e", "ns").query_socket
+        client.save("e", [0, 1], hs)
+        assert client.query("e", hs).num_blocks == 2  # connects the socket
+        os.rename(path, path + ".moved")  # new connections impossible...
+        client._drop_fast_path()  # ...and the open one gone: as after a restart
+        assert client.query("e", hs).num_blocks == 2  # answered over gRPC
+        os.rename(path + ".moved", path)
+    assert (
+        other.metric("pegaflow_rpc_seconds_count", 'code="OK",method="QueryPrefix"')
+        >= 1
+    )
