@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from operator import attrgetter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 BlockHash = bytes
 Key = tuple[int, BlockHash]
+_KEY = attrgetter("key")
 
 
 @dataclass(slots=True, eq=False)  # identity: compared against None in bulk
@@ -79,7 +81,7 @@ class BlockStore:
         found = list(map(self._ready.get(ns.id, {}).get, hashes))
         if None in found:
             del found[found.index(None) :]
-        self.policy.touch_many([e.key for e in found])
+        self.policy.touch_many(list(map(_KEY, found)))
         return found
 
     def reserve_save(
