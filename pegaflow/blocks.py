@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from operator import attrgetter
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
