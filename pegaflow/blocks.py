@@ -66,10 +66,26 @@ class BlockStore:
         # looks them up with one C-level map() and no key tuples.
         self._ready: dict[int, dict[BlockHash, BlockEntry]] = {}
         self.counters = StoreCounters()
+        # Leases pin lazily: their entries are counted only when an eviction
+        # needs to know, so a lease released before then costs no per-block work
+        # on the query path (2560-block prefixes are latency-critical).
+        self._unflushed: dict[int, list[BlockEntry]] = {}
 
     @property
     def resident_ready(self) -> int:
         return sum(len(table) for table in self._ready.values())
+
+    def pin_lease(self, lease_id: int, entries: list[BlockEntry]) -> None:
+        self._unflushed[lease_id] = entries
+
+    def unpin_lease(self, lease_id: int, entries: list[BlockEntry]) -> None:
+        if self._unflushed.pop(lease_id, None) is None:
+            self.unpin(entries)
+
+    def _flush_pins(self) -> None:
+        for entries in self._unflushed.values():
+            self.pin(entries)
+        self._unflushed.clear()
 
     def _protected(self, key: Key) -> bool:
         return self.entries[key].pins > 0
@@ -141,11 +157,11 @@ class BlockStore:
                 self._drop_if_empty(key, entry)
 
     def _admit(self, ns: Namespace, key: Key) -> BlockEntry | None:
-        if self.slabs.free_slots(ns.slot_class) == 0 and not self.policy.should_admit(
-            key, self._protected
-        ):
-            self.counters.admission_rejections += 1
-            return None
+        if self.slabs.free_slots(ns.slot_class) == 0:
+            self._flush_pins()
+            if not self.policy.should_admit(key, self._protected):
+                self.counters.admission_rejections += 1
+                return None
         entry = BlockEntry(
             key,
             np.zeros(ns.tp_size, np.uint64),
@@ -161,6 +177,7 @@ class BlockStore:
             got = self.slabs.allocate(cls, 1)
             if len(got):
                 return int(got[0])
+            self._flush_pins()
             victims = self.policy.evict(1, self._protected)
             if not victims:
                 return None

@@ -51,12 +51,15 @@ class LoadResult:
     bytes: int
 
 
-def check_hashes(hashes: list[BlockHash], limit: int) -> None:
+def check_hashes(
+    hashes: list[BlockHash], limit: int, hash_len: int | None = None
+) -> None:
+    """Count and lengths; hash_len skips the scan when every length is known."""
     if len(hashes) > limit:
         raise InvalidRequest(f"block_hashes: {len(hashes)} exceeds {limit}")
     if not hashes:
         return
-    lengths = list(map(len, hashes))
+    lengths = [hash_len] if hash_len is not None else list(map(len, hashes))
     if min(lengths) < 1 or max(lengths) > MAX_HASH_BYTES:
         i = next(i for i, n in enumerate(lengths) if not 0 < n <= MAX_HASH_BYTES)
         raise InvalidRequest(
@@ -148,9 +151,12 @@ class Engine:
         return np.sort(layer_ids)
 
     # -- query ----------------------------------------------------------------
-    def query(self, instance_id: str, hashes: list[BlockHash]) -> QueryResult:
+    def query(
+        self, instance_id: str, hashes: list[BlockHash], hash_len: int | None = None
+    ) -> QueryResult:
+        """hash_len: the length every hash is known to have (a fast-path frame)."""
         inst = self.registry.instance(instance_id)
-        check_hashes(hashes, self.config.max_blocks_per_request)
+        check_hashes(hashes, self.config.max_blocks_per_request, hash_len)
         hits = self.store.longest_prefix(inst.namespace, hashes)
         self.metrics.hits.inc(len(hits))
         self.metrics.misses.inc(len(hashes) - len(hits))

@@ -53,7 +53,8 @@ def encode_query(instance_id: str, hashes: list[bytes]) -> bytes | None:
     return len(body).to_bytes(4, "little") + body
 
 
-def decode_query(body: bytes) -> tuple[str, list[bytes]]:
+def decode_query(body: bytes) -> tuple[str, list[bytes], int]:
+    """(instance id, hashes, the length of every hash)."""
     if len(body) < HEADER.size:
         raise InvalidRequest("frame: shorter than its header")
     version, size, id_len, count = HEADER.unpack_from(body)
@@ -71,7 +72,7 @@ def decode_query(body: bytes) -> tuple[str, list[bytes]]:
     except UnicodeDecodeError:
         raise InvalidRequest("instance_id: not UTF-8") from None
     hashes = np.frombuffer(body, dtype=f"V{size}", count=count, offset=start).tolist()
-    return instance_id, hashes
+    return instance_id, hashes, size
 
 
 def _error(exc: PegaflowError) -> bytes:
@@ -109,12 +110,16 @@ async def start_query_socket(path: str, engine: Engine) -> asyncio.AbstractServe
                 )
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the engine went away
+        except asyncio.CancelledError:
+            pass  # server shutdown: end quietly, the loop is closing
         except Exception:  # a broken connection must not take the server down
             logger.exception("query socket connection failed")
         finally:
             writer.close()
 
-    server = await asyncio.start_unix_server(serve, path)
+    # A large reader limit: an 80 KiB query (2560 hashes) arrives without the
+    # transport pausing and resuming reads.
+    server = await asyncio.start_unix_server(serve, path, limit=1 << 20)
     os.chmod(path, 0o600)
     return server
 

@@ -38,7 +38,6 @@ class LeaseTable:
     def create(
         self, owner: str, namespace_id: int, entries: list[BlockEntry], world_size: int
     ) -> Lease:
-        self._store.pin(entries)
         lease_id = secrets.randbits(63) | 1  # unguessable, never 0 ("no lease")
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) | 1
@@ -51,6 +50,7 @@ class LeaseTable:
             time.monotonic() + self.ttl_s,
         )
         self._leases[lease.id] = lease
+        self._store.pin_lease(lease.id, entries)
         return lease
 
     def get(self, lease_id: int) -> Lease:
@@ -73,7 +73,7 @@ class LeaseTable:
             raise LeaseNotFound(
                 f"lease_id: {lease_id} is unknown, expired or already consumed"
             )
-        self._store.unpin(lease.entries)
+        self._store.unpin_lease(lease.id, lease.entries)
 
     def release_owned_by(self, owner: str) -> int:
         owned = [lid for lid, lease in self._leases.items() if lease.owner == owner]

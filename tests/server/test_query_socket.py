@@ -23,9 +23,9 @@ def test_frame_round_trip() -> None:
     hs = hashes(5)
     frame = encode_query("inst-é", hs)
     assert int.from_bytes(frame[:4], "little") == len(frame) - 4
-    assert decode_query(frame[4:]) == ("inst-é", hs)
+    assert decode_query(frame[4:]) == ("inst-é", hs, 32)
     assert encode_query("i", [b"a" * 32, b"b" * 8]) is None  # mixed: use gRPC
-    assert decode_query(encode_query("i", [])[4:]) == ("i", [])
+    assert decode_query(encode_query("i", [])[4:]) == ("i", [], 1)
     with pytest.raises(InvalidRequest, match="frame"):
         decode_query(frame[4:-1])
 
