@@ -5,34 +5,16 @@ from __future__ import annotations
 import json
 import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+from pegaflow.spawn import spawn_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def start_server(*args: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pegaflow.cli",
-            "--addr",
-            "127.0.0.1:0",
-            "--no-http",
-            "--log-level",
-            "warning",
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        cwd=ROOT,
-    )
-    line = proc.stdout.readline().decode()
-    if not line.startswith("READY"):
-        proc.kill()
-        raise SystemExit(f"server did not start: {line!r}")
-    return proc, line.split()[1].split("=", 1)[1]
+    return spawn_server("--no-http", "--log-level", "warning", *args)
 
 
 def machine() -> dict[str, object]:

@@ -12,14 +12,13 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from pegaflow.config import parse_size
+from pegaflow.spawn import spawn_server
 
 PAGE_SHAPE = (8, 16, 256)  # Llama-3.1-8B per layer and block: kv_heads, block, 2*head
 PAGE_BYTES = int(np.prod(PAGE_SHAPE)) * 2  # bf16
@@ -59,18 +58,24 @@ def _prefill_bytes(seed: int, shape: Shape) -> np.ndarray:
     return np.frombuffer(raw, np.uint8).reshape(shape.layers, shape.prompt_blocks, -1)
 
 
+def _engine_setup(
+    shape: Shape, seed: int, ids_seed: int
+) -> tuple[list[bytes], list[np.ndarray], np.ndarray]:
+    """The shared prompt's block hashes, this engine's KV views, and the block
+    ids its allocator gave the prompt (each engine gets different ones)."""
+    tokens = np.random.default_rng(seed).integers(
+        0, 128_000, shape.prompt_blocks * shape.block_size
+    )
+    _, views = _kv(shape)
+    ids = np.random.default_rng(ids_seed).permutation(shape.blocks)
+    return block_hashes(tokens, shape.block_size), views, ids[: shape.prompt_blocks]
+
+
 def engine_a(addr: str, shape: Shape, seed: int, conn: object) -> None:
     from pegaflow.client import PegaflowClient
     from pegaflow.kv_layouts import describe
 
-    tokens = np.random.default_rng(seed).integers(
-        0, 128_000, shape.prompt_blocks * shape.block_size
-    )
-    hashes = block_hashes(tokens, shape.block_size)
-    buf, views = _kv(shape)
-    ids = np.random.default_rng(seed + 1).permutation(shape.blocks)[
-        : shape.prompt_blocks
-    ]
+    hashes, views, ids = _engine_setup(shape, seed, seed + 1)
     kv = _prefill_bytes(seed, shape)
     for layer, view in enumerate(views):
         view[ids] = kv[layer]
@@ -91,14 +96,7 @@ def engine_b(addr: str, shape: Shape, seed: int, conn: object) -> None:
     from pegaflow.client import PegaflowClient
     from pegaflow.kv_layouts import describe
 
-    tokens = np.random.default_rng(seed).integers(
-        0, 128_000, shape.prompt_blocks * shape.block_size
-    )
-    hashes = block_hashes(tokens, shape.block_size)
-    buf, views = _kv(shape)
-    ids = np.random.default_rng(seed + 2).permutation(shape.blocks)[
-        : shape.prompt_blocks
-    ]
+    hashes, views, ids = _engine_setup(shape, seed, seed + 2)
     mem = describe(views)
     with PegaflowClient(addr, timeout_s=60) as client:
         client.register_host(
@@ -133,29 +131,6 @@ def engine_b(addr: str, shape: Shape, seed: int, conn: object) -> None:
     )
 
 
-def _start_server(pool_size: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pegaflow.cli",
-            "--addr",
-            "127.0.0.1:0",
-            "--no-http",
-            "--pool-size",
-            str(pool_size),
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-    )
-    line = proc.stdout.readline().decode()
-    if not line.startswith("READY"):
-        proc.kill()
-        raise SystemExit(f"pegaflow-server did not start: {line!r}")
-    return proc, line.split()[1].split("=", 1)[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pegaflow.demo", description=__doc__)
     p.add_argument("--addr", help="use a running server instead of starting one")
@@ -181,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             f"starting pegaflow-server with a {args.pool_size / 2**20:.0f} MiB pool",
             flush=True,
         )
-        server, addr = _start_server(args.pool_size)
+        server, addr = spawn_server(
+            "--no-http", "--pool-size", str(args.pool_size), "--log-level", "warning"
+        )
     ctx = mp.get_context("spawn")
     try:
         recv, send = ctx.Pipe(duplex=False)

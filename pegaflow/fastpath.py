@@ -133,14 +133,15 @@ class QuerySocketClient:
         self._sock.connect(path)
         self._lock = threading.Lock()
 
-    def query(self, frame: bytes) -> tuple[int, int]:
-        """(num_blocks, lease_id); typed exceptions for errors; OSError if broken."""
+    def query(self, frame: bytes) -> tuple[int, int, float]:
+        """(num_blocks, lease_id, lease_ttl_s); typed exceptions for errors;
+        OSError when the connection is broken."""
         with self._lock:
             self._sock.sendall(frame)
             status = self._recv(1)[0]
             if status == 0:
-                n, lease, _ = struct.unpack("<IQd", self._recv(OK_REPLY.size - 1))
-                return n, lease
+                n, lease, ttl = struct.unpack("<IQd", self._recv(OK_REPLY.size - 1))
+                return n, lease, ttl
             length = int.from_bytes(self._recv(4), "little")
             message = self._recv(length).decode(errors="replace")
         code = next((c for c in grpc.StatusCode if c.value[0] == status), None)

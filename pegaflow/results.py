@@ -1,0 +1,26 @@
+"""Results of the engine's operations, shared by the server and the client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    stored: int  # copied now
+    deduplicated: int  # already resident, landing, or repeated in the request
+    rejected: int  # not admitted (TinyLFU) or no slot free
+
+
+@dataclass(frozen=True, slots=True)
+class QueryResult:
+    num_blocks: int  # longest resident prefix (or blocks being pulled if loading)
+    lease_id: int  # 0 when nothing is leased
+    lease_ttl_s: float = 0.0
+    loading: bool = False  # a slower tier is pulling blocks in: ask again
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    loaded: int
+    bytes: int

@@ -1,0 +1,20 @@
+"""Start `pegaflow-server` as a child process and wait for its READY line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def spawn_server(*args: str, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """(process, gRPC address) of a server on a free loopback port."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pegaflow.cli", "--addr", "127.0.0.1:0", *args],
+        stdout=subprocess.PIPE,
+    )
+    # The server prints READY only after the pool is up and gRPC listens.
+    line = proc.stdout.readline().decode()
+    if not line.startswith("READY"):
+        proc.kill()
+        raise RuntimeError(f"pegaflow-server did not start: {line!r}")
+    return proc, line.split()[1].split("=", 1)[1]
