@@ -18,6 +18,7 @@ from pegaflow.fastpath import QuerySocketClient, encode_query
 from pegaflow.layout import LayerLayout
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+from pegaflow.results import LoadResult, QueryResult, SaveResult
 
 logger = logging.getLogger(__name__)
 
@@ -30,26 +31,6 @@ class Registration:
     server_pid: int
     slot_bytes: int
     query_socket: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class SaveResult:
-    stored: int
-    deduplicated: int
-    rejected: int
-
-
-@dataclass(frozen=True, slots=True)
-class QueryResult:
-    num_blocks: int
-    lease_id: int
-    loading: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class LoadResult:
-    loaded: int
-    bytes: int
 
 
 def allow_ptrace_from(pid: int) -> None:
@@ -161,7 +142,9 @@ class PegaflowClient:
         )
         if resp.WhichOneof("result") == "loading":
             return QueryResult(resp.loading.num_blocks, 0, loading=True)
-        return QueryResult(resp.ready.num_blocks, resp.ready.lease_id)
+        return QueryResult(
+            resp.ready.num_blocks, resp.ready.lease_id, resp.ready.lease_ttl_s
+        )
 
     def load(
         self,

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,30 +25,11 @@ from pegaflow.leases import LeaseTable
 from pegaflow.metrics import Metrics
 from pegaflow.policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
 from pegaflow.pool import HostPool
+from pegaflow.results import LoadResult, QueryResult, SaveResult
 
 logger = logging.getLogger(__name__)
 
 MAX_HASH_BYTES = 64
-
-
-@dataclass(frozen=True, slots=True)
-class SaveResult:
-    stored: int
-    deduplicated: int
-    rejected: int
-
-
-@dataclass(frozen=True, slots=True)
-class QueryResult:
-    num_blocks: int
-    lease_id: int
-    lease_ttl_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class LoadResult:
-    loaded: int
-    bytes: int
 
 
 def check_hashes(
@@ -114,7 +95,10 @@ class Engine:
         block_ids: np.ndarray,
         hashes: list[BlockHash],
         layer_ids: np.ndarray | None,
+        wait_event: int = 0,
     ) -> SaveResult:
+        """wait_event: 1-based index of the worker's CUDA IPC event that the copy
+        waits for on the GPU (the engine's KV writes); 0 for none."""
         worker = self.registry.worker(instance_id, tp_rank)
         ns = worker.namespace
         if len(block_ids) != len(hashes):
@@ -131,9 +115,12 @@ class Engine:
         transfers = worker.geometry.engine_to_slots(
             block_ids[res.positions], res.slots, layers
         )
+        gather = worker.copier.gather
+        if wait_event:  # host copiers take no event: they refuse one
+            gather = functools.partial(gather, wait_event=wait_event)
         ok = False
         try:
-            seconds = await self._copy(worker, worker.copier.gather, transfers)
+            seconds = await self._copy(worker, gather, transfers)
             ok = True
         finally:
             self.store.finish_save(res, tp_rank, layers, ok)
