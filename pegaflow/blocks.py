@@ -94,11 +94,22 @@ class BlockStore:
         self, ns: Namespace, hashes: list[BlockHash]
     ) -> list[BlockEntry]:
         """Entries of the ready prefix; stops at the first block not ready."""
+        return self.lookup(ns, hashes)[0]
+
+    def lookup(
+        self, ns: Namespace, hashes: list[BlockHash]
+    ) -> tuple[list[BlockEntry], list[BlockEntry | None]]:
+        """The ready prefix, and the probe past it: None where a block is not
+        ready (the first always), the entry where a ready block sits behind the
+        miss. The miss breakdown (pegaflow.misses) reads the second list."""
         found = list(map(self._ready.get(ns.id, {}).get, hashes))
+        rest: list[BlockEntry | None] = []
         if None in found:
-            del found[found.index(None) :]
+            cut = found.index(None)
+            rest = found[cut:]
+            del found[cut:]
         self.policy.touch_many(list(map(_KEY, found)))
-        return found
+        return found, rest
 
     def reserve_save(
         self, ns: Namespace, rank: int, hashes: list[BlockHash], layers: np.ndarray

@@ -1,4 +1,4 @@
-"""`pegaflow-server`: the daemon's command line."""
+"""`pegaflow-server`: the daemon's command line, and `pegaflow-server status`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,14 @@ import logging
 import sys
 
 from pegaflow.config import (
+    CudaConfig,
     EngineConfig,
+    HitRateConfig,
     PoolConfig,
     ServerConfig,
     parse_addr,
+    parse_devices,
+    parse_duration,
     parse_size,
 )
 from pegaflow.pool import HugepagesUnavailable
@@ -23,15 +27,26 @@ NOT_YET = {
     "--metaserver-addr": "cross-node sharing",
     "--enable-rdma": "the RDMA transport",
     "--nics": "the RDMA transport",
-    "--metric-hll-windows": "hit-rate ceiling metrics",
-    "--metric-hll-bucket-bits": "hit-rate ceiling metrics",
-    "--devices": "the GPU data path",
 }
 
 
 def _size(text: str) -> int:
     try:
         return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _devices(text: str) -> CudaConfig:
+    try:
+        return parse_devices(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _windows(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(parse_duration(part) for part in text.split(","))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
@@ -48,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pegaflow-server",
         description="External KV-cache server for LLM inference engines.",
+        epilog="'pegaflow-server status [--http-addr ADDR]' shows a running "
+        "server's pool, tiers, hit rates and miss causes.",
     )
     p.add_argument(
         "--addr",
@@ -97,6 +114,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="threads pre-touching the pool (default: min(8, cpus))",
     )
     p.add_argument(
+        "--devices",
+        type=_devices,
+        default=CudaConfig(),
+        help="CUDA devices for GPU engines: 'auto' (every visible GPU, none "
+        "needed), 'none' (host engines only) or ordinals '0,1' (default: auto)",
+    )
+    p.add_argument(
+        "--copy-ctas",
+        type=int,
+        default=66,
+        help="CUDA blocks per copy direction: leaves SMs to engines (default: 66)",
+    )
+    p.add_argument(
+        "--cuda-event-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a save waits for an engine's CUDA event (default: 10)",
+    )
+    p.add_argument(
+        "--metric-hll-windows",
+        type=_windows,
+        default="15m,1h,1d",
+        help="rolling windows of the hit-rate ceiling, e.g. 15m,1h,1d "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--metric-hll-bucket-bits",
+        type=int,
+        default=HitRateConfig().bucket_bits,
+        help="HyperLogLog registers: 2**N per sub-window, N in 4..16; error "
+        "~1.04/2**(N/2) (default: %(default)s)",
+    )
+    p.add_argument(
         "--query-socket",
         default="auto",
         help="unix socket for fast prefix queries: a path, 'auto' "
@@ -135,11 +185,25 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             enable_lfu_admission=args.enable_lfu_admission,
             lease_ttl_s=args.lease_ttl,
             copy_threads=args.copy_threads,
+            hit_rate=HitRateConfig(
+                args.metric_hll_windows, args.metric_hll_bucket_bits
+            ),
+        ),
+        cuda=CudaConfig(
+            enabled=args.devices.enabled,
+            devices=args.devices.devices,
+            max_ctas=args.copy_ctas,
+            event_timeout_s=args.cuda_event_timeout,
         ),
     )
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["status"]:  # a subcommand; every flag form stays the daemon's
+        from pegaflow.status import main as status_main
+
+        return status_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     for flag, what in NOT_YET.items():

@@ -9,6 +9,7 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -19,6 +20,9 @@ from pegaflow.layout import LayerLayout
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from pegaflow.results import LoadResult, QueryResult, SaveResult
+
+if TYPE_CHECKING:  # the client never imports CUDA code itself
+    from pegaflow.cuda_export import CudaKVMemory
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +101,47 @@ class PegaflowClient:
             ],
             layers=[_layer_message(layer) for layer in layers],
         )
+        return self._register(req)
+
+    def register_cuda(
+        self,
+        instance_id: str,
+        namespace: str,
+        kv: CudaKVMemory,
+        event_handles: Sequence[bytes] = (),
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        world_size: int | None = None,
+    ) -> Registration:
+        """Register GPU KV memory: `kv` from pegaflow.cuda_export.export_kv, and
+        the handles of its IpcEvents (saves then pass `wait_event`)."""
+        req = pb.RegisterInstanceRequest(
+            instance_id=instance_id,
+            namespace=namespace,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            world_size=world_size or tp_size,
+            device=kv.device,
+            regions=[
+                pb.MemoryRegion(
+                    cuda=pb.CudaRegion(
+                        ipc_handle=r.ipc_handle,
+                        offset=r.offset,
+                        size=r.size,
+                        device_uuid=r.device_uuid,
+                    )
+                )
+                for r in kv.regions
+            ],
+            layers=[_layer_message(layer) for layer in kv.layers],
+            event_handles=list(event_handles),
+        )
+        return self._register(req)
+
+    def _register(self, req: pb.RegisterInstanceRequest) -> Registration:
         resp = self._call("RegisterInstance", req)
-        allow_ptrace_from(resp.server_pid)
+        if req.device == "cpu":
+            allow_ptrace_from(resp.server_pid)
         if resp.query_socket != self._fast_path:
             self._drop_fast_path()
             self._fast_path = resp.query_socket
@@ -111,7 +154,10 @@ class PegaflowClient:
         block_hashes: Sequence[bytes],
         tp_rank: int = 0,
         layer_ids: Sequence[int] | None = None,
+        wait_event: int = 0,
     ) -> SaveResult:
+        """wait_event: GPU workers, IpcEvents.record()'s value: the server's copy
+        waits on the GPU for that event instead of the engine syncing first."""
         resp = self._call(
             "Save",
             pb.SaveRequest(
@@ -120,6 +166,7 @@ class PegaflowClient:
                 block_ids=np.asarray(block_ids, np.uint32).tolist(),
                 block_hashes=list(block_hashes),
                 layer_ids=list(layer_ids or ()),
+                wait_event=wait_event,
             ),
         )
         return SaveResult(resp.stored, resp.deduplicated, resp.rejected)
@@ -165,6 +212,14 @@ class PegaflowClient:
             ),
         )
         return LoadResult(resp.loaded, resp.bytes)
+
+    def use_query_socket(self, path: str) -> None:
+        """Send prefix queries over this unix socket from now on (gRPC stays the
+        fallback). For clients that never register, e.g. vLLM's scheduler: its
+        workers learn the path from RegisterInstance and pass it on."""
+        if path != self._fast_path:
+            self._drop_fast_path()
+            self._fast_path = path
 
     def _fast_client(self) -> QuerySocketClient | None:
         if self._fast is None and self._fast_path:

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from pegaflow.instances import CopyEngine, RegionKind, RegisterSpec, Registry, W
 from pegaflow.layout import Transfers, check_block_ids
 from pegaflow.leases import LeaseTable
 from pegaflow.metrics import Metrics
+from pegaflow.misses import HitRateTracker, RecordingPolicy
 from pegaflow.policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
 from pegaflow.pool import HostPool
 from pegaflow.results import LoadResult, QueryResult, SaveResult
@@ -30,6 +31,22 @@ from pegaflow.results import LoadResult, QueryResult, SaveResult
 logger = logging.getLogger(__name__)
 
 MAX_HASH_BYTES = 64
+
+
+async def _uncancellable(work: Awaitable[None]) -> None:
+    """Await a copy thread; if the RPC is cancelled (its client died), still
+    wait for the thread before re-raising. The thread keeps reading or writing
+    the worker's memory and the pool slots: freeing either first (unmapping
+    the engine's IPC memory, reusing the slots) would let it copy into memory
+    that is gone or taken. Seen on the H200: an engine SIGKILLed mid-save."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("copy of a cancelled RPC failed: %s", task.exception())
+        raise
 
 
 def check_hashes(
@@ -63,6 +80,12 @@ class Engine:
             # Block sizes are unknown until engines register; ~1 MiB is typical.
             capacity = max(1024, pool.size >> 20)
             policy = AdmissionPolicy(LRUPolicy(), TinyLFU(capacity))
+        # Hit rates, their ceiling and the miss breakdown; the wrapper feeds it
+        # the evictions and refusals that later misses are blamed on.
+        self.hit_rates = HitRateTracker(
+            config.hit_rate, HitRateTracker.ghost_bits_for(pool.size)
+        )
+        policy = RecordingPolicy(policy, self.hit_rates)
         self.store = BlockStore(pool.slabs, policy)
         self.leases = LeaseTable(self.store, config.lease_ttl_s)
         self.registry = Registry(copiers, max_slot_bytes=pool.slab_bytes)
@@ -120,7 +143,9 @@ class Engine:
             gather = functools.partial(gather, wait_event=wait_event)
         ok = False
         try:
-            seconds = await self._copy(worker, gather, transfers)
+            # An event-gated copy waits for the engine's compute: never on the loop.
+            inline = not wait_event
+            seconds = await self._copy(worker, gather, transfers, inline)
             ok = True
         finally:
             self.store.finish_save(res, tp_rank, layers, ok)
@@ -144,7 +169,8 @@ class Engine:
         """hash_len: the length every hash is known to have (a fast-path frame)."""
         inst = self.registry.instance(instance_id)
         check_hashes(hashes, self.config.max_blocks_per_request, hash_len)
-        hits = self.store.longest_prefix(inst.namespace, hashes)
+        hits, rest = self.store.lookup(inst.namespace, hashes)
+        self.hit_rates.query(inst.namespace, hashes, len(hits), rest, hash_len)
         self.metrics.hits.inc(len(hits))
         self.metrics.misses.inc(len(hashes) - len(hits))
         if not hits:
@@ -197,17 +223,22 @@ class Engine:
         now = time.monotonic()
         self.leases.sweep(now)
         self.store.drop_stale(now - self.config.lease_ttl_s)
+        self.hit_rates.flush()
 
     async def _copy(
-        self, worker: Worker, fn: Callable[[object, Transfers], None], t: Transfers
+        self,
+        worker: Worker,
+        fn: Callable[[object, Transfers], None],
+        t: Transfers,
+        inline: bool = True,
     ) -> float:
         worker.active_ops += 1
         start = time.perf_counter()
         try:
-            if t.total_bytes <= self.config.inline_copy_bytes:
+            if inline and t.total_bytes <= self.config.inline_copy_bytes:
                 fn(worker.handle, t)
             else:
-                await asyncio.to_thread(fn, worker.handle, t)
+                await _uncancellable(asyncio.to_thread(fn, worker.handle, t))
         finally:
             self.registry.finish_op(worker)
         return time.perf_counter() - start

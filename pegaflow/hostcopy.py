@@ -215,8 +215,15 @@ class HostCopyEngine:
             else None
         )
 
-    def open(self, pid: int, regions: list[tuple[int, int]]) -> HostRegions:
-        """Check that `pid` lives and maps every (address, size) read-write."""
+    def open(
+        self, pid: int, regions: list[tuple[int, int]], cuda: object = None
+    ) -> HostRegions:
+        """Check that `pid` lives and maps every (address, size) read-write.
+
+        `cuda` is the CopyEngine seam's GPU export; host workers have none.
+        """
+        if cuda is not None:
+            raise InvalidRequest("regions: host regions carry no CUDA handles")
         if pid <= 0:
             raise InvalidRequest(f"pid: {pid} is not a process id")
         if pid == os.getpid():
@@ -257,8 +264,13 @@ class HostCopyEngine:
             _pidfd_open(pid),
         )
 
-    def gather(self, regions: HostRegions, t: Transfers) -> None:
-        """Engine -> local: t.src lies in the engine process, t.dst is ours."""
+    def gather(self, regions: HostRegions, t: Transfers, wait_event: int = 0) -> None:
+        """Engine -> local: t.src lies in the engine process, t.dst is ours.
+
+        A host engine's save is ordered by the RPC itself: it has no events.
+        """
+        if wait_event:
+            raise InvalidRequest("wait_event: host engines have no CUDA events")
         self._copy("gather", regions, t.dst, t.src, t.nbytes)
 
     def scatter(self, regions: HostRegions, t: Transfers) -> None:

@@ -1,4 +1,5 @@
-"""HTTP endpoint: /health (JSON) and /metrics (Prometheus text)."""
+"""HTTP endpoint: /health (JSON), /metrics (Prometheus text) and further JSON
+routes (/stats)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ def start_http(
     port: int,
     registry: CollectorRegistry,
     health: Callable[[], dict[str, object]],
+    routes: dict[str, Callable[[], dict[str, object]]] | None = None,
 ) -> ThreadingHTTPServer:
+    routes = routes or {}
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's hook name
             path = self.path.split("?", 1)[0]
@@ -32,6 +36,9 @@ def start_http(
                 report = health()
                 status = 200 if report.get("status") == "ok" else 503
                 body, ctype = json.dumps(report).encode(), "application/json"
+            elif path in routes:
+                body, status = _json(path, routes[path])
+                ctype = "application/json"
             else:
                 body, ctype, status = b"not found\n", "text/plain", 404
             self.send_response(status)
@@ -48,3 +55,11 @@ def start_http(
     thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
     thread.start()
     return server
+
+
+def _json(path: str, route: Callable[[], dict[str, object]]) -> tuple[bytes, int]:
+    try:
+        return json.dumps(route()).encode(), 200
+    except Exception:  # a boundary: one failed read must not stop the endpoint
+        logger.exception("http %s failed", path)
+        return b'{"status": "error"}', 503

@@ -21,14 +21,33 @@ RegionKind = Literal["host", "cuda"]
 MAX_ID_LEN = 256
 MAX_TP = 1024
 MAX_REGIONS = 64
+MAX_EVENTS = 64
+IPC_HANDLE_BYTES = 64
+UUID_BYTES = 16
 _DEVICE_RE = re.compile(r"^(cpu|cuda:\d{1,3})$")
+
+
+@dataclass(frozen=True, slots=True)
+class CudaExport:
+    """What a GPU worker sends beside its (offset, size) regions."""
+
+    ipc_handles: tuple[bytes, ...]  # one per region: its allocation's handle
+    device_uuid: bytes
+    event_handles: tuple[bytes, ...] = ()  # SaveRequest.wait_event picks one
 
 
 class CopyEngine(Protocol):
     """Moves descriptor tables between one worker's KV memory and pool slots."""
 
-    def open(self, pid: int, regions: list[tuple[int, int]]) -> object: ...
-    def gather(self, handle: object, transfers: object) -> None: ...
+    def open(
+        self,
+        pid: int,
+        regions: list[tuple[int, int]],
+        cuda: CudaExport | None = None,
+    ) -> object: ...
+    def gather(
+        self, handle: object, transfers: object, wait_event: int = 0
+    ) -> None: ...
     def scatter(self, handle: object, transfers: object) -> None: ...
     def close(self, handle: object) -> None: ...
 
@@ -45,6 +64,7 @@ class RegisterSpec:
     pid: int
     regions: tuple[tuple[int, int], ...]  # (address or offset, size)
     layers: tuple[LayerLayout, ...]
+    cuda: CudaExport | None = None  # set exactly when region_kind == "cuda"
 
 
 @dataclass(slots=True)
@@ -113,7 +133,30 @@ def validate_spec(spec: RegisterSpec) -> None:
     for i, (_, size) in enumerate(spec.regions):
         if size <= 0:
             raise InvalidRequest(f"regions[{i}].size: must be > 0")
+    if (spec.cuda is None) != (spec.region_kind == "host"):
+        raise InvalidRequest("regions: cuda regions need their ipc handles")
+    if spec.cuda is not None:
+        _check_cuda(spec.cuda, len(spec.regions))
     validate_layers(spec.layers, [size for _, size in spec.regions])
+
+
+def _check_cuda(cuda: CudaExport, regions: int) -> None:
+    if len(cuda.ipc_handles) != regions:
+        raise InvalidRequest("regions: every cuda region needs its ipc_handle")
+    for i, h in enumerate(cuda.ipc_handles):
+        if len(h) != IPC_HANDLE_BYTES:
+            raise InvalidRequest(
+                f"regions[{i}].cuda.ipc_handle: {len(h)} bytes, need {IPC_HANDLE_BYTES}"
+            )
+    if len(cuda.device_uuid) != UUID_BYTES:
+        raise InvalidRequest(
+            f"regions.cuda.device_uuid: {len(cuda.device_uuid)} bytes, need "
+            f"{UUID_BYTES} (one device per worker)"
+        )
+    if len(cuda.event_handles) > MAX_EVENTS:
+        raise InvalidRequest(f"event_handles: more than {MAX_EVENTS}")
+    if any(len(h) != IPC_HANDLE_BYTES for h in cuda.event_handles):
+        raise InvalidRequest(f"event_handles: each needs {IPC_HANDLE_BYTES} bytes")
 
 
 class Registry:
@@ -135,7 +178,7 @@ class Registry:
                 f"regions: this server has no {spec.region_kind} copy engine "
                 "(started without a GPU stack?)"
             )
-        handle = copier.open(spec.pid, list(spec.regions))
+        handle = copier.open(spec.pid, list(spec.regions), spec.cuda)
         new_namespace = spec.namespace not in self.namespaces
         try:
             bases = [_base(handle, i, spec.regions) for i in range(len(spec.regions))]

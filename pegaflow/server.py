@@ -8,21 +8,26 @@ import logging
 import os
 import signal
 import tempfile
+import time
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pegaflow.config import ServerConfig, parse_addr
+from pegaflow import cuda_driver
+from pegaflow.config import CudaConfig, ServerConfig, parse_addr
+from pegaflow.cuda_driver import HostRegistrar
 from pegaflow.engine import Engine
 from pegaflow.fastpath import start_query_socket
 from pegaflow.hostcopy import HostCopyEngine
 from pegaflow.http import start_http
+from pegaflow.instances import CopyEngine, RegionKind
 from pegaflow.metrics import Metrics
 from pegaflow.pool import HostPool
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from pegaflow.service import ErrorInterceptor, PegaFlowServicer
+from pegaflow.stats import HitRateCollector, engine_stats, on_loop
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +66,22 @@ class RunningServer:
 
 async def create_server(config: ServerConfig) -> RunningServer:
     """Bring up the pool, bind gRPC (port 0 picks one) and HTTP; start serving."""
-    pool = HostPool(config.pool)
+    ordinals = _cuda_devices(config.cuda)
+    # 8 GiB chunks pinned from 8 threads: 64 GiB came up at 16.8 GB/s on the
+    # H200 host, against 5.9 GB/s for one cudaHostRegister call.
+    registrar = HostRegistrar(ordinals[0], 8 << 30, 8) if ordinals else None
+    pool = HostPool(config.pool, registrar)
     metrics = Metrics()
-    copier = HostCopyEngine(threads=config.engine.copy_threads)
-    engine = Engine(config.engine, pool, {"host": copier}, metrics)
+    copiers: dict[RegionKind, CopyEngine] = {
+        "host": HostCopyEngine(threads=config.engine.copy_threads)
+    }
+    cuda = _cuda_copier(config.cuda, pool, ordinals) if ordinals else None
+    if cuda is not None:
+        copiers["cuda"] = cuda
+    engine = Engine(config.engine, pool, copiers, metrics)
+    started = time.monotonic()
+    stats = on_loop(asyncio.get_running_loop(), lambda: engine_stats(engine, started))
+    metrics.registry.register(HitRateCollector(stats))
     server = grpc.aio.server(
         interceptors=[ErrorInterceptor(metrics)],
         options=[
@@ -97,7 +114,11 @@ async def create_server(config: ServerConfig) -> RunningServer:
     if config.http_addr is not None:
         http_host, http_port = parse_addr(config.http_addr)
         http = start_http(
-            http_host, http_port, metrics.registry, _health_report(engine)
+            http_host,
+            http_port,
+            metrics.registry,
+            _health_report(engine, cuda),
+            {"/stats": stats},
         )
     running = RunningServer(
         server, bound, http, engine, pool, None, query_server, servicer.query_socket
@@ -112,7 +133,29 @@ def _socket_path(setting: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"pegaflow-{os.getpid()}.sock")
 
 
-def _health_report(engine: Engine):  # noqa: ANN202 - a closure for the HTTP thread
+def _cuda_devices(config: CudaConfig) -> list[int]:
+    """The GPUs to serve; [] without a GPU stack unless devices were named."""
+    if not config.enabled:
+        return []
+    try:
+        return cuda_driver.probe(config.devices)
+    except cuda_driver.CudaError as exc:
+        raise OSError(str(exc)) from exc
+
+
+def _cuda_copier(config: CudaConfig, pool: HostPool, ordinals: list[int]) -> object:
+    from pegaflow.cudacopy import CudaCopyEngine  # imports numba: GPU hosts only
+
+    try:
+        return CudaCopyEngine(
+            pool.base, pool.size, ordinals, config.max_ctas, config.event_timeout_s
+        )
+    except Exception as exc:  # a broken GPU stack must not leave the pool pinned
+        pool.close()
+        raise OSError(f"--devices: CUDA copy engine failed to start: {exc}") from exc
+
+
+def _health_report(engine: Engine, cuda: object):  # noqa: ANN202 - HTTP thread's
     def report() -> dict[str, object]:
         slabs = engine.pool.slabs
         return {
@@ -122,6 +165,7 @@ def _health_report(engine: Engine):  # noqa: ANN202 - a closure for the HTTP thr
             "resident_blocks": engine.store.resident_ready,
             "namespaces": len(engine.registry.namespaces),
             "workers": sum(len(i.workers) for i in engine.registry.instances.values()),
+            "cuda_mappings": getattr(cuda, "mapped_allocations", 0),
         }
 
     return report

@@ -13,7 +13,7 @@ import numpy as np
 
 from pegaflow.engine import Engine
 from pegaflow.errors import InvalidRequest, PegaflowError
-from pegaflow.instances import RegisterSpec
+from pegaflow.instances import CudaExport, RegisterSpec
 from pegaflow.layout import LayerLayout, Segment
 from pegaflow.metrics import Metrics
 from pegaflow.proto import pegaflow_pb2 as pb
@@ -90,6 +90,9 @@ def spec_from_message(req: pb.RegisterInstanceRequest) -> RegisterSpec:
     else:
         pid = 0
         regions = tuple((r.cuda.offset, r.cuda.size) for r in req.regions)
+    cuda = _cuda_export(req) if kind == "cuda" else None
+    if cuda is None and req.event_handles:
+        raise InvalidRequest("event_handles: only cuda regions have events")
     layers = tuple(
         LayerLayout(
             layer.region_index,
@@ -111,6 +114,18 @@ def spec_from_message(req: pb.RegisterInstanceRequest) -> RegisterSpec:
         pid,
         regions,
         layers,
+        cuda,
+    )
+
+
+def _cuda_export(req: pb.RegisterInstanceRequest) -> CudaExport:
+    uuids = {r.cuda.device_uuid for r in req.regions}
+    if len(uuids) > 1:
+        raise InvalidRequest("regions: cuda regions of several devices")
+    return CudaExport(
+        tuple(r.cuda.ipc_handle for r in req.regions),
+        uuids.pop(),
+        tuple(req.event_handles),
     )
 
 
@@ -140,6 +155,7 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
             _ids(req.block_ids, "block_ids"),
             list(req.block_hashes),
             layer_ids,
+            wait_event=req.wait_event,
         )
         return pb.SaveResponse(
             stored=res.stored, deduplicated=res.deduplicated, rejected=res.rejected

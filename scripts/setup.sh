@@ -1,21 +1,56 @@
 #!/usr/bin/env bash
 # Create .venv with everything the server, the demo and the tests need.
-# Idempotent and quick when nothing changed (a stamp of pyproject.toml + this file).
+#   scripts/setup.sh               server, demo, tests without vLLM
+#   scripts/setup.sh --with-vllm   also vLLM 0.33 (lean CPU install) for the
+#                                  connector tests; scripts/test.sh uses this
+# Idempotent and quick when nothing changed (stamps of what each part installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-stamp=.venv/.pegaflow-setup
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x .venv/bin/python ]; then
-  exit 0
-fi
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+with_vllm=0
+for arg in "$@"; do
+  case "$arg" in
+    --with-vllm) with_vllm=1 ;;
+    *) echo "usage: $0 [--with-vllm]" >&2; exit 2 ;;
+  esac
+done
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
-echo "setting up .venv (first run takes a minute or two)" >&2
-pip install --upgrade pip
-# The tests' engine processes hold torch CPU tensors. 2.13.0 is the CPU build on
-# local disk here; a bare 'torch' would pull a multi-GB CUDA build. The package
-# itself does not depend on torch.
-pip install "torch==2.13.0"
-pip install -e ".[dev]"
-echo "$want" > "$stamp"
+
+base() {
+  local stamp=.venv/.pegaflow-setup want
+  want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x .venv/bin/python ]; then
+    return 0
+  fi
+  [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+  echo "setting up .venv (first run takes a minute or two)" >&2
+  pip install --upgrade pip
+  # The tests' engine processes hold torch CPU tensors. 2.13.0 is the CPU build on
+  # local disk here; a bare 'torch' would pull a multi-GB CUDA build. The package
+  # itself does not depend on torch.
+  pip install "torch==2.13.0"
+  pip install -e ".[dev]"
+  rm -f .venv/.pegaflow-vllm  # base packages may have moved under vLLM's
+  echo "$want" > "$stamp"
+}
+
+# vLLM 0.33 without its CUDA stack (../shared/VLLM.md, "lean CPU install"): the
+# wheel without dependencies, then its pure-Python requirements
+# (requirements/vllm-0.33-lean.txt). Enough for the real Scheduler on CPU.
+# pip reports that vllm wants torch 2.14.0 and its CUDA kernels, and that
+# grpcio-tools (dev only, for scripts/gen_proto.py) wants protobuf < 6: harmless.
+lean_vllm() {
+  local stamp=.venv/.pegaflow-vllm want
+  want=$(cat requirements/vllm-0.33-lean.txt | sha256sum | cut -d' ' -f1)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return 0
+  fi
+  echo "installing vLLM 0.33 (lean CPU install, a few minutes the first time)" >&2
+  pip install --no-deps "vllm==0.33.0"
+  pip install -r requirements/vllm-0.33-lean.txt
+  .venv/bin/python -c "import vllm.v1.core.sched.scheduler" 2>/dev/null
+  echo "$want" > "$stamp"
+}
+
+base
+[ "$with_vllm" = 0 ] || lean_vllm

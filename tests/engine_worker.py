@@ -1,4 +1,5 @@
-"""A scripted engine process holding torch CPU KV tensors (run by tests/procs.py).
+"""A scripted engine process holding torch KV tensors, on the CPU or a GPU
+(`init(device="cuda:0")`); run by tests/procs.py.
 
 Reads one JSON command per line on stdin and answers one JSON line on stdout.
 """
@@ -9,6 +10,8 @@ import hashlib
 import json
 import os
 import sys
+import threading
+import time
 import traceback
 
 import torch
@@ -28,32 +31,38 @@ def init(
     head: int,
     seed: int,
     dtype: str = "bfloat16",
+    device: str = "cpu",
+    mla_dim: int = 576,
 ) -> dict:
+    """KV in one of the layouts: LBNHC / BLNHC (vLLM 0.33, one int8 buffer with
+    per-layer views), kv_first (older vLLM, [2, blocks, block_size, heads, head]
+    per layer) or MLA (one buffer, per-layer [blocks, block_size, mla_dim])."""
     dt = getattr(torch, dtype)
     item = torch.empty((), dtype=dt).element_size()
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
+
+    def rand(n: int) -> torch.Tensor:  # seeded random bytes, made where they live
+        return torch.randint(
+            -128, 128, (n,), dtype=torch.int8, generator=gen, device=device
+        )
+
+    state.pop("buffer", None)
     if (
         layout == "kv_first"
     ):  # older vLLM: per layer [2, blocks, block_size, heads, head]
-        tensors = [
-            torch.empty(2, blocks, block_size, heads, head, dtype=dt)
-            for _ in range(layers)
-        ]
-        for t in tensors:
-            t.view(torch.int16 if item == 2 else torch.int8).copy_(
-                torch.randint(
-                    -(1 << 15) if item == 2 else -128,
-                    (1 << 15) if item == 2 else 128,
-                    t.shape,
-                    generator=gen,
-                )
-            )
+        shape = (2, blocks, block_size, heads, head)
+        n = 2 * blocks * block_size * heads * head * item
+        tensors = [rand(n).view(dt).view(shape) for _ in range(layers)]
         kv_first = True
+    elif layout == "MLA":  # one buffer, per layer [blocks, block_size, mla_dim]
+        buf = rand(layers * blocks * block_size * mla_dim * item)
+        phys = buf.view(dt).view(layers, blocks, block_size, mla_dim)
+        tensors = [phys[i] for i in range(layers)]
+        state["buffer"] = buf
+        kv_first = False
     else:  # vLLM 0.33: one int8 buffer, per-layer [blocks, heads, block_size, 2*head]
         page = heads * block_size * 2 * head * item
-        buf = torch.randint(
-            -128, 128, (layers * blocks * page,), dtype=torch.int8, generator=gen
-        )
+        buf = rand(layers * blocks * page)
         if layout == "LBNHC":
             phys = buf.view(dt).view(layers, blocks, block_size, heads, 2 * head)
             tensors = [phys[i].permute(0, 2, 1, 3) for i in range(layers)]
@@ -64,8 +73,13 @@ def init(
             raise ValueError(f"layout {layout}")
         state["buffer"] = buf
         kv_first = False
-    state["tensors"] = tensors
-    state["mem"] = describe(tensors, kv_first=kv_first)
+    state.update(tensors=tensors, kv_first=kv_first, device=device)
+    if device == "cpu":
+        state["mem"] = describe(tensors, kv_first=kv_first)
+    else:
+        from pegaflow.cuda_export import export_kv
+
+        state["mem"] = export_kv(tensors, kv_first=kv_first)
     return {"regions": len(state["mem"].regions)}
 
 
@@ -73,22 +87,49 @@ def _pages(block: int) -> bytes:
     """All bytes of one block, every layer, in the server's slot order."""
     out = []
     mem = state["mem"]
+    host: dict[int, torch.Tensor] = {}  # region -> its bytes on the CPU, once
     for layer in mem.layers:
-        base, _ = mem.regions[layer.region_index]
+        i = layer.region_index
+        if i not in host:
+            host[i] = _region_bytes(i).cpu()
         for seg in layer.segments:
             start = layer.offset + block * layer.block_stride + seg.offset
-            region = state.get("buffer")
-            if region is None:
-                region = _region_bytes(layer.region_index)
-            out.append(
-                bytes(region.view(torch.uint8)[start : start + seg.size].numpy())
-            )
+            out.append(bytes(host[i][start : start + seg.size].numpy()))
     return b"".join(out)
 
 
 def _region_bytes(index: int) -> torch.Tensor:
-    tensors = [t for t in state["tensors"]]
-    return tensors[index].view(-1).view(torch.uint8) if index < len(tensors) else None
+    region = state.get("buffer")
+    if region is None:  # kv_first: one region per layer tensor
+        region = state["tensors"][index]
+    return region.reshape(-1).view(torch.uint8)
+
+
+def _gpu_sleep(ms: float) -> None:
+    """Keep the current stream busy, so later work visibly lags the host."""
+    if ms > 0:
+        torch.cuda._sleep(int(ms * 2e6))  # ~2 GHz SM clock
+
+
+def scribble(block_ids: list[int], seed: int, delay_ms: float = 0.0) -> dict:
+    """New random bytes into the blocks of every layer, on the current stream
+    after `delay_ms` of GPU sleep; returns without waiting for them."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.tensor(block_ids, device=state["device"])
+    pending = []
+    for t in state["tensors"]:  # test helper: per layer is fine here
+        raw = t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
+        part = raw[:, ids] if state["kv_first"] else raw[ids]
+        lo, hi = (0, 256) if raw.dtype == torch.uint8 else (-(1 << 15), 1 << 15)
+        vals = torch.randint(lo, hi, part.shape, dtype=raw.dtype, generator=gen)
+        pending.append((raw, vals.to(state["device"], non_blocking=True)))
+    _gpu_sleep(delay_ms)
+    for raw, vals in pending:
+        if state["kv_first"]:
+            raw[:, ids] = vals
+        else:
+            raw[ids] = vals
+    return {"layers": len(pending)}
 
 
 def digest(block_ids: list[int]) -> dict:
@@ -105,33 +146,75 @@ def register(
 ) -> dict:
     client = PegaflowClient(addr)
     mem = state["mem"]
-    reg = client.register_host(
-        instance,
-        namespace,
-        os.getpid(),
-        mem.regions,
-        mem.layers,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-    )
+    if state.get("device", "cpu") == "cpu":
+        reg = client.register_host(
+            instance,
+            namespace,
+            os.getpid(),
+            mem.regions,
+            mem.layers,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+    else:
+        from pegaflow.cuda_export import IpcEvents
+
+        if "events" not in state:
+            state["events"] = IpcEvents(torch.device(state["device"]).index or 0)
+        handles = state["events"].handles
+        reg = client.register_cuda(
+            instance, namespace, mem, handles, tp_rank=tp_rank, tp_size=tp_size
+        )
     state.update(client=client, instance=instance, rank=tp_rank)
     if session:
         state["session"] = client.open_session(instance, tp_rank, interval_s=1.0)
     return {"slot_bytes": reg.slot_bytes, "server_pid": reg.server_pid}
 
 
-def save(block_ids: list[int], hashes: list[str]) -> dict:
+def unregister() -> dict:
+    """Close the session and unregister (the server drops our mappings)."""
+    state["client"].unregister(state["instance"], state["rank"])
+    session = state.pop("session", None)
+    if session is not None:  # after: its end would drop the worker itself
+        session.close()
+    return {"ok": True}
+
+
+def save(
+    block_ids: list[int],
+    hashes: list[str],
+    event: bool = False,
+    delay_ms: float = 0,
+    sync: bool = True,
+) -> dict:
+    """GPU: order the server's copy after our stream with an IPC event (`event`,
+    after `delay_ms` of GPU sleep), or by a host sync first (`sync`), or not."""
+    wait = 0
+    if event:
+        _gpu_sleep(delay_ms)
+        wait = state["events"].record(torch.cuda.current_stream().cuda_stream)
+    elif sync and state.get("device", "cpu") != "cpu":
+        torch.cuda.synchronize()
     res = state["client"].save(
         state["instance"],
         block_ids,
         [bytes.fromhex(h) for h in hashes],
         tp_rank=state["rank"],
+        wait_event=wait,
     )
     return {
         "stored": res.stored,
         "deduplicated": res.deduplicated,
         "rejected": res.rejected,
     }
+
+
+def save_async(**kwargs: object) -> dict:
+    """Start `save` in a thread and answer at once (to be killed mid-save)."""
+    thread = threading.Thread(target=save, kwargs=kwargs, daemon=True)
+    thread.start()
+    time.sleep(0.05)  # let the request leave
+    return {"started": True}
 
 
 def query(hashes: list[str]) -> dict:
@@ -154,7 +237,10 @@ OPS = {
     "init": init,
     "digest": digest,
     "register": register,
+    "unregister": unregister,
+    "scribble": scribble,
     "save": save,
+    "save_async": save_async,
     "query": query,
     "load": load,
 }

@@ -103,12 +103,13 @@ def _readline(proc: subprocess.Popen, timeout: float) -> str:
 class EngineProc:
     """A separate engine process (tests/engine_worker.py) driven by JSON lines."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        """env: extra variables (e.g. PYTORCH_CUDA_ALLOC_CONF for a GPU engine)."""
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "engine_worker.py")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=_env(),
+            env={**_env(), **(env or {})},
             cwd=ROOT,
         )
 

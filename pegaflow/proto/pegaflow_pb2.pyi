@@ -58,7 +58,7 @@ class LayerLayout(_message.Message):
     def __init__(self, region_index: _Optional[int] = ..., offset: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_stride: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
 class RegisterInstanceRequest(_message.Message):
-    __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "world_size", "device", "regions", "layers")
+    __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "world_size", "device", "regions", "layers", "event_handles")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class RegisterInstanceRequest(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     namespace: str
     tp_rank: int
@@ -75,7 +76,8 @@ class RegisterInstanceRequest(_message.Message):
     device: str
     regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
     layers: _containers.RepeatedCompositeFieldContainer[LayerLayout]
-    def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[LayerLayout, _Mapping]]] = ...) -> None: ...
+    event_handles: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[LayerLayout, _Mapping]]] = ..., event_handles: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RegisterInstanceResponse(_message.Message):
     __slots__ = ("server_pid", "slot_bytes", "query_socket")
@@ -88,18 +90,20 @@ class RegisterInstanceResponse(_message.Message):
     def __init__(self, server_pid: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., query_socket: _Optional[str] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("instance_id", "tp_rank", "block_ids", "block_hashes", "layer_ids")
+    __slots__ = ("instance_id", "tp_rank", "block_ids", "block_hashes", "layer_ids", "wait_event")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_EVENT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     tp_rank: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     layer_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    wait_event: int
+    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layer_ids: _Optional[_Iterable[int]] = ..., wait_event: _Optional[int] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ("stored", "deduplicated", "rejected")

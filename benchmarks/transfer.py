@@ -1,0 +1,309 @@
+"""GPU data path through a real server: save/load GB/s of torch CUDA KV (vLLM
+0.33 layout: one int8 buffer, per-layer pages) from this process, next to one
+pinned cudaMemcpy of the same bytes (the ceiling); save + load at once; 1-block
+end-to-end latency; pool bring-up; optionally a 10K-token prefill for the
+warm/cold ratio (benchmarks/transfer_extras.py).
+
+Every timed transfer kind is byte-checked once: a save, then a load into
+poisoned other blocks, compared on the GPU.
+
+    PYTHONPATH=$PWD python3 benchmarks/transfer.py --out DIR [--quick] [--prefill]
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import socket
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import table, write_json  # noqa: E402
+from benchmarks.transfer_extras import bring_up, prefill_seconds  # noqa: E402
+from pegaflow.client import PegaflowClient  # noqa: E402
+from pegaflow.cuda_export import IpcEvents, export_kv  # noqa: E402
+from pegaflow.kv_layouts import vllm_layer_views  # noqa: E402
+from pegaflow.spawn import spawn_server  # noqa: E402
+
+# (name, layers, page bytes): Llama-3.1-8B (8 KV heads x 16 tokens x 2 x 128 x
+# bf16) and DeepSeek-V3 MLA (block 64 x 576 x bf16).
+SHAPES = (("llama-3.1-8b", 32, 64 << 10), ("mla-dsv3", 61, 64 * 576 * 2))
+POISON = -85
+# Server-side seconds, summed, from /metrics: copy alone and the whole RPC.
+SUMS = {
+    "save_copy": 'pegaflow_transfer_seconds_sum{direction="save"}',
+    "load_copy": 'pegaflow_transfer_seconds_sum{direction="load"}',
+    "save_rpc": 'pegaflow_rpc_seconds_sum{code="OK",method="Save"}',
+    "load_rpc": 'pegaflow_rpc_seconds_sum{code="OK",method="Load"}',
+}
+
+
+def server_sums(http: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    prefixes = {prefix + " ": key for key, prefix in SUMS.items()}
+    got = {key: 0.0 for key in SUMS}
+    for line in lines:
+        for prefix, key in prefixes.items():
+            if line.startswith(prefix):
+                got[key] = float(line[len(prefix) :])
+    return got
+
+
+def _delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: b[k] - a[k] for k in a}
+
+
+class Engine:
+    """One engine's KV in GPU memory, registered with the server over CUDA IPC."""
+
+    def __init__(
+        self, addr: str, http: str, name: str, layers: int, page: int, n_max: int
+    ) -> None:
+        self.http = http
+        self.layers, self.page = layers, page
+        self.blocks = 2 * n_max + 64
+        self.buf = torch.randint(
+            -128, 128, (layers * self.blocks * page,), dtype=torch.int8, device="cuda"
+        )
+        self.view = self.buf.view(layers, self.blocks, page)
+        views = vllm_layer_views(self.buf, layers, self.blocks, (page,))
+        self.events = IpcEvents(0)
+        self.client = PegaflowClient(addr, timeout_s=300)
+        kv = export_kv(views)
+        self.client.register_cuda(name, f"ns-{name}", kv, self.events.handles)
+        self.name = name
+        self.rng = np.random.default_rng(0)
+
+    def ids(self, n: int, contiguous: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Source and destination block ids, disjoint."""
+        if contiguous:
+            return np.arange(n), np.arange(n) + self.blocks // 2
+        perm = self.rng.permutation(self.blocks)
+        return perm[:n], perm[n : 2 * n]
+
+    def save(self, src: np.ndarray, hashes: list[bytes], event: bool = True) -> float:
+        t = time.perf_counter()
+        wait = (
+            self.events.record(torch.cuda.current_stream().cuda_stream) if event else 0
+        )
+        res = self.client.save(self.name, src, hashes, wait_event=wait)
+        assert res.stored == len(src), res
+        return time.perf_counter() - t
+
+    def load(self, dst: np.ndarray, hashes: list[bytes]) -> float:
+        hit = self.client.query(self.name, hashes)
+        assert hit.num_blocks == len(hashes), hit
+        t = time.perf_counter()
+        res = self.client.load(self.name, hit.lease_id, dst)
+        assert res.loaded == len(dst), res
+        return time.perf_counter() - t
+
+    def checked_round_trip(self, src: np.ndarray, dst: np.ndarray) -> bool:
+        s, d = torch.as_tensor(src).cuda(), torch.as_tensor(dst).cuda()
+        self.view[:, d] = POISON
+        torch.cuda.synchronize()
+        hashes = [secrets.token_bytes(32) for _ in src]
+        self.save(src, hashes)
+        self.load(dst, hashes)
+        return bool(torch.equal(self.view[:, s], self.view[:, d]))
+
+    def close(self) -> None:
+        self.client.unregister(self.name)
+        self.client.close()
+
+
+def ceiling_gbps(pinned: torch.Tensor, dev: torch.Tensor, nbytes: int) -> float:
+    """Best of 3: one pinned cudaMemcpy each way of nbytes (in <=2 GiB pieces)."""
+    best = {"d2h": 0.0, "h2d": 0.0}
+    for _ in range(3):
+        for way in best:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            left = nbytes
+            while left:
+                n = min(left, pinned.numel())
+                if way == "d2h":
+                    pinned[:n].copy_(dev[:n], non_blocking=True)
+                else:
+                    dev[:n].copy_(pinned[:n], non_blocking=True)
+                left -= n
+            torch.cuda.synchronize()
+            best[way] = max(best[way], nbytes / (time.perf_counter() - t) / 1e9)
+    return min(best.values())
+
+
+def bench_shape(
+    addrs: tuple[str, str], shape: tuple[str, int, int], sizes: list[int], ceil: dict
+) -> tuple[list[dict], dict]:
+    name, layers, page = shape
+    addr, http = addrs
+    eng = Engine(addr, http, name, layers, page, max(sizes))
+    rows = []
+    for n in sizes:
+        for contiguous in (True, False):
+            src, dst = eng.ids(n, contiguous)
+            ok = eng.checked_round_trip(src, dst)
+            reps = max(3, min(30, 640 // n))
+            saves, loads = [], []
+            before = server_sums(eng.http)
+            for _ in range(reps):
+                hashes = [secrets.token_bytes(32) for _ in range(n)]
+                saves.append(eng.save(src, hashes))
+                loads.append(eng.load(dst, hashes))
+            srv = _delta(before, server_sums(eng.http))
+            nbytes = n * layers * page
+            if nbytes not in ceil:
+                ceil[nbytes] = ceiling_gbps(ceil["pinned"], eng.buf, nbytes)
+            c = ceil[nbytes]
+            save_gb = nbytes / statistics.median(saves) / 1e9
+            load_gb = nbytes / statistics.median(loads) / 1e9
+            rows.append(
+                dict(
+                    shape=name,
+                    N=n,
+                    ids="contig" if contiguous else "random",
+                    MiB=round(nbytes / 2**20, 1),
+                    save_GBps=round(save_gb, 1),
+                    load_GBps=round(load_gb, 1),
+                    ceiling_GBps=round(c, 1),
+                    save_ratio=round(save_gb / c, 2),
+                    load_ratio=round(load_gb / c, 2),
+                    save_copy_GBps=round(nbytes * reps / srv["save_copy"] / 1e9, 1),
+                    load_copy_GBps=round(nbytes * reps / srv["load_copy"] / 1e9, 1),
+                    save_rpc_ms=round(1e3 * srv["save_rpc"] / reps, 2),
+                    load_rpc_ms=round(1e3 * srv["load_rpc"] / reps, 2),
+                    bytes_ok=ok,
+                )
+            )
+            print(rows[-1], flush=True)
+    extra = {}
+    if name.startswith("llama"):
+        n = 640 if max(sizes) >= 640 else max(sizes)
+        extra = latency(eng) | concurrent(addr, eng, n)
+    eng.close()
+    return rows, extra
+
+
+def latency(eng: Engine, reps: int = 200) -> dict:
+    """1 block x all layers, RPC + copy + completion seen here, ms."""
+    src, dst = np.array([3]), np.array([eng.blocks - 1])
+    out = {}
+    for label, event in (("save_event", True), ("save_synced", False)):
+        times = []
+        before = server_sums(eng.http)
+        for _ in range(reps):
+            if not event:  # the engine orders by syncing itself: inline copy
+                torch.cuda.synchronize()
+            times.append(eng.save(src, [secrets.token_bytes(32)], event=event))
+        out[f"lat_{label}_p50_ms"] = round(1e3 * statistics.median(times), 3)
+        out[f"lat_{label}_p90_ms"] = round(1e3 * np.percentile(times, 90), 3)
+        srv = _delta(before, server_sums(eng.http))
+        out[f"lat_{label}_server_rpc_mean_ms"] = round(1e3 * srv["save_rpc"] / reps, 3)
+        out[f"lat_{label}_copy_mean_ms"] = round(1e3 * srv["save_copy"] / reps, 3)
+    hashes = [secrets.token_bytes(32)]
+    eng.save(src, hashes)
+    before = server_sums(eng.http)
+    times = [eng.load(dst, hashes) for _ in range(reps)]
+    srv = _delta(before, server_sums(eng.http))
+    out["lat_load_server_rpc_mean_ms"] = round(1e3 * srv["load_rpc"] / reps, 3)
+    out["lat_load_copy_mean_ms"] = round(1e3 * srv["load_copy"] / reps, 3)
+    out["lat_load_p50_ms"] = round(1e3 * statistics.median(times), 3)
+    out["lat_load_p90_ms"] = round(1e3 * np.percentile(times, 90), 3)
+    return out
+
+
+def concurrent(addr: str, eng: Engine, n: int, seconds: float = 2.0) -> dict:
+    """Saves and loads of n blocks at once, from two threads, two channels."""
+    src, dst = eng.ids(n, False)
+    kept = [secrets.token_bytes(32) for _ in range(n)]
+    eng.save(src, kept)
+    nbytes = n * eng.layers * eng.page
+    done = {"save": 0, "load": 0}
+    stop = time.perf_counter() + seconds
+    loader = PegaflowClient(addr, timeout_s=300)
+
+    def loads() -> None:
+        while time.perf_counter() < stop:
+            hit = loader.query(eng.name, kept)
+            loader.load(eng.name, hit.lease_id, dst)
+            done["load"] += 1
+
+    thread = threading.Thread(target=loads)
+    start = time.perf_counter()
+    thread.start()
+    while time.perf_counter() < stop:
+        eng.save(src, [secrets.token_bytes(32) for _ in range(n)])
+        done["save"] += 1
+    thread.join()
+    wall = time.perf_counter() - start
+    loader.close()
+    return {
+        "both_N": n,
+        "both_save_GBps": round(done["save"] * nbytes / wall / 1e9, 1),
+        "both_load_GBps": round(done["load"] * nbytes / wall / 1e9, 1),
+        "both_total_GBps": round(
+            (done["save"] + done["load"]) * nbytes / wall / 1e9, 1
+        ),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None, help="directory for transfer.json")
+    p.add_argument("--quick", action="store_true", help="small sizes, small pool")
+    p.add_argument("--prefill", action="store_true", help="10K-token prefill too")
+    p.add_argument("--bringup-gib", type=int, default=64)
+    args = p.parse_args()
+    sizes = [1, 16, 64] if args.quick else [1, 16, 64, 640, 2560]
+    pool = "4gb" if args.quick else "16gb"
+    with socket.socket() as sock:  # a free port for /metrics
+        sock.bind(("127.0.0.1", 0))
+        http = f"127.0.0.1:{sock.getsockname()[1]}"
+    proc, addr = spawn_server(
+        "--pool-size", pool, "--devices", "0", "--no-progress",
+        "--log-level", "warning", "--http-addr", http,
+    )  # fmt: skip
+    ceil = {"pinned": torch.empty(2 << 30, dtype=torch.int8, pin_memory=True)}
+    rows, extra = [], {}
+    try:
+        for shape in SHAPES:
+            got, more = bench_shape((addr, http), shape, sizes, ceil)
+            rows += got
+            extra |= more
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    del ceil
+    if args.bringup_gib:
+        extra |= bring_up(4 if args.quick else args.bringup_gib)
+    if args.prefill:
+        pre = prefill_seconds(10240)
+        load = [r for r in rows if r["shape"].startswith("llama") and r["N"] == 640]
+        extra["prefill_10k_ms"] = round(1e3 * pre, 1)
+        if load:  # 640 blocks x 16 tokens = the same 10K-token prefix
+            load_s = load[0]["MiB"] * 2**20 / (load[0]["load_GBps"] * 1e9)
+            extra["load_10k_ms"] = round(1e3 * load_s, 2)
+            extra["warm_cold_ratio"] = round(pre / load_s, 1)
+    cols = list(rows[0])
+    print(table(rows, cols))
+    for key, value in extra.items():
+        print(f"{key}: {value}")
+    out = Path(args.out) / "transfer.json" if args.out else None
+    path = write_json(
+        "transfer", {"rows": rows, "extra": extra}, str(out) if out else None
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The connector's options: environment + `kv_connector_extra_config`, read once.
+
+Pure Python on purpose (no vLLM, no torch): `parse_config` is the one place that
+knows the option names, and every error names the key and what it accepts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+DEFAULT_HOST = "http://127.0.0.1"
+DEFAULT_PORT = 50055
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """Validated options; field names are the accepted extra-config keys
+    (except `addr`, which comes from PEGAFLOW_HOST / PEGAFLOW_PORT)."""
+
+    addr: str = f"127.0.0.1:{DEFAULT_PORT}"
+    # Server instance name; default derives from vLLM's engine_id, so the
+    # scheduler and its workers agree without talking to each other.
+    instance_id: str = ""
+    # Mixed into the namespace digest: bump it when bytes change in a way the
+    # config cannot see (a new checkpoint under the same model path).
+    namespace_salt: str = ""
+    # Deadline of the worker's Register / Save / Load calls.
+    timeout_s: float = 10.0
+    # Deadline of the scheduler's prefix query: the scheduler waits on it.
+    query_timeout_s: float = 1.0
+    # Hits of at most this many tokens load synchronously, before the forward
+    # (waiting per layer); longer ones load asynchronously between steps.
+    sync_load_max_tokens: int = 0
+    # After the server was unreachable: how long queries are skipped (misses)
+    # and how often the worker tries to register again.
+    retry_interval_s: float = 2.0
+    # A query answer (and its lease) is reused for the same request for this
+    # long; must stay below the server's --lease-ttl.
+    lease_reuse_s: float = 5.0
+    # Save blocks that fill up during decode, not only prompt blocks.
+    save_decode: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "query_timeout_s", "retry_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"kv_connector_extra_config.{name}: must be > 0")
+        if self.lease_reuse_s < 0:
+            raise ValueError("kv_connector_extra_config.lease_reuse_s: must be >= 0")
+        if self.sync_load_max_tokens < 0:
+            raise ValueError(
+                "kv_connector_extra_config.sync_load_max_tokens: must be >= 0"
+            )
+
+
+_KEYS = {f.name: f for f in fields(ConnectorConfig) if f.name != "addr"}
+
+
+def server_addr(env: Mapping[str, str]) -> str:
+    """gRPC target from PEGAFLOW_HOST (default http://127.0.0.1, a plain host
+    or [v6] also accepted) and PEGAFLOW_PORT (default 50055)."""
+    host = env.get("PEGAFLOW_HOST", DEFAULT_HOST).strip()
+    if host.startswith("http://"):
+        host = host[len("http://") :]
+    elif "://" in host:
+        raise ValueError(
+            f"PEGAFLOW_HOST={host!r}: only http:// (plaintext gRPC) is supported"
+        )
+    host = host.rstrip("/")
+    if not host or "/" in host:
+        raise ValueError(f"PEGAFLOW_HOST={host!r}: expected a host name or address")
+    port_text = env.get("PEGAFLOW_PORT", str(DEFAULT_PORT)).strip()
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"PEGAFLOW_PORT={port_text!r}: expected a port 1..65535")
+    if ":" in host and not host.startswith("["):  # bare IPv6 address
+        host = f"[{host}]"
+    return f"{host}:{int(port_text)}"
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """Check one value against its field's type (from the default's type)."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"kv_connector_extra_config.{key}: expected true/false, got {value!r}"
+            )
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(
+                f"kv_connector_extra_config.{key}: expected an integer, got {value!r}"
+            )
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(
+                f"kv_connector_extra_config.{key}: expected a number, got {value!r}"
+            )
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError(
+            f"kv_connector_extra_config.{key}: expected a string, got {value!r}"
+        )
+    return value
+
+
+def parse_config(
+    extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+) -> ConnectorConfig:
+    """The connector's config from vLLM's extra config and the environment."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(_KEYS))
+    if unknown:
+        raise ValueError(
+            f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
+            f"PegaKVConnector accepts {', '.join(sorted(_KEYS))}"
+        )
+    values = {k: _coerce(k, v, _KEYS[k].default) for k, v in extra.items()}
+    return ConnectorConfig(
+        addr=server_addr(os.environ if env is None else env), **values
+    )

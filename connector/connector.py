@@ -1,0 +1,222 @@
+"""PegaKVConnector: vLLM's KVConnectorBase_V1 as a thin facade over the
+scheduler half (scheduler.py) and the worker half (worker.py).
+
+    --kv-transfer-config '{"kv_connector":"PegaKVConnector","kv_role":"kv_both",
+                           "kv_connector_module_path":"pegaflow.connector"}'
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from .config import parse_config
+from .plan import StepPlan, WorkerReport, new_stats
+from .scheduler import SchedulerHalf
+from .stats import PegaConnectorStats, PegaPromMetrics
+from .worker import WorkerHalf
+
+logger = logging.getLogger(__name__)
+
+
+class PegaConnectorMetadata(KVConnectorMetadata):
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class PegaWorkerMetadata(KVConnectorWorkerMetadata):
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, PegaWorkerMetadata)
+        return PegaWorkerMetadata(self.report.merge(other.report))
+
+
+def instance_id(vllm_config: Any) -> str:
+    """Same in the scheduler and its workers (vllm_config travels to both)."""
+    par = vllm_config.parallel_config
+    ident = f"vllm-{vllm_config.kv_transfer_config.engine_id}"
+    if par.data_parallel_size > 1:
+        ident += f"-dp{par.data_parallel_rank}"
+    return ident
+
+
+def _tp_rank(vllm_config: Any) -> int:
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return ps.get_tensor_model_parallel_rank()
+    par = vllm_config.parallel_config
+    return par.rank % par.tensor_parallel_size
+
+
+def _check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("PegaKVConnector: pipeline parallelism is not supported")
+    if len(kv_cache_config.kv_cache_groups) > 1:
+        raise ValueError("PegaKVConnector: one KV cache group only (no hybrid models)")
+    block_size = vllm_config.cache_config.block_size
+    if kv_cache_config.hash_block_size not in (None, block_size):
+        raise ValueError(
+            f"PegaKVConnector: hash block size {kv_cache_config.hash_block_size} "
+            f"!= block size {block_size}"
+        )
+
+
+class PegaKVConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
+        _check_supported(vllm_config, kv_cache_config)
+        ident = self.config.instance_id or instance_id(vllm_config)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._scheduler: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            algo = vllm_config.cache_config.prefix_caching_hash_algo
+            if algo.startswith("xxhash") and "PYTHONHASHSEED" not in os.environ:
+                logger.warning(
+                    "pegaflow: %s block hashes are random per process unless "
+                    "PYTHONHASHSEED is set: other engines will never hit them",
+                    algo,
+                )
+            block_size = vllm_config.cache_config.block_size
+            self._scheduler = SchedulerHalf(self.config, ident, block_size, tp_size)
+        else:
+            self._worker = WorkerHalf(
+                self.config, ident, _tp_rank(vllm_config), tp_size
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None  # any block-compact layout; it is part of the namespace
+
+    # -- scheduler side -----------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        ids = blocks.get_block_ids()[0]
+        self._scheduler.after_alloc(request, ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return PegaConnectorMetadata(self._scheduler.build_plan(scheduler_output))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, PegaWorkerMetadata):
+            self._scheduler.on_worker_report(meta.report)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids), None
+
+    # -- worker side --------------------------------------------------------
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PegaConnectorMetadata)
+        return meta.plan
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        num_blocks = self._kv_cache_config.num_blocks
+        self._worker.register(kv_caches, num_blocks, self._vllm_config)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self._worker is not None
+        assert isinstance(kv_connector_metadata, PegaConnectorMetadata)
+        self._worker.handle_preemptions(kv_connector_metadata.plan)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        # Attention layers call wait_for_layer_load only inside a forward that
+        # carries attention metadata; a whole-batch CUDA graph (metadata passed
+        # here as a keyword) or a step without a forward never will.
+        layer_waits = (
+            getattr(forward_context, "attn_metadata", None) is not None
+            and "attn_metadata" not in kwargs
+        )
+        self._worker.start_load(self._plan(), layer_waits)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self._worker is not None
+        self._worker.wait_sync_loads()
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # one Save per step for all layers, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.save(self._plan())
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        sending, recving = self._worker.get_finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        report = self._worker.take_report() if self._worker is not None else None
+        return PegaWorkerMetadata(report) if report is not None else None
+
+    # -- both ---------------------------------------------------------------
+    def get_kv_connector_stats(self) -> PegaConnectorStats | None:
+        half = self._scheduler or self._worker
+        stats = half.take_stats() if half is not None else None
+        return PegaConnectorStats(data=stats) if stats is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> PegaConnectorStats:
+        return PegaConnectorStats(data=dict(data) if data else new_stats())
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PegaPromMetrics:
+        return PegaPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

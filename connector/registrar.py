@@ -1,0 +1,170 @@
+"""The worker's registration with the server, kept alive across server restarts.
+
+The KV memory is described once; registering (and re-registering after the
+server restarted or our session dropped) only sends that description again.
+Host KV registers (pid, address, size) for process_vm_readv/writev; CUDA KV is
+the one other branch: IPC handles + interprocess events through
+`PegaflowClient.register_cuda`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from pegaflow.client import PegaflowClient, Session
+from pegaflow.errors import NotSupported, PegaflowError
+from pegaflow.kv_layouts import describe
+
+from .config import ConnectorConfig
+from .kvmemory import KVTensors, kv_tensors, namespace_digest, namespace_parts
+
+logger = logging.getLogger(__name__)
+
+
+class Registrar:
+    def __init__(
+        self,
+        client: PegaflowClient,
+        config: ConnectorConfig,
+        instance_id: str,
+        tp_rank: int,
+        tp_size: int,
+        pool: ThreadPoolExecutor,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.instance_id = instance_id
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.namespace = ""
+        self.registered = False
+        self.slot_bytes = 0
+        self.new_query_socket = ""
+        self._pool = pool
+        self._register_fn: Any = None  # () -> Registration, set by describe()
+        self._events: Any = None  # pegaflow.cuda_export.IpcEvents for CUDA KV
+        self._device = "cpu"
+        self._session: Session | None = None
+        self._attempt: Future | None = None
+        self._next_try = 0.0
+
+    def describe(
+        self, kv_caches: dict[str, Any], num_blocks: int, vllm_config: Any
+    ) -> KVTensors:
+        kv = kv_tensors(kv_caches, num_blocks)
+        parts = namespace_parts(vllm_config, kv, self.config.namespace_salt)
+        self.namespace = namespace_digest(parts)
+        self._device = kv.device
+        if kv.device == "cpu":
+            mem = describe(kv.tensors, kv_first=kv.kv_first)
+            self._register_fn = lambda: self.client.register_host(
+                self.instance_id,
+                self.namespace,
+                os.getpid(),
+                mem.regions,
+                mem.layers,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
+            )
+        else:
+            self._register_fn = self._describe_cuda(kv)
+        logger.info(
+            "pegaflow: %d layers of %s KV, namespace %s (%s)",
+            len(kv.tensors),
+            kv.device,
+            self.namespace,
+            parts,
+        )
+        return kv
+
+    def _describe_cuda(self, kv: KVTensors) -> Any:
+        register_cuda = getattr(self.client, "register_cuda", None)
+        try:
+            from pegaflow.cuda_export import IpcEvents, export_kv
+        except ImportError as exc:
+            register_cuda = None
+            reason = f"{exc}"
+        else:
+            reason = "this pegaflow client has no register_cuda"
+        if register_cuda is None:
+            # TODO(issue 4): the GPU data path lands with the issue "GPU data path".
+            raise NotSupported(f"PegaKVConnector: CUDA KV cannot register: {reason}")
+        cuda_kv = export_kv(kv.tensors, kv_first=kv.kv_first)
+        self._events = IpcEvents(int(kv.device.split(":")[1]))
+        return lambda: register_cuda(
+            self.instance_id,
+            self.namespace,
+            cuda_kv,
+            self._events.handles,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
+
+    def register_now(self) -> bool:
+        """Register and open the liveness session; False (and retry later) if
+        the server cannot be reached or refuses."""
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+        try:
+            reg = self._register_fn()
+            self._session = self.client.open_session(self.instance_id, self.tp_rank)
+        except PegaflowError as exc:
+            self._next_try = time.monotonic() + self.config.retry_interval_s
+            logger.warning(
+                "pegaflow: cannot register %s rank %d at %s (%s); running without "
+                "the cache, retrying every %.1f s",
+                self.instance_id,
+                self.tp_rank,
+                self.config.addr,
+                exc,
+                self.config.retry_interval_s,
+            )
+            return False
+        self.slot_bytes = reg.slot_bytes
+        self.new_query_socket = reg.query_socket  # for the scheduler, once
+        self.registered = True
+        logger.info("pegaflow: registered %s rank %d", self.instance_id, self.tp_rank)
+        return True
+
+    def tick(self) -> None:
+        """Once per step, on the engine's thread: notice a dropped session and
+        retry registration in the background."""
+        if self.registered:
+            if self._session is not None and not self._session.alive:
+                self.lost("session closed")
+            return
+        if self._attempt is not None:
+            if self._attempt.done():
+                self._attempt = None
+            return
+        if self._register_fn is not None and time.monotonic() >= self._next_try:
+            self._attempt = self._pool.submit(self.register_now)
+
+    def lost(self, reason: str) -> None:
+        if self.registered:
+            logger.warning("pegaflow: registration lost (%s); re-registering", reason)
+        self.registered = False
+
+    def record_compute_done(self) -> int:
+        """CUDA KV: an event after this step's KV writes, for the server's copy
+        to wait on (no host sync here). Host KV: 0, the forward is done."""
+        if self._events is None:
+            return 0
+        import torch
+
+        stream = torch.cuda.current_stream(torch.device(self._device))
+        return self._events.record(stream.cuda_stream)
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+        if self._events is not None:
+            self._events.close()
+            self._events = None
+        self.registered = False

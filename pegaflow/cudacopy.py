@@ -1,0 +1,263 @@
+"""CUDA copy engine: moves KV pages between engines' GPU memory and the pool.
+
+Same seam as pegaflow.hostcopy.HostCopyEngine (`open`, `gather`, `scatter`,
+`close`), over pegaflow.kernels' CUDA backend: one kernel launch per save or
+load moves every (layer, block) page, zero-copy between device memory opened
+with CUDA IPC and the pool, registered mapped (cudaHostRegister). Saves and
+loads run on separate streams with a capped grid each, so both directions
+overlap and the engine keeps most SMs.
+
+Each allocation an engine exports is opened once per server (refcounted by
+its handle), however many regions or re-registrations name it, and closed on a
+background thread when its last worker goes away: cudaIpcCloseMemHandle may
+synchronize the device, which must never stall the RPC loop.
+
+A save may name an engine's interprocess event (`wait_event`). The server polls
+that event from the copy thread and launches once it completed, bounded by
+`event_timeout_s`, rather than queueing cudaStreamWaitEvent. In the first H200
+run (GPU-side wait), an engine SIGKILLed between recording its event and
+reaching it hung the server: its cancelled Save released the worker while the
+copy still sat on the stream behind a wait that never ends, and the IPC close
+(a device-wide synchronization) then blocked the RPC loop for good. Polling
+never leaves work waiting on another process in the server's context (and
+Engine._copy now outlives a cancelled RPC). The engine itself never syncs; the
+copy starts within ~50 us of its event completing.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pegaflow import cuda_driver, kernels
+from pegaflow.errors import CopyFailed, InvalidRequest
+from pegaflow.instances import CudaExport
+from pegaflow.layout import Transfers
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CTAS = 66  # half the H200's SMs per direction (RESULTS_kernels.md)
+SPIN_S = 1e-3  # poll an engine's event without sleeping for this long
+POLL_S = 50e-6
+CLOSE_WAIT_S = 10.0  # a re-opened allocation waits this long for its old close
+
+
+@dataclass(slots=True)
+class _Device:
+    """One GPU the server serves: the pool's alias there and two streams."""
+
+    ordinal: int
+    uuid: bytes
+    pool: Any  # kernels Buffer over the whole pool, mapped
+    save: Any  # numba streams
+    load: Any
+
+
+@dataclass(slots=True)
+class _Mapping:
+    pointer: int  # where the allocation is mapped in the server
+    size: int
+    refs: int
+
+
+@dataclass(slots=True)
+class CudaRegions:
+    """One worker's opened GPU memory (the handle Registry keeps)."""
+
+    device: _Device
+    keys: tuple[tuple[bytes, bytes], ...]  # (device uuid, ipc handle) per region
+    bases: tuple[int, ...]  # server-side device address of each region
+    buffer: Any  # kernels Buffer spanning every region
+    events: tuple[Any, ...]  # opened interprocess events
+
+
+class CudaCopyEngine:
+    def __init__(
+        self,
+        pool_base: int,
+        pool_size: int,
+        ordinals: list[int],
+        max_ctas: int = DEFAULT_CTAS,
+        event_timeout_s: float = 10.0,
+    ) -> None:
+        if not ordinals:
+            raise ValueError("ordinals: need at least one CUDA device")
+        self._k = kernels.backend("cuda")
+        self._ctas = max_ctas
+        self._timeout = event_timeout_s
+        self._devices: dict[bytes, _Device] = {}
+        self._mappings: dict[tuple[bytes, bytes], _Mapping] = {}
+        self._closing: dict[tuple[bytes, bytes], _Mapping] = {}
+        self._lock = threading.Lock()
+        # A daemon thread: a close that never returns must not block exit.
+        self._reaper: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        threading.Thread(target=self._reap, daemon=True, name="cuda-close").start()
+        for ordinal in ordinals:  # one to a few GPUs, at start-up
+            cuda_driver.set_device(ordinal)
+            pool = self._k.wrap(pool_base, pool_size, mapped=True)
+            uuid = cuda_driver.device_uuid(ordinal)
+            dev = _Device(ordinal, uuid, pool, self._k.stream(), self._k.stream())
+            self._devices[uuid] = dev
+            self._warm_up(dev)
+        logger.info("CUDA copy engine on device(s) %s, %d CTAs", ordinals, max_ctas)
+
+    def _warm_up(self, dev: _Device) -> None:
+        """Compile the kernel now (about a second), not in the first save."""
+        base = np.uint64(dev.pool.address)
+        one = np.ones(1, np.uint64) * np.uint64(16)
+        t = Transfers(np.array([base]), np.array([base + np.uint64(16)]), one)
+        self._k.copy_descriptors(dev.pool, dev.pool, t, stream=dev.save)
+        self._k.synchronize(dev.save)
+
+    @property
+    def mapped_allocations(self) -> int:
+        """Engine allocations currently IPC-mapped into the server."""
+        return len(self._mappings) + len(self._closing)
+
+    # -- open / close -----------------------------------------------------------
+    def open(
+        self, pid: int, regions: list[tuple[int, int]], cuda: CudaExport | None = None
+    ) -> CudaRegions:
+        """Map each region's allocation (once per allocation) and the events."""
+        if cuda is None:
+            raise InvalidRequest("regions: cuda regions need their ipc handles")
+        dev = self._devices.get(cuda.device_uuid)
+        if dev is None:
+            raise InvalidRequest(
+                f"regions.cuda.device_uuid: GPU {cuda.device_uuid.hex()} is not "
+                "served by this server (see --devices)"
+            )
+        cuda_driver.set_device(dev.ordinal)
+        keys: list[tuple[bytes, bytes]] = []
+        events: list[Any] = []
+        try:
+            bases = []
+            for i, (handle, (offset, size)) in enumerate(
+                zip(cuda.ipc_handles, regions, strict=True)
+            ):
+                key = (cuda.device_uuid, handle)
+                mapping = self._acquire(key, i)
+                keys.append(key)
+                if offset + size > mapping.size:
+                    raise InvalidRequest(
+                        f"regions[{i}]: offset {offset} + size {size} leaves the "
+                        f"{mapping.size}-byte allocation"
+                    )
+                bases.append(mapping.pointer + offset)
+            for i, handle in enumerate(cuda.event_handles):
+                events.append(_opened(cuda_driver.open_ipc_event, handle, i))
+            lo = min(bases)
+            hi = max(b + size for b, (_, size) in zip(bases, regions, strict=True))
+            buffer = self._k.wrap(lo, hi - lo)
+        except BaseException:
+            self._release_all(dev.ordinal, keys, events)
+            raise
+        return CudaRegions(dev, tuple(keys), tuple(bases), buffer, tuple(events))
+
+    def _acquire(self, key: tuple[bytes, bytes], index: int) -> _Mapping:
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while key in self._closing:  # re-registered right after unregistering
+            if time.monotonic() > deadline:
+                raise CopyFailed(f"regions[{index}]: its old mapping is still closing")
+            time.sleep(1e-3)
+        with self._lock:
+            mapping = self._mappings.get(key)
+            if mapping is None:
+                pointer = _opened(cuda_driver.open_ipc_memory, key[1], index)
+                _, size = cuda_driver.address_range(pointer)
+                mapping = self._mappings[key] = _Mapping(pointer, size, 0)
+                logger.debug("mapped allocation at %#x (%d bytes)", pointer, size)
+            mapping.refs += 1
+            return mapping
+
+    def _release_all(
+        self, ordinal: int, keys: list[tuple[bytes, bytes]], events: list[Any]
+    ) -> None:
+        """Drop references now; destroy events and unmap on the reaper thread."""
+        unmap = []
+        with self._lock:
+            for key in keys:
+                mapping = self._mappings[key]
+                mapping.refs -= 1
+                if mapping.refs == 0:
+                    unmap.append(key)
+                    self._closing[key] = self._mappings.pop(key)
+        if unmap or events:
+            self._reaper.put((ordinal, unmap, events))
+
+    def _reap(self) -> None:
+        """Destroy events and unmap allocations, one worker's batch at a time."""
+        while True:
+            ordinal, keys, events = self._reaper.get()
+            try:
+                cuda_driver.set_device(ordinal)
+                for event in events:
+                    cuda_driver.destroy_event(event)
+            except Exception:  # a background loop: log, keep serving
+                logger.exception("destroying a worker's CUDA events failed")
+            for key in keys:
+                try:
+                    cuda_driver.close_ipc_memory(self._closing[key].pointer)
+                except Exception:
+                    logger.exception("closing a worker's CUDA mapping failed")
+                with self._lock:
+                    del self._closing[key]
+
+    def close(self, regions: CudaRegions) -> None:
+        """Drop the worker's events and mappings; runs once no copy is active."""
+        ordinal = regions.device.ordinal
+        self._release_all(ordinal, list(regions.keys), list(regions.events))
+
+    # -- copies -----------------------------------------------------------------
+    def gather(self, regions: CudaRegions, t: Transfers, wait_event: int = 0) -> None:
+        """Save: engine pages -> pool slots, after the engine's event if named."""
+        dev = regions.device
+        cuda_driver.set_device(dev.ordinal)
+        if wait_event:
+            if not 1 <= wait_event <= len(regions.events):
+                raise InvalidRequest(
+                    f"wait_event: {wait_event}, the worker registered "
+                    f"{len(regions.events)} event(s)"
+                )
+            self._wait_event(regions.events[wait_event - 1])
+        k, ctas = self._k, self._ctas
+        k.gather(regions.buffer, dev.pool, t, stream=dev.save, max_blocks=ctas)
+        k.synchronize(dev.save)
+
+    def scatter(self, regions: CudaRegions, t: Transfers) -> None:
+        """Load: pool slots -> engine pages; done (on the GPU) when this returns."""
+        dev = regions.device
+        cuda_driver.set_device(dev.ordinal)
+        self._k.scatter(
+            dev.pool, regions.buffer, t, stream=dev.load, max_blocks=self._ctas
+        )
+        self._k.synchronize(dev.load)
+
+    def _wait_event(self, event: Any) -> None:
+        """Until the engine's event completed, at most event_timeout_s."""
+        start = time.monotonic()
+        while not cuda_driver.event_done(event):
+            waited = time.monotonic() - start
+            if waited > self._timeout:
+                raise CopyFailed(
+                    f"wait_event: the engine's event did not complete within "
+                    f"{self._timeout:g} s (engine gone mid-step?)"
+                )
+            time.sleep(0 if waited < SPIN_S else POLL_S)
+
+
+def _opened(fn: Any, handle: bytes, index: int) -> Any:
+    """Open an IPC handle; a handle that does not open is the client's error."""
+    try:
+        return fn(handle)
+    except cuda_driver.CudaError as exc:
+        field = "event_handles" if fn is cuda_driver.open_ipc_event else "regions"
+        raise InvalidRequest(
+            f"{field}[{index}]: cannot open the handle ({exc})"
+        ) from None

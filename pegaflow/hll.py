@@ -1,0 +1,245 @@
+"""HyperLogLog over block hashes, kept in rolling windows.
+
+Block hashes come from the engine's prefix cache (SHA-256 or xxhash over the
+tokens and the parent hash), so their bytes are already uniform: a register index
+and a rank are cut straight from the first eight bytes, with no rehashing. Updates
+are vectorised over whole batches (about 6 ns per hash on the dev VM); the
+estimate is Ertl's improved estimator (arXiv:1702.01284, algorithm 6), unbiased
+from zero to billions without HLL++'s empirical bias tables.
+
+A window of span W is a ring of SUB_WINDOWS register sets, each covering W /
+SUB_WINDOWS seconds; the estimate merges the live ones with np.maximum. So the
+window looks back between (SUB_WINDOWS - 1) / SUB_WINDOWS of W and all of W, and
+its memory is SUB_WINDOWS x 2**bucket_bits bytes: 960 KiB at the default and
+maximum of 16 bits (standard error 1.04 / 256 = 0.41 %; at 14 bits, 240 KiB and
+0.81 %, the error band would put one 10M-hash run in four past 1 %).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+SUB_WINDOWS = 15  # x 64 KiB of registers at 16 bits: a window stays < 1 MiB
+MIN_BITS, MAX_BITS = 4, 16
+# Ranks come from 24 bits after the index: exact through float32 (24-bit
+# mantissa), and saturation needs ~2**(bucket_bits + 24) distinct blocks.
+RANK_BITS = 24
+MAX_RANK = RANK_BITS + 1
+_RANK_MASK = np.uint32((1 << RANK_BITS) - 1)
+_F32_RANK0 = np.uint32(127 + RANK_BITS)  # 151 - biased exponent = rank
+_SPLITMIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """A bijective 64-bit mix: distinct inputs stay distinct, outputs look uniform."""
+    with np.errstate(over="ignore"):
+        z = x.astype(np.uint64) + np.uint64(_SPLITMIX[0])
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_SPLITMIX[1])
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_SPLITMIX[2])
+    return z ^ (z >> np.uint64(31))
+
+
+def hash64(hashes: Sequence[bytes], hash_len: int | None = None) -> np.ndarray:
+    """The first eight bytes of every hash as uint64 (little-endian).
+
+    Hashes shorter than eight bytes carry too few bits to split into index and
+    rank, so they are zero-padded and spread by splitmix64 (a bijection: distinct
+    short hashes stay distinct). hash_len, when the caller knows every hash has
+    it, skips the length scan.
+    """
+    n = len(hashes)
+    if n == 0:
+        return np.empty(0, np.uint64)
+    joined = b"".join(hashes)
+    if hash_len is None:
+        lengths = np.fromiter(map(len, hashes), np.int64, n)
+        hash_len = int(lengths[0]) if (lengths == lengths[0]).all() else None
+    if hash_len is not None and hash_len >= 8:
+        # A strided view of each hash's first 8 bytes; the copy makes it dense.
+        view = np.dtype({"names": ["h"], "formats": ["<u8"], "itemsize": hash_len})
+        return np.frombuffer(joined, view)["h"].copy()
+    if hash_len is None:
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+    else:
+        lengths = np.full(n, hash_len, np.int64)
+        starts = np.arange(n, dtype=np.int64) * hash_len
+    buf = np.frombuffer(joined + bytes(8), np.uint8)
+    cols = np.arange(8)
+    grid = buf[starts[:, None] + cols]
+    grid[cols >= lengths[:, None]] = 0
+    out = grid.view("<u8").ravel().copy()
+    short = lengths < 8
+    out[short] = splitmix64(out[short] ^ (lengths[short].astype(np.uint64) << 56))
+    return out
+
+
+def hash64_batches(
+    batches: Sequence[Sequence[bytes]], hash_len: int | None = None
+) -> np.ndarray:
+    """hash64 of the batches' hashes, concatenated in order."""
+    if hash_len is None or hash_len < 8:
+        return hash64([h for batch in batches for h in batch], hash_len)
+    # Batch by batch: one join of everything costs 4x more here (a fresh
+    # multi-MiB buffer, page-faulted in on every flush).
+    view = np.dtype({"names": ["h"], "formats": ["<u8"], "itemsize": hash_len})
+    out = np.empty(sum(map(len, batches)), np.uint64)
+    at = 0
+    for batch in batches:
+        out[at : at + len(batch)] = np.frombuffer(b"".join(batch), view)["h"]
+        at += len(batch)
+    return out
+
+
+def index_rank(h64: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Register index (top `bits` bits) and rank (1 + leading zeros of the next
+    RANK_BITS bits, MAX_RANK when they are all zero) of every hash."""
+    idx = (h64 >> np.uint64(64 - bits)).astype(np.intp)
+    rest = (h64 >> np.uint64(64 - bits - RANK_BITS)).astype(np.uint32) & _RANK_MASK
+    # float32 holds 24-bit integers exactly; its exponent is floor(log2(rest)).
+    exponent = rest.astype(np.float32).view(np.uint32) >> np.uint32(23)
+    rank = np.minimum(_F32_RANK0 - exponent, np.uint32(MAX_RANK))  # rest 0: e = 0
+    return idx, rank.astype(np.uint8)
+
+
+def update(registers: np.ndarray, idx: np.ndarray, rank: np.ndarray) -> None:
+    """registers[i] = max(registers[i], rank) for every (i, rank) pair."""
+    # Most ranks are below their register once it warms up; max.at only on the rest.
+    up = rank > registers[idx]
+    np.maximum.at(registers, idx[up], rank[up])
+
+
+def _sigma(x: float) -> float:
+    if x == 1.0:
+        return math.inf
+    y, z = 1.0, x
+    while True:
+        x *= x
+        z_old, z = z, z + x * y
+        y += y
+        if z == z_old:
+            return z
+
+
+def _tau(x: float) -> float:
+    if x in (0.0, 1.0):
+        return 0.0
+    y, z = 1.0, 1.0 - x
+    while True:
+        x = math.sqrt(x)
+        z_old = z
+        y *= 0.5
+        z -= (1.0 - x) ** 2 * y
+        if z == z_old:
+            return z / 3.0
+
+
+def estimate(registers: np.ndarray) -> float:
+    """Cardinality estimate of one register set (Ertl's improved estimator)."""
+    m = registers.size
+    counts = np.bincount(registers, minlength=MAX_RANK + 1).tolist()
+    z = m * _tau(1.0 - counts[MAX_RANK] / m)
+    for k in range(RANK_BITS, 0, -1):
+        z = 0.5 * (z + counts[k])
+    z += m * _sigma(counts[0] / m)
+    return m * m / (2.0 * math.log(2.0)) / z
+
+
+@dataclass(frozen=True, slots=True)
+class WindowStats:
+    requests: int  # N: blocks queried in the window
+    hits: int  # blocks served from the cache
+    unique: float  # U: distinct blocks, estimated
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.requests if self.requests else 0.0
+
+    @property
+    def ceiling(self) -> float:
+        """r* = (N - U) / N: the hit rate of an infinite cache."""
+        if not self.requests:
+            return 0.0
+        return min(1.0, max(0.0, (self.requests - self.unique) / self.requests))
+
+
+class RollingWindow:
+    """Distinct blocks, queried blocks and hits over the last `span_s` seconds."""
+
+    def __init__(self, span_s: float, bits: int) -> None:
+        if not MIN_BITS <= bits <= MAX_BITS:
+            raise ValueError(f"bucket_bits: {bits} not in [{MIN_BITS}, {MAX_BITS}]")
+        self.span_s = span_s
+        self.bits = bits
+        self._step = span_s / SUB_WINDOWS
+        self.registers = np.zeros((SUB_WINDOWS, 1 << bits), np.uint8)
+        self._epochs = np.full(SUB_WINDOWS, -1, np.int64)
+        self._requests = np.zeros(SUB_WINDOWS, np.int64)
+        self._hits = np.zeros(SUB_WINDOWS, np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.registers, self._epochs, self._requests))
+
+    def _slot(self, now: float) -> int:
+        epoch = int(now // self._step)
+        slot = epoch % SUB_WINDOWS
+        if self._epochs[slot] != epoch:  # a sub-window older than the span: reuse
+            self.registers[slot] = 0
+            self._requests[slot] = self._hits[slot] = 0
+            self._epochs[slot] = epoch
+        return slot
+
+    def add(self, idx: np.ndarray, rank: np.ndarray, hits: int, now: float) -> None:
+        slot = self._slot(now)
+        update(self.registers[slot], idx, rank)
+        self._requests[slot] += len(idx)
+        self._hits[slot] += hits
+
+    def merge(
+        self, registers: np.ndarray, requests: int, hits: int, now: float
+    ) -> None:
+        """Add a batch already folded into one register set."""
+        slot = self._slot(now)
+        np.maximum(self.registers[slot], registers, out=self.registers[slot])
+        self._requests[slot] += requests
+        self._hits[slot] += hits
+
+    def stats(self, now: float) -> WindowStats:
+        epoch = int(now // self._step)
+        live = (self._epochs > epoch - SUB_WINDOWS) & (self._epochs <= epoch)
+        if not live.any():
+            return WindowStats(0, 0, 0.0)
+        merged = np.maximum.reduce(self.registers[live], axis=0)
+        return WindowStats(
+            int(self._requests[live].sum()),
+            int(self._hits[live].sum()),
+            estimate(merged),
+        )
+
+
+class WindowSet:
+    """One namespace's windows; index and rank are computed once per batch."""
+
+    def __init__(self, spans_s: Sequence[float], bits: int) -> None:
+        self.bits = bits
+        self.windows = [RollingWindow(s, bits) for s in spans_s]
+
+    def add(self, h64: np.ndarray, hits: int, now: float) -> None:
+        # Fold the batch once, then one elementwise max per window: cheaper than
+        # scattering every hash into every window (measured 1.7x at 64K hashes).
+        batch = np.zeros(1 << self.bits, np.uint8)
+        update(batch, *index_rank(h64, self.bits))
+        for window in self.windows:
+            window.merge(batch, len(h64), hits, now)
+
+    def stats(self, now: float) -> list[WindowStats]:
+        return [w.stats(now) for w in self.windows]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.windows)

@@ -1,0 +1,298 @@
+"""Why queried blocks missed, and the hit-rate ceiling, per namespace.
+
+Every queried block is a hit from a tier (ram today; ssd and remote once those
+tiers exist) or a miss with exactly one cause, so hits + misses by cause = queried:
+- remote: a peer had it (nothing answers the probe until peers exist: 0),
+- admission: TinyLFU refused it recently,
+- capacity: it was evicted recently,
+- compulsory: none of those is remembered: never stored here, or refused or
+  evicted longer ago than the ghost table remembers.
+A ready block behind the first miss of a prefix misses because of that block
+(chained hashes stop the prefix there), so it takes that block's cause; it is
+also counted as `resident`, a sign that eviction broke prefixes in the middle.
+
+The query path only appends to a log. flush() (the sweeper each second, a stats
+read, or a full log) replays it in order in vectorised batches, so each miss is
+classified against the ghost table as it stood when the query ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import chain, groupby, repeat
+from operator import is_not
+from typing import Literal
+
+import numpy as np
+
+from pegaflow.config import HitRateConfig
+from pegaflow.hll import WindowSet, WindowStats, hash64, hash64_batches, splitmix64
+from pegaflow.instances import Namespace
+from pegaflow.policy import EvictionPolicy, Protected
+
+Cause = Literal["compulsory", "capacity", "admission", "remote"]
+CAUSES: tuple[Cause, ...] = ("compulsory", "capacity", "admission", "remote")
+COMPULSORY, CAPACITY, ADMISSION, REMOTE = range(4)
+HIT_TIERS = ("ram", "ssd", "remote")
+# (namespace id, missed block hashes) -> bool mask: which ones a peer holds. It is
+# asked at flush time (<= ~1 s after the query), off the query path.
+RemoteProbe = Callable[[int, list[bytes]], np.ndarray]
+Key = tuple[int, bytes]
+# Logged hashes before a flush is scheduled: ~0.5 ms of loop time on the dev VM,
+# so no query waits long behind one.
+_MAX_PENDING = 1 << 14
+
+
+def fingerprints(ns_ids: np.ndarray, h64: np.ndarray) -> np.ndarray:
+    """64-bit block keys: hash bits salted by namespace (equal hashes, other
+    namespace, other key)."""
+    return h64 ^ splitmix64(ns_ids)
+
+
+class GhostTable:
+    """Recently evicted or refused keys with the reason, in 2**bits slots.
+
+    Direct-mapped: a key lands in the slot its top bits name and overwrites what
+    was there, so a record outlives about 2**bits later records (survival
+    e**(-j / 2**bits)). The slot keeps the whole fingerprint (the low 2 bits hold
+    the cause), so a lookup never confuses two keys.
+    """
+
+    def __init__(self, bits: int) -> None:
+        self._table = np.zeros(1 << bits, np.uint64)
+        self._shift = np.uint64(64 - bits)
+
+    @property
+    def nbytes(self) -> int:
+        return self._table.nbytes
+
+    def add(self, fps: np.ndarray, causes: np.ndarray) -> None:
+        # Fancy assignment writes in order: a later record of a key wins.
+        self._table[fps >> self._shift] = (fps & ~np.uint64(3)) | causes
+
+    def lookup(self, fps: np.ndarray) -> np.ndarray:
+        stored = self._table[fps >> self._shift]
+        known = (stored ^ fps) < np.uint64(4)  # equal but for the cause bits
+        return np.where(known, stored & np.uint64(3), 0).astype(np.uint8)
+
+
+class RecordingPolicy:
+    """An EvictionPolicy that tells the tracker what it evicts or refuses."""
+
+    def __init__(self, inner: EvictionPolicy, tracker: HitRateTracker) -> None:
+        self._inner = inner
+        self._tracker = tracker
+        # Bound straight through: the query path calls touch_many, no extra frame.
+        self.insert = inner.insert
+        self.touch = inner.touch
+        self.touch_many = inner.touch_many
+        self.remove = inner.remove
+        self.peek_victim = inner.peek_victim
+
+    def evict(self, n: int, protected: Protected) -> list[Key] | None:
+        victims = self._inner.evict(n, protected)
+        for key in victims or ():
+            self._tracker.record(CAPACITY, key)
+        return victims
+
+    def should_admit(self, candidate: Key, protected: Protected) -> bool:
+        admitted = self._inner.should_admit(candidate, protected)
+        if not admitted:
+            self._tracker.record(ADMISSION, candidate)
+        return admitted
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._inner
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceStats:
+    name: str
+    hits: dict[str, int]  # by tier
+    misses: dict[str, int]  # by cause
+    resident_misses: int
+    windows: dict[str, WindowStats]
+
+    def to_dict(self) -> dict[str, object]:
+        wins = {
+            label: {
+                "requests": w.requests,
+                "hits": w.hits,
+                "unique": round(w.unique, 1),
+                "hit_rate": w.hit_rate,
+                "ceiling": w.ceiling,
+            }
+            for label, w in self.windows.items()
+        }
+        return {
+            "name": self.name,
+            "hits": self.hits,
+            "misses": self.misses,
+            "resident_misses": self.resident_misses,
+            "windows": wins,
+        }
+
+
+@dataclass(slots=True)
+class _Namespace:
+    name: str
+    windows: WindowSet
+    hits: np.ndarray = field(default_factory=lambda: np.zeros(3, np.int64))
+    causes: np.ndarray = field(default_factory=lambda: np.zeros(4, np.int64))
+    resident: int = 0
+
+
+# A logged query: (namespace, hashes, hits, blocks probed past the prefix, length)
+_Query = tuple[Namespace, Sequence[bytes], int, list, "int | None"]
+
+
+class HitRateTracker:
+    def __init__(
+        self,
+        config: HitRateConfig,
+        ghost_bits: int = 20,
+        clock: Callable[[], float] = time.monotonic,
+        remote: RemoteProbe | None = None,
+    ) -> None:
+        self.config = config
+        self.ghost = GhostTable(ghost_bits)
+        self._clock = clock
+        self._remote = remote
+        self._namespaces: dict[int, _Namespace] = {}
+        self._log: list[tuple] = []
+        self._pending = 0
+        self._flush_scheduled = False
+
+    @staticmethod
+    def ghost_bits_for(pool_bytes: int) -> int:
+        """Remember ~4 pools' worth of blocks (at ~1 MiB a block), 64K..16M slots."""
+        blocks = max(1, pool_bytes >> 20)
+        return min(24, max(16, (4 * blocks - 1).bit_length()))
+
+    # -- the query and save paths: appends only --------------------------------
+    def query(
+        self,
+        ns: Namespace,
+        hashes: Sequence[bytes],
+        hits: int,
+        rest: list,
+        hash_len: int | None = None,
+    ) -> None:
+        """rest: the probe past the prefix, None where a block was not ready
+        (see BlockStore.lookup)."""
+        self._log.append((ns, hashes, hits, rest, hash_len))
+        self._pending += len(hashes)
+        if self._pending >= _MAX_PENDING:
+            self._flush_soon()
+
+    def record(self, cause: int, key: Key) -> None:
+        self._log.append((cause, key))
+        self._pending += 1
+
+    def _flush_soon(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        if not self._flush_scheduled:  # after this RPC's reply, not inside it
+            self._flush_scheduled = True
+            loop.call_soon(self.flush)
+
+    # -- batch work -----------------------------------------------------------
+    def flush(self, now: float | None = None) -> None:
+        now = self._clock() if now is None else now
+        log, self._log = self._log, []
+        self._pending, self._flush_scheduled = 0, False
+        for is_record, run in groupby(log, key=lambda e: type(e[0]) is int):
+            if is_record:
+                self._remember(list(run))
+            else:
+                self._count(list(run), now)
+
+    def _remember(self, run: list[tuple[int, Key]]) -> None:
+        keys = [key for _, key in run]
+        ns_ids = np.fromiter((k[0] for k in keys), np.uint64, len(keys))
+        h64 = hash64([k[1] for k in keys])
+        causes = np.fromiter((c for c, _ in run), np.uint64, len(run))
+        self.ghost.add(fingerprints(ns_ids, h64), causes)
+
+    def _count(self, run: list[_Query], now: float) -> None:
+        by_ns: dict[int, list[_Query]] = {}
+        for event in run:
+            by_ns.setdefault(event[0].id, []).append(event)
+        for ns_id, events in by_ns.items():
+            state = self._namespaces.get(ns_id)
+            if state is None:
+                windows = WindowSet(self.config.windows_s, self.config.bucket_bits)
+                state = self._namespaces[ns_id] = _Namespace(events[0][0].name, windows)
+            lens = {e[4] for e in events}
+            h64 = hash64_batches(
+                [e[1] for e in events], lens.pop() if len(lens) == 1 else None
+            )
+            hits = sum(e[2] for e in events)
+            state.windows.add(h64, hits, now)
+            state.hits[0] += hits
+            self._classify(state, ns_id, h64, events)
+
+    def _classify(
+        self, state: _Namespace, ns_id: int, h64: np.ndarray, events: list[_Query]
+    ) -> None:
+        sizes = np.fromiter((len(e[1]) for e in events), np.int64, len(events))
+        hits = np.fromiter((e[2] for e in events), np.int64, len(events))
+        missed = sizes - hits
+        total = int(missed.sum())
+        if total == 0:
+            return
+        # Position in h64 of every missed block; first: its query's first miss.
+        starts = np.cumsum(sizes) - sizes + hits
+        first = np.repeat(np.cumsum(missed) - missed, missed)
+        pos = np.arange(total) + np.repeat(starts, missed) - first
+        ids = np.full(total, ns_id, np.uint64)
+        causes = self.ghost.lookup(fingerprints(ids, h64[pos]))
+        if self._remote is not None:
+            missed_hashes = [h for e in events for h in e[1][e[2] :]]
+            causes[self._remote(ns_id, missed_hashes)] = REMOTE
+        resident = self._resident(events, total)
+        if resident is not None:
+            causes = np.where(resident, causes[first], causes)
+            state.resident += int(resident.sum())
+        state.causes += np.bincount(causes, minlength=len(CAUSES))
+
+    @staticmethod
+    def _resident(events: list[_Query], total: int) -> np.ndarray | None:
+        """Which missed blocks were ready behind their prefix's first miss;
+        None when none was (the usual case, found by a C-level count)."""
+        rests = [e[3] for e in events if e[3]]
+        if all(rest.count(None) == len(rest) for rest in rests):
+            return None
+        flat = chain.from_iterable(rests)
+        return np.fromiter(map(is_not, flat, repeat(None)), bool, total)
+
+    # -- reading --------------------------------------------------------------
+    def snapshot(self, now: float | None = None) -> list[NamespaceStats]:
+        now = self._clock() if now is None else now
+        self.flush(now)
+        labels = self.config.labels
+        return [
+            NamespaceStats(
+                s.name,
+                dict(zip(HIT_TIERS, s.hits.tolist(), strict=True)),
+                dict(zip(CAUSES, s.causes.tolist(), strict=True)),
+                s.resident,
+                dict(zip(labels, s.windows.stats(now), strict=True)),
+            )
+            for s in self._namespaces.values()
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return self.ghost.nbytes + sum(
+            s.windows.nbytes for s in self._namespaces.values()
+        )

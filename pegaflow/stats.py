@@ -1,0 +1,157 @@
+"""The server's state as one JSON document (HTTP /stats, read by
+`pegaflow-server status`) and the hit-rate families of /metrics built from it.
+
+The document is built on the engine's event loop (the HTTP thread hops there and
+waits), so the bookkeeping it reads is never caught half-updated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pegaflow.hll import SUB_WINDOWS
+from pegaflow.misses import CAUSES, HIT_TIERS
+
+if TYPE_CHECKING:
+    from pegaflow.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Stats = dict[str, object]
+
+
+def engine_stats(engine: Engine, started: float) -> Stats:
+    """Pool, tiers, policy, and per namespace: hits by tier, misses by cause,
+    hit rate beside its HyperLogLog ceiling per window."""
+    namespaces = [ns.to_dict() for ns in engine.hit_rates.snapshot()]
+    slabs = engine.pool.slabs
+    counters = engine.store.counters
+
+    def tier_hits(tier: str) -> int:
+        return sum(ns["hits"][tier] for ns in namespaces)
+
+    hr = engine.hit_rates.config
+    return {
+        "pid": os.getpid(),
+        "uptime_s": round(time.monotonic() - started, 1),
+        "pool": {
+            "capacity_bytes": engine.pool.size,
+            "used_bytes": slabs.used_bytes,
+            "resident_blocks": engine.store.resident_ready,
+            "leases": len(engine.leases),
+            "instances": len(engine.registry.instances),
+            "namespaces": len(engine.registry.namespaces),
+        },
+        "tiers": {
+            "ram": {"enabled": True, "hit_blocks": tier_hits("ram")},
+            # TODO(issue: L3 SSD tier, cross-node sharing): real state once wired.
+            "ssd": {"enabled": False, "hit_blocks": tier_hits("ssd")},
+            "remote": {"enabled": False, "peers": 0, "hit_blocks": tier_hits("remote")},
+        },
+        "policy": {
+            "admission": "tinylfu" if engine.config.enable_lfu_admission else "all",
+            "evictions": counters.evictions,
+            "rejected": {
+                "tinylfu": counters.admission_rejections,
+                "pool_full": counters.pool_full_rejections,
+            },
+        },
+        "hll": {
+            "windows": list(hr.labels),
+            "bucket_bits": hr.bucket_bits,
+            "sub_windows": SUB_WINDOWS,
+            "memory_bytes": engine.hit_rates.nbytes,
+        },
+        "namespaces": namespaces,
+    }
+
+
+def on_loop(
+    loop: asyncio.AbstractEventLoop, fn: Callable[[], T], timeout_s: float = 5.0
+) -> Callable[[], T]:
+    """fn, callable from another thread: it runs on `loop`, the caller waits."""
+
+    def call() -> T:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the waiting thread
+                future.set_exception(exc)
+
+        loop.call_soon_threadsafe(run)
+        return future.result(timeout_s)
+
+    return call
+
+
+class HitRateCollector:
+    """Prometheus families from engine_stats(): registered once per server."""
+
+    def __init__(self, stats: Callable[[], Stats]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[Metric]:
+        return []  # unknown until the first read; keeps registration lazy
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self._stats()
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            logger.warning("hit-rate metrics skipped: the event loop did not answer")
+            return
+        yield from families(stats)
+
+
+def families(stats: Stats) -> Iterator[Metric]:
+    ns_label, win_label = ["namespace"], ["namespace", "window"]
+    blocks = CounterMetricFamily(
+        "pegaflow_query_blocks",
+        "queried blocks by where they were found (ram, ssd, remote) or miss",
+        labels=["namespace", "tier"],
+    )
+    causes = CounterMetricFamily(
+        "pegaflow_query_miss_blocks_by_cause",
+        "missed blocks by cause: compulsory, capacity, admission, remote",
+        labels=["namespace", "cause"],
+    )
+    resident = CounterMetricFamily(
+        "pegaflow_query_miss_resident_blocks",
+        "missed blocks that were resident behind an earlier miss of their prefix",
+        labels=ns_label,
+    )
+    gauges = {
+        key: GaugeMetricFamily(name, text, labels=win_label)
+        for key, name, text in (
+            ("hit_rate", "pegaflow_hit_rate", "measured block hit rate"),
+            ("ceiling", "pegaflow_hit_rate_ceiling", "r* = (N - U) / N, by HLL"),
+            ("requests", "pegaflow_window_query_blocks", "N: blocks queried"),
+            ("unique", "pegaflow_window_unique_blocks", "U: distinct, by HLL"),
+        )
+    }
+    for ns in stats["namespaces"]:
+        name = ns["name"]
+        for tier in HIT_TIERS:
+            blocks.add_metric([name, tier], ns["hits"][tier])
+        blocks.add_metric([name, "miss"], sum(ns["misses"].values()))
+        for cause in CAUSES:
+            causes.add_metric([name, cause], ns["misses"][cause])
+        resident.add_metric([name], ns["resident_misses"])
+        for window, values in ns["windows"].items():
+            for key, family in gauges.items():
+                family.add_metric([name, window], values[key])
+    hll = GaugeMetricFamily(
+        "pegaflow_hll_memory_bytes", "HyperLogLog windows and ghost table"
+    )
+    hll.add_metric([], stats["hll"]["memory_bytes"])
+    yield from (blocks, causes, resident, *gauges.values(), hll)

@@ -1,0 +1,136 @@
+"""`pegaflow-server status`: one screen about a running server, read from its
+HTTP /stats document (pegaflow.stats): pool, tiers, per-namespace hit rate beside
+its ceiling, and the top miss causes.
+
+Standard library only, so it starts fast and runs anywhere the server's HTTP
+port is reachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+
+Stats = dict[str, object]
+
+
+def fetch(http_addr: str, timeout_s: float = 5.0) -> Stats:
+    with urllib.request.urlopen(f"http://{http_addr}/stats", timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:5.1f}%"
+
+
+def _uptime(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    d, h = divmod(h, 24)
+    return f"{d}d {h}h {m}m" if d else f"{h}h {m}m {s}s" if h else f"{m}m {s}s"
+
+
+def _header(stats: Stats, http_addr: str) -> list[str]:
+    pool, policy, hll = stats["pool"], stats["policy"], stats["hll"]
+    cap = pool["capacity_bytes"]
+    used = pool["used_bytes"] / cap if cap else 0.0
+    rejected = ", ".join(f"{k} {v:,}" for k, v in policy["rejected"].items())
+    lines = [
+        f"pegaflow-server at {http_addr} (pid {stats['pid']}, "
+        f"up {_uptime(stats['uptime_s'])})",
+        "",
+        f"pool    {_bytes(pool['used_bytes'])} of {_bytes(cap)} used "
+        f"({_pct(used).strip()}), {pool['resident_blocks']:,} blocks resident, "
+        f"{pool['leases']} leases, {pool['instances']} instances",
+        f"policy  admission {policy['admission']}, "
+        f"{policy['evictions']:,} evictions, rejected: {rejected}",
+    ]
+    for i, (tier, t) in enumerate(stats["tiers"].items()):
+        state = "on " if t["enabled"] else "off"
+        peers = f" ({t['peers']} peers)" if "peers" in t else ""
+        label = "tiers   " if i == 0 else " " * 8
+        lines.append(f"{label}{tier:<7}{state}{peers:<12} {t['hit_blocks']:,} hits")
+    lines.append(
+        f"ceiling HyperLogLog over {', '.join(hll['windows'])}: 2**"
+        f"{hll['bucket_bits']} registers x {hll['sub_windows']} sub-windows, "
+        f"{_bytes(hll['memory_bytes'])}"
+    )
+    return lines
+
+
+def _namespace(ns: Stats) -> list[str]:
+    lines = []
+    for i, (window, w) in enumerate(ns["windows"].items()):
+        name = ns["name"][:20] if i == 0 else ""
+        gap = 100 * (w["ceiling"] - w["hit_rate"])
+        lines.append(
+            f"{name:<20} {window:>6} {w['requests']:>12,} {_pct(w['hit_rate']):>9}"
+            f" {_pct(w['ceiling']):>9} {gap:>7.1f}"
+        )
+    misses = ns["misses"]
+    total = sum(misses.values())
+    if total:
+        top = sorted(misses.items(), key=lambda kv: -kv[1])
+        causes = "  ".join(f"{c} {_pct(n / total).strip()}" for c, n in top if n)
+        resident = ns["resident_misses"] / total
+        lines.append(
+            f"{'':<20} misses since start: {total:,} blocks: {causes}"
+            f"  (resident behind a miss: {_pct(resident).strip()})"
+        )
+    return lines
+
+
+def render(stats: Stats, http_addr: str) -> str:
+    lines = _header(stats, http_addr)
+    lines += [
+        "",
+        f"{'namespace':<20} {'window':>6} {'blocks':>12} {'hit rate':>9}"
+        f" {'ceiling':>9} {'gap pt':>7}",
+    ]
+    namespaces = stats["namespaces"]
+    if not namespaces:
+        lines.append("(no queries yet)")
+    for ns in namespaces:
+        lines += _namespace(ns)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="pegaflow-server status",
+        description="Pool, tiers, hit rate vs ceiling and miss causes of a "
+        "running pegaflow-server, from its HTTP endpoint.",
+    )
+    p.add_argument(
+        "--http-addr",
+        default="127.0.0.1:9091",
+        help="the server's --http-addr (default: %(default)s)",
+    )
+    p.add_argument("--json", action="store_true", help="print the raw /stats JSON")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds (default: 5)")
+    args = p.parse_args(argv)
+    try:
+        stats = fetch(args.http_addr, args.timeout)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(
+            f"pegaflow-server status: cannot read http://{args.http_addr}/stats: {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    print(json.dumps(stats, indent=2) if args.json else render(stats, args.http_addr))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

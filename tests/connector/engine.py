@@ -1,0 +1,357 @@
+"""A vLLM 0.33 engine on CPU without a model: the real Scheduler (and its
+SCHEDULER-role PegaKVConnector), a WORKER-role connector holding real KV views
+from vLLM's `allocate_kv_cache`, and a fake forward that writes known bytes.
+
+The fake KV of token position p is a function of tokens[0..p] only (a rolling
+hash), as real attention KV is, so two engines that compute the same prefix
+write the same bytes, and a loaded page can be checked against that function.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_planning import (
+    get_global_kv_cache_groups,
+    get_kv_cache_configs,
+)
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from pegaflow.connector import PegaKVConnector
+
+BLOCK = 16
+LAYERS = 4
+KV_HEADS = 2
+HEAD = 16
+MODEL = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD,
+    "num_hidden_layers": LAYERS,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+MASK = (1 << 61) - 1
+
+
+def model_dir(root: Path, layers: int = LAYERS, kv_heads: int = KV_HEADS) -> Path:
+    path = root / f"tiny-llama-{layers}x{kv_heads}"
+    path.mkdir(exist_ok=True)
+    model = {**MODEL, "num_hidden_layers": layers, "num_key_value_heads": kv_heads}
+    (path / "config.json").write_text(json.dumps(model))
+    return path
+
+
+def vllm_config(
+    model: Path,
+    extra: dict | None = None,
+    max_len: int = 512,
+    connector: bool = True,
+    **sched: Any,
+) -> VllmConfig:
+    transfer = KVTransferConfig(
+        kv_connector="PegaKVConnector",
+        kv_connector_module_path="pegaflow.connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=extra or {},
+    )
+    return VllmConfig(
+        model_config=ModelConfig(
+            model=str(model), skip_tokenizer_init=True, max_model_len=max_len
+        ),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=sched.get("max_num_seqs", 16),
+            max_num_batched_tokens=sched.get("max_num_batched_tokens", 512),
+            max_model_len=max_len,
+            is_encoder_decoder=False,
+        ),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=transfer if connector else None,
+    )
+
+
+@dataclass
+class Seq:
+    tokens: list[int]
+    rolling: list[int] = field(default_factory=list)
+    computed: list[int] = field(default_factory=list)  # positions this engine ran
+
+    def value(self, pos: int) -> int:
+        while len(self.rolling) <= pos:
+            prev = self.rolling[-1] if self.rolling else 7
+            self.rolling.append(
+                (prev * 1000003 + self.tokens[len(self.rolling)]) & MASK
+            )
+        return self.rolling[pos]
+
+
+class Engine:
+    """Scheduler + worker connector in one process, stepped by hand."""
+
+    def __init__(
+        self,
+        config: VllmConfig,
+        layout: str = "LBNHC",
+        num_blocks: int = 128,
+        write_kv: bool = True,
+    ) -> None:
+        self.config = config
+        self.write_kv = write_kv  # off: scheduling only (benchmarks)
+        config.cache_config.kv_cache_layout = layout
+        hf = config.model_config.hf_config
+        spec = FullAttentionSpec(
+            block_size=BLOCK,
+            num_kv_heads=hf.num_key_value_heads,
+            head_size=HEAD,
+            dtype=torch.bfloat16,
+        )
+        layers = hf.num_hidden_layers
+        specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(layers)}
+        groups = get_global_kv_cache_groups(config, [specs])
+        memory = num_blocks * spec.page_size_bytes * layers
+        configs = get_kv_cache_configs(config, [specs], [memory], groups)
+        self.kv_cache_config = configs[0]
+        config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
+        self.sched = Scheduler(
+            vllm_config=config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=BLOCK,
+            log_stats=True,
+        )
+        self.caches = allocate_kv_cache(
+            self.kv_cache_config, torch.device("cpu"), KVCacheLayout[layout]
+        )
+        self.worker: Any = None  # no connector: the baseline of the benchmarks
+        if config.kv_transfer_config is not None:
+            self.worker = PegaKVConnector(
+                config, KVConnectorRole.WORKER, self.kv_cache_config
+            )
+            self.worker.register_kv_caches(self.caches)
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(BLOCK, sha256)
+        self.seqs: dict[str, Seq] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.seen_waiting_remote: set[str] = set()
+        self.stats: list[dict] = []
+        self.errors: list[str] = []  # pages of finished requests with wrong bytes
+        self.after_schedule: Any = None  # test hook: (scheduler_output) -> None
+        self.timing: list[tuple[float, float]] = []  # (scheduler s, worker s)
+        self.steps = 0
+
+    @property
+    def scheduler_connector(self) -> Any:
+        return self.sched.connector
+
+    def add(self, rid: str, tokens: list[int], max_tokens: int = 4) -> Request:
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=list(tokens),
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=self.hasher,
+        )
+        self.seqs[rid] = Seq(list(tokens))
+        self.sched.add_request(req)
+        return req
+
+    # -- one engine step ------------------------------------------------------
+    def step(self) -> dict[str, Any]:
+        """schedule -> worker connector around a fake forward -> update."""
+        t0 = time.perf_counter()
+        so = self.sched.schedule()
+        t1 = time.perf_counter()
+        self.steps += 1
+        if self.after_schedule is not None:
+            self.after_schedule(so)
+        for req in [*self.sched.waiting, *self.sched.kv_holding_waiting]:
+            if req.status.name == "WAITING_FOR_REMOTE_KVS":
+                self.seen_waiting_remote.add(req.request_id)
+        tables = {rid: self.table(rid) for rid in so.num_scheduled_tokens}
+        t2 = time.perf_counter()
+        out = self._worker_step(so, tables)
+        t3 = time.perf_counter()
+        ids = list(so.num_scheduled_tokens)
+        mro = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={rid: i for i, rid in enumerate(ids)},
+            sampled_token_ids=[self._sample(rid) for rid in ids],
+            kv_connector_output=out,
+        )
+        t4 = time.perf_counter()
+        engine_outputs = self.sched.update_from_output(so, mro)
+        t5 = time.perf_counter()
+        self.timing.append((t1 - t0 + t5 - t4, t3 - t2))
+        finished = {}
+        for outputs in engine_outputs.values():
+            # Worker and scheduler stats, merged by vLLM as for its logger.
+            sched_stats = outputs.scheduler_stats
+            if sched_stats is not None and sched_stats.kv_connector_stats:
+                self.stats.append(dict(sched_stats.kv_connector_stats))
+            for o in outputs.outputs:
+                self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    finished[o.request_id] = table = tables[o.request_id]
+                    # Check now: the freed blocks may be reused next step.
+                    if self.write_kv:
+                        kv_tokens = len(self.seqs[o.request_id].tokens) - 1
+                        self.errors += self.page_errors(o.request_id, table, kv_tokens)
+        return {"scheduled": dict(so.num_scheduled_tokens), "finished": finished}
+
+    def _worker_step(
+        self, so: Any, tables: dict[str, list[int]]
+    ) -> KVConnectorOutput | None:
+        """What vLLM 0.33's model runner does around the forward, in order."""
+        w, meta = self.worker, so.kv_connector_metadata
+        if w is None:
+            self._forward(so, tables, None)
+            return None
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        if so.has_sync_kv_loads:  # sync loads start before the forward
+            w.start_load_kv(SimpleNamespace(attn_metadata={"attn": True}))
+        self._forward(so, tables, w)
+        if not so.has_sync_kv_loads:
+            w.start_load_kv(SimpleNamespace(attn_metadata=None))
+        w.wait_for_save()
+        res = w.get_transfer_results(so.finished_req_ids)
+        out = KVConnectorOutput(
+            finished_sending=res.finished_sending,
+            finished_recving=res.finished_recving,
+            failed_recving=res.failed_recving,
+            invalid_block_ids=w.get_block_ids_with_load_errors(),
+            kv_connector_stats=w.get_kv_connector_stats(),
+            kv_connector_worker_meta=w.build_connector_worker_meta(),
+        )
+        w.clear_connector_metadata()
+        return out
+
+    def _forward(self, so: Any, tables: dict[str, list[int]], w: Any) -> None:
+        for layer, name in enumerate(self.caches):
+            if w is not None:
+                w.wait_for_layer_load(name)
+            if self.write_kv:
+                for rid, n in so.num_scheduled_tokens.items():
+                    self._write(rid, n, layer, self.caches[name], tables[rid])
+            if w is not None:
+                w.save_kv_layer(name, self.caches[name], None)
+
+    def table(self, rid: str) -> list[int]:
+        return list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
+
+    def _write(self, rid: str, n: int, layer: int, view: Any, table: list[int]) -> None:
+        req = self.sched.requests[rid]
+        start = req.num_computed_tokens - n  # the scheduler already advanced it
+        seq = self.seqs[rid]
+        seq.tokens = list(req.all_token_ids)
+        pos = list(range(start, start + n))
+        if layer == 0:
+            seq.computed.extend(pos)
+        kv = view.view(torch.int16)
+        values = torch.tensor([seq.value(p) for p in pos], dtype=torch.int64)
+        blocks = torch.tensor([table[p // BLOCK] for p in pos])
+        slots = torch.tensor([p % BLOCK for p in pos])
+        kv[blocks, :, slots, :] = fake_kv_batch(values, layer, kv.shape[1], kv.shape[3])
+
+    def _sample(self, rid: str) -> list[int]:
+        req = self.sched.requests[rid]
+        if req.num_computed_tokens < req.num_tokens:
+            return []  # a prefill chunk: nothing sampled
+        seq = self.seqs[rid]
+        seq.tokens = list(req.all_token_ids)
+        return [seq.value(req.num_tokens - 1) % 900 + 50]
+
+    # -- checks ---------------------------------------------------------------
+    def page_errors(self, rid: str, table: list[int], num_tokens: int) -> list[str]:
+        """Full blocks of `rid` whose bytes differ from the fake KV of its tokens."""
+        seq, bad = self.seqs[rid], []
+        for layer, view in enumerate(self.caches.values()):
+            kv = view.view(torch.int16)
+            for k in range(num_tokens // BLOCK):
+                pos = range(k * BLOCK, (k + 1) * BLOCK)
+                values = torch.tensor([seq.value(p) for p in pos], dtype=torch.int64)
+                want = fake_kv_batch(values, layer, kv.shape[1], kv.shape[3])
+                got = kv[table[k]].permute(1, 0, 2)
+                if not torch.equal(got, want):
+                    bad.append(f"{rid} block {k} (id {table[k]}) layer {layer}")
+        return bad
+
+    def run(self, max_steps: int = 2000) -> dict[str, list[int]]:
+        """Step until every request finished and every held block is back."""
+        finished: dict[str, list[int]] = {}
+        for _ in range(max_steps):
+            if not (
+                self.sched.has_unfinished_requests()
+                or self.sched.has_finished_requests()
+            ):
+                return finished
+            result = self.step()
+            finished.update(result["finished"])
+            if not result["scheduled"]:
+                time.sleep(0.002)  # waiting on async transfers
+        raise AssertionError(f"not done after {max_steps} steps")
+
+    def assert_clean(self) -> None:
+        s = self.sched
+        assert not s.requests, f"leaked requests {list(s.requests)}"
+        assert not s.running and len(s.waiting) == 0
+        free = s.kv_cache_manager.block_pool.get_num_free_blocks()
+        assert free == self.kv_cache_config.num_blocks - 1, "leaked blocks"
+        if s.connector is None:
+            return
+        half = s.connector._scheduler
+        assert not half._reqs and not half._hits and not half._loads
+        worker = self.worker._worker
+        assert not worker._saves and not worker._recving and not worker._held
+
+    def counters(self) -> dict[str, float]:
+        total: dict[str, float] = {}
+        for entry in self.stats:
+            for key, value in entry.items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        self.sched.shutdown()
+
+
+def fake_kv_batch(
+    values: torch.Tensor, layer: int, heads: int, width: int
+) -> torch.Tensor:
+    """fake KV of several tokens in one layer: [tokens, heads, width] int16."""
+    base = torch.arange(heads * width, dtype=torch.int64).reshape(1, heads, width)
+    v = values.reshape(-1, 1, 1)
+    return ((base * (v % 9973 + 1) + v + layer * 7919) % 65521 - 32760).to(torch.int16)

@@ -1,0 +1,85 @@
+"""Options, environment and import cost: no vLLM needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pegaflow.connector.config import ConnectorConfig, parse_config, server_addr
+from tests.procs import ROOT, _env
+
+
+def test_defaults_and_env() -> None:
+    cfg = parse_config(None, env={})
+    assert cfg == ConnectorConfig()
+    assert cfg.addr == "127.0.0.1:50055"
+    env = {"PEGAFLOW_HOST": "http://10.1.2.3/", "PEGAFLOW_PORT": "6000"}
+    assert parse_config({}, env=env).addr == "10.1.2.3:6000"
+    assert server_addr({"PEGAFLOW_HOST": "::1"}) == "[::1]:50055"
+    assert server_addr({"PEGAFLOW_HOST": "cache-host"}) == "cache-host:50055"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"PEGAFLOW_PORT": "http"}, "PEGAFLOW_PORT"),
+        ({"PEGAFLOW_PORT": "70000"}, "PEGAFLOW_PORT"),
+        ({"PEGAFLOW_HOST": "https://x"}, "only http://"),
+        ({"PEGAFLOW_HOST": "a/b"}, "PEGAFLOW_HOST"),
+    ],
+)
+def test_bad_env(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_config({}, env=env)
+
+
+def test_extra_config_values() -> None:
+    cfg = parse_config(
+        {"sync_load_max_tokens": 256, "timeout_s": 3, "save_decode": False}, env={}
+    )
+    assert (cfg.sync_load_max_tokens, cfg.timeout_s, cfg.save_decode) == (
+        256,
+        3.0,
+        False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"pool_size": 1}, r"unknown key\(s\) pool_size; PegaKVConnector accepts"),
+        ({"timeout_s": "5"}, "timeout_s: expected a number"),
+        ({"timeout_s": 0}, "timeout_s: must be > 0"),
+        ({"sync_load_max_tokens": 1.5}, "sync_load_max_tokens: expected an integer"),
+        ({"sync_load_max_tokens": -1}, "sync_load_max_tokens: must be >= 0"),
+        ({"save_decode": 1}, "save_decode: expected true/false"),
+        ({"instance_id": 7}, "instance_id: expected a string"),
+        ({"lease_reuse_s": -1}, "lease_reuse_s: must be >= 0"),
+    ],
+)
+def test_bad_extra_config(extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_config(extra, env={})
+
+
+def test_import_is_cheap() -> None:
+    """vLLM imports the module from config and metrics code: no torch, vLLM,
+    gRPC or GPU import, no connection, until the class is looked up."""
+    code = (
+        "import sys, time; t = time.perf_counter(); import pegaflow.connector; "
+        "dt = time.perf_counter() - t; "
+        "heavy = [m for m in ('vllm', 'torch', 'grpc', 'numba', 'cupy', 'kvikio') "
+        "if m in sys.modules]; print(heavy, dt)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        check=True,
+    ).stdout.split()
+    assert out[0] == "[]", out
+    assert float(out[1]) < 0.5

@@ -1,0 +1,128 @@
+"""The server misbehaving under a running vLLM engine: slow saves, a crash
+mid-run, absence at start and a restart. Nothing hangs, vLLM recomputes what
+could not be loaded, and hits resume once the server is back."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.connector.conftest import needs_vllm
+from tests.procs import ServerProc
+
+needs_vllm()
+
+from tests.connector.engine import Engine, vllm_config  # noqa: E402
+from tests.connector.test_two_engines import prompts, serve  # noqa: E402
+
+FAST = {"retry_interval_s": 0.2, "timeout_s": 5.0}
+
+
+def step_until(engine: Engine, done: Callable[[], bool], limit_s: float = 20) -> None:
+    deadline = time.monotonic() + limit_s
+    while not done():
+        assert time.monotonic() < deadline, "condition not reached"
+        engine.step()
+        time.sleep(0.01)
+
+
+def test_request_finishing_before_its_save_keeps_blocks_until_saved(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    """The server stalls (SIGSTOP) while requests decode: they finish with saves
+    in flight, vLLM keeps their blocks, and frees them once the saves land."""
+    server = pega_server()
+    a = Engine(vllm_config(tiny_model, FAST))
+    batch = prompts(5, n=2)
+    for rid, tokens in batch.items():
+        a.add(rid, tokens, max_tokens=3)
+    a.step()  # admitted: queries are done
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        step_until(
+            a,
+            lambda: (
+                set(a.outputs) == set(batch)
+                and all(len(v) == 3 for v in a.outputs.values())
+            ),
+        )
+        held = [r for r in a.sched.requests.values() if r.is_finished()]
+        assert {r.request_id for r in held} == set(batch)
+        free = a.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+        assert free < a.kv_cache_config.num_blocks - 1
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    a.run()
+    a.assert_clean()
+    assert a.errors == []
+    b = Engine(vllm_config(tiny_model, FAST))  # what was saved is A's bytes
+    serve(b, {f"{rid}-b": t for rid, t in batch.items()})
+    assert b.counters()["hit_tokens"] > 0
+    a.close()
+    b.close()
+
+
+def test_server_killed_during_loads_means_recompute(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    server = pega_server()
+    batch = prompts(6)
+    a = Engine(vllm_config(tiny_model, FAST))
+    serve(a, batch)
+    b = Engine(vllm_config(tiny_model, FAST))
+
+    def kill_once(so: object) -> None:
+        if so.kv_connector_metadata.plan.loads:
+            server.stop(signal.SIGKILL)
+            b.after_schedule = None
+
+    b.after_schedule = kill_once
+    start = time.monotonic()
+    serve(b, batch)  # pages checked: recomputed after the failed loads
+    assert time.monotonic() - start < 30
+    counters = b.counters()
+    assert counters["load_failures"] > 0 and counters["load_blocks"] == 0
+    assert b.seen_waiting_remote == set(batch)
+    assert all(
+        len([p for p in b.seqs[rid].computed if p < len(t)]) == len(t)
+        for rid, t in batch.items()
+    )
+    serve(b, prompts(7))  # and it keeps serving, with misses
+    b.assert_clean()
+    a.close()
+    b.close()
+
+
+def test_absent_then_restarted_server_reregisters_and_hits_resume(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    a = Engine(vllm_config(tiny_model, FAST))  # no server yet: starts anyway
+    registrar = a.worker._worker.registrar
+    assert not registrar.registered
+    serve(a, prompts(8))
+    assert a.counters()["saves_skipped"] > 0
+
+    server = pega_server()
+    step_until(a, lambda: registrar.registered)
+    serve(a, prompts(9))
+    b = Engine(vllm_config(tiny_model, FAST))
+    serve(b, {f"{rid}-b": t for rid, t in prompts(9).items()})
+    assert b.counters()["hit_tokens"] > 0
+
+    server.stop(signal.SIGKILL)
+    serve(a, prompts(10))  # misses, skipped saves, no hang
+    serve(b, prompts(11))
+    pega_server()  # same port, empty pool
+    step_until(a, lambda: registrar.registered)
+    step_until(b, lambda: b.worker._worker.registrar.registered)
+    serve(a, prompts(12))
+    before = b.counters()["hit_tokens"]
+    time.sleep(0.3)  # B's query back-off from the outage has passed
+    serve(b, {f"{rid}-b": t for rid, t in prompts(12).items()})
+    assert b.counters()["hit_tokens"] > before
+    a.assert_clean()
+    b.assert_clean()
+    a.close()
+    b.close()

@@ -1,0 +1,101 @@
+"""KV tensor shapes vLLM hands the worker, the namespace digest, and the
+statistics hooks (log line reduction, Prometheus counters)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pegaflow.connector.kvmemory import kv_tensors, namespace_digest, namespace_parts
+from pegaflow.kv_layouts import describe
+from tests.connector.conftest import needs_vllm
+
+torch = pytest.importorskip("torch")
+
+
+def config(**cache: object) -> SimpleNamespace:
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model="m", revision=None, dtype="bf16"),
+        cache_config=SimpleNamespace(
+            block_size=16, cache_dtype="auto", prefix_caching_hash_algo="sha256"
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+
+
+def views(order: str, blocks: int = 8, layers: int = 2) -> dict[str, object]:
+    """vLLM 0.33 per-layer [B, H, N, C] views of one buffer, N/H order given."""
+    buf = torch.zeros(layers * blocks * 2 * 16 * 32, dtype=torch.bfloat16)
+    if order == "NHC":
+        phys = buf.view(layers, blocks, 16, 2, 32)
+        return {f"l{i}": phys[i].permute(0, 2, 1, 3) for i in range(layers)}
+    phys = buf.view(layers, blocks, 2, 16, 32)
+    return {f"l{i}": phys[i] for i in range(layers)}
+
+
+def test_page_order_is_part_of_the_namespace() -> None:
+    nhc, hnc = kv_tensors(views("NHC"), 8), kv_tensors(views("HNC"), 8)
+    assert nhc.page_signature != hnc.page_signature
+    digest = {namespace_digest(namespace_parts(config(), kv, "")) for kv in (nhc, hnc)}
+    assert len(digest) == 2
+    salted = namespace_digest(namespace_parts(config(), nhc, "v2"))
+    assert salted not in digest
+
+
+def test_kernel_blocks_group_into_manager_blocks() -> None:
+    """Views split into 2 kernel blocks per manager block register one page
+    per manager block, so scheduler block ids address the right bytes."""
+    kv = kv_tensors(views("NHC", blocks=16), 8)
+    mem = describe(kv.tensors)
+    assert mem.layers[0].num_blocks == 8
+    assert mem.layers[0].block_stride == 2 * (16 * 2 * 32 * 2)  # 2 kernel pages
+
+
+def test_kv_first_tensors_and_bad_shapes() -> None:
+    older = {f"l{i}": torch.zeros(2, 8, 16, 2, 32) for i in range(2)}
+    kv = kv_tensors(older, 8)
+    assert (
+        kv.kv_first and len(describe(kv.tensors, kv_first=True).layers[0].segments) == 2
+    )
+    with pytest.raises(ValueError, match="fits neither"):
+        kv_tensors({"l0": torch.zeros(7, 2, 16, 32)}, 8)
+    with pytest.raises(ValueError, match="page shape or dtype"):
+        kv_tensors({"a": torch.zeros(8, 2, 16, 32), "b": torch.zeros(8, 4, 16, 32)}, 8)
+
+
+def test_stats_reduce_and_prometheus() -> None:
+    needs_vllm()
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from pegaflow.connector import PegaKVConnector
+    from pegaflow.connector.plan import new_stats
+
+    stats = PegaKVConnector.build_kv_connector_stats(
+        {**new_stats(), "queries": 2, "query_seconds": 0.004, "query_tokens": 64}
+    )
+    other = PegaKVConnector.build_kv_connector_stats(
+        {"hit_tokens": 32, "load_bytes": 2e6, "load_seconds": 0.001}
+    )
+    reduced = stats.aggregate(other).reduce()
+    assert reduced["queries"] == 2 and reduced["hit_rate"] == 0.5
+    assert reduced["query_avg_ms"] == 2.0 and reduced["load_GBps"] == 2.0
+    assert PegaKVConnector.build_kv_connector_stats().is_empty()
+
+    registry = CollectorRegistry()
+
+    class RegCounter(Counter):
+        def __init__(self, *args: object, **kw: object) -> None:
+            super().__init__(*args, registry=registry, **kw)
+
+    prom = PegaKVConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),
+        {Gauge: Gauge, Counter: RegCounter, Histogram: Histogram},
+        ["engine"],
+        {0: ["0"]},
+    )
+    prom.observe(stats.data, engine_idx=0)
+    assert (
+        registry.get_sample_value("vllm:pegaflow_hit_tokens_total", {"engine": "0"})
+        == 32
+    )

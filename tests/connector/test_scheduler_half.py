@@ -1,0 +1,147 @@
+"""Scheduler half against a scripted client and minimal request objects: the
+contract details vLLM's scheduler cannot provoke with our server (e.g. a
+`loading` answer) or that are easiest to state in isolation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from pegaflow.client import QueryResult
+from pegaflow.connector.config import ConnectorConfig
+from pegaflow.connector.plan import WorkerReport
+from pegaflow.connector.scheduler import SchedulerHalf
+from pegaflow.errors import ServerUnavailable
+
+BS = 16
+
+
+@dataclass
+class FakeClient:
+    answers: list[object] = field(default_factory=list)
+    asked: list[int] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+
+    def query(self, instance_id: str, hashes: list[bytes]) -> QueryResult:
+        self.asked.append(len(hashes))
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def release_lease(self, lease_id: int) -> None:
+        self.released.append(lease_id)
+
+    def close(self) -> None:
+        pass
+
+
+def request(rid: str, num_tokens: int, computed: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid,
+        num_tokens=num_tokens,
+        num_prompt_tokens=num_tokens,
+        num_computed_tokens=computed,
+        block_hashes=[bytes([i]) * 32 for i in range(num_tokens // BS)],
+        status=SimpleNamespace(name="FINISHED_STOPPED"),
+    )
+
+
+def half(client: FakeClient, **options: object) -> SchedulerHalf:
+    cfg = ConnectorConfig(retry_interval_s=60, **options)
+    return SchedulerHalf(cfg, "engine", BS, num_workers=1, client=client)
+
+
+def test_loading_asks_again_then_hits() -> None:
+    client = FakeClient([QueryResult(0, 0, loading=True), QueryResult(3, 11)])
+    s = half(client)
+    req = request("r", 64)
+    assert s.num_new_matched_tokens(req, 0) == (None, False)
+    assert s.num_new_matched_tokens(req, 0) == (48, True)
+    assert client.asked == [3, 3]  # 64 tokens = 4 blocks, the last never claimed
+
+
+def test_zero_is_never_async_and_local_hits_are_not_asked() -> None:
+    client = FakeClient([QueryResult(0, 0)])
+    s = half(client)
+    assert s.num_new_matched_tokens(request("a", 64), 0) == (0, False)
+    # Everything but the last block is local already: nothing to ask.
+    assert s.num_new_matched_tokens(request("b", 64), 48) == (0, False)
+    assert client.asked == [3]
+
+
+def test_small_hits_load_synchronously() -> None:
+    client = FakeClient([QueryResult(2, 5), QueryResult(3, 6)])
+    s = half(client, sync_load_max_tokens=32)
+    assert s.num_new_matched_tokens(request("a", 100), 0) == (32, False)
+    assert s.num_new_matched_tokens(request("b", 100), 0) == (48, True)
+
+
+def test_answer_reused_while_fresh_and_released_when_unused() -> None:
+    client = FakeClient([QueryResult(3, 21), QueryResult(1, 22)])
+    s = half(client)
+    req = request("r", 64)
+    assert s.num_new_matched_tokens(req, 0) == (48, True)
+    assert s.num_new_matched_tokens(req, 0) == (48, True)  # no side effects
+    assert client.asked == [3]
+    assert s.num_new_matched_tokens(req, 16) == (16, True)  # new local hit: ask
+    s.request_finished(req, [])  # aborted before admission
+    s.shutdown()
+    assert sorted(client.released) == [21, 22]
+
+
+def test_server_away_means_misses_without_asking() -> None:
+    client = FakeClient([ServerUnavailable("down")])
+    s = half(client)
+    assert s.num_new_matched_tokens(request("a", 64), 0) == (0, False)
+    assert s.num_new_matched_tokens(request("b", 64), 0) == (0, False)
+    assert client.asked == [3]
+    assert s.stats["query_failures"] == 1
+
+
+def test_admission_plans_load_and_saves_the_rest() -> None:
+    client = FakeClient([QueryResult(2, 9)])
+    s = half(client)
+    req = request("r", 80)
+    assert s.num_new_matched_tokens(req, 0) == (32, True)
+    s.after_alloc(req, [10, 11, 12, 13, 14], 32)
+    req.num_computed_tokens = 32
+    so = SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id="r", block_ids=([10, 11, 12, 13, 14],))
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set()
+        ),
+        num_scheduled_tokens={"r": 48},
+    )
+    plan = s.build_plan(so)
+    assert [(j.lease_id, j.block_ids, j.sync) for j in plan.loads] == [
+        (9, [10, 11], False)
+    ]
+    assert [j.block_ids for j in plan.saves] == [[12, 13, 14]]
+    # The request finishes with its save in flight: blocks are held ...
+    req.num_computed_tokens = 80
+    assert s.request_finished(req, [10, 11, 12, 13, 14]) is True
+    assert s.build_plan(
+        SimpleNamespace(**{**vars(so), "num_scheduled_tokens": {}})
+    ).held == {"r"}
+    # ... until the worker reports the save; then nothing is left.
+    s.on_worker_report(WorkerReport({"r": 1}))
+    assert not s._reqs
+
+
+def test_finished_delays_freeing_only_while_saves_are_pending() -> None:
+    s = half(FakeClient([QueryResult(0, 0), QueryResult(0, 0)]))
+    req = request("r", 40)
+    s.num_new_matched_tokens(req, 0)
+    s.after_alloc(req, [1, 2, 3], 0)
+    req.num_computed_tokens = 20  # one full block has KV, never saved yet
+    assert s.request_finished(req, [1, 2, 3]) is True
+    s.on_worker_report(WorkerReport({"r": 1}))
+    assert not s._reqs
+    other = request("q", 40)
+    s.num_new_matched_tokens(other, 0)
+    s.after_alloc(other, [4, 5, 6], 0)
+    assert s.request_finished(other, [4, 5, 6]) is False  # no KV: nothing pending

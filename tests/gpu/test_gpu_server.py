@@ -1,0 +1,231 @@
+"""The GPU data path end to end: a real server process and engine processes that
+hold torch CUDA KV on one GPU; bytes move through CUDA IPC and the pool.
+
+Excluded by default (marker `gpu`); on the H200 test machine:
+    pytest -m gpu tests/gpu -o addopts="" -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.procs import EngineProc, ServerProc, start_server
+
+pytestmark = pytest.mark.gpu
+
+LLAMA = dict(layers=4, blocks=64, heads=8, block_size=16, head=128)
+CASES = [
+    (layout, dtype)
+    for layout in ("LBNHC", "BLNHC", "kv_first", "MLA")
+    for dtype in ("bfloat16", "float8_e4m3fn")
+]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def gpu() -> None:
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        pytest.skip("the CUDA simulator is on")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def server(gpu: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    tmp = tmp_path_factory.mktemp("gpu-server")
+    args = ("--pool-size", "6gb", "--devices", "0", "--cuda-event-timeout", "5")
+    srv = start_server(tmp, *args)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(server: ServerProc) -> Iterator[tuple[EngineProc, EngineProc]]:
+    a, b = EngineProc(), EngineProc()
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture
+def engine() -> Iterator[Callable[..., EngineProc]]:
+    made: list[EngineProc] = []
+
+    def make(**kw: object) -> EngineProc:
+        made.append(EngineProc(**kw))
+        return made[-1]
+
+    yield make
+    for proc in made:
+        proc.close()
+
+
+def health(server: ServerProc) -> dict:
+    status, body = server.get("/health")
+    assert status == 200
+    return json.loads(body)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def tokens(n: int) -> list[str]:
+    return [secrets.token_hex(32) for _ in range(n)]
+
+
+def setup(e: EngineProc, srv: ServerProc, name: str, ns: str, **init: object) -> None:
+    e.call("init", device="cuda:0", **init)
+    e.call("register", addr=srv.addr, instance=name, namespace=ns)
+
+
+def save_then_load(
+    a: EngineProc, b: EngineProc, hashes: list[str], event: bool = True
+) -> tuple[list[str], list[str]]:
+    """a writes fresh bytes behind a GPU sleep and saves them (ordered by its IPC
+    event); b loads them into other block ids. Returns (a's, b's) digests."""
+    src = list(range(N))
+    dst = [63 - i for i in range(N)]  # other ids, reversed order
+    a.call("scribble", block_ids=src, seed=11, delay_ms=150)
+    res = a.call("save", block_ids=src, hashes=hashes, event=event, sync=False)
+    assert res["stored"] == N
+    expected = a.call("digest", block_ids=src)["digests"]  # syncs a's stream
+    hit = b.call("query", hashes=hashes)
+    assert hit["num_blocks"] == N
+    assert b.call("load", lease_id=hit["lease_id"], block_ids=dst)["loaded"] == N
+    return expected, b.call("digest", block_ids=dst)["digests"]
+
+
+@pytest.mark.parametrize(("layout", "dtype"), CASES, ids=[f"{a}-{b}" for a, b in CASES])
+def test_round_trip(
+    server: ServerProc, pair: tuple[EngineProc, EngineProc], layout: str, dtype: str
+) -> None:
+    """Engine A saves (its copy waits on A's IPC event), engine B loads into other
+    ids: every byte equal, B's other blocks untouched, mappings closed after."""
+    a, b = pair
+    ns = f"ns-{layout}-{dtype}"
+    setup(a, server, f"a-{ns}", ns, layout=layout, dtype=dtype, seed=1, **LLAMA)
+    setup(b, server, f"b-{ns}", ns, layout=layout, dtype=dtype, seed=2, **LLAMA)
+    assert health(server)["cuda_mappings"] >= 2
+    keep = list(range(N, 64 - N))  # blocks b must not see written
+    before = b.call("digest", block_ids=keep)["digests"]
+    expected, got = save_then_load(a, b, tokens(N))
+    assert got == expected
+    assert b.call("digest", block_ids=keep)["digests"] == before
+    a.call("unregister")
+    b.call("unregister")
+    assert wait_for(lambda: health(server)["cuda_mappings"] == 0)
+
+
+def test_save_without_event_races_the_engine(
+    server: ServerProc, pair: tuple[EngineProc, EngineProc]
+) -> None:
+    """Control for the test above: without the event, the server copies before
+    A's delayed writes land, so B gets the old bytes. The event is what orders."""
+    a, b = pair
+    setup(a, server, "a-noevent", "ns-noevent", layout="LBNHC", seed=1, **LLAMA)
+    setup(b, server, "b-noevent", "ns-noevent", layout="LBNHC", seed=2, **LLAMA)
+    expected, got = save_then_load(a, b, tokens(N), event=False)
+    assert got != expected
+    a.call("unregister")
+    b.call("unregister")
+
+
+def test_two_models_in_two_namespaces(
+    server: ServerProc, engine: Callable[..., EngineProc]
+) -> None:
+    """A Llama-like and an MLA engine at once, saving the same hashes: each sees
+    only its own namespace's blocks and loads its own bytes back."""
+    llama, mla = engine(), engine()
+    setup(llama, server, "llama", "ns-llama", layout="LBNHC", seed=3, **LLAMA)
+    mla_shape = {**LLAMA, "layers": 6}
+    setup(mla, server, "mla", "ns-mla", layout="MLA", seed=4, **mla_shape)
+    hashes = tokens(N)
+    src, dst = list(range(N)), list(range(63, 63 - N, -1))
+    for e in (llama, mla):
+        assert e.call("save", block_ids=src, hashes=hashes)["stored"] == N
+    only_llama = tokens(4)
+    llama.call("save", block_ids=[0, 1, 2, 3], hashes=only_llama)
+    assert mla.call("query", hashes=only_llama)["num_blocks"] == 0
+    for e in (llama, mla):
+        expected = e.call("digest", block_ids=src)["digests"]
+        hit = e.call("query", hashes=hashes)
+        assert hit["num_blocks"] == N
+        e.call("load", lease_id=hit["lease_id"], block_ids=dst)
+        assert e.call("digest", block_ids=dst)["digests"] == expected
+    assert health(server)["workers"] == 2
+
+
+def test_sigkill_mid_copy(
+    server: ServerProc, engine: Callable[..., EngineProc]
+) -> None:
+    """An engine dies while the server copies 2 GiB out of its GPU memory: the
+    server stays healthy, drops the worker, unmaps its allocation, and serves the
+    next engine."""
+    big = dict(layers=32, blocks=1024, heads=8, block_size=16, head=128)
+    victim = engine()
+    setup(victim, server, "victim", "ns-kill", layout="LBNHC", seed=5, **big)
+    victim.call("save_async", block_ids=list(range(1024)), hashes=tokens(1024))
+    victim.kill()
+    assert wait_for(lambda: health(server)["workers"] == 0)
+    assert wait_for(lambda: health(server)["cuda_mappings"] == 0)
+    a, b = engine(), engine()
+    expected, got = _fresh_pair(server, a, b, "after-kill")
+    assert got == expected
+
+
+def test_sigkill_with_pending_event(
+    server: ServerProc, engine: Callable[..., EngineProc]
+) -> None:
+    """An engine dies after recording the event its save waits on, behind 1 s of
+    GPU work: the save ends (done or failed within --cuda-event-timeout), and the
+    server keeps serving other engines' saves and loads."""
+    victim = engine()
+    setup(victim, server, "victim2", "ns-kill2", layout="LBNHC", seed=6, **LLAMA)
+    victim.call(
+        "save_async",
+        block_ids=list(range(N)),
+        hashes=tokens(N),
+        event=True,
+        delay_ms=1000,
+    )
+    victim.kill()
+    assert wait_for(lambda: health(server)["workers"] == 0)
+    time.sleep(6)  # past the event timeout, whichever way the save ended
+    print("mappings after a pending-event kill:", health(server)["cuda_mappings"])
+    a, b = engine(), engine()
+    expected, got = _fresh_pair(server, a, b, "after-kill2")
+    assert got == expected
+    for e in (a, b):
+        e.call("unregister")
+    assert wait_for(lambda: health(server)["cuda_mappings"] == 0)
+
+
+def _fresh_pair(
+    server: ServerProc, a: EngineProc, b: EngineProc, ns: str
+) -> tuple[list[str], list[str]]:
+    setup(a, server, f"a-{ns}", ns, layout="LBNHC", seed=7, **LLAMA)
+    setup(b, server, f"b-{ns}", ns, layout="LBNHC", seed=8, **LLAMA)
+    return save_then_load(a, b, tokens(N))
+
+
+def test_vmm_memory_is_refused_clearly(
+    gpu: None, engine: Callable[..., EngineProc]
+) -> None:
+    """PyTorch expandable_segments allocates with the VMM API, which CUDA IPC
+    handles cannot share: export refuses and says what to change."""
+    e = engine(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    with pytest.raises(RuntimeError, match="expandable_segments"):
+        e.call("init", device="cuda:0", layout="LBNHC", seed=1, **LLAMA)
