@@ -1,0 +1,87 @@
+"""L3 SSD tier (issue 5): spill cold blocks from L1 to local SSD, read them back,
+and keep them across server restarts.
+
+Layout
+    format.py    superblock and record header (magic, version, store id, namespace
+                 digest, block hash, seq, payload length, 64-bit checksum, CRC)
+    ring.py      bookkeeping: records, one FIFO ring per file, the key index
+    journal.py   append-only index journal (per-entry CRC), replay, snapshots
+    files.py     start-up: path checks, reuse / reinitialise / refuse, prealloc
+    io.py        FileIO interface, POSIX backend (O_DIRECT where allowed)
+    kvikio_io.py kvikio backend (GDS or compat mode), imported lazily
+    store.py     files + rings + index + journal behind one lock
+    tier.py      SsdTier: the seam the server calls
+    config.py    SsdConfig (moves to pegaflow/config.py when wired in)
+
+The seam (all of it; the server needs nothing else)
+    tier = SsdTier(SsdConfig(paths=(...,), capacity_bytes=...))
+        Opens or creates the files, rebuilds the index from the journal (tqdm bar
+        past 100k entries), starts the writer threads and the reader pool. Raises
+        SsdError with a clear message for a missing directory, an unwritable path,
+        too little free space, a foreign file at a path, O_DIRECT refused with
+        direct_io="on", or mismatched files with on_mismatch="refuse".
+        `tier.store.recovery` says what was recovered and how long it took.
+        Beside paths[0] it keeps `<path>.journal` (the index) and `<path>.lock`
+        (flock: a second server on the same files is refused). Payload checksum:
+        "auto" = blake3 where installed (5x blake2b on one core), else blake2b;
+        each record names its own, so a store may hold both.
+
+    tier.spill(ns_digest, block_hash, slots, slot_bytes, release=None) -> bool
+        Event-loop safe, never blocks (one short lock, no I/O). Queues the block
+        whose payload is `slot_bytes` at each address in `slots` (one per TP shard).
+        True: `release()` will be called exactly once from a writer thread when
+        the slot bytes have been copied out (or the spill failed); the caller must
+        not reuse the slots before then. False: not queued (already on SSD or
+        queued, not admitted, queue full -> counted in spills_dropped, or closed);
+        release is not called, the caller frees the slots at once.
+
+    tier.lookup(ns_digest, hashes) -> int
+        Event-loop safe, lock-free: the length of the prefix of hashes on SSD.
+
+    tier.load(ns_digest, hashes, slots, slot_bytes) -> Future[LoadResult]
+        Event-loop safe, never blocks: reads block i into the addresses in
+        slots[i] (array [n, shards] or [n]) on the reader pool. The
+        concurrent.futures.Future (await it with asyncio.wrap_future) gives
+        LoadResult(ok: bool array, nbytes, seconds). A record that is gone,
+        damaged (checksum / header mismatch: counted, dropped) or of another
+        geometry is False; its slots hold garbage and go back to the pool.
+
+    tier.flush(timeout=None) -> bool     wait for queued spills (tests, shutdown)
+    tier.stats() -> SsdStats             counters snapshot for /metrics
+    tier.close()                          write what is queued, sync, close
+    tier.mode                             "posix-odirect" | "posix-buffered" |
+                                          "kvikio-gds" | "kvikio-compat"
+    namespace_digest(name, signature)     16-byte on-disk namespace key
+
+Wiring left to the server (pegaflow/blocks.py, engine.py, cli.py, config.py,
+metrics.py):
+    - Eviction: where BlockStore._remove frees a ready block's slots, call
+      tier.spill(digest(ns), key[1], entry.slots, ns.slot_bytes,
+      release=lambda: loop.call_soon_threadsafe(slabs.free, slots)); free at once
+      when it returns False. Keep the freed-later slots out of allocation.
+    - Query: after the L1 prefix, n = tier.lookup(digest, hashes[hits:]); if n,
+      answer `loading`, allocate n blocks' slots (pinned, in flight), await
+      tier.load(...), publish the ok prefix as ready L1 blocks, free the rest.
+    - CLI: --ssd-cache-path (repeatable), --ssd-cache-capacity (units as
+      --pool-size), --ssd-backend, --ssd-direct-io, --ssd-admission,
+      --ssd-on-mismatch; tier.close() at shutdown, after the engine stops.
+    - Metrics from tier.stats(): bytes written/read, queue depth, drops,
+      checksum failures, header mismatches, tier hits (load_hits), prefetch
+      latency (LoadResult.seconds into a histogram), mode as an info label.
+"""
+
+from __future__ import annotations
+
+from pegaflow.gds.config import SsdConfig
+from pegaflow.gds.format import namespace_digest
+from pegaflow.gds.io import SsdError
+from pegaflow.gds.tier import LoadResult, SsdStats, SsdTier
+
+__all__ = [
+    "LoadResult",
+    "SsdConfig",
+    "SsdError",
+    "SsdStats",
+    "SsdTier",
+    "namespace_digest",
+]

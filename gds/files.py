@@ -1,0 +1,210 @@
+"""Start-up of the SSD tier's data files: check the paths, recognise files written
+before, preallocate and stamp new ones.
+
+Files that carry a superblock of this format version and capacity, all from one
+store, are reused (their blocks survive the restart). Files of another version,
+capacity or file set are reinitialised with a warning saying why, or refused
+(`on_mismatch="refuse"`). A file that is not ours and holds data is never touched.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from pegaflow.gds.config import SsdConfig
+from pegaflow.gds.format import (
+    FILE_MAGIC,
+    FORMAT_VERSION,
+    STORE_ID_BYTES,
+    SUPERBLOCK_BYTES,
+    FormatError,
+    Superblock,
+)
+from pegaflow.gds.io import SsdError
+
+logger = logging.getLogger(__name__)
+GiB = float(1 << 30)
+DAMAGED = Superblock(-1, -1, -1, -1, b"", 0.0)  # magic right, checksum wrong
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    store_id: bytes
+    file_bytes: int
+    fresh: bool  # initialised now: nothing to recover
+    reason: str  # why the files were (re)initialised, "" when reused
+    lock_fd: int  # held (flock) until the store closes: one server per cache
+
+
+def prepare(cfg: SsdConfig) -> Layout:
+    for path in cfg.paths:
+        _check_path(path)
+    lock_fd = _lock(f"{cfg.paths[0]}.lock")
+    try:
+        return _prepare(cfg, lock_fd)
+    except BaseException:
+        os.close(lock_fd)
+        raise
+
+
+def _lock(path: str) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SsdError(
+            f"ssd cache {path[: -len('.lock')]}: in use by another process "
+            "(two servers cannot share cache files)"
+        ) from None
+    return fd
+
+
+def _prepare(cfg: SsdConfig, lock_fd: int) -> Layout:
+    found = [_read_superblock(path) for path in cfg.paths]
+    reason = _mismatch(cfg, found)
+    if not reason:
+        assert found[0] is not None
+        return Layout(found[0].store_id, cfg.file_bytes, False, "", lock_fd)
+    existing = any(sb is not None for sb in found)
+    if existing and cfg.on_mismatch == "refuse":
+        raise SsdError(
+            f"ssd cache files do not match this server: {reason}; delete them or "
+            "start with --ssd-on-mismatch reinit (drops the blocks cached there)"
+        )
+    if existing:
+        logger.warning("ssd cache: reinitialising (%s); its blocks are dropped", reason)
+    _check_space(cfg)
+    store_id = os.urandom(STORE_ID_BYTES)
+    for i, path in enumerate(cfg.paths):
+        _create(
+            path,
+            Superblock(
+                FORMAT_VERSION, i, len(cfg.paths), cfg.file_bytes, store_id, time.time()
+            ),
+        )
+    return Layout(store_id, cfg.file_bytes, True, reason, lock_fd)
+
+
+def _check_path(path: str) -> None:
+    """Open (or create and remove) the file: access bits do not bind root, a
+    read-only filesystem does."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise SsdError(f"ssd cache {path}: directory {parent} does not exist")
+    exists = os.path.exists(path)
+    if exists and not os.path.isfile(path):
+        raise SsdError(f"ssd cache {path}: not a regular file")
+    try:
+        flags = os.O_RDWR | os.O_CLOEXEC | (0 if exists else os.O_CREAT | os.O_EXCL)
+        os.close(os.open(path, flags, 0o644))
+    except OSError as exc:
+        what = "open it for writing" if exists else f"create files in {parent}"
+        raise SsdError(f"ssd cache {path}: cannot {what}: {exc.strerror}") from exc
+    if not exists:
+        os.unlink(path)
+
+
+def _read_superblock(path: str) -> Superblock | None:
+    """The file's superblock; None for a missing, empty or all-zero start.
+    Raises SsdError for a file with foreign data."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(SUPERBLOCK_BYTES)
+    except FileNotFoundError:
+        return None
+    if not raw.strip(b"\0"):
+        return None
+    if not raw.startswith(FILE_MAGIC):
+        raise SsdError(
+            f"ssd cache {path}: exists and is not a PegaFlow SSD cache file; "
+            "refusing to overwrite it (pick another path or delete it)"
+        )
+    try:
+        return Superblock.unpack(raw)
+    except FormatError:  # ours, but its first page is damaged
+        return DAMAGED
+
+
+def _mismatch(cfg: SsdConfig, found: list[Superblock | None]) -> str:
+    """Why the files cannot be reused as they are ("" when they can)."""
+    if all(sb is None for sb in found):
+        return "new files"
+    for i, (path, sb) in enumerate(zip(cfg.paths, found, strict=True)):
+        if sb is None:
+            return f"{path} is new beside existing cache files"
+        if sb is DAMAGED:
+            return f"{path} has a damaged superblock"
+        if sb.version != FORMAT_VERSION:
+            return (
+                f"{path} is of format version {sb.version}, this server writes "
+                f"version {FORMAT_VERSION}"
+            )
+        if sb.file_bytes != cfg.file_bytes:
+            return (
+                f"capacity changed: {path} holds {sb.file_bytes / GiB:.2f} GiB, the "
+                f"configuration asks for {cfg.file_bytes / GiB:.2f} GiB per file"
+            )
+        if sb.file_count != len(cfg.paths) or sb.file_index != i:
+            return (
+                f"file set changed: {path} was file {sb.file_index + 1} of "
+                f"{sb.file_count}, now {i + 1} of {len(cfg.paths)}"
+            )
+        if sb.store_id != found[0].store_id:  # type: ignore[union-attr]
+            return f"{path} belongs to another cache than {cfg.paths[0]}"
+    return ""
+
+
+def _check_space(cfg: SsdConfig) -> None:
+    """Enough free space to preallocate every file, per filesystem."""
+    need: dict[int, int] = {}
+    where: dict[int, str] = {}
+    for path in cfg.paths:
+        parent = os.path.dirname(os.path.abspath(path))
+        dev = os.stat(parent).st_dev
+        have = os.stat(path).st_blocks * 512 if os.path.exists(path) else 0
+        need[dev] = need.get(dev, 0) + max(0, cfg.file_bytes - have)
+        where[dev] = parent
+    for dev, nbytes in need.items():
+        st = os.statvfs(where[dev])
+        free = st.f_bavail * st.f_frsize
+        if nbytes > free:
+            raise SsdError(
+                f"ssd cache: not enough space in {where[dev]}: the cache files need "
+                f"{nbytes / GiB:.2f} GiB more, {free / GiB:.2f} GiB are free; lower "
+                "--ssd-cache-capacity or free space"
+            )
+
+
+def _create(path: str, sb: Superblock) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        # The superblock goes last: a crash while preallocating leaves a file
+        # that the next start initialises again.
+        os.pwrite(fd, b"\0" * SUPERBLOCK_BYTES, 0)
+        if os.fstat(fd).st_size > sb.file_bytes:
+            os.ftruncate(fd, sb.file_bytes)
+        try:
+            os.posix_fallocate(fd, 0, sb.file_bytes)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise SsdError(
+                    f"ssd cache {path}: preallocating failed: {exc}"
+                ) from exc
+            logger.warning(
+                "ssd cache %s: the filesystem cannot preallocate; the file is sparse "
+                "and a full disk shows up as write errors",
+                path,
+            )
+            os.ftruncate(fd, sb.file_bytes)
+        os.fsync(fd)
+        os.pwrite(fd, sb.pack().ljust(SUPERBLOCK_BYTES, b"\0"), 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    logger.info("ssd cache %s: initialised, %.2f GiB", path, sb.file_bytes / GiB)

@@ -1,0 +1,186 @@
+"""File I/O of the SSD tier: one small interface, two backends chosen once at start.
+
+A backend moves bytes between a data file and host memory named by raw address
+and length (pool slots are raw addresses in the pool's mmap'd region). Offsets,
+lengths and addresses are 4 KiB-aligned: the store stages records through
+aligned buffers (`AlignedBuffer`), so O_DIRECT and GDS both apply.
+
+- `PosixIO`: os.preadv/os.pwritev on descriptors opened with O_DIRECT where the
+  filesystem allows it, buffered otherwise (logged, and reported in `mode`).
+- `gds.kvikio_io.KvikioIO`: kvikio's CuFile; GPUDirect Storage where the machine
+  has it, kvikio's POSIX compatibility mode elsewhere. Needs libcuda.so.1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+import numpy as np
+
+from pegaflow.gds.format import ALIGN
+
+logger = logging.getLogger(__name__)
+
+BackendName = Literal["auto", "posix", "kvikio"]
+DirectIO = Literal["auto", "on", "off"]
+
+
+class SsdError(RuntimeError):
+    """The SSD tier cannot start as configured; the message says why and what to
+    change."""
+
+
+class FileIO(Protocol):
+    """Byte mover between data files and host memory. Thread-safe: the store calls
+    it from several I/O threads at once."""
+
+    mode: str  # what is in use, for the log and /metrics (e.g. "posix-odirect")
+
+    def pread(self, file: int, address: int, nbytes: int, offset: int) -> None: ...
+    def pwrite(self, file: int, address: int, nbytes: int, offset: int) -> None: ...
+    def sync(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def host_view(address: int, nbytes: int) -> memoryview:
+    """A writable memoryview over raw host memory (no copy)."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+
+
+class AlignedBuffer:
+    """Page-aligned anonymous memory that grows on demand (one per I/O thread)."""
+
+    def __init__(self, nbytes: int = 1 << 20) -> None:
+        self._map: mmap.mmap | None = None
+        self.size = 0
+        self.address = 0
+        self.ensure(nbytes)
+
+    def ensure(self, nbytes: int) -> None:
+        if nbytes <= self.size:
+            return
+        size = -(-nbytes // ALIGN) * ALIGN
+        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        old, self._map = self._map, region
+        self._array = np.frombuffer(region, np.uint8)
+        self.address = int(self._array.ctypes.data)
+        self.size = size
+        if old is not None:
+            old.close()
+
+    def view(self, start: int = 0, stop: int | None = None) -> memoryview:
+        return memoryview(self._array)[start:stop]
+
+    def close(self) -> None:
+        if self._map is not None:
+            del self._array
+            self._map.close()
+            self._map = None
+            self.size = 0
+
+
+def _short(op: str, done: int, want: int, file: int, offset: int) -> OSError:
+    return OSError(errno.EIO, f"short {op} on file {file} at {offset}: {done}/{want}")
+
+
+class PosixIO:
+    """preadv/pwritev from the caller's threads; the GIL is dropped for each
+    syscall, so several threads keep several requests in flight."""
+
+    def __init__(self, paths: Sequence[str], direct: DirectIO) -> None:
+        self.fds: list[int] = []
+        self.direct = False
+        try:
+            for path in paths:
+                self.fds.append(self._open(path, direct))
+        except BaseException:
+            self.close()
+            raise
+        self.mode = "posix-odirect" if self.direct else "posix-buffered"
+        logger.info("ssd backend: %s", self.mode)
+
+    def _open(self, path: str, direct: DirectIO) -> int:
+        flags = os.O_RDWR | os.O_CLOEXEC
+        fell_back = bool(self.fds) and not self.direct
+        if direct == "off" or fell_back:
+            return os.open(path, flags)
+        fd = -1
+        try:
+            fd = os.open(path, flags | os.O_DIRECT)
+            _probe_direct(fd)
+        except OSError as exc:
+            if fd >= 0:
+                os.close(fd)
+            if direct == "on" or exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise SsdError(
+                    f"ssd cache {path}: O_DIRECT not usable here ({exc}); "
+                    "use --ssd-direct-io auto (falls back) or off"
+                ) from exc
+            if self.fds:  # the files before this one took O_DIRECT
+                raise SsdError(
+                    f"ssd cache {path}: O_DIRECT works for the other cache files "
+                    "but not this one; put them on alike filesystems"
+                ) from exc
+            logger.warning(
+                "ssd cache %s: the filesystem refuses O_DIRECT (%s); using "
+                "buffered I/O, through the page cache",
+                path,
+                exc.strerror,
+            )
+            return os.open(path, flags)
+        self.direct = True
+        return fd
+
+    def pread(self, file: int, address: int, nbytes: int, offset: int) -> None:
+        done = os.preadv(self.fds[file], [host_view(address, nbytes)], offset)
+        if done != nbytes:
+            raise _short("read", done, nbytes, file, offset)
+
+    def pwrite(self, file: int, address: int, nbytes: int, offset: int) -> None:
+        view = host_view(address, nbytes)
+        done = 0
+        while done < nbytes:  # a regular file may take a long write in parts
+            n = os.pwritev(self.fds[file], [view[done:]], offset + done)
+            if n <= 0:
+                raise _short("write", done, nbytes, file, offset)
+            done += n
+
+    def sync(self) -> None:
+        for fd in self.fds:
+            os.fdatasync(fd)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def _probe_direct(fd: int) -> None:
+    """Some filesystems accept O_DIRECT at open and fail the first I/O: read the
+    superblock page through it once."""
+    buf = AlignedBuffer(ALIGN)
+    try:
+        os.preadv(fd, [buf.view(0, ALIGN)], 0)
+    finally:
+        buf.close()
+
+
+def open_backend(name: BackendName, paths: Sequence[str], direct: DirectIO) -> FileIO:
+    """The backend, chosen once: 'auto' takes kvikio where it and a CUDA driver
+    are present, POSIX elsewhere."""
+    if name in ("auto", "kvikio"):
+        from pegaflow.gds import kvikio_io
+
+        why = kvikio_io.unavailable()
+        if why is None:
+            return kvikio_io.KvikioIO(paths)
+        if name == "kvikio":
+            raise SsdError(f"--ssd-backend kvikio: {why}")
+        logger.info("ssd backend: kvikio not usable (%s)", why)
+    return PosixIO(paths, direct)

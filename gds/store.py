@@ -1,0 +1,314 @@
+"""The SSD store: data files, rings, index and journal behind one lock.
+
+Bookkeeping (reserve, commit, pin, drop) runs under `lock` and never does data
+I/O; reading and writing record bytes (`write`, `read`) run outside it on the
+caller's thread, against a record the bookkeeping keeps safe: a record being
+written or read is busy, and the ring never reclaims busy space.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from pegaflow.gds import journal
+from pegaflow.gds.config import SsdConfig
+from pegaflow.gds.files import prepare
+from pegaflow.gds.format import (
+    HEADER_BYTES,
+    SUPERBLOCK_BYTES,
+    FormatError,
+    RecordHeader,
+    checksum_id,
+    hasher,
+    record_bytes,
+)
+from pegaflow.gds.io import AlignedBuffer, SsdError, open_backend
+from pegaflow.gds.ring import BlockHash, Index, NsDigest, Record, Ring, State
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    bytes_written: int = 0
+    bytes_read: int = 0
+    blocks_written: int = 0
+    blocks_read: int = 0
+    write_errors: int = 0
+    read_errors: int = 0
+    checksum_failures: int = 0  # payload does not hash to its checksum
+    header_mismatches: int = 0  # header damaged, or names another block / seq
+    no_space: int = 0  # spills refused: every ring's next space is busy / too small
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    blocks: int
+    torn_records: int  # space claimed by writes a crash interrupted: dropped
+    torn_entries: int  # journal entries cut off or corrupt at the tail: dropped
+    seconds: float
+    reinitialised: str  # why the files were (re)initialised, "" when reused
+
+
+class SsdStore:
+    def __init__(self, cfg: SsdConfig) -> None:
+        try:
+            self._checksum_id = checksum_id(cfg.checksum)
+        except ValueError as exc:
+            raise SsdError(f"--ssd-checksum: {exc}") from None
+        start = time.perf_counter()
+        self.cfg = cfg
+        self.lock = threading.Lock()
+        self.counters = StoreCounters()
+        layout = prepare(cfg)
+        self._lock_fd = layout.lock_fd
+        self.store_id = layout.store_id
+        self.rings = [
+            Ring(i, SUPERBLOCK_BYTES, layout.file_bytes) for i in range(len(cfg.paths))
+        ]
+        self.index = Index()
+        self._next_file = 0
+        self._next_seq = 1
+        try:
+            self.io = open_backend(cfg.backend, cfg.paths, cfg.direct_io)
+            try:
+                torn, torn_entries = self._recover(layout.fresh)
+            except BaseException:
+                self.io.close()
+                raise
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self._last_sync = time.monotonic()
+        self.recovery = Recovery(
+            self.index.count,
+            torn,
+            torn_entries,
+            time.perf_counter() - start,
+            layout.reason,
+        )
+        logger.info(
+            "ssd cache ready: %d file(s), %.2f GiB, %s, %d block(s) recovered in "
+            "%.2f s (%d torn write(s), %d torn journal entr(ies) dropped)",
+            len(cfg.paths),
+            layout.file_bytes * len(cfg.paths) / (1 << 30),
+            self.io.mode,
+            self.recovery.blocks,
+            self.recovery.seconds,
+            torn,
+            torn_entries,
+        )
+
+    def _recover(self, fresh: bool) -> tuple[int, int]:
+        """Replay the journal into the rings and index, then rewrite it as a
+        snapshot; returns (torn records, torn journal entries)."""
+        cfg = self.cfg
+        loaded = None if fresh else journal.load(cfg.journal_path, self.store_id)
+        if loaded is None and not fresh:
+            logger.warning(
+                "ssd cache: journal %s is missing or belongs to other files; "
+                "starting with an empty index",
+                cfg.journal_path,
+            )
+        torn = torn_entries = 0
+        if loaded is not None:
+            torn_entries = loaded.torn
+            done = journal.replay(
+                loaded.entries, self.rings, self.index, cfg.show_progress
+            )
+            torn, self._next_seq = done.torn_records, max(1, done.next_seq)
+        if (
+            loaded is not None
+            and not loaded.torn
+            and not self._journal_bloated(len(loaded.entries))
+        ):
+            self.journal = journal.Journal.reopen(cfg.journal_path, len(loaded.entries))
+        else:
+            self.journal = journal.Journal.rewrite(
+                cfg.journal_path, self.store_id, journal.snapshot(self.rings)
+            )
+        return torn, torn_entries
+
+    # -- writing -----------------------------------------------------------------------
+    def reserve(
+        self, ns: NsDigest, block_hash: BlockHash, payload: int
+    ) -> Record | None:
+        """Claim space for a record at some ring's head (round robin over files);
+        None when the record is larger than a file or every next space is busy."""
+        length = record_bytes(payload)
+        with self.lock:
+            n = len(self.rings)
+            for k in range(n):
+                ring = self.rings[(self._next_file + k) % n]
+                offset = ring.place(length)
+                if offset is None:
+                    continue
+                victims = ring.victims(offset, length)
+                if any(v.busy for v in victims):
+                    continue
+                rec = Record(ring.file, offset, length, self._next_seq, ns, block_hash)
+                rec.payload_len, rec.checksum_id = payload, self._checksum_id
+                self._next_seq += 1
+                for victim in ring.claim(offset, length, rec):
+                    self.index.remove(victim)
+                self.journal.append(journal.entry(journal.Kind.RESERVE, rec))
+                self._next_file = (ring.file + 1) % n
+                return rec
+            self.counters.no_space += 1
+            return None
+
+    def write(self, rec: Record, buf: AlignedBuffer) -> bool:
+        """Checksum the payload staged at buf[HEADER_BYTES:], put the header in
+        front, write the record and commit it. Outside the lock."""
+        try:
+            payload = buf.view(HEADER_BYTES, HEADER_BYTES + rec.payload_len)
+            rec.checksum = hasher(rec.checksum_id)(payload)
+            header = RecordHeader(
+                rec.ns_digest,
+                rec.block_hash,
+                self.store_id,
+                rec.seq,
+                rec.payload_len,
+                rec.checksum,
+                rec.checksum_id,
+            )
+            header.pack_into(buf.view(0, HEADER_BYTES))
+            self.io.pwrite(rec.file, buf.address, rec.length, rec.offset)
+        except OSError as exc:
+            logger.warning("ssd write of %d B failed: %s", rec.length, exc)
+            self._drop(rec, "write_errors")
+            return False
+        with self.lock:
+            rec.state = State.LIVE
+            self.index.put(rec)
+            self.journal.append(journal.entry(journal.Kind.COMMIT, rec))
+            self.counters.bytes_written += rec.payload_len
+            self.counters.blocks_written += 1
+            self._maybe_compact()
+        self._maybe_sync()
+        return True
+
+    def abort(self, rec: Record) -> None:
+        """Give up a record still being written (an error before its commit)."""
+        if rec.state == State.WRITING:
+            self._drop(rec, "write_errors")
+
+    def _drop(self, rec: Record, counter: str) -> None:
+        with self.lock:
+            self.index.remove(rec)
+            rec.state = State.DEAD
+            self.journal.append(journal.entry(journal.Kind.DROP, rec))
+            setattr(self.counters, counter, getattr(self.counters, counter) + 1)
+
+    def _journal_bloated(self, entries: int) -> bool:
+        live = sum(len(r.records) for r in self.rings)
+        return entries > self.cfg.journal_slack * max(live, 4096) + 64
+
+    def _maybe_compact(self) -> None:
+        if not self._journal_bloated(self.journal.entries):
+            return
+        old = self.journal
+        try:
+            self.journal = journal.Journal.rewrite(
+                old.path, self.store_id, journal.snapshot(self.rings)
+            )
+        except OSError as exc:  # keep appending to the old one
+            logger.warning("ssd journal snapshot failed: %s", exc)
+            return
+        old.close()
+
+    def _maybe_sync(self) -> None:
+        now = time.monotonic()
+        if now - self._last_sync < self.cfg.sync_interval_s:
+            return
+        self._last_sync = now
+        try:
+            self.io.sync()
+            with self.lock:
+                self.journal.sync()
+        except OSError as exc:
+            logger.warning("ssd cache sync failed: %s", exc)
+
+    # -- reading -----------------------------------------------------------------------
+    def pin(self, ns: NsDigest, block_hash: BlockHash) -> Record | None:
+        with self.lock:
+            rec = self.index.get(ns, block_hash)
+            if rec is not None:
+                rec.readers += 1
+            return rec
+
+    def read(
+        self, rec: Record, buf: AlignedBuffer, dests: list[int], each: int
+    ) -> bool:
+        """Read a pinned record, verify it, copy its payload to the addresses in
+        dests (`each` bytes apiece) and unpin it. False (and the record dropped)
+        when anything does not match; dests may then hold partial bytes."""
+        failure = ""
+        ok = False
+        try:
+            if rec.payload_len != len(dests) * each:
+                return False  # the caller's geometry differs: not the block's fault
+            buf.ensure(rec.length)
+            self.io.pread(rec.file, buf.address, rec.length, rec.offset)
+            failure = self._verify(rec, buf)
+            if not failure:
+                for i, dest in enumerate(dests):
+                    ctypes.memmove(dest, buf.address + HEADER_BYTES + i * each, each)
+                ok = True
+        except OSError as exc:
+            logger.warning("ssd read of %d B failed: %s", rec.length, exc)
+            failure = "read_errors"
+        finally:
+            with self.lock:
+                rec.readers -= 1
+                if ok:
+                    self.counters.bytes_read += rec.payload_len
+                    self.counters.blocks_read += 1
+        if failure:
+            logger.warning("ssd record %s: %s, dropped", rec.block_hash.hex(), failure)
+            self._drop(rec, failure)
+        return ok
+
+    def _verify(self, rec: Record, buf: AlignedBuffer) -> str:
+        """The counter to bump, or "" when the record is intact and the one indexed."""
+        try:
+            head = RecordHeader.unpack(buf.view(0, HEADER_BYTES))
+        except FormatError:
+            return "header_mismatches"
+        expect = (self.store_id, rec.seq, rec.ns_digest, rec.block_hash)
+        got = (head.store_id, head.seq, head.ns_digest, head.block_hash)
+        if got != expect or head.payload_len != rec.payload_len:
+            return "header_mismatches"
+        if head.checksum != rec.checksum or head.checksum_id != rec.checksum_id:
+            return "header_mismatches"
+        try:
+            payload = buf.view(HEADER_BYTES, HEADER_BYTES + rec.payload_len)
+            if hasher(head.checksum_id)(payload) != head.checksum:
+                return "checksum_failures"
+        except (FormatError, ImportError):
+            return "checksum_failures"
+        return ""
+
+    # -- life cycle --------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(r.end - r.start for r in self.rings)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Payload bytes of the indexed blocks (headers and padding not counted)."""
+        return self.index.payload_bytes
+
+    def close(self) -> None:
+        with self.lock:
+            if self.journal.fd < 0:
+                return
+            self.io.sync()
+            self.journal.close()
+            self.io.close()
+            os.close(self._lock_fd)
