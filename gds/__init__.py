@@ -53,21 +53,12 @@ The seam (all of it; the server needs nothing else)
                                           "kvikio-gds" | "kvikio-compat"
     namespace_digest(name, signature)     16-byte on-disk namespace key
 
-Wiring left to the server (pegaflow/blocks.py, engine.py, cli.py, config.py,
-metrics.py):
-    - Eviction: where BlockStore._remove frees a ready block's slots, call
-      tier.spill(digest(ns), key[1], entry.slots, ns.slot_bytes,
-      release=lambda: loop.call_soon_threadsafe(slabs.free, slots)); free at once
-      when it returns False. Keep the freed-later slots out of allocation.
-    - Query: after the L1 prefix, n = tier.lookup(digest, hashes[hits:]); if n,
-      answer `loading`, allocate n blocks' slots (pinned, in flight), await
-      tier.load(...), publish the ok prefix as ready L1 blocks, free the rest.
-    - CLI: --ssd-cache-path (repeatable), --ssd-cache-capacity (units as
-      --pool-size), --ssd-backend, --ssd-direct-io, --ssd-admission,
-      --ssd-on-mismatch; tier.close() at shutdown, after the engine stops.
-    - Metrics from tier.stats(): bytes written/read, queue depth, drops,
-      checksum failures, header mismatches, tier hits (load_hits), prefetch
-      latency (LoadResult.seconds into a histogram), mode as an info label.
+Wired into the server by pegaflow/ssd.py (SsdLink): BlockStore._remove hands
+evicted ready blocks to spill() (slots freed on release, marshalled to the event
+loop), Engine.query answers `loading` and runs one load per missing prefix,
+pegaflow/cli.py builds SsdConfig into ServerConfig.ssd (--ssd-* flags),
+pegaflow/server.py closes the tier after the engine and before the pool, and
+pegaflow/metrics.py (SsdCollector) exports tier.stats().
 """
 
 from __future__ import annotations

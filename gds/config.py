@@ -1,7 +1,7 @@
 """Configuration of the SSD tier: one frozen dataclass, validated once.
 
-It lives here while the server core's config module is being reworked; the lead
-moves it into pegaflow/config.py (ServerConfig.ssd) when wiring the tier in.
+The CLI builds it once into pegaflow.config.ServerConfig.ssd. It stays beside
+the tier so pegaflow.config keeps importing nothing heavier than the stdlib.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -23,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 BlockHash = bytes
 Key = tuple[int, BlockHash]
+# Eviction hook (the SSD tier): True when it took the slots; it frees them later.
+Spill = Callable[[Key, np.ndarray], bool]
 _KEY = attrgetter("key")
 
 
@@ -70,6 +73,7 @@ class BlockStore:
         # needs to know, so a lease released before then costs no per-block work
         # on the query path (2560-block prefixes are latency-critical).
         self._unflushed: dict[int, list[BlockEntry]] = {}
+        self.spill: Spill | None = None
 
     @property
     def resident_ready(self) -> int:
@@ -197,10 +201,57 @@ class BlockStore:
 
     def _remove(self, key: Key) -> None:
         entry = self.entries.pop(key)
+        slots = entry.slots[entry.slots != 0]
         if entry.ready:
             del self._ready[key[0]][key[1]]
-        self.slabs.free(entry.slots[entry.slots != 0])
+        # A spilled block's slots stay allocated until the tier has copied them.
+        if not (entry.ready and self.spill is not None and self.spill(key, slots)):
+            self.slabs.free(slots)
         logger.debug("evicted block %s", key[1][:8].hex())
+
+    def reserve_load(self, ns: Namespace, hashes: list[BlockHash]) -> list[BlockEntry]:
+        """Pinned, in-flight entries with slots for blocks coming from a slower
+        tier; stops at the first key already known or when no slot can be freed.
+        In flight on every layer, a concurrent save of the key deduplicates."""
+        entries: list[BlockEntry] = []
+        for h in hashes:
+            key = (ns.id, h)
+            if key in self.entries:
+                break
+            entry = BlockEntry(
+                key,
+                np.zeros(ns.tp_size, np.uint64),
+                np.zeros((ns.tp_size, ns.num_layers), bool),
+                np.ones((ns.tp_size, ns.num_layers), bool),
+                pins=1,
+            )
+            self.entries[key] = entry  # before allocating: never its own victim
+            for rank in range(ns.tp_size):
+                slot = self._allocate(ns.slot_class)
+                if slot is None:
+                    break
+                entry.slots[rank] = slot
+            else:
+                entries.append(entry)
+                continue
+            self.slabs.free(entry.slots[entry.slots != 0])
+            del self.entries[key]
+            break
+        return entries
+
+    def finish_load(self, entries: list[BlockEntry], ok: np.ndarray) -> None:
+        """Blocks that arrived become ready (visible, evictable); the rest go."""
+        for entry, good in zip(entries, ok.tolist(), strict=True):
+            entry.pins -= 1
+            entry.in_flight[:] = False
+            if good:
+                entry.landed[:] = True
+                entry.ready = True
+                self._ready.setdefault(entry.key[0], {})[entry.key[1]] = entry
+                self.policy.insert(entry.key)
+            else:
+                self.slabs.free(entry.slots)
+                self.entries.pop(entry.key, None)
 
     def _drop_if_empty(self, key: Key, entry: BlockEntry) -> None:
         if not entry.slots.any() and entry.pins == 0:

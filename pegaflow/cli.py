@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from pegaflow.config import (
     CudaConfig,
@@ -20,10 +21,11 @@ from pegaflow.config import (
 )
 from pegaflow.pool import HugepagesUnavailable
 
+if TYPE_CHECKING:
+    from pegaflow.gds import SsdConfig
+
 # PegaFlow flags that later issues implement; refused clearly until then.
 NOT_YET = {
-    "--ssd-cache-path": "the SSD tier (issue: L3 SSD tier)",
-    "--ssd-cache-capacity": "the SSD tier (issue: L3 SSD tier)",
     "--metaserver-addr": "cross-node sharing",
     "--enable-rdma": "the RDMA transport",
     "--nics": "the RDMA transport",
@@ -152,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="unix socket for fast prefix queries: a path, 'auto' "
         "(temp dir, per server) or 'off' (default: auto)",
     )
+    _ssd_flags(p)
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], default="info"
@@ -165,6 +168,77 @@ def build_parser() -> argparse.ArgumentParser:
             metavar=what,
         )
     return p
+
+
+def _ssd_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ssd-cache-path",
+        action="append",
+        default=None,
+        help="file of the L3 SSD cache; repeat for several disks (default: off)",
+    )
+    p.add_argument(
+        "--ssd-cache-capacity",
+        type=_size,
+        default=None,
+        help="SSD cache size over all its files, e.g. 512gb (units as --pool-size)",
+    )
+    p.add_argument(
+        "--ssd-backend",
+        choices=["auto", "posix", "kvikio"],
+        default="auto",
+        help="SSD I/O: kvikio (GDS or its compat mode) needs a CUDA driver; "
+        "auto picks it where one is, else posix (default: auto)",
+    )
+    p.add_argument(
+        "--ssd-direct-io",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="O_DIRECT for the posix backend; auto falls back where the "
+        "filesystem refuses it (default: auto)",
+    )
+    p.add_argument(
+        "--ssd-admission",
+        choices=["all", "seen_twice"],
+        default="all",
+        help="spill every block evicted from L1, or only those evicted twice "
+        "(default: all)",
+    )
+    p.add_argument(
+        "--ssd-queue-blocks",
+        type=int,
+        default=64,
+        help="spills waiting for the SSD writers; past this an evicted block is "
+        "dropped, never waited for (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ssd-on-mismatch",
+        choices=["reinit", "refuse"],
+        default="reinit",
+        help="SSD files of another format or capacity: start them afresh or "
+        "refuse to start (default: reinit)",
+    )
+
+
+def ssd_config(args: argparse.Namespace) -> SsdConfig | None:
+    if args.ssd_cache_path is None:
+        if args.ssd_cache_capacity is not None:
+            raise ValueError("--ssd-cache-capacity needs --ssd-cache-path")
+        return None
+    if args.ssd_cache_capacity is None:
+        raise ValueError("--ssd-cache-path needs --ssd-cache-capacity")
+    from pegaflow.gds import SsdConfig  # numpy: after argument errors
+
+    return SsdConfig(
+        paths=tuple(args.ssd_cache_path),
+        capacity_bytes=args.ssd_cache_capacity,
+        backend=args.ssd_backend,
+        direct_io=args.ssd_direct_io,
+        admission=args.ssd_admission,
+        queue_blocks=args.ssd_queue_blocks,
+        on_mismatch=args.ssd_on_mismatch,
+        show_progress=not args.no_progress,
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -195,6 +269,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_ctas=args.copy_ctas,
             event_timeout_s=args.cuda_event_timeout,
         ),
+        ssd=ssd_config(args),
     )
 
 
@@ -218,11 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from pegaflow.gds import SsdError
     from pegaflow.server import serve  # grpc/numpy import after argument errors
 
     try:
         asyncio.run(serve(config))
-    except HugepagesUnavailable as exc:
+    except (HugepagesUnavailable, SsdError) as exc:
         print(f"pegaflow-server: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

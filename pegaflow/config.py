@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # built by the CLI; the config module stays import-light
+    from pegaflow.gds import SsdConfig
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -166,6 +169,8 @@ class ServerConfig:
     # Unix socket for fast prefix queries: a path, "auto" (a per-server path in
     # the temp directory) or None (off).
     query_socket: str | None = "auto"
+    # The L3 SSD tier (pegaflow.gds.SsdConfig); None: off.
+    ssd: SsdConfig | None = None
 
     def __post_init__(self) -> None:
         parse_addr(self.addr)

@@ -19,6 +19,7 @@ import numpy as np
 from pegaflow.blocks import BlockHash, BlockStore
 from pegaflow.config import EngineConfig
 from pegaflow.errors import InvalidRequest
+from pegaflow.gds import SsdTier
 from pegaflow.instances import CopyEngine, RegionKind, RegisterSpec, Registry, Worker
 from pegaflow.layout import Transfers, check_block_ids
 from pegaflow.leases import LeaseTable
@@ -27,6 +28,7 @@ from pegaflow.misses import HitRateTracker, RecordingPolicy
 from pegaflow.policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
 from pegaflow.pool import HostPool
 from pegaflow.results import LoadResult, QueryResult, SaveResult
+from pegaflow.ssd import SsdLink
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class Engine:
         pool: HostPool,
         copiers: dict[RegionKind, CopyEngine],
         metrics: Metrics | None = None,
+        ssd: SsdTier | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -90,6 +93,10 @@ class Engine:
         self.leases = LeaseTable(self.store, config.lease_ttl_s)
         self.registry = Registry(copiers, max_slot_bytes=pool.slab_bytes)
         self.metrics = metrics if metrics is not None else Metrics()
+        self.ssd = None
+        if ssd is not None:  # at most half the pool waits for the SSD writers
+            link = SsdLink(ssd, self.store, self.registry, self.metrics, pool.size // 2)
+            self.ssd = link
         self._seen = dataclasses.replace(self.store.counters)
         self.metrics.bind_gauges(
             pool.size,
@@ -169,15 +176,25 @@ class Engine:
         """hash_len: the length every hash is known to have (a fast-path frame)."""
         inst = self.registry.instance(instance_id)
         check_hashes(hashes, self.config.max_blocks_per_request, hash_len)
-        hits, rest = self.store.lookup(inst.namespace, hashes)
-        self.hit_rates.query(inst.namespace, hashes, len(hits), rest, hash_len)
+        ns = inst.namespace
+        hits, rest = self.store.lookup(ns, hashes)
+        if self.ssd is not None and rest:
+            n, started = self.ssd.loading(ns, hashes, len(hits))
+            if n:
+                # Counted once, when the load starts: the engine's polls while
+                # it runs are waits, not new requests; its final ready answer
+                # is counted as usual.
+                if started:
+                    total = len(hits) + n
+                    self.hit_rates.query(ns, hashes, total, rest[n:], hash_len, n)
+                    self.metrics.ssd_hits.inc(n)
+                return QueryResult(n, 0, 0.0, loading=True)
+        self.hit_rates.query(ns, hashes, len(hits), rest, hash_len)
         self.metrics.hits.inc(len(hits))
         self.metrics.misses.inc(len(hashes) - len(hits))
         if not hits:
             return QueryResult(0, 0, 0.0)
-        lease = self.leases.create(
-            instance_id, inst.namespace.id, hits, inst.world_size
-        )
+        lease = self.leases.create(instance_id, ns.id, hits, inst.world_size)
         return QueryResult(len(hits), lease.id, self.leases.ttl_s)
 
     # -- load -----------------------------------------------------------------

@@ -7,8 +7,9 @@ named a socket at registration and it is reachable, and falls back otherwise.
 Frames, little-endian:
   request  = u32 body_len | body
   body     = u8 version(1) | u8 hash_len | u16 id_len | u32 count | id | hashes
-  response = u8 status (a grpc.StatusCode value, 0 = OK) | payload
+  response = u8 status (a grpc.StatusCode value, 0 = OK; 255 = LOADING) | payload
   payload  = OK: u32 num_blocks | u64 lease_id | f64 lease_ttl_s
+             LOADING: the same, num_blocks coming from a slower tier, no lease
              else: u32 msg_len | utf-8 message
 """
 
@@ -37,6 +38,8 @@ logger = logging.getLogger(__name__)
 VERSION = 1
 HEADER = struct.Struct("<BBHI")
 OK_REPLY = struct.Struct("<BIQd")
+# Not a grpc.StatusCode value (those stop at 16): the query's answer is `loading`.
+LOADING = 255
 MAX_BODY = 64 << 20
 
 
@@ -100,7 +103,10 @@ async def start_query_socket(path: str, engine: Engine) -> asyncio.AbstractServe
                 try:
                     res = engine.query(*decode_query(body))
                     reply = OK_REPLY.pack(
-                        0, res.num_blocks, res.lease_id, res.lease_ttl_s
+                        LOADING if res.loading else 0,
+                        res.num_blocks,
+                        res.lease_id,
+                        res.lease_ttl_s,
                     )
                 except PegaflowError as exc:
                     code, reply = exc.code.name, _error(exc)
@@ -133,15 +139,15 @@ class QuerySocketClient:
         self._sock.connect(path)
         self._lock = threading.Lock()
 
-    def query(self, frame: bytes) -> tuple[int, int, float]:
-        """(num_blocks, lease_id, lease_ttl_s); typed exceptions for errors;
-        OSError when the connection is broken."""
+    def query(self, frame: bytes) -> tuple[int, int, float, bool]:
+        """(num_blocks, lease_id, lease_ttl_s, loading); typed exceptions for
+        errors; OSError when the connection is broken."""
         with self._lock:
             self._sock.sendall(frame)
             status = self._recv(1)[0]
-            if status == 0:
+            if status in (0, LOADING):
                 n, lease, ttl = struct.unpack("<IQd", self._recv(OK_REPLY.size - 1))
-                return n, lease, ttl
+                return n, lease, ttl, status == LOADING
             length = int.from_bytes(self._recv(4), "little")
             message = self._recv(length).decode(errors="replace")
         code = next((c for c in grpc.StatusCode if c.value[0] == status), None)

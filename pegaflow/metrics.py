@@ -3,9 +3,17 @@ servers in one process)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+
+from pegaflow.gds import SsdStats
 
 _LATENCY_BUCKETS = (
     1e-4,
@@ -80,6 +88,23 @@ class Metrics:
             registry=r,
         )
 
+        self.ssd_hits = Counter(
+            "pegaflow_ssd_hit_blocks",
+            "blocks a query missed in L1 and found on SSD (loaded into L1)",
+            registry=r,
+        )
+        self.ssd_spills_refused = Counter(
+            "pegaflow_ssd_spills_refused",
+            "evicted blocks not spilled: half the pool already waits for the writers",
+            registry=r,
+        )
+        self.ssd_prefetch_seconds = Histogram(
+            "pegaflow_ssd_prefetch_seconds",
+            "time of one SSD load, from the query that started it to the last block",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
         for direction in ("save", "load"):  # export zeros before the first copy
             self.bytes.labels(direction)
             self.blocks.labels(direction)
@@ -100,3 +125,58 @@ class Metrics:
         self.resident_blocks.set_function(resident)
         self.leases.set_function(leases)
         self.instances.set_function(workers)
+
+
+# SsdStats field -> (metric name, help); counters only grow.
+_SSD_COUNTERS = {
+    "bytes_written": ("pegaflow_ssd_written_bytes", "payload bytes spilled to SSD"),
+    "bytes_read": ("pegaflow_ssd_read_bytes", "payload bytes read back from SSD"),
+    "blocks_written": ("pegaflow_ssd_written_blocks", "blocks written to SSD"),
+    "spills_queued": ("pegaflow_ssd_spills_queued", "evicted blocks queued to SSD"),
+    "spills_dropped": ("pegaflow_ssd_spills_dropped", "spills dropped: queue full"),
+    "spills_not_admitted": (
+        "pegaflow_ssd_spills_not_admitted",
+        "spills refused by seen_twice admission (first eviction)",
+    ),
+    "no_space": ("pegaflow_ssd_no_space", "spills refused: no free SSD space"),
+    "write_errors": ("pegaflow_ssd_write_errors", "failed SSD writes"),
+    "read_errors": ("pegaflow_ssd_read_errors", "failed SSD reads"),
+    "checksum_failures": (
+        "pegaflow_ssd_checksum_failures",
+        "blocks read back with a bad payload checksum (dropped, never loaded)",
+    ),
+    "header_mismatches": (
+        "pegaflow_ssd_header_mismatches",
+        "records whose header did not match the index (dropped, never loaded)",
+    ),
+    "load_blocks": ("pegaflow_ssd_load_blocks", "blocks asked of the SSD"),
+    "load_hits": ("pegaflow_ssd_load_hit_blocks", "blocks loaded from SSD intact"),
+}
+_SSD_GAUGES = {
+    "queue_depth": ("pegaflow_ssd_queue_depth", "spills waiting for a writer"),
+    "queue_capacity": ("pegaflow_ssd_queue_capacity", "spill queue bound"),
+    "blocks": ("pegaflow_ssd_blocks", "blocks stored on SSD"),
+    "stored_bytes": ("pegaflow_ssd_stored_bytes", "payload bytes stored on SSD"),
+    "capacity_bytes": ("pegaflow_ssd_capacity_bytes", "SSD cache size"),
+}
+
+
+class SsdCollector:
+    """The SSD tier's counters, read from SsdTier.stats() at scrape time (it is
+    thread-safe, so the HTTP thread reads it directly)."""
+
+    def __init__(self, stats: Callable[[], SsdStats]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[Metric]:
+        return []  # registered lazily, like HitRateCollector
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._stats()
+        info = InfoMetricFamily("pegaflow_ssd", "SSD tier I/O backend in use")
+        info.add_metric([], {"mode": st.mode})
+        yield info
+        for field, (name, text) in _SSD_COUNTERS.items():
+            yield CounterMetricFamily(name, text, value=getattr(st, field))
+        for field, (name, text) in _SSD_GAUGES.items():
+            yield GaugeMetricFamily(name, text, value=getattr(st, field))

@@ -148,8 +148,9 @@ class _Namespace:
     resident: int = 0
 
 
-# A logged query: (namespace, hashes, hits, blocks probed past the prefix, length)
-_Query = tuple[Namespace, Sequence[bytes], int, list, "int | None"]
+# A logged query: (namespace, hashes, hits, blocks probed past the prefix, length,
+# hits of those from ssd)
+_Query = tuple[Namespace, Sequence[bytes], int, list, "int | None", int]
 
 
 class HitRateTracker:
@@ -183,10 +184,12 @@ class HitRateTracker:
         hits: int,
         rest: list,
         hash_len: int | None = None,
+        ssd: int = 0,
     ) -> None:
         """rest: the probe past the prefix, None where a block was not ready
-        (see BlockStore.lookup)."""
-        self._log.append((ns, hashes, hits, rest, hash_len))
+        (see BlockStore.lookup). hits counts every tier; the last `ssd` of them
+        came from the SSD tier."""
+        self._log.append((ns, hashes, hits, rest, hash_len, ssd))
         self._pending += len(hashes)
         if self._pending >= _MAX_PENDING:
             self._flush_soon()
@@ -238,7 +241,9 @@ class HitRateTracker:
             )
             hits = sum(e[2] for e in events)
             state.windows.add(h64, hits, now)
-            state.hits[0] += hits
+            from_ssd = sum(e[5] for e in events)
+            state.hits[0] += hits - from_ssd
+            state.hits[1] += from_ssd
             self._classify(state, ns_id, h64, events)
 
     def _classify(

@@ -53,8 +53,8 @@ def engine_stats(engine: Engine, started: float) -> Stats:
         },
         "tiers": {
             "ram": {"enabled": True, "hit_blocks": tier_hits("ram")},
-            # TODO(issue: L3 SSD tier, cross-node sharing): real state once wired.
-            "ssd": {"enabled": False, "hit_blocks": tier_hits("ssd")},
+            "ssd": {"enabled": engine.ssd is not None, "hit_blocks": tier_hits("ssd")},
+            # TODO(issue: cross-node sharing): real state once wired.
             "remote": {"enabled": False, "peers": 0, "hit_blocks": tier_hits("remote")},
         },
         "policy": {

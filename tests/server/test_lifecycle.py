@@ -119,7 +119,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("flag", ["--ssd-cache-path", "--metaserver-addr", "--nics"])
+@pytest.mark.parametrize("flag", ["--enable-rdma", "--metaserver-addr", "--nics"])
 def test_later_flags_rejected_clearly(flag: str) -> None:
     res = _cli(flag, "x")
     assert res.returncode == 2 and flag in res.stderr and "not have yet" in res.stderr

@@ -1,0 +1,154 @@
+"""The L3 SSD tier wired into the engine: spill on L1 eviction, prefetch on an
+L1 miss. The bytes move in pegaflow.gds (SsdTier); this is bookkeeping on the
+event loop only.
+
+Spill: BlockStore calls `spill(key, slots)` when it evicts a ready block. If the
+tier queues it, the slots stay allocated (out of the allocator's reach) until the
+tier's writer has copied them out and its `release` callback hands them back to
+the loop; otherwise BlockStore frees them at once. A save never waits for the SSD,
+so an allocation at a full pool evicts until a victim's spill is refused (queue
+full): one burst moves up to --ssd-queue-blocks LRU blocks to SSD, and their
+slots come back as soon as the loop runs the writers' releases.
+TODO(issue 5): spill ahead of a low watermark, so saves find free slots instead.
+
+Prefetch: a query that misses L1 at block i asks the tier how many of the blocks
+from i on it holds. If any, the engine answers `loading` and one background load
+reads them into freshly allocated, pinned L1 slots; the blocks that arrive intact
+become ready L1 blocks, the rest are freed. While it runs, a query reaching the
+same first missing block answers `loading` again without a second load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import numpy as np
+
+from pegaflow.blocks import BlockEntry, BlockHash, BlockStore, Key
+from pegaflow.gds import LoadResult, SsdTier, namespace_digest
+from pegaflow.instances import Namespace, Registry
+from pegaflow.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+class SsdLink:
+    """Between the BlockStore (L1) and the SsdTier (L3); every method runs on
+    the event loop except the tier's release callbacks, which hop back to it."""
+
+    def __init__(
+        self,
+        tier: SsdTier,
+        store: BlockStore,
+        registry: Registry,
+        metrics: Metrics,
+        max_held_bytes: int,
+    ) -> None:
+        self.tier = tier
+        # Slot bytes spilled but not yet released. Bounded so that an allocation
+        # at a full pool always finds a victim whose slot frees at once, even
+        # when the pool holds fewer blocks than the spill queue.
+        self._held = 0
+        self._max_held = max_held_bytes
+        self._store = store
+        self._registry = registry
+        self._metrics = metrics
+        self._namespaces: dict[int, tuple[bytes, int]] = {}  # id -> digest, bytes
+        # Key being loaded -> blocks of its load from it to the end: a repeated
+        # query finds its first missing block here and answers `loading` again.
+        self._loading: dict[Key, int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        store.spill = self.spill
+
+    def _namespace(self, ns_id: int) -> tuple[bytes, int]:
+        """(on-disk namespace digest, slot bytes per shard) of a namespace id."""
+        got = self._namespaces.get(ns_id)
+        if got is None:
+            ns = next(n for n in self._registry.namespaces.values() if n.id == ns_id)
+            got = (namespace_digest(ns.name, ns.signature), ns.slot_bytes)
+            self._namespaces[ns_id] = got
+        return got
+
+    # -- spill ------------------------------------------------------------------
+    def spill(self, key: Key, slots: np.ndarray) -> bool:
+        digest, slot_bytes = self._namespace(key[0])
+        nbytes = slot_bytes * len(slots)
+        if self._held + nbytes > self._max_held:
+            self._metrics.ssd_spills_refused.inc()
+            return False
+        loop = asyncio.get_running_loop()
+        release = functools.partial(self._release, loop, slots, nbytes)
+        if not self.tier.spill(digest, key[1], slots, slot_bytes, release):
+            return False
+        self._held += nbytes
+        return True
+
+    def _release(
+        self, loop: asyncio.AbstractEventLoop, slots: np.ndarray, nbytes: int
+    ) -> None:
+        """From a writer thread: the slots' bytes are copied out; the allocator
+        is the loop's, so the free runs there."""
+        try:
+            loop.call_soon_threadsafe(self._released, slots, nbytes)
+        except RuntimeError:  # loop closed at shutdown: the pool goes with it
+            logger.debug("ssd release after the loop closed")
+
+    def _released(self, slots: np.ndarray, nbytes: int) -> None:
+        self._store.slabs.free(slots)
+        self._held -= nbytes
+
+    # -- prefetch ---------------------------------------------------------------
+    def loading(
+        self, ns: Namespace, hashes: list[BlockHash], start: int
+    ) -> tuple[int, bool]:
+        """(blocks of hashes[start:] coming from SSD, whether this call started
+        their load); 0 when the SSD holds none of them or no slot can be had."""
+        first = (ns.id, hashes[start])
+        running = self._loading.get(first)
+        if running is not None:
+            return running, False
+        digest, slot_bytes = self._namespace(ns.id)
+        rest = hashes[start:]
+        n = self.tier.lookup(digest, rest)
+        if n == 0:
+            return 0, False
+        entries = self._store.reserve_load(ns, rest[:n])
+        if not entries:
+            return 0, False
+        n = len(entries)
+        keys = [e.key for e in entries]
+        self._loading.update(zip(keys, range(n, 0, -1), strict=True))
+        slots = np.stack([e.slots for e in entries])
+        future = self.tier.load(digest, rest[:n], slots, slot_bytes)
+        task = asyncio.ensure_future(self._finish(entries, asyncio.wrap_future(future)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        logger.debug("loading %d blocks from ssd", n)
+        return n, True
+
+    async def _finish(
+        self, entries: list[BlockEntry], result: asyncio.Future[LoadResult]
+    ) -> None:
+        ok = np.zeros(len(entries), bool)
+        try:
+            res = await result
+            ok = res.ok
+            self._metrics.ssd_prefetch_seconds.observe(res.seconds)
+        except Exception:  # a background load: log it, the blocks become misses
+            logger.exception("ssd load failed")
+        finally:
+            for e in entries:
+                self._loading.pop(e.key, None)
+            self._store.finish_load(entries, ok)
+        failed = len(entries) - int(ok.sum())
+        if failed:
+            logger.info("%d of %d blocks from ssd failed to load", failed, len(ok))
+
+    async def close(self) -> None:
+        """Finish loads in flight, then write what is queued and close the files:
+        the tier reads pool slots, so this runs before the pool goes."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=10)
+        await asyncio.to_thread(self.tier.close)

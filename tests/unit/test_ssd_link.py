@@ -1,0 +1,124 @@
+"""SsdLink bookkeeping against a scripted tier (no files, no bytes): slots of a
+spill stay allocated until release, one load per missing prefix, partial loads."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+
+import numpy as np
+
+from pegaflow.blocks import BlockStore
+from pegaflow.gds import LoadResult
+from pegaflow.instances import Namespace, Registry
+from pegaflow.metrics import Metrics
+from pegaflow.policy import LRUPolicy
+from pegaflow.pool import SlabAllocator
+from pegaflow.ssd import SsdLink
+
+SLOT = 4096
+
+
+class FakeTier:
+    """Queues up to `queue` spills (never written: the test releases them);
+    holds loads until the test completes them."""
+
+    def __init__(self, queue: int = 2) -> None:
+        self.spills: list[tuple[bytes, np.ndarray, object]] = []
+        self.loads: list[tuple[list[bytes], np.ndarray, Future[LoadResult]]] = []
+        self.on_ssd: set[bytes] = set()
+        self.queue = queue
+
+    def spill(
+        self, ns: bytes, h: bytes, slots: np.ndarray, each: int, release: object
+    ) -> bool:
+        if len(self.spills) == self.queue:
+            return False  # queue full: dropped
+        self.spills.append((h, slots, release))
+        self.on_ssd.add(h)
+        return True
+
+    def lookup(self, ns: bytes, hashes: list[bytes]) -> int:
+        n = 0
+        while n < len(hashes) and hashes[n] in self.on_ssd:
+            n += 1
+        return n
+
+    def load(
+        self, ns: bytes, hashes: list[bytes], slots: np.ndarray, each: int
+    ) -> Future[LoadResult]:
+        fut: Future[LoadResult] = Future()
+        self.loads.append((list(hashes), slots, fut))
+        return fut
+
+
+def _h(*ids: int) -> list[bytes]:
+    return [i.to_bytes(4, "big") * 8 for i in ids]
+
+
+def _setup(slots: int) -> tuple[BlockStore, SsdLink, FakeTier, Namespace]:
+    store = BlockStore(SlabAllocator(1 << 30, slots * SLOT, SLOT), LRUPolicy())
+    ns = Namespace("ns", 1, 1, 2, SLOT, (2, SLOT))
+    registry = Registry({})
+    registry.namespaces["ns"] = ns
+    tier = FakeTier()
+    link = SsdLink(tier, store, registry, Metrics(), max_held_bytes=1 << 30)
+    return store, link, tier, ns
+
+
+def _save(store: BlockStore, ns: Namespace, hashes: list[bytes]) -> int:
+    layers = np.arange(ns.num_layers)
+    res = store.reserve_save(ns, 0, hashes, layers)
+    store.finish_save(res, 0, layers, True)
+    return len(res.keys)
+
+
+async def _spill_holds_slots_until_release() -> None:
+    store, link, tier, ns = _setup(4)
+    assert _save(store, ns, _h(1, 2, 3, 4)) == 4
+    # Pool full: victims 1 and 2 go to the tier with their slots; the queue is
+    # then full, so victim 3 is dropped and its slot serves the save.
+    assert _save(store, ns, _h(5)) == 1
+    assert [h for h, _, _ in tier.spills] == _h(1, 2)
+    assert store.slabs.used_bytes == 4 * SLOT  # spilled slots still allocated
+    assert store.slabs.free_slots(ns.slot_class) == 0
+    assert len(store.longest_prefix(ns, _h(4, 5))) == 2
+    for _, _, release in tier.spills:
+        release()  # as a writer thread would, once the bytes are copied out
+    assert store.slabs.used_bytes == 4 * SLOT  # the free runs on the loop
+    await asyncio.sleep(0)
+    assert store.slabs.used_bytes == 2 * SLOT
+    # Held slots are bounded too: with one slot's worth allowed, the second
+    # victim is refused by the link even though the tier has room.
+    link._max_held, tier.spills = SLOT, []
+    assert _save(store, ns, _h(6, 7, 8)) == 3
+    assert [h for h, _, _ in tier.spills] == _h(4)  # 5 refused, its slot freed
+
+
+async def _one_load_per_prefix() -> None:
+    store, link, tier, ns = _setup(8)
+    tier.on_ssd.update(_h(2, 3, 4))
+    assert _save(store, ns, _h(1)) == 1
+    hits, _ = store.lookup(ns, _h(1, 2, 3, 4))
+    assert link.loading(ns, _h(1, 2, 3, 4), len(hits)) == (3, True)
+    assert link.loading(ns, _h(1, 2, 3, 4), 1) == (3, False)  # no second load
+    assert link.loading(ns, _h(3, 4), 0) == (2, False)
+    assert len(tier.loads) == 1
+    assert _save(store, ns, _h(2)) == 0  # being loaded: a save deduplicates
+    hashes, slots, fut = tier.loads[0]
+    assert hashes == _h(2, 3, 4) and len(np.unique(slots)) == 3
+    fut.set_result(LoadResult(np.array([True, False, True]), 2 * SLOT, 0.01))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert len(store.longest_prefix(ns, _h(1, 2, 3, 4))) == 2  # 3 failed
+    assert len(store.longest_prefix(ns, _h(4))) == 1  # arrived: ready
+    assert store.slabs.used_bytes == 3 * SLOT  # the failed block's slot is back
+    assert not link._loading
+
+
+def test_spill_holds_slots_until_release() -> None:
+    asyncio.run(_spill_holds_slots_until_release())
+
+
+def test_one_load_per_prefix_and_partial_results() -> None:
+    asyncio.run(_one_load_per_prefix())
