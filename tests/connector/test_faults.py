@@ -35,9 +35,12 @@ def test_request_finishing_before_its_save_keeps_blocks_until_saved(
     in flight, vLLM keeps their blocks, and frees them once the saves land."""
     server = pega_server()
     a = Engine(vllm_config(tiny_model, FAST))
-    batch = prompts(5, n=2)
+    batch = prompts(5, n=2)  # 100 and 117 tokens
+    # 16 decode tokens fill one more block of each (112, 128) while the server is
+    # stopped, so a save is surely pending when they finish: prefill saves alone
+    # may land before the SIGSTOP.
     for rid, tokens in batch.items():
-        a.add(rid, tokens, max_tokens=3)
+        a.add(rid, tokens, max_tokens=16)
     a.step()  # admitted: queries are done
     server.proc.send_signal(signal.SIGSTOP)
     try:
@@ -45,7 +48,7 @@ def test_request_finishing_before_its_save_keeps_blocks_until_saved(
             a,
             lambda: (
                 set(a.outputs) == set(batch)
-                and all(len(v) == 3 for v in a.outputs.values())
+                and all(len(v) == 16 for v in a.outputs.values())
             ),
         )
         held = [r for r in a.sched.requests.values() if r.is_finished()]
