@@ -163,6 +163,7 @@ def main() -> int:
         "--json", help="output path (default benchmarks/results/host_path.json)"
     )
     p.add_argument("--copy-threads", default="2")
+    p.add_argument("--queries-only", action="store_true", help="skip copies, bring-up")
     args = p.parse_args()
     layers = 4 if args.quick else 32
     sizes = [1, 16, 64] if args.quick else [1, 4, 16, 64, 256, 1024]
@@ -173,7 +174,7 @@ def main() -> int:
         "--pool-size", pool, "--copy-threads", args.copy_threads, "--no-progress"
     )
     try:
-        copies = bench_copies(addr, layers, sizes, reps)
+        copies = [] if args.queries_only else bench_copies(addr, layers, sizes, reps)
         queries = bench_queries(addr, qsizes, 50 if args.quick else 300)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -193,7 +194,8 @@ def main() -> int:
         args.json,
     )
     print(f"\nSave/Load through the server ({layers} layers x 64 KiB pages per block)")
-    print(table(copies, list(copies[0])))
+    if copies:
+        print(table(copies, list(copies[0])))
     print("\nQueryPrefix latency at the client (all hits)")
     print(table(queries, list(queries[0])))
     print(f"\nPool bring-up: {bring_up}")
