@@ -40,7 +40,9 @@ class LeaseNotFound(PegaflowError):
 
 
 class PoolExhausted(PegaflowError):
-    """No slot can be freed: everything resident is leased or in flight."""
+    """RESOURCE_EXHAUSTED: today only grpc's answer to an oversized message. A
+    save the pool cannot take (all slots leased or in flight) is an expected
+    "no" and comes back as SaveResult.rejected, not as this."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
