@@ -8,6 +8,7 @@ every shard has landed. Pinned blocks (leased or being copied) are never evicted
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -73,6 +74,10 @@ class BlockStore:
         # needs to know, so a lease released before then costs no per-block work
         # on the query path (2560-block prefixes are latency-critical).
         self._unflushed: dict[int, list[BlockEntry]] = {}
+        # Hits whose LRU touch is still owed: applied after the query's reply
+        # (a 2560-block touch is ~0.3 ms) and always before the policy is next
+        # asked or changed, so its order is the order of the requests.
+        self._untouched: list[list[BlockEntry]] = []
         self.spill: Spill | None = None
 
     @property
@@ -112,8 +117,25 @@ class BlockStore:
             cut = found.index(None)
             rest = found[cut:]
             del found[cut:]
-        self.policy.touch_many(list(map(_KEY, found)))
+        if found:
+            self._untouched.append(found)
+            if len(self._untouched) == 1:
+                self._touch_soon()
         return found, rest
+
+    def _touch_soon(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.apply_touches()
+            return
+        loop.call_soon(self.apply_touches)
+
+    def apply_touches(self) -> None:
+        """Give the policy the hits it has not seen yet, oldest first."""
+        owed, self._untouched = self._untouched, []
+        for found in owed:
+            self.policy.touch_many(list(map(_KEY, found)))
 
     def reserve_save(
         self, ns: Namespace, rank: int, hashes: list[BlockHash], layers: np.ndarray
@@ -157,6 +179,7 @@ class BlockStore:
     def finish_save(
         self, res: SaveReservation, rank: int, layers: np.ndarray, ok: bool
     ) -> None:
+        self.apply_touches()
         for key, entry in zip(res.keys, res.entries, strict=True):
             entry.pins -= 1
             entry.in_flight[rank, layers] = False
@@ -174,6 +197,7 @@ class BlockStore:
     def _admit(self, ns: Namespace, key: Key) -> BlockEntry | None:
         if self.slabs.free_slots(ns.slot_class) == 0:
             self._flush_pins()
+            self.apply_touches()
             if not self.policy.should_admit(key, self._protected):
                 self.counters.admission_rejections += 1
                 return None
@@ -193,6 +217,7 @@ class BlockStore:
             if len(got):
                 return int(got[0])
             self._flush_pins()
+            self.apply_touches()
             victims = self.policy.evict(1, self._protected)
             if not victims:
                 return None
@@ -241,6 +266,7 @@ class BlockStore:
 
     def finish_load(self, entries: list[BlockEntry], ok: np.ndarray) -> None:
         """Blocks that arrived become ready (visible, evictable); the rest go."""
+        self.apply_touches()
         for entry, good in zip(entries, ok.tolist(), strict=True):
             entry.pins -= 1
             entry.in_flight[:] = False
