@@ -83,49 +83,63 @@ def _error(exc: PegaflowError) -> bytes:
     return bytes([exc.code.value[0]]) + len(msg).to_bytes(4, "little") + msg
 
 
+class _QueryProtocol(asyncio.Protocol):
+    """One engine connection: frames in, answers out, straight from the loop's
+    read callback (no stream reader task: two fewer loop hops per query)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._seconds = engine.metrics.rpc_seconds
+        self._ok_seconds = self._seconds.labels("QueryPrefix/unix", "OK")
+        self._buf = bytearray()
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self._buf:
+            self._buf += data
+            data = bytes(self._buf)
+        at = 0
+        try:
+            while len(data) - at >= 4:
+                size = int.from_bytes(data[at : at + 4], "little")
+                if size > MAX_BODY:
+                    exc = InvalidRequest(f"frame: {size} B > {MAX_BODY}")
+                    self._transport.write(_error(exc))
+                    self._transport.close()
+                    return
+                if len(data) - at - 4 < size:
+                    break
+                self._transport.write(self._answer(data[at + 4 : at + 4 + size]))
+                at += 4 + size
+        except Exception:  # a broken connection must not take the server down
+            logger.exception("query socket connection failed")
+            self._transport.close()
+            return
+        self._buf = bytearray(data[at:])
+
+    def _answer(self, body: bytes) -> bytes:
+        start = time.perf_counter()
+        try:
+            res = self._engine.query(*decode_query(body))
+        except PegaflowError as exc:
+            self._seconds.labels("QueryPrefix/unix", exc.code.name).observe(
+                time.perf_counter() - start
+            )
+            return _error(exc)
+        self._ok_seconds.observe(time.perf_counter() - start)
+        status = LOADING if res.loading else 0
+        return OK_REPLY.pack(status, res.num_blocks, res.lease_id, res.lease_ttl_s)
+
+
 async def start_query_socket(path: str, engine: Engine) -> asyncio.AbstractServer:
     """Serve prefix queries on `path` (mode 0600: the server's user only)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    seconds = engine.metrics.rpc_seconds
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                size = int.from_bytes(await reader.readexactly(4), "little")
-                if size > MAX_BODY:
-                    writer.write(
-                        _error(InvalidRequest(f"frame: {size} B > {MAX_BODY}"))
-                    )
-                    break
-                body = await reader.readexactly(size)
-                start, code = time.perf_counter(), "OK"
-                try:
-                    res = engine.query(*decode_query(body))
-                    reply = OK_REPLY.pack(
-                        LOADING if res.loading else 0,
-                        res.num_blocks,
-                        res.lease_id,
-                        res.lease_ttl_s,
-                    )
-                except PegaflowError as exc:
-                    code, reply = exc.code.name, _error(exc)
-                writer.write(reply)
-                seconds.labels("QueryPrefix/unix", code).observe(
-                    time.perf_counter() - start
-                )
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the engine went away
-        except asyncio.CancelledError:
-            pass  # server shutdown: end quietly, the loop is closing
-        except Exception:  # a broken connection must not take the server down
-            logger.exception("query socket connection failed")
-        finally:
-            writer.close()
-
-    # A large reader limit: an 80 KiB query (2560 hashes) arrives without the
-    # transport pausing and resuming reads.
-    server = await asyncio.start_unix_server(serve, path, limit=1 << 20)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_unix_server(lambda: _QueryProtocol(engine), path)
     os.chmod(path, 0o600)
     return server
 
@@ -144,23 +158,26 @@ class QuerySocketClient:
         errors; OSError when the connection is broken."""
         with self._lock:
             self._sock.sendall(frame)
-            status = self._recv(1)[0]
+            # Every reply is at least 5 bytes and the only one in flight: the
+            # first recv (4 KiB) usually takes it whole.
+            reply = self._recv(5, bytearray())
+            status = reply[0]
             if status in (0, LOADING):
-                n, lease, ttl = struct.unpack("<IQd", self._recv(OK_REPLY.size - 1))
+                _, n, lease, ttl = OK_REPLY.unpack(self._recv(OK_REPLY.size, reply))
                 return n, lease, ttl, status == LOADING
-            length = int.from_bytes(self._recv(4), "little")
-            message = self._recv(length).decode(errors="replace")
+            length = int.from_bytes(reply[1:5], "little")
+            message = self._recv(5 + length, reply)[5:].decode(errors="replace")
         code = next((c for c in grpc.StatusCode if c.value[0] == status), None)
         raise from_status(code or grpc.StatusCode.UNKNOWN, message)
 
-    def _recv(self, n: int) -> bytes:
-        buf = bytearray()
+    def _recv(self, n: int, buf: bytearray) -> bytearray:
+        """Read until buf holds n bytes."""
         while len(buf) < n:
-            chunk = self._sock.recv(n - len(buf))
+            chunk = self._sock.recv(max(n - len(buf), 4096))
             if not chunk:
                 raise ConnectionError("query socket closed by the server")
             buf += chunk
-        return bytes(buf)
+        return buf
 
     def close(self) -> None:
         self._sock.close()
