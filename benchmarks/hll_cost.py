@@ -82,7 +82,7 @@ def query_overhead(hashes: int = 2560, queries: int = 400) -> dict[str, float]:
     ns = Namespace("bench", 1, 1, 1, 4096, (1, 4096))
     resident = [secrets.token_bytes(32) for _ in range(hashes)]
     layers = np.arange(1)
-    store.finish_save(store.reserve_save(ns, 0, resident, layers), 0, layers, True)
+    store.finish_save(store.reserve_save(ns, 0, resident, layers), True)
     half = resident[: hashes // 2] + [
         secrets.token_bytes(32) for _ in range(hashes // 2)
     ]

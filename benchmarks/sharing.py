@@ -112,7 +112,7 @@ class Pool:
             self.leases.consumed(self.leases.create(owner, NS.id, hits, 1), 0)
         computed = req.chain[len(hits) : req.total_len]
         res = self.store.reserve_save(NS, 0, computed, LAYERS)
-        self.store.finish_save(res, 0, LAYERS, True)
+        self.store.finish_save(res, True)
         return len(hits)
 
 

@@ -30,15 +30,28 @@ Spill = Callable[[Key, np.ndarray], bool]
 _KEY = attrgetter("key")
 
 
+def layer_mask(rank: int, layers: np.ndarray, num_layers: int) -> int:
+    """Bit rank * num_layers + layer for each layer: a block's (shard, layer)
+    pieces as one Python int, so per-block bookkeeping is a few int operations
+    instead of numpy calls (~1 us each)."""
+    bits = np.zeros(num_layers, bool)
+    bits[layers] = True
+    packed = np.packbits(bits, bitorder="little").tobytes()
+    return int.from_bytes(packed, "little") << (rank * num_layers)
+
+
 @dataclass(slots=True, eq=False)  # identity: compared against None in bulk
 class BlockEntry:
     key: Key
-    slots: np.ndarray  # uint64 address per TP shard, 0 until allocated
-    landed: np.ndarray  # bool [tp_size, num_layers]
-    in_flight: np.ndarray  # bool [tp_size, num_layers]
+    slots: list[int]  # slot address per TP shard, 0 until allocated
+    landed: int = 0  # bit rank * num_layers + layer (see layer_mask)
+    in_flight: int = 0
     ready: bool = False
     pins: int = 0
     created: float = field(default_factory=time.monotonic)
+
+    def slot_array(self) -> np.ndarray:
+        return np.array([s for s in self.slots if s], np.uint64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +64,10 @@ class SaveReservation:
     slots: np.ndarray  # uint64 slot address of this rank, per key
     deduplicated: int
     rejected: int
+    rank: int = 0
+    mask: int = 0  # the (shard, layer) bits this save writes
+    shard_mask: int = 0  # every layer bit of this rank's shard
+    complete: int = 0  # every bit of a block: it is ready when all landed
 
 
 @dataclass(slots=True)
@@ -140,147 +157,181 @@ class BlockStore:
     def reserve_save(
         self, ns: Namespace, rank: int, hashes: list[BlockHash], layers: np.ndarray
     ) -> SaveReservation:
+        """Pin the blocks this save must copy and give each a slot of this rank.
+
+        One pass over the hashes does int operations only; slots come from one
+        allocation (evicting in bulk when short). Under pressure, blocks beyond
+        the free room must win TinyLFU admission, in request order.
+        """
+        mask = layer_mask(rank, layers, ns.num_layers)
+        tp = ns.tp_size
         keys: list[Key] = []
         entries: list[BlockEntry] = []
         positions: list[int] = []
+        slots: list[int] = []
+        slotless: list[int] = []  # indexes into entries still needing a slot
         dedup = rejected = 0
+        room = self.slabs.free_slots(ns.slot_class)
+        get = self.entries.get
         for pos, h in enumerate(hashes):
             key = (ns.id, h)
-            entry = self.entries.get(key)
-            if entry is not None and (
-                entry.ready
-                or (entry.landed[rank, layers] | entry.in_flight[rank, layers]).all()
-            ):
-                dedup += 1
-                continue
+            entry = get(key)
             if entry is None:
-                entry = self._admit(ns, key)
-                if entry is None:
-                    rejected += 1
-                    continue
-            if entry.slots[rank] == 0:
-                slot = self._allocate(ns.slot_class)
-                if slot is None:
-                    self._drop_if_empty(key, entry)
-                    rejected += 1
-                    self.counters.pool_full_rejections += 1
-                    continue
-                entry.slots[rank] = slot
-            entry.in_flight[rank, layers] = True
+                if len(slotless) >= room:
+                    if len(slotless) == room:
+                        self._flush_pins()  # the policy will ask for these
+                        self.apply_touches()
+                    if not self.policy.should_admit(key, self._protected):
+                        self.counters.admission_rejections += 1
+                        rejected += 1
+                        continue
+                entry = self.entries[key] = BlockEntry(key, [0] * tp)
+            elif entry.ready or (entry.landed | entry.in_flight) & mask == mask:
+                dedup += 1  # also a hash repeated within this request
+                continue
+            if not entry.slots[rank]:
+                slotless.append(len(entries))
+            entry.in_flight |= mask
             entry.pins += 1
             keys.append(key)
             entries.append(entry)
             positions.append(pos)
-        slots = np.array([e.slots[rank] for e in entries], np.uint64)
+            slots.append(entry.slots[rank])
+        if slotless:
+            got = self._allocate(ns.slot_class, len(slotless)).tolist()
+            for i, slot in zip(slotless, got, strict=False):
+                entries[i].slots[rank] = slots[i] = slot
+            if len(got) < len(slotless):
+                rejected += self._unreserve(slotless[len(got) :], entries, mask)
+                keep = [e.slots[rank] != 0 for e in entries]
+                keys = [k for k, k_ok in zip(keys, keep, strict=True) if k_ok]
+                positions = [p for p, p_ok in zip(positions, keep, strict=True) if p_ok]
+                slots = [a for a, a_ok in zip(slots, keep, strict=True) if a_ok]
+                entries = [e for e, e_ok in zip(entries, keep, strict=True) if e_ok]
         return SaveReservation(
-            keys, entries, np.asarray(positions, np.int64), slots, dedup, rejected
+            keys,
+            entries,
+            np.asarray(positions, np.int64),
+            np.asarray(slots, np.uint64),
+            dedup,
+            rejected,
+            rank,
+            mask,
+            ((1 << ns.num_layers) - 1) << (rank * ns.num_layers),
+            (1 << (tp * ns.num_layers)) - 1,
         )
 
-    def finish_save(
-        self, res: SaveReservation, rank: int, layers: np.ndarray, ok: bool
-    ) -> None:
-        self.apply_touches()
-        for key, entry in zip(res.keys, res.entries, strict=True):
+    def _unreserve(self, idx: list[int], entries: list[BlockEntry], mask: int) -> int:
+        """Undo the reservation of blocks no slot could be found for."""
+        for i in idx:
+            entry = entries[i]
+            entry.in_flight &= ~mask
             entry.pins -= 1
-            entry.in_flight[rank, layers] = False
+            self._drop_if_empty(entry.key, entry)
+        self.counters.pool_full_rejections += len(idx)
+        return len(idx)
+
+    def finish_save(self, res: SaveReservation, ok: bool) -> None:
+        self.apply_touches()
+        clear, rank, complete = ~res.mask, res.rank, res.complete
+        failed: list[int] = []
+        for entry in res.entries:
+            entry.pins -= 1
+            entry.in_flight &= clear
             if ok:
-                entry.landed[rank, layers] = True
-                if not entry.ready and entry.landed.all():
-                    entry.ready = True
-                    self._ready.setdefault(key[0], {})[key[1]] = entry
-                    self.policy.insert(key)
-            elif not entry.landed[rank].any() and not entry.in_flight[rank].any():
-                self.slabs.free(entry.slots[rank : rank + 1])
+                entry.landed |= res.mask
+                if entry.landed == complete and not entry.ready:
+                    self._make_ready(entry)
+            elif not (entry.landed | entry.in_flight) & res.shard_mask:
+                failed.append(entry.slots[rank])
                 entry.slots[rank] = 0
-                self._drop_if_empty(key, entry)
+                self._drop_if_empty(entry.key, entry)
+        if failed:
+            self.slabs.free(np.asarray(failed, np.uint64))
 
-    def _admit(self, ns: Namespace, key: Key) -> BlockEntry | None:
-        if self.slabs.free_slots(ns.slot_class) == 0:
+    def _make_ready(self, entry: BlockEntry) -> None:
+        entry.ready = True
+        self._ready.setdefault(entry.key[0], {})[entry.key[1]] = entry
+        self.policy.insert(entry.key)
+
+    def _allocate(self, cls: SlotClass, n: int) -> np.ndarray:
+        """Up to n slots, evicting LRU blocks (of any class) while short. A
+        victim of another class frees memory for this one only when its whole
+        slab empties, so a round may evict more than it yields."""
+        got = [self.slabs.allocate(cls, n)]
+        short = n - len(got[0])
+        if short:
             self._flush_pins()
             self.apply_touches()
-            if not self.policy.should_admit(key, self._protected):
-                self.counters.admission_rejections += 1
-                return None
-        entry = BlockEntry(
-            key,
-            np.zeros(ns.tp_size, np.uint64),
-            np.zeros((ns.tp_size, ns.num_layers), bool),
-            np.zeros((ns.tp_size, ns.num_layers), bool),
-        )
-        self.entries[key] = entry
-        return entry
-
-    def _allocate(self, cls: SlotClass) -> int | None:
-        """One slot, evicting LRU blocks (of any class) until one frees up."""
-        while True:
-            got = self.slabs.allocate(cls, 1)
-            if len(got):
-                return int(got[0])
-            self._flush_pins()
-            self.apply_touches()
-            victims = self.policy.evict(1, self._protected)
+        while short > 0:
+            want = short
+            victims = self.policy.evict(want, self._protected)
+            while victims is None and want > 1:  # fewer evictable than asked
+                want //= 2
+                victims = self.policy.evict(want, self._protected)
             if not victims:
-                return None
-            self._remove(victims[0])
-            self.counters.evictions += 1
+                break
+            self._remove(victims)
+            self.counters.evictions += len(victims)
+            got.append(self.slabs.allocate(cls, short))
+            short -= len(got[-1])
+        return np.concatenate(got)
 
-    def _remove(self, key: Key) -> None:
-        entry = self.entries.pop(key)
-        slots = entry.slots[entry.slots != 0]
-        if entry.ready:
-            del self._ready[key[0]][key[1]]
-        # A spilled block's slots stay allocated until the tier has copied them.
-        if not (entry.ready and self.spill is not None and self.spill(key, slots)):
-            self.slabs.free(slots)
-        logger.debug("evicted block %s", key[1][:8].hex())
+    def _remove(self, keys: list[Key]) -> None:
+        freed: list[int] = []
+        for key in keys:
+            entry = self.entries.pop(key)
+            slots = [s for s in entry.slots if s]
+            if entry.ready:
+                del self._ready[key[0]][key[1]]
+                # A spilled block's slots stay allocated until the tier wrote them.
+                if self.spill is not None and self.spill(
+                    key, np.asarray(slots, np.uint64)
+                ):
+                    continue
+            freed += slots
+        self.slabs.free(np.asarray(freed, np.uint64))
 
     def reserve_load(self, ns: Namespace, hashes: list[BlockHash]) -> list[BlockEntry]:
         """Pinned, in-flight entries with slots for blocks coming from a slower
         tier; stops at the first key already known or when no slot can be freed.
         In flight on every layer, a concurrent save of the key deduplicates."""
+        tp, complete = ns.tp_size, (1 << (ns.tp_size * ns.num_layers)) - 1
         entries: list[BlockEntry] = []
         for h in hashes:
             key = (ns.id, h)
             if key in self.entries:
                 break
-            entry = BlockEntry(
-                key,
-                np.zeros(ns.tp_size, np.uint64),
-                np.zeros((ns.tp_size, ns.num_layers), bool),
-                np.ones((ns.tp_size, ns.num_layers), bool),
-                pins=1,
-            )
+            entry = BlockEntry(key, [0] * tp, in_flight=complete, pins=1)
             self.entries[key] = entry  # before allocating: never its own victim
-            for rank in range(ns.tp_size):
-                slot = self._allocate(ns.slot_class)
-                if slot is None:
-                    break
-                entry.slots[rank] = slot
-            else:
-                entries.append(entry)
-                continue
-            self.slabs.free(entry.slots[entry.slots != 0])
-            del self.entries[key]
-            break
-        return entries
+            entries.append(entry)
+        got = self._allocate(ns.slot_class, len(entries) * tp)
+        whole = len(got) // tp
+        for i, entry in enumerate(entries[:whole]):
+            entry.slots[:] = got[i * tp : (i + 1) * tp].tolist()
+        self.slabs.free(got[whole * tp :])
+        for entry in entries[whole:]:
+            del self.entries[entry.key]
+        return entries[:whole]
 
     def finish_load(self, entries: list[BlockEntry], ok: np.ndarray) -> None:
         """Blocks that arrived become ready (visible, evictable); the rest go."""
         self.apply_touches()
+        lost: list[np.ndarray] = []
         for entry, good in zip(entries, ok.tolist(), strict=True):
             entry.pins -= 1
-            entry.in_flight[:] = False
-            if good:
-                entry.landed[:] = True
-                entry.ready = True
-                self._ready.setdefault(entry.key[0], {})[entry.key[1]] = entry
-                self.policy.insert(entry.key)
+            if good:  # in flight on every bit: those are the complete block
+                entry.landed, entry.in_flight = entry.in_flight, 0
+                self._make_ready(entry)
             else:
-                self.slabs.free(entry.slots)
+                entry.in_flight = 0
+                lost.append(entry.slot_array())
                 self.entries.pop(entry.key, None)
+        if lost:
+            self.slabs.free(np.concatenate(lost))
 
     def _drop_if_empty(self, key: Key, entry: BlockEntry) -> None:
-        if not entry.slots.any() and entry.pins == 0:
+        if not any(entry.slots) and entry.pins == 0:
             self.entries.pop(key, None)
 
     def pin(self, entries: list[BlockEntry]) -> None:
@@ -298,7 +349,6 @@ class BlockStore:
             for key, e in self.entries.items()
             if not e.ready and e.pins == 0 and e.created < older_than
         ]
-        for key in stale:
-            self._remove(key)
+        self._remove(stale)
         self.counters.stale_dropped += len(stale)
         return len(stale)

@@ -155,7 +155,7 @@ class Engine:
             seconds = await self._copy(worker, gather, transfers, inline)
             ok = True
         finally:
-            self.store.finish_save(res, tp_rank, layers, ok)
+            self.store.finish_save(res, ok)
         self._account("save", len(res.keys), transfers.total_bytes, seconds)
         return SaveResult(len(res.keys), res.deduplicated, res.rejected)
 

@@ -120,7 +120,7 @@ class SsdLink:
         n = len(entries)
         keys = [e.key for e in entries]
         self._loading.update(zip(keys, range(n, 0, -1), strict=True))
-        slots = np.stack([e.slots for e in entries])
+        slots = np.array([e.slots for e in entries], np.uint64)
         future = self.tier.load(digest, rest[:n], slots, slot_bytes)
         task = asyncio.ensure_future(self._finish(entries, asyncio.wrap_future(future)))
         self._tasks.add(task)

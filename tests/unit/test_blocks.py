@@ -35,7 +35,7 @@ def _save(
 ) -> tuple[int, int, int]:
     layers = np.arange(ns.num_layers) if layers is None else layers
     res = store.reserve_save(ns, rank, hashes, layers)
-    store.finish_save(res, rank, layers, ok)
+    store.finish_save(res, ok)
     return len(res.keys), res.deduplicated, res.rejected
 
 
@@ -140,3 +140,28 @@ def test_namespaces_are_isolated(tp: int) -> None:
         _save(store, a, _h(1, 2), rank=rank)
     assert len(store.longest_prefix(a, _h(1, 2))) == 2
     assert store.longest_prefix(b, _h(1, 2)) == []
+
+
+def test_a_save_bigger_than_the_free_room_evicts_just_enough_in_lru_order() -> None:
+    store, ns = _store(8), _ns()
+    _save(store, ns, _h(*range(1, 9)))
+    store.longest_prefix(ns, _h(1))  # LRU order now 2..8, 1
+    assert _save(store, ns, _h(10, 11, 11, 12)) == (3, 1, 0)  # 11 twice: dedup
+    assert store.counters.evictions == 3
+    assert set(k[1] for k in store.entries) == set(_h(1, *range(5, 9), 10, 11, 12))
+    # Larger than the pool: the first 8 get slots, the other 2 are refused.
+    assert _save(store, ns, _h(*range(20, 30))) == (8, 0, 2)
+    assert store.counters.pool_full_rejections == 2
+    assert store.slabs.used_bytes == len(store.entries) * SLOT == 8 * SLOT
+
+
+def test_slow_tier_reservation_takes_whole_blocks_only() -> None:
+    """TP=2: a block needs two slots; with three free, one block is reserved
+    and the odd slot goes back."""
+    store, ns = _store(3), _ns(tp=2)
+    got = store.reserve_load(ns, _h(1, 2, 3))
+    assert [e.key[1] for e in got] == _h(1) and store.slabs.used_bytes == 2 * SLOT
+    assert (1, _h(2)[0]) not in store.entries
+    store.finish_load(got, np.array([True]))
+    assert len(store.longest_prefix(ns, _h(1, 2))) == 1
+    assert _save(store, ns, _h(1), rank=1) == (0, 1, 0)  # ready: dedup

@@ -50,7 +50,7 @@ class Rig:
     def save(self, hashes: list[bytes]) -> None:
         layers = np.arange(1)
         res = self.store.reserve_save(self.ns, 0, hashes, layers)
-        self.store.finish_save(res, 0, layers, True)
+        self.store.finish_save(res, True)
 
     def stats(self) -> NamespaceStats:
         (ns,) = self.tracker.snapshot()

@@ -69,7 +69,7 @@ def _setup(slots: int) -> tuple[BlockStore, SsdLink, FakeTier, Namespace]:
 def _save(store: BlockStore, ns: Namespace, hashes: list[bytes]) -> int:
     layers = np.arange(ns.num_layers)
     res = store.reserve_save(ns, 0, hashes, layers)
-    store.finish_save(res, 0, layers, True)
+    store.finish_save(res, True)
     return len(res.keys)
 
 
