@@ -7,7 +7,7 @@ import ctypes
 import logging
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,7 +15,8 @@ import grpc
 import numpy as np
 
 from pegaflow.errors import PegaflowError, from_status
-from pegaflow.fastpath import QuerySocketClient, encode_query
+from pegaflow.fastpath import FastPathClient
+from pegaflow.frames import encode_query, encode_save
 from pegaflow.layout import LayerLayout
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
@@ -63,7 +64,7 @@ class PegaflowClient:
             ],
         )
         self._stub = pb_grpc.PegaFlowStub(self._channel)
-        self._fast: QuerySocketClient | None = None
+        self._fast: FastPathClient | None = None
         self._fast_path = ""
 
     def _call(
@@ -157,7 +158,23 @@ class PegaflowClient:
         wait_event: int = 0,
     ) -> SaveResult:
         """wait_event: GPU workers, IpcEvents.record()'s value: the server's copy
-        waits on the GPU for that event instead of the engine syncing first."""
+        waits on the GPU for that event instead of the engine syncing first.
+        Over the server's unix socket when it has one (a save is idempotent:
+        after a broken connection, gRPC repeats it)."""
+        fast = self._fast_client()
+        if fast is not None:
+            frame = encode_save(
+                instance_id,
+                tp_rank,
+                block_ids,
+                list(block_hashes),
+                layer_ids or (),
+                wait_event,
+            )
+            if frame is not None:
+                res = self._fast_call(fast.save, frame)
+                if res is not None:
+                    return SaveResult(*res)
         resp = self._call(
             "Save",
             pb.SaveRequest(
@@ -176,11 +193,9 @@ class PegaflowClient:
         fast = self._fast_client()
         frame = encode_query(instance_id, list(block_hashes)) if fast else None
         if fast is not None and frame is not None:
-            try:
-                return QueryResult(*fast.query(frame))
-            except OSError as exc:  # server gone or restarted: gRPC decides
-                logger.debug("query socket failed (%s); using gRPC", exc)
-                self._drop_fast_path()
+            res = self._fast_call(fast.query, frame)
+            if res is not None:
+                return QueryResult(*res)
         resp = self._call(
             "QueryPrefix",
             pb.QueryPrefixRequest(
@@ -221,14 +236,28 @@ class PegaflowClient:
             self._drop_fast_path()
             self._fast_path = path
 
-    def _fast_client(self) -> QuerySocketClient | None:
+    def _fast_client(self) -> FastPathClient | None:
         if self._fast is None and self._fast_path:
             try:
-                self._fast = QuerySocketClient(self._fast_path, self.timeout_s)
+                self._fast = FastPathClient(self._fast_path, self.timeout_s)
             except OSError as exc:  # another host, another user, or it is gone
                 logger.debug("query socket %s unusable: %s", self._fast_path, exc)
                 self._fast_path = ""
         return self._fast
+
+    def _fast_call(self, call: Callable[[bytes], tuple], frame: bytes) -> tuple | None:
+        """The reply, or None when the socket broke (the caller uses gRPC)."""
+        try:
+            return call(frame)
+        except TimeoutError:  # the deadline passed: as gRPC would report it
+            self._drop_fast_path()
+            raise from_status(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply in {self.timeout_s} s"
+            ) from None
+        except OSError as exc:  # server gone or restarted: gRPC decides
+            logger.debug("fast-path socket failed (%s); using gRPC", exc)
+            self._drop_fast_path()
+            return None
 
     def _drop_fast_path(self) -> None:
         if self._fast is not None:

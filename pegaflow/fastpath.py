@@ -1,16 +1,9 @@
-"""Prefix queries over a unix socket: the scheduler asks once per waiting request
-per step, and on the VMs we run on a Python gRPC round trip costs ~1 ms against
-~0.14 ms for a framed unix-socket exchange (benchmarks/RESULTS.md). gRPC's
-QueryPrefix stays the reference API; the client uses this path when the server
-named a socket at registration and it is reachable, and falls back otherwise.
-
-Frames, little-endian:
-  request  = u32 body_len | body
-  body     = u8 version(1) | u8 hash_len | u16 id_len | u32 count | id | hashes
-  response = u8 status (a grpc.StatusCode value, 0 = OK; 255 = LOADING) | payload
-  payload  = OK: u32 num_blocks | u64 lease_id | f64 lease_ttl_s
-             LOADING: the same, num_blocks coming from a slower tier, no lease
-             else: u32 msg_len | utf-8 message
+"""Queries and saves over a unix socket: the scheduler asks once per waiting
+request per step and a worker saves once per step, and on the machines we run on
+a Python gRPC round trip costs ~1 ms against ~0.15 ms for a framed unix-socket
+exchange (benchmarks/RESULTS.md). gRPC stays the reference API; the client uses
+this path when the server named a socket at registration and it is reachable,
+and falls back otherwise. Frames: pegaflow.frames.
 """
 
 from __future__ import annotations
@@ -20,72 +13,36 @@ import contextlib
 import logging
 import os
 import socket
-import struct
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 import grpc
-import numpy as np
 
-from pegaflow.errors import InvalidRequest, PegaflowError, from_status
+from pegaflow.errors import CopyFailed, InvalidRequest, PegaflowError, from_status
+from pegaflow.frames import (
+    LOADING,
+    MAX_BODY,
+    QUERY,
+    QUERY_REPLY,
+    SAVE_REPLY,
+    decode_query,
+    decode_save,
+    error_reply,
+    kind_of,
+)
 
 if TYPE_CHECKING:
     from pegaflow.engine import Engine
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1
-HEADER = struct.Struct("<BBHI")
-OK_REPLY = struct.Struct("<BIQd")
-# Not a grpc.StatusCode value (those stop at 16): the query's answer is `loading`.
-LOADING = 255
-MAX_BODY = 64 << 20
 
-
-def encode_query(instance_id: str, hashes: list[bytes]) -> bytes | None:
-    """The request frame, or None when the hashes differ in length (use gRPC)."""
-    ident = instance_id.encode()
-    sizes = set(map(len, hashes)) or {1}
-    size = sizes.pop()
-    if sizes or not 0 < size < 256 or len(ident) > 65535:
-        return None
-    body = (
-        HEADER.pack(VERSION, size, len(ident), len(hashes)) + ident + b"".join(hashes)
-    )
-    return len(body).to_bytes(4, "little") + body
-
-
-def decode_query(body: bytes) -> tuple[str, list[bytes], int]:
-    """(instance id, hashes, the length of every hash)."""
-    if len(body) < HEADER.size:
-        raise InvalidRequest("frame: shorter than its header")
-    version, size, id_len, count = HEADER.unpack_from(body)
-    if version != VERSION:
-        raise InvalidRequest(f"frame.version: {version}, this server speaks {VERSION}")
-    if size == 0:
-        raise InvalidRequest("block_hashes: hash length 0")
-    start = HEADER.size + id_len
-    if len(body) != start + size * count:
-        raise InvalidRequest(
-            f"frame: {len(body)} bytes, header promises {start + size * count}"
-        )
-    try:
-        instance_id = body[HEADER.size : start].decode()
-    except UnicodeDecodeError:
-        raise InvalidRequest("instance_id: not UTF-8") from None
-    hashes = np.frombuffer(body, dtype=f"V{size}", count=count, offset=start).tolist()
-    return instance_id, hashes, size
-
-
-def _error(exc: PegaflowError) -> bytes:
-    msg = str(exc).encode()[:65536]
-    return bytes([exc.code.value[0]]) + len(msg).to_bytes(4, "little") + msg
-
-
-class _QueryProtocol(asyncio.Protocol):
-    """One engine connection: frames in, answers out, straight from the loop's
-    read callback (no stream reader task: two fewer loop hops per query)."""
+class _FastProtocol(asyncio.Protocol):
+    """One engine connection. Queries are answered straight from the loop's read
+    callback; a save runs as a task, and frames behind it wait their turn, so
+    replies leave in request order."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -93,6 +50,9 @@ class _QueryProtocol(asyncio.Protocol):
         self._ok_seconds = self._seconds.labels("QueryPrefix/unix", "OK")
         self._buf = bytearray()
         self._transport: asyncio.Transport | None = None
+        self._queued: deque[bytes] = deque()
+        self._task: asyncio.Task | None = None
+        self._eof = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -107,20 +67,54 @@ class _QueryProtocol(asyncio.Protocol):
                 size = int.from_bytes(data[at : at + 4], "little")
                 if size > MAX_BODY:
                     exc = InvalidRequest(f"frame: {size} B > {MAX_BODY}")
-                    self._transport.write(_error(exc))
+                    self._transport.write(error_reply(exc))
                     self._transport.close()
                     return
                 if len(data) - at - 4 < size:
                     break
-                self._transport.write(self._answer(data[at + 4 : at + 4 + size]))
+                self._dispatch(data[at + 4 : at + 4 + size])
                 at += 4 + size
         except Exception:  # a broken connection must not take the server down
-            logger.exception("query socket connection failed")
+            logger.exception("fast-path connection failed")
             self._transport.close()
             return
         self._buf = bytearray(data[at:])
 
-    def _answer(self, body: bytes) -> bytes:
+    def eof_received(self) -> bool:
+        """The engine is done sending; answer what is queued, then close."""
+        self._eof = True
+        return self._task is not None  # True keeps the transport open for now
+
+    def _dispatch(self, body: bytes) -> None:
+        if not self._queued and body[:1] == bytes([QUERY]):
+            self._transport.write(self._query(body))
+            return
+        self._queued.append(body)
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            while self._queued:
+                reply = await self._answer(self._queued[0])
+                self._queued.popleft()
+                if not self._transport.is_closing():
+                    self._transport.write(reply)
+        finally:
+            self._task = None
+            if self._eof:
+                self._transport.close()
+
+    async def _answer(self, body: bytes) -> bytes:
+        try:
+            kind = kind_of(body)
+        except PegaflowError as exc:
+            return error_reply(exc)
+        if kind == QUERY:
+            return self._query(body)
+        return await self._save(body)
+
+    def _query(self, body: bytes) -> bytes:
         start = time.perf_counter()
         try:
             res = self._engine.query(*decode_query(body))
@@ -128,56 +122,122 @@ class _QueryProtocol(asyncio.Protocol):
             self._seconds.labels("QueryPrefix/unix", exc.code.name).observe(
                 time.perf_counter() - start
             )
-            return _error(exc)
+            return error_reply(exc)
         self._ok_seconds.observe(time.perf_counter() - start)
         status = LOADING if res.loading else 0
-        return OK_REPLY.pack(status, res.num_blocks, res.lease_id, res.lease_ttl_s)
+        return QUERY_REPLY.pack(status, res.num_blocks, res.lease_id, res.lease_ttl_s)
+
+    async def _save(self, body: bytes) -> bytes:
+        start, code = time.perf_counter(), "OK"
+        try:
+            ident, rank, ids, hashes, layers, event = decode_save(body)
+            res = await self._engine.save(
+                ident, rank, ids, hashes, layers, wait_event=event
+            )
+            return SAVE_REPLY.pack(0, res.stored, res.deduplicated, res.rejected)
+        except PegaflowError as exc:
+            code = exc.code.name
+            return error_reply(exc)
+        except Exception:  # as gRPC's interceptor does: INTERNAL, server lives on
+            code = "INTERNAL"
+            logger.exception("Save/unix failed")
+            return error_reply(CopyFailed("Save: internal error"))
+        finally:
+            self._seconds.labels("Save/unix", code).observe(time.perf_counter() - start)
 
 
 async def start_query_socket(path: str, engine: Engine) -> asyncio.AbstractServer:
-    """Serve prefix queries on `path` (mode 0600: the server's user only)."""
+    """Serve queries and saves on `path` (mode 0600: the server's user only)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     loop = asyncio.get_running_loop()
-    server = await loop.create_unix_server(lambda: _QueryProtocol(engine), path)
+    server = await loop.create_unix_server(lambda: _FastProtocol(engine), path)
     os.chmod(path, 0o600)
     return server
 
 
-class QuerySocketClient:
-    """Blocking client of the query socket; one request in flight at a time."""
+class FastPathClient:
+    """Blocking client of the fast-path socket: one connection per calling
+    thread (a worker's save must not hold up its load or a query), one request
+    in flight on each."""
 
     def __init__(self, path: str, timeout_s: float) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout_s)
-        self._sock.connect(path)
+        self._path = path
+        self._timeout_s = timeout_s
+        self._local = threading.local()
         self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._closed = False
+        self._conn()  # fail now when the socket cannot be reached
+
+    def _conn(self) -> socket.socket:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(self._timeout_s)
+                sock.connect(self._path)
+            except OSError:
+                sock.close()
+                raise
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    raise ConnectionError("fast-path client closed")
+                self._socks.append(sock)
+            self._local.sock = sock
+        return sock
 
     def query(self, frame: bytes) -> tuple[int, int, float, bool]:
         """(num_blocks, lease_id, lease_ttl_s, loading); typed exceptions for
         errors; OSError when the connection is broken."""
-        with self._lock:
-            self._sock.sendall(frame)
-            # Every reply is at least 5 bytes and the only one in flight: the
-            # first recv (4 KiB) usually takes it whole.
-            reply = self._recv(5, bytearray())
+        status, reply = self._exchange(frame, QUERY_REPLY.size)
+        _, n, lease, ttl = QUERY_REPLY.unpack(reply)
+        return n, lease, ttl, status == LOADING
+
+    def save(self, frame: bytes) -> tuple[int, int, int]:
+        """(stored, deduplicated, rejected)."""
+        _, reply = self._exchange(frame, SAVE_REPLY.size)
+        return SAVE_REPLY.unpack(reply)[1:]
+
+    def _exchange(self, frame: bytes, ok_size: int) -> tuple[int, bytearray]:
+        sock = self._conn()
+        try:
+            sock.sendall(frame)
+            # Every reply is at least 5 bytes and the only one in flight on
+            # this connection: the first recv (4 KiB) usually takes it whole.
+            reply = self._recv(sock, 5, bytearray())
             status = reply[0]
             if status in (0, LOADING):
-                _, n, lease, ttl = OK_REPLY.unpack(self._recv(OK_REPLY.size, reply))
-                return n, lease, ttl, status == LOADING
+                return status, self._recv(sock, ok_size, reply)
             length = int.from_bytes(reply[1:5], "little")
-            message = self._recv(5 + length, reply)[5:].decode(errors="replace")
+            message = self._recv(sock, 5 + length, reply)[5:].decode(errors="replace")
+        except OSError:
+            self._forget(sock)  # half a reply may be left in it
+            raise
         code = next((c for c in grpc.StatusCode if c.value[0] == status), None)
         raise from_status(code or grpc.StatusCode.UNKNOWN, message)
 
-    def _recv(self, n: int, buf: bytearray) -> bytearray:
+    @staticmethod
+    def _recv(sock: socket.socket, n: int, buf: bytearray) -> bytearray:
         """Read until buf holds n bytes."""
         while len(buf) < n:
-            chunk = self._sock.recv(max(n - len(buf), 4096))
+            chunk = sock.recv(max(n - len(buf), 4096))
             if not chunk:
-                raise ConnectionError("query socket closed by the server")
+                raise ConnectionError("fast-path socket closed by the server")
             buf += chunk
         return buf
 
+    def _forget(self, sock: socket.socket) -> None:
+        self._local.sock = None
+        with self._lock:
+            if sock in self._socks:
+                self._socks.remove(sock)
+        sock.close()
+
     def close(self) -> None:
-        self._sock.close()
+        with self._lock:
+            self._closed = True
+            socks, self._socks = self._socks, []
+        for sock in socks:
+            sock.close()

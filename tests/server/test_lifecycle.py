@@ -69,10 +69,11 @@ def test_session_close_drops_worker_and_reregister_survives(server) -> None:
 
 
 def test_health_and_metrics_endpoints(server) -> None:
+    kv = LocalKV()  # alive until the save has read it
     with PegaflowClient(server.addr) as client:
         assert client.health()
-        LocalKV().register(client, "e", "ns")
-        client.save("e", [0], hashes(1))
+        kv.register(client, "e", "ns")
+        client.save("e", [0], hashes(1))  # over the fast-path socket
     status, body = server.get("/health")
     report = json.loads(body)
     assert status == 200 and report["status"] == "ok"
@@ -92,7 +93,8 @@ def test_health_and_metrics_endpoints(server) -> None:
         "pegaflow_rpc_seconds_bucket",
     ):
         assert name in text or name.replace("_total", "") in text, name
-    assert 'pegaflow_rpc_seconds_count{code="OK",method="Save"} 1.0' in text
+    assert 'pegaflow_rpc_seconds_count{code="OK",method="Save/unix"} 1.0' in text
+    assert 'pegaflow_rpc_seconds_count{code="OK",method="RegisterInstance"}' in text
     assert server.get("/nope")[0] == 404
 
 

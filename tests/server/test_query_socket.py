@@ -1,5 +1,6 @@
-"""The unix-socket fast path for prefix queries: same answers as gRPC, clear
-errors for bad frames, and a silent fallback to gRPC when it is unusable."""
+"""The unix-socket fast path for queries and saves: same answers and bytes as
+gRPC, clear errors for bad frames, replies in request order, and a silent
+fallback to gRPC when it is unusable."""
 
 from __future__ import annotations
 
@@ -9,11 +10,19 @@ import stat
 import struct
 
 import grpc
+import numpy as np
 import pytest
 
 from pegaflow.client import PegaflowClient
 from pegaflow.errors import InvalidRequest, UnknownInstance
-from pegaflow.fastpath import decode_query, encode_query
+from pegaflow.frames import (
+    QUERY_REPLY,
+    SAVE_REPLY,
+    decode_query,
+    decode_save,
+    encode_query,
+    encode_save,
+)
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from tests.kvbuf import LocalKV, hashes
@@ -77,7 +86,7 @@ def test_bad_frames_get_errors_and_server_survives(server) -> None:
         body = struct.pack("<BBHI", 9, 32, 1, 0) + b"e"
         reply = _raw(path, len(body).to_bytes(4, "little") + body)
         assert reply[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-        assert b"frame.version" in reply
+        assert b"frame.kind" in reply
         body = struct.pack("<BBHI", 1, 32, 1, 3) + b"e" + b"x" * 10  # short
         assert b"header promises" in _raw(path, len(body).to_bytes(4, "little") + body)
         assert b"frame" in _raw(path, (1 << 31).to_bytes(4, "little"))  # oversized
@@ -111,3 +120,66 @@ def test_falls_back_to_grpc_when_socket_is_unusable(server_factory) -> None:
         other.metric("pegaflow_rpc_seconds_count", 'code="OK",method="QueryPrefix"')
         >= 1
     )
+
+
+def test_save_frame_round_trip() -> None:
+    hs = hashes(3)
+    frame = encode_save("e", 1, np.array([7, 0, 9]), hs, [2, 0], 5)
+    ident, rank, ids, got, layers, event = decode_save(frame[4:])
+    assert (ident, rank, got, event) == ("e", 1, hs, 5)
+    assert ids.tolist() == [7, 0, 9] and layers.tolist() == [2, 0]
+    assert decode_save(encode_save("e", 0, np.array([1]), hs[:1], (), 0)[4:])[4] is None
+    # gRPC carries what the frame cannot: its answer names the field
+    assert encode_save("e", 0, np.array([-1]), hs[:1], (), 0) is None
+    assert encode_save("e", 0, np.array([1, 2]), [b"a", b"bb"], (), 0) is None
+    with pytest.raises(InvalidRequest, match="frame"):
+        decode_save(frame[4:-1])
+
+
+def test_saves_over_the_socket_land_the_same_bytes(server) -> None:
+    a, b = LocalKV(seed=1), LocalKV(seed=2)
+    hs = hashes(12)
+    with PegaflowClient(server.addr) as client:
+        a.register(client, "a", "ns")
+        b.register(client, "b", "ns")
+        res = client.save("a", list(range(6)), hs[:6])  # socket
+        slow = PegaflowClient(server.addr)
+        slow._fast_path = ""  # always gRPC
+        with slow:
+            res2 = slow.save("a", list(range(6, 12)), hs[6:], layer_ids=[0, 1])
+            assert slow.save("a", list(range(6, 12)), hs[6:], layer_ids=[2, 3]).stored
+        assert (res.stored, res2.stored) == (6, 6)
+        assert client.save("a", [0, 1], hs[:2]).deduplicated == 2
+        with pytest.raises(InvalidRequest, match="block_ids"):
+            client.save("a", [0, 999], hashes(2))
+        with pytest.raises(UnknownInstance, match="instance_id"):
+            client.save("nobody", [0], hashes(1))
+        hit = client.query("b", hs)
+        assert hit.num_blocks == 12
+        client.load("b", hit.lease_id, list(range(20, 32)))
+    for i in range(12):
+        assert np.array_equal(b.block(20 + i), a.block(i)), i
+    assert server.metric(
+        "pegaflow_rpc_seconds_count", 'code="OK",method="Save/unix"'
+    ) == pytest.approx(2)
+
+
+def test_pipelined_frames_are_answered_in_order(server) -> None:
+    """A query sent behind a save on one connection waits for it: its answer
+    already sees the saved blocks."""
+    kv = LocalKV()
+    with PegaflowClient(server.addr) as client:
+        path = kv.register(client, "e", "ns").query_socket
+        hs = hashes(40)
+        save = encode_save("e", 0, np.arange(40), hs, (), 0)
+        query = encode_query("e", hs)
+        bad = (5).to_bytes(4, "little") + bytes([7, 0, 0, 0, 0])
+        reply = _raw(path, save + query + bad + query)
+        assert SAVE_REPLY.unpack_from(reply)[:2] == (0, 40)
+        at = SAVE_REPLY.size
+        assert QUERY_REPLY.unpack_from(reply, at)[:2] == (0, 40)
+        at += QUERY_REPLY.size
+        assert reply[at] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert b"frame.kind: 7" in reply
+        last = len(reply) - QUERY_REPLY.size
+        assert QUERY_REPLY.unpack_from(reply, last)[:2] == (0, 40)

@@ -1,0 +1,158 @@
+"""Binary frames of the unix-socket fast path (pegaflow.fastpath).
+
+Little-endian; every request is `u32 body_len | body`, the body starting with a
+u8 kind. Arrays travel as raw u32 runs, hashes as one run of equal-length
+strings, so neither side builds per-block Python objects to frame a request.
+
+  query (1): u8 kind | u8 hash_len | u16 id_len | u32 count | id | hashes
+  save  (2): u8 kind | u8 hash_len | u16 id_len | u32 count | u32 tp_rank
+             | u32 wait_event | u32 n_layers | id | u32 block_ids[count]
+             | u32 layer_ids[n_layers] | hashes
+
+Replies: u8 status (a grpc.StatusCode value, 0 = OK; 255 = LOADING) | payload
+  query OK / LOADING: u32 num_blocks | u64 lease_id | f64 lease_ttl_s
+  save OK:            u32 stored | u32 deduplicated | u32 rejected
+  any error:          u32 msg_len | utf-8 message
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from pegaflow.errors import InvalidRequest, PegaflowError
+
+QUERY, SAVE = 1, 2
+KINDS = (QUERY, SAVE)
+QUERY_HEADER = struct.Struct("<BBHI")
+SAVE_HEADER = struct.Struct("<BBHIIII")
+QUERY_REPLY = struct.Struct("<BIQd")
+SAVE_REPLY = struct.Struct("<BIII")
+# Not a grpc.StatusCode value (those stop at 16): the query's answer is `loading`.
+LOADING = 255
+MAX_BODY = 64 << 20
+
+
+def _hash_size(hashes: list[bytes]) -> int | None:
+    """The one length every hash has, or None (mixed, 0 or > 255 bytes)."""
+    sizes = set(map(len, hashes)) or {1}
+    size = sizes.pop()
+    return None if sizes or not 0 < size < 256 else size
+
+
+def _framed(body: bytes) -> bytes:
+    return len(body).to_bytes(4, "little") + body
+
+
+def encode_query(instance_id: str, hashes: list[bytes]) -> bytes | None:
+    """The request frame, or None when the hashes differ in length (use gRPC)."""
+    ident = instance_id.encode()
+    size = _hash_size(hashes)
+    if size is None or len(ident) > 65535:
+        return None
+    head = QUERY_HEADER.pack(QUERY, size, len(ident), len(hashes))
+    return _framed(head + ident + b"".join(hashes))
+
+
+def encode_save(
+    instance_id: str,
+    tp_rank: int,
+    block_ids: np.ndarray,
+    hashes: list[bytes],
+    layer_ids: Sequence[int],
+    wait_event: int,
+) -> bytes | None:
+    """The request frame, or None when gRPC must carry it (mixed hash lengths,
+    values outside u32: the server's answer there names the field)."""
+    ident = instance_id.encode()
+    size = _hash_size(hashes)
+    if size is None or len(ident) > 65535 or len(block_ids) != len(hashes):
+        return None
+    try:
+        ids = np.asarray(block_ids, np.int64)
+        layers = np.asarray(layer_ids, np.int64)
+        head = SAVE_HEADER.pack(
+            SAVE, size, len(ident), len(hashes), tp_rank, wait_event, len(layers)
+        )
+    except (struct.error, OverflowError, ValueError, TypeError):
+        return None
+    if ids.ndim != 1 or layers.ndim != 1:
+        return None
+    for arr in (ids, layers):
+        if len(arr) and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+            return None
+    return _framed(
+        head
+        + ident
+        + ids.astype("<u4").tobytes()
+        + layers.astype("<u4").tobytes()
+        + b"".join(hashes)
+    )
+
+
+def kind_of(body: bytes) -> int:
+    if not body:
+        raise InvalidRequest("frame: empty")
+    if body[0] not in KINDS:
+        raise InvalidRequest(f"frame.kind: {body[0]}, this server speaks {KINDS}")
+    return body[0]
+
+
+def _hashes(body: bytes, start: int, size: int, count: int) -> list[bytes]:
+    if size == 0:
+        raise InvalidRequest("block_hashes: hash length 0")
+    return np.frombuffer(body, dtype=f"V{size}", count=count, offset=start).tolist()
+
+
+def _check_length(body: bytes, expected: int) -> None:
+    if len(body) != expected:
+        raise InvalidRequest(f"frame: {len(body)} bytes, header promises {expected}")
+
+
+def _ident(body: bytes, start: int, end: int) -> str:
+    try:
+        return body[start:end].decode()
+    except UnicodeDecodeError:
+        raise InvalidRequest("instance_id: not UTF-8") from None
+
+
+def decode_query(body: bytes) -> tuple[str, list[bytes], int]:
+    """(instance id, hashes, the length of every hash)."""
+    if len(body) < QUERY_HEADER.size:
+        raise InvalidRequest("frame: shorter than its header")
+    _, size, id_len, count = QUERY_HEADER.unpack_from(body)
+    start = QUERY_HEADER.size + id_len
+    _check_length(body, start + size * count)
+    hashes = _hashes(body, start, size, count)
+    return _ident(body, QUERY_HEADER.size, start), hashes, size
+
+
+def decode_save(
+    body: bytes,
+) -> tuple[str, int, np.ndarray, list[bytes], np.ndarray | None, int]:
+    """(instance id, tp_rank, block_ids, hashes, layer_ids or None, wait_event),
+    in Engine.save's order."""
+    if len(body) < SAVE_HEADER.size:
+        raise InvalidRequest("frame: shorter than its header")
+    _, size, id_len, count, rank, event, n_layers = SAVE_HEADER.unpack_from(body)
+    ids_at = SAVE_HEADER.size + id_len
+    layers_at = ids_at + 4 * count
+    hashes_at = layers_at + 4 * n_layers
+    _check_length(body, hashes_at + size * count)
+    ids = np.frombuffer(body, "<u4", count, ids_at).astype(np.int64)
+    layers = np.frombuffer(body, "<u4", n_layers, layers_at).astype(np.int64)
+    return (
+        _ident(body, SAVE_HEADER.size, ids_at),
+        rank,
+        ids,
+        _hashes(body, hashes_at, size, count),
+        layers if n_layers else None,
+        event,
+    )
+
+
+def error_reply(exc: PegaflowError) -> bytes:
+    msg = str(exc).encode()[:65536]
+    return bytes([exc.code.value[0]]) + len(msg).to_bytes(4, "little") + msg
