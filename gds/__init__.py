@@ -6,6 +6,7 @@ Layout
                  digest, block hash, seq, payload length, 64-bit checksum, CRC)
     ring.py      bookkeeping: records, one FIFO ring per file, the key index
     journal.py   append-only index journal (per-entry CRC), replay, snapshots
+    scan.py      index rebuild from the record headers (journal lost or damaged)
     files.py     start-up: path checks, reuse / reinitialise / refuse, prealloc
     io.py        FileIO interface, POSIX backend (O_DIRECT where allowed)
     kvikio_io.py kvikio backend (GDS or compat mode), imported lazily
@@ -16,11 +17,15 @@ Layout
 The seam (all of it; the server needs nothing else)
     tier = SsdTier(SsdConfig(paths=(...,), capacity_bytes=...))
         Opens or creates the files, rebuilds the index from the journal (tqdm bar
-        past 100k entries), starts the writer threads and the reader pool. Raises
+        past 100k entries) or, where the journal is missing, foreign, unreadable
+        or damaged before its tail, by scanning the record headers (tqdm bar;
+        torn and damaged records dropped), starts the writer threads and the
+        reader pool. Raises
         SsdError with a clear message for a missing directory, an unwritable path,
         too little free space, a foreign file at a path, O_DIRECT refused with
         direct_io="on", or mismatched files with on_mismatch="refuse".
-        `tier.store.recovery` says what was recovered and how long it took.
+        `tier.store.recovery` says what was recovered, how (journal / scan)
+        and how long it took.
         Beside paths[0] it keeps `<path>.journal` (the index) and `<path>.lock`
         (flock: a second server on the same files is refused). Payload checksum:
         "auto" = blake3 where installed (5x blake2b on one core), else blake2b;
@@ -33,7 +38,9 @@ The seam (all of it; the server needs nothing else)
         the slot bytes have been copied out (or the spill failed); the caller must
         not reuse the slots before then. False: not queued (already on SSD or
         queued, not admitted, queue full -> counted in spills_dropped, or closed);
-        release is not called, the caller frees the slots at once.
+        release is not called, the caller frees the slots at once. A writer
+        takes the spills queued behind its next one (up to 16 MiB) and writes
+        them back to back in one request.
 
     tier.lookup(ns_digest, hashes) -> int
         Event-loop safe, lock-free: the length of the prefix of hashes on SSD.

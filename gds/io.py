@@ -171,15 +171,18 @@ def _probe_direct(fd: int) -> None:
         buf.close()
 
 
-def open_backend(name: BackendName, paths: Sequence[str], direct: DirectIO) -> FileIO:
+def open_backend(
+    name: BackendName, paths: Sequence[str], direct: DirectIO, threads: int = 8
+) -> FileIO:
     """The backend, chosen once: 'auto' takes kvikio where it and a CUDA driver
-    are present, POSIX elsewhere."""
+    are present, POSIX elsewhere. `threads`: I/O requests the tier keeps in
+    flight (kvikio sizes its own pool to it)."""
     if name in ("auto", "kvikio"):
         from pegaflow.gds import kvikio_io
 
         why = kvikio_io.unavailable()
         if why is None:
-            return kvikio_io.KvikioIO(paths)
+            return kvikio_io.KvikioIO(paths, threads)
         if name == "kvikio":
             raise SsdError(f"--ssd-backend kvikio: {why}")
         logger.info("ssd backend: kvikio not usable (%s)", why)

@@ -39,24 +39,48 @@ def check(done: int, want: int, op: str, offset: int) -> None:
         raise OSError(errno.EIO, f"kvikio short {op} at {offset}: {done}/{want}")
 
 
-def _compat(handle: Any, kvikio: Any) -> bool:
-    """Whether kvikio will do POSIX I/O for this file (APIs moved across
-    releases: ask the file first, then the global default)."""
-    ask = getattr(handle, "is_compat_mode_preferred", None)
-    if callable(ask):
-        return bool(ask())
+def _compat(kvikio: Any) -> bool:
+    """Whether kvikio will do POSIX I/O instead of cuFile (GDS). kvikio's
+    default mode is AUTO, resolved at run time (no libcufile, no /run/udev, WSL:
+    compat); ask kvikio for the resolved answer where it can give it."""
     defaults = kvikio.defaults
-    if hasattr(defaults, "get"):
-        mode = defaults.get("compat_mode")
-    else:
-        mode = defaults.compat_mode()
+    resolved = getattr(defaults, "is_compat_mode_preferred", None)
+    if callable(resolved):
+        return bool(resolved())
+    mode = defaults.get("compat_mode") if hasattr(defaults, "get") else None
     return str(getattr(mode, "name", mode)).upper() in ("ON", "TRUE", "1")
 
 
+def _configure(kvikio: Any, threads: int) -> dict[str, object]:
+    """O_DIRECT for kvikio's POSIX path (host buffers always take it, GDS or
+    not) and a thread pool as deep as the tier's I/O threads: kvikio's default
+    of one thread would serialise every request the tier has in flight.
+    Environment variables (KVIKIO_NTHREADS, KVIKIO_AUTO_DIRECT_IO_*) win."""
+    want: dict[str, object] = {}
+    if "KVIKIO_NTHREADS" not in os.environ:
+        want["num_threads"] = threads
+    for op in ("read", "write"):
+        if f"KVIKIO_AUTO_DIRECT_IO_{op.upper()}" not in os.environ:
+            want[f"auto_direct_io_{op}"] = True
+    for name, value in want.items():
+        try:
+            kvikio.defaults.set(name, value)
+        except (ValueError, KeyError, AttributeError, TypeError) as exc:
+            logger.warning("kvikio: cannot set %s=%s (%s)", name, value, exc)
+    got: dict[str, object] = {}
+    for name in ("num_threads", "auto_direct_io_read", "auto_direct_io_write"):
+        try:
+            got[name] = kvikio.defaults.get(name)
+        except (ValueError, KeyError, AttributeError, TypeError):
+            got[name] = "?"
+    return got
+
+
 class KvikioIO:
-    def __init__(self, paths: Sequence[str]) -> None:
+    def __init__(self, paths: Sequence[str], threads: int = 8) -> None:
         import kvikio
 
+        settings = _configure(kvikio, threads)
         self.paths = list(paths)
         self.files: list[Any] = []
         try:
@@ -65,14 +89,17 @@ class KvikioIO:
         except BaseException:
             self.close()
             raise
-        compat = _compat(self.files[0], kvikio)
+        compat = _compat(kvikio)
         self.mode = "kvikio-compat" if compat else "kvikio-gds"
+        direct = getattr(self.files[0], "is_direct_io_supported", lambda: "?")()
         logger.info(
-            "ssd backend: kvikio %s (%s)",
+            "ssd backend: kvikio %s (%s; O_DIRECT %s; %s)",
             getattr(kvikio, "__version__", "?"),
             "POSIX compatibility mode: no GPUDirect Storage here"
             if compat
             else "GPUDirect Storage",
+            direct,
+            ", ".join(f"{k}={v}" for k, v in settings.items()),
         )
 
     @staticmethod

@@ -8,14 +8,17 @@ written or read is busy, and the ring never reclaims busy space.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
+import itertools
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Literal
 
-from pegaflow.gds import journal
+from pegaflow.gds import journal, scan
 from pegaflow.gds.config import SsdConfig
 from pegaflow.gds.files import prepare
 from pegaflow.gds.format import (
@@ -31,6 +34,13 @@ from pegaflow.gds.io import AlignedBuffer, SsdError, open_backend
 from pegaflow.gds.ring import BlockHash, Index, NsDigest, Record, Ring, State
 
 logger = logging.getLogger(__name__)
+
+_ZERO_PAGE = bytes(HEADER_BYTES)
+
+RebuiltBy = Literal["new", "journal", "scan"]
+# More journal entries than this cut off before the end is damage, not a crash
+# mid-append (which tears at most the last entry): scan the headers instead.
+DAMAGED_JOURNAL_ENTRIES = 2
 
 
 @dataclass(slots=True)
@@ -49,10 +59,13 @@ class StoreCounters:
 @dataclass(frozen=True, slots=True)
 class Recovery:
     blocks: int
-    torn_records: int  # space claimed by writes a crash interrupted: dropped
+    # writes a crash interrupted (journal), or records found torn, damaged or
+    # overwritten (scan): dropped
+    torn_records: int
     torn_entries: int  # journal entries cut off or corrupt at the tail: dropped
     seconds: float
     reinitialised: str  # why the files were (re)initialised, "" when reused
+    rebuilt_by: RebuiltBy  # "new": fresh files, nothing to rebuild
 
 
 class SsdStore:
@@ -72,10 +85,15 @@ class SsdStore:
             Ring(i, SUPERBLOCK_BYTES, layout.file_bytes) for i in range(len(cfg.paths))
         ]
         self.index = Index()
-        self._next_file = 0
+        self._claimed = [0] * len(self.rings)  # bytes reserved per ring
         self._next_seq = 1
         try:
-            self.io = open_backend(cfg.backend, cfg.paths, cfg.direct_io)
+            self.io = open_backend(
+                cfg.backend,
+                cfg.paths,
+                cfg.direct_io,
+                cfg.write_threads + cfg.read_threads,
+            )
             try:
                 torn, torn_entries = self._recover(layout.fresh)
             except BaseException:
@@ -91,37 +109,69 @@ class SsdStore:
             torn_entries,
             time.perf_counter() - start,
             layout.reason,
+            self.rebuilt_by,
         )
         logger.info(
-            "ssd cache ready: %d file(s), %.2f GiB, %s, %d block(s) recovered in "
-            "%.2f s (%d torn write(s), %d torn journal entr(ies) dropped)",
+            "ssd cache ready: %d file(s), %.2f GiB, %s, %d block(s) recovered "
+            "(%s) in %.2f s (%d torn write(s), %d torn journal entr(ies) dropped)",
             len(cfg.paths),
             layout.file_bytes * len(cfg.paths) / (1 << 30),
             self.io.mode,
             self.recovery.blocks,
+            self.rebuilt_by,
             self.recovery.seconds,
             torn,
             torn_entries,
         )
 
     def _recover(self, fresh: bool) -> tuple[int, int]:
-        """Replay the journal into the rings and index, then rewrite it as a
-        snapshot; returns (torn records, torn journal entries)."""
+        """Rebuild the rings and index from the journal, or by scanning the record
+        headers where the journal is missing, foreign, unreadable or damaged
+        before its tail; then reopen the journal or rewrite it as a snapshot.
+        Returns (torn or damaged records, torn journal entries)."""
         cfg = self.cfg
-        loaded = None if fresh else journal.load(cfg.journal_path, self.store_id)
-        if loaded is None and not fresh:
-            logger.warning(
-                "ssd cache: journal %s is missing or belongs to other files; "
-                "starting with an empty index",
-                cfg.journal_path,
-            )
+        self.rebuilt_by: RebuiltBy = "new"
+        if fresh:
+            loaded = None
+        else:
+            try:
+                loaded = journal.load(cfg.journal_path, self.store_id)
+            except OSError as exc:
+                logger.warning("ssd journal %s unreadable: %s", cfg.journal_path, exc)
+                loaded = None
         torn = torn_entries = 0
         if loaded is not None:
             torn_entries = loaded.torn
+            if torn_entries > DAMAGED_JOURNAL_ENTRIES:
+                logger.warning(
+                    "ssd journal %s: damaged %d entries before its end",
+                    cfg.journal_path,
+                    torn_entries,
+                )
+                loaded = None
+        if loaded is not None:
             done = journal.replay(
                 loaded.entries, self.rings, self.index, cfg.show_progress
             )
             torn, self._next_seq = done.torn_records, max(1, done.next_seq)
+            self.rebuilt_by = "journal"
+        elif not fresh:
+            logger.warning(
+                "ssd cache: no usable journal at %s; rebuilding the index by "
+                "scanning %.2f GiB of record headers",
+                cfg.journal_path,
+                self.capacity_bytes / (1 << 30),
+            )
+            found = scan.scan(
+                self.io,
+                self.rings,
+                self.index,
+                self.store_id,
+                cfg.read_threads,
+                cfg.show_progress,
+            )
+            torn, self._next_seq = found.dropped, max(1, found.next_seq)
+            self.rebuilt_by = "scan"
         if (
             loaded is not None
             and not loaded.torn
@@ -138,57 +188,104 @@ class SsdStore:
     def reserve(
         self, ns: NsDigest, block_hash: BlockHash, payload: int
     ) -> Record | None:
-        """Claim space for a record at some ring's head (round robin over files);
-        None when the record is larger than a file or every next space is busy."""
-        length = record_bytes(payload)
+        """Claim space for one record (see reserve_run); None when there is none."""
+        run = self.reserve_run([(ns, block_hash, payload)])
+        return run[0] if run else None
+
+    def reserve_run(
+        self, blocks: list[tuple[NsDigest, BlockHash, int]]
+    ) -> list[Record]:
+        """Claim back-to-back space in one ring for the longest prefix of blocks
+        (namespace, hash, payload bytes) that fits at some ring's head without
+        wrapping, so the run goes to disk in one write.
+        Empty when not even the first block fits: larger than a file, or every
+        next space busy."""
+        lengths = [record_bytes(payload) for _, _, payload in blocks]
         with self.lock:
-            n = len(self.rings)
-            for k in range(n):
-                ring = self.rings[(self._next_file + k) % n]
-                offset = ring.place(length)
-                if offset is None:
-                    continue
-                victims = ring.victims(offset, length)
-                if any(v.busy for v in victims):
-                    continue
-                rec = Record(ring.file, offset, length, self._next_seq, ns, block_hash)
-                rec.payload_len, rec.checksum_id = payload, self._checksum_id
+            placed = self._place(lengths)
+            if placed is None:
+                self.counters.no_space += 1
+                return []
+            ring, offset, count = placed
+            run = []
+            for (ns, block_hash, payload), length in zip(
+                blocks[:count], lengths, strict=False
+            ):
+                rec = Record(ring.file, offset, length, self._next_seq, ns)
+                rec.block_hash, rec.payload_len = block_hash, payload
+                rec.checksum_id = self._checksum_id
                 self._next_seq += 1
                 for victim in ring.claim(offset, length, rec):
                     self.index.remove(victim)
-                self.journal.append(journal.entry(journal.Kind.RESERVE, rec))
-                self._next_file = (ring.file + 1) % n
-                return rec
-            self.counters.no_space += 1
-            return None
+                run.append(rec)
+                offset += length
+            self.journal.append(
+                b"".join(journal.entry(journal.Kind.RESERVE, r) for r in run)
+            )
+            self._claimed[ring.file] += offset - run[0].offset
+            return run
+
+    def _place(self, lengths: list[int]) -> tuple[Ring, int, int] | None:
+        """(ring, offset, how many blocks): the ring that took the fewest bytes
+        so far (runs differ in size; files fill evenly) whose head takes a prefix
+        of the records without reclaiming busy ones. The run stops at the ring's
+        end rather than wrapping early, so no space is skipped."""
+        ends = list(itertools.accumulate(lengths))
+        for ring in sorted(self.rings, key=lambda r: self._claimed[r.file]):
+            offset = ring.place(lengths[0])
+            if offset is None:
+                continue
+            count = bisect.bisect_right(ends, ring.end - offset)
+            while count:
+                if not any(v.busy for v in ring.victims(offset, ends[count - 1])):
+                    return ring, offset, count
+                count //= 2
+        return None
 
     def write(self, rec: Record, buf: AlignedBuffer) -> bool:
-        """Checksum the payload staged at buf[HEADER_BYTES:], put the header in
-        front, write the record and commit it. Outside the lock."""
+        """Write one record staged in buf (see write_run)."""
+        return self.write_run([rec], buf)
+
+    def write_run(self, run: list[Record], buf: AlignedBuffer) -> bool:
+        """Checksum each record's payload, staged in buf at the record's place
+        relative to the run (header page first, then the payload), put the
+        headers in front, write the run in one request and commit it. Outside
+        the lock."""
+        base = run[0].offset
+        nbytes = run[-1].offset + run[-1].length - base
         try:
-            payload = buf.view(HEADER_BYTES, HEADER_BYTES + rec.payload_len)
-            rec.checksum = hasher(rec.checksum_id)(payload)
-            header = RecordHeader(
-                rec.ns_digest,
-                rec.block_hash,
-                self.store_id,
-                rec.seq,
-                rec.payload_len,
-                rec.checksum,
-                rec.checksum_id,
-            )
-            header.pack_into(buf.view(0, HEADER_BYTES))
-            self.io.pwrite(rec.file, buf.address, rec.length, rec.offset)
+            for rec in run:
+                at = rec.offset - base
+                payload = buf.view(
+                    at + HEADER_BYTES, at + HEADER_BYTES + rec.payload_len
+                )
+                rec.checksum = hasher(rec.checksum_id)(payload)
+                page = buf.view(at, at + HEADER_BYTES)
+                page[:] = _ZERO_PAGE  # no stale bytes from the last run
+                RecordHeader(
+                    rec.ns_digest,
+                    rec.block_hash,
+                    self.store_id,
+                    rec.seq,
+                    rec.payload_len,
+                    rec.checksum,
+                    rec.checksum_id,
+                ).pack_into(page)
+            self.io.pwrite(run[0].file, buf.address, nbytes, base)
         except OSError as exc:
-            logger.warning("ssd write of %d B failed: %s", rec.length, exc)
-            self._drop(rec, "write_errors")
+            logger.warning("ssd write of %d B failed: %s", nbytes, exc)
+            for rec in run:
+                self._drop(rec, "write_errors")
             return False
         with self.lock:
-            rec.state = State.LIVE
-            self.index.put(rec)
-            self.journal.append(journal.entry(journal.Kind.COMMIT, rec))
-            self.counters.bytes_written += rec.payload_len
-            self.counters.blocks_written += 1
+            for rec in run:
+                rec.state = State.LIVE
+                self.index.put(rec)
+                self.counters.bytes_written += rec.payload_len
+            self.counters.blocks_written += len(run)
+            self.journal.append(
+                b"".join(journal.entry(journal.Kind.COMMIT, r) for r in run)
+            )
             self._maybe_compact()
         self._maybe_sync()
         return True

@@ -23,12 +23,17 @@ import numpy as np
 from pegaflow.gds.config import SsdConfig
 from pegaflow.gds.format import HEADER_BYTES, check_key
 from pegaflow.gds.io import AlignedBuffer
-from pegaflow.gds.ring import BlockHash, NsDigest
+from pegaflow.gds.ring import BlockHash, NsDigest, Record
 from pegaflow.gds.store import SsdStore
 
 logger = logging.getLogger(__name__)
 
 Release = Callable[[], None]
+# A writer takes the spills queued behind its next one, up to these, and writes
+# them back to back in one request: fewer, larger I/Os (dd-sized) and one
+# journal append per run instead of one per block.
+RUN_BYTES = 16 << 20
+RUN_BLOCKS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,42 +160,77 @@ class SsdTier:
 
     def _write_loop(self) -> None:
         buf = AlignedBuffer()
+        stop = False
         try:
-            while (item := self._queue.get()) is not None:
+            while not stop:
+                batch, stop = self._take()
                 try:
-                    self._write_one(item, buf)
+                    self._write_batch(batch, buf)
                 except Exception:  # a background loop: log, count, go on
                     logger.exception("ssd spill failed")
                 finally:
                     with self._lock:
-                        self._pending.discard((item.ns, item.block_hash))
-                    self._queue.task_done()
+                        for item in batch:
+                            self._pending.discard((item.ns, item.block_hash))
+                    for _ in batch:
+                        self._queue.task_done()
         finally:
-            self._queue.task_done()  # the sentinel
             buf.close()
 
-    def _write_one(self, item: _Spill, buf: AlignedBuffer) -> None:
-        payload = len(item.slots) * item.slot_bytes
-        release, released = item.release, False
-        try:
-            rec = self.store.reserve(item.ns, item.block_hash, payload)
-            if rec is None:
-                return
+    def _take(self) -> tuple[list[_Spill], bool]:
+        """The next spill and those queued behind it, up to RUN_BYTES, to go to
+        disk as one write; and whether this writer's stop sentinel came."""
+        batch: list[_Spill] = []
+        nbytes = 0
+        item = self._queue.get()
+        while item is not None:
+            batch.append(item)
+            nbytes += len(item.slots) * item.slot_bytes
+            if nbytes >= RUN_BYTES or len(batch) >= RUN_BLOCKS:
+                return batch, False
             try:
-                buf.ensure(rec.length)
-                for i, addr in enumerate(item.slots):
-                    dest = buf.address + HEADER_BYTES + i * item.slot_bytes
-                    ctypes.memmove(dest, addr, item.slot_bytes)  # drops the GIL
-                if release is not None:
-                    released = True
-                    release()
-                self.store.write(rec, buf)
-            except BaseException:
-                self.store.abort(rec)  # never leave its space busy
-                raise
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return batch, False
+        self._queue.task_done()  # the sentinel
+        return batch, True
+
+    def _write_batch(self, batch: list[_Spill], buf: AlignedBuffer) -> None:
+        """Reserve runs of back-to-back space for the batch (as much of it as one
+        ring takes at a time), stage each run in buf, release the slots, write."""
+        released = 0
+        try:
+            while released < len(batch):
+                rest = batch[released:]
+                run = self.store.reserve_run(
+                    [(i.ns, i.block_hash, len(i.slots) * i.slot_bytes) for i in rest]
+                )
+                if not run:
+                    return  # counted as no_space; the finally releases the rest
+                try:
+                    self._stage(rest[: len(run)], run, buf)
+                    for item in rest[: len(run)]:
+                        released += 1
+                        if item.release is not None:
+                            item.release()
+                    self.store.write_run(run, buf)
+                except BaseException:
+                    for rec in run:
+                        self.store.abort(rec)  # never leave its space busy
+                    raise
         finally:
-            if release is not None and not released:
-                release()
+            for item in batch[released:]:
+                if item.release is not None:
+                    item.release()
+
+    @staticmethod
+    def _stage(items: list[_Spill], run: list[Record], buf: AlignedBuffer) -> None:
+        base = run[0].offset
+        buf.ensure(run[-1].offset + run[-1].length - base)
+        for item, rec in zip(items, run, strict=True):
+            at = buf.address + rec.offset - base + HEADER_BYTES
+            for i, addr in enumerate(item.slots):
+                ctypes.memmove(at + i * item.slot_bytes, addr, item.slot_bytes)
 
     # -- lookup and load ---------------------------------------------------------------
     def lookup(self, ns_digest: NsDigest, hashes: list[BlockHash]) -> int:

@@ -3,6 +3,7 @@ for pool slots, and one-call spill / load-and-check."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,6 +13,13 @@ import numpy as np
 from pegaflow.gds import SsdConfig, SsdTier, namespace_digest
 
 NS = namespace_digest("model-a", (1, 2, 3))
+# The I/O backend every test opens: "posix" (default, CI) or "kvikio" (the H200
+# machine: benchmarks/ssd_device.sh sets it); "auto" takes kvikio where usable.
+BACKEND = os.environ.get("PEGAFLOW_TEST_SSD_BACKEND", "posix")
+MODES = {
+    "posix": ("posix-odirect", "posix-buffered"),
+    "kvikio": ("kvikio-compat", "kvikio-gds"),
+}.get(BACKEND, ("posix-odirect", "posix-buffered", "kvikio-compat", "kvikio-gds"))
 SLOT_CRASH = 20000
 
 
@@ -20,6 +28,7 @@ def config(
 ) -> SsdConfig:
     paths = tuple(str(tmp / f"cache{i}.bin") for i in range(files))
     kw.setdefault("show_progress", False)
+    kw.setdefault("backend", BACKEND)
     return SsdConfig(paths=paths, capacity_bytes=capacity, **kw)  # type: ignore[arg-type]
 
 

@@ -94,9 +94,10 @@ def test_torn_journal_tail(tmp_path: Path) -> None:
         assert tier.store.recovery.torn_entries == 0
 
 
-def test_corrupt_journal_entry_ends_the_replay(tmp_path: Path) -> None:
-    """A bad entry in the middle: everything before it stands, nothing after it
-    is trusted, and nothing wrong is loaded."""
+def test_corrupt_journal_entry_falls_back_to_the_header_scan(tmp_path: Path) -> None:
+    """A bad entry before the journal's end is damage, not a crash mid-append:
+    the replay cannot trust what follows it, so the index is rebuilt from the
+    record headers and every block is back, byte for byte."""
     cfg = config(tmp_path)
     with opened(cfg) as tier:
         spill(tier, list(range(10)), slot_bytes=SLOT)
@@ -107,6 +108,9 @@ def test_corrupt_journal_entry_ends_the_replay(tmp_path: Path) -> None:
     _flip(cfg.journal_path, size - 5 * entry + 40)  # one of the last records
     with opened(cfg) as tier:
         rec = tier.store.recovery
-        assert rec.torn_entries == 5 and 17 <= rec.blocks < 20
-        ok = load(tier, list(range(20)), slot_bytes=SLOT)
-        assert ok[:10].all() and int(ok.sum()) == rec.blocks
+        assert (rec.rebuilt_by, rec.torn_entries, rec.blocks) == ("scan", 5, 20)
+        assert load(tier, list(range(20)), slot_bytes=SLOT).all()
+        assert tier.stats().checksum_failures == 0
+    with opened(cfg) as tier:  # the scan wrote a clean journal
+        assert tier.store.recovery.rebuilt_by == "journal"
+        assert tier.store.recovery.blocks == 20

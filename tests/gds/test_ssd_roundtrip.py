@@ -11,12 +11,22 @@ import pytest
 
 from pegaflow.gds import SsdError, SsdTier, namespace_digest
 from pegaflow.gds import format as gds_format
-from tests.gds.helpers import NS, addresses, block, config, key, load, opened, spill
+from tests.gds.helpers import (
+    MODES,
+    NS,
+    addresses,
+    block,
+    config,
+    key,
+    load,
+    opened,
+    spill,
+)
 
 
 def test_round_trip_every_byte(tmp_path: Path) -> None:
     with opened(config(tmp_path)) as tier:
-        assert tier.mode in ("posix-odirect", "posix-buffered")
+        assert tier.mode in MODES
         assert spill(tier, list(range(20)), slot_bytes=12345) == 20
         assert load(tier, list(range(20)), slot_bytes=12345).all()
         st = tier.stats()

@@ -99,8 +99,9 @@ def test_odirect_refused_falls_back_or_fails(
 
     monkeypatch.setattr(gds_io.os, "open", no_direct)
     with pytest.raises(SsdError, match="O_DIRECT not usable"):
-        SsdTier(config(tmp_path, direct_io="on"))
-    with caplog.at_level(logging.WARNING), opened(config(tmp_path, files=2)) as tier:
+        SsdTier(config(tmp_path, direct_io="on", backend="posix"))
+    posix = config(tmp_path, files=2, backend="posix")
+    with caplog.at_level(logging.WARNING), opened(posix) as tier:
         assert tier.mode == "posix-buffered"
         spill(tier, [1, 2, 3])
         assert load(tier, [1, 2, 3]).all()
@@ -138,8 +139,8 @@ class _FakeCuFile:
     def pwrite(self, buf: np.ndarray, size: int, file_offset: int) -> _FakeFuture:
         return _FakeFuture(os.pwrite(self.fd, buf[:size].tobytes(), file_offset))
 
-    def is_compat_mode_preferred(self) -> bool:
-        return True
+    def is_direct_io_supported(self) -> bool:
+        return False
 
     def close(self) -> None:
         os.close(self.fd)
@@ -153,11 +154,21 @@ def test_kvikio_backend_same_format(
     cfg = config(tmp_path, backend="posix")
     with opened(cfg) as tier:
         spill(tier, [1, 2])
-    fake = types.SimpleNamespace(CuFile=_FakeCuFile, __version__="fake")
+    settings: dict[str, object] = {}
+    defaults = types.SimpleNamespace(
+        is_compat_mode_preferred=lambda: True,
+        set=settings.__setitem__,
+        get=settings.__getitem__,
+    )
+    fake = types.SimpleNamespace(
+        CuFile=_FakeCuFile, defaults=defaults, __version__="fake"
+    )
     monkeypatch.setitem(sys.modules, "kvikio", fake)
     monkeypatch.setattr(kvikio_io, "unavailable", lambda: None)
     with opened(config(tmp_path, backend="kvikio")) as tier:
         assert tier.mode == "kvikio-compat"
+        assert settings["num_threads"] == 2 + 4  # as deep as the tier's threads
+        assert settings["auto_direct_io_write"] is True
         assert load(tier, [1, 2]).all()
         spill(tier, [3])
     with opened(cfg) as tier:
