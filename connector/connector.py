@@ -60,8 +60,14 @@ def _tp_rank(vllm_config: Any) -> int:
 
 
 def _check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+    par = vllm_config.parallel_config
+    if par.pipeline_parallel_size > 1:
         raise ValueError("PegaKVConnector: pipeline parallelism is not supported")
+    # Context parallelism splits a block's tokens across ranks: neither one
+    # shard per rank of whole blocks nor (MLA) the same KV on every rank.
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(par, name, 1) > 1:
+            raise ValueError(f"PegaKVConnector: {name} > 1 is not supported")
     if len(kv_cache_config.kv_cache_groups) > 1:
         raise ValueError("PegaKVConnector: one KV cache group only (no hybrid models)")
     block_size = vllm_config.cache_config.block_size

@@ -87,6 +87,7 @@ def namespace_parts(vllm_config: Any, kv: KVTensors, salt: str) -> dict[str, obj
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     par = vllm_config.parallel_config
+    mla = bool(getattr(model, "use_mla", False))
     return {
         "model": model.model,
         "revision": getattr(model, "revision", None),
@@ -96,7 +97,9 @@ def namespace_parts(vllm_config: Any, kv: KVTensors, salt: str) -> dict[str, obj
         "hash_algo": getattr(cache, "prefix_caching_hash_algo", None),
         "layers": len(kv.tensors),
         "page": kv.page_signature,  # KV heads per rank, head size, layout, dtype
-        "tp_size": par.tensor_parallel_size,
-        "mla": bool(getattr(model, "use_mla", False)),
+        # MLA's latent KV is whole on every rank, the same at any TP size:
+        # engines of any TP size share it.
+        "tp_size": None if mla else par.tensor_parallel_size,
+        "mla": mla,
         "salt": salt,
     }

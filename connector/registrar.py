@@ -4,7 +4,8 @@ The KV memory is described once; registering (and re-registering after the
 server restarted or our session dropped) only sends that description again.
 Host KV registers (pid, address, size) for process_vm_readv/writev; CUDA KV is
 the one other branch: IPC handles + interprocess events through
-`PegaflowClient.register_cuda`.
+`PegaflowClient.register_cuda`. MLA KV registers as replicated: the server keeps
+one shard per block, which any rank saves and every rank loads.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Registrar:
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.namespace = ""
+        self.replicated = False  # every rank holds the same KV (MLA)
         self.registered = False
         self.slot_bytes = 0
         self.new_query_socket = ""
@@ -58,6 +60,7 @@ class Registrar:
         kv = kv_tensors(kv_caches, num_blocks)
         parts = namespace_parts(vllm_config, kv, self.config.namespace_salt)
         self.namespace = namespace_digest(parts)
+        self.replicated = bool(parts["mla"])
         self._device = kv.device
         if kv.device == "cpu":
             mem = describe(kv.tensors, kv_first=kv.kv_first)
@@ -69,6 +72,7 @@ class Registrar:
                 mem.layers,
                 tp_rank=self.tp_rank,
                 tp_size=self.tp_size,
+                replicated=self.replicated,
             )
         else:
             self._register_fn = self._describe_cuda(kv)
@@ -102,6 +106,7 @@ class Registrar:
             self._events.handles,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
+            replicated=self.replicated,
         )
 
     def register_now(self) -> bool:

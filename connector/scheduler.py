@@ -100,7 +100,9 @@ class SchedulerHalf:
         hashes = request.block_hashes[local:limit]
         start = time.perf_counter()
         try:
-            res = self.client.query(self.instance_id, hashes)
+            # One hash function per engine: every hash has the first's length.
+            size = len(hashes[0]) if hashes else None
+            res = self.client.query(self.instance_id, hashes, hash_len=size)
         except PegaflowError as exc:
             # Server away or our workers not (re-)registered yet: misses for a
             # while rather than a failed round trip per request per step.

@@ -6,6 +6,16 @@ needs the bytes: sync loads before the layers read them, and in-flight saves of
 a preempted request before its blocks are reused. Every RPC has a deadline; a
 failed call turns into misses, skipped saves and load errors (vLLM recomputes),
 and a lost registration is retried in the background until the server is back.
+
+Per step: one Save for every request's completed blocks, and one Load for every
+request's leases -- two when the step has both sync and async loads, so the
+forward never waits for an async load's bytes. A lease that is gone fails only
+its own request's blocks (get_block_ids_with_load_errors); a failed call fails
+every request it carried.
+
+Replicated KV (MLA: every rank holds the same latent cache) is stored once: each
+rank saves the stripe [tp_rank::tp_size] of the step's blocks, and every rank
+loads every block.
 """
 
 from __future__ import annotations
@@ -18,16 +28,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from typing import Any
 
-from pegaflow.client import PegaflowClient
+from pegaflow.client import LoadItem, PegaflowClient
 from pegaflow.errors import PegaflowError, ServerUnavailable, UnknownInstance
 
 from .config import ConnectorConfig
-from .plan import LoadJob, ReqId, StepPlan, WorkerReport, new_stats
+from .plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stats
 from .registrar import Registrar
 
 logger = logging.getLogger(__name__)
 
-IO_THREADS = 2  # one save and one load in flight at once
+IO_THREADS = 3  # a save, a sync load and an async load in flight at once
 
 
 class WorkerHalf:
@@ -51,8 +61,11 @@ class WorkerHalf:
         )
         self._saves: dict[ReqId, list[Future]] = {}  # in flight, per save job
         self._held: set[ReqId] = set()
-        self._recving: dict[ReqId, tuple[LoadJob, Future]] = {}
-        self._sync: list[tuple[LoadJob, Future]] = []
+        # Async loads: the step's one Load future and the job's index in it.
+        self._recving: dict[ReqId, tuple[LoadJob, Future, int]] = {}
+        self._sync: list[tuple[list[LoadJob], Future]] = []
+        self._done: Future = Future()  # a rank's empty save stripe
+        self._done.set_result(None)
         self._errors: set[int] = set()
         self._report = WorkerReport()
 
@@ -74,33 +87,47 @@ class WorkerHalf:
     def start_load(self, plan: StepPlan, layer_waits: bool) -> None:
         self.registrar.tick()
         self._held |= plan.held
-        for job in plan.loads:
-            fut = self._submit(self._load, job)
-            if job.sync:
-                self._sync.append((job, fut))
-            else:
-                self._recving[job.req_id] = (job, fut)
+        sync = [job for job in plan.loads if job.sync]
+        later = [job for job in plan.loads if not job.sync]
+        if sync:  # first: the forward waits for it
+            self._sync.append((sync, self._submit(self._load, sync)))
+        if later:
+            fut = self._submit(self._load, later)
+            for i, job in enumerate(later):
+                self._recving[job.req_id] = (job, fut, i)
         if not layer_waits:  # nothing will call wait_for_layer_load this step
             self.wait_sync_loads()
 
     def wait_sync_loads(self) -> None:
         """Sync loads complete as a whole: the first layer's wait covers all."""
-        for job, fut in self._sync:
-            if not self._finished_ok(fut, "load"):
-                self._errors.update(job.block_ids)
+        for jobs, fut in self._sync:
+            for i in self._load_failures(fut, len(jobs)):
+                self._errors.update(jobs[i].block_ids)
         self._sync.clear()
 
     def save(self, plan: StepPlan) -> None:
-        """One Save per step for every request's completed blocks."""
+        """One Save per step for every request's completed blocks (this rank's
+        stripe of them for replicated KV)."""
         self.wait_sync_loads()  # in case no layer asked (no forward this step)
         if not plan.saves:
             return
-        ids = [b for job in plan.saves for b in job.block_ids]
-        hashes = [h for job in plan.saves for h in job.hashes]
-        wait_event = self.registrar.record_compute_done()
-        fut = self._submit(self._save, ids, hashes, wait_event)
+        ids, hashes = self._stripe(plan.saves)
+        if ids:
+            wait_event = self.registrar.record_compute_done()
+            fut = self._submit(self._save, ids, hashes, wait_event)
+        else:
+            fut = self._done  # still reported done, as every rank's save is
         for job in plan.saves:
             self._saves.setdefault(job.req_id, []).append(fut)
+
+    def _stripe(self, saves: list[SaveJob]) -> tuple[list[int], list[bytes]]:
+        ids = [b for job in saves for b in job.block_ids]
+        hashes = [h for job in saves for h in job.hashes]
+        if self.registrar.replicated:
+            # Every rank sees the same plan, so the stripes partition the step.
+            step = self.registrar.tp_size
+            return ids[self.tp_rank :: step], hashes[self.tp_rank :: step]
+        return ids, hashes
 
     def get_finished(self) -> tuple[set[ReqId], set[ReqId]]:
         for rid in list(self._saves):
@@ -114,11 +141,11 @@ class WorkerHalf:
         sending = {rid for rid in self._held if rid not in self._saves}
         self._held -= sending
         recving = set()
-        for rid, (job, fut) in list(self._recving.items()):
+        for rid, (job, fut, i) in list(self._recving.items()):
             if fut.done():
                 del self._recving[rid]
                 recving.add(rid)
-                if not self._finished_ok(fut, "load"):
+                if i in fut.result():  # done: _load reports failures, never raises
                     self._errors.update(job.block_ids)
         return sending, recving
 
@@ -145,18 +172,37 @@ class WorkerHalf:
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         return self._pool.submit(fn, *args)
 
-    def _load(self, job: LoadJob) -> None:
-        if not self.registrar.registered:
-            raise UnknownInstance("not registered with the server")
+    def _load(self, jobs: list[LoadJob]) -> set[int]:
+        """One Load for the jobs; the indexes of those that did not load."""
         start = time.perf_counter()
-        res = self.client.load(
-            self.instance_id, job.lease_id, job.block_ids, tp_rank=self.tp_rank
-        )
+        items = [LoadItem(job.lease_id, job.block_ids) for job in jobs]
+        try:
+            if not self.registrar.registered:
+                raise UnknownInstance("not registered with the server")
+            res = self.client.load_many(self.instance_id, items, tp_rank=self.tp_rank)
+        except PegaflowError as exc:
+            self._failed("load", exc, len(jobs))
+            return set(range(len(jobs)))
+        for i in res.failed:  # lease expired or released: that request only
+            logger.warning(
+                "pegaflow load of %s failed: %s", jobs[i].req_id, res.items[i].error
+            )
         self._count(
             load_seconds=time.perf_counter() - start,
             load_blocks=res.loaded,
             load_bytes=res.bytes,
+            load_failures=len(res.failed),
         )
+        return set(res.failed)
+
+    def _load_failures(self, fut: Future, jobs: int) -> set[int]:
+        """Wait for a Load (up to twice its deadline); all its jobs fail when
+        it does not end in time."""
+        try:
+            return fut.result(timeout=2 * self.config.timeout_s)
+        except TimeoutError:
+            self._failed("load", ServerUnavailable("no answer before the deadline"))
+            return set(range(jobs))
 
     def _save(self, ids: list[int], hashes: list[bytes], wait_event: int) -> None:
         if not self.registrar.registered:
@@ -182,26 +228,16 @@ class WorkerHalf:
             for key, value in values.items():
                 self.stats[key] += value
 
-    def _finished_ok(self, fut: Future, op: str) -> bool:
-        try:
-            fut.result(timeout=2 * self.config.timeout_s)
-        except PegaflowError as exc:
-            self._failed(op, exc)
-            return False
-        except TimeoutError:
-            self._failed(op, ServerUnavailable("no answer before the deadline"))
-            return False
-        return True
-
-    def _failed(self, op: str, exc: PegaflowError) -> None:
-        self._count(**{f"{op}_failures": 1})
+    def _failed(self, op: str, exc: PegaflowError, n: int = 1) -> None:
+        self._count(**{f"{op}_failures": n})
         logger.warning("pegaflow %s failed: %s", op, exc)
         if isinstance(exc, ServerUnavailable | UnknownInstance):
             self.registrar.lost(str(exc))
 
     def shutdown(self) -> None:
         pending = [f for fs in self._saves.values() for f in fs]
-        pending += [f for _, f in self._recving.values()] + [f for _, f in self._sync]
+        pending += [f for _, f, _ in self._recving.values()]
+        pending += [f for _, f in self._sync]
         wait_all(pending, timeout=2 * self.config.timeout_s)
         self.registrar.close()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -128,9 +128,12 @@ class BlockStore:
         """The ready prefix, and the probe past it: None where a block is not
         ready (the first always), the entry where a ready block sits behind the
         miss. The miss breakdown (pegaflow.misses) reads the second list."""
-        found = list(map(self._ready.get(ns.id, {}).get, hashes))
+        table = self._ready.get(ns.id, {})
         rest: list[BlockEntry | None] = []
-        if None in found:
+        try:  # all ready (the common answer): no scan for the first miss
+            found = list(map(table.__getitem__, hashes))
+        except KeyError:
+            found = list(map(table.get, hashes))
             cut = found.index(None)
             rest = found[cut:]
             del found[cut:]

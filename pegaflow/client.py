@@ -20,7 +20,13 @@ from pegaflow.frames import encode_query, encode_save
 from pegaflow.layout import LayerLayout
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
-from pegaflow.results import LoadResult, QueryResult, SaveResult
+from pegaflow.results import (
+    LoadBatchResult,
+    LoadItemResult,
+    LoadResult,
+    QueryResult,
+    SaveResult,
+)
 
 if TYPE_CHECKING:  # the client never imports CUDA code itself
     from pegaflow.cuda_export import CudaKVMemory
@@ -36,6 +42,16 @@ class Registration:
     server_pid: int
     slot_bytes: int
     query_socket: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadItem:
+    """Leased blocks [lease_offset, lease_offset + len(block_ids)) into these
+    engine blocks; one per request in a batched load."""
+
+    lease_id: int
+    block_ids: Sequence[int] | np.ndarray
+    lease_offset: int = 0
 
 
 def allow_ptrace_from(pid: int) -> None:
@@ -87,8 +103,10 @@ class PegaflowClient:
         tp_rank: int = 0,
         tp_size: int = 1,
         world_size: int | None = None,
+        replicated: bool = False,
     ) -> Registration:
-        """Register KV memory in this host's CPU RAM (pid, address, size)."""
+        """Register KV memory in this host's CPU RAM (pid, address, size).
+        replicated: every rank holds the same KV (MLA); blocks stored once."""
         req = pb.RegisterInstanceRequest(
             instance_id=instance_id,
             namespace=namespace,
@@ -101,6 +119,7 @@ class PegaflowClient:
                 for a, n in regions
             ],
             layers=[_layer_message(layer) for layer in layers],
+            replicated=replicated,
         )
         return self._register(req)
 
@@ -113,6 +132,7 @@ class PegaflowClient:
         tp_rank: int = 0,
         tp_size: int = 1,
         world_size: int | None = None,
+        replicated: bool = False,
     ) -> Registration:
         """Register GPU KV memory: `kv` from pegaflow.cuda_export.export_kv, and
         the handles of its IpcEvents (saves then pass `wait_event`)."""
@@ -136,6 +156,7 @@ class PegaflowClient:
             ],
             layers=[_layer_message(layer) for layer in kv.layers],
             event_handles=list(event_handles),
+            replicated=replicated,
         )
         return self._register(req)
 
@@ -188,10 +209,19 @@ class PegaflowClient:
         )
         return SaveResult(resp.stored, resp.deduplicated, resp.rejected)
 
-    def query(self, instance_id: str, block_hashes: Sequence[bytes]) -> QueryResult:
-        """Longest cached prefix; over the server's unix socket when it has one."""
+    def query(
+        self,
+        instance_id: str,
+        block_hashes: Sequence[bytes],
+        hash_len: int | None = None,
+    ) -> QueryResult:
+        """Longest cached prefix; over the server's unix socket when it has one.
+        hash_len: every hash's length, when the caller knows them equal (vLLM's
+        are): the socket path then skips checking each one."""
         fast = self._fast_client()
-        frame = encode_query(instance_id, list(block_hashes)) if fast else None
+        frame = None
+        if fast is not None:
+            frame = encode_query(instance_id, list(block_hashes), hash_len)
         if fast is not None and frame is not None:
             res = self._fast_call(fast.query, frame)
             if res is not None:
@@ -227,6 +257,34 @@ class PegaflowClient:
             ),
         )
         return LoadResult(resp.loaded, resp.bytes)
+
+    def load_many(
+        self, instance_id: str, items: Sequence[LoadItem], tp_rank: int = 0
+    ) -> LoadBatchResult:
+        """Every item in one RPC and one copy on the server. A malformed item
+        fails the call (InvalidRequest naming items[i]); an item whose lease is
+        gone comes back with `error` set while the others load."""
+        resp = self._call(
+            "Load",
+            pb.LoadRequest(
+                instance_id=instance_id,
+                tp_rank=tp_rank,
+                items=[
+                    pb.LoadItem(
+                        lease_id=it.lease_id,
+                        lease_offset=it.lease_offset,
+                        block_ids=np.asarray(it.block_ids, np.uint32).tolist(),
+                    )
+                    for it in items
+                ],
+            ),
+        )
+        results = tuple(LoadItemResult(r.loaded, r.bytes, r.error) for r in resp.items)
+        if len(results) != len(items):  # a server without batched loads
+            raise PegaflowError(
+                f"Load: {len(results)} item results for {len(items)} items"
+            )
+        return LoadBatchResult(resp.loaded, resp.bytes, results)
 
     def use_query_socket(self, path: str) -> None:
         """Send prefix queries over this unix socket from now on (gRPC stays the

@@ -13,26 +13,30 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from operator import attrgetter
 
 import numpy as np
 
-from pegaflow.blocks import BlockHash, BlockStore
+from pegaflow.blocks import BlockEntry, BlockHash, BlockStore
 from pegaflow.config import EngineConfig
-from pegaflow.errors import InvalidRequest
+from pegaflow.errors import InvalidRequest, LeaseNotFound
 from pegaflow.gds import SsdTier
 from pegaflow.instances import CopyEngine, RegionKind, RegisterSpec, Registry, Worker
 from pegaflow.layout import Transfers, check_block_ids
-from pegaflow.leases import LeaseTable
+from pegaflow.leases import Lease, LeaseTable
 from pegaflow.metrics import Metrics
 from pegaflow.misses import HitRateTracker, RecordingPolicy
 from pegaflow.policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
 from pegaflow.pool import HostPool
-from pegaflow.results import LoadResult, QueryResult, SaveResult
+from pegaflow.results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
 from pegaflow.ssd import SsdLink
 
 logger = logging.getLogger(__name__)
 
 MAX_HASH_BYTES = 64
+# One item of a Load: (lease id, first leased block, destination block ids).
+LoadSpec = tuple[int, int, np.ndarray]
+_SLOTS = attrgetter("slots")
 
 
 async def _uncancellable(work: Awaitable[None]) -> None:
@@ -138,7 +142,8 @@ class Engine:
         check_hashes(hashes, self.config.max_blocks_per_request)
         check_block_ids(block_ids, worker.geometry.num_blocks, "block_ids")
         layers = self._layers(layer_ids, ns.num_layers)
-        res = self.store.reserve_save(ns, tp_rank, hashes, layers)
+        # Replicated KV (MLA): every rank saves into the block's one shard.
+        res = self.store.reserve_save(ns, worker.shard, hashes, layers)
         self._sync_counters()
         if not res.keys:
             return SaveResult(0, res.deduplicated, res.rejected)
@@ -202,35 +207,90 @@ class Engine:
         self,
         instance_id: str,
         tp_rank: int,
-        lease_id: int,
-        lease_offset: int,
-        block_ids: np.ndarray,
-    ) -> LoadResult:
+        items: list[LoadSpec],
+        batch: bool = True,
+    ) -> LoadBatchResult:
+        """Leased blocks into engine blocks, every item in one copy.
+
+        A malformed item fails the call before anything moves (InvalidRequest
+        naming `items[i].field`). An item whose lease is gone is an expected
+        "no" (it expired, or was released, between the query and this load):
+        it is reported in its result and the other items load. batch=False is
+        the original one-lease request: fields unprefixed, a gone lease raises.
+        """
         worker = self.registry.worker(instance_id, tp_rank)
-        lease = self.leases.get(lease_id)
-        if lease.owner != instance_id:
+        if len(items) > self.config.max_blocks_per_request:
             raise InvalidRequest(
-                f"lease_id: lease belongs to {lease.owner!r}, not {instance_id!r}"
+                f"items: {len(items)} exceeds {self.config.max_blocks_per_request}"
             )
-        end = lease_offset + len(block_ids)
-        if end > len(lease.entries):
-            raise InvalidRequest(
-                f"block_ids: lease_offset {lease_offset} + {len(block_ids)} blocks "
-                f"exceeds the {len(lease.entries)} leased blocks"
-            )
-        check_block_ids(block_ids, worker.geometry.num_blocks, "block_ids")
-        entries = lease.entries[lease_offset:end]
-        slots = np.array([e.slots[tp_rank] for e in entries], np.uint64)
-        transfers = worker.geometry.slots_to_engine(slots, block_ids)
-        self.store.pin(entries)  # the lease may expire while we copy
+        plans: list[tuple[Lease, list[BlockEntry], np.ndarray] | None] = []
+        errors: list[str] = []
+        for i, (lease_id, offset, block_ids) in enumerate(items):  # per request
+            field = f"items[{i}]." if batch else ""
+            try:
+                lease = self.leases.get(lease_id)
+            except LeaseNotFound as exc:
+                if not batch:
+                    raise
+                plans.append(None)
+                errors.append(f"{field}{exc}")
+                continue
+            entries = self._load_entries(worker, lease, offset, block_ids, field)
+            plans.append((lease, entries, block_ids))
+            errors.append("")
+        live = [p for p in plans if p is not None]
+        entries = [e for _, item_entries, _ in live for e in item_entries]
+        transfers = self._load_transfers(worker, live, entries)
+        self.store.pin(entries)  # a lease may expire while we copy
         try:
             seconds = await self._copy(worker, worker.copier.scatter, transfers)
         finally:
             self.store.unpin(entries)
-        if lease.id in self.leases:
-            self.leases.consumed(lease, tp_rank)
+        for lease in {id(p[0]): p[0] for p in live}.values():
+            if lease.id in self.leases:
+                self.leases.consumed(lease, tp_rank)
         self._account("load", len(entries), transfers.total_bytes, seconds)
-        return LoadResult(len(entries), transfers.total_bytes)
+        slot = worker.geometry.slot_bytes
+        results = tuple(
+            LoadItemResult(0, 0, err)
+            if p is None
+            else LoadItemResult(len(p[1]), len(p[1]) * slot)
+            for p, err in zip(plans, errors, strict=True)
+        )
+        return LoadBatchResult(len(entries), transfers.total_bytes, results)
+
+    @staticmethod
+    def _load_entries(
+        worker: Worker, lease: Lease, offset: int, block_ids: np.ndarray, field: str
+    ) -> list[BlockEntry]:
+        if lease.owner != worker.instance_id:
+            raise InvalidRequest(
+                f"{field}lease_id: lease belongs to {lease.owner!r}, "
+                f"not {worker.instance_id!r}"
+            )
+        end = offset + len(block_ids)
+        if end > len(lease.entries):
+            raise InvalidRequest(
+                f"{field}block_ids: lease_offset {offset} + {len(block_ids)} blocks "
+                f"exceeds the {len(lease.entries)} leased blocks"
+            )
+        check_block_ids(block_ids, worker.geometry.num_blocks, f"{field}block_ids")
+        return lease.entries[offset:end]
+
+    @staticmethod
+    def _load_transfers(
+        worker: Worker,
+        live: list[tuple[Lease, list[BlockEntry], np.ndarray]],
+        entries: list[BlockEntry],
+    ) -> Transfers:
+        """One descriptor table for every item: one copy, one kernel launch."""
+        if not entries:
+            ids = slots = np.zeros(0, np.uint64)
+        else:
+            # [blocks, shards] in C, then the worker's shard (0 for MLA).
+            slots = np.array(list(map(_SLOTS, entries)), np.uint64)[:, worker.shard]
+            ids = np.concatenate([block_ids for _, _, block_ids in live])
+        return worker.geometry.slots_to_engine(slots, ids)
 
     def release_lease(self, lease_id: int) -> None:
         self.leases.release(lease_id)

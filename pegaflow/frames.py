@@ -46,14 +46,21 @@ def _framed(body: bytes) -> bytes:
     return len(body).to_bytes(4, "little") + body
 
 
-def encode_query(instance_id: str, hashes: list[bytes]) -> bytes | None:
-    """The request frame, or None when the hashes differ in length (use gRPC)."""
+def encode_query(
+    instance_id: str, hashes: list[bytes], hash_len: int | None = None
+) -> bytes | None:
+    """The request frame, or None when the hashes differ in length (use gRPC).
+    hash_len: the caller's word that every hash has this length, which skips a
+    pass over the hashes (~0.1 ms at 2560); the total is still checked."""
     ident = instance_id.encode()
-    size = _hash_size(hashes)
-    if size is None or len(ident) > 65535:
+    size = _hash_size(hashes) if hash_len is None else hash_len
+    if size is None or not 0 < size < 256 or len(ident) > 65535:
         return None
+    joined = b"".join(hashes)
+    if len(joined) != size * len(hashes):
+        return None if hash_len is None else encode_query(instance_id, hashes)
     head = QUERY_HEADER.pack(QUERY, size, len(ident), len(hashes))
-    return _framed(head + ident + b"".join(hashes))
+    return _framed(head + ident + joined)
 
 
 def encode_save(

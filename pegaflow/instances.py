@@ -1,8 +1,12 @@
 """Registered engine workers and the namespaces they belong to.
 
-A namespace fixes the byte geometry of its blocks (TP size and per-layer segment
-sizes); every worker that joins it later must agree, so blocks saved by one engine
-are byte-compatible with every other engine that loads them.
+A namespace fixes the byte geometry of its blocks (shards per block and per-layer
+segment sizes); every worker that joins it later must agree, so blocks saved by one
+engine are byte-compatible with every other engine that loads them.
+
+A block has one shard per TP rank (each rank's KV heads), or a single shard when
+the KV is replicated on every rank (MLA's latent cache): then whichever rank saves
+a block stores the whole of it, once, and every rank loads that copy.
 """
 
 from __future__ import annotations
@@ -65,13 +69,18 @@ class RegisterSpec:
     regions: tuple[tuple[int, int], ...]  # (address or offset, size)
     layers: tuple[LayerLayout, ...]
     cuda: CudaExport | None = None  # set exactly when region_kind == "cuda"
+    replicated: bool = False  # every rank holds the same KV (MLA): one shard
+
+    @property
+    def shards(self) -> int:
+        return 1 if self.replicated else self.tp_size
 
 
 @dataclass(slots=True)
 class Namespace:
     name: str
     id: int
-    tp_size: int
+    tp_size: int  # shards per block: the TP size, or 1 for replicated KV (MLA)
     num_layers: int
     slot_bytes: int
     signature: tuple[int, ...]
@@ -91,6 +100,7 @@ class Worker:
     geometry: KVGeometry
     copier: CopyEngine
     handle: object
+    shard: int = 0  # which of a block's shards it saves and loads
     active_ops: int = 0
     closed: bool = False
 
@@ -206,16 +216,18 @@ class Registry:
             geometry,
             copier,
             handle,
+            0 if spec.replicated else spec.tp_rank,
         )
         instance.workers[spec.tp_rank] = worker
         logger.info(
-            "registered %s rank %d/%d in namespace %s (%d layers, %d B/block)",
+            "registered %s rank %d/%d in namespace %s (%d layers, %d B/block%s)",
             spec.instance_id,
             spec.tp_rank,
             spec.tp_size,
             ns.name,
             geometry.num_layers,
             geometry.slot_bytes,
+            ", replicated" if spec.replicated else "",
         )
         return worker
 
@@ -225,7 +237,7 @@ class Registry:
             ns = Namespace(
                 spec.namespace,
                 len(self.namespaces) + 1,
-                spec.tp_size,
+                spec.shards,
                 geometry.num_layers,
                 geometry.slot_bytes,
                 geometry.signature(),
@@ -233,10 +245,13 @@ class Registry:
             )
             self.namespaces[spec.namespace] = ns
             return ns
-        if ns.tp_size != spec.tp_size:
+        if ns.tp_size != spec.shards:
+            what = f"tp_size: {spec.tp_size}"
+            if spec.replicated:
+                what = "replicated: 1 shard"
             raise InvalidRequest(
-                f"tp_size: {spec.tp_size} but namespace {spec.namespace!r} "
-                f"has tp_size {ns.tp_size}"
+                f"{what} per block, but namespace {spec.namespace!r} stores "
+                f"{ns.tp_size} shard(s) per block"
             )
         if ns.signature != geometry.signature():
             raise InvalidRequest(

@@ -24,3 +24,24 @@ class QueryResult:
 class LoadResult:
     loaded: int
     bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadItemResult:
+    """One lease of a batched Load."""
+
+    loaded: int
+    bytes: int
+    error: str = ""  # set when the item's lease was gone; its blocks are untouched
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBatchResult:
+    loaded: int  # all items together
+    bytes: int
+    items: tuple[LoadItemResult, ...]
+
+    @property
+    def failed(self) -> list[int]:
+        """Indexes of the items that did not load."""
+        return [i for i, item in enumerate(self.items) if item.error]

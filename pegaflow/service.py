@@ -115,6 +115,7 @@ def spec_from_message(req: pb.RegisterInstanceRequest) -> RegisterSpec:
         regions,
         layers,
         cuda,
+        req.replicated,
     )
 
 
@@ -180,14 +181,29 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
     async def Load(
         self, req: pb.LoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoadResponse:
-        res = await self._engine.load(
-            req.instance_id,
-            req.tp_rank,
-            req.lease_id,
-            req.lease_offset,
-            _ids(req.block_ids, "block_ids"),
+        if not req.items:  # the original form: one lease
+            item = (req.lease_id, req.lease_offset, _ids(req.block_ids, "block_ids"))
+            res = await self._engine.load(
+                req.instance_id, req.tp_rank, [item], batch=False
+            )
+            return pb.LoadResponse(loaded=res.loaded, bytes=res.bytes)
+        if req.lease_id or req.lease_offset or req.block_ids:
+            raise InvalidRequest(
+                "items: set either items or lease_id/lease_offset/block_ids, not both"
+            )
+        items = [
+            (it.lease_id, it.lease_offset, _ids(it.block_ids, "block_ids"))
+            for it in req.items
+        ]
+        res = await self._engine.load(req.instance_id, req.tp_rank, items)
+        return pb.LoadResponse(
+            loaded=res.loaded,
+            bytes=res.bytes,
+            items=[
+                pb.LoadItemResult(loaded=r.loaded, bytes=r.bytes, error=r.error)
+                for r in res.items
+            ],
         )
-        return pb.LoadResponse(loaded=res.loaded, bytes=res.bytes)
 
     async def ReleaseLease(
         self, req: pb.ReleaseLeaseRequest, context: grpc.aio.ServicerContext

@@ -58,7 +58,7 @@ class LayerLayout(_message.Message):
     def __init__(self, region_index: _Optional[int] = ..., offset: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_stride: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
 class RegisterInstanceRequest(_message.Message):
-    __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "world_size", "device", "regions", "layers", "event_handles")
+    __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "world_size", "device", "regions", "layers", "event_handles", "replicated")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class RegisterInstanceRequest(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     namespace: str
     tp_rank: int
@@ -77,7 +78,8 @@ class RegisterInstanceRequest(_message.Message):
     regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
     layers: _containers.RepeatedCompositeFieldContainer[LayerLayout]
     event_handles: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[LayerLayout, _Mapping]]] = ..., event_handles: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    replicated: bool
+    def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[LayerLayout, _Mapping]]] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., replicated: bool = ...) -> None: ...
 
 class RegisterInstanceResponse(_message.Message):
     __slots__ = ("server_pid", "slot_bytes", "query_socket")
@@ -145,27 +147,51 @@ class QueryPrefixResponse(_message.Message):
     loading: QueryPrefixResponse.Loading
     def __init__(self, ready: _Optional[_Union[QueryPrefixResponse.Ready, _Mapping]] = ..., loading: _Optional[_Union[QueryPrefixResponse.Loading, _Mapping]] = ...) -> None: ...
 
+class LoadItem(_message.Message):
+    __slots__ = ("lease_id", "lease_offset", "block_ids")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    lease_offset: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., lease_offset: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class LoadRequest(_message.Message):
-    __slots__ = ("instance_id", "tp_rank", "lease_id", "lease_offset", "block_ids")
+    __slots__ = ("instance_id", "tp_rank", "lease_id", "lease_offset", "block_ids", "items")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     tp_rank: int
     lease_id: int
     lease_offset: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_offset: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    items: _containers.RepeatedCompositeFieldContainer[LoadItem]
+    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_offset: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[LoadItem, _Mapping]]] = ...) -> None: ...
 
-class LoadResponse(_message.Message):
-    __slots__ = ("loaded", "bytes")
+class LoadItemResult(_message.Message):
+    __slots__ = ("loaded", "bytes", "error")
     LOADED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     loaded: int
     bytes: int
-    def __init__(self, loaded: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    error: str
+    def __init__(self, loaded: _Optional[int] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("loaded", "bytes", "items")
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    loaded: int
+    bytes: int
+    items: _containers.RepeatedCompositeFieldContainer[LoadItemResult]
+    def __init__(self, loaded: _Optional[int] = ..., bytes: _Optional[int] = ..., items: _Optional[_Iterable[_Union[LoadItemResult, _Mapping]]] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id",)

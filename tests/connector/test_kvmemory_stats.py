@@ -14,13 +14,15 @@ from tests.connector.conftest import needs_vllm
 torch = pytest.importorskip("torch")
 
 
-def config(**cache: object) -> SimpleNamespace:
+def config(tp: int = 1, mla: bool = False) -> SimpleNamespace:
     return SimpleNamespace(
-        model_config=SimpleNamespace(model="m", revision=None, dtype="bf16"),
+        model_config=SimpleNamespace(
+            model="m", revision=None, dtype="bf16", use_mla=mla
+        ),
         cache_config=SimpleNamespace(
             block_size=16, cache_dtype="auto", prefix_caching_hash_algo="sha256"
         ),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
     )
 
 
@@ -41,6 +43,19 @@ def test_page_order_is_part_of_the_namespace() -> None:
     assert len(digest) == 2
     salted = namespace_digest(namespace_parts(config(), nhc, "v2"))
     assert salted not in digest
+
+
+def test_mla_namespace_is_shared_across_tp_sizes() -> None:
+    """MLA's latent KV is whole on every rank: TP=1 and TP=2 engines share it;
+    per-rank KV heads (plain TP) make TP sizes incompatible."""
+    kv = kv_tensors(views("NHC"), 8)
+
+    def digest(tp: int, mla: bool) -> str:
+        return namespace_digest(namespace_parts(config(tp, mla), kv, ""))
+
+    assert digest(1, True) == digest(2, True)
+    assert digest(1, False) != digest(2, False)
+    assert digest(2, True) != digest(2, False)
 
 
 def test_kernel_blocks_group_into_manager_blocks() -> None:
@@ -99,3 +114,26 @@ def test_stats_reduce_and_prometheus() -> None:
         registry.get_sample_value("vllm:pegaflow_hit_tokens_total", {"engine": "0"})
         == 32
     )
+
+
+@pytest.mark.parametrize(
+    "name", ["decode_context_parallel_size", "prefill_context_parallel_size"]
+)
+def test_context_parallel_is_refused(name: str) -> None:
+    """Context parallelism splits a block's tokens across ranks: neither whole
+    per-rank shards nor MLA's replicated KV; refused at construction."""
+    needs_vllm()
+    from pegaflow.connector.connector import _check_supported
+
+    par = SimpleNamespace(
+        pipeline_parallel_size=1,
+        decode_context_parallel_size=1,
+        prefill_context_parallel_size=1,
+    )
+    setattr(par, name, 2)
+    cfg = SimpleNamespace(parallel_config=par, cache_config=config().cache_config)
+    kv_cfg = SimpleNamespace(kv_cache_groups=[object()], hash_block_size=None)
+    with pytest.raises(ValueError, match=f"{name} > 1 is not supported"):
+        _check_supported(cfg, kv_cfg)
+    setattr(par, name, 1)
+    _check_supported(cfg, kv_cfg)

@@ -22,7 +22,10 @@ class FakeClient:
     asked: list[int] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
 
-    def query(self, instance_id: str, hashes: list[bytes]) -> QueryResult:
+    def query(
+        self, instance_id: str, hashes: list[bytes], hash_len: int | None = None
+    ) -> QueryResult:
+        assert hash_len == len(hashes[0])  # the scheduler vouches for one length
         self.asked.append(len(hashes))
         answer = self.answers.pop(0)
         if isinstance(answer, Exception):

@@ -63,6 +63,10 @@ def test_engine_b_hits_what_engine_a_saved(
 
     b = Engine(vllm_config(tiny_model, extra), layout_b)
     b.step()  # an idle step: the worker tells the scheduler the query socket
+    loads_per_step: list[int] = []
+    b.after_schedule = lambda so: loads_per_step.append(
+        len(so.kv_connector_metadata.plan.loads)
+    )
     first_step: dict[str, int] = {}
     for rid, tokens in batch.items():
         b.add(rid, tokens, max_tokens=4)
@@ -85,8 +89,13 @@ def test_engine_b_hits_what_engine_a_saved(
         == counters["load_blocks"] * a.worker._worker.registrar.slot_bytes
     )
     assert counters["load_failures"] == 0
+    # One Load per step for every request's lease (all sync or all async here).
+    assert max(loads_per_step) == len(batch)
+    assert server.metric(
+        "pegaflow_rpc_seconds_count", 'code="OK",method="Load"'
+    ) == sum(1 for n in loads_per_step if n)
     b.assert_clean()
-    assert server.metric("pegaflow_leases") == 0
+    assert server.metric("pegaflow_active_leases") == 0
     # The workers passed the query socket on: B's queries skipped gRPC.
     unix = server.metric(
         "pegaflow_rpc_seconds_count", 'code="OK",method="QueryPrefix/unix"'
