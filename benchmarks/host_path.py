@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -101,9 +102,13 @@ def _latency_ms(fn: object, reps: int) -> tuple[float, float]:
     )
 
 
-def bench_queries(addr: str, sizes: list[int], reps: int) -> list[dict]:
+def bench_queries(
+    addr: str, sizes: list[int], reps: int, resident: int = 0
+) -> list[dict]:
     """Client-side QueryPrefix latency over the unix socket and over gRPC, beside
-    the floor: an empty gRPC call (Health) on the same channel."""
+    the floor: an empty gRPC call (Health) on the same channel. resident > 0:
+    then again over the socket with that many other blocks resident (a big
+    index: its lookups miss the CPU caches)."""
     page = 256
     blocks = max(sizes)
     buf = np.zeros(blocks * page, np.uint8)
@@ -123,8 +128,13 @@ def bench_queries(addr: str, sizes: list[int], reps: int) -> list[dict]:
                 "p99_ms": p99,
             }
         )
-        for path, client in (("unix socket", fast), ("gRPC", slow)):
-            for n in sizes:
+        runs = [("unix socket", fast, sizes), ("gRPC", slow, sizes)]
+        if resident:
+            runs.append((f"unix socket, {resident} resident", fast, sizes[-1:]))
+        for path, client, run_sizes in runs:
+            if client is fast and "resident" in path:
+                _fill(fast, blocks, resident)
+            for n in run_sizes:
                 # time the query alone: release outside the timed call
                 lat = []
                 for _ in range(reps):
@@ -146,6 +156,13 @@ def bench_queries(addr: str, sizes: list[int], reps: int) -> list[dict]:
     return rows
 
 
+def _fill(client: PegaflowClient, blocks: int, total: int) -> None:
+    """Save `total` more blocks (fresh hashes, the bytes are irrelevant)."""
+    for done in tqdm(range(0, total, blocks), desc="resident blocks", unit="save"):
+        n = min(blocks, total - done)
+        client.save("q", np.arange(n), [secrets.token_bytes(32) for _ in range(n)])
+
+
 def bench_bring_up(size: int) -> dict:
     pool = HostPool(PoolConfig(size_bytes=size, show_progress=False))
     up = pool.bring_up
@@ -165,6 +182,12 @@ def main() -> int:
     )
     p.add_argument("--copy-threads", default="2")
     p.add_argument("--queries-only", action="store_true", help="skip copies, bring-up")
+    p.add_argument(
+        "--resident",
+        type=int,
+        default=0,
+        help="also time the largest query with this many other blocks resident",
+    )
     args = p.parse_args()
     layers = 4 if args.quick else 32
     sizes = [1, 16, 64] if args.quick else [1, 4, 16, 64, 256, 1024]
@@ -176,7 +199,7 @@ def main() -> int:
     )
     try:
         copies = [] if args.queries_only else bench_copies(addr, layers, sizes, reps)
-        queries = bench_queries(addr, qsizes, 50 if args.quick else 300)
+        queries = bench_queries(addr, qsizes, 50 if args.quick else 300, args.resident)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

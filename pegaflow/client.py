@@ -16,7 +16,7 @@ import numpy as np
 
 from pegaflow.errors import PegaflowError, from_status
 from pegaflow.fastpath import FastPathClient
-from pegaflow.frames import encode_query, encode_save
+from pegaflow.frames import encode_load, encode_query, encode_save
 from pegaflow.layout import LayerLayout
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
@@ -246,6 +246,11 @@ class PegaflowClient:
         tp_rank: int = 0,
         lease_offset: int = 0,
     ) -> LoadResult:
+        fast = self._fast_load(
+            instance_id, tp_rank, [(lease_id, lease_offset, block_ids)], False
+        )
+        if fast is not None:
+            return LoadResult(fast.loaded, fast.bytes)
         resp = self._call(
             "Load",
             pb.LoadRequest(
@@ -264,6 +269,10 @@ class PegaflowClient:
         """Every item in one RPC and one copy on the server. A malformed item
         fails the call (InvalidRequest naming items[i]); an item whose lease is
         gone comes back with `error` set while the others load."""
+        specs = [(it.lease_id, it.lease_offset, it.block_ids) for it in items]
+        fast = self._fast_load(instance_id, tp_rank, specs, True)
+        if fast is not None:
+            return fast
         resp = self._call(
             "Load",
             pb.LoadRequest(
@@ -285,6 +294,26 @@ class PegaflowClient:
                 f"Load: {len(results)} item results for {len(items)} items"
             )
         return LoadBatchResult(resp.loaded, resp.bytes, results)
+
+    def _fast_load(
+        self, instance_id: str, tp_rank: int, specs: list, batch: bool
+    ) -> LoadBatchResult | None:
+        """Over the server's socket; None when gRPC must carry it. After a broken
+        connection gRPC repeats the load: its lease may be consumed by then, and
+        the error says so (vLLM recomputes those blocks)."""
+        fast = self._fast_client()
+        if fast is None:
+            return None
+        frame = encode_load(instance_id, tp_rank, specs, batch)
+        res = self._fast_call(fast.load, frame) if frame is not None else None
+        if res is None:
+            return None
+        loaded, nbytes, items = res
+        if len(items) != len(specs):
+            raise PegaflowError(f"Load: {len(items)} item results for {len(specs)}")
+        return LoadBatchResult(
+            loaded, nbytes, tuple(LoadItemResult(*item) for item in items)
+        )
 
     def use_query_socket(self, path: str) -> None:
         """Send prefix queries over this unix socket from now on (gRPC stays the

@@ -1,5 +1,6 @@
-"""Queries and saves over a unix socket: the scheduler asks once per waiting
-request per step and a worker saves once per step, and on the machines we run on
+"""Queries, saves and loads over a unix socket: the scheduler asks once per
+waiting request per step and a worker saves and loads once per step; on the
+machines we run on
 a Python gRPC round trip costs ~1 ms against ~0.15 ms for a framed unix-socket
 exchange (benchmarks/RESULTS.md). gRPC stays the reference API; the client uses
 this path when the server named a socket at registration and it is reachable,
@@ -16,21 +17,29 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
+import numpy as np
 
 from pegaflow.errors import CopyFailed, InvalidRequest, PegaflowError, from_status
 from pegaflow.frames import (
+    LOAD_ITEM_REPLY,
+    LOAD_REPLY,
     LOADING,
     MAX_BODY,
     QUERY,
     QUERY_REPLY,
+    SAVE,
     SAVE_REPLY,
+    decode_load,
     decode_query,
     decode_save,
     error_reply,
     kind_of,
+    load_reply,
+    parse_load_reply,
 )
 
 if TYPE_CHECKING:
@@ -112,7 +121,7 @@ class _FastProtocol(asyncio.Protocol):
             return error_reply(exc)
         if kind == QUERY:
             return self._query(body)
-        return await self._save(body)
+        return await self._copy(kind, body)
 
     def _query(self, body: bytes) -> bytes:
         start = time.perf_counter()
@@ -127,23 +136,28 @@ class _FastProtocol(asyncio.Protocol):
         status = LOADING if res.loading else 0
         return QUERY_REPLY.pack(status, res.num_blocks, res.lease_id, res.lease_ttl_s)
 
-    async def _save(self, body: bytes) -> bytes:
+    async def _copy(self, kind: int, body: bytes) -> bytes:
+        method = "Save/unix" if kind == SAVE else "Load/unix"
         start, code = time.perf_counter(), "OK"
         try:
-            ident, rank, ids, hashes, layers, event = decode_save(body)
-            res = await self._engine.save(
-                ident, rank, ids, hashes, layers, wait_event=event
-            )
-            return SAVE_REPLY.pack(0, res.stored, res.deduplicated, res.rejected)
+            if kind == SAVE:
+                ident, rank, ids, hashes, layers, event = decode_save(body)
+                res = await self._engine.save(
+                    ident, rank, ids, hashes, layers, wait_event=event
+                )
+                return SAVE_REPLY.pack(0, res.stored, res.deduplicated, res.rejected)
+            ident, rank, items, batch = decode_load(body)
+            got = await self._engine.load(ident, rank, items, batch=batch)
+            return load_reply(got.loaded, got.bytes, got.items)
         except PegaflowError as exc:
             code = exc.code.name
             return error_reply(exc)
         except Exception:  # as gRPC's interceptor does: INTERNAL, server lives on
             code = "INTERNAL"
-            logger.exception("Save/unix failed")
-            return error_reply(CopyFailed("Save: internal error"))
+            logger.exception("%s failed", method)
+            return error_reply(CopyFailed(f"{method.split('/')[0]}: internal error"))
         finally:
-            self._seconds.labels("Save/unix", code).observe(time.perf_counter() - start)
+            self._seconds.labels(method, code).observe(time.perf_counter() - start)
 
 
 async def start_query_socket(path: str, engine: Engine) -> asyncio.AbstractServer:
@@ -200,7 +214,17 @@ class FastPathClient:
         _, reply = self._exchange(frame, SAVE_REPLY.size)
         return SAVE_REPLY.unpack(reply)[1:]
 
-    def _exchange(self, frame: bytes, ok_size: int) -> tuple[int, bytearray]:
+    def load(self, frame: bytes) -> tuple[int, int, list[tuple[int, int, str]]]:
+        """(loaded, bytes, [(loaded, bytes, error)] per item)."""
+        _, reply = self._exchange(frame, LOAD_REPLY.size, _load_reply_size)
+        return parse_load_reply(bytes(reply))
+
+    def _exchange(
+        self,
+        frame: bytes,
+        ok_size: int,
+        full_size: Callable[[bytearray], int] | None = None,
+    ) -> tuple[int, bytearray]:
         sock = self._conn()
         try:
             sock.sendall(frame)
@@ -209,7 +233,10 @@ class FastPathClient:
             reply = self._recv(sock, 5, bytearray())
             status = reply[0]
             if status in (0, LOADING):
-                return status, self._recv(sock, ok_size, reply)
+                reply = self._recv(sock, ok_size, reply)
+                while full_size is not None and len(reply) < (n := full_size(reply)):
+                    reply = self._recv(sock, n, reply)
+                return status, reply
             length = int.from_bytes(reply[1:5], "little")
             message = self._recv(sock, 5 + length, reply)[5:].decode(errors="replace")
         except OSError:
@@ -241,3 +268,13 @@ class FastPathClient:
             socks, self._socks = self._socks, []
         for sock in socks:
             sock.close()
+
+
+def _load_reply_size(reply: bytearray) -> int:
+    """The whole load reply's length, as far as its first bytes tell."""
+    _, _, _, n_items = LOAD_REPLY.unpack_from(reply)
+    size = LOAD_REPLY.size + n_items * LOAD_ITEM_REPLY.itemsize
+    if len(reply) < size:
+        return size
+    table = np.frombuffer(bytes(reply), LOAD_ITEM_REPLY, n_items, LOAD_REPLY.size)
+    return size + int(table["error_len"].sum())

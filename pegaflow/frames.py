@@ -8,10 +8,15 @@ strings, so neither side builds per-block Python objects to frame a request.
   save  (2): u8 kind | u8 hash_len | u16 id_len | u32 count | u32 tp_rank
              | u32 wait_event | u32 n_layers | id | u32 block_ids[count]
              | u32 layer_ids[n_layers] | hashes
+  load  (3): u8 kind | u8 batch | u16 id_len | u32 n_items | u32 tp_rank | id
+             | n_items x (u64 lease_id | u32 lease_offset | u32 count)
+             | u32 block_ids[sum of counts]
 
 Replies: u8 status (a grpc.StatusCode value, 0 = OK; 255 = LOADING) | payload
   query OK / LOADING: u32 num_blocks | u64 lease_id | f64 lease_ttl_s
   save OK:            u32 stored | u32 deduplicated | u32 rejected
+  load OK:            u32 loaded | u64 bytes | u32 n_items
+                      | n_items x (u32 loaded | u64 bytes | u32 error_len) | errors
   any error:          u32 msg_len | utf-8 message
 """
 
@@ -24,12 +29,18 @@ import numpy as np
 
 from pegaflow.errors import InvalidRequest, PegaflowError
 
-QUERY, SAVE = 1, 2
-KINDS = (QUERY, SAVE)
+QUERY, SAVE, LOAD = 1, 2, 3
+KINDS = (QUERY, SAVE, LOAD)
 QUERY_HEADER = struct.Struct("<BBHI")
 SAVE_HEADER = struct.Struct("<BBHIIII")
 QUERY_REPLY = struct.Struct("<BIQd")
 SAVE_REPLY = struct.Struct("<BIII")
+LOAD_HEADER = struct.Struct("<BBHII")
+LOAD_REPLY = struct.Struct("<BIQI")
+LOAD_ITEM = np.dtype([("lease_id", "<u8"), ("lease_offset", "<u4"), ("count", "<u4")])
+LOAD_ITEM_REPLY = np.dtype([("loaded", "<u4"), ("bytes", "<u8"), ("error_len", "<u4")])
+# One item of a Load: (lease id, first leased block, destination block ids).
+LoadSpec = tuple[int, int, np.ndarray]
 # Not a grpc.StatusCode value (those stop at 16): the query's answer is `loading`.
 LOADING = 255
 MAX_BODY = 64 << 20
@@ -97,6 +108,82 @@ def encode_save(
         + layers.astype("<u4").tobytes()
         + b"".join(hashes)
     )
+
+
+def encode_load(
+    instance_id: str, tp_rank: int, items: Sequence[LoadSpec], batch: bool
+) -> bytes | None:
+    """The request frame, or None when gRPC must carry it (values outside the
+    frame's fields: the server's answer there names the field)."""
+    ident = instance_id.encode()
+    try:
+        head = LOAD_HEADER.pack(LOAD, batch, len(ident), len(items), tp_rank)
+        table = np.zeros(len(items), LOAD_ITEM)
+        ids = [np.asarray(block_ids, np.int64).reshape(-1) for _, _, block_ids in items]
+        table["lease_id"] = [lease for lease, _, _ in items]
+        table["lease_offset"] = [offset for _, offset, _ in items]
+        table["count"] = list(map(len, ids))
+    except (struct.error, OverflowError, ValueError, TypeError):
+        return None
+    flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    if len(ident) > 65535 or (
+        len(flat) and (flat.min() < 0 or flat.max() > 0xFFFFFFFF)
+    ):
+        return None
+    return _framed(head + ident + table.tobytes() + flat.astype("<u4").tobytes())
+
+
+def decode_load(body: bytes) -> tuple[str, int, list[LoadSpec], bool]:
+    """(instance id, tp_rank, items, batch), in Engine.load's order."""
+    if len(body) < LOAD_HEADER.size:
+        raise InvalidRequest("frame: shorter than its header")
+    _, batch, id_len, n_items, rank = LOAD_HEADER.unpack_from(body)
+    table_at = LOAD_HEADER.size + id_len
+    ids_at = table_at + n_items * LOAD_ITEM.itemsize
+    if len(body) < ids_at:
+        raise InvalidRequest(f"frame: {len(body)} bytes, header promises {ids_at}+")
+    table = np.frombuffer(body, LOAD_ITEM, n_items, table_at)
+    counts = table["count"].astype(np.int64)
+    _check_length(body, ids_at + 4 * int(counts.sum()))
+    flat = np.frombuffer(body, "<u4", int(counts.sum()), ids_at).astype(np.int64)
+    ends = np.cumsum(counts).tolist()
+    starts = [0, *ends[:-1]]
+    items = [
+        (lease, offset, flat[a:b])
+        for lease, offset, a, b in zip(
+            table["lease_id"].tolist(),
+            table["lease_offset"].tolist(),
+            starts,
+            ends,
+            strict=True,
+        )
+    ]
+    return _ident(body, LOAD_HEADER.size, table_at), rank, items, bool(batch)
+
+
+def load_reply(loaded: int, nbytes: int, items: Sequence) -> bytes:
+    """items: LoadItemResult-like (loaded, bytes, error)."""
+    table = np.zeros(len(items), LOAD_ITEM_REPLY)
+    errors = [item.error.encode() for item in items]
+    table["loaded"] = [item.loaded for item in items]
+    table["bytes"] = [item.bytes for item in items]
+    table["error_len"] = list(map(len, errors))
+    head = LOAD_REPLY.pack(0, loaded, nbytes, len(items))
+    return head + table.tobytes() + b"".join(errors)
+
+
+def parse_load_reply(
+    reply: bytes,
+) -> tuple[int, int, list[tuple[int, int, str]]]:
+    """(loaded, bytes, [(loaded, bytes, error)] per item) of a load_reply."""
+    _, loaded, nbytes, n_items = LOAD_REPLY.unpack_from(reply)
+    table = np.frombuffer(reply, LOAD_ITEM_REPLY, n_items, LOAD_REPLY.size)
+    at = LOAD_REPLY.size + table.nbytes
+    out = []
+    for got, size, err_len in table.tolist():
+        out.append((got, size, reply[at : at + err_len].decode(errors="replace")))
+        at += err_len
+    return loaded, nbytes, out
 
 
 def kind_of(body: bytes) -> int:

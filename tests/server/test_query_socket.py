@@ -18,13 +18,18 @@ from pegaflow.errors import InvalidRequest, UnknownInstance
 from pegaflow.frames import (
     QUERY_REPLY,
     SAVE_REPLY,
+    decode_load,
     decode_query,
     decode_save,
+    encode_load,
     encode_query,
     encode_save,
+    load_reply,
+    parse_load_reply,
 )
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+from pegaflow.results import LoadItemResult
 from tests.kvbuf import LocalKV, hashes
 
 
@@ -142,6 +147,29 @@ def test_save_frame_round_trip() -> None:
         decode_save(frame[4:-1])
 
 
+def test_load_frame_round_trip() -> None:
+    items = [(7, 0, np.array([3, 4])), (2**63 + 5, 9, np.array([], np.int64))]
+    ident, rank, got, batch = decode_load(encode_load("é", 1, items, True)[4:])
+    assert (ident, rank, batch) == ("é", 1, True)
+    assert [(a, b, c.tolist()) for a, b, c in got] == [
+        (7, 0, [3, 4]),
+        (2**63 + 5, 9, []),
+    ]
+    assert encode_load("e", 0, [(1, 0, np.array([-1]))], False) is None  # gRPC names it
+    assert encode_load("e", 0, [(-1, 0, np.array([1]))], False) is None
+    with pytest.raises(InvalidRequest, match="frame"):
+        decode_load(encode_load("e", 0, items, True)[4:-1])
+    results = [
+        LoadItemResult(2, 64, ""),
+        LoadItemResult(0, 0, "items[1].lease_id: gone"),
+    ]
+    assert parse_load_reply(load_reply(2, 64, results)) == (
+        2,
+        64,
+        [(2, 64, ""), (0, 0, "items[1].lease_id: gone")],
+    )
+
+
 def test_saves_over_the_socket_land_the_same_bytes(server) -> None:
     a, b = LocalKV(seed=1), LocalKV(seed=2)
     hs = hashes(12)
@@ -168,6 +196,9 @@ def test_saves_over_the_socket_land_the_same_bytes(server) -> None:
     assert server.metric(
         "pegaflow_rpc_seconds_count", 'code="OK",method="Save/unix"'
     ) == pytest.approx(2)
+    assert server.metric(
+        "pegaflow_rpc_seconds_count", 'code="OK",method="Load/unix"'
+    ) == pytest.approx(1)
 
 
 def test_pipelined_frames_are_answered_in_order(server) -> None:
