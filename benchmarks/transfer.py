@@ -38,24 +38,31 @@ from pegaflow.spawn import spawn_server  # noqa: E402
 # bf16) and DeepSeek-V3 MLA (block 64 x 576 x bf16).
 SHAPES = (("llama-3.1-8b", 32, 64 << 10), ("mla-dsv3", 61, 64 * 576 * 2))
 POISON = -85
-# Server-side seconds, summed, from /metrics: copy alone and the whole RPC.
+# Server-side seconds, summed, from /metrics: copy alone and the whole RPC
+# (over gRPC or the unix socket, whichever the client took).
 SUMS = {
-    "save_copy": 'pegaflow_transfer_seconds_sum{direction="save"}',
-    "load_copy": 'pegaflow_transfer_seconds_sum{direction="load"}',
-    "save_rpc": 'pegaflow_rpc_seconds_sum{code="OK",method="Save"}',
-    "load_rpc": 'pegaflow_rpc_seconds_sum{code="OK",method="Load"}',
+    "save_copy": ('pegaflow_transfer_seconds_sum{direction="save"}',),
+    "load_copy": ('pegaflow_transfer_seconds_sum{direction="load"}',),
+    "save_rpc": (
+        'pegaflow_rpc_seconds_sum{code="OK",method="Save"}',
+        'pegaflow_rpc_seconds_sum{code="OK",method="Save/unix"}',
+    ),
+    "load_rpc": (
+        'pegaflow_rpc_seconds_sum{code="OK",method="Load"}',
+        'pegaflow_rpc_seconds_sum{code="OK",method="Load/unix"}',
+    ),
 }
 
 
 def server_sums(http: str) -> dict[str, float]:
     with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
         lines = r.read().decode().splitlines()
-    prefixes = {prefix + " ": key for key, prefix in SUMS.items()}
+    prefixes = {p + " ": key for key, names in SUMS.items() for p in names}
     got = {key: 0.0 for key in SUMS}
     for line in lines:
         for prefix, key in prefixes.items():
             if line.startswith(prefix):
-                got[key] = float(line[len(prefix) :])
+                got[key] += float(line[len(prefix) :])
     return got
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -104,9 +105,12 @@ class PegaflowClient:
         tp_size: int = 1,
         world_size: int | None = None,
         replicated: bool = False,
+        layer_signals: int = 0,
     ) -> Registration:
         """Register KV memory in this host's CPU RAM (pid, address, size).
-        replicated: every rank holds the same KV (MLA); blocks stored once."""
+        replicated: every rank holds the same KV (MLA); blocks stored once.
+        layer_signals: address of num_layers u64 words in this process for
+        layer-wise loads (load(..., layer_seq=)); 0: none."""
         req = pb.RegisterInstanceRequest(
             instance_id=instance_id,
             namespace=namespace,
@@ -120,6 +124,7 @@ class PegaflowClient:
             ],
             layers=[_layer_message(layer) for layer in layers],
             replicated=replicated,
+            layer_signals=_signals_message(layer_signals),
         )
         return self._register(req)
 
@@ -133,9 +138,11 @@ class PegaflowClient:
         tp_size: int = 1,
         world_size: int | None = None,
         replicated: bool = False,
+        layer_signals: int = 0,
     ) -> Registration:
         """Register GPU KV memory: `kv` from pegaflow.cuda_export.export_kv, and
-        the handles of its IpcEvents (saves then pass `wait_event`)."""
+        the handles of its IpcEvents (saves then pass `wait_event`).
+        layer_signals: as register_host's (host memory of this process)."""
         req = pb.RegisterInstanceRequest(
             instance_id=instance_id,
             namespace=namespace,
@@ -157,12 +164,13 @@ class PegaflowClient:
             layers=[_layer_message(layer) for layer in kv.layers],
             event_handles=list(event_handles),
             replicated=replicated,
+            layer_signals=_signals_message(layer_signals),
         )
         return self._register(req)
 
     def _register(self, req: pb.RegisterInstanceRequest) -> Registration:
         resp = self._call("RegisterInstance", req)
-        if req.device == "cpu":
+        if req.device == "cpu" or req.HasField("layer_signals"):
             allow_ptrace_from(resp.server_pid)
         if resp.query_socket != self._fast_path:
             self._drop_fast_path()
@@ -245,9 +253,16 @@ class PegaflowClient:
         block_ids: Sequence[int] | np.ndarray,
         tp_rank: int = 0,
         lease_offset: int = 0,
+        layer_seq: int = 0,
     ) -> LoadResult:
+        """layer_seq != 0: the server copies layer by layer and writes it to
+        this worker's layer signal word of each layer as that layer lands."""
         fast = self._fast_load(
-            instance_id, tp_rank, [(lease_id, lease_offset, block_ids)], False
+            instance_id,
+            tp_rank,
+            [(lease_id, lease_offset, block_ids)],
+            False,
+            layer_seq,
         )
         if fast is not None:
             return LoadResult(fast.loaded, fast.bytes)
@@ -259,18 +274,23 @@ class PegaflowClient:
                 lease_id=lease_id,
                 lease_offset=lease_offset,
                 block_ids=np.asarray(block_ids, np.uint32).tolist(),
+                layer_seq=layer_seq,
             ),
         )
         return LoadResult(resp.loaded, resp.bytes)
 
     def load_many(
-        self, instance_id: str, items: Sequence[LoadItem], tp_rank: int = 0
+        self,
+        instance_id: str,
+        items: Sequence[LoadItem],
+        tp_rank: int = 0,
+        layer_seq: int = 0,
     ) -> LoadBatchResult:
         """Every item in one RPC and one copy on the server. A malformed item
         fails the call (InvalidRequest naming items[i]); an item whose lease is
         gone comes back with `error` set while the others load."""
         specs = [(it.lease_id, it.lease_offset, it.block_ids) for it in items]
-        fast = self._fast_load(instance_id, tp_rank, specs, True)
+        fast = self._fast_load(instance_id, tp_rank, specs, True, layer_seq)
         if fast is not None:
             return fast
         resp = self._call(
@@ -286,6 +306,7 @@ class PegaflowClient:
                     )
                     for it in items
                 ],
+                layer_seq=layer_seq,
             ),
         )
         results = tuple(LoadItemResult(r.loaded, r.bytes, r.error) for r in resp.items)
@@ -296,7 +317,12 @@ class PegaflowClient:
         return LoadBatchResult(resp.loaded, resp.bytes, results)
 
     def _fast_load(
-        self, instance_id: str, tp_rank: int, specs: list, batch: bool
+        self,
+        instance_id: str,
+        tp_rank: int,
+        specs: list,
+        batch: bool,
+        layer_seq: int,
     ) -> LoadBatchResult | None:
         """Over the server's socket; None when gRPC must carry it. After a broken
         connection gRPC repeats the load: its lease may be consumed by then, and
@@ -304,7 +330,7 @@ class PegaflowClient:
         fast = self._fast_client()
         if fast is None:
             return None
-        frame = encode_load(instance_id, tp_rank, specs, batch)
+        frame = encode_load(instance_id, tp_rank, specs, batch, layer_seq)
         res = self._fast_call(fast.load, frame) if frame is not None else None
         if res is None:
             return None
@@ -456,3 +482,9 @@ def _layer_message(layer: LayerLayout) -> pb.LayerLayout:
         block_stride=layer.block_stride,
         segments=[pb.Segment(offset=s.offset, size=s.size) for s in layer.segments],
     )
+
+
+def _signals_message(address: int) -> pb.LayerSignals | None:
+    if not address:
+        return None
+    return pb.LayerSignals(pid=os.getpid(), address=address)

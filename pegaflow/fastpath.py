@@ -146,8 +146,7 @@ class _FastProtocol(asyncio.Protocol):
                     ident, rank, ids, hashes, layers, wait_event=event
                 )
                 return SAVE_REPLY.pack(0, res.stored, res.deduplicated, res.rejected)
-            ident, rank, items, batch = decode_load(body)
-            got = await self._engine.load(ident, rank, items, batch=batch)
+            got = await self._engine.load(*decode_load(body))
             return load_reply(got.loaded, got.bytes, got.items)
         except PegaflowError as exc:
             code = exc.code.name

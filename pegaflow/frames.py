@@ -8,7 +8,8 @@ strings, so neither side builds per-block Python objects to frame a request.
   save  (2): u8 kind | u8 hash_len | u16 id_len | u32 count | u32 tp_rank
              | u32 wait_event | u32 n_layers | id | u32 block_ids[count]
              | u32 layer_ids[n_layers] | hashes
-  load  (3): u8 kind | u8 batch | u16 id_len | u32 n_items | u32 tp_rank | id
+  load  (3): u8 kind | u8 batch | u16 id_len | u32 n_items | u32 tp_rank
+             | u64 layer_seq | id
              | n_items x (u64 lease_id | u32 lease_offset | u32 count)
              | u32 block_ids[sum of counts]
 
@@ -35,7 +36,7 @@ QUERY_HEADER = struct.Struct("<BBHI")
 SAVE_HEADER = struct.Struct("<BBHIIII")
 QUERY_REPLY = struct.Struct("<BIQd")
 SAVE_REPLY = struct.Struct("<BIII")
-LOAD_HEADER = struct.Struct("<BBHII")
+LOAD_HEADER = struct.Struct("<BBHIIQ")
 LOAD_REPLY = struct.Struct("<BIQI")
 LOAD_ITEM = np.dtype([("lease_id", "<u8"), ("lease_offset", "<u4"), ("count", "<u4")])
 LOAD_ITEM_REPLY = np.dtype([("loaded", "<u4"), ("bytes", "<u8"), ("error_len", "<u4")])
@@ -111,13 +112,17 @@ def encode_save(
 
 
 def encode_load(
-    instance_id: str, tp_rank: int, items: Sequence[LoadSpec], batch: bool
+    instance_id: str,
+    tp_rank: int,
+    items: Sequence[LoadSpec],
+    batch: bool,
+    layer_seq: int = 0,
 ) -> bytes | None:
     """The request frame, or None when gRPC must carry it (values outside the
     frame's fields: the server's answer there names the field)."""
     ident = instance_id.encode()
     try:
-        head = LOAD_HEADER.pack(LOAD, batch, len(ident), len(items), tp_rank)
+        head = LOAD_HEADER.pack(LOAD, batch, len(ident), len(items), tp_rank, layer_seq)
         table = np.zeros(len(items), LOAD_ITEM)
         ids = [np.asarray(block_ids, np.int64).reshape(-1) for _, _, block_ids in items]
         table["lease_id"] = [lease for lease, _, _ in items]
@@ -133,11 +138,11 @@ def encode_load(
     return _framed(head + ident + table.tobytes() + flat.astype("<u4").tobytes())
 
 
-def decode_load(body: bytes) -> tuple[str, int, list[LoadSpec], bool]:
-    """(instance id, tp_rank, items, batch), in Engine.load's order."""
+def decode_load(body: bytes) -> tuple[str, int, list[LoadSpec], bool, int]:
+    """(instance id, tp_rank, items, batch, layer_seq), in Engine.load's order."""
     if len(body) < LOAD_HEADER.size:
         raise InvalidRequest("frame: shorter than its header")
-    _, batch, id_len, n_items, rank = LOAD_HEADER.unpack_from(body)
+    _, batch, id_len, n_items, rank, layer_seq = LOAD_HEADER.unpack_from(body)
     table_at = LOAD_HEADER.size + id_len
     ids_at = table_at + n_items * LOAD_ITEM.itemsize
     if len(body) < ids_at:
@@ -158,7 +163,8 @@ def decode_load(body: bytes) -> tuple[str, int, list[LoadSpec], bool]:
             strict=True,
         )
     ]
-    return _ident(body, LOAD_HEADER.size, table_at), rank, items, bool(batch)
+    ident = _ident(body, LOAD_HEADER.size, table_at)
+    return ident, rank, items, bool(batch), layer_seq
 
 
 def load_reply(loaded: int, nbytes: int, items: Sequence) -> bytes:

@@ -341,3 +341,57 @@ class HostCopyEngine:
                 f"transfers.{field}[{bad}]: [{a:#x}, {a + s:#x}) is outside the "
                 f"regions registered for process {regions.pid}"
             )
+
+
+class LayerSignals:
+    """Per-layer load progress words in an engine process's host memory.
+
+    The engine polls word l before running layer l; the server writes a load's
+    sequence number there once that layer's bytes have landed. One 8-byte
+    process_vm_writev per layer, after the layer's copy returned, so on x86's
+    store order the engine never sees the word before the bytes.
+    """
+
+    def __init__(self, pid: int, address: int, num_layers: int) -> None:
+        if pid <= 0 or pid == os.getpid():
+            raise InvalidRequest(f"layer_signals.pid: {pid} is not an engine process")
+        if address <= 0 or address % 8:
+            raise InvalidRequest(
+                f"layer_signals.address: {address:#x} is not an 8-byte aligned address"
+            )
+        size = 8 * num_layers
+        bad = _first_outside(
+            *_rw_spans(pid),
+            np.array([address], np.uint64),
+            np.array([size], np.uint64),
+        )
+        if bad >= 0:
+            raise InvalidRequest(
+                f"layer_signals.address: [{address:#x}, {address + size:#x}) is not "
+                f"mapped read-write in process {pid}"
+            )
+        self.pid, self.address, self.num_layers = pid, address, num_layers
+        self._word = np.zeros(1, np.uint64)
+        self._local = _iovecs(np.array([self._word.ctypes.data], np.uint64), _EIGHT)
+        try:  # ptrace permission shows here, at registration, not mid-load
+            _transfer("gather", pid, self._local, self._remote(0))
+        except CopyFailed as e:
+            raise InvalidRequest(f"layer_signals.pid: {e}") from None
+        self._pidfd = _pidfd_open(pid)
+
+    def _remote(self, layer: int) -> np.ndarray:
+        return _iovecs(np.array([self.address + 8 * layer], np.uint64), _EIGHT)
+
+    def signal(self, layer: int, seq: int) -> None:
+        if _exited(self._pidfd):
+            raise CopyFailed(f"layer signal: engine process {self.pid} is gone")
+        self._word[0] = seq
+        _transfer("scatter", self.pid, self._local, self._remote(layer))
+
+    def close(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+
+_EIGHT = np.array([8], np.uint64)

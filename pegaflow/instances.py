@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from pegaflow.errors import InvalidRequest, NotSupported, UnknownInstance
+from pegaflow.hostcopy import LayerSignals
 from pegaflow.layout import KVGeometry, LayerLayout, validate_layers
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class RegisterSpec:
     layers: tuple[LayerLayout, ...]
     cuda: CudaExport | None = None  # set exactly when region_kind == "cuda"
     replicated: bool = False  # every rank holds the same KV (MLA): one shard
+    layer_signals: tuple[int, int] | None = None  # (pid, address): see hostcopy
 
     @property
     def shards(self) -> int:
@@ -101,6 +103,7 @@ class Worker:
     copier: CopyEngine
     handle: object
     shard: int = 0  # which of a block's shards it saves and loads
+    signals: LayerSignals | None = None  # per-layer load progress, if registered
     active_ops: int = 0
     closed: bool = False
 
@@ -190,6 +193,7 @@ class Registry:
             )
         handle = copier.open(spec.pid, list(spec.regions), spec.cuda)
         new_namespace = spec.namespace not in self.namespaces
+        signals = None
         try:
             bases = [_base(handle, i, spec.regions) for i in range(len(spec.regions))]
             geometry = KVGeometry(spec.layers, bases)
@@ -198,9 +202,13 @@ class Registry:
                     f"layers: a block is {geometry.slot_bytes} bytes per rank; the "
                     f"pool's slots hold at most {self._max_slot_bytes}"
                 )
+            if spec.layer_signals is not None:
+                signals = LayerSignals(*spec.layer_signals, geometry.num_layers)
             ns = self._namespace_for(spec, geometry)
             instance = self._instance_for(spec, ns)
         except BaseException:
+            if signals is not None:
+                signals.close()
             copier.close(handle)
             if new_namespace:  # a rejected request must not fix a geometry
                 self.namespaces.pop(spec.namespace, None)
@@ -217,6 +225,7 @@ class Registry:
             copier,
             handle,
             0 if spec.replicated else spec.tp_rank,
+            signals,
         )
         instance.workers[spec.tp_rank] = worker
         logger.info(
@@ -310,19 +319,26 @@ class Registry:
     def _retire(self, worker: Worker) -> None:
         worker.closed = True
         if worker.active_ops == 0:
-            worker.copier.close(worker.handle)
+            _close(worker)
 
     def finish_op(self, worker: Worker) -> None:
         """Called when a copy on the worker's memory ends; closes it if retired."""
         worker.active_ops -= 1
         if worker.closed and worker.active_ops == 0:
-            worker.copier.close(worker.handle)
+            _close(worker)
 
     def close(self) -> None:
         for inst in list(self.instances.values()):
             for worker in list(inst.workers.values()):
                 self._retire(worker)
         self.instances.clear()
+
+
+def _close(worker: Worker) -> None:
+    """After the worker's last copy: its pidfd guards those until the end."""
+    if worker.signals is not None:
+        worker.signals.close()
+    worker.copier.close(worker.handle)
 
 
 def _base(handle: object, index: int, regions: tuple[tuple[int, int], ...]) -> int:

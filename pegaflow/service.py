@@ -116,7 +116,14 @@ def spec_from_message(req: pb.RegisterInstanceRequest) -> RegisterSpec:
         layers,
         cuda,
         req.replicated,
+        _layer_signals(req),
     )
+
+
+def _layer_signals(req: pb.RegisterInstanceRequest) -> tuple[int, int] | None:
+    if not req.HasField("layer_signals"):
+        return None
+    return (req.layer_signals.pid, req.layer_signals.address)
 
 
 def _cuda_export(req: pb.RegisterInstanceRequest) -> CudaExport:
@@ -184,7 +191,7 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
         if not req.items:  # the original form: one lease
             item = (req.lease_id, req.lease_offset, _ids(req.block_ids, "block_ids"))
             res = await self._engine.load(
-                req.instance_id, req.tp_rank, [item], batch=False
+                req.instance_id, req.tp_rank, [item], False, req.layer_seq
             )
             return pb.LoadResponse(loaded=res.loaded, bytes=res.bytes)
         if req.lease_id or req.lease_offset or req.block_ids:
@@ -195,7 +202,9 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
             (it.lease_id, it.lease_offset, _ids(it.block_ids, "block_ids"))
             for it in req.items
         ]
-        res = await self._engine.load(req.instance_id, req.tp_rank, items)
+        res = await self._engine.load(
+            req.instance_id, req.tp_rank, items, True, req.layer_seq
+        )
         return pb.LoadResponse(
             loaded=res.loaded,
             bytes=res.bytes,

@@ -58,7 +58,7 @@ class LayerLayout(_message.Message):
     def __init__(self, region_index: _Optional[int] = ..., offset: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_stride: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
 class RegisterInstanceRequest(_message.Message):
-    __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "world_size", "device", "regions", "layers", "event_handles", "replicated")
+    __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "world_size", "device", "regions", "layers", "event_handles", "replicated", "layer_signals")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class RegisterInstanceRequest(_message.Message):
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
     REPLICATED_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SIGNALS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     namespace: str
     tp_rank: int
@@ -79,7 +80,16 @@ class RegisterInstanceRequest(_message.Message):
     layers: _containers.RepeatedCompositeFieldContainer[LayerLayout]
     event_handles: _containers.RepeatedScalarFieldContainer[bytes]
     replicated: bool
-    def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[LayerLayout, _Mapping]]] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., replicated: bool = ...) -> None: ...
+    layer_signals: LayerSignals
+    def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[LayerLayout, _Mapping]]] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., replicated: bool = ..., layer_signals: _Optional[_Union[LayerSignals, _Mapping]] = ...) -> None: ...
+
+class LayerSignals(_message.Message):
+    __slots__ = ("pid", "address")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    address: int
+    def __init__(self, pid: _Optional[int] = ..., address: _Optional[int] = ...) -> None: ...
 
 class RegisterInstanceResponse(_message.Message):
     __slots__ = ("server_pid", "slot_bytes", "query_socket")
@@ -158,20 +168,22 @@ class LoadItem(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., lease_offset: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("instance_id", "tp_rank", "lease_id", "lease_offset", "block_ids", "items")
+    __slots__ = ("instance_id", "tp_rank", "lease_id", "lease_offset", "block_ids", "items", "layer_seq")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SEQ_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     tp_rank: int
     lease_id: int
     lease_offset: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     items: _containers.RepeatedCompositeFieldContainer[LoadItem]
-    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_offset: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[LoadItem, _Mapping]]] = ...) -> None: ...
+    layer_seq: int
+    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_offset: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[LoadItem, _Mapping]]] = ..., layer_seq: _Optional[int] = ...) -> None: ...
 
 class LoadItemResult(_message.Message):
     __slots__ = ("loaded", "bytes", "error")

@@ -146,12 +146,11 @@ def tp2_round_trip(
         {"req_id": "part", "lease_id": part.lease_id, "block_ids": PART, "sync": True},
         {"req_id": "gone", "lease_id": gone.lease_id, "block_ids": GONE, "sync": False},
     ]
-    load_rpcs = metric("pegaflow_rpc_seconds_count", 'code="OK",method="Load"')
+    loads_ok = 'code="OK",method="Load'  # a label prefix: gRPC's and /unix's
+    load_rpcs = metric("pegaflow_rpc_seconds_count", loads_ok)
     got = all_ranks(ranks, "step", loads=loads, saves=[])
     # One Load per rank for the async requests, one for the sync one.
-    assert metric("pegaflow_rpc_seconds_count", 'code="OK",method="Load"') == (
-        load_rpcs + 2 * TP
-    )
+    assert metric("pegaflow_rpc_seconds_count", loads_ok) == load_rpcs + 2 * TP
     for r in got:
         assert r["recving"] == ["full", "gone"] and not r["pending"]
         assert r["sync_errors"] == [] and r["errors"] == sorted(GONE)

@@ -92,7 +92,8 @@ def test_engine_b_hits_what_engine_a_saved(
     # One Load per step for every request's lease (all sync or all async here).
     assert max(loads_per_step) == len(batch)
     assert server.metric(
-        "pegaflow_rpc_seconds_count", 'code="OK",method="Load"'
+        "pegaflow_rpc_seconds_count",
+        'code="OK",method="Load',  # a label prefix: gRPC's and /unix's
     ) == sum(1 for n in loads_per_step if n)
     b.assert_clean()
     assert server.metric("pegaflow_active_leases") == 0

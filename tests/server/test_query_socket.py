@@ -149,8 +149,8 @@ def test_save_frame_round_trip() -> None:
 
 def test_load_frame_round_trip() -> None:
     items = [(7, 0, np.array([3, 4])), (2**63 + 5, 9, np.array([], np.int64))]
-    ident, rank, got, batch = decode_load(encode_load("é", 1, items, True)[4:])
-    assert (ident, rank, batch) == ("é", 1, True)
+    ident, rank, got, batch, seq = decode_load(encode_load("é", 1, items, True, 9)[4:])
+    assert (ident, rank, batch, seq) == ("é", 1, True, 9)
     assert [(a, b, c.tolist()) for a, b, c in got] == [
         (7, 0, [3, 4]),
         (2**63 + 5, 9, []),
