@@ -171,7 +171,7 @@ class PegaKVConnector(KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None
-        self._worker.wait_sync_loads()
+        self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any

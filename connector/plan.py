@@ -56,6 +56,7 @@ STAT_KEYS = (
     "load_bytes",
     "load_seconds",
     "load_failures",
+    "layerwise_loads",
     "save_blocks",
     "save_bytes",
     "save_seconds",

@@ -16,6 +16,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from pegaflow.client import PegaflowClient, Session
 from pegaflow.errors import NotSupported, PegaflowError
 from pegaflow.kv_layouts import describe
@@ -46,6 +48,9 @@ class Registrar:
         self.registered = False
         self.slot_bytes = 0
         self.new_query_socket = ""
+        # Per-layer load progress the server writes (layer-wise sync loads).
+        self.layer_signals = np.zeros(0, np.uint64)
+        self.layer_index: dict[str, int] = {}
         self._pool = pool
         self._register_fn: Any = None  # () -> Registration, set by describe()
         self._events: Any = None  # pegaflow.cuda_export.IpcEvents for CUDA KV
@@ -58,6 +63,10 @@ class Registrar:
         self, kv_caches: dict[str, Any], num_blocks: int, vllm_config: Any
     ) -> KVTensors:
         kv = kv_tensors(kv_caches, num_blocks)
+        # kv.tensors keep kv_caches' order: layer i is the i-th name.
+        self.layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self.layer_signals = np.zeros(len(kv.tensors), np.uint64)
+        signals = self.layer_signals.ctypes.data
         parts = namespace_parts(vllm_config, kv, self.config.namespace_salt)
         self.namespace = namespace_digest(parts)
         self.replicated = bool(parts["mla"])
@@ -73,9 +82,10 @@ class Registrar:
                 tp_rank=self.tp_rank,
                 tp_size=self.tp_size,
                 replicated=self.replicated,
+                layer_signals=signals,
             )
         else:
-            self._register_fn = self._describe_cuda(kv)
+            self._register_fn = self._describe_cuda(kv, signals)
         logger.info(
             "pegaflow: %d layers of %s KV, namespace %s (%s)",
             len(kv.tensors),
@@ -85,7 +95,7 @@ class Registrar:
         )
         return kv
 
-    def _describe_cuda(self, kv: KVTensors) -> Any:
+    def _describe_cuda(self, kv: KVTensors, signals: int) -> Any:
         register_cuda = getattr(self.client, "register_cuda", None)
         try:
             from pegaflow.cuda_export import IpcEvents, export_kv
@@ -107,6 +117,7 @@ class Registrar:
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             replicated=self.replicated,
+            layer_signals=signals,
         )
 
     def register_now(self) -> bool:

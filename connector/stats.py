@@ -25,6 +25,7 @@ DOCS = {
     "load_bytes": "Bytes loaded from pegaflow",
     "load_seconds": "Seconds spent in Load calls",
     "load_failures": "Failed loads (blocks recomputed)",
+    "layerwise_loads": "Sync loads the forward waited for layer by layer",
     "save_blocks": "Blocks stored in pegaflow",
     "save_bytes": "Bytes stored in pegaflow",
     "save_seconds": "Seconds spent in Save calls",

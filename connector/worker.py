@@ -37,7 +37,9 @@ from .registrar import Registrar
 
 logger = logging.getLogger(__name__)
 
-IO_THREADS = 3  # a save, a sync load and an async load in flight at once
+IO_THREADS = 3
+SPINS = 2000  # polls of a layer signal word before napping between polls
+NAP_S = 50e-6  # a save, a sync load and an async load in flight at once
 
 
 class WorkerHalf:
@@ -63,7 +65,10 @@ class WorkerHalf:
         self._held: set[ReqId] = set()
         # Async loads: the step's one Load future and the job's index in it.
         self._recving: dict[ReqId, tuple[LoadJob, Future, int]] = {}
-        self._sync: list[tuple[list[LoadJob], Future]] = []
+        # Sync loads of this step: jobs, the Load future, its layer_seq (0: the
+        # forward waits for the whole load at its first layer).
+        self._sync: list[tuple[list[LoadJob], Future, int]] = []
+        self._layer_seq = 0
         self._done: Future = Future()  # a rank's empty save stripe
         self._done.set_result(None)
         self._errors: set[int] = set()
@@ -90,7 +95,11 @@ class WorkerHalf:
         sync = [job for job in plan.loads if job.sync]
         later = [job for job in plan.loads if not job.sync]
         if sync:  # first: the forward waits for it
-            self._sync.append((sync, self._submit(self._load, sync)))
+            seq = 0
+            if layer_waits and len(self.registrar.layer_signals):
+                self._layer_seq += 1
+                seq = self._layer_seq
+            self._sync.append((sync, self._submit(self._load, sync, seq), seq))
         if later:
             fut = self._submit(self._load, later)
             for i, job in enumerate(later):
@@ -98,9 +107,29 @@ class WorkerHalf:
         if not layer_waits:  # nothing will call wait_for_layer_load this step
             self.wait_sync_loads()
 
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Until this layer of the step's sync loads has landed: its signal
+        word holds the load's seq (the server writes it per layer), or the load
+        ended (a failure is collected by wait_sync_loads: vLLM recomputes)."""
+        layer = self.registrar.layer_index.get(layer_name)
+        if layer is None or any(seq == 0 for _, _, seq in self._sync):
+            self.wait_sync_loads()  # a load without layer signals: all of it
+            return
+        word = self.registrar.layer_signals[layer : layer + 1]
+        deadline = time.monotonic() + 2 * self.config.timeout_s
+        for _, fut, seq in self._sync:
+            spins = 0
+            while word[0] < seq and not fut.done():
+                spins += 1
+                if spins > SPINS:  # a layer takes ~0.1-1 ms: spin, then nap
+                    if time.monotonic() > deadline:
+                        self.wait_sync_loads()  # marks it failed, after its deadline
+                        return
+                    time.sleep(NAP_S)
+
     def wait_sync_loads(self) -> None:
         """Sync loads complete as a whole: the first layer's wait covers all."""
-        for jobs, fut in self._sync:
+        for jobs, fut, _ in self._sync:
             for i in self._load_failures(fut, len(jobs)):
                 self._errors.update(jobs[i].block_ids)
         self._sync.clear()
@@ -172,14 +201,16 @@ class WorkerHalf:
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         return self._pool.submit(fn, *args)
 
-    def _load(self, jobs: list[LoadJob]) -> set[int]:
+    def _load(self, jobs: list[LoadJob], layer_seq: int = 0) -> set[int]:
         """One Load for the jobs; the indexes of those that did not load."""
         start = time.perf_counter()
         items = [LoadItem(job.lease_id, job.block_ids) for job in jobs]
         try:
             if not self.registrar.registered:
                 raise UnknownInstance("not registered with the server")
-            res = self.client.load_many(self.instance_id, items, tp_rank=self.tp_rank)
+            res = self.client.load_many(
+                self.instance_id, items, tp_rank=self.tp_rank, layer_seq=layer_seq
+            )
         except PegaflowError as exc:
             self._failed("load", exc, len(jobs))
             return set(range(len(jobs)))
@@ -192,6 +223,7 @@ class WorkerHalf:
             load_blocks=res.loaded,
             load_bytes=res.bytes,
             load_failures=len(res.failed),
+            layerwise_loads=bool(layer_seq),
         )
         return set(res.failed)
 
@@ -237,7 +269,7 @@ class WorkerHalf:
     def shutdown(self) -> None:
         pending = [f for fs in self._saves.values() for f in fs]
         pending += [f for _, f, _ in self._recving.values()]
-        pending += [f for _, f in self._sync]
+        pending += [f for _, f, _ in self._sync]
         wait_all(pending, timeout=2 * self.config.timeout_s)
         self.registrar.close()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -89,6 +89,9 @@ def test_engine_b_hits_what_engine_a_saved(
         == counters["load_blocks"] * a.worker._worker.registrar.slot_bytes
     )
     assert counters["load_failures"] == 0
+    # Sync loads: the forward waited layer by layer on the server's signals
+    # (b.errors above: every layer's pages were right when its wait returned).
+    assert (counters["layerwise_loads"] > 0) is sync
     # One Load per step for every request's lease (all sync or all async here).
     assert max(loads_per_step) == len(batch)
     assert server.metric(
