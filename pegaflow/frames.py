@@ -151,8 +151,10 @@ def decode_load(body: bytes) -> tuple[str, int, list[LoadSpec], bool, int]:
     counts = table["count"].astype(np.int64)
     _check_length(body, ids_at + 4 * int(counts.sum()))
     flat = np.frombuffer(body, "<u4", int(counts.sum()), ids_at).astype(np.int64)
-    ends = np.cumsum(counts).tolist()
-    starts = [0, *ends[:-1]]
+    if not batch and n_items != 1:
+        raise InvalidRequest(f"items: {n_items} in a single-lease load, need 1")
+    ends = np.cumsum(counts)
+    starts, ends = (ends - counts).tolist(), ends.tolist()
     items = [
         (lease, offset, flat[a:b])
         for lease, offset, a, b in zip(

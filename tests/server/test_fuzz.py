@@ -12,7 +12,9 @@ fuzzed Load can never write outside memory this test owns.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,6 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pegaflow.client import PegaflowClient, allow_ptrace_from
+from pegaflow.errors import LeaseNotFound
+from pegaflow.frames import LOADING, encode_load, encode_query, encode_save
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from tests.kvbuf import LocalKV, hashes
@@ -431,6 +435,73 @@ def test_fuzz_raw_bytes(fz: Fuzz, method: str, bodies: list[bytes]) -> None:
     else:
         unary = fz.channel.unary_unary(path)
         raw_check(method, lambda: unary(bodies[0], timeout=TIMEOUT_S))
+
+
+# -- the unix-socket fast path ---------------------------------------------------
+FAST_BAD = {c.value[0] for c in BAD}
+
+
+def fast_exchange(fz: Fuzz, body: bytes) -> None:
+    """One whole frame on a fresh connection: some reply always comes back, an
+    acceptable status or OK, never a dropped connection or INTERNAL."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(TIMEOUT_S)
+        sock.connect(fz.client._fast_path)
+        sock.sendall(len(body).to_bytes(4, "little") + body)
+        sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply, "connection closed without a reply"
+    assert reply[0] == 0 or reply[0] == LOADING or reply[0] not in FAST_BAD, reply
+
+
+fast_ids = st.lists(
+    st.one_of(st.integers(0, BLOCKS + 2), st.integers(0, U32)), max_size=6
+)
+
+
+@settings(FUZZ, max_examples=120)
+@given(data=st.data())
+def test_fuzz_fast_path_frames(fz: Fuzz, data: st.DataObject) -> None:
+    kind = data.draw(st.sampled_from(["query", "save", "load", "raw"]))
+    instance = data.draw(st.sampled_from(INSTANCES))
+    rank = data.draw(st.one_of(st.integers(0, 2), st.integers(0, U32)))
+    if kind == "raw":
+        frame = data.draw(st.binary(max_size=80))
+    elif kind == "query":
+        hs = data.draw(
+            st.lists(
+                st.sampled_from(ANCHOR_HASHES) | st.binary(min_size=1, max_size=40)
+            )
+        )
+        frame = encode_query(instance, hs) or b"\x01"
+        frame = frame[4:]
+    elif kind == "save":
+        ids = data.draw(fast_ids)
+        hs = data.draw(
+            st.lists(
+                st.binary(min_size=1, max_size=40), min_size=len(ids), max_size=len(ids)
+            )
+        )
+        layers = data.draw(st.lists(st.integers(0, U32), max_size=3))
+        event = data.draw(st.integers(0, U32))
+        frame = encode_save(instance, rank, np.array(ids, np.int64), hs, layers, event)
+        frame = (frame or b"\x02")[4:]
+    else:
+        hit = fz.client.query("anchor", ANCHOR_HASHES)
+        lease = data.draw(st.sampled_from([hit.lease_id, 0, 1, U64]))
+        items = [
+            (lease, data.draw(st.integers(0, BLOCKS + 1)), np.array(ids, np.int64))
+            for ids in data.draw(st.lists(fast_ids, max_size=3))
+        ]
+        batch, seq = data.draw(st.booleans()), data.draw(st.sampled_from([0, 1, U64]))
+        frame = (encode_load(instance, rank, items, batch, seq) or b"\x03")[4:]
+        fast_exchange(fz, frame)
+        with contextlib.suppress(LeaseNotFound):  # unless the load consumed it
+            fz.client.release_lease(hit.lease_id)
+        return
+    fast_exchange(fz, frame)
 
 
 # -- afterwards -----------------------------------------------------------------
