@@ -15,7 +15,7 @@ from http.server import ThreadingHTTPServer
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pegaflow import cuda_driver
+from pegaflow import cuda_driver, gcpolicy
 from pegaflow.config import CudaConfig, ServerConfig, parse_addr
 from pegaflow.cuda_driver import HostRegistrar
 from pegaflow.engine import Engine
@@ -206,6 +206,7 @@ async def _sweep_forever(engine: Engine) -> None:
 
 async def serve(config: ServerConfig) -> None:
     """Run until SIGTERM/SIGINT; print one READY line for supervisors and tests."""
+    gcpolicy.install()
     running = await create_server(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
