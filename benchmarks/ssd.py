@@ -10,6 +10,14 @@ the payload checksum; index recovery time for 100k blocks.
 JSON: benchmarks/results/ssd.json (full, posix), ssd_<backend>.json for another
 backend, ssd_quick*.json for --quick (never over the full results), or --json.
 
+Each row is `--reps` pairs (default 3) of dd and the tier on the same number of
+bytes, alternating which goes first; dd writes with O_DIRECT in DD_BS requests
+(the tier's largest request) to a preallocated file, as the tier's files are,
+and both writes end with an fdatasync. A row reports the medians and the range
+of the per-pair ratios. A calibration before the rows gives dd against its
+block size. `--skew N` puts the source blocks N bytes off 4 KiB alignment, so
+the writers stage them through a copy instead of writing them in place.
+
 Queue depth = writer threads for spills, reader threads for loads: the number of
 record I/Os in flight. Every loaded block is checked by the tier against its
 64-bit checksum; the first batch of every row is also compared byte for byte.
@@ -20,7 +28,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import mmap
+import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -37,14 +47,26 @@ from pegaflow.gds.format import CHECKSUM_IDS, checksum_id, hasher  # noqa: E402
 NS = namespace_digest("bench", (1,))
 SOURCE_BYTES = 256 << 20  # the "pool": blocks cycle through it
 MiB = 1 << 20
+DD_BS = 16 * MiB  # = gds.tier.RUN_BYTES, the tier's largest request
 
 
-def dd(folder: Path, nbytes: int, bs: int, streams: int = 1) -> dict[str, float]:
+def dd(
+    folder: Path, nbytes: int, bs: int, streams: int = 1, prealloc: bool = True
+) -> dict[str, float]:
     """dd's own O_DIRECT write then read of nbytes in bs-sized requests, GB/s;
     `streams` dd processes at once on disjoint ranges (one request in flight
-    each), the wall time of the slowest."""
+    each), the wall time of the slowest. The target is preallocated
+    (posix_fallocate) like the tier's cache files, so both pay the same
+    conversion of unwritten extents on their first pass; the write's time
+    includes an fdatasync, as the tier's does."""
     target = folder / "dd.bin"
     count = max(1, nbytes // bs // streams)
+    if prealloc:
+        fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, streams * count * bs)
+        finally:
+            os.close(fd)
     out = {}
     for name, args, at in (
         (
@@ -125,6 +147,7 @@ def bench_row(
         for i in range(n):
             assert tier.spill(NS, keys[i], [addr[i]], block)
         tier.flush()
+        tier.store.io.sync()  # as dd's write is followed by a sync
         write_s = time.perf_counter() - t
         assert tier.stats().blocks_written == n, tier.stats()
         batch = min(n, 64)
@@ -196,6 +219,66 @@ def bench_recovery(
     return out
 
 
+def calibrate(folder: Path, total: int, reps: int) -> list[dict[str, object]]:
+    """dd against its block size (preallocated target, as the per-row dd), and
+    once without preallocation (how dd ran before run 3): medians of reps,
+    the sizes interleaved so drift spreads over all of them."""
+    runs: dict[tuple[int, bool], list[dict[str, float]]] = {}
+    cases = [(bs * MiB, True) for bs in (1, 4, 16, 64)] + [(DD_BS, False)]
+    for _ in range(reps):
+        for bs, pre in cases:
+            runs.setdefault((bs, pre), []).append(dd(folder, total, bs, prealloc=pre))
+    return [
+        {
+            "bs_MiB": bs >> 20,
+            "prealloc": pre,
+            "write_GBps": round(statistics.median(r["write"] for r in got), 3),
+            "read_GBps": round(statistics.median(r["read"] for r in got), 3),
+            "reps": [(round(r["write"], 3), round(r["read"], 3)) for r in got],
+        }
+        for (bs, pre), got in runs.items()
+    ]
+
+
+def paired_row(
+    folder: Path,
+    source: np.ndarray,
+    block: int,
+    depth: int,
+    total: int,
+    algo: str,
+    backend: str,
+    reps: int,
+) -> dict[str, object]:
+    """reps pairs of (dd, tier) on the same bytes, alternating which goes first
+    (ABBA: a drift within a pair falls on both sides equally often). Each
+    pair gives a ratio; the row reports medians and the ratios' range."""
+    pairs = []
+    for rep in range(reps):
+        n = max(depth * 4, total // block)
+        if rep % 2 == 0:
+            ceiling = dd(folder, n * block, DD_BS)
+            ours = bench_row(folder, source, block, depth, total, algo, backend)
+        else:
+            ours = bench_row(folder, source, block, depth, total, algo, backend)
+            ceiling = dd(folder, n * block, DD_BS)
+        pairs.append((ours, ceiling))
+    row = dict(pairs[0][0])
+    for op in ("write", "read"):
+        mine = [o[f"{op}_GBps"] for o, _ in pairs]
+        theirs = [c[op] for _, c in pairs]
+        ratios = [m / t for m, t in zip(mine, theirs, strict=True)]
+        row[f"{op}_GBps"] = round(statistics.median(mine), 3)
+        row[f"dd_{op}_GBps"] = round(statistics.median(theirs), 3)
+        row[f"{op}/dd"] = round(statistics.median(ratios), 2)
+        row[f"{op}/dd_min"] = round(min(ratios), 2)
+        row[f"{op}/dd_max"] = round(max(ratios), 2)
+        row[f"{op}_reps"] = [
+            (round(m, 3), round(t, 3)) for m, t in zip(mine, theirs, strict=True)
+        ]
+    return row
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="/var/tmp/pegaflow-ssd-bench", help="scratch dir")
@@ -204,6 +287,19 @@ def main() -> int:
     p.add_argument("--total", default=None, help="GiB per row (default 1, quick 0.25)")
     p.add_argument("--backend", default="posix", choices=("posix", "kvikio", "auto"))
     p.add_argument("--recovery-blocks", type=int, default=None, help="default 100k")
+    p.add_argument(
+        "--reps", type=int, default=None, help="dd/tier pairs per row (default 3)"
+    )
+    p.add_argument("--blocks", default=None, help="block sizes in KiB, comma-separated")
+    p.add_argument("--depths", default=None, help="queue depths, comma-separated")
+    p.add_argument("--skip-recovery", action="store_true")
+    p.add_argument(
+        "--skew",
+        type=int,
+        default=0,
+        help="bytes past 4 KiB alignment of every source block (not 0: the "
+        "writers stage blocks through a buffer instead of writing from them)",
+    )
     p.add_argument("--json", help="output path (default: see the module docstring)")
     args = p.parse_args()
     try:
@@ -217,47 +313,63 @@ def main() -> int:
         [256 << 10, 2 * MiB] if args.quick else [256 << 10, 1 * MiB, 2 * MiB, 8 * MiB]
     )
     depths = [1, 4] if args.quick else [1, 2, 4, 8]
+    if args.blocks:
+        blocks = [int(b) << 10 for b in args.blocks.split(",")]
+    if args.depths:
+        depths = [int(d) for d in args.depths.split(",")]
+    args.reps = args.reps or (1 if args.quick else 3)
     # page-aligned like the server's pool (one mmap'd region)
-    region = mmap.mmap(-1, SOURCE_BYTES)
-    source = np.frombuffer(region, np.uint8)
+    region = mmap.mmap(-1, SOURCE_BYTES + 4096)
+    source = np.frombuffer(region, np.uint8)[args.skew : args.skew + SOURCE_BYTES]
     source[:] = np.random.default_rng(1).integers(0, 256, SOURCE_BYTES, np.uint8)
-    # dd before and after the rows, 16 MiB and 1 MiB requests: the ceiling is
-    # the best of them (this VM's disk drifts by tens of percent between runs).
-    ceil = {f"dd_{bs >> 20}M_before": dd(folder, total, bs) for bs in (16 * MiB, MiB)}
-    cpu = cpu_ceilings(algo)
+    # The ceiling: dd with O_DIRECT on the same disk, bs = DD_BS (the tier's
+    # request size: a writer sends up to RUN_BYTES per request). The calibration
+    # shows dd against its block size, so the choice can be checked.
+    cpu = {a: cpu_ceilings(a) for a in sorted({algo, "blake2b"})}
+    calib = calibrate(folder, total, args.reps)
     rows = []
     for block in blocks:
         for depth in depths:
             rows.append(
-                bench_row(folder, source, block, depth, total, algo, args.backend)
+                paired_row(
+                    folder, source, block, depth, total, algo, args.backend, args.reps
+                )
             )
-            print(rows[-1], flush=True)
-    ceil |= {f"dd_{bs >> 20}M_after": dd(folder, total, bs) for bs in (16 * MiB, MiB)}
-    best = {op: max(c[op] for c in ceil.values()) for op in ("write", "read")}
-    # Not the ceiling of the issue's goal (that is dd as such, one request in
-    # flight), but what the disk gives at the depths the tier runs at.
-    ceil["dd_16M_x4"] = dd(folder, total, 16 * MiB, streams=4)
-    for row in rows:
-        row["write/dd"] = round(row["write_GBps"] / best["write"], 2)
-        row["read/dd"] = round(row["read_GBps"] / best["read"], 2)
+            r = rows[-1]
+            print(
+                f"{block >> 10} KiB x{depth}: write {r['write_GBps']} "
+                f"(dd {r['dd_write_GBps']}, ratio {r['write/dd']} "
+                f"[{r['write/dd_min']}-{r['write/dd_max']}]), read "
+                f"{r['read_GBps']} (dd {r['dd_read_GBps']}, ratio {r['read/dd']} "
+                f"[{r['read/dd_min']}-{r['read/dd_max']}])",
+                flush=True,
+            )
+    ceil = {"dd_16M_x4": dd(folder, total, DD_BS, streams=4)}
     n = args.recovery_blocks or (20_000 if args.quick else 100_000)
-    recovery = bench_recovery(folder, n, 4096, args.backend)
+    recovery = (
+        {} if args.skip_recovery else bench_recovery(folder, n, 4096, args.backend)
+    )
     folder.rmdir() if not any(folder.iterdir()) else None
-    cols = ["block_KiB", "depth", "GiB", "write_GBps", "read_GBps", "write/dd"]
-    print(table(rows, [*cols, "read/dd", "mode"]))
+    cols = ["block_KiB", "depth", "GiB", "write_GBps", "dd_write_GBps", "write/dd"]
+    cols += ["write/dd_min", "write/dd_max", "read_GBps", "dd_read_GBps", "read/dd"]
+    print(table(rows, [*cols, "read/dd_min", "read/dd_max"]))
+    print(table(calib, ["bs_MiB", "prealloc", "write_GBps", "read_GBps", "reps"]))
     for name, c in ceil.items():
         print(
             f"{name} O_DIRECT: write {c['write']:.3f} GB/s, read {c['read']:.3f} GB/s"
         )
-    print(
-        f"{algo} checksum {cpu['checksum']:.2f} GB/s, memcpy "
-        f"{cpu['memcpy']:.2f} GB/s (one thread)"
-    )
-    print(
-        f"index recovery of {recovery['blocks']} blocks: journal "
-        f"{recovery['recover_journal_s']} s, header scan {recovery['recover_scan_s']} "
-        f"s (spilling them took {recovery['spill_s']} s)"
-    )
+    for a, c in cpu.items():
+        print(
+            f"{a} checksum {c['checksum']:.2f} GB/s, memcpy "
+            f"{c['memcpy']:.2f} GB/s (one thread)"
+        )
+    if recovery:
+        print(
+            f"index recovery of {recovery['blocks']} blocks: journal "
+            f"{recovery['recover_journal_s']} s, header scan "
+            f"{recovery['recover_scan_s']} s (spilling them took "
+            f"{recovery['spill_s']} s)"
+        )
     name = "ssd" + ("_quick" if args.quick else "")
     name += "" if args.backend == "posix" else f"_{args.backend}"
     out = write_json(
@@ -266,8 +378,11 @@ def main() -> int:
             "command": " ".join(sys.argv),
             "backend": args.backend,
             "checksum": algo,
+            "skew": args.skew,
+            "reps": args.reps,
+            "dd_bs": DD_BS,
+            "dd_calibration": calib,
             "dd": ceil,
-            "dd_best": best,
             "cpu_one_thread": cpu,
             "rows": rows,
             "recovery": recovery,

@@ -35,12 +35,15 @@ The seam (all of it; the server needs nothing else)
         Event-loop safe, never blocks (one short lock, no I/O). Queues the block
         whose payload is `slot_bytes` at each address in `slots` (one per TP shard).
         True: `release()` will be called exactly once from a writer thread when
-        the slot bytes have been copied out (or the spill failed); the caller must
-        not reuse the slots before then. False: not queued (already on SSD or
-        queued, not admitted, queue full -> counted in spills_dropped, or closed);
-        release is not called, the caller frees the slots at once. A writer
+        the slot bytes have been written (or copied out, or the spill failed);
+        the caller must not reuse the slots before then. False: not queued
+        (already on SSD or queued, not admitted, queue full -> counted in
+        spills_dropped, or closed); release is not called, the caller frees the
+        slots at once. A writer
         takes the spills queued behind its next one (up to 16 MiB) and writes
-        them back to back in one request.
+        them back to back in one request: page-aligned slots of a multiple of
+        4 KiB straight from the pool (one gather pwritev, no copy), others
+        through a staging copy.
 
     tier.lookup(ns_digest, hashes) -> int
         Event-loop safe, lock-free: the length of the prefix of hashes on SSD.

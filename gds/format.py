@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,8 +67,28 @@ def _blake3(data: memoryview) -> int:
     return int.from_bytes(blake3.blake3(data).digest(8), "little")
 
 
+def _blake2b_parts(parts: Iterable[memoryview]) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        h.update(part)
+    return int.from_bytes(h.digest(), "little")
+
+
+def _blake3_parts(parts: Iterable[memoryview]) -> int:
+    import blake3
+
+    h = blake3.blake3()
+    for part in parts:
+        h.update(part)  # drops the GIL for large parts, as hashlib does
+    return int.from_bytes(h.digest(8), "little")
+
+
 CHECKSUM_IDS = {"blake2b": 1, "blake3": 2}
 _HASHERS: dict[int, Hasher] = {1: _blake2b, 2: _blake3}
+_PART_HASHERS: dict[int, Callable[[Iterable[memoryview]], int]] = {
+    1: _blake2b_parts,
+    2: _blake3_parts,
+}
 
 
 def _has_blake3() -> bool:
@@ -95,6 +115,17 @@ def hasher(checksum_id: int) -> Hasher:
         return _HASHERS[checksum_id]
     except KeyError:
         raise FormatError(f"unknown checksum id {checksum_id}") from None
+
+
+def hash_parts(checksum_id: int, parts: Iterable[memoryview]) -> int:
+    """The checksum of the parts' bytes back to back (as `hasher` of their
+    concatenation), without joining them: a payload hashed where it lies, in
+    its TP-shard slots."""
+    try:
+        fn = _PART_HASHERS[checksum_id]
+    except KeyError:
+        raise FormatError(f"unknown checksum id {checksum_id}") from None
+    return fn(parts)
 
 
 # -- superblock ------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 A backend moves bytes between a data file and host memory named by raw address
 and length (pool slots are raw addresses in the pool's mmap'd region). Offsets,
-lengths and addresses are 4 KiB-aligned: the store stages records through
-aligned buffers (`AlignedBuffer`), so O_DIRECT and GDS both apply.
+lengths and addresses are 4 KiB-aligned, so O_DIRECT and GDS both apply: a
+write gathers a run of records from header pages in an aligned buffer and
+payloads straight from the pool's slots where those are aligned; the store
+stages the rest through aligned buffers (`AlignedBuffer`).
 
 - `PosixIO`: os.preadv/os.pwritev on descriptors opened with O_DIRECT where the
   filesystem allows it, buffered otherwise (logged, and reported in `mode`).
@@ -28,6 +30,8 @@ from pegaflow.gds.format import ALIGN
 logger = logging.getLogger(__name__)
 
 BackendName = Literal["auto", "posix", "kvikio"]
+Part = tuple[int, int]  # (host address, bytes)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 DirectIO = Literal["auto", "on", "off"]
 
 
@@ -44,6 +48,11 @@ class FileIO(Protocol):
 
     def pread(self, file: int, address: int, nbytes: int, offset: int) -> None: ...
     def pwrite(self, file: int, address: int, nbytes: int, offset: int) -> None: ...
+    def pwritev(self, file: int, parts: Sequence[Part], offset: int) -> None:
+        """Write the (address, bytes) parts back to back from offset on, all
+        or an OSError (one request where the backend can: a gather write)."""
+        ...
+
     def sync(self) -> None: ...
     def close(self) -> None: ...
 
@@ -143,13 +152,23 @@ class PosixIO:
             raise _short("read", done, nbytes, file, offset)
 
     def pwrite(self, file: int, address: int, nbytes: int, offset: int) -> None:
-        view = host_view(address, nbytes)
-        done = 0
-        while done < nbytes:  # a regular file may take a long write in parts
-            n = os.pwritev(self.fds[file], [view[done:]], offset + done)
+        self.pwritev(file, [(address, nbytes)], offset)
+
+    def pwritev(self, file: int, parts: Sequence[Part], offset: int) -> None:
+        views = [host_view(a, n) for a, n in parts if n]
+        want = sum(len(v) for v in views)
+        done = i = 0
+        while i < len(views):  # IOV_MAX parts a call; a long write may come short
+            n = os.pwritev(self.fds[file], views[i : i + IOV_MAX], offset + done)
             if n <= 0:
-                raise _short("write", done, nbytes, file, offset)
+                raise _short("write", done, want, file, offset)
             done += n
+            while n:
+                if n >= len(views[i]):
+                    n -= len(views[i])
+                    i += 1
+                else:
+                    views[i], n = views[i][n:], 0
 
     def sync(self) -> None:
         for fd in self.fds:

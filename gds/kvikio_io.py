@@ -114,6 +114,25 @@ class KvikioIO:
         fut = self.files[file].pwrite(self._host(address, nbytes), nbytes, offset)
         check(fut.get(), nbytes, "write", offset)
 
+    def pwritev(self, file: int, parts: Sequence[tuple[int, int]], offset: int) -> None:
+        """One kvikio write per part, all in flight at once; every one is waited
+        for before this returns or raises (the caller reuses the memory)."""
+        futures = []
+        at = offset
+        for address, nbytes in parts:
+            if nbytes:
+                fut = self.files[file].pwrite(self._host(address, nbytes), nbytes, at)
+                futures.append((fut, nbytes, at))
+            at += nbytes
+        failed: BaseException | None = None
+        for fut, nbytes, at in futures:
+            try:
+                check(fut.get(), nbytes, "write", at)
+            except BaseException as exc:  # wait for the rest all the same
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+
     def sync(self) -> None:
         # CuFile exposes no fsync; a descriptor of our own flushes the same inode.
         for path in self.paths:

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,15 +23,17 @@ from pegaflow.gds import journal, scan
 from pegaflow.gds.config import SsdConfig
 from pegaflow.gds.files import prepare
 from pegaflow.gds.format import (
+    ALIGN,
     HEADER_BYTES,
     SUPERBLOCK_BYTES,
     FormatError,
     RecordHeader,
     checksum_id,
+    hash_parts,
     hasher,
     record_bytes,
 )
-from pegaflow.gds.io import AlignedBuffer, SsdError, open_backend
+from pegaflow.gds.io import AlignedBuffer, Part, SsdError, host_view, open_backend
 from pegaflow.gds.ring import BlockHash, Index, NsDigest, Record, Ring, State
 
 logger = logging.getLogger(__name__)
@@ -242,41 +245,54 @@ class SsdStore:
                 count //= 2
         return None
 
-    def write(self, rec: Record, buf: AlignedBuffer) -> bool:
-        """Write one record staged in buf (see write_run)."""
-        return self.write_run([rec], buf)
+    def write_run(
+        self,
+        run: list[Record],
+        payloads: Sequence[Sequence[Part]],
+        buf: AlignedBuffer,
+        on_copied: Callable[[], None] | None = None,
+    ) -> bool:
+        """Write a run of reserved, back-to-back records in one request and
+        commit it; False when the write failed (the run is dropped, counted).
+        Outside the lock.
 
-    def write_run(self, run: list[Record], buf: AlignedBuffer) -> bool:
-        """Checksum each record's payload, staged in buf at the record's place
-        relative to the run (header page first, then the payload), put the
-        headers in front, write the run in one request and commit it. Outside
-        the lock."""
-        base = run[0].offset
-        nbytes = run[-1].offset + run[-1].length - base
+        payloads[i] is record i's payload as (address, bytes) parts laid back
+        to back: its TP-shard slots. A record whose parts are all 4 KiB-aligned
+        in address and length is written straight from them (a gather write:
+        no copy); any other is copied into buf first, with its padding zeroed.
+        Header pages are built in buf. `on_copied` is called exactly once, as
+        soon as no payload byte is needed any more (after the copies when every
+        record is staged, after the write otherwise) and before the commit;
+        if it raises, the run is dropped and the exception propagates."""
+        pending = [on_copied]
+
+        def copied() -> None:
+            fn, pending[0] = pending[0], None
+            if fn is not None:
+                fn()
+
         try:
-            for rec in run:
-                at = rec.offset - base
-                payload = buf.view(
-                    at + HEADER_BYTES, at + HEADER_BYTES + rec.payload_len
+            iov, in_place = self._gather(run, payloads, buf)
+            if not in_place:
+                copied()  # all staged: the slots are free before the write
+            try:
+                self.io.pwritev(run[0].file, iov, run[0].offset)
+            except OSError as exc:
+                logger.warning(
+                    "ssd write of %d B failed: %s",
+                    run[-1].offset + run[-1].length - run[0].offset,
+                    exc,
                 )
-                rec.checksum = hasher(rec.checksum_id)(payload)
-                page = buf.view(at, at + HEADER_BYTES)
-                page[:] = _ZERO_PAGE  # no stale bytes from the last run
-                RecordHeader(
-                    rec.ns_digest,
-                    rec.block_hash,
-                    self.store_id,
-                    rec.seq,
-                    rec.payload_len,
-                    rec.checksum,
-                    rec.checksum_id,
-                ).pack_into(page)
-            self.io.pwrite(run[0].file, buf.address, nbytes, base)
-        except OSError as exc:
-            logger.warning("ssd write of %d B failed: %s", nbytes, exc)
+                for rec in run:
+                    self._drop(rec, "write_errors")
+                return False
+            copied()
+        except BaseException:
             for rec in run:
-                self._drop(rec, "write_errors")
-            return False
+                self.abort(rec)  # never leave its space busy
+            raise
+        finally:
+            copied()  # a failure before the write: the slots are the caller's
         with self.lock:
             for rec in run:
                 rec.state = State.LIVE
@@ -289,6 +305,68 @@ class SsdStore:
             self._maybe_compact()
         self._maybe_sync()
         return True
+
+    def _gather(
+        self,
+        run: list[Record],
+        payloads: Sequence[Sequence[Part]],
+        buf: AlignedBuffer,
+    ) -> tuple[list[Part], bool]:
+        """Checksum each payload, build its header page in buf, stage the
+        payloads that cannot be written in place. Returns the run's parts in
+        file order (contiguous ones merged) and whether any payload is written
+        in place."""
+        direct = [
+            all(a % ALIGN == 0 and n % ALIGN == 0 for a, n in parts)
+            for parts in payloads
+        ]
+        buf.ensure(
+            sum(
+                HEADER_BYTES if d else rec.length
+                for rec, d in zip(run, direct, strict=True)
+            )
+        )
+        iov: list[Part] = []
+        at = 0
+        for rec, parts, d in zip(run, payloads, direct, strict=True):
+            if sum(n for _, n in parts) != rec.payload_len:
+                raise ValueError(f"payload of {rec.payload_len} B given in other parts")
+            head = buf.address + at
+            if d:
+                views = [host_view(a, n) for a, n in parts]
+                iov.append((head, HEADER_BYTES))
+                iov.extend(parts)
+                at += HEADER_BYTES
+            else:
+                dst = head + HEADER_BYTES
+                for a, n in parts:
+                    ctypes.memmove(dst, a, n)
+                    dst += n
+                ctypes.memset(dst, 0, rec.length - HEADER_BYTES - rec.payload_len)
+                start = at + HEADER_BYTES
+                views = [buf.view(start, start + rec.payload_len)]
+                iov.append((head, rec.length))
+                at += rec.length
+            rec.checksum = hash_parts(rec.checksum_id, views)
+            page = buf.view(head - buf.address, head - buf.address + HEADER_BYTES)
+            page[:] = _ZERO_PAGE  # no stale bytes from the last run
+            RecordHeader(
+                rec.ns_digest,
+                rec.block_hash,
+                self.store_id,
+                rec.seq,
+                rec.payload_len,
+                rec.checksum,
+                rec.checksum_id,
+            ).pack_into(page)
+        merged: list[Part] = [iov[0]]
+        for a, n in iov[1:]:
+            last_a, last_n = merged[-1]
+            if last_a + last_n == a:
+                merged[-1] = (last_a, last_n + n)
+            else:
+                merged.append((a, n))
+        return merged, any(direct)
 
     def abort(self, rec: Record) -> None:
         """Give up a record still being written (an error before its commit)."""

@@ -8,7 +8,7 @@ lock-free dictionary reads. Nothing here touches the asyncio loop.
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import logging
 import queue
 import threading
@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from pegaflow.gds.config import SsdConfig
-from pegaflow.gds.format import HEADER_BYTES, check_key
+from pegaflow.gds.format import check_key
 from pegaflow.gds.io import AlignedBuffer
-from pegaflow.gds.ring import BlockHash, NsDigest, Record
+from pegaflow.gds.ring import BlockHash, NsDigest
 from pegaflow.gds.store import SsdStore
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,8 @@ class SsdTier:
         address in `slots` (one per TP shard), back to back. Never blocks.
 
         True: queued; `release` is then called exactly once, from a writer thread,
-        as soon as the slots' bytes are no longer needed (copied out, or the spill
+        as soon as the slots' bytes are no longer needed (written to disk, or
+        copied out where the slots are not 4 KiB-aligned, or the spill
         failed): until then the caller keeps the slots from being reused. False:
         not queued (already on SSD or queued, not admitted, queue full, closed);
         `release` is not called and the slots are the caller's again at once."""
@@ -197,8 +198,18 @@ class SsdTier:
 
     def _write_batch(self, batch: list[_Spill], buf: AlignedBuffer) -> None:
         """Reserve runs of back-to-back space for the batch (as much of it as one
-        ring takes at a time), stage each run in buf, release the slots, write."""
+        ring takes at a time) and write each run in one request: payloads
+        straight from their slots where aligned, staged in buf otherwise. The
+        slots are released once written (or copied), before the commit."""
         released = 0
+
+        def release(items: list[_Spill]) -> None:
+            nonlocal released
+            for item in items:
+                released += 1
+                if item.release is not None:
+                    item.release()
+
         try:
             while released < len(batch):
                 rest = batch[released:]
@@ -207,30 +218,15 @@ class SsdTier:
                 )
                 if not run:
                     return  # counted as no_space; the finally releases the rest
-                try:
-                    self._stage(rest[: len(run)], run, buf)
-                    for item in rest[: len(run)]:
-                        released += 1
-                        if item.release is not None:
-                            item.release()
-                    self.store.write_run(run, buf)
-                except BaseException:
-                    for rec in run:
-                        self.store.abort(rec)  # never leave its space busy
-                    raise
+                items = rest[: len(run)]
+                payloads = [[(a, i.slot_bytes) for a in i.slots] for i in items]
+                self.store.write_run(
+                    run, payloads, buf, functools.partial(release, items)
+                )
         finally:
             for item in batch[released:]:
                 if item.release is not None:
                     item.release()
-
-    @staticmethod
-    def _stage(items: list[_Spill], run: list[Record], buf: AlignedBuffer) -> None:
-        base = run[0].offset
-        buf.ensure(run[-1].offset + run[-1].length - base)
-        for item, rec in zip(items, run, strict=True):
-            at = buf.address + rec.offset - base + HEADER_BYTES
-            for i, addr in enumerate(item.slots):
-                ctypes.memmove(at + i * item.slot_bytes, addr, item.slot_bytes)
 
     # -- lookup and load ---------------------------------------------------------------
     def lookup(self, ns_digest: NsDigest, hashes: list[BlockHash]) -> int:

@@ -4,7 +4,8 @@ event loop only.
 
 Spill: BlockStore calls `spill(key, slots)` when it evicts a ready block. If the
 tier queues it, the slots stay allocated (out of the allocator's reach) until the
-tier's writer has copied them out and its `release` callback hands them back to
+tier's writer has written them (straight from the slots where they are 4 KiB-
+aligned, else through a copy) and its `release` callback hands them back to
 the loop; otherwise BlockStore frees them at once. A save never waits for the SSD,
 so an allocation at a full pool evicts until a victim's spill is refused (queue
 full): one burst moves up to --ssd-queue-blocks LRU blocks to SSD, and their
@@ -88,8 +89,8 @@ class SsdLink:
     def _release(
         self, loop: asyncio.AbstractEventLoop, slots: np.ndarray, nbytes: int
     ) -> None:
-        """From a writer thread: the slots' bytes are copied out; the allocator
-        is the loop's, so the free runs there."""
+        """From a writer thread: the slots' bytes are written (or copied out);
+        the allocator is the loop's, so the free runs there."""
         try:
             loop.call_soon_threadsafe(self._released, slots, nbytes)
         except RuntimeError:  # loop closed at shutdown: the pool goes with it

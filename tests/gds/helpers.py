@@ -3,6 +3,7 @@ for pool slots, and one-call spill / load-and-check."""
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +21,8 @@ MODES = {
     "posix": ("posix-odirect", "posix-buffered"),
     "kvikio": ("kvikio-compat", "kvikio-gds"),
 }.get(BACKEND, ("posix-odirect", "posix-buffered", "kvikio-compat", "kvikio-gds"))
-SLOT_CRASH = 20000
+SLOT_CRASH = 20000  # not a multiple of 4 KiB: staged
+SLOT_CRASH_ALIGNED = 20480  # 5 pages: written in place from aligned memory
 
 
 def config(
@@ -50,19 +52,33 @@ def block(i: int, shards: int, slot_bytes: int) -> np.ndarray:
     return np.random.default_rng(i).integers(0, 256, (shards, slot_bytes), np.uint8)
 
 
+def page_aligned(arr: np.ndarray) -> np.ndarray:
+    """A copy of arr in page-aligned memory, as the server's pool slots are:
+    rows of a multiple of 4 KiB are then written to disk in place."""
+    region = mmap.mmap(-1, max(arr.nbytes, 1))
+    out = np.frombuffer(region, np.uint8)[: arr.nbytes].reshape(arr.shape)
+    out[...] = arr
+    return out
+
+
 def addresses(arr: np.ndarray) -> list[int]:
     return [int(row.ctypes.data) for row in arr]
 
 
 def spill(
-    tier: SsdTier, ids: list[int], shards: int = 1, slot_bytes: int = 16384
+    tier: SsdTier,
+    ids: list[int],
+    shards: int = 1,
+    slot_bytes: int = 16384,
+    aligned: bool = False,
 ) -> int:
     """Spill blocks, a queue's worth at a time, and wait until they are written;
-    returns how many were queued."""
+    returns how many were queued. aligned: from page-aligned memory."""
     queued = 0
     step = tier.config.queue_blocks
+    copy = page_aligned if aligned else np.ascontiguousarray
     for start in range(0, len(ids), step):
-        held = [block(i, shards, slot_bytes) for i in ids[start : start + step]]
+        held = [copy(block(i, shards, slot_bytes)) for i in ids[start : start + step]]
         for i, data in zip(ids[start : start + step], held, strict=True):
             queued += tier.spill(NS, key(i), addresses(data), slot_bytes)
         assert tier.flush(timeout=30)

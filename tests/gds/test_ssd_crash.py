@@ -13,17 +13,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.gds.helpers import SLOT_CRASH, config, load, opened
+from tests.gds.helpers import SLOT_CRASH, SLOT_CRASH_ALIGNED, config, load, opened
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _spill_then_kill(folder: Path, start: int, until: int) -> int:
+def _spill_then_kill(folder: Path, start: int, until: int, aligned: bool) -> int:
     """Run the writer until it reports `until` durable blocks, then SIGKILL it
     while its next batch is in flight; returns the last durable count."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.gds.spill_child", str(folder), str(start)],
+        [
+            sys.executable,
+            "-m",
+            "tests.gds.spill_child",
+            str(folder),
+            str(start),
+            *(["aligned"] if aligned else []),
+        ],
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,
@@ -45,15 +52,19 @@ def _spill_then_kill(folder: Path, start: int, until: int) -> int:
     return durable
 
 
+@pytest.mark.parametrize("slots", ["staged", "in_place"])
 @pytest.mark.parametrize("rebuild", ["journal", "scan"])
-def test_kill_9_mid_spill_then_reopen(tmp_path: Path, rebuild: str) -> None:
+def test_kill_9_mid_spill_then_reopen(tmp_path: Path, rebuild: str, slots: str) -> None:
     """rebuild="scan": the journal is lost with the crash too; the index comes
-    back from the record headers, torn writes dropped by their checksums."""
+    back from the record headers, torn writes dropped by their checksums.
+    slots="in_place": page-aligned slots, written to disk without a copy."""
+    aligned = slots == "in_place"
+    slot = SLOT_CRASH_ALIGNED if aligned else SLOT_CRASH
     cfg = config(tmp_path, capacity=64 << 20, queue_blocks=16)
     must: list[int] = []  # blocks some writer had flushed before its kill
     start = 0
     for until in (160, 400):
-        durable = _spill_then_kill(tmp_path, start, until)
+        durable = _spill_then_kill(tmp_path, start, until, aligned)
         must += range(start, durable)
         if rebuild == "scan":
             os.unlink(cfg.journal_path)
@@ -63,7 +74,7 @@ def test_kill_9_mid_spill_then_reopen(tmp_path: Path, rebuild: str) -> None:
             found = sorted(int(h[len(b"block-") :]) for t in tables for h in t)
             assert len(found) == tier.store.recovery.blocks
             assert set(must) <= set(found)
-            assert load(tier, found, slot_bytes=SLOT_CRASH).all()  # every byte
+            assert load(tier, found, slot_bytes=slot).all()  # every byte
             st = tier.stats()
             assert st.checksum_failures == 0 and st.header_mismatches == 0
         start = found[-1] + 64  # the next writer starts past anything torn
