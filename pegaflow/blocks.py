@@ -20,6 +20,7 @@ import numpy as np
 from pegaflow.instances import Namespace
 from pegaflow.policy import EvictionPolicy
 from pegaflow.pool import SlabAllocator, SlotClass
+from pegaflow.ready_index import PackedHashes, ReadyIndex
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class BlockEntry:
     ready: bool = False
     pins: int = 0
     created: float = field(default_factory=time.monotonic)
+    row: int = -1  # in its namespace's ReadyIndex, while ready
 
     def slot_array(self) -> np.ndarray:
         return np.array([s for s in self.slots if s], np.uint64)
@@ -83,9 +85,9 @@ class BlockStore:
         self.slabs = slabs
         self.policy = policy
         self.entries: dict[Key, BlockEntry] = {}
-        # Complete blocks per namespace, keyed by bare hash: the prefix query
-        # looks them up with one C-level map() and no key tuples.
-        self._ready: dict[int, dict[BlockHash, BlockEntry]] = {}
+        # Complete blocks per namespace: the prefix query probes all its hashes
+        # at once (a dict lookup per hash misses the caches in a big index).
+        self._ready: dict[int, ReadyIndex] = {}
         self.counters = StoreCounters()
         # Leases pin lazily: their entries are counted only when an eviction
         # needs to know, so a lease released before then costs no per-block work
@@ -99,7 +101,7 @@ class BlockStore:
 
     @property
     def resident_ready(self) -> int:
-        return sum(len(table) for table in self._ready.values())
+        return sum(map(len, self._ready.values()))
 
     def pin_lease(self, lease_id: int, entries: list[BlockEntry]) -> None:
         self._unflushed[lease_id] = entries
@@ -123,20 +125,21 @@ class BlockStore:
         return self.lookup(ns, hashes)[0]
 
     def lookup(
-        self, ns: Namespace, hashes: list[BlockHash]
-    ) -> tuple[list[BlockEntry], list[BlockEntry | None]]:
-        """The ready prefix, and the probe past it: None where a block is not
-        ready (the first always), the entry where a ready block sits behind the
-        miss. The miss breakdown (pegaflow.misses) reads the second list."""
-        table = self._ready.get(ns.id, {})
-        rest: list[BlockEntry | None] = []
-        try:  # all ready (the common answer): no scan for the first miss
-            found = list(map(table.__getitem__, hashes))
-        except KeyError:
-            found = list(map(table.get, hashes))
-            cut = found.index(None)
-            rest = found[cut:]
-            del found[cut:]
+        self, ns: Namespace, hashes: list[BlockHash] | PackedHashes
+    ) -> tuple[list[BlockEntry], np.ndarray]:
+        """The ready prefix, and the probe past it: whether each block from the
+        first miss on is ready (False for the first; empty when all hit). A
+        ready block behind the miss is what the miss breakdown
+        (pegaflow.misses) counts as resident."""
+        index = self._ready.get(ns.id)
+        if index is None:
+            found, rest = [], np.zeros(len(hashes), bool)
+        elif isinstance(hashes, PackedHashes):
+            found, rest = index.prefix(hashes)
+        elif index.probes(len(hashes)) and len(set(map(len, hashes))) == 1:
+            found, rest = index.prefix(PackedHashes.pack(hashes, len(hashes[0])))
+        else:
+            found, rest = index.prefix_listed(hashes)
         if found:
             self._untouched.append(found)
             if len(self._untouched) == 1:
@@ -254,7 +257,10 @@ class BlockStore:
 
     def _make_ready(self, entry: BlockEntry) -> None:
         entry.ready = True
-        self._ready.setdefault(entry.key[0], {})[entry.key[1]] = entry
+        index = self._ready.get(entry.key[0])
+        if index is None:
+            index = self._ready[entry.key[0]] = ReadyIndex()
+        index.add(entry)
         self.policy.insert(entry.key)
 
     def _allocate(self, cls: SlotClass, n: int) -> np.ndarray:
@@ -286,7 +292,7 @@ class BlockStore:
             entry = self.entries.pop(key)
             slots = [s for s in entry.slots if s]
             if entry.ready:
-                del self._ready[key[0]][key[1]]
+                self._ready[key[0]].remove(entry)
                 # A spilled block's slots stay allocated until the tier wrote them.
                 if self.spill is not None and self.spill(
                     key, np.asarray(slots, np.uint64)

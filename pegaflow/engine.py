@@ -29,6 +29,7 @@ from pegaflow.metrics import Metrics
 from pegaflow.misses import HitRateTracker, RecordingPolicy
 from pegaflow.policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
 from pegaflow.pool import HostPool
+from pegaflow.ready_index import PackedHashes
 from pegaflow.results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
 from pegaflow.ssd import SsdLink
 
@@ -192,15 +193,23 @@ class Engine:
 
     # -- query ----------------------------------------------------------------
     def query(
-        self, instance_id: str, hashes: list[BlockHash], hash_len: int | None = None
+        self,
+        instance_id: str,
+        hashes: list[BlockHash] | PackedHashes,
+        hash_len: int | None = None,
     ) -> QueryResult:
-        """hash_len: the length every hash is known to have (a fast-path frame)."""
+        """hashes: a list (gRPC) or a fast-path frame's packed run, which stays
+        packed unless a miss needs the SSD tier. hash_len: the length every
+        hash is known to have (a fast-path frame)."""
         inst = self.registry.instance(instance_id)
+        if isinstance(hashes, PackedHashes):
+            hash_len = hashes.hash_len
         check_hashes(hashes, self.config.max_blocks_per_request, hash_len)
         ns = inst.namespace
         hits, rest = self.store.lookup(ns, hashes)
-        if self.ssd is not None and rest:
-            n, started = self.ssd.loading(ns, hashes, len(hits))
+        if self.ssd is not None and len(rest):
+            listed = hashes.list() if isinstance(hashes, PackedHashes) else hashes
+            n, started = self.ssd.loading(ns, listed, len(hits))
             if n:
                 # Counted once, when the load starts: the engine's polls while
                 # it runs are waits, not new requests; its final ready answer

@@ -58,16 +58,10 @@ def hash64(hashes: Sequence[bytes], hash_len: int | None = None) -> np.ndarray:
     if hash_len is None:
         lengths = np.fromiter(map(len, hashes), np.int64, n)
         hash_len = int(lengths[0]) if (lengths == lengths[0]).all() else None
-    if hash_len is not None and hash_len >= 8:
-        # A strided view of each hash's first 8 bytes; the copy makes it dense.
-        view = np.dtype({"names": ["h"], "formats": ["<u8"], "itemsize": hash_len})
-        return np.frombuffer(joined, view)["h"].copy()
-    if hash_len is None:
-        ends = np.cumsum(lengths)
-        starts = ends - lengths
-    else:
-        lengths = np.full(n, hash_len, np.int64)
-        starts = np.arange(n, dtype=np.int64) * hash_len
+    if hash_len is not None:
+        return packed_hash64(joined, 0, hash_len, n)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
     buf = np.frombuffer(joined + bytes(8), np.uint8)
     cols = np.arange(8)
     grid = buf[starts[:, None] + cols]
@@ -76,6 +70,19 @@ def hash64(hashes: Sequence[bytes], hash_len: int | None = None) -> np.ndarray:
     short = lengths < 8
     out[short] = splitmix64(out[short] ^ (lengths[short].astype(np.uint64) << 56))
     return out
+
+
+def packed_hash64(buf: bytes, offset: int, hash_len: int, count: int) -> np.ndarray:
+    """hash64 of count hashes of hash_len bytes, back to back in buf from offset."""
+    if count == 0:
+        return np.empty(0, np.uint64)
+    if hash_len >= 8:
+        # A strided view of each hash's first 8 bytes; the copy makes it dense.
+        return np.ndarray((count,), "<u8", buf, offset, (hash_len,)).copy()
+    grid = np.zeros((count, 8), np.uint8)
+    raw = np.frombuffer(buf, np.uint8, count * hash_len, offset)
+    grid[:, :hash_len] = raw.reshape(count, hash_len)
+    return splitmix64(grid.view("<u8").ravel() ^ np.uint64(hash_len << 56))
 
 
 def hash64_batches(

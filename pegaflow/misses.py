@@ -22,8 +22,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, groupby, repeat
-from operator import is_not
+from itertools import groupby
 from typing import Literal
 
 import numpy as np
@@ -32,6 +31,7 @@ from pegaflow.config import HitRateConfig
 from pegaflow.hll import WindowSet, WindowStats, hash64, hash64_batches, splitmix64
 from pegaflow.instances import Namespace
 from pegaflow.policy import EvictionPolicy, Protected
+from pegaflow.ready_index import PackedHashes
 
 Cause = Literal["compulsory", "capacity", "admission", "remote"]
 CAUSES: tuple[Cause, ...] = ("compulsory", "capacity", "admission", "remote")
@@ -177,9 +177,13 @@ class _Namespace:
     resident: int = 0
 
 
-# A logged query: (namespace, hashes, hits, blocks probed past the prefix, length,
-# hits of those from ssd)
-_Query = tuple[Namespace, Sequence[bytes], int, list, "int | None", int]
+# Hashes as a query brings them: a list (gRPC), or packed (the fast path), whose
+# hash64 the index probe computed already and whose bytes are never decoded
+# unless a remote probe asks for the misses.
+Hashes = Sequence[bytes] | PackedHashes
+# A logged query: (namespace, hashes, hits, readiness of the blocks past the
+# prefix, length, hits of those from ssd)
+_Query = tuple[Namespace, Hashes, int, np.ndarray, "int | None", int]
 
 
 class HitRateTracker:
@@ -209,15 +213,15 @@ class HitRateTracker:
     def query(
         self,
         ns: Namespace,
-        hashes: Sequence[bytes],
+        hashes: Hashes,
         hits: int,
-        rest: list,
+        rest: np.ndarray,
         hash_len: int | None = None,
         ssd: int = 0,
     ) -> None:
-        """rest: the probe past the prefix, None where a block was not ready
-        (see BlockStore.lookup). hits counts every tier; the last `ssd` of them
-        came from the SSD tier."""
+        """rest: whether each block past the prefix is ready (see
+        BlockStore.lookup). hits counts every tier; the last `ssd` of them came
+        from the SSD tier."""
         self._log.append((ns, hashes, hits, rest, hash_len, ssd))
         self._pending += len(hashes)
         if self._pending >= _MAX_PENDING:
@@ -264,10 +268,7 @@ class HitRateTracker:
             if state is None:
                 windows = WindowSet(self.config.windows_s, self.config.bucket_bits)
                 state = self._namespaces[ns_id] = _Namespace(events[0][0].name, windows)
-            lens = {e[4] for e in events}
-            h64 = hash64_batches(
-                [e[1] for e in events], lens.pop() if len(lens) == 1 else None
-            )
+            h64 = self._hash64(events)
             hits = sum(e[2] for e in events)
             state.windows.add(h64, hits, now)
             from_ssd = sum(e[5] for e in events)
@@ -291,23 +292,38 @@ class HitRateTracker:
         ids = np.full(total, ns_id, np.uint64)
         causes = self.ghost.lookup(fingerprints(ids, h64[pos]))
         if self._remote is not None:
-            missed_hashes = [h for e in events for h in e[1][e[2] :]]
+            missed_hashes = [h for e in events for h in _listed(e[1])[e[2] :]]
             causes[self._remote(ns_id, missed_hashes)] = REMOTE
-        resident = self._resident(events, total)
+        resident = self._resident(events)
         if resident is not None:
             causes = np.where(resident, causes[first], causes)
             state.resident += int(resident.sum())
         state.causes += np.bincount(causes, minlength=len(CAUSES))
 
     @staticmethod
-    def _resident(events: list[_Query], total: int) -> np.ndarray | None:
+    def _hash64(events: list[_Query]) -> np.ndarray:
+        """hash64 of every logged hash, in order; packed queries bring theirs."""
+        parts: list[np.ndarray] = []
+        for packed, run in groupby(events, key=lambda e: type(e[1]) is PackedHashes):
+            batch = list(run)
+            if packed:
+                parts += [e[1].h64 for e in batch]
+                continue
+            lens = {e[4] for e in batch}
+            parts.append(
+                hash64_batches(
+                    [e[1] for e in batch], lens.pop() if len(lens) == 1 else None
+                )
+            )
+        return np.concatenate(parts)
+
+    @staticmethod
+    def _resident(events: list[_Query]) -> np.ndarray | None:
         """Which missed blocks were ready behind their prefix's first miss;
-        None when none was (the usual case, found by a C-level count)."""
-        rests = [e[3] for e in events if e[3]]
-        if all(rest.count(None) == len(rest) for rest in rests):
+        None when none was (the usual case)."""
+        if not any(e[3].any() for e in events):
             return None
-        flat = chain.from_iterable(rests)
-        return np.fromiter(map(is_not, flat, repeat(None)), bool, total)
+        return np.concatenate([e[3] for e in events])
 
     # -- reading --------------------------------------------------------------
     def snapshot(self, now: float | None = None) -> list[NamespaceStats]:
@@ -330,3 +346,7 @@ class HitRateTracker:
         return self.ghost.nbytes + sum(
             s.windows.nbytes for s in self._namespaces.values()
         )
+
+
+def _listed(hashes: Hashes) -> Sequence[bytes]:
+    return hashes.list() if isinstance(hashes, PackedHashes) else hashes

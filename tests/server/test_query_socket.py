@@ -37,7 +37,8 @@ def test_frame_round_trip() -> None:
     hs = hashes(5)
     frame = encode_query("inst-é", hs)
     assert int.from_bytes(frame[:4], "little") == len(frame) - 4
-    assert decode_query(frame[4:]) == ("inst-é", hs, 32)
+    ident, packed, size = decode_query(frame[4:])
+    assert (ident, packed.list(), size) == ("inst-é", hs, 32)
     assert encode_query("i", [b"a" * 32, b"b" * 8]) is None  # mixed: use gRPC
     assert encode_query("inst-é", hs, hash_len=32) == frame
     # a wrong word is caught by the total, then by the full check
@@ -45,7 +46,8 @@ def test_frame_round_trip() -> None:
     assert encode_query("i", [b"a" * 8, b"b" * 8], hash_len=32) == encode_query(
         "i", [b"a" * 8, b"b" * 8]
     )
-    assert decode_query(encode_query("i", [])[4:]) == ("i", [], 1)
+    ident, packed, size = decode_query(encode_query("i", [])[4:])
+    assert (ident, packed.list(), size) == ("i", [], 1)
     with pytest.raises(InvalidRequest, match="frame"):
         decode_query(frame[4:-1])
 

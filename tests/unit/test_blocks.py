@@ -5,11 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pegaflow import ready_index
 from pegaflow.blocks import BlockStore
 from pegaflow.instances import Namespace
 from pegaflow.leases import LeaseTable
 from pegaflow.policy import AdmissionPolicy, LRUPolicy, TinyLFU
 from pegaflow.pool import SlabAllocator
+from pegaflow.ready_index import DICT_BELOW, PackedHashes
 
 SLOT = 4096
 
@@ -165,3 +167,28 @@ def test_slow_tier_reservation_takes_whole_blocks_only() -> None:
     store.finish_load(got, np.array([True]))
     assert len(store.longest_prefix(ns, _h(1, 2))) == 1
     assert _save(store, ns, _h(1), rank=1) == (0, 1, 0)  # ready: dedup
+
+
+def test_large_packed_queries_take_the_hash_table_through_evictions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fast-path query of DICT_BELOW+ hashes probes the numpy table (here
+    from the first block on): hits up to the first miss, the ready blocks
+    behind it flagged, evicted blocks gone from it, and a list query of the
+    same hashes agrees."""
+    monkeypatch.setattr(ready_index, "TABLE_ABOVE", 0)
+    n = DICT_BELOW + 200
+    store, ns = _store(n), _ns(layers=1)
+    rng = np.random.default_rng(3)
+    hs = [rng.bytes(32) for _ in range(n)]
+    _save(store, ns, hs)
+    packed = PackedHashes.pack(hs, 32)
+    hits, rest = store.lookup(ns, packed)
+    assert [e.key[1] for e in hits] == hs and len(rest) == 0
+    store.longest_prefix(ns, hs[100:])  # LRU order now 0..99, then the rest
+    _save(store, ns, [rng.bytes(32) for _ in range(10)])  # evicts 0..9
+    for query in (PackedHashes.pack(hs, 32), hs):
+        hits, rest = store.lookup(ns, query)
+        assert hits == [] and rest.tolist() == [False] * 10 + [True] * (n - 10)
+        hits, rest = store.lookup(ns, hs[10:])
+        assert len(hits) == n - 10 and len(rest) == 0

@@ -5,13 +5,16 @@ cause always add up to the queried blocks."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from pegaflow import ready_index
 from pegaflow.blocks import BlockStore
 from pegaflow.config import HitRateConfig
 from pegaflow.instances import Namespace
 from pegaflow.misses import GhostTable, HitRateTracker, NamespaceStats, RecordingPolicy
 from pegaflow.policy import AdmissionPolicy, LRUPolicy, TinyLFU
 from pegaflow.pool import SlabAllocator
+from pegaflow.ready_index import PackedHashes
 
 SLOT = 4096
 
@@ -175,3 +178,26 @@ def test_ghost_table_remembers_a_run_of_an_eighth_of_its_size() -> None:
             )
         misses += int((ghost.lookup(first) != 1).sum())
     assert misses == 0
+
+
+def test_packed_queries_count_like_listed_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path logs its hashes packed (hash64 from the index probe, no
+    bytes objects): the same counts, misses by cause and remote probes as a
+    list of the same hashes."""
+    monkeypatch.setattr(ready_index, "TABLE_ABOVE", 0)  # probe from block one
+    results = []
+    for packed in (False, True):
+        remote: set[bytes] = set()
+        rig = Rig(slots=4096, remote=remote)
+        stored, fresh = _hashes(1500), _hashes(600)
+        remote.update(fresh[:100])
+        rig.save(stored)
+        for q in (stored, stored[:700] + fresh, fresh):
+            arg = PackedHashes.pack(q, 32) if packed else q
+            hits, rest = rig.store.lookup(rig.ns, arg)
+            rig.tracker.query(rig.ns, arg, len(hits), rest, 32)
+            rig.queried += len(q)
+        ns = rig.stats()
+        results.append((ns.hits, ns.misses, ns.resident_misses))
+    assert results[0] == results[1]
+    assert results[0][1]["remote"] == 200 and results[0][0]["ram"] == 1500 + 700
