@@ -213,6 +213,10 @@ class SlabAllocator:
             if not free:
                 del partial[slab]
             start = self.base + slab * self.slab_bytes + skew
+            # Rising addresses within a slab (the free list runs downwards, and
+            # freed slots come back in any order): consecutive blocks then
+            # coalesce into long iovecs (and DMA runs) with the engine's pages.
+            take.sort()
             out.append(start + np.asarray(take, np.uint64) * np.uint64(slot_bytes))
             need -= len(take)
         got = np.concatenate(out) if out else np.empty(0, np.uint64)

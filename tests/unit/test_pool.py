@@ -43,6 +43,18 @@ def test_slab_classes_share_and_return_slabs() -> None:
     assert ((off % np.uint64(65536)) % np.uint64(4096) == 0).all()
 
 
+def test_a_batch_of_slots_rises_in_address() -> None:
+    """Consecutive blocks then sit in consecutive slots: their copies coalesce
+    into long iovecs (a save of 256 blocks halved its speed without it)."""
+    slabs = SlabAllocator(base=1 << 20, size=4 * 65536, slab_bytes=65536)
+    a = slabs.allocate((4096, 0), 20)
+    assert (np.diff(a.astype(np.int64)) == 4096).all()
+    slabs.free(a[9:4:-1])  # freed in any order
+    b = slabs.allocate((4096, 0), 30)  # slab by slab, each run rising
+    runs = np.split(b, np.flatnonzero(np.diff(b.astype(np.int64)) != 4096) + 1)
+    assert len(runs) <= 3 and sum(map(len, runs)) == 30
+
+
 def test_skewed_class_keeps_offset_modulo_4k() -> None:
     slabs = SlabAllocator(base=1 << 20, size=4 * 65536, slab_bytes=65536)
     got = slabs.allocate((8192, 64), 20)  # (65536 - 64) // 8192 = 7 per slab
