@@ -15,8 +15,10 @@ bytes, alternating which goes first; dd writes with O_DIRECT in DD_BS requests
 (the tier's largest request) to a preallocated file, as the tier's files are,
 and both writes end with an fdatasync. A row reports the medians and the range
 of the per-pair ratios. A calibration before the rows gives dd against its
-block size. `--skew N` puts the source blocks N bytes off 4 KiB alignment, so
-the writers stage them through a copy instead of writing them in place.
+block size. `--skew N` puts the source blocks and the load targets N bytes off
+4 KiB alignment, so the writers stage them through a copy instead of writing
+them in place, and the readers read through a bounce buffer instead of straight
+into the targets.
 
 Queue depth = writer threads for spills, reader threads for loads: the number of
 record I/Os in flight. Every loaded block is checked by the tier against its
@@ -151,8 +153,17 @@ def bench_row(
         write_s = time.perf_counter() - t
         assert tier.stats().blocks_written == n, tier.stats()
         batch = min(n, 64)
-        dst = np.empty(batch * block, np.uint8)
-        slots = dst.ctypes.data + (np.arange(n, dtype=np.uint64) % batch) * block
+        # load targets: page-aligned like the pool's slots (read in place), or
+        # as far off alignment as the source (--skew: through the bounce buffer)
+        # One slot per block, as the pool gives each loading block its own:
+        # with reads in place, two reads in flight must not share a slot (a
+        # slot being hashed while another read lands in it reads as damage).
+        # Touched before the clock starts, as the pool's pages are.
+        skew = int(source.ctypes.data) % 4096
+        dst_region = mmap.mmap(-1, n * block + 4096)
+        dst = np.frombuffer(dst_region, np.uint8)[skew : skew + n * block]
+        dst[::4096] = 0
+        slots = dst.ctypes.data + np.arange(n, dtype=np.uint64) * block
         first = tier.load(NS, keys[:batch], slots[:batch], block).result()
         assert first.ok.all()
         for i in range(batch):  # the first batch, byte for byte

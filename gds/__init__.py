@@ -55,6 +55,13 @@ The seam (all of it; the server needs nothing else)
         LoadResult(ok: bool array, nbytes, seconds). A record that is gone,
         damaged (checksum / header mismatch: counted, dropped) or of another
         geometry is False; its slots hold garbage and go back to the pool.
+        A reader pins up to 16 MiB of its blocks at a time (READ_RUN_BYTES) and
+        reads each stretch of them that lies back to back on disk in one
+        request: records whose slots are all 4 KiB-aligned in address and
+        length straight into the slots (one scatter preadv: header pages into
+        a small aligned buffer, payloads into the slots, checksum over the
+        slots in place), others into a bounce buffer, verified there and
+        copied out. Both kinds mix in one request.
 
     tier.flush(timeout=None) -> bool     wait for queued spills (tests, shutdown)
     tier.stats() -> SsdStats             counters snapshot for /metrics

@@ -20,7 +20,7 @@ import errno
 import logging
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
 import numpy as np
@@ -51,6 +51,11 @@ class FileIO(Protocol):
     def pwritev(self, file: int, parts: Sequence[Part], offset: int) -> None:
         """Write the (address, bytes) parts back to back from offset on, all
         or an OSError (one request where the backend can: a gather write)."""
+        ...
+
+    def preadv(self, file: int, parts: Sequence[Part], offset: int) -> None:
+        """Read into the (address, bytes) parts back to back from offset on, all
+        or an OSError (one request where the backend can: a scatter read)."""
         ...
 
     def sync(self) -> None: ...
@@ -147,21 +152,35 @@ class PosixIO:
         return fd
 
     def pread(self, file: int, address: int, nbytes: int, offset: int) -> None:
-        done = os.preadv(self.fds[file], [host_view(address, nbytes)], offset)
-        if done != nbytes:
-            raise _short("read", done, nbytes, file, offset)
+        self.preadv(file, [(address, nbytes)], offset)
+
+    def preadv(self, file: int, parts: Sequence[Part], offset: int) -> None:
+        self._vector(os.preadv, "read", file, parts, offset)
 
     def pwrite(self, file: int, address: int, nbytes: int, offset: int) -> None:
         self.pwritev(file, [(address, nbytes)], offset)
 
     def pwritev(self, file: int, parts: Sequence[Part], offset: int) -> None:
+        self._vector(os.pwritev, "write", file, parts, offset)
+
+    def _vector(
+        self,
+        call: Callable[[int, list[memoryview], int], int],
+        op: str,
+        file: int,
+        parts: Sequence[Part],
+        offset: int,
+    ) -> None:
+        """preadv / pwritev of all the parts: IOV_MAX parts a call, and a call
+        that comes short (a long request, a signal) resumed where it stopped; a
+        read that hits the end of the file (0) is an error."""
         views = [host_view(a, n) for a, n in parts if n]
         want = sum(len(v) for v in views)
         done = i = 0
-        while i < len(views):  # IOV_MAX parts a call; a long write may come short
-            n = os.pwritev(self.fds[file], views[i : i + IOV_MAX], offset + done)
+        while i < len(views):
+            n = call(self.fds[file], views[i : i + IOV_MAX], offset + done)
             if n <= 0:
-                raise _short("write", done, want, file, offset)
+                raise _short(op, done, want, file, offset)
             done += n
             while n:
                 if n >= len(views[i]):

@@ -117,17 +117,38 @@ class KvikioIO:
     def pwritev(self, file: int, parts: Sequence[tuple[int, int]], offset: int) -> None:
         """One kvikio write per part, all in flight at once; every one is waited
         for before this returns or raises (the caller reuses the memory)."""
+        self._vector("pwrite", "write", file, parts, offset)
+
+    def preadv(self, file: int, parts: Sequence[tuple[int, int]], offset: int) -> None:
+        """One kvikio read per part, all in flight at once; every one is waited
+        for before this returns or raises (the caller verifies or frees the
+        memory then)."""
+        self._vector("pread", "read", file, parts, offset)
+
+    def _vector(
+        self,
+        method: str,
+        op: str,
+        file: int,
+        parts: Sequence[tuple[int, int]],
+        offset: int,
+    ) -> None:
+        call = getattr(self.files[file], method)
         futures = []
         at = offset
+        failed: BaseException | None = None
         for address, nbytes in parts:
             if nbytes:
-                fut = self.files[file].pwrite(self._host(address, nbytes), nbytes, at)
+                try:
+                    fut = call(self._host(address, nbytes), nbytes, at)
+                except BaseException as exc:  # still wait for those in flight
+                    failed = exc
+                    break
                 futures.append((fut, nbytes, at))
             at += nbytes
-        failed: BaseException | None = None
         for fut, nbytes, at in futures:
             try:
-                check(fut.get(), nbytes, "write", at)
+                check(fut.get(), nbytes, op, at)
             except BaseException as exc:  # wait for the rest all the same
                 failed = failed or exc
         if failed is not None:

@@ -1,7 +1,7 @@
 """The SSD store: data files, rings, index and journal behind one lock.
 
 Bookkeeping (reserve, commit, pin, drop) runs under `lock` and never does data
-I/O; reading and writing record bytes (`write`, `read`) run outside it on the
+I/O; reading and writing record bytes (`write_run`, `read_run`) run outside it on the
 caller's thread, against a record the bookkeeping keeps safe: a record being
 written or read is busy, and the ring never reclaims busy space.
 """
@@ -30,7 +30,6 @@ from pegaflow.gds.format import (
     RecordHeader,
     checksum_id,
     hash_parts,
-    hasher,
     record_bytes,
 )
 from pegaflow.gds.io import AlignedBuffer, Part, SsdError, host_view, open_backend
@@ -417,42 +416,136 @@ class SsdStore:
                 rec.readers += 1
             return rec
 
-    def read(
-        self, rec: Record, buf: AlignedBuffer, dests: list[int], each: int
-    ) -> bool:
-        """Read a pinned record, verify it, copy its payload to the addresses in
-        dests (`each` bytes apiece) and unpin it. False (and the record dropped)
-        when anything does not match; dests may then hold partial bytes."""
-        failure = ""
-        ok = False
+    def unpin(self, recs: list[Record]) -> None:
+        with self.lock:
+            for rec in recs:
+                rec.readers -= 1
+
+    def read_run(
+        self,
+        run: list[Record],
+        dests: Sequence[Sequence[int]],
+        each: int,
+        buf: AlignedBuffer,
+    ) -> list[bool]:
+        """Read pinned records that lie back to back in one file in one request,
+        verify each, and unpin them; ok per record. Outside the lock.
+
+        dests[i] is record i's slot address per TP shard, `each` bytes apiece.
+        A record whose slots are all 4 KiB-aligned in address and length is read
+        straight into them (a scatter read: header page into buf, payload into
+        the slots, no copy) and its checksum taken over the slots in place; any
+        other is read into buf, verified there and copied out. A record that
+        does not match (header, checksum) or a run whose read fails is False
+        and dropped (counted); its slots may then hold partial or damaged
+        bytes, which the caller must not use. A record of other geometry than
+        the caller's is False and kept (not the record's fault)."""
+        ok = [False] * len(run)
+        failures: list[tuple[Record, str]] = []
         try:
-            if rec.payload_len != len(dests) * each:
-                return False  # the caller's geometry differs: not the block's fault
-            buf.ensure(rec.length)
-            self.io.pread(rec.file, buf.address, rec.length, rec.offset)
-            failure = self._verify(rec, buf)
-            if not failure:
-                for i, dest in enumerate(dests):
-                    ctypes.memmove(dest, buf.address + HEADER_BYTES + i * each, each)
-                ok = True
-        except OSError as exc:
-            logger.warning("ssd read of %d B failed: %s", rec.length, exc)
-            failure = "read_errors"
+            # the records that fit the caller's geometry, in pieces of
+            # back-to-back ones: one request per piece
+            piece: list[int] = []
+            for i, rec in enumerate([*run, None]):
+                if piece and (
+                    rec is None
+                    or rec.file != run[piece[-1]].file
+                    or rec.offset != run[piece[-1]].offset + run[piece[-1]].length
+                    or rec.payload_len != len(dests[i]) * each
+                ):
+                    got = self._read_piece(
+                        [run[j] for j in piece],
+                        [dests[j] for j in piece],
+                        each,
+                        buf,
+                        failures,
+                    )
+                    for j, good in zip(piece, got, strict=True):
+                        ok[j] = good
+                    piece = []
+                if rec is not None and rec.payload_len == len(dests[i]) * each:
+                    piece.append(i)
         finally:
             with self.lock:
-                rec.readers -= 1
-                if ok:
-                    self.counters.bytes_read += rec.payload_len
-                    self.counters.blocks_read += 1
-        if failure:
+                for i, rec in enumerate(run):
+                    rec.readers -= 1
+                    if ok[i]:
+                        self.counters.bytes_read += rec.payload_len
+                        self.counters.blocks_read += 1
+        for rec, failure in failures:
             logger.warning("ssd record %s: %s, dropped", rec.block_hash.hex(), failure)
             self._drop(rec, failure)
         return ok
 
-    def _verify(self, rec: Record, buf: AlignedBuffer) -> str:
-        """The counter to bump, or "" when the record is intact and the one indexed."""
+    def _read_piece(
+        self,
+        recs: list[Record],
+        dests: Sequence[Sequence[int]],
+        each: int,
+        buf: AlignedBuffer,
+        failures: list[tuple[Record, str]],
+    ) -> list[bool]:
+        direct = each % ALIGN == 0
+        in_place = [direct and all(a % ALIGN == 0 for a in d) for d in dests]
+        buf.ensure(
+            sum(
+                HEADER_BYTES if p else rec.length
+                for rec, p in zip(recs, in_place, strict=True)
+            )
+        )
+        iov: list[Part] = []
+        where: list[int] = []  # each record's header page (or whole record) in buf
+        at = 0
+        for rec, d, p in zip(recs, dests, in_place, strict=True):
+            where.append(at)
+            if p:
+                iov.append((buf.address + at, HEADER_BYTES))
+                iov.extend((a, each) for a in d)
+                at += HEADER_BYTES
+            else:
+                iov.append((buf.address + at, rec.length))
+                at += rec.length
+        merged: list[Part] = [iov[0]]
+        for a, n in iov[1:]:
+            last_a, last_n = merged[-1]
+            if last_a + last_n == a:
+                merged[-1] = (last_a, last_n + n)
+            else:
+                merged.append((a, n))
         try:
-            head = RecordHeader.unpack(buf.view(0, HEADER_BYTES))
+            self.io.preadv(recs[0].file, merged, recs[0].offset)
+        except OSError as exc:
+            logger.warning(
+                "ssd read of %d B failed: %s",
+                recs[-1].offset + recs[-1].length - recs[0].offset,
+                exc,
+            )
+            failures.extend((rec, "read_errors") for rec in recs)
+            return [False] * len(recs)
+        ok = []
+        for rec, d, p, head in zip(recs, dests, in_place, where, strict=True):
+            if p:
+                payload = [host_view(a, each) for a in d]
+            else:
+                lo = head + HEADER_BYTES
+                payload = [buf.view(lo, lo + rec.payload_len)]
+            failure = self._verify(rec, buf.view(head, head + HEADER_BYTES), payload)
+            if failure:
+                failures.append((rec, failure))
+                ok.append(False)
+                continue
+            if not p:
+                src = buf.address + head + HEADER_BYTES
+                for i, dest in enumerate(d):
+                    ctypes.memmove(dest, src + i * each, each)
+            ok.append(True)
+        return ok
+
+    def _verify(self, rec: Record, page: memoryview, payload: list[memoryview]) -> str:
+        """The counter to bump, or "" when the record is intact and the one
+        indexed: its header page, then the payload's parts (back to back)."""
+        try:
+            head = RecordHeader.unpack(page)
         except FormatError:
             return "header_mismatches"
         expect = (self.store_id, rec.seq, rec.ns_digest, rec.block_hash)
@@ -462,8 +555,7 @@ class SsdStore:
         if head.checksum != rec.checksum or head.checksum_id != rec.checksum_id:
             return "header_mismatches"
         try:
-            payload = buf.view(HEADER_BYTES, HEADER_BYTES + rec.payload_len)
-            if hasher(head.checksum_id)(payload) != head.checksum:
+            if hash_parts(head.checksum_id, payload) != head.checksum:
                 return "checksum_failures"
         except (FormatError, ImportError):
             return "checksum_failures"

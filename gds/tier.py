@@ -23,7 +23,7 @@ import numpy as np
 from pegaflow.gds.config import SsdConfig
 from pegaflow.gds.format import check_key
 from pegaflow.gds.io import AlignedBuffer
-from pegaflow.gds.ring import BlockHash, NsDigest
+from pegaflow.gds.ring import BlockHash, NsDigest, Record
 from pegaflow.gds.store import SsdStore
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,10 @@ Release = Callable[[], None]
 # journal append per run instead of one per block.
 RUN_BYTES = 16 << 20
 RUN_BLOCKS = 256
+# A load reads up to this much of its blocks per request where their records lie
+# back to back on disk (as a run of spills writes them).
+READ_RUN_BYTES = 16 << 20
+READ_RUN_BLOCKS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +249,8 @@ class SsdTier:
         shard (shape [len(hashes), shards], or [len(hashes)] for one shard). Never
         blocks; the future completes on a reader thread. A block whose record is
         gone, damaged or of other geometry comes back False and its slots hold
-        garbage: the caller frees them."""
+        garbage: the caller frees them. Aligned slots are read into in place
+        (store.read_run): no two blocks in flight may share a slot."""
         n = len(hashes)
         table = np.asarray(slots, np.uint64).reshape(n, -1)
         out: Future[LoadResult] = Future()
@@ -287,14 +292,32 @@ class SsdTier:
         each: int,
         ok: np.ndarray,
     ) -> None:
+        """Read a slice of a load: the blocks' records in runs of up to
+        READ_RUN_BYTES, pinned together and read with one request per stretch
+        of them that lies back to back on disk (store.read_run)."""
         buf = getattr(self._local, "buf", None)
         if buf is None:
             buf = self._local.buf = AlignedBuffer()
-        for i, (block_hash, dests) in enumerate(
-            zip(hashes, table.tolist(), strict=True)
-        ):
-            rec = self.store.pin(ns, block_hash)
-            ok[i] = rec is not None and self.store.read(rec, buf, dests, each)
+        rows = table.tolist()
+        at: list[int] = []  # the block index of each record in run
+        run: list[Record] = []  # pinned, not yet handed to read_run
+        nbytes = 0
+        try:
+            for i, block_hash in enumerate([*hashes, None]):
+                rec = None if block_hash is None else self.store.pin(ns, block_hash)
+                if rec is not None:
+                    at.append(i)
+                    run.append(rec)
+                    nbytes += rec.length
+                full = nbytes >= READ_RUN_BYTES or len(run) >= READ_RUN_BLOCKS
+                if run and (full or block_hash is None):
+                    batch, run = run, []  # read_run unpins them, come what may
+                    dests = [rows[j] for j in at]
+                    ok[at] = self.store.read_run(batch, dests, each, buf)
+                    at, nbytes = [], 0
+        finally:
+            if run:  # an error before read_run took them
+                self.store.unpin(run)
 
     # -- life cycle --------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
