@@ -169,9 +169,13 @@ class PegaflowClient:
         return self._register(req)
 
     def _register(self, req: pb.RegisterInstanceRequest) -> Registration:
-        resp = self._call("RegisterInstance", req)
         if req.device == "cpu" or req.HasField("layer_signals"):
-            allow_ptrace_from(resp.server_pid)
+            # The server reads our memory while registering us: under Yama's
+            # ptrace_scope 1 it may only once we named it (and after a restart
+            # it is another pid), so ask who it is first.
+            info = self._call("ServerInfo", pb.ServerInfoRequest())
+            allow_ptrace_from(info.server_pid)
+        resp = self._call("RegisterInstance", req)
         if resp.query_socket != self._fast_path:
             self._drop_fast_path()
             self._fast_path = resp.query_socket

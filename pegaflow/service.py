@@ -143,6 +143,11 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
         self._pid = server_pid
         self.query_socket = ""  # set once the socket listens
 
+    async def ServerInfo(
+        self, req: pb.ServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerInfoResponse:
+        return pb.ServerInfoResponse(server_pid=self._pid)
+
     async def RegisterInstance(
         self, req: pb.RegisterInstanceRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterInstanceResponse:

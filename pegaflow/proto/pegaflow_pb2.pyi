@@ -91,6 +91,16 @@ class LayerSignals(_message.Message):
     address: int
     def __init__(self, pid: _Optional[int] = ..., address: _Optional[int] = ...) -> None: ...
 
+class ServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfoResponse(_message.Message):
+    __slots__ = ("server_pid",)
+    SERVER_PID_FIELD_NUMBER: _ClassVar[int]
+    server_pid: int
+    def __init__(self, server_pid: _Optional[int] = ...) -> None: ...
+
 class RegisterInstanceResponse(_message.Message):
     __slots__ = ("server_pid", "slot_bytes", "query_socket")
     SERVER_PID_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class PegaFlowStub(object):
                 request_serializer=pegaflow__pb2.UnregisterRequest.SerializeToString,
                 response_deserializer=pegaflow__pb2.UnregisterResponse.FromString,
                 _registered_method=True)
+        self.ServerInfo = channel.unary_unary(
+                '/pegaflow.v1.PegaFlow/ServerInfo',
+                request_serializer=pegaflow__pb2.ServerInfoRequest.SerializeToString,
+                response_deserializer=pegaflow__pb2.ServerInfoResponse.FromString,
+                _registered_method=True)
         self.Session = channel.stream_stream(
                 '/pegaflow.v1.PegaFlow/Session',
                 request_serializer=pegaflow__pb2.SessionPing.SerializeToString,
@@ -110,6 +115,15 @@ class PegaFlowServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ServerInfo(self, request, context):
+        """Who the server is, before registering: an engine under Yama ptrace_scope 1
+        must allow the server's pid (prctl PR_SET_PTRACER) before the server can
+        check its memory at registration.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Session(self, request_iterator, context):
         """Liveness: the engine keeps this stream open; when it closes (exit, crash,
         SIGKILL) the server drops the worker's registration and leases, and keeps its
@@ -151,6 +165,11 @@ def add_PegaFlowServicer_to_server(servicer, server):
                     servicer.Unregister,
                     request_deserializer=pegaflow__pb2.UnregisterRequest.FromString,
                     response_serializer=pegaflow__pb2.UnregisterResponse.SerializeToString,
+            ),
+            'ServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.ServerInfo,
+                    request_deserializer=pegaflow__pb2.ServerInfoRequest.FromString,
+                    response_serializer=pegaflow__pb2.ServerInfoResponse.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
@@ -320,6 +339,33 @@ class PegaFlow(object):
             '/pegaflow.v1.PegaFlow/Unregister',
             pegaflow__pb2.UnregisterRequest.SerializeToString,
             pegaflow__pb2.UnregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pegaflow.v1.PegaFlow/ServerInfo',
+            pegaflow__pb2.ServerInfoRequest.SerializeToString,
+            pegaflow__pb2.ServerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

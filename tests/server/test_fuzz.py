@@ -406,6 +406,7 @@ REQUEST_TYPES = {
     "Load": "LoadRequest",
     "ReleaseLease": "ReleaseLeaseRequest",
     "Unregister": "UnregisterRequest",
+    "ServerInfo": "ServerInfoRequest",
     "Session": "SessionPing",
 }
 

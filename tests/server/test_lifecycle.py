@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+import pegaflow.client
 from pegaflow.client import PegaflowClient
 from pegaflow.errors import UnknownInstance
 from tests.kvbuf import LocalKV, hashes
@@ -148,3 +149,24 @@ def test_hugepages_without_reservation_fails_clearly() -> None:
 def test_port_in_use_is_reported(server) -> None:
     res = _cli("--addr", server.addr, "--no-http", "--pool-size", "4mb")
     assert res.returncode == 2 and "--addr" in res.stderr
+
+
+def test_engine_names_the_server_before_registering(server, monkeypatch) -> None:
+    """Under Yama ptrace_scope 1 the server may read an engine's memory only
+    once the engine named its pid; it reads it while registering, so the client
+    asks ServerInfo and calls prctl(PR_SET_PTRACER) first."""
+    steps: list[tuple[str, int]] = []
+    monkeypatch.setattr(
+        pegaflow.client, "allow_ptrace_from", lambda pid: steps.append(("allow", pid))
+    )
+    kv = LocalKV()
+    with PegaflowClient(server.addr) as client:
+        real = client._call
+
+        def traced(method: str, request: object, timeout_s: float | None = None):
+            steps.append((method, 0))
+            return real(method, request, timeout_s)
+
+        client._call = traced
+        kv.register(client, "e", "ns")
+    assert steps == [("ServerInfo", 0), ("allow", server.pid), ("RegisterInstance", 0)]
