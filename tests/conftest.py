@@ -1,11 +1,22 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.procs import EngineProc, ServerProc, start_server
+
+
+@pytest.fixture(scope="session")
+def gpu() -> None:
+    """For the `gpu`-marked server tests: a real CUDA GPU, not the simulator."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        pytest.skip("the CUDA simulator is on")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ Excluded by default (marker `gpu`); on the H200 test machine:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -25,15 +24,6 @@ pytestmark = pytest.mark.gpu
 # Llama-like pages of 32 KiB per layer and block; DeepSeek-like MLA pages.
 SHAPE = dict(layers=8, blocks=64, block_size=16, heads=8)
 CASES = [(False, "LBNHC"), (False, "BLNHC"), (True, "LBNHC")]
-
-
-@pytest.fixture(scope="module")
-def gpu() -> None:
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        pytest.skip("the CUDA simulator is on")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
 
 
 @pytest.fixture(scope="module")

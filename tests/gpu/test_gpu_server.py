@@ -8,7 +8,6 @@ Excluded by default (marker `gpu`); on the H200 test machine:
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -26,15 +25,6 @@ CASES = [
     for dtype in ("bfloat16", "float8_e4m3fn")
 ]
 N = 40
-
-
-@pytest.fixture(scope="module")
-def gpu() -> None:
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        pytest.skip("the CUDA simulator is on")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
 
 
 @pytest.fixture(scope="module")
