@@ -21,6 +21,7 @@ import numpy as np
 from pegaflow.blocks import BlockEntry, BlockHash, BlockStore
 from pegaflow.config import EngineConfig
 from pegaflow.errors import InvalidRequest, LeaseNotFound
+from pegaflow.frames import LoadSpec
 from pegaflow.gds import SsdTier
 from pegaflow.instances import CopyEngine, RegionKind, RegisterSpec, Registry, Worker
 from pegaflow.layout import Transfers, check_block_ids
@@ -36,8 +37,6 @@ from pegaflow.ssd import SsdLink
 logger = logging.getLogger(__name__)
 
 MAX_HASH_BYTES = 64
-# One item of a Load: (lease id, first leased block, destination block ids).
-LoadSpec = tuple[int, int, np.ndarray]
 _SLOTS = attrgetter("slots")
 
 
