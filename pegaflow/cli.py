@@ -154,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="unix socket for fast prefix queries: a path, 'auto' "
         "(temp dir, per server) or 'off' (default: auto)",
     )
+    p.add_argument(
+        "--allow-tcp-host-engines",
+        action="store_true",
+        help="accept host-memory registrations over TCP from processes of the "
+        "caller's own uid (loopback only). Off: over TCP the kernel cannot say "
+        "which process asks, so host engines register over the unix socket",
+    )
     _ssd_flags(p)
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument(
@@ -259,6 +266,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             enable_lfu_admission=args.enable_lfu_admission,
             lease_ttl_s=args.lease_ttl,
             copy_threads=args.copy_threads,
+            allow_tcp_host_engines=args.allow_tcp_host_engines,
             hit_rate=HitRateConfig(
                 args.metric_hll_windows, args.metric_hll_bucket_bits
             ),

@@ -8,6 +8,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,9 +16,10 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
+from pegaflow import deadlines
 from pegaflow.errors import PegaflowError, from_status
 from pegaflow.fastpath import FastPathClient
-from pegaflow.frames import encode_load, encode_query, encode_save
+from pegaflow.frames import encode_load, encode_query, encode_register, encode_save
 from pegaflow.layout import LayerLayout
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
@@ -36,6 +38,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_ADDR = "127.0.0.1:50055"
 PR_SET_PTRACER = 0x59616D61
+# After a save's or load's deadline the client still waits this long for the
+# server's answer: a copy that started before the deadline finishes (or is
+# cut at its next syscall) in that time, so a failure is reported only once
+# nothing of the request can still write into the engine's memory.
+COPY_GRACE_S = 2.0
+SOCKET_RETRY_S = 5.0  # after the socket failed, gRPC alone for this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +78,11 @@ class PegaflowClient:
         addr: str = DEFAULT_ADDR,
         timeout_s: float = 5.0,
         max_message_bytes: int = 64 << 20,
+        copy_grace_s: float = COPY_GRACE_S,
     ) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
+        self.copy_grace_s = copy_grace_s
         self._channel = grpc.insecure_channel(
             addr,
             options=[
@@ -82,7 +92,12 @@ class PegaflowClient:
         )
         self._stub = pb_grpc.PegaFlowStub(self._channel)
         self._fast: FastPathClient | None = None
-        self._fast_path = ""
+        self._fast_path = ""  # the server's socket, once known; "": gRPC only
+        self._socket_off = False  # disable_socket(): gRPC for everything
+        self._socket_retry_at = 0.0
+        self._server: pb.ServerInfoResponse | None = None  # who the socket must be
+        # Owner tokens of this client's registrations: (instance_id, tp_rank).
+        self._tokens: dict[tuple[str, int], bytes] = {}
 
     def _call(
         self, method: str, request: object, timeout_s: float | None = None
@@ -169,17 +184,45 @@ class PegaflowClient:
         return self._register(req)
 
     def _register(self, req: pb.RegisterInstanceRequest) -> Registration:
+        """Over the server's unix socket, where the kernel tells it who we are
+        (host memory must register there); gRPC when the socket is off or out
+        of reach (another host or user), which serves CUDA engines."""
+        info = self._server_info()  # after a restart it is another server
         if req.device == "cpu" or req.HasField("layer_signals"):
             # The server reads our memory while registering us: under Yama's
-            # ptrace_scope 1 it may only once we named it (and after a restart
-            # it is another pid), so ask who it is first.
-            info = self._call("ServerInfo", pb.ServerInfoRequest())
+            # ptrace_scope 1 it may only once we named it.
             allow_ptrace_from(info.server_pid)
-        resp = self._call("RegisterInstance", req)
-        if resp.query_socket != self._fast_path:
-            self._drop_fast_path()
-            self._fast_path = resp.query_socket
+        key = (req.instance_id, req.tp_rank)
+        req.owner_token = self._tokens.get(key, b"")
+        resp = None
+        fast = self._fast_client()
+        if fast is not None:
+            frame = encode_register(
+                req.SerializeToString(), deadlines.to_wire(self.timeout_s)
+            )
+            raw = self._fast_call(fast.register, frame, self.timeout_s)
+            if raw is not None:
+                resp = pb.RegisterInstanceResponse.FromString(raw)
+        if resp is None:
+            resp = self._call("RegisterInstance", req)
+        self._tokens[key] = resp.owner_token
         return Registration(resp.server_pid, resp.slot_bytes, resp.query_socket)
+
+    def _server_info(self) -> pb.ServerInfoResponse:
+        info = self._call("ServerInfo", pb.ServerInfoRequest())
+        if self._server is None or info.server_id != self._server.server_id:
+            self._drop_fast_path()  # a restarted server: another socket
+        if self._fast is None:
+            self._fast_path = "" if self._socket_off else info.socket_path
+        self._server = info
+        return info
+
+    def _token(self, instance_id: str, tp_rank: int) -> bytes:
+        return self._tokens.get((instance_id, tp_rank), b"")
+
+    def _copy_wait_s(self) -> float:
+        """How long a save or load waits for the answer: see COPY_GRACE_S."""
+        return self.timeout_s + self.copy_grace_s
 
     def save(
         self,
@@ -194,6 +237,8 @@ class PegaflowClient:
         waits on the GPU for that event instead of the engine syncing first.
         Over the server's unix socket when it has one (a save is idempotent:
         after a broken connection, gRPC repeats it)."""
+        token = self._token(instance_id, tp_rank)
+        deadline_ns = deadlines.to_wire(self.timeout_s)
         fast = self._fast_client()
         if fast is not None:
             frame = encode_save(
@@ -203,9 +248,11 @@ class PegaflowClient:
                 list(block_hashes),
                 layer_ids or (),
                 wait_event,
+                deadline_ns,
+                token,
             )
             if frame is not None:
-                res = self._fast_call(fast.save, frame)
+                res = self._fast_call(fast.save, frame, self._copy_wait_s())
                 if res is not None:
                     return SaveResult(*res)
         resp = self._call(
@@ -217,7 +264,10 @@ class PegaflowClient:
                 block_hashes=list(block_hashes),
                 layer_ids=list(layer_ids or ()),
                 wait_event=wait_event,
+                owner_token=token,
+                deadline_ns=deadlines.to_wire(self.timeout_s),
             ),
+            self._copy_wait_s(),
         )
         return SaveResult(resp.stored, resp.deduplicated, resp.rejected)
 
@@ -233,9 +283,10 @@ class PegaflowClient:
         fast = self._fast_client()
         frame = None
         if fast is not None:
-            frame = encode_query(instance_id, list(block_hashes), hash_len)
+            deadline_ns = deadlines.to_wire(self.timeout_s)
+            frame = encode_query(instance_id, list(block_hashes), hash_len, deadline_ns)
         if fast is not None and frame is not None:
-            res = self._fast_call(fast.query, frame)
+            res = self._fast_call(fast.query, frame, self.timeout_s)
             if res is not None:
                 return QueryResult(*res)
         resp = self._call(
@@ -279,7 +330,10 @@ class PegaflowClient:
                 lease_offset=lease_offset,
                 block_ids=np.asarray(block_ids, np.uint32).tolist(),
                 layer_seq=layer_seq,
+                owner_token=self._token(instance_id, tp_rank),
+                deadline_ns=deadlines.to_wire(self.timeout_s),
             ),
+            self._copy_wait_s(),
         )
         return LoadResult(resp.loaded, resp.bytes)
 
@@ -311,7 +365,10 @@ class PegaflowClient:
                     for it in items
                 ],
                 layer_seq=layer_seq,
+                owner_token=self._token(instance_id, tp_rank),
+                deadline_ns=deadlines.to_wire(self.timeout_s),
             ),
+            self._copy_wait_s(),
         )
         results = tuple(LoadItemResult(r.loaded, r.bytes, r.error) for r in resp.items)
         if len(results) != len(items):  # a server without batched loads
@@ -334,8 +391,14 @@ class PegaflowClient:
         fast = self._fast_client()
         if fast is None:
             return None
-        frame = encode_load(instance_id, tp_rank, specs, batch, layer_seq)
-        res = self._fast_call(fast.load, frame) if frame is not None else None
+        token = self._token(instance_id, tp_rank)
+        deadline_ns = deadlines.to_wire(self.timeout_s)
+        frame = encode_load(
+            instance_id, tp_rank, specs, batch, layer_seq, deadline_ns, token
+        )
+        res = None
+        if frame is not None:
+            res = self._fast_call(fast.load, frame, self._copy_wait_s())
         if res is None:
             return None
         loaded, nbytes, items = res
@@ -346,30 +409,50 @@ class PegaflowClient:
         )
 
     def use_query_socket(self, path: str) -> None:
-        """Send prefix queries over this unix socket from now on (gRPC stays the
-        fallback). For clients that never register, e.g. vLLM's scheduler: its
-        workers learn the path from RegisterInstance and pass it on."""
-        if path != self._fast_path:
-            self._drop_fast_path()
+        """Send prefix queries over the server's unix socket from now on (gRPC
+        stays the fallback). For clients that never register, e.g. vLLM's
+        scheduler: its workers learn of the socket at registration and pass
+        the path on; the server's own ServerInfo answer says which to use."""
+        if path and not self._socket_off and self._fast is None:
             self._fast_path = path
+            self._server = None  # ask the server on first use
+
+    def disable_socket(self) -> None:
+        """gRPC for every call from now on (registration of host memory
+        included, which the server refuses over TCP by default)."""
+        self._socket_off = True
+        self._drop_fast_path()
+        self._fast_path = ""
 
     def _fast_client(self) -> FastPathClient | None:
-        if self._fast is None and self._fast_path:
-            try:
-                self._fast = FastPathClient(self._fast_path, self.timeout_s)
-            except OSError as exc:  # another host, another user, or it is gone
-                logger.debug("query socket %s unusable: %s", self._fast_path, exc)
-                self._fast_path = ""
+        if self._fast is not None or not self._fast_path:
+            return self._fast
+        if time.monotonic() < self._socket_retry_at:
+            return None
+        try:
+            info = self._server if self._server is not None else self._server_info()
+            if not info.socket_path:
+                return None
+            self._fast = FastPathClient(
+                info.socket_path, self.timeout_s, info.server_id, info.server_pid
+            )
+        except (OSError, PegaflowError) as exc:  # another host, user, or gone
+            logger.debug("server socket %s unusable: %s", self._fast_path, exc)
+            # Ask the server again later: it may have restarted meanwhile.
+            self._server = None
+            self._socket_retry_at = time.monotonic() + SOCKET_RETRY_S
         return self._fast
 
-    def _fast_call(self, call: Callable[[bytes], tuple], frame: bytes) -> tuple | None:
+    def _fast_call(
+        self, call: Callable[[bytes, float], object], frame: bytes, wait_s: float
+    ) -> object | None:
         """The reply, or None when the socket broke (the caller uses gRPC)."""
         try:
-            return call(frame)
-        except TimeoutError:  # the deadline passed: as gRPC would report it
+            return call(frame, wait_s)
+        except TimeoutError:  # no answer even after the grace: as gRPC reports it
             self._drop_fast_path()
             raise from_status(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply in {self.timeout_s} s"
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply in {wait_s:g} s"
             ) from None
         except OSError as exc:  # server gone or restarted: gRPC decides
             logger.debug("fast-path socket failed (%s); using gRPC", exc)
@@ -385,9 +468,14 @@ class PegaflowClient:
         self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
 
     def unregister(self, instance_id: str, tp_rank: int = 0) -> None:
+        token = self._token(instance_id, tp_rank)
         self._call(
-            "Unregister", pb.UnregisterRequest(instance_id=instance_id, tp_rank=tp_rank)
+            "Unregister",
+            pb.UnregisterRequest(
+                instance_id=instance_id, tp_rank=tp_rank, owner_token=token
+            ),
         )
+        self._tokens.pop((instance_id, tp_rank), None)
 
     def health(self, timeout_s: float | None = None) -> bool:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -405,7 +493,8 @@ class PegaflowClient:
     def open_session(
         self, instance_id: str, tp_rank: int = 0, interval_s: float = 5.0
     ) -> Session:
-        return Session(self._stub, instance_id, tp_rank, interval_s)
+        token = self._token(instance_id, tp_rank)
+        return Session(self._stub, instance_id, tp_rank, interval_s, token)
 
     def close(self) -> None:
         self._drop_fast_path()
@@ -428,10 +517,13 @@ class Session:
         instance_id: str,
         tp_rank: int,
         interval_s: float,
+        owner_token: bytes = b"",
     ) -> None:
         self._pings: queue.Queue[pb.SessionPing | None] = queue.Queue()
         self._interval = interval_s
-        self._ping = pb.SessionPing(instance_id=instance_id, tp_rank=tp_rank)
+        self._ping = pb.SessionPing(
+            instance_id=instance_id, tp_rank=tp_rank, owner_token=owner_token
+        )
         self._stream = stub.Session(self._requests())
         self.error: PegaflowError | None = None
         self._first = threading.Event()

@@ -114,6 +114,9 @@ class EngineConfig:
     # thread and back costs more than moving one block (measured ~0.25 ms on VMs).
     inline_copy_bytes: int = 2 << 20
     max_blocks_per_request: int = 65536
+    # Host-memory registration over TCP, where the kernel cannot say which
+    # process asks (pegaflow.identity): off unless every local user is trusted.
+    allow_tcp_host_engines: bool = False
     hit_rate: HitRateConfig = field(default_factory=HitRateConfig)
 
     def __post_init__(self) -> None:

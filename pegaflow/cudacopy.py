@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from pegaflow import cuda_driver, kernels
+from pegaflow import cuda_driver, deadlines, kernels
 from pegaflow.errors import CopyFailed, InvalidRequest
 from pegaflow.instances import CudaExport
 from pegaflow.layout import Transfers
@@ -215,8 +215,16 @@ class CudaCopyEngine:
         self._release_all(ordinal, list(regions.keys), list(regions.events))
 
     # -- copies -----------------------------------------------------------------
-    def gather(self, regions: CudaRegions, t: Transfers, wait_event: int = 0) -> None:
-        """Save: engine pages -> pool slots, after the engine's event if named."""
+    def gather(
+        self,
+        regions: CudaRegions,
+        t: Transfers,
+        wait_event: int = 0,
+        deadline: float | None = None,
+    ) -> None:
+        """Save: engine pages -> pool slots, after the engine's event if named.
+        Slots only: a copy past the deadline is harmless, the engine refuses to
+        publish it."""
         dev = regions.device
         cuda_driver.set_device(dev.ordinal)
         if wait_event:
@@ -230,10 +238,14 @@ class CudaCopyEngine:
         k.gather(regions.buffer, dev.pool, t, stream=dev.save, max_blocks=ctas)
         k.synchronize(dev.save)
 
-    def scatter(self, regions: CudaRegions, t: Transfers) -> None:
-        """Load: pool slots -> engine pages; done (on the GPU) when this returns."""
+    def scatter(
+        self, regions: CudaRegions, t: Transfers, deadline: float | None = None
+    ) -> None:
+        """Load: pool slots -> engine pages; done (on the GPU) when this returns.
+        Not launched after the deadline: the engine may reuse those blocks."""
         dev = regions.device
         cuda_driver.set_device(dev.ordinal)
+        deadlines.check(deadline, "load")
         self._k.scatter(
             dev.pool, regions.buffer, t, stream=dev.load, max_blocks=self._ctas
         )

@@ -18,11 +18,18 @@ from operator import attrgetter
 
 import numpy as np
 
+from pegaflow import deadlines
 from pegaflow.blocks import BlockEntry, BlockHash, BlockStore
 from pegaflow.config import EngineConfig
-from pegaflow.errors import InvalidRequest, LeaseNotFound
+from pegaflow.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    LeaseNotFound,
+    PermissionDenied,
+)
 from pegaflow.frames import LoadSpec
 from pegaflow.gds import SsdTier
+from pegaflow.identity import UNKNOWN, CallContext, Caller
 from pegaflow.instances import CopyEngine, RegionKind, RegisterSpec, Registry, Worker
 from pegaflow.layout import Transfers, check_block_ids
 from pegaflow.leases import Lease, LeaseTable
@@ -40,7 +47,9 @@ MAX_HASH_BYTES = 64
 _SLOTS = attrgetter("slots")
 
 
-def _scatter_by_layer(worker: Worker, seq: int, handle: object, t: Transfers) -> None:
+def _scatter_by_layer(
+    worker: Worker, seq: int, deadline: float | None, handle: object, t: Transfers
+) -> None:
     """One copy per layer, each followed by its signal: a Python step per layer
     is what a per-layer signal costs (~50 us a layer on the host path)."""
     geometry, signals = worker.geometry, worker.signals
@@ -51,7 +60,8 @@ def _scatter_by_layer(worker: Worker, seq: int, handle: object, t: Transfers) ->
     src, dst, nbytes = t.src[order], t.dst[order], t.nbytes[order]
     for layer, (a, b) in enumerate(pairwise(edges.tolist())):
         if b > a:
-            worker.copier.scatter(handle, Transfers(src[a:b], dst[a:b], nbytes[a:b]))
+            part = Transfers(src[a:b], dst[a:b], nbytes[a:b])
+            worker.copier.scatter(handle, part, deadline=deadline)
         signals.signal(layer, seq)
 
 
@@ -111,7 +121,11 @@ class Engine:
         policy = RecordingPolicy(policy, self.hit_rates)
         self.store = BlockStore(pool.slabs, policy)
         self.leases = LeaseTable(self.store, config.lease_ttl_s)
-        self.registry = Registry(copiers, max_slot_bytes=pool.slab_bytes)
+        self.registry = Registry(
+            copiers,
+            max_slot_bytes=pool.slab_bytes,
+            allow_tcp_host_engines=config.allow_tcp_host_engines,
+        )
         self.metrics = metrics if metrics is not None else Metrics()
         self.ssd = None
         if ssd is not None:  # at most half the pool waits for the SSD writers
@@ -127,10 +141,17 @@ class Engine:
         )
 
     # -- registration ---------------------------------------------------------
-    def register(self, spec: RegisterSpec) -> Worker:
-        return self.registry.register(spec)
+    def register(self, spec: RegisterSpec, caller: Caller) -> Worker:
+        return self.registry.register(spec, caller)
 
-    def unregister(self, instance_id: str, tp_rank: int) -> None:
+    def unregister(
+        self, instance_id: str, tp_rank: int, ctx: CallContext | None = None
+    ) -> None:
+        """ctx None: the server itself drops the worker (its session ended)."""
+        if ctx is not None:
+            self.registry.owned_worker(
+                instance_id, tp_rank, ctx.caller, ctx.owner_token
+            )
         self.registry.unregister(instance_id, tp_rank)
         if instance_id not in self.registry.instances:
             dropped = self.leases.release_owned_by(instance_id)
@@ -145,11 +166,17 @@ class Engine:
         block_ids: np.ndarray,
         hashes: list[BlockHash],
         layer_ids: np.ndarray | None,
-        wait_event: int = 0,
+        wait_event: int,
+        ctx: CallContext,
     ) -> SaveResult:
         """wait_event: 1-based index of the worker's CUDA IPC event that the copy
-        waits for on the GPU (the engine's KV writes); 0 for none."""
-        worker = self.registry.worker(instance_id, tp_rank)
+        waits for on the GPU (the engine's KV writes); 0 for none. No copy
+        starts after ctx.deadline, and a copy that ends after it publishes
+        nothing: the engine may have rewritten those pages since."""
+        worker = self.registry.owned_worker(
+            instance_id, tp_rank, ctx.caller, ctx.owner_token
+        )
+        deadlines.check(ctx.deadline, "save")
         ns = worker.namespace
         if len(block_ids) != len(hashes):
             raise InvalidRequest(
@@ -166,7 +193,7 @@ class Engine:
         transfers = worker.geometry.engine_to_slots(
             block_ids[res.positions], res.slots, layers
         )
-        gather = worker.copier.gather
+        gather = functools.partial(worker.copier.gather, deadline=ctx.deadline)
         if wait_event:  # host copiers take no event: they refuse one
             gather = functools.partial(gather, wait_event=wait_event)
         ok = False
@@ -174,6 +201,11 @@ class Engine:
             # An event-gated copy waits for the engine's compute: never on the loop.
             inline = not wait_event
             seconds = await self._copy(worker, gather, transfers, inline)
+            if ctx.deadline is not None and time.monotonic() > ctx.deadline:
+                raise DeadlineExceeded(
+                    "save: the copy ended after the request's deadline; nothing "
+                    "was published (the engine may have reused those pages)"
+                )
             ok = True
         finally:
             self.store.finish_save(res, ok)
@@ -196,11 +228,22 @@ class Engine:
         instance_id: str,
         hashes: list[BlockHash] | PackedHashes,
         hash_len: int | None = None,
+        ctx: CallContext | None = None,
     ) -> QueryResult:
         """hashes: a list (gRPC) or a fast-path frame's packed run, which stays
         packed unless a miss needs the SSD tier. hash_len: the length every
-        hash is known to have (a fast-path frame)."""
+        hash is known to have (a fast-path frame). A query needs no owner
+        token (vLLM's scheduler asks for its workers), but a caller the kernel
+        names must run as the instance's user."""
         inst = self.registry.instance(instance_id)
+        if ctx is not None:
+            deadlines.check(ctx.deadline, "query")
+            uid = ctx.caller.uid
+            if UNKNOWN not in (uid, inst.owner_uid) and uid not in (0, inst.owner_uid):
+                raise PermissionDenied(
+                    f"instance_id: {instance_id!r} belongs to another user (uid "
+                    f"{inst.owner_uid}); the caller is uid {uid}"
+                )
         if isinstance(hashes, PackedHashes):
             hash_len = hashes.hash_len
         check_hashes(hashes, self.config.max_blocks_per_request, hash_len)
@@ -232,8 +275,9 @@ class Engine:
         instance_id: str,
         tp_rank: int,
         items: list[LoadSpec],
-        batch: bool = True,
-        layer_seq: int = 0,
+        batch: bool,
+        layer_seq: int,
+        ctx: CallContext,
     ) -> LoadBatchResult:
         """Leased blocks into engine blocks, every item in one copy.
 
@@ -244,8 +288,13 @@ class Engine:
         the original one-lease request: fields unprefixed, a gone lease raises.
         layer_seq != 0: copy layer by layer, writing it to the worker's layer
         signal words as each layer lands (the engine starts that layer early).
+        No copy starts after ctx.deadline: the engine may reuse the blocks
+        once it has given up on this load.
         """
-        worker = self.registry.worker(instance_id, tp_rank)
+        worker = self.registry.owned_worker(
+            instance_id, tp_rank, ctx.caller, ctx.owner_token
+        )
+        deadlines.check(ctx.deadline, "load")
         if layer_seq and worker.signals is None:
             raise InvalidRequest(
                 f"layer_seq: rank {tp_rank} of {instance_id!r} registered no "
@@ -273,9 +322,11 @@ class Engine:
         live = [p for p in plans if p is not None]
         entries = [e for _, item_entries, _ in live for e in item_entries]
         transfers = self._load_transfers(worker, live, entries)
-        scatter = worker.copier.scatter
+        scatter = functools.partial(worker.copier.scatter, deadline=ctx.deadline)
         if layer_seq:
-            scatter = functools.partial(_scatter_by_layer, worker, layer_seq)
+            scatter = functools.partial(
+                _scatter_by_layer, worker, layer_seq, ctx.deadline
+            )
         self.store.pin(entries)  # a lease may expire while we copy
         try:
             # Layer by layer the engine waits on each signal, not on this loop.

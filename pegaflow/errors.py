@@ -53,6 +53,37 @@ class CopyFailed(PegaflowError):
     code = grpc.StatusCode.INTERNAL
 
 
+class DeadlineExceeded(PegaflowError):
+    """The request's deadline passed before its work could start."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class PermissionDenied(PegaflowError):
+    """The caller may not do this: the kernel's word on who it is (or its owner
+    token) does not match what the request claims."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class InstanceHeld(PegaflowError):
+    """A live worker of this instance id and rank belongs to another process."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ProtocolMismatch(PegaflowError):
+    """Client and server speak different versions of the socket's frames."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Overloaded(PegaflowError):
+    """A bound on a connection or on concurrent work was reached; retry later."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class ServerUnavailable(PegaflowError):
     """Client side: the server could not be reached before the deadline."""
 
@@ -61,7 +92,13 @@ class ServerUnavailable(PegaflowError):
 
 _BY_CODE: dict[grpc.StatusCode, type[PegaflowError]] = {
     cls.code: cls
-    for cls in (InvalidRequest, UnknownInstance, LeaseNotFound, PoolExhausted)
+    for cls in (
+        InvalidRequest,
+        UnknownInstance,
+        LeaseNotFound,
+        PoolExhausted,
+        PermissionDenied,
+    )
 }
 _BY_CODE[grpc.StatusCode.UNAVAILABLE] = ServerUnavailable
 _BY_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = ServerUnavailable

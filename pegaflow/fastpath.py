@@ -18,76 +18,154 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
-from pegaflow.errors import CopyFailed, InvalidRequest, PegaflowError, from_status
+from pegaflow import deadlines
+from pegaflow.errors import (
+    CopyFailed,
+    InvalidRequest,
+    Overloaded,
+    PegaflowError,
+    ProtocolMismatch,
+    from_status,
+)
 from pegaflow.frames import (
+    HELLO_REPLY,
+    LOAD,
     LOAD_ITEM_REPLY,
     LOAD_REPLY,
     LOADING,
     MAX_BODY,
+    PROTOCOL_VERSION,
     QUERY,
     QUERY_REPLY,
+    REGISTER,
+    REGISTER_REPLY,
     SAVE,
     SAVE_REPLY,
+    decode_hello,
     decode_load,
     decode_query,
+    decode_register,
     decode_save,
+    encode_hello,
     error_reply,
     kind_of,
     load_reply,
     parse_load_reply,
+    register_reply,
 )
+from pegaflow.identity import UNKNOWN, CallContext, Caller, unix_peer
 
 if TYPE_CHECKING:
     from pegaflow.engine import Engine
 
 logger = logging.getLogger(__name__)
 
+# Partial frames buffered over all connections at once; past it a connection
+# that wants more is refused. A legitimate frame arrives whole within
+# milliseconds, so this only bounds what slow or stuck senders can pin.
+RECEIVE_BUDGET = 128 << 20
+MAX_CONNECTIONS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SocketServerInfo:
+    """What a registration over the socket answers with (as ServerInfo does)."""
+
+    pid: int
+    server_id: bytes
+    path: str
+
+
+@dataclass(slots=True)
+class _Shared:
+    """State of one socket server shared by its connections."""
+
+    engine: Engine
+    info: SocketServerInfo
+    buffered: int = 0  # bytes of partial frames over all connections
+    connections: int = 0
+
 
 class _FastProtocol(asyncio.Protocol):
     """One engine connection. Queries are answered straight from the loop's read
-    callback; a save runs as a task, and frames behind it wait their turn, so
-    replies leave in request order."""
+    callback; a save, load or registration runs as a task, and frames behind it
+    wait their turn, so replies leave in request order.
 
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self._seconds = engine.metrics.rpc_seconds
+    The kernel names the peer (SO_PEERCRED) when it connects: that, not any
+    field of a frame, is who the requests come from."""
+
+    def __init__(self, shared: _Shared) -> None:
+        self._shared = shared
+        self._engine = shared.engine
+        self._seconds = shared.engine.metrics.rpc_seconds
         self._ok_seconds = self._seconds.labels("QueryPrefix/unix", "OK")
         self._buf = bytearray()
+        self._counted = 0  # of _buf, charged to the shared receive budget
         self._transport: asyncio.Transport | None = None
+        self._caller = Caller("unix")
+        self._greeted = False
         self._queued: deque[bytes] = deque()
         self._task: asyncio.Task | None = None
         self._eof = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        self._shared.connections += 1
+        if self._shared.connections > MAX_CONNECTIONS:
+            self._refuse(Overloaded(f"connection: more than {MAX_CONNECTIONS} open"))
+            return
+        try:
+            self._caller = unix_peer(transport.get_extra_info("socket"))
+        except OSError as exc:  # no credentials: nothing may be trusted
+            logger.warning("fast-path peer without credentials: %s", exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._shared.connections -= 1
+        self._charge(0)
+
+    def _refuse(self, exc: PegaflowError) -> None:
+        self._transport.write(error_reply(exc))
+        self._transport.close()
+
+    def _charge(self, size: int) -> None:
+        """Charge the shared budget for `size` bytes of partial frame."""
+        self._shared.buffered += size - self._counted
+        self._counted = size
 
     def data_received(self, data: bytes) -> None:
-        if self._buf:
-            self._buf += data
-            data = bytes(self._buf)
+        buf = self._buf
+        buf += data  # amortised O(len(data)); frames are cut from the front
         at = 0
         try:
-            while len(data) - at >= 4:
-                size = int.from_bytes(data[at : at + 4], "little")
+            while len(buf) - at >= 4:
+                size = int.from_bytes(buf[at : at + 4], "little")
                 if size > MAX_BODY:
-                    exc = InvalidRequest(f"frame: {size} B > {MAX_BODY}")
-                    self._transport.write(error_reply(exc))
-                    self._transport.close()
+                    self._refuse(InvalidRequest(f"frame: {size} B > {MAX_BODY}"))
                     return
-                if len(data) - at - 4 < size:
+                if len(buf) - at - 4 < size:
                     break
-                self._dispatch(data[at + 4 : at + 4 + size])
+                self._dispatch(bytes(buf[at + 4 : at + 4 + size]))
                 at += 4 + size
         except Exception:  # a broken connection must not take the server down
             logger.exception("fast-path connection failed")
             self._transport.close()
             return
-        self._buf = bytearray(data[at:])
+        if at:
+            del buf[:at]
+        self._charge(len(buf))
+        if self._shared.buffered > RECEIVE_BUDGET and buf:
+            self._refuse(
+                Overloaded(
+                    f"frame: {self._shared.buffered} B of partial frames are "
+                    f"buffered over all connections (at most {RECEIVE_BUDGET})"
+                )
+            )
 
     def eof_received(self) -> bool:
         """The engine is done sending; answer what is queued, then close."""
@@ -95,12 +173,35 @@ class _FastProtocol(asyncio.Protocol):
         return self._task is not None  # True keeps the transport open for now
 
     def _dispatch(self, body: bytes) -> None:
+        if self._transport.is_closing():
+            return
+        if not self._greeted:
+            self._hello(body)
+            return
         if not self._queued and body[:1] == bytes([QUERY]):
             self._transport.write(self._query(body))
             return
         self._queued.append(body)
         if self._task is None:
             self._task = asyncio.ensure_future(self._drain())
+
+    def _hello(self, body: bytes) -> None:
+        try:
+            version = decode_hello(body)
+        except PegaflowError as exc:
+            self._refuse(exc)
+            return
+        if version != PROTOCOL_VERSION:
+            self._refuse(
+                ProtocolMismatch(
+                    f"hello.version: {version}; this server speaks protocol "
+                    f"{PROTOCOL_VERSION}: run the same pegaflow version on both sides"
+                )
+            )
+            return
+        self._greeted = True
+        info = self._shared.info
+        self._transport.write(HELLO_REPLY.pack(0, PROTOCOL_VERSION, info.server_id))
 
     async def _drain(self) -> None:
         try:
@@ -121,12 +222,14 @@ class _FastProtocol(asyncio.Protocol):
             return error_reply(exc)
         if kind == QUERY:
             return self._query(body)
-        return await self._copy(kind, body)
+        return await self._guarded(kind, body)
 
     def _query(self, body: bytes) -> bytes:
         start = time.perf_counter()
         try:
-            res = self._engine.query(*decode_query(body))
+            ident, hashes, hash_len, deadline_ns = decode_query(body)
+            ctx = CallContext(self._caller, b"", deadlines.from_wire(deadline_ns))
+            res = self._engine.query(ident, hashes, hash_len, ctx)
         except PegaflowError as exc:
             self._seconds.labels("QueryPrefix/unix", exc.code.name).observe(
                 time.perf_counter() - start
@@ -136,22 +239,48 @@ class _FastProtocol(asyncio.Protocol):
         status = LOADING if res.loading else 0
         return QUERY_REPLY.pack(status, res.num_blocks, res.lease_id, res.lease_ttl_s)
 
-    async def _copy(self, kind: int, body: bytes) -> bytes:
-        method = "Save/unix" if kind == SAVE else "Load/unix"
+    def _register(self, body: bytes) -> bytes:
+        from pegaflow.proto import pegaflow_pb2 as pb
+        from pegaflow.service import register_response, spec_from_message
+
+        request, deadline_ns = decode_register(body)
+        deadlines.check(deadlines.from_wire(deadline_ns), "register")
+        try:
+            req = pb.RegisterInstanceRequest.FromString(request)
+        except Exception:  # protobuf's DecodeError and friends: the client's
+            raise InvalidRequest("register: not a RegisterInstanceRequest") from None
+        if self._caller.pid == UNKNOWN:
+            raise InvalidRequest("register: the kernel named no peer process")
+        worker = self._engine.register(spec_from_message(req), self._caller)
+        info = self._shared.info
+        response = register_response(worker, info.pid, info.path)
+        return register_reply(response.SerializeToString())
+
+    async def _save(self, body: bytes) -> bytes:
+        *args, event, deadline_ns, token = decode_save(body)
+        ctx = CallContext(self._caller, token, deadlines.from_wire(deadline_ns))
+        res = await self._engine.save(*args, event, ctx)
+        return SAVE_REPLY.pack(0, res.stored, res.deduplicated, res.rejected)
+
+    async def _load(self, body: bytes) -> bytes:
+        *args, deadline_ns, token = decode_load(body)
+        ctx = CallContext(self._caller, token, deadlines.from_wire(deadline_ns))
+        got = await self._engine.load(*args, ctx)
+        return load_reply(got.loaded, got.bytes, got.items)
+
+    async def _guarded(self, kind: int, body: bytes) -> bytes:
+        """As gRPC's interceptor: errors become statuses, a bug INTERNAL, and
+        the server lives on; every request is timed."""
+        method = _METHODS[kind]
         start, code = time.perf_counter(), "OK"
         try:
-            if kind == SAVE:
-                ident, rank, ids, hashes, layers, event = decode_save(body)
-                res = await self._engine.save(
-                    ident, rank, ids, hashes, layers, wait_event=event
-                )
-                return SAVE_REPLY.pack(0, res.stored, res.deduplicated, res.rejected)
-            got = await self._engine.load(*decode_load(body))
-            return load_reply(got.loaded, got.bytes, got.items)
+            if kind == REGISTER:
+                return self._register(body)
+            return await (self._save(body) if kind == SAVE else self._load(body))
         except PegaflowError as exc:
             code = exc.code.name
             return error_reply(exc)
-        except Exception:  # as gRPC's interceptor does: INTERNAL, server lives on
+        except Exception:
             code = "INTERNAL"
             logger.exception("%s failed", method)
             return error_reply(CopyFailed(f"{method.split('/')[0]}: internal error"))
@@ -159,12 +288,18 @@ class _FastProtocol(asyncio.Protocol):
             self._seconds.labels(method, code).observe(time.perf_counter() - start)
 
 
-async def start_query_socket(path: str, engine: Engine) -> asyncio.AbstractServer:
+_METHODS = {SAVE: "Save/unix", LOAD: "Load/unix", REGISTER: "RegisterInstance/unix"}
+
+
+async def start_query_socket(
+    path: str, engine: Engine, info: SocketServerInfo
+) -> asyncio.AbstractServer:
     """Serve queries and saves on `path` (mode 0600: the server's user only)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     loop = asyncio.get_running_loop()
-    server = await loop.create_unix_server(lambda: _FastProtocol(engine), path)
+    shared = _Shared(engine, info)
+    server = await loop.create_unix_server(lambda: _FastProtocol(shared), path)
     os.chmod(path, 0o600)
     return server
 
@@ -172,11 +307,17 @@ async def start_query_socket(path: str, engine: Engine) -> asyncio.AbstractServe
 class FastPathClient:
     """Blocking client of the fast-path socket: one connection per calling
     thread (a worker's save must not hold up its load or a query), one request
-    in flight on each."""
+    in flight on each. Every connection checks that the server behind the
+    socket is the one the client asked over gRPC (its pid from the kernel, its
+    random id from the hello), so a socket planted at that path gets nothing."""
 
-    def __init__(self, path: str, timeout_s: float) -> None:
+    def __init__(
+        self, path: str, timeout_s: float, server_id: bytes, server_pid: int
+    ) -> None:
         self._path = path
         self._timeout_s = timeout_s
+        self._server_id = server_id
+        self._server_pid = server_pid
         self._local = threading.local()
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
@@ -190,7 +331,8 @@ class FastPathClient:
             try:
                 sock.settimeout(self._timeout_s)
                 sock.connect(self._path)
-            except OSError:
+                self._greet(sock)
+            except (OSError, PegaflowError):
                 sock.close()
                 raise
             with self._lock:
@@ -201,46 +343,77 @@ class FastPathClient:
             self._local.sock = sock
         return sock
 
-    def query(self, frame: bytes) -> tuple[int, int, float, bool]:
+    def _greet(self, sock: socket.socket) -> None:
+        peer = unix_peer(sock)
+        if peer.pid != self._server_pid:
+            raise ConnectionRefusedError(
+                f"{self._path}: served by pid {peer.pid}, not the server "
+                f"(pid {self._server_pid})"
+            )
+        sock.sendall(encode_hello())
+        status, reply = self._read_reply(sock, HELLO_REPLY.size, None)
+        _, version, server_id = HELLO_REPLY.unpack(reply)
+        if server_id != self._server_id or version != PROTOCOL_VERSION:
+            raise ConnectionRefusedError(f"{self._path}: another server's socket")
+
+    def query(self, frame: bytes, wait_s: float) -> tuple[int, int, float, bool]:
         """(num_blocks, lease_id, lease_ttl_s, loading); typed exceptions for
-        errors; OSError when the connection is broken."""
-        status, reply = self._exchange(frame, QUERY_REPLY.size)
+        errors; OSError when the connection is broken, TimeoutError when no
+        reply came within wait_s."""
+        status, reply = self._exchange(frame, wait_s, QUERY_REPLY.size)
         _, n, lease, ttl = QUERY_REPLY.unpack(reply)
         return n, lease, ttl, status == LOADING
 
-    def save(self, frame: bytes) -> tuple[int, int, int]:
+    def save(self, frame: bytes, wait_s: float) -> tuple[int, int, int]:
         """(stored, deduplicated, rejected)."""
-        _, reply = self._exchange(frame, SAVE_REPLY.size)
+        _, reply = self._exchange(frame, wait_s, SAVE_REPLY.size)
         return SAVE_REPLY.unpack(reply)[1:]
 
-    def load(self, frame: bytes) -> tuple[int, int, list[tuple[int, int, str]]]:
+    def load(
+        self, frame: bytes, wait_s: float
+    ) -> tuple[int, int, list[tuple[int, int, str]]]:
         """(loaded, bytes, [(loaded, bytes, error)] per item)."""
-        _, reply = self._exchange(frame, LOAD_REPLY.size, _load_reply_size)
+        _, reply = self._exchange(frame, wait_s, LOAD_REPLY.size, _load_reply_size)
         return parse_load_reply(bytes(reply))
+
+    def register(self, frame: bytes, wait_s: float) -> bytes:
+        """The serialised RegisterInstanceResponse."""
+        _, reply = self._exchange(frame, wait_s, REGISTER_REPLY.size, _register_size)
+        return bytes(reply[REGISTER_REPLY.size :])
 
     def _exchange(
         self,
         frame: bytes,
+        wait_s: float,
         ok_size: int,
         full_size: Callable[[bytearray], int] | None = None,
     ) -> tuple[int, bytearray]:
         sock = self._conn()
         try:
+            sock.settimeout(max(wait_s, 1e-3))
             sock.sendall(frame)
-            # Every reply is at least 5 bytes and the only one in flight on
-            # this connection: the first recv (4 KiB) usually takes it whole.
-            reply = self._recv(sock, 5, bytearray())
-            status = reply[0]
-            if status in (0, LOADING):
-                reply = self._recv(sock, ok_size, reply)
-                while full_size is not None and len(reply) < (n := full_size(reply)):
-                    reply = self._recv(sock, n, reply)
-                return status, reply
-            length = int.from_bytes(reply[1:5], "little")
-            message = self._recv(sock, 5 + length, reply)[5:].decode(errors="replace")
-        except OSError:
+            return self._read_reply(sock, ok_size, full_size)
+        except OSError:  # an error reply leaves the connection usable
             self._forget(sock)  # half a reply may be left in it
             raise
+
+    def _read_reply(
+        self,
+        sock: socket.socket,
+        ok_size: int,
+        full_size: Callable[[bytearray], int] | None,
+    ) -> tuple[int, bytearray]:
+        # Every reply is at least 5 bytes and the only one in flight on
+        # this connection: the first recv (4 KiB) usually takes it whole.
+        reply = self._recv(sock, 5, bytearray())
+        status = reply[0]
+        if status in (0, LOADING):
+            reply = self._recv(sock, ok_size, reply)
+            while full_size is not None and len(reply) < (n := full_size(reply)):
+                reply = self._recv(sock, n, reply)
+            return status, reply
+        length = int.from_bytes(reply[1:5], "little")
+        message = self._recv(sock, 5 + length, reply)[5:].decode(errors="replace")
         code = next((c for c in grpc.StatusCode if c.value[0] == status), None)
         raise from_status(code or grpc.StatusCode.UNKNOWN, message)
 
@@ -267,6 +440,10 @@ class FastPathClient:
             socks, self._socks = self._socks, []
         for sock in socks:
             sock.close()
+
+
+def _register_size(reply: bytearray) -> int:
+    return REGISTER_REPLY.size + REGISTER_REPLY.unpack_from(reply)[1]
 
 
 def _load_reply_size(reply: bytearray) -> int:

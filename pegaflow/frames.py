@@ -3,21 +3,31 @@
 Little-endian; every request is `u32 body_len | body`, the body starting with a
 u8 kind. Arrays travel as raw u32 runs, hashes as one run of equal-length
 strings, so neither side builds per-block Python objects to frame a request.
+A connection opens with a hello naming the protocol version; a server that
+speaks another version answers FAILED_PRECONDITION and closes. `deadline` is
+CLOCK_MONOTONIC nanoseconds (pegaflow.deadlines; 0: none); `token` the worker's
+16-byte owner token from its registration.
 
-  query (1): u8 kind | u8 hash_len | u16 id_len | u32 count | id | hashes
-  save  (2): u8 kind | u8 hash_len | u16 id_len | u32 count | u32 tp_rank
-             | u32 wait_event | u32 n_layers | id | u32 block_ids[count]
-             | u32 layer_ids[n_layers] | hashes
-  load  (3): u8 kind | u8 batch | u16 id_len | u32 n_items | u32 tp_rank
-             | u64 layer_seq | id
-             | n_items x (u64 lease_id | u32 lease_offset | u32 count)
-             | u32 block_ids[sum of counts]
+  hello    (0): u8 kind | u8 0 | u16 version
+  query    (1): u8 kind | u8 hash_len | u16 id_len | u32 count | u64 deadline
+                | id | hashes
+  save     (2): u8 kind | u8 hash_len | u16 id_len | u32 count | u32 tp_rank
+                | u32 wait_event | u32 n_layers | u64 deadline | token | id
+                | u32 block_ids[count] | u32 layer_ids[n_layers] | hashes
+  load     (3): u8 kind | u8 batch | u16 id_len | u32 n_items | u32 tp_rank
+                | u64 layer_seq | u64 deadline | token | id
+                | n_items x (u64 lease_id | u32 lease_offset | u32 count)
+                | u32 block_ids[sum of counts]
+  register (4): u8 kind | u8 0 | u16 0 | u64 deadline
+                | RegisterInstanceRequest (protobuf)
 
 Replies: u8 status (a grpc.StatusCode value, 0 = OK; 255 = LOADING) | payload
+  hello OK:           u16 version | 16 B server id (ServerInfo's server_id)
   query OK / LOADING: u32 num_blocks | u64 lease_id | f64 lease_ttl_s
   save OK:            u32 stored | u32 deduplicated | u32 rejected
   load OK:            u32 loaded | u64 bytes | u32 n_items
                       | n_items x (u32 loaded | u64 bytes | u32 error_len) | errors
+  register OK:        u32 length | RegisterInstanceResponse (protobuf)
   any error:          u32 msg_len | utf-8 message
 """
 
@@ -31,13 +41,19 @@ import numpy as np
 from pegaflow.errors import InvalidRequest, PegaflowError
 from pegaflow.ready_index import PackedHashes
 
-QUERY, SAVE, LOAD = 1, 2, 3
-KINDS = (QUERY, SAVE, LOAD)
-QUERY_HEADER = struct.Struct("<BBHI")
-SAVE_HEADER = struct.Struct("<BBHIIII")
+PROTOCOL_VERSION = 2  # 1: no hello, no deadlines, no tokens, no register
+HELLO, QUERY, SAVE, LOAD, REGISTER = 0, 1, 2, 3, 4
+KINDS = (QUERY, SAVE, LOAD, REGISTER)  # after the hello
+TOKEN_BYTES = 16
+HELLO_HEADER = struct.Struct("<BBH")
+HELLO_REPLY = struct.Struct("<BH16s")
+QUERY_HEADER = struct.Struct("<BBHIQ")
+SAVE_HEADER = struct.Struct("<BBHIIIIQ16s")
+REGISTER_HEADER = struct.Struct("<BBHQ")
+REGISTER_REPLY = struct.Struct("<BI")
 QUERY_REPLY = struct.Struct("<BIQd")
 SAVE_REPLY = struct.Struct("<BIII")
-LOAD_HEADER = struct.Struct("<BBHIIQ")
+LOAD_HEADER = struct.Struct("<BBHIIQQ16s")
 LOAD_REPLY = struct.Struct("<BIQI")
 LOAD_ITEM = np.dtype([("lease_id", "<u8"), ("lease_offset", "<u4"), ("count", "<u4")])
 LOAD_ITEM_REPLY = np.dtype([("loaded", "<u4"), ("bytes", "<u8"), ("error_len", "<u4")])
@@ -45,7 +61,10 @@ LOAD_ITEM_REPLY = np.dtype([("loaded", "<u4"), ("bytes", "<u8"), ("error_len", "
 LoadSpec = tuple[int, int, np.ndarray]
 # Not a grpc.StatusCode value (those stop at 16): the query's answer is `loading`.
 LOADING = 255
-MAX_BODY = 64 << 20
+# The largest legitimate body: a save of 65536 blocks with 64-byte hashes is
+# 4.3 MiB, a registration of 4096 layers x 8 segments ~0.3 MiB. A bigger frame
+# is refused before any of it is buffered.
+MAX_BODY = 8 << 20
 
 
 def _hash_size(hashes: list[bytes]) -> int | None:
@@ -59,8 +78,41 @@ def _framed(body: bytes) -> bytes:
     return len(body).to_bytes(4, "little") + body
 
 
+def encode_hello() -> bytes:
+    return _framed(HELLO_HEADER.pack(HELLO, 0, PROTOCOL_VERSION))
+
+
+def decode_hello(body: bytes) -> int:
+    """The client's protocol version; InvalidRequest if this is no hello."""
+    if len(body) != HELLO_HEADER.size or body[0] != HELLO:
+        raise InvalidRequest(
+            f"frame: the first frame must be a hello (protocol {PROTOCOL_VERSION}); "
+            "this client speaks an older protocol: upgrade pegaflow on the engine"
+        )
+    return HELLO_HEADER.unpack(body)[2]
+
+
+def encode_register(request: bytes, deadline_ns: int) -> bytes:
+    """request: a serialised RegisterInstanceRequest."""
+    return _framed(REGISTER_HEADER.pack(REGISTER, 0, 0, deadline_ns) + request)
+
+
+def decode_register(body: bytes) -> tuple[bytes, int]:
+    """(serialised RegisterInstanceRequest, deadline_ns)."""
+    if len(body) < REGISTER_HEADER.size:
+        raise InvalidRequest("frame: shorter than its header")
+    return body[REGISTER_HEADER.size :], REGISTER_HEADER.unpack_from(body)[3]
+
+
+def register_reply(response: bytes) -> bytes:
+    return REGISTER_REPLY.pack(0, len(response)) + response
+
+
 def encode_query(
-    instance_id: str, hashes: list[bytes], hash_len: int | None = None
+    instance_id: str,
+    hashes: list[bytes],
+    hash_len: int | None = None,
+    deadline_ns: int = 0,
 ) -> bytes | None:
     """The request frame, or None when the hashes differ in length (use gRPC).
     hash_len: the caller's word that every hash has this length, which skips a
@@ -71,8 +123,10 @@ def encode_query(
         return None
     joined = b"".join(hashes)
     if len(joined) != size * len(hashes):
-        return None if hash_len is None else encode_query(instance_id, hashes)
-    head = QUERY_HEADER.pack(QUERY, size, len(ident), len(hashes))
+        if hash_len is None:
+            return None
+        return encode_query(instance_id, hashes, deadline_ns=deadline_ns)
+    head = QUERY_HEADER.pack(QUERY, size, len(ident), len(hashes), deadline_ns)
     return _framed(head + ident + joined)
 
 
@@ -83,6 +137,8 @@ def encode_save(
     hashes: list[bytes],
     layer_ids: Sequence[int],
     wait_event: int,
+    deadline_ns: int = 0,
+    token: bytes = b"",
 ) -> bytes | None:
     """The request frame, or None when gRPC must carry it (mixed hash lengths,
     values outside u32: the server's answer there names the field)."""
@@ -94,7 +150,15 @@ def encode_save(
         ids = np.asarray(block_ids, np.int64)
         layers = np.asarray(layer_ids, np.int64)
         head = SAVE_HEADER.pack(
-            SAVE, size, len(ident), len(hashes), tp_rank, wait_event, len(layers)
+            SAVE,
+            size,
+            len(ident),
+            len(hashes),
+            tp_rank,
+            wait_event,
+            len(layers),
+            deadline_ns,
+            token,
         )
     except (struct.error, OverflowError, ValueError, TypeError):
         return None
@@ -118,12 +182,23 @@ def encode_load(
     items: Sequence[LoadSpec],
     batch: bool,
     layer_seq: int = 0,
+    deadline_ns: int = 0,
+    token: bytes = b"",
 ) -> bytes | None:
     """The request frame, or None when gRPC must carry it (values outside the
     frame's fields: the server's answer there names the field)."""
     ident = instance_id.encode()
     try:
-        head = LOAD_HEADER.pack(LOAD, batch, len(ident), len(items), tp_rank, layer_seq)
+        head = LOAD_HEADER.pack(
+            LOAD,
+            batch,
+            len(ident),
+            len(items),
+            tp_rank,
+            layer_seq,
+            deadline_ns,
+            token,
+        )
         table = np.zeros(len(items), LOAD_ITEM)
         ids = [np.asarray(block_ids, np.int64).reshape(-1) for _, _, block_ids in items]
         table["lease_id"] = [lease for lease, _, _ in items]
@@ -139,11 +214,15 @@ def encode_load(
     return _framed(head + ident + table.tobytes() + flat.astype("<u4").tobytes())
 
 
-def decode_load(body: bytes) -> tuple[str, int, list[LoadSpec], bool, int]:
-    """(instance id, tp_rank, items, batch, layer_seq), in Engine.load's order."""
+def decode_load(
+    body: bytes,
+) -> tuple[str, int, list[LoadSpec], bool, int, int, bytes]:
+    """(instance id, tp_rank, items, batch, layer_seq, deadline_ns, token):
+    Engine.load's order, then what its CallContext needs."""
     if len(body) < LOAD_HEADER.size:
         raise InvalidRequest("frame: shorter than its header")
-    _, batch, id_len, n_items, rank, layer_seq = LOAD_HEADER.unpack_from(body)
+    head = LOAD_HEADER.unpack_from(body)
+    _, batch, id_len, n_items, rank, layer_seq, deadline_ns, token = head
     table_at = LOAD_HEADER.size + id_len
     ids_at = table_at + n_items * LOAD_ITEM.itemsize
     if len(body) < ids_at:
@@ -167,7 +246,7 @@ def decode_load(body: bytes) -> tuple[str, int, list[LoadSpec], bool, int]:
         )
     ]
     ident = _ident(body, LOAD_HEADER.size, table_at)
-    return ident, rank, items, bool(batch), layer_seq
+    return ident, rank, items, bool(batch), layer_seq, deadline_ns, token
 
 
 def load_reply(loaded: int, nbytes: int, items: Sequence) -> bytes:
@@ -221,27 +300,29 @@ def _ident(body: bytes, start: int, end: int) -> str:
         raise InvalidRequest("instance_id: not UTF-8") from None
 
 
-def decode_query(body: bytes) -> tuple[str, PackedHashes, int]:
-    """(instance id, hashes, the length of every hash). The hashes stay packed
+def decode_query(body: bytes) -> tuple[str, PackedHashes, int, int]:
+    """(instance id, hashes, the length of every hash, deadline_ns). The hashes
+    stay packed
     in body: the index probes them as they are, a Python bytes object per hash
     would cost ~40 us per 1000 before the lookup starts."""
     if len(body) < QUERY_HEADER.size:
         raise InvalidRequest("frame: shorter than its header")
-    _, size, id_len, count = QUERY_HEADER.unpack_from(body)
+    _, size, id_len, count, deadline_ns = QUERY_HEADER.unpack_from(body)
     start = QUERY_HEADER.size + id_len
     _check_length(body, start + size * count)
     hashes = PackedHashes(body, size, count, start)
-    return _ident(body, QUERY_HEADER.size, start), hashes, size
+    return _ident(body, QUERY_HEADER.size, start), hashes, size, deadline_ns
 
 
 def decode_save(
     body: bytes,
-) -> tuple[str, int, np.ndarray, list[bytes], np.ndarray | None, int]:
-    """(instance id, tp_rank, block_ids, hashes, layer_ids or None, wait_event),
-    in Engine.save's order."""
+) -> tuple[str, int, np.ndarray, list[bytes], np.ndarray | None, int, int, bytes]:
+    """(instance id, tp_rank, block_ids, hashes, layer_ids or None, wait_event,
+    deadline_ns, token): Engine.save's order, then its CallContext's."""
     if len(body) < SAVE_HEADER.size:
         raise InvalidRequest("frame: shorter than its header")
-    _, size, id_len, count, rank, event, n_layers = SAVE_HEADER.unpack_from(body)
+    head = SAVE_HEADER.unpack_from(body)
+    _, size, id_len, count, rank, event, n_layers, deadline_ns, token = head
     ids_at = SAVE_HEADER.size + id_len
     layers_at = ids_at + 4 * count
     hashes_at = layers_at + 4 * n_layers
@@ -255,6 +336,8 @@ def decode_save(
         _hashes(body, hashes_at, size, count),
         layers if n_layers else None,
         event,
+        deadline_ns,
+        token,
     )
 
 

@@ -26,6 +26,7 @@ from typing import Literal
 
 import numpy as np
 
+from pegaflow import deadlines
 from pegaflow.errors import CopyFailed, InvalidRequest
 from pegaflow.layout import Transfers
 
@@ -142,11 +143,21 @@ def _failure(
     return CopyFailed(f"{op} with engine process {pid} failed ({name}): {why}")
 
 
-def _transfer(op: Direction, pid: int, liov: np.ndarray, riov: np.ndarray) -> None:
-    """One call of at most IOV_MAX iovecs, resumed after short transfers."""
+def _transfer(
+    op: Direction,
+    pid: int,
+    liov: np.ndarray,
+    riov: np.ndarray,
+    deadline: float | None = None,
+) -> None:
+    """One call of at most IOV_MAX iovecs, resumed after short transfers. The
+    deadline is checked right before every syscall: a server that was stopped
+    (SIGSTOP, a long GC) between calls must not write into an engine that has
+    given up on this request."""
     call = _readv if op == "gather" else _writev
     left = int(liov[:, 1].sum())
     while True:
+        deadlines.check(deadline, op)
         n = len(liov)
         got = call(pid, liov.ctypes.data, n, riov.ctypes.data, n, 0)
         if got <= 0:
@@ -264,18 +275,26 @@ class HostCopyEngine:
             _pidfd_open(pid),
         )
 
-    def gather(self, regions: HostRegions, t: Transfers, wait_event: int = 0) -> None:
+    def gather(
+        self,
+        regions: HostRegions,
+        t: Transfers,
+        wait_event: int = 0,
+        deadline: float | None = None,
+    ) -> None:
         """Engine -> local: t.src lies in the engine process, t.dst is ours.
 
         A host engine's save is ordered by the RPC itself: it has no events.
         """
         if wait_event:
             raise InvalidRequest("wait_event: host engines have no CUDA events")
-        self._copy("gather", regions, t.dst, t.src, t.nbytes)
+        self._copy("gather", regions, t.dst, t.src, t.nbytes, deadline)
 
-    def scatter(self, regions: HostRegions, t: Transfers) -> None:
+    def scatter(
+        self, regions: HostRegions, t: Transfers, deadline: float | None = None
+    ) -> None:
         """Local -> engine: t.src is ours, t.dst lies in the engine process."""
-        self._copy("scatter", regions, t.src, t.dst, t.nbytes)
+        self._copy("scatter", regions, t.src, t.dst, t.nbytes, deadline)
 
     def close(self, regions: HostRegions) -> None:
         """Host memory needs no unmapping; only the pidfd is released."""
@@ -295,6 +314,7 @@ class HostCopyEngine:
         local: np.ndarray,
         remote: np.ndarray,
         nbytes: np.ndarray,
+        deadline: float | None,
     ) -> None:
         if not len(local) == len(remote) == len(nbytes):
             raise InvalidRequest(
@@ -317,10 +337,10 @@ class HostCopyEngine:
         logger.debug(msg, op, regions.pid, len(keep), len(n), len(parts), total)
         if self._pool is None or len(parts) == 1:
             for part in parts:
-                _transfer(op, regions.pid, liov[part], riov[part])
+                _transfer(op, regions.pid, liov[part], riov[part], deadline)
             return
         futures = [
-            self._pool.submit(_transfer, op, regions.pid, liov[p], riov[p])
+            self._pool.submit(_transfer, op, regions.pid, liov[p], riov[p], deadline)
             for p in parts
         ]
         wait(futures)  # never return while a chunk still writes

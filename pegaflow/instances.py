@@ -11,13 +11,22 @@ a block stores the whole of it, once, and every rank loads that copy.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from pegaflow.errors import InvalidRequest, NotSupported, UnknownInstance
+from pegaflow.errors import (
+    InstanceHeld,
+    InvalidRequest,
+    NotSupported,
+    PermissionDenied,
+    UnknownInstance,
+)
 from pegaflow.hostcopy import LayerSignals
+from pegaflow.identity import UNKNOWN, Caller, check_host_memory_owner
 from pegaflow.layout import KVGeometry, LayerLayout, validate_layers
 
 logger = logging.getLogger(__name__)
@@ -29,6 +38,7 @@ MAX_REGIONS = 64
 MAX_EVENTS = 64
 IPC_HANDLE_BYTES = 64
 UUID_BYTES = 16
+TOKEN_BYTES = 16
 _DEVICE_RE = re.compile(r"^(cpu|cuda:\d{1,3})$")
 
 
@@ -51,9 +61,15 @@ class CopyEngine(Protocol):
         cuda: CudaExport | None = None,
     ) -> object: ...
     def gather(
-        self, handle: object, transfers: object, wait_event: int = 0
+        self,
+        handle: object,
+        transfers: object,
+        wait_event: int = 0,
+        deadline: float | None = None,
     ) -> None: ...
-    def scatter(self, handle: object, transfers: object) -> None: ...
+    def scatter(
+        self, handle: object, transfers: object, deadline: float | None = None
+    ) -> None: ...
     def close(self, handle: object) -> None: ...
 
 
@@ -72,6 +88,7 @@ class RegisterSpec:
     cuda: CudaExport | None = None  # set exactly when region_kind == "cuda"
     replicated: bool = False  # every rank holds the same KV (MLA): one shard
     layer_signals: tuple[int, int] | None = None  # (pid, address): see hostcopy
+    owner_token: bytes = b""  # of the caller's previous registration, if any
 
     @property
     def shards(self) -> int:
@@ -106,6 +123,27 @@ class Worker:
     signals: LayerSignals | None = None  # per-layer load progress, if registered
     active_ops: int = 0
     closed: bool = False
+    owner: Caller = Caller("tcp")  # who registered it, as the kernel said
+    owner_token: bytes = b""  # the capability its later requests carry
+
+    def check_owner(self, caller: Caller, token: bytes) -> None:
+        """Only the registering process acts for a worker: it alone learnt the
+        token, and on the socket the kernel's pid must match too."""
+        if not hmac.compare_digest(token, self.owner_token):
+            raise PermissionDenied(
+                f"owner_token: does not match the registration of "
+                f"{self.instance_id!r} rank {self.tp_rank}; only the process "
+                "that registered it may save, load or unregister for it"
+            )
+        if (
+            caller.transport == "unix"
+            and self.owner.pid != UNKNOWN
+            and caller.pid != self.owner.pid
+        ):
+            raise PermissionDenied(
+                f"instance_id: {self.instance_id!r} rank {self.tp_rank} belongs to "
+                f"pid {self.owner.pid}, not to the caller (pid {caller.pid})"
+            )
 
 
 @dataclass(slots=True)
@@ -115,6 +153,7 @@ class Instance:
     tp_size: int
     world_size: int
     workers: dict[int, Worker] = field(default_factory=dict)
+    owner_uid: int = UNKNOWN  # every rank of an instance runs as one user
 
 
 def _check_ident(value: str, field_name: str) -> None:
@@ -150,6 +189,10 @@ def validate_spec(spec: RegisterSpec) -> None:
         raise InvalidRequest("regions: cuda regions need their ipc handles")
     if spec.cuda is not None:
         _check_cuda(spec.cuda, len(spec.regions))
+    if spec.owner_token and len(spec.owner_token) != TOKEN_BYTES:
+        raise InvalidRequest(
+            f"owner_token: {len(spec.owner_token)} bytes, need {TOKEN_BYTES} or none"
+        )
     validate_layers(spec.layers, [size for _, size in spec.regions])
 
 
@@ -176,15 +219,20 @@ class Registry:
     """Namespaces, instances and their workers; all calls from one thread."""
 
     def __init__(
-        self, copiers: dict[RegionKind, CopyEngine], max_slot_bytes: int = 1 << 62
+        self,
+        copiers: dict[RegionKind, CopyEngine],
+        max_slot_bytes: int = 1 << 62,
+        allow_tcp_host_engines: bool = False,
     ) -> None:
         self._copiers = copiers
+        self._allow_tcp = allow_tcp_host_engines
         self._max_slot_bytes = max_slot_bytes  # a block of one rank must fit a slot
         self.namespaces: dict[str, Namespace] = {}
         self.instances: dict[str, Instance] = {}
 
-    def register(self, spec: RegisterSpec) -> Worker:
+    def register(self, spec: RegisterSpec, caller: Caller) -> Worker:
         validate_spec(spec)
+        self._check_caller(spec, caller)
         copier = self._copiers.get(spec.region_kind)
         if copier is None:
             raise NotSupported(
@@ -216,6 +264,8 @@ class Registry:
         old = instance.workers.get(spec.tp_rank)
         if old is not None:
             self._retire(old)
+        if instance.owner_uid == UNKNOWN:
+            instance.owner_uid = caller.uid
         worker = Worker(
             spec.instance_id,
             spec.tp_rank,
@@ -226,6 +276,8 @@ class Registry:
             handle,
             0 if spec.replicated else spec.tp_rank,
             signals,
+            owner=caller,
+            owner_token=secrets.token_bytes(TOKEN_BYTES),
         )
         instance.workers[spec.tp_rank] = worker
         logger.info(
@@ -239,6 +291,39 @@ class Registry:
             ", replicated" if spec.replicated else "",
         )
         return worker
+
+    def _check_caller(self, spec: RegisterSpec, caller: Caller) -> None:
+        """Before anything is opened: may this caller register this memory, and
+        this instance id and rank?"""
+        if spec.region_kind == "host":
+            check_host_memory_owner(
+                spec.pid, caller, "regions.host.pid", self._allow_tcp
+            )
+        if spec.layer_signals is not None:
+            check_host_memory_owner(
+                spec.layer_signals[0], caller, "layer_signals.pid", self._allow_tcp
+            )
+        inst = self.instances.get(spec.instance_id)
+        if inst is None or not inst.workers:
+            return
+        old = inst.workers.get(spec.tp_rank)
+        if old is not None:
+            same_process = caller.transport == "unix" and caller.pid == old.owner.pid
+            same_token = bool(spec.owner_token) and hmac.compare_digest(
+                spec.owner_token, old.owner_token
+            )
+            if not (same_process or same_token):
+                raise InstanceHeld(
+                    f"instance_id: {spec.instance_id!r} rank {spec.tp_rank} is "
+                    f"registered by {old.owner.label}; give every engine its own "
+                    "instance id, or let that process unregister first"
+                )
+        known = UNKNOWN not in (inst.owner_uid, caller.uid)
+        if known and inst.owner_uid != caller.uid:
+            raise PermissionDenied(
+                f"instance_id: {spec.instance_id!r} belongs to uid "
+                f"{inst.owner_uid}, the caller is uid {caller.uid}"
+            )
 
     def _namespace_for(self, spec: RegisterSpec, geometry: KVGeometry) -> Namespace:
         ns = self.namespaces.get(spec.namespace)
@@ -304,6 +389,14 @@ class Registry:
             raise UnknownInstance(
                 f"tp_rank: rank {tp_rank} of {instance_id!r} is not registered"
             )
+        return worker
+
+    def owned_worker(
+        self, instance_id: str, tp_rank: int, caller: Caller, token: bytes
+    ) -> Worker:
+        """The worker, if the caller is its owner (see Worker.check_owner)."""
+        worker = self.worker(instance_id, tp_rank)
+        worker.check_owner(caller, token)
         return worker
 
     def unregister(self, instance_id: str, tp_rank: int) -> Worker:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import tempfile
 import time
@@ -19,7 +20,7 @@ from pegaflow import cuda_driver, gcpolicy
 from pegaflow.config import CudaConfig, ServerConfig, parse_addr
 from pegaflow.cuda_driver import HostRegistrar
 from pegaflow.engine import Engine
-from pegaflow.fastpath import start_query_socket
+from pegaflow.fastpath import SocketServerInfo, start_query_socket
 from pegaflow.gds import SsdTier
 from pegaflow.hostcopy import HostCopyEngine
 from pegaflow.http import start_http
@@ -108,7 +109,7 @@ async def create_server(config: ServerConfig) -> RunningServer:
             ("grpc.so_reuseport", 0),
         ],
     )
-    servicer = PegaFlowServicer(engine, os.getpid())
+    servicer = PegaFlowServicer(engine, os.getpid(), secrets.token_bytes(16))
     pb_grpc.add_PegaFlowServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -123,10 +124,12 @@ async def create_server(config: ServerConfig) -> RunningServer:
             tier.close()
         pool.close()
         raise OSError(f"--addr: cannot bind {config.addr} (in use or not local?)")
+    servicer.port = bound
     query_server = None
     if config.query_socket is not None:
         servicer.query_socket = _socket_path(config.query_socket)
-        query_server = await start_query_socket(servicer.query_socket, engine)
+        info = SocketServerInfo(os.getpid(), servicer.server_id, servicer.query_socket)
+        query_server = await start_query_socket(servicer.query_socket, engine, info)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -11,9 +11,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 import numpy as np
 
+from pegaflow import deadlines
 from pegaflow.engine import Engine
 from pegaflow.errors import InvalidRequest, PegaflowError
-from pegaflow.instances import CudaExport, RegisterSpec
+from pegaflow.identity import CallContext, Caller, tcp_peer
+from pegaflow.instances import CudaExport, RegisterSpec, Worker
 from pegaflow.layout import LayerLayout, Segment
 from pegaflow.metrics import Metrics
 from pegaflow.proto import pegaflow_pb2 as pb
@@ -117,6 +119,7 @@ def spec_from_message(req: pb.RegisterInstanceRequest) -> RegisterSpec:
         cuda,
         req.replicated,
         _layer_signals(req),
+        req.owner_token,
     )
 
 
@@ -137,26 +140,57 @@ def _cuda_export(req: pb.RegisterInstanceRequest) -> CudaExport:
     )
 
 
+def register_response(
+    worker: Worker, server_pid: int, socket_path: str
+) -> pb.RegisterInstanceResponse:
+    """The one answer to a registration, whichever transport carried it."""
+    return pb.RegisterInstanceResponse(
+        server_pid=server_pid,
+        slot_bytes=worker.geometry.slot_bytes,
+        query_socket=socket_path,
+        owner_token=worker.owner_token,
+    )
+
+
+def _grpc_context(
+    owner_token: bytes, deadline_ns: int, context: grpc.aio.ServicerContext
+) -> CallContext:
+    """Over TCP the caller is unknown: its owner token is its proof. The
+    deadline is the earlier of the request's own and gRPC's."""
+    remaining = context.time_remaining()
+    grpc_deadline = None if remaining is None else time.monotonic() + remaining
+    deadline = deadlines.earliest(deadlines.from_wire(deadline_ns), grpc_deadline)
+    return CallContext(Caller("tcp"), owner_token, deadline)
+
+
 class PegaFlowServicer(pb_grpc.PegaFlowServicer):
-    def __init__(self, engine: Engine, server_pid: int) -> None:
+    def __init__(
+        self, engine: Engine, server_pid: int, server_id: bytes, port: int = 0
+    ) -> None:
         self._engine = engine
         self._pid = server_pid
+        self.server_id = server_id
+        self.port = port  # the bound gRPC port: finds loopback callers' uids
         self.query_socket = ""  # set once the socket listens
 
     async def ServerInfo(
         self, req: pb.ServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerInfoResponse:
-        return pb.ServerInfoResponse(server_pid=self._pid)
+        from pegaflow.frames import PROTOCOL_VERSION
+
+        return pb.ServerInfoResponse(
+            server_pid=self._pid,
+            socket_path=self.query_socket,
+            socket_protocol=PROTOCOL_VERSION,
+            server_id=self.server_id,
+        )
 
     async def RegisterInstance(
         self, req: pb.RegisterInstanceRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterInstanceResponse:
-        worker = self._engine.register(spec_from_message(req))
-        return pb.RegisterInstanceResponse(
-            server_pid=self._pid,
-            slot_bytes=worker.geometry.slot_bytes,
-            query_socket=self.query_socket,
-        )
+        caller = tcp_peer(context.peer(), self.port)
+        worker = self._engine.register(spec_from_message(req), caller)
+        return register_response(worker, self._pid, self.query_socket)
 
     async def Save(
         self, req: pb.SaveRequest, context: grpc.aio.ServicerContext
@@ -168,7 +202,8 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
             _ids(req.block_ids, "block_ids"),
             list(req.block_hashes),
             layer_ids,
-            wait_event=req.wait_event,
+            req.wait_event,
+            _grpc_context(req.owner_token, req.deadline_ns, context),
         )
         return pb.SaveResponse(
             stored=res.stored, deduplicated=res.deduplicated, rejected=res.rejected
@@ -193,10 +228,11 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
     async def Load(
         self, req: pb.LoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoadResponse:
+        ctx = _grpc_context(req.owner_token, req.deadline_ns, context)
         if not req.items:  # the original form: one lease
             item = (req.lease_id, req.lease_offset, _ids(req.block_ids, "block_ids"))
             res = await self._engine.load(
-                req.instance_id, req.tp_rank, [item], False, req.layer_seq
+                req.instance_id, req.tp_rank, [item], False, req.layer_seq, ctx
             )
             return pb.LoadResponse(loaded=res.loaded, bytes=res.bytes)
         if req.lease_id or req.lease_offset or req.block_ids:
@@ -208,7 +244,7 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
             for it in req.items
         ]
         res = await self._engine.load(
-            req.instance_id, req.tp_rank, items, True, req.layer_seq
+            req.instance_id, req.tp_rank, items, True, req.layer_seq, ctx
         )
         return pb.LoadResponse(
             loaded=res.loaded,
@@ -228,7 +264,8 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
     async def Unregister(
         self, req: pb.UnregisterRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnregisterResponse:
-        self._engine.unregister(req.instance_id, req.tp_rank)
+        ctx = CallContext(Caller("tcp"), req.owner_token)
+        self._engine.unregister(req.instance_id, req.tp_rank, ctx)
         return pb.UnregisterResponse()
 
     async def Session(
@@ -240,7 +277,9 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
         if first is None:
             return
         try:
-            worker = self._engine.registry.worker(first.instance_id, first.tp_rank)
+            worker = self._engine.registry.owned_worker(
+                first.instance_id, first.tp_rank, Caller("tcp"), first.owner_token
+            )
         except PegaflowError as exc:
             await context.abort(exc.code, str(exc))
         try:
@@ -250,7 +289,7 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
         finally:
             self._drop_if_current(worker)
 
-    def _drop_if_current(self, worker: object) -> None:
+    def _drop_if_current(self, worker: Worker) -> None:
         """The stream ended: forget the worker unless it re-registered meanwhile."""
         registry = self._engine.registry
         inst = registry.instances.get(worker.instance_id)

@@ -58,7 +58,7 @@ class LayerLayout(_message.Message):
     def __init__(self, region_index: _Optional[int] = ..., offset: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_stride: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
 class RegisterInstanceRequest(_message.Message):
-    __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "world_size", "device", "regions", "layers", "event_handles", "replicated", "layer_signals")
+    __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "world_size", "device", "regions", "layers", "event_handles", "replicated", "layer_signals", "owner_token")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class RegisterInstanceRequest(_message.Message):
     EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
     REPLICATED_FIELD_NUMBER: _ClassVar[int]
     LAYER_SIGNALS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     namespace: str
     tp_rank: int
@@ -81,7 +82,8 @@ class RegisterInstanceRequest(_message.Message):
     event_handles: _containers.RepeatedScalarFieldContainer[bytes]
     replicated: bool
     layer_signals: LayerSignals
-    def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[LayerLayout, _Mapping]]] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., replicated: bool = ..., layer_signals: _Optional[_Union[LayerSignals, _Mapping]] = ...) -> None: ...
+    owner_token: bytes
+    def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[LayerLayout, _Mapping]]] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., replicated: bool = ..., layer_signals: _Optional[_Union[LayerSignals, _Mapping]] = ..., owner_token: _Optional[bytes] = ...) -> None: ...
 
 class LayerSignals(_message.Message):
     __slots__ = ("pid", "address")
@@ -96,36 +98,48 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("server_pid",)
+    __slots__ = ("server_pid", "socket_path", "socket_protocol", "server_id")
     SERVER_PID_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     server_pid: int
-    def __init__(self, server_pid: _Optional[int] = ...) -> None: ...
+    socket_path: str
+    socket_protocol: int
+    server_id: bytes
+    def __init__(self, server_pid: _Optional[int] = ..., socket_path: _Optional[str] = ..., socket_protocol: _Optional[int] = ..., server_id: _Optional[bytes] = ...) -> None: ...
 
 class RegisterInstanceResponse(_message.Message):
-    __slots__ = ("server_pid", "slot_bytes", "query_socket")
+    __slots__ = ("server_pid", "slot_bytes", "query_socket", "owner_token")
     SERVER_PID_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUERY_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     server_pid: int
     slot_bytes: int
     query_socket: str
-    def __init__(self, server_pid: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., query_socket: _Optional[str] = ...) -> None: ...
+    owner_token: bytes
+    def __init__(self, server_pid: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., query_socket: _Optional[str] = ..., owner_token: _Optional[bytes] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("instance_id", "tp_rank", "block_ids", "block_hashes", "layer_ids", "wait_event")
+    __slots__ = ("instance_id", "tp_rank", "block_ids", "block_hashes", "layer_ids", "wait_event", "owner_token", "deadline_ns")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     WAIT_EVENT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_NS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     tp_rank: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     layer_ids: _containers.RepeatedScalarFieldContainer[int]
     wait_event: int
-    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layer_ids: _Optional[_Iterable[int]] = ..., wait_event: _Optional[int] = ...) -> None: ...
+    owner_token: bytes
+    deadline_ns: int
+    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layer_ids: _Optional[_Iterable[int]] = ..., wait_event: _Optional[int] = ..., owner_token: _Optional[bytes] = ..., deadline_ns: _Optional[int] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ("stored", "deduplicated", "rejected")
@@ -178,7 +192,7 @@ class LoadItem(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., lease_offset: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("instance_id", "tp_rank", "lease_id", "lease_offset", "block_ids", "items", "layer_seq")
+    __slots__ = ("instance_id", "tp_rank", "lease_id", "lease_offset", "block_ids", "items", "layer_seq", "owner_token", "deadline_ns")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +200,8 @@ class LoadRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     LAYER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_NS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     tp_rank: int
     lease_id: int
@@ -193,7 +209,9 @@ class LoadRequest(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     items: _containers.RepeatedCompositeFieldContainer[LoadItem]
     layer_seq: int
-    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_offset: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[LoadItem, _Mapping]]] = ..., layer_seq: _Optional[int] = ...) -> None: ...
+    owner_token: bytes
+    deadline_ns: int
+    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_offset: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[LoadItem, _Mapping]]] = ..., layer_seq: _Optional[int] = ..., owner_token: _Optional[bytes] = ..., deadline_ns: _Optional[int] = ...) -> None: ...
 
 class LoadItemResult(_message.Message):
     __slots__ = ("loaded", "bytes", "error")
@@ -226,24 +244,28 @@ class ReleaseLeaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class UnregisterRequest(_message.Message):
-    __slots__ = ("instance_id", "tp_rank")
+    __slots__ = ("instance_id", "tp_rank", "owner_token")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     tp_rank: int
-    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ...) -> None: ...
+    owner_token: bytes
+    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., owner_token: _Optional[bytes] = ...) -> None: ...
 
 class UnregisterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SessionPing(_message.Message):
-    __slots__ = ("instance_id", "tp_rank")
+    __slots__ = ("instance_id", "tp_rank", "owner_token")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     tp_rank: int
-    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ...) -> None: ...
+    owner_token: bytes
+    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., owner_token: _Optional[bytes] = ...) -> None: ...
 
 class SessionPong(_message.Message):
     __slots__ = ("server_time_ns",)

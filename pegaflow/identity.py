@@ -1,0 +1,163 @@
+"""Who is asking: the kernel's word, never the request's.
+
+On the unix socket, SO_PEERCRED names the connecting process and its uid. On
+loopback TCP the kernel still knows the uid that owns the client's socket
+(/proc/net/tcp), but not which process holds it. A registration that lets the
+server read or write a process's host memory is accepted only for a process the
+kernel vouches for: the caller itself on the socket; with
+--allow-tcp-host-engines, a process of the caller's uid over loopback TCP.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Literal
+
+from pegaflow.errors import InvalidRequest, PermissionDenied
+
+Transport = Literal["unix", "tcp"]
+UNKNOWN = -1
+_UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+_TCP_HINT = (
+    "register over the server's unix socket (the client does so when it runs "
+    "on this host as the server's user or root), or start the server with "
+    "--allow-tcp-host-engines if every local user may be trusted"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """The process behind a request, as far as the kernel told us."""
+
+    transport: Transport
+    pid: int = UNKNOWN  # known on the unix socket only
+    uid: int = UNKNOWN  # unix socket; loopback TCP when looked up
+
+    @property
+    def label(self) -> str:
+        who = f"pid {self.pid}" if self.pid != UNKNOWN else "a TCP client"
+        return who if self.uid == UNKNOWN else f"{who} (uid {self.uid})"
+
+
+def unix_peer(sock: socket.socket) -> Caller:
+    pid, uid, _ = _UCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    )
+    return Caller("unix", pid, uid)
+
+
+def tcp_peer(peer: str, server_port: int) -> Caller:
+    """A gRPC peer string ('ipv4:127.0.0.1:5432', 'ipv6:[::1]:5432'), with the
+    uid owning its socket when it is a loopback connection of this host."""
+    return Caller("tcp", UNKNOWN, _loopback_uid(peer, server_port))
+
+
+def _loopback_uid(peer: str, server_port: int) -> int:
+    family, _, rest = peer.partition(":")
+    host, _, port = rest.rpartition(":")
+    try:
+        addr = ipaddress.ip_address(host.strip("[]"))
+        port_no = int(port)
+    except ValueError:
+        return UNKNOWN
+    mapped = getattr(addr, "ipv4_mapped", None)  # a dual-stack listener's view
+    if family not in ("ipv4", "ipv6") or not (mapped or addr).is_loopback:
+        return UNKNOWN
+    table = "/proc/net/tcp" if addr.version == 4 else "/proc/net/tcp6"
+    want = f"{_proc_addr(addr)}:{port_no:04X}"
+    try:
+        with open(table) as f:
+            rows = f.read().splitlines()[1:]
+    except OSError:
+        return UNKNOWN
+    for row in rows:
+        cols = row.split()
+        # The client's own socket: local address = the peer address we saw.
+        if (
+            len(cols) > 7
+            and cols[1] == want
+            and cols[2].endswith(f":{server_port:04X}")
+            and cols[3] == "01"  # ESTABLISHED
+        ):
+            return int(cols[7])
+    return UNKNOWN
+
+
+def _proc_addr(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    """An address as /proc/net/tcp{,6} spells it: 32-bit words in host order."""
+    raw = addr.packed
+    words = [raw[i : i + 4] for i in range(0, len(raw), 4)]
+    return "".join(f"{int.from_bytes(w, 'little'):08X}" for w in words)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    tgid: int
+    uid: int  # effective uid: whose rights the process holds
+
+
+def process_info(pid: int, field: str) -> ProcessInfo:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            lines = f.read().splitlines()
+    except (FileNotFoundError, ProcessLookupError):
+        raise InvalidRequest(f"{field}: process {pid} does not exist") from None
+    values = dict(line.split(":", 1) for line in lines if ":" in line)
+    try:
+        tgid = int(values["Tgid"])
+        uid = int(values["Uid"].split()[1])
+    except (KeyError, IndexError, ValueError):
+        raise InvalidRequest(f"{field}: cannot read /proc/{pid}/status") from None
+    return ProcessInfo(tgid, uid)
+
+
+def check_host_memory_owner(
+    pid: int, caller: Caller, field: str, allow_tcp: bool
+) -> None:
+    """Refuse to let `caller` register host memory of `pid` unless the kernel
+    vouches that pid is the caller (unix socket) or, over TCP when allowed, a
+    process of the caller's own uid. Never the server, never a thread id."""
+    if pid <= 0:
+        raise InvalidRequest(f"{field}: {pid} is not a process id")
+    if caller.transport == "tcp" and not allow_tcp:
+        raise PermissionDenied(
+            f"{field}: host-memory registration over TCP is refused: the server "
+            f"cannot tell which process is asking; {_TCP_HINT}"
+        )
+    info = process_info(pid, field)
+    server = os.getpid()
+    if pid == server or info.tgid == server:
+        raise PermissionDenied(f"{field}: {pid} is the server itself, not an engine")
+    if info.tgid != pid:
+        raise PermissionDenied(
+            f"{field}: {pid} is a thread of process {info.tgid}, not a process; "
+            "register the process id (os.getpid())"
+        )
+    if caller.transport == "unix" and pid != caller.pid:
+        raise PermissionDenied(
+            f"{field}: {pid} is not the calling process ({caller.pid}); an engine "
+            "registers its own memory"
+        )
+    if caller.uid == UNKNOWN:
+        raise PermissionDenied(
+            f"{field}: the server cannot tell which user is asking (not a "
+            f"loopback connection of this host); {_TCP_HINT}"
+        )
+    if info.uid != caller.uid:
+        raise PermissionDenied(
+            f"{field}: process {pid} runs as uid {info.uid}, the caller as uid "
+            f"{caller.uid}: the server reads memory only with the caller's rights"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    """What the transport knows of a request beside its fields."""
+
+    caller: Caller
+    owner_token: bytes = b""
+    deadline: float | None = None  # time.monotonic() seconds; None: none
