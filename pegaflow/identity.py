@@ -67,8 +67,24 @@ def _loopback_uid(peer: str, server_port: int) -> int:
     mapped = getattr(addr, "ipv4_mapped", None)  # a dual-stack listener's view
     if family not in ("ipv4", "ipv6") or not (mapped or addr).is_loopback:
         return UNKNOWN
-    table = "/proc/net/tcp" if addr.version == 4 else "/proc/net/tcp6"
-    want = f"{_proc_addr(addr)}:{port_no:04X}"
+    v4 = mapped or (addr if addr.version == 4 else None)
+    # Either side may hold an IPv6 socket with a v4-mapped address (gRPC does).
+    if v4 is None:
+        tables = [("/proc/net/tcp6", addr)]
+    else:
+        tables = [
+            ("/proc/net/tcp", v4),
+            ("/proc/net/tcp6", ipaddress.IPv6Address(f"::ffff:{v4}")),
+        ]
+    for table, local in tables:
+        uid = _socket_uid(table, f"{_proc_addr(local)}:{port_no:04X}", server_port)
+        if uid != UNKNOWN:
+            return uid
+    return UNKNOWN
+
+
+def _socket_uid(table: str, local: str, server_port: int) -> int:
+    """The uid of the established socket at `local` talking to server_port."""
     try:
         with open(table) as f:
             rows = f.read().splitlines()[1:]
@@ -76,10 +92,9 @@ def _loopback_uid(peer: str, server_port: int) -> int:
         return UNKNOWN
     for row in rows:
         cols = row.split()
-        # The client's own socket: local address = the peer address we saw.
         if (
             len(cols) > 7
-            and cols[1] == want
+            and cols[1] == local
             and cols[2].endswith(f":{server_port:04X}")
             and cols[3] == "01"  # ESTABLISHED
         ):

@@ -67,10 +67,8 @@ def test_each_layer_is_signalled_after_its_bytes(server) -> None:
                 )
                 assert res.loaded == len(ids)
             else:
-                slow = PegaflowClient(server.addr)
-                slow._fast_path = ""  # gRPC carries layer_seq too
-                with slow:
-                    assert slow.load("b", hit.lease_id, dst_ids, layer_seq=seq).loaded
+                client.disable_socket()  # gRPC carries layer_seq too
+                assert client.load("b", hit.lease_id, dst_ids, layer_seq=seq).loaded
             watcher.join(10)
             assert watcher.seen == list(range(LAYERS)) and watcher.wrong == []
             assert (signals == seq).all()

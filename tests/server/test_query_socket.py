@@ -14,13 +14,15 @@ import numpy as np
 import pytest
 
 from pegaflow.client import PegaflowClient
-from pegaflow.errors import InvalidRequest, UnknownInstance
+from pegaflow.errors import InvalidRequest, PermissionDenied, UnknownInstance
 from pegaflow.frames import (
+    HELLO_REPLY,
     QUERY_REPLY,
     SAVE_REPLY,
     decode_load,
     decode_query,
     decode_save,
+    encode_hello,
     encode_load,
     encode_query,
     encode_save,
@@ -37,8 +39,8 @@ def test_frame_round_trip() -> None:
     hs = hashes(5)
     frame = encode_query("inst-é", hs)
     assert int.from_bytes(frame[:4], "little") == len(frame) - 4
-    ident, packed, size = decode_query(frame[4:])
-    assert (ident, packed.list(), size) == ("inst-é", hs, 32)
+    ident, packed, size, deadline = decode_query(frame[4:])
+    assert (ident, packed.list(), size, deadline) == ("inst-é", hs, 32, 0)
     assert encode_query("i", [b"a" * 32, b"b" * 8]) is None  # mixed: use gRPC
     assert encode_query("inst-é", hs, hash_len=32) == frame
     # a wrong word is caught by the total, then by the full check
@@ -46,8 +48,9 @@ def test_frame_round_trip() -> None:
     assert encode_query("i", [b"a" * 8, b"b" * 8], hash_len=32) == encode_query(
         "i", [b"a" * 8, b"b" * 8]
     )
-    ident, packed, size = decode_query(encode_query("i", [])[4:])
+    ident, packed, size, _ = decode_query(encode_query("i", [], deadline_ns=7)[4:])
     assert (ident, packed.list(), size) == ("i", [], 1)
+    assert decode_query(encode_query("i", hs, deadline_ns=7)[4:])[3] == 7
     with pytest.raises(InvalidRequest, match="frame"):
         decode_query(frame[4:-1])
 
@@ -80,10 +83,14 @@ def test_socket_answers_like_grpc(server) -> None:
     )
 
 
-def _raw(path: str, payload: bytes) -> bytes:
+def _raw(path: str, payload: bytes, hello: bool = True) -> bytes:
+    """Send payload (after a hello) and read until the server closes."""
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(5)
         s.connect(path)
+        if hello:
+            s.sendall(encode_hello())
+            assert s.recv(HELLO_REPLY.size, socket.MSG_WAITALL)[0] == 0
         s.sendall(payload)
         s.shutdown(socket.SHUT_WR)
         out = b""
@@ -96,15 +103,15 @@ def test_bad_frames_get_errors_and_server_survives(server) -> None:
     kv = LocalKV()
     with PegaflowClient(server.addr) as client:
         path = kv.register(client, "e", "ns").query_socket
-        body = struct.pack("<BBHI", 9, 32, 1, 0) + b"e"
+        body = struct.pack("<BBHIQ", 9, 32, 1, 0, 0) + b"e"
         reply = _raw(path, len(body).to_bytes(4, "little") + body)
         assert reply[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert b"frame.kind" in reply
-        body = struct.pack("<BBHI", 1, 32, 1, 3) + b"e" + b"x" * 10  # short
+        body = struct.pack("<BBHIQ", 1, 32, 1, 3, 0) + b"e" + b"x" * 10  # short
         assert b"header promises" in _raw(path, len(body).to_bytes(4, "little") + body)
         assert b"frame" in _raw(path, (1 << 31).to_bytes(4, "little"))  # oversized
         assert _raw(path, b"\x01\x00") == b""  # truncated: connection just closes
-        body = struct.pack("<BBHI", 1, 32, 2, 0) + b"\xff\xfe"
+        body = struct.pack("<BBHIQ", 1, 32, 2, 0, 0) + b"\xff\xfe"
         assert b"instance_id" in _raw(path, len(body).to_bytes(4, "little") + body)
         hs = hashes(3)
         client.save("e", [0, 1, 2], hs)
@@ -113,8 +120,14 @@ def test_bad_frames_get_errors_and_server_survives(server) -> None:
 
 
 def test_falls_back_to_grpc_when_socket_is_unusable(server_factory) -> None:
-    server = server_factory("--pool-size", "8mb", "--query-socket", "off")
     kv = LocalKV()
+    closed = server_factory("--pool-size", "8mb", "--query-socket", "off")
+    refused = pytest.raises(PermissionDenied, match="--allow-tcp-host-engines")
+    with PegaflowClient(closed.addr) as client, refused:  # needs the socket
+        kv.register(client, "e", "ns")
+    server = server_factory(
+        "--pool-size", "8mb", "--query-socket", "off", "--allow-tcp-host-engines"
+    )
     with PegaflowClient(server.addr) as client:
         assert kv.register(client, "e", "ns").query_socket == ""
         hs = hashes(2)
@@ -137,9 +150,10 @@ def test_falls_back_to_grpc_when_socket_is_unusable(server_factory) -> None:
 
 def test_save_frame_round_trip() -> None:
     hs = hashes(3)
-    frame = encode_save("e", 1, np.array([7, 0, 9]), hs, [2, 0], 5)
-    ident, rank, ids, got, layers, event = decode_save(frame[4:])
-    assert (ident, rank, got, event) == ("e", 1, hs, 5)
+    token = bytes(range(16))
+    frame = encode_save("e", 1, np.array([7, 0, 9]), hs, [2, 0], 5, 11, token)
+    ident, rank, ids, got, layers, event, deadline, tok = decode_save(frame[4:])
+    assert (ident, rank, got, event, deadline, tok) == ("e", 1, hs, 5, 11, token)
     assert ids.tolist() == [7, 0, 9] and layers.tolist() == [2, 0]
     assert decode_save(encode_save("e", 0, np.array([1]), hs[:1], (), 0)[4:])[4] is None
     # gRPC carries what the frame cannot: its answer names the field
@@ -151,8 +165,10 @@ def test_save_frame_round_trip() -> None:
 
 def test_load_frame_round_trip() -> None:
     items = [(7, 0, np.array([3, 4])), (2**63 + 5, 9, np.array([], np.int64))]
-    ident, rank, got, batch, seq = decode_load(encode_load("é", 1, items, True, 9)[4:])
-    assert (ident, rank, batch, seq) == ("é", 1, True, 9)
+    token = bytes(range(16))
+    frame = encode_load("é", 1, items, True, 9, 12, token)
+    ident, rank, got, batch, seq, deadline, tok = decode_load(frame[4:])
+    assert (ident, rank, batch, seq, deadline, tok) == ("é", 1, True, 9, 12, token)
     assert [(a, b, c.tolist()) for a, b, c in got] == [
         (7, 0, [3, 4]),
         (2**63 + 5, 9, []),
@@ -180,10 +196,12 @@ def test_saves_over_the_socket_land_the_same_bytes(server) -> None:
         b.register(client, "b", "ns")
         res = client.save("a", list(range(6)), hs[:6])  # socket
         slow = PegaflowClient(server.addr)
-        slow._fast_path = ""  # always gRPC
         with slow:
-            res2 = slow.save("a", list(range(6, 12)), hs[6:], layer_ids=[0, 1])
-            assert slow.save("a", list(range(6, 12)), hs[6:], layer_ids=[2, 3]).stored
+            a.register(slow, "a-grpc", "ns")  # the same memory, another instance
+            slow.disable_socket()  # always gRPC from here
+            res2 = slow.save("a-grpc", list(range(6, 12)), hs[6:], layer_ids=[0, 1])
+            again = slow.save("a-grpc", list(range(6, 12)), hs[6:], layer_ids=[2, 3])
+            assert again.stored
         assert (res.stored, res2.stored) == (6, 6)
         assert client.save("a", [0, 1], hs[:2]).deduplicated == 2
         with pytest.raises(InvalidRequest, match="block_ids"):
@@ -210,7 +228,8 @@ def test_pipelined_frames_are_answered_in_order(server) -> None:
     with PegaflowClient(server.addr) as client:
         path = kv.register(client, "e", "ns").query_socket
         hs = hashes(40)
-        save = encode_save("e", 0, np.arange(40), hs, (), 0)
+        token = client._token("e", 0)
+        save = encode_save("e", 0, np.arange(40), hs, (), 0, 0, token)
         query = encode_query("e", hs)
         bad = (5).to_bytes(4, "little") + bytes([7, 0, 0, 0, 0])
         reply = _raw(path, save + query + bad + query)

@@ -11,6 +11,7 @@ import pytest
 
 from pegaflow.config import EngineConfig, PoolConfig
 from pegaflow.engine import Engine
+from pegaflow.identity import CallContext, Caller
 from pegaflow.instances import RegisterSpec
 from pegaflow.layout import LayerLayout, Segment, Transfers
 from pegaflow.pool import HostPool
@@ -29,12 +30,20 @@ class BlockingCopier:
     def open(self, pid: int, regions: list, cuda: object = None) -> object:
         return object()
 
-    def gather(self, handle: object, t: Transfers, wait_event: int = 0) -> None:
+    def gather(
+        self,
+        handle: object,
+        t: Transfers,
+        wait_event: int = 0,
+        deadline: float | None = None,
+    ) -> None:
         self.started.set()
         self.release.wait(10)
         self.events.append("gather done")
 
-    def scatter(self, handle: object, t: Transfers) -> None:
+    def scatter(
+        self, handle: object, t: Transfers, deadline: float | None = None
+    ) -> None:
         raise AssertionError("not used")
 
     def close(self, handle: object) -> None:
@@ -53,9 +62,13 @@ def test_cancelled_save_waits_for_its_copy() -> None:
     )
 
     async def scenario() -> None:
-        engine.register(spec)
+        init = Caller("unix", 1, 0)  # the engine: pid 1 runs as root everywhere
+        worker = engine.register(spec, init)
+        ctx = CallContext(init, worker.owner_token)
         hashes = [bytes([i]) * 32 for i in range(2)]
-        save = asyncio.create_task(engine.save("i", 0, np.arange(2), hashes, None))
+        save = asyncio.create_task(
+            engine.save("i", 0, np.arange(2), hashes, None, 0, ctx)
+        )
         while not copier.started.is_set():
             await asyncio.sleep(0.001)
         save.cancel()
