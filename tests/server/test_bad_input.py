@@ -49,7 +49,15 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    server = start_server(tmp_path_factory.mktemp("bad-input"), "--pool-size", "64mb")
+    # Registrations here are raw gRPC: host memory over TCP must be allowed
+    # (the caller's uid is then checked; tests/server/test_trust.py covers the
+    # refusals of the default).
+    server = start_server(
+        tmp_path_factory.mktemp("bad-input"),
+        "--pool-size",
+        "64mb",
+        "--allow-tcp-host-engines",
+    )
     allow_ptrace_from(server.pid)  # raw registrations skip the client's prctl
     channel = grpc.insecure_channel(server.addr)
     client = PegaflowClient(server.addr, timeout_s=TIMEOUT_S)
@@ -131,9 +139,18 @@ def reg(env: Env, **over: object) -> pb.RegisterInstanceRequest:
         device="cpu",
         regions=[host(*env.kv.mem.regions[0])],
         layers=layers(),
+        owner_token=env.client._token("good", 0),  # its owner re-registering
     )
     fields.update(over)
     return pb.RegisterInstanceRequest(**fields)
+
+
+def owned(env: Env, request: pb.SaveRequest) -> pb.SaveRequest:
+    """The request with the owner token of its instance, as its engine sends."""
+    out = type(request)()
+    out.CopyFrom(request)
+    out.owner_token = env.client._token(request.instance_id, request.tp_rank)
+    return out
 
 
 def _dead_pid() -> int:
@@ -188,14 +205,16 @@ REGISTER_CASES: list[tuple[str, Rq, Code, str]] = [
      "regions"),
     ("pid-0", lambda e: reg(e, regions=[mine(e, pid=0)]), INVALID,
      "regions[0].host.pid"),
-    ("pid-dead", lambda e: reg(e, regions=[mine(e, pid=_dead_pid())]), INVALID, "pid"),
+    ("pid-dead", lambda e: reg(e, regions=[mine(e, pid=_dead_pid())]), INVALID,
+     "regions.host.pid"),
     ("pid-2-31", lambda e: reg(e, regions=[mine(e, pid=(1 << 31) - 1)]), INVALID,
-     "pid"),
-    ("pid-u32-max", lambda e: reg(e, regions=[mine(e, pid=U32)]), INVALID, "pid"),
+     "regions.host.pid"),
+    ("pid-u32-max", lambda e: reg(e, regions=[mine(e, pid=U32)]), INVALID,
+     "regions.host.pid"),
     # Fixed: loads would have written into the server's own memory (its pool).
     ("pid-of-server", lambda e: reg(
         e, regions=[host(*_server_mapping(e.server.pid), e.server.pid)],
-        layers=one_page()), INVALID, "pid"),
+        layers=one_page()), Code.PERMISSION_DENIED, "regions.host.pid"),
     ("unmapped", lambda e: reg(e, regions=[host(0x1000, KV)]), INVALID, "regions[0]"),
     ("past-mapping", lambda e: reg(e, regions=[mine(e, 1 << 40)]), INVALID,
      "regions[0]"),
@@ -321,7 +340,7 @@ SAVE_CASES: list[tuple[str, pb.SaveRequest, Code, str]] = [
 def test_save_rejected(
     env: Env, request_: pb.SaveRequest, code: Code, field: str
 ) -> None:
-    expect(env.stub.Save, request_, code, field)
+    expect(env.stub.Save, owned(env, request_), code, field)
     first = [h for h in request_.block_hashes[:2] if 0 < len(h) <= 64]
     assert env.client.query("good", first).num_blocks == 0  # nothing was stored
 
@@ -382,7 +401,7 @@ def test_load_rejected_then_lease_still_loads(env: Env) -> None:
         fields: dict[str, object] = dict(
             instance_id="good", tp_rank=0, lease_id=lid, block_ids=ACKED
         )
-        return pb.LoadRequest(**{**fields, **over})
+        return owned(env, pb.LoadRequest(**{**fields, **over}))
 
     cases: list[tuple[pb.LoadRequest, Code, str]] = [
         (load(instance_id="nobody"), PRECONDITION, "instance_id"),
@@ -443,7 +462,7 @@ def test_unregister_unknown(env: Env, instance: str, rank: int, field: str) -> N
 
 def test_unregister_twice(env: Env) -> None:
     env.other.register(env.client, "twice", "ns-good")
-    req = pb.UnregisterRequest(instance_id="twice")
+    req = owned(env, pb.UnregisterRequest(instance_id="twice"))
     env.stub.Unregister(req, timeout=TIMEOUT_S)
     expect(env.stub.Unregister, req, PRECONDITION, "instance_id")
 
