@@ -114,6 +114,10 @@ class EngineConfig:
     # thread and back costs more than moving one block (measured ~0.25 ms on VMs).
     inline_copy_bytes: int = 2 << 20
     max_blocks_per_request: int = 65536
+    # Copies above large_request_descriptors rows (6 MiB of table, ~15 MiB at
+    # the peak) run at most max_large_requests at once; see pegaflow.limits.
+    max_large_requests: int = 2
+    large_request_descriptors: int = 1 << 18
     hit_rate: HitRateConfig = field(default_factory=HitRateConfig)
 
     def __post_init__(self) -> None:
@@ -123,6 +127,10 @@ class EngineConfig:
             raise ValueError("lease_sweep_interval_s: must be > 0")
         if self.copy_threads < 1:
             raise ValueError("copy_threads: must be >= 1")
+        if self.max_blocks_per_request < 1:
+            raise ValueError("max_blocks_per_request: must be >= 1")
+        if self.max_large_requests < 1:
+            raise ValueError("max_large_requests: must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)

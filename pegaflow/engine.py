@@ -26,6 +26,7 @@ from pegaflow.gds import SsdTier
 from pegaflow.instances import CopyEngine, RegionKind, RegisterSpec, Registry, Worker
 from pegaflow.layout import Transfers, check_block_ids
 from pegaflow.leases import Lease, LeaseTable
+from pegaflow.limits import LargeRequestGate, RequestCaps
 from pegaflow.metrics import Metrics
 from pegaflow.misses import HitRateTracker, RecordingPolicy
 from pegaflow.policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
@@ -112,6 +113,12 @@ class Engine:
         self.store = BlockStore(pool.slabs, policy)
         self.leases = LeaseTable(self.store, config.lease_ttl_s)
         self.registry = Registry(copiers, max_slot_bytes=pool.slab_bytes)
+        self.caps = RequestCaps(
+            pool.size, pool.slab_bytes, config.max_blocks_per_request
+        )
+        self.gate = LargeRequestGate(
+            config.max_large_requests, config.large_request_descriptors
+        )
         self.metrics = metrics if metrics is not None else Metrics()
         self.ssd = None
         if ssd is not None:  # at most half the pool waits for the SSD writers
@@ -150,6 +157,7 @@ class Engine:
         """wait_event: 1-based index of the worker's CUDA IPC event that the copy
         waits for on the GPU (the engine's KV writes); 0 for none."""
         worker = self.registry.worker(instance_id, tp_rank)
+        self.caps.check(worker.namespace.slot_class, len(block_ids), "block_ids")
         ns = worker.namespace
         if len(block_ids) != len(hashes):
             raise InvalidRequest(
@@ -246,6 +254,7 @@ class Engine:
         signal words as each layer lands (the engine starts that layer early).
         """
         worker = self.registry.worker(instance_id, tp_rank)
+        self.caps.check_load(worker.namespace.slot_class, items, batch)
         if layer_seq and worker.signals is None:
             raise InvalidRequest(
                 f"layer_seq: rank {tp_rank} of {instance_id!r} registered no "
@@ -344,14 +353,17 @@ class Engine:
         fn: Callable[[object, Transfers], None],
         t: Transfers,
         inline: bool = True,
+        deadline: float | None = None,
     ) -> float:
-        worker.active_ops += 1
+        """deadline: time.monotonic() seconds; no copy starts after it."""
+        worker.active_ops += 1  # before the gate: keeps the memory open meanwhile
         start = time.perf_counter()
         try:
-            if inline and t.total_bytes <= self.config.inline_copy_bytes:
-                fn(worker.handle, t)
-            else:
-                await _uncancellable(asyncio.to_thread(fn, worker.handle, t))
+            async with self.gate.admit(len(t), deadline):
+                if inline and t.total_bytes <= self.config.inline_copy_bytes:
+                    fn(worker.handle, t)
+                else:
+                    await _uncancellable(asyncio.to_thread(fn, worker.handle, t))
         finally:
             self.registry.finish_op(worker)
         return time.perf_counter() - start

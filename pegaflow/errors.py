@@ -53,6 +53,12 @@ class CopyFailed(PegaflowError):
     code = grpc.StatusCode.INTERNAL
 
 
+class DeadlineExceeded(PegaflowError):
+    """The request's deadline passed before its work could start."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class ServerUnavailable(PegaflowError):
     """Client side: the server could not be reached before the deadline."""
 
