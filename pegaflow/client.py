@@ -69,7 +69,7 @@ class PegaflowClient:
         self,
         addr: str = DEFAULT_ADDR,
         timeout_s: float = 5.0,
-        max_message_bytes: int = 64 << 20,
+        max_message_bytes: int = 8 << 20,  # the server's (pegaflow.limits)
     ) -> None:
         self.addr = addr
         self.timeout_s = timeout_s

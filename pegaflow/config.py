@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from pegaflow.limits import MAX_CONCURRENT_RPCS, MAX_MESSAGE_BYTES
+
 if TYPE_CHECKING:  # built by the CLI; the config module stays import-light
     from pegaflow.gds import SsdConfig
 
@@ -173,7 +175,9 @@ class ServerConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     cuda: CudaConfig = field(default_factory=CudaConfig)
-    max_message_bytes: int = 64 << 20
+    # Bounds checked by grpc before a message is parsed (pegaflow.limits).
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS
     # Unix socket for fast prefix queries: a path, "auto" (a per-server path in
     # the temp directory) or None (off).
     query_socket: str | None = "auto"
@@ -182,5 +186,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         parse_addr(self.addr)
+        if self.max_message_bytes < 1 << 16:
+            raise ValueError("max_message_bytes: must be >= 64 KiB")
+        if self.max_concurrent_rpcs < 1:
+            raise ValueError("max_concurrent_rpcs: must be >= 1")
         if self.http_addr is not None:
             parse_addr(self.http_addr)

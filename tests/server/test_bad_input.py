@@ -356,8 +356,8 @@ def test_query_rejected(
 
 
 def test_oversized_message_refused_by_grpc(env: Env) -> None:
-    """~70 MiB is above the server's 64 MiB receive limit: grpc itself refuses."""
-    req = pb.QueryPrefixRequest(instance_id="good", block_hashes=[bytes(70 << 20)])
+    """9 MiB is above the server's 8 MiB receive limit: grpc itself refuses."""
+    req = pb.QueryPrefixRequest(instance_id="good", block_hashes=[bytes(9 << 20)])
     with pytest.raises(grpc.RpcError) as info:
         env.stub.QueryPrefix(req, timeout=30)
     assert info.value.code() == Code.RESOURCE_EXHAUSTED
