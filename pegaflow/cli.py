@@ -19,6 +19,7 @@ from pegaflow.config import (
     parse_duration,
     parse_size,
 )
+from pegaflow.limits import MAX_CONCURRENT_RPCS
 from pegaflow.pool import HugepagesUnavailable
 
 if TYPE_CHECKING:
@@ -108,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=2,
         help="threads moving bytes for host engines (default: 2)",
+    )
+    p.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=MAX_CONCURRENT_RPCS,
+        help="RPCs served at once, each engine worker's session stream "
+        "included; more get RESOURCE_EXHAUSTED (default: %(default)s)",
     )
     p.add_argument(
         "--prefault-threads",
@@ -261,6 +269,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         http_addr=None if args.no_http else args.http_addr,
         query_socket=None if args.query_socket == "off" else args.query_socket,
         log_level=args.log_level,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
         pool=PoolConfig(**pool_kwargs),
         engine=EngineConfig(
             enable_lfu_admission=args.enable_lfu_admission,

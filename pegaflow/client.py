@@ -77,7 +77,7 @@ class PegaflowClient:
         self,
         addr: str = DEFAULT_ADDR,
         timeout_s: float = 5.0,
-        max_message_bytes: int = 64 << 20,
+        max_message_bytes: int = 8 << 20,  # the server's (pegaflow.limits)
         copy_grace_s: float = COPY_GRACE_S,
     ) -> None:
         self.addr = addr

@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from pegaflow.limits import MAX_CONCURRENT_RPCS, MAX_MESSAGE_BYTES
+
 if TYPE_CHECKING:  # built by the CLI; the config module stays import-light
     from pegaflow.gds import SsdConfig
 
@@ -117,6 +119,10 @@ class EngineConfig:
     # Host-memory registration over TCP, where the kernel cannot say which
     # process asks (pegaflow.identity): off unless every local user is trusted.
     allow_tcp_host_engines: bool = False
+    # Copies above large_request_descriptors rows (6 MiB of table, ~15 MiB at
+    # the peak) run at most max_large_requests at once; see pegaflow.limits.
+    max_large_requests: int = 2
+    large_request_descriptors: int = 1 << 18
     hit_rate: HitRateConfig = field(default_factory=HitRateConfig)
 
     def __post_init__(self) -> None:
@@ -126,6 +132,10 @@ class EngineConfig:
             raise ValueError("lease_sweep_interval_s: must be > 0")
         if self.copy_threads < 1:
             raise ValueError("copy_threads: must be >= 1")
+        if self.max_blocks_per_request < 1:
+            raise ValueError("max_blocks_per_request: must be >= 1")
+        if self.max_large_requests < 1:
+            raise ValueError("max_large_requests: must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +178,9 @@ class ServerConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     cuda: CudaConfig = field(default_factory=CudaConfig)
-    max_message_bytes: int = 64 << 20
+    # Bounds checked by grpc before a message is parsed (pegaflow.limits).
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS
     # Unix socket for fast prefix queries: a path, "auto" (a per-server path in
     # the temp directory) or None (off).
     query_socket: str | None = "auto"
@@ -177,5 +189,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         parse_addr(self.addr)
+        if self.max_message_bytes < 1 << 16:
+            raise ValueError("max_message_bytes: must be >= 64 KiB")
+        if self.max_concurrent_rpcs < 1:
+            raise ValueError("max_concurrent_rpcs: must be >= 1")
         if self.http_addr is not None:
             parse_addr(self.http_addr)

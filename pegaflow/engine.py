@@ -33,6 +33,7 @@ from pegaflow.identity import UNKNOWN, CallContext, Caller
 from pegaflow.instances import CopyEngine, RegionKind, RegisterSpec, Registry, Worker
 from pegaflow.layout import Transfers, check_block_ids
 from pegaflow.leases import Lease, LeaseTable
+from pegaflow.limits import LargeRequestGate, RequestCaps
 from pegaflow.metrics import Metrics
 from pegaflow.misses import HitRateTracker, RecordingPolicy
 from pegaflow.policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
@@ -126,6 +127,12 @@ class Engine:
             max_slot_bytes=pool.slab_bytes,
             allow_tcp_host_engines=config.allow_tcp_host_engines,
         )
+        self.caps = RequestCaps(
+            pool.size, pool.slab_bytes, config.max_blocks_per_request
+        )
+        self.gate = LargeRequestGate(
+            config.max_large_requests, config.large_request_descriptors
+        )
         self.metrics = metrics if metrics is not None else Metrics()
         self.ssd = None
         if ssd is not None:  # at most half the pool waits for the SSD writers
@@ -177,6 +184,7 @@ class Engine:
             instance_id, tp_rank, ctx.caller, ctx.owner_token
         )
         deadlines.check(ctx.deadline, "save")
+        self.caps.check(worker.namespace.slot_class, len(block_ids), "block_ids")
         ns = worker.namespace
         if len(block_ids) != len(hashes):
             raise InvalidRequest(
@@ -200,7 +208,7 @@ class Engine:
         try:
             # An event-gated copy waits for the engine's compute: never on the loop.
             inline = not wait_event
-            seconds = await self._copy(worker, gather, transfers, inline)
+            seconds = await self._copy(worker, gather, transfers, inline, ctx.deadline)
             if ctx.deadline is not None and time.monotonic() > ctx.deadline:
                 raise DeadlineExceeded(
                     "save: the copy ended after the request's deadline; nothing "
@@ -295,6 +303,7 @@ class Engine:
             instance_id, tp_rank, ctx.caller, ctx.owner_token
         )
         deadlines.check(ctx.deadline, "load")
+        self.caps.check_load(worker.namespace.slot_class, items, batch)
         if layer_seq and worker.signals is None:
             raise InvalidRequest(
                 f"layer_seq: rank {tp_rank} of {instance_id!r} registered no "
@@ -330,7 +339,9 @@ class Engine:
         self.store.pin(entries)  # a lease may expire while we copy
         try:
             # Layer by layer the engine waits on each signal, not on this loop.
-            seconds = await self._copy(worker, scatter, transfers, not layer_seq)
+            seconds = await self._copy(
+                worker, scatter, transfers, not layer_seq, ctx.deadline
+            )
         finally:
             self.store.unpin(entries)
         for lease in {id(p[0]): p[0] for p in live}.values():
@@ -395,14 +406,17 @@ class Engine:
         fn: Callable[[object, Transfers], None],
         t: Transfers,
         inline: bool = True,
+        deadline: float | None = None,
     ) -> float:
-        worker.active_ops += 1
+        """deadline: time.monotonic() seconds; no copy starts after it."""
+        worker.active_ops += 1  # before the gate: keeps the memory open meanwhile
         start = time.perf_counter()
         try:
-            if inline and t.total_bytes <= self.config.inline_copy_bytes:
-                fn(worker.handle, t)
-            else:
-                await _uncancellable(asyncio.to_thread(fn, worker.handle, t))
+            async with self.gate.admit(len(t), deadline):
+                if inline and t.total_bytes <= self.config.inline_copy_bytes:
+                    fn(worker.handle, t)
+                else:
+                    await _uncancellable(asyncio.to_thread(fn, worker.handle, t))
         finally:
             self.registry.finish_op(worker)
         return time.perf_counter() - start

@@ -40,9 +40,10 @@ class LeaseNotFound(PegaflowError):
 
 
 class PoolExhausted(PegaflowError):
-    """RESOURCE_EXHAUSTED: today only grpc's answer to an oversized message. A
-    save the pool cannot take (all slots leased or in flight) is an expected
-    "no" and comes back as SaveResult.rejected, not as this."""
+    """RESOURCE_EXHAUSTED: today only grpc's answer to an oversized message or
+    to more concurrent RPCs than the server admits. A save the pool cannot
+    take (all slots leased or in flight) is an expected "no" and comes back as
+    SaveResult.rejected, not as this."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pegaflow import limits
 from pegaflow.errors import InvalidRequest
 
 MAX_LAYERS = 4096
@@ -131,7 +132,8 @@ class KVGeometry:
 
 
 def validate_layers(layers: tuple[LayerLayout, ...], region_sizes: list[int]) -> None:
-    """Reject a layout that is empty, inconsistent or reaches outside a region."""
+    """Reject a layout that is empty, inconsistent, reaches outside a region, or
+    whose blocks need too many copy descriptors for their bytes (limits)."""
     if not layers:
         raise InvalidRequest("layers: at least one layer is required")
     if len(layers) > MAX_LAYERS:
@@ -165,6 +167,8 @@ def validate_layers(layers: tuple[LayerLayout, ...], region_sizes: list[int]) ->
                 f"{field}: pages reach byte {end} but region "
                 f"{layer.region_index} is {size} bytes"
             )
+    counts = [len(layer.segments) for layer in layers]
+    limits.check_block_geometry(counts, [layer.page_bytes for layer in layers])
 
 
 def check_block_ids(block_ids: np.ndarray, num_blocks: int, field: str) -> None:

@@ -103,6 +103,8 @@ async def create_server(config: ServerConfig) -> RunningServer:
     metrics.registry.register(HitRateCollector(stats))
     server = grpc.aio.server(
         interceptors=[ErrorInterceptor(metrics)],
+        # Sessions count: see pegaflow.limits.MAX_CONCURRENT_RPCS.
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),

@@ -327,8 +327,9 @@ SAVE_CASES: list[tuple[str, pb.SaveRequest, Code, str]] = [
     ("layer-id-range", save(layer_ids=[0, LAYERS]), INVALID, "layer_ids"),
     ("layer-id-u32-max", save(layer_ids=[U32]), INVALID, "layer_ids"),
     ("layer-id-duplicate", save(layer_ids=[1, 1]), INVALID, "layer_ids"),
+    # Refused by the per-request block cap (pegaflow.limits) before the hashes.
     ("too-many-blocks", save(block_ids=[0] * MANY, block_hashes=[b"h"] * MANY),
-     INVALID, "block_hashes"),
+     INVALID, "block_ids"),
 ]
 # fmt: on
 
@@ -374,8 +375,8 @@ def test_query_rejected(
 
 
 def test_oversized_message_refused_by_grpc(env: Env) -> None:
-    """~70 MiB is above the server's 64 MiB receive limit: grpc itself refuses."""
-    req = pb.QueryPrefixRequest(instance_id="good", block_hashes=[bytes(70 << 20)])
+    """9 MiB is above the server's 8 MiB receive limit: grpc itself refuses."""
+    req = pb.QueryPrefixRequest(instance_id="good", block_hashes=[bytes(9 << 20)])
     with pytest.raises(grpc.RpcError) as info:
         env.stub.QueryPrefix(req, timeout=30)
     assert info.value.code() == Code.RESOURCE_EXHAUSTED

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from pegaflow.client import PegaflowClient, allow_ptrace_from
 from pegaflow.errors import LeaseNotFound
 from pegaflow.frames import LOADING, encode_load, encode_query, encode_save
+from pegaflow.limits import MIN_AVG_SEGMENT_BYTES
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from tests.kvbuf import LocalKV, hashes
@@ -36,7 +37,7 @@ from tests.procs import ServerProc, start_server
 Code = grpc.StatusCode
 BAD = {Code.INTERNAL, Code.UNKNOWN, Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED}
 TIMEOUT_S = 10.0
-LAYERS, BLOCKS, PAGE = 2, 8, 256
+LAYERS, BLOCKS, PAGE = 2, 8, 4096
 U32, U64 = (1 << 32) - 1, (1 << 64) - 1
 ANCHOR_HASHES = [b"anchor-%02d" % i for i in range(BLOCKS)]
 INSTANCES = ["anchor", "fuzz-a", "fuzz-b", ""]
@@ -198,7 +199,9 @@ def register_requests(
     from the start of our buffer, TP 1 or 2; then maybe wild fields. Also says
     whether any field went wild."""
     n_layers, blocks = draw(st.integers(1, 3)), draw(st.integers(1, BLOCKS))
-    page = draw(st.integers(1, fz.size // (n_layers * blocks)))
+    # Pages of two segments average >= 512 B (pegaflow.limits): smaller ones
+    # are refused at registration, and wild layers still try them.
+    page = draw(st.integers(2 * MIN_AVG_SEGMENT_BYTES, fz.size // (n_layers * blocks)))
     cut = draw(st.integers(0, page - 1))
     segs = [pb.Segment(offset=0, size=page)]
     if cut:

@@ -85,16 +85,17 @@ def test_noncontiguous_page_rejected() -> None:
 
 
 def test_validate_layers_bounds() -> None:
-    good = LayerLayout(0, 0, 4, 100, (Segment(0, 100),))
-    validate_layers((good,), [400])
-    with pytest.raises(InvalidRequest, match=r"layers\[0\].*reach byte 500"):
-        validate_layers((LayerLayout(0, 100, 4, 100, (Segment(0, 100),)),), [400])
+    # Pages of 1000 B: segments under 512 B on average are refused (limits).
+    good = LayerLayout(0, 0, 4, 1000, (Segment(0, 1000),))
+    validate_layers((good,), [4000])
+    with pytest.raises(InvalidRequest, match=r"layers\[0\].*reach byte 5000"):
+        validate_layers((LayerLayout(0, 1000, 4, 1000, (Segment(0, 1000),)),), [4000])
     with pytest.raises(InvalidRequest, match="region_index"):
-        validate_layers((LayerLayout(1, 0, 4, 100, (Segment(0, 100),)),), [400])
+        validate_layers((LayerLayout(1, 0, 4, 1000, (Segment(0, 1000),)),), [4000])
     with pytest.raises(InvalidRequest, match="num_blocks"):
-        validate_layers((good, LayerLayout(0, 0, 3, 100, (Segment(0, 100),))), [400])
+        validate_layers((good, LayerLayout(0, 0, 3, 1000, (Segment(0, 1000),))), [4000])
     with pytest.raises(InvalidRequest, match="layers"):
-        validate_layers((), [400])
+        validate_layers((), [4000])
 
 
 def test_check_block_ids() -> None:
