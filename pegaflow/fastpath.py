@@ -10,9 +10,7 @@ and falls back otherwise. Frames: pegaflow.frames.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import socket
 import threading
 import time
@@ -41,6 +39,7 @@ from pegaflow.frames import (
     load_reply,
     parse_load_reply,
 )
+from pegaflow.sockfile import bind_private_unix, unlink_if_ours
 
 if TYPE_CHECKING:
     from pegaflow.engine import Engine
@@ -160,13 +159,17 @@ class _FastProtocol(asyncio.Protocol):
 
 
 async def start_query_socket(path: str, engine: Engine) -> asyncio.AbstractServer:
-    """Serve queries and saves on `path` (mode 0600: the server's user only)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    """Serve queries and saves on `path` (mode 0600 from creation: the server's
+    user only; pegaflow.sockfile refuses a path that is not a stale socket of
+    ours)."""
+    sock = bind_private_unix(path)
     loop = asyncio.get_running_loop()
-    server = await loop.create_unix_server(lambda: _FastProtocol(engine), path)
-    os.chmod(path, 0o600)
-    return server
+    try:
+        return await loop.create_unix_server(lambda: _FastProtocol(engine), sock=sock)
+    except BaseException:
+        unlink_if_ours(path, sock)
+        sock.close()
+        raise
 
 
 class FastPathClient:
