@@ -10,12 +10,22 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from pegaflow.config import check_int, check_seconds
 from pegaflow.gds.format import ALIGN, SUPERBLOCK_BYTES, ChecksumName
 from pegaflow.gds.io import BackendName, DirectIO
 
 Admission = Literal["all", "seen_twice"]
 OnMismatch = Literal["reinit", "refuse"]
 MIN_FILE_BYTES = 1 << 20
+MAX_CAPACITY_BYTES = 1 << 62  # all files together; file offsets are int64
+# [lo, hi] of the integer settings: a typo is refused at start.
+_INT_BOUNDS = {
+    "queue_blocks": (1, 1 << 20),
+    "write_threads": (1, 64),
+    "read_threads": (1, 256),
+    "ghost_keys": (1, 1 << 26),
+    "journal_slack": (2, 1 << 10),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,18 +60,15 @@ class SsdConfig:
             raise ValueError("ssd_cache_path: give at least one file")
         if len(set(map(os.path.abspath, self.paths))) != len(self.paths):
             raise ValueError("ssd_cache_path: the same file twice")
+        check_int("ssd_cache_capacity", self.capacity_bytes, 0, MAX_CAPACITY_BYTES)
         if self.file_bytes < MIN_FILE_BYTES:
             raise ValueError(
                 f"ssd_cache_capacity: {self.capacity_bytes} bytes over "
                 f"{len(self.paths)} file(s) leaves under 1 MiB per file"
             )
-        for name in ("queue_blocks", "write_threads", "read_threads", "ghost_keys"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ssd_{name}: must be >= 1")
-        if self.sync_interval_s < 0:
-            raise ValueError("ssd_sync_interval_s: must be >= 0")
-        if self.journal_slack < 2:
-            raise ValueError("ssd_journal_slack: must be >= 2")
+        for name, (lo, hi) in _INT_BOUNDS.items():
+            check_int(f"ssd_{name}", getattr(self, name), lo, hi)
+        check_seconds("ssd_sync_interval_s", self.sync_interval_s, 3600.0, zero_ok=True)
 
     @property
     def file_bytes(self) -> int:

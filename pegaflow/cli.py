@@ -20,7 +20,8 @@ from pegaflow.config import (
     parse_size,
 )
 from pegaflow.limits import MAX_CONCURRENT_RPCS
-from pegaflow.pool import HugepagesUnavailable
+from pegaflow.pool import HugepagesUnavailable, PoolTooLarge
+from pegaflow.startup import StartupError
 
 if TYPE_CHECKING:
     from pegaflow.gds import SsdConfig
@@ -31,6 +32,30 @@ NOT_YET = {
     "--enable-rdma": "the RDMA transport",
     "--nics": "the RDMA transport",
 }
+
+
+# The config field a ValueError names (pegaflow.config) -> the flag that sets it.
+FLAG_OF = {
+    "pool_size": "--pool-size",
+    "prefault_threads": "--prefault-threads",
+    "lease_ttl_s": "--lease-ttl",
+    "copy_threads": "--copy-threads",
+    "max_ctas": "--copy-ctas",
+    "event_timeout_s": "--cuda-event-timeout",
+    "metric_hll_windows": "--metric-hll-windows",
+    "metric_hll_bucket_bits": "--metric-hll-bucket-bits",
+    "ssd_cache_path": "--ssd-cache-path",
+    "ssd_cache_capacity": "--ssd-cache-capacity",
+    "ssd_queue_blocks": "--ssd-queue-blocks",
+}
+
+
+def flag_message(exc: ValueError) -> str:
+    """'lease_ttl_s: must ...' -> 'argument --lease-ttl: must ...' (argparse's
+    wording), so the operator sees the flag, not the config field."""
+    field, sep, rest = str(exc).partition(": ")
+    flag = FLAG_OF.get(field)
+    return f"argument {flag}: {rest}" if sep and flag else str(exc)
 
 
 def _size(text: str) -> int:
@@ -304,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(flag_message(exc))
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -315,11 +340,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         asyncio.run(serve(config))
-    except (HugepagesUnavailable, SsdError) as exc:
-        print(f"pegaflow-server: {exc}", file=sys.stderr)
+    except (HugepagesUnavailable, PoolTooLarge, SsdError, StartupError) as exc:
+        print(f"pegaflow-server: {exc}", file=sys.stderr)  # names flag and fix
         return 2
-    except OSError as exc:
-        print(f"pegaflow-server: {exc}", file=sys.stderr)
+    except OSError as exc:  # not foreseen: at least one line, not a traceback
+        print(f"pegaflow-server: cannot start: {exc}", file=sys.stderr)
         return 2
     return 0
 

@@ -3,6 +3,8 @@ by the CLI (or a test) and passed down. No global config object."""
 
 from __future__ import annotations
 
+import math
+import operator
 import os
 import re
 from dataclasses import dataclass, field
@@ -17,6 +19,30 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def check_int(name: str, value: object, lo: int, hi: int) -> None:
+    """ValueError naming `name` unless value is an integer in [lo, hi]."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}: need an integer, got {value!r}") from None
+    if isinstance(value, bool) or not lo <= number <= hi:
+        raise ValueError(f"{name}: must lie in [{lo}, {hi}], got {value!r}")
+
+
+def check_seconds(name: str, value: float, hi: float, zero_ok: bool = False) -> None:
+    """ValueError naming `name` unless value is a finite duration: in (0, hi]
+    (or [0, hi] with zero_ok). NaN and infinity fail every comparison or the
+    bound, so they cannot slip through as "never expires"."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: need a number of seconds, got {value!r}") from None
+    low_ok = seconds >= 0 if zero_ok else seconds > 0
+    if not (math.isfinite(seconds) and low_ok and seconds <= hi):
+        low = "[0" if zero_ok else "(0"
+        raise ValueError(f"{name}: must lie in {low}, {hi:g}] s, got {value!r}")
 
 
 def parse_size(text: str) -> int:
@@ -48,7 +74,7 @@ def parse_duration(text: str) -> float:
         value = float(text[:-1]) if unit else float("nan")
     except ValueError:
         value = float("nan")
-    if unit is None or not value > 0:
+    if unit is None or not 0 < value < math.inf:
         raise ValueError(f"not a duration: {text!r} (use e.g. 90s, 15m, 1h, 1d)")
     return value * unit
 
@@ -61,6 +87,15 @@ def format_duration(seconds: float) -> str:
     return f"{seconds:g}s"
 
 
+# Upper bounds of the numeric settings: far above any sensible value, low enough
+# that a typo (or nan/inf) is refused at start instead of pinning the pool.
+MAX_LEASE_TTL_S = 3600.0
+MAX_THREADS = 256
+MAX_CTAS = 1024
+MAX_POOL_BYTES = 1 << 50  # 1 PiB; whether it fits this machine is checked at start
+MAX_HLL_WINDOW_S = 366 * 86400.0
+
+
 @dataclass(frozen=True, slots=True)
 class HitRateConfig:
     """HyperLogLog windows of the hit-rate ceiling (see pegaflow.hll)."""
@@ -71,12 +106,15 @@ class HitRateConfig:
     bucket_bits: int = 16
 
     def __post_init__(self) -> None:
-        if not self.windows_s or min(self.windows_s) < 1:
-            raise ValueError("metric_hll_windows: need windows of >= 1 s")
+        if not self.windows_s:
+            raise ValueError("metric_hll_windows: need at least one window")
+        for window in self.windows_s:
+            check_seconds("metric_hll_windows", window, MAX_HLL_WINDOW_S)
+            if window < 1:
+                raise ValueError("metric_hll_windows: need windows of >= 1 s")
         if len(set(map(format_duration, self.windows_s))) != len(self.windows_s):
             raise ValueError("metric_hll_windows: duplicate windows")
-        if not 4 <= self.bucket_bits <= 16:
-            raise ValueError("metric_hll_bucket_bits: must lie in [4, 16]")
+        check_int("metric_hll_bucket_bits", self.bucket_bits, 4, 16)
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -98,12 +136,11 @@ class PoolConfig:
     show_progress: bool = True
 
     def __post_init__(self) -> None:
+        check_int("pool_size", self.size_bytes, 0, MAX_POOL_BYTES)
         if self.size_bytes < 1 << 20:
             raise ValueError(f"pool_size: {self.size_bytes} bytes is below 1 MiB")
-        if self.prefault_threads < 1:
-            raise ValueError("prefault_threads: must be >= 1")
-        if self.slab_bytes < 1 << 16:
-            raise ValueError("slab_bytes: must be >= 64 KiB")
+        check_int("prefault_threads", self.prefault_threads, 1, MAX_THREADS)
+        check_int("slab_bytes", self.slab_bytes, 1 << 16, 1 << 32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,16 +163,12 @@ class EngineConfig:
     hit_rate: HitRateConfig = field(default_factory=HitRateConfig)
 
     def __post_init__(self) -> None:
-        if self.lease_ttl_s <= 0:
-            raise ValueError("lease_ttl_s: must be > 0")
-        if self.lease_sweep_interval_s <= 0:
-            raise ValueError("lease_sweep_interval_s: must be > 0")
-        if self.copy_threads < 1:
-            raise ValueError("copy_threads: must be >= 1")
-        if self.max_blocks_per_request < 1:
-            raise ValueError("max_blocks_per_request: must be >= 1")
-        if self.max_large_requests < 1:
-            raise ValueError("max_large_requests: must be >= 1")
+        check_seconds("lease_ttl_s", self.lease_ttl_s, MAX_LEASE_TTL_S)
+        check_seconds("lease_sweep_interval_s", self.lease_sweep_interval_s, 60.0)
+        check_int("copy_threads", self.copy_threads, 1, MAX_THREADS)
+        check_int("inline_copy_bytes", self.inline_copy_bytes, 0, 1 << 30)
+        check_int("max_blocks_per_request", self.max_blocks_per_request, 1, 1 << 24)
+        check_int("max_large_requests", self.max_large_requests, 1, 1 << 16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +183,8 @@ class CudaConfig:
     def __post_init__(self) -> None:
         if self.devices is not None and (not self.devices or min(self.devices) < 0):
             raise ValueError("devices: need CUDA ordinals >= 0")
-        if self.max_ctas < 1:
-            raise ValueError("max_ctas: must be >= 1")
-        if self.event_timeout_s <= 0:
-            raise ValueError("event_timeout_s: must be > 0")
+        check_int("max_ctas", self.max_ctas, 1, MAX_CTAS)
+        check_seconds("event_timeout_s", self.event_timeout_s, 3600.0)
 
 
 def parse_devices(text: str) -> CudaConfig:
@@ -195,3 +226,5 @@ class ServerConfig:
             raise ValueError("max_concurrent_rpcs: must be >= 1")
         if self.http_addr is not None:
             parse_addr(self.http_addr)
+        # grpc takes the limit as a C int
+        check_int("max_message_bytes", self.max_message_bytes, 1 << 20, (1 << 31) - 1)

@@ -10,9 +10,7 @@ and falls back otherwise. Frames: pegaflow.frames.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import socket
 import threading
 import time
@@ -60,6 +58,7 @@ from pegaflow.frames import (
     register_reply,
 )
 from pegaflow.identity import UNKNOWN, CallContext, Caller, unix_peer
+from pegaflow.sockfile import bind_private_unix, unlink_if_ours
 
 if TYPE_CHECKING:
     from pegaflow.engine import Engine
@@ -294,14 +293,18 @@ _METHODS = {SAVE: "Save/unix", LOAD: "Load/unix", REGISTER: "RegisterInstance/un
 async def start_query_socket(
     path: str, engine: Engine, info: SocketServerInfo
 ) -> asyncio.AbstractServer:
-    """Serve queries and saves on `path` (mode 0600: the server's user only)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    """Serve the socket's frames on `path` (mode 0600 from creation: the
+    server's user only; pegaflow.sockfile refuses a path that is not a stale
+    socket of ours)."""
+    sock = bind_private_unix(path)
     loop = asyncio.get_running_loop()
     shared = _Shared(engine, info)
-    server = await loop.create_unix_server(lambda: _FastProtocol(shared), path)
-    os.chmod(path, 0o600)
-    return server
+    try:
+        return await loop.create_unix_server(lambda: _FastProtocol(shared), sock=sock)
+    except BaseException:
+        unlink_if_ours(path, sock)
+        sock.close()
+        raise
 
 
 class FastPathClient:

@@ -14,13 +14,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 logger = logging.getLogger(__name__)
 
 
-def start_http(
-    host: str,
-    port: int,
+def bind_http(host: str, port: int) -> ThreadingHTTPServer:
+    """Bind (and listen on) the HTTP address, serving nothing yet: the server
+    binds it before the pool comes up, so a port in use fails in milliseconds.
+    Raises OSError from bind."""
+    server = ThreadingHTTPServer((host, port), BaseHTTPRequestHandler)
+    server.daemon_threads = True
+    return server
+
+
+def serve_http(
+    server: ThreadingHTTPServer,
     registry: CollectorRegistry,
     health: Callable[[], dict[str, object]],
     routes: dict[str, Callable[[], dict[str, object]]] | None = None,
-) -> ThreadingHTTPServer:
+) -> None:
+    """Answer on a bound server from a daemon thread; requests that queued in
+    the backlog meanwhile are answered now."""
     routes = routes or {}
 
     class Handler(BaseHTTPRequestHandler):
@@ -50,11 +60,9 @@ def start_http(
         def log_message(self, format: str, *args: object) -> None:  # noqa: A002
             logger.debug("http: " + format, *args)
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+    server.RequestHandlerClass = Handler
     thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
     thread.start()
-    return server
 
 
 def _json(path: str, route: Callable[[], dict[str, object]]) -> tuple[bytes, int]:

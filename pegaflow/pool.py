@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import mmap
 import time
@@ -40,6 +41,30 @@ class HugepagesUnavailable(RuntimeError):
     pass
 
 
+class PoolTooLarge(RuntimeError):
+    """--pool-size exceeds the memory this machine has available."""
+
+    def __init__(self, size: int, available: int | None) -> None:
+        have = (
+            f"{_gib(available)} GiB are available (MemAvailable)"
+            if available is not None
+            else "the kernel refused the mapping (ENOMEM)"
+        )
+        hint = ""
+        if available is not None and available >= 2 << 20:
+            # leave a fifth for the engines, the SSD tier and the page cache
+            mib = int(available * 0.8) >> 20
+            size_text = f"{mib >> 10}gb" if mib >= 1024 else f"{mib}mb"
+            hint = f"; pass a smaller one, e.g. --pool-size {size_text}"
+        super().__init__(
+            f"--pool-size: {_gib(size)} GiB does not fit in memory: {have}{hint}"
+        )
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f}"
+
+
 @dataclass(frozen=True, slots=True)
 class BringUp:
     seconds: float
@@ -53,7 +78,17 @@ class BringUp:
 def _map_region(size: int, hugepages: bool) -> mmap.mmap:
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     if not hugepages:
-        region = mmap.mmap(-1, size, flags=flags)
+        # Pre-touching more than MemAvailable would swap or wake the OOM killer
+        # (and mmap's ENOMEM, when it comes, says nothing about the flag).
+        available = _meminfo("MemAvailable")
+        if available is not None and size > available:
+            raise PoolTooLarge(size, available)
+        try:
+            region = mmap.mmap(-1, size, flags=flags)
+        except OSError as exc:
+            if exc.errno != errno.ENOMEM:
+                raise
+            raise PoolTooLarge(size, available) from exc
         # Transparent hugepages where the kernel allows them (madvise mode): with
         # 4 KiB pages, process_vm_writev from the pool runs ~4x slower (measured).
         if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -75,14 +110,19 @@ def _map_region(size: int, hugepages: bool) -> mmap.mmap:
 
 
 def _hugepages_free() -> int:
+    return _meminfo("HugePages_Free", scale=1) or 0
+
+
+def _meminfo(key: str, scale: int = 1024) -> int | None:
+    """A /proc/meminfo field (kB fields in bytes); None where it is missing."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("HugePages_Free:"):
-                    return int(line.split()[1])
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * scale
     except OSError:
         pass
-    return 0
+    return None
 
 
 class HostPool:
@@ -98,10 +138,15 @@ class HostPool:
         self._mmap = _map_region(self.size, config.use_hugepages)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.base = int(self.array.ctypes.data)
-        self.bring_up = self._prefault(config)
+        self._registrar = None
+        try:
+            self.bring_up = self._prefault(config)
+            if registrar is not None:
+                registrar.register(self.base, self.size)
+        except BaseException:
+            self.close()
+            raise
         self._registrar = registrar
-        if registrar is not None:
-            registrar.register(self.base, self.size)
         self.slabs = SlabAllocator(self.base, self.size, self.slab_bytes)
         logger.info(
             "pool ready: %.2f GiB at %.2f GB/s (%d slabs of %d MiB, hugepages=%s)",
@@ -115,7 +160,7 @@ class HostPool:
     def _prefault(self, config: PoolConfig) -> BringUp:
         start = time.perf_counter()
         chunks = range(0, self.size, PREFAULT_CHUNK)
-        touch = _touch_function(self.base)
+        touch = _touch_function(self.base, self.size)
         bar = tqdm(
             total=self.size,
             unit="B",
@@ -141,6 +186,8 @@ class HostPool:
         if self._registrar is not None:
             self._registrar.unregister(self.base)
             self._registrar = None
+        if not hasattr(self, "array"):
+            return  # closed already (a failed start-up, then the stop path)
         del self.array
         try:
             self._mmap.close()
@@ -148,7 +195,7 @@ class HostPool:
             logger.debug("pool mmap still referenced at close")
 
 
-def _touch_function(base: int) -> Callable[[int, int], int]:
+def _touch_function(base: int, total: int) -> Callable[[int, int], int]:
     libc = ctypes.CDLL(None, use_errno=True)
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -156,6 +203,8 @@ def _touch_function(base: int) -> Callable[[int, int], int]:
     def touch(offset: int, size: int) -> int:
         # ctypes drops the GIL, so chunks fault in on all threads at once.
         if madvise(base + offset, size, MADV_POPULATE_WRITE) != 0:
+            if ctypes.get_errno() == errno.ENOMEM:  # memset would be OOM-killed
+                raise PoolTooLarge(total, _meminfo("MemAvailable"))
             ctypes.memset(base + offset, 0, size)  # kernels before 5.14
         return size
 

@@ -23,12 +23,14 @@ from pegaflow.engine import Engine
 from pegaflow.fastpath import SocketServerInfo, start_query_socket
 from pegaflow.gds import SsdTier
 from pegaflow.hostcopy import HostCopyEngine
-from pegaflow.http import start_http
+from pegaflow.http import bind_http, serve_http
 from pegaflow.instances import CopyEngine, RegionKind
 from pegaflow.metrics import Metrics, SsdCollector
 from pegaflow.pool import HostPool
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from pegaflow.service import ErrorInterceptor, PegaFlowServicer
+from pegaflow.sockfile import check_path, unlink_if_ours
+from pegaflow.startup import StartupError, bind_error, bind_failed
 from pegaflow.stats import HitRateCollector, engine_stats, on_loop
 
 logger = logging.getLogger(__name__)
@@ -55,9 +57,7 @@ class RunningServer:
         if self.sweeper is not None:
             self.sweeper.cancel()
         if self.query_server is not None:
-            self.query_server.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.query_socket)
+            _close_query_server(self.query_server, self.query_socket)
         await self.grpc_server.stop(grace_s)
         if self.http is not None:
             self.http.shutdown()
@@ -69,8 +69,67 @@ class RunningServer:
 
 
 async def create_server(config: ServerConfig) -> RunningServer:
-    """Bring up the pool, bind gRPC (port 0 picks one) and HTTP; start serving."""
+    """Bind gRPC (port 0 picks one) and HTTP, bring up the pool, serve.
+
+    Every address is bound, and the socket path checked, before the pool is
+    pre-touched: a port in use fails in milliseconds, not after a minute of
+    faulting in memory. A failure at any step releases what earlier steps took.
+    """
+    async with contextlib.AsyncExitStack() as undo:
+        running = await _assemble(config, undo)
+        undo.pop_all()  # up: the caller's stop() releases it all from now on
+    return running
+
+
+async def _assemble(
+    config: ServerConfig, undo: contextlib.AsyncExitStack
+) -> RunningServer:
     ordinals = _cuda_devices(config.cuda)
+    socket_path = ""
+    if config.query_socket is not None:
+        socket_path = _socket_path(config.query_socket)
+        check_path(socket_path)
+    metrics = Metrics()
+    server, port = _bind_grpc(config, metrics)
+    undo.push_async_callback(server.stop, None)
+    http = _bind_http(config.http_addr) if config.http_addr is not None else None
+    if http is not None:
+        undo.callback(http.server_close)
+    engine, cuda = _bring_up(config, ordinals, metrics, undo)
+    started = time.monotonic()
+    stats = on_loop(asyncio.get_running_loop(), lambda: engine_stats(engine, started))
+    metrics.registry.register(HitRateCollector(stats))
+    servicer = PegaFlowServicer(engine, os.getpid(), secrets.token_bytes(16), port)
+    pb_grpc.add_PegaFlowServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    query_server = None
+    if socket_path:
+        servicer.query_socket = socket_path
+        info = SocketServerInfo(os.getpid(), servicer.server_id, socket_path)
+        query_server = await start_query_socket(socket_path, engine, info)
+        undo.callback(_close_query_server, query_server, socket_path)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if http is not None:
+        serve_http(
+            http, metrics.registry, _health_report(engine, cuda), {"/stats": stats}
+        )
+    running = RunningServer(
+        server, port, http, engine, engine.pool, None, query_server, socket_path
+    )
+    running.sweeper = asyncio.create_task(_sweep_forever(engine))
+    return running
+
+
+def _bring_up(
+    config: ServerConfig,
+    ordinals: list[int],
+    metrics: Metrics,
+    undo: contextlib.AsyncExitStack,
+) -> tuple[Engine, object]:
+    """SSD tier, pool (pre-touched), copy engines and the engine itself."""
     # 8 GiB chunks pinned from 8 threads: 64 GiB came up at 16.8 GB/s on the
     # H200 host, against 5.9 GB/s for one cudaHostRegister call.
     registrar = HostRegistrar(ordinals[0], 8 << 30, 8) if ordinals else None
@@ -82,7 +141,9 @@ async def create_server(config: ServerConfig) -> RunningServer:
         if tier is not None:
             tier.close()
         raise
-    metrics = Metrics()
+    undo.callback(pool.close)
+    if tier is not None:  # the tier reads pool slots: it closes first
+        undo.callback(tier.close)
     copiers: dict[RegionKind, CopyEngine] = {
         "host": HostCopyEngine(threads=config.engine.copy_threads)
     }
@@ -90,6 +151,7 @@ async def create_server(config: ServerConfig) -> RunningServer:
     if cuda is not None:
         copiers["cuda"] = cuda
     engine = Engine(config.engine, pool, copiers, metrics, tier)
+    undo.callback(engine.close)
     if tier is not None:
         metrics.registry.register(SsdCollector(tier.stats))
         logger.info(
@@ -98,12 +160,19 @@ async def create_server(config: ServerConfig) -> RunningServer:
             tier.stats().capacity_bytes,
             ", ".join(config.ssd.paths),
         )
-    started = time.monotonic()
-    stats = on_loop(asyncio.get_running_loop(), lambda: engine_stats(engine, started))
-    metrics.registry.register(HitRateCollector(stats))
+    return engine, cuda
+
+
+def _bind_grpc(config: ServerConfig, metrics: Metrics) -> tuple[grpc.aio.Server, int]:
+    """A gRPC server bound to --addr (servicers are added later, before start)."""
+    host, port = parse_addr(config.addr)
+    # A probe first: grpc's own failure is a bare 0 and a log line from its core.
+    if (error := bind_error("--addr", config.addr, host, port)) is not None:
+        raise error
     server = grpc.aio.server(
         interceptors=[ErrorInterceptor(metrics)],
-        # Sessions count: see pegaflow.limits.MAX_CONCURRENT_RPCS.
+        # Beyond it gRPC answers RESOURCE_EXHAUSTED itself. Every engine worker
+        # holds one Session stream open, so it sits well above the workers.
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -111,45 +180,29 @@ async def create_server(config: ServerConfig) -> RunningServer:
             ("grpc.so_reuseport", 0),
         ],
     )
-    servicer = PegaFlowServicer(engine, os.getpid(), secrets.token_bytes(16))
-    pb_grpc.add_PegaFlowServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    host, port = parse_addr(config.addr)
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(target)
-    except RuntimeError:  # grpc's way of saying the port is taken
+    except RuntimeError:  # grpc's way of saying the port cannot be bound
         bound = 0
-    if bound == 0:
-        if tier is not None:
-            tier.close()
-        pool.close()
-        raise OSError(f"--addr: cannot bind {config.addr} (in use or not local?)")
-    servicer.port = bound
-    query_server = None
-    if config.query_socket is not None:
-        servicer.query_socket = _socket_path(config.query_socket)
-        info = SocketServerInfo(os.getpid(), servicer.server_id, servicer.query_socket)
-        query_server = await start_query_socket(servicer.query_socket, engine, info)
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    http = None
-    if config.http_addr is not None:
-        http_host, http_port = parse_addr(config.http_addr)
-        http = start_http(
-            http_host,
-            http_port,
-            metrics.registry,
-            _health_report(engine, cuda),
-            {"/stats": stats},
-        )
-    running = RunningServer(
-        server, bound, http, engine, pool, None, query_server, servicer.query_socket
-    )
-    running.sweeper = asyncio.create_task(_sweep_forever(engine))
-    return running
+    if bound == 0:  # taken between the probe and now
+        raise StartupError(f"--addr: cannot listen on {config.addr}; try again")
+    return server, bound
+
+
+def _bind_http(addr: str) -> ThreadingHTTPServer:
+    host, port = parse_addr(addr)
+    try:
+        return bind_http(host, port)
+    except OSError as exc:
+        raise bind_failed("--http-addr", addr, exc) from None
+
+
+def _close_query_server(server: asyncio.AbstractServer, path: str) -> None:
+    """Stop accepting and remove the socket file if it is still ours."""
+    for sock in server.sockets:  # before close(): it forgets its sockets
+        unlink_if_ours(path, sock)
+    server.close()
 
 
 def _socket_path(setting: str) -> str:
@@ -165,7 +218,7 @@ def _cuda_devices(config: CudaConfig) -> list[int]:
     try:
         return cuda_driver.probe(config.devices)
     except cuda_driver.CudaError as exc:
-        raise OSError(str(exc)) from exc
+        raise StartupError(str(exc)) from exc
 
 
 def _cuda_copier(config: CudaConfig, pool: HostPool, ordinals: list[int]) -> object:
@@ -175,9 +228,10 @@ def _cuda_copier(config: CudaConfig, pool: HostPool, ordinals: list[int]) -> obj
         return CudaCopyEngine(
             pool.base, pool.size, ordinals, config.max_ctas, config.event_timeout_s
         )
-    except Exception as exc:  # a broken GPU stack must not leave the pool pinned
-        pool.close()
-        raise OSError(f"--devices: CUDA copy engine failed to start: {exc}") from exc
+    except Exception as exc:  # a broken GPU stack: one line (the pool is undone)
+        raise StartupError(
+            f"--devices: CUDA copy engine failed to start: {exc}"
+        ) from exc
 
 
 def _health_report(engine: Engine, cuda: object):  # noqa: ANN202 - HTTP thread's
@@ -229,4 +283,16 @@ async def serve(config: ServerConfig) -> None:
     logger.info("stopping")
     with contextlib.suppress(asyncio.CancelledError):
         await running.stop()
+        await _rpc_tasks_done(timeout_s=2.0)
     logger.info("stopped")
+
+
+async def _rpc_tasks_done(timeout_s: float) -> None:
+    """Wait for the tasks grpc leaves behind when stop() cancels a call that was
+    still open (an engine's Session stream): they finish a moment after stop()
+    returns. Left pending, asyncio.run cancels them on the way out and grpc logs
+    each as a CancelledError traceback, though nothing went wrong."""
+    current = asyncio.current_task()
+    rest = [task for task in asyncio.all_tasks() if task is not current]
+    if rest:
+        await asyncio.wait(rest, timeout=timeout_s)

@@ -9,7 +9,9 @@ port is reachable.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -19,7 +21,36 @@ Stats = dict[str, object]
 
 def fetch(http_addr: str, timeout_s: float = 5.0) -> Stats:
     with urllib.request.urlopen(f"http://{http_addr}/stats", timeout=timeout_s) as r:
-        return json.loads(r.read())
+        stats = json.loads(r.read())
+    if not isinstance(stats, dict) or "pool" not in stats:
+        raise ValueError("not a pegaflow /stats document")
+    return stats
+
+
+def diagnose(http_addr: str, exc: BaseException, timeout_s: float) -> str:
+    """One line: what `http_addr` turned out to be, and which flag to pass."""
+    fix = "pass the server's --http-addr (its /health and /metrics address)"
+    reason = getattr(exc, "reason", exc)  # URLError wraps the socket's error
+    if isinstance(exc, urllib.error.HTTPError):
+        return (
+            f"{http_addr} answers HTTP but has no pegaflow /stats (HTTP "
+            f"{exc.code}): not a pegaflow-server's HTTP port? {fix}"
+        )
+    if isinstance(reason, ConnectionRefusedError):
+        return f"nothing listens at {http_addr} (connection refused); {fix}"
+    if isinstance(reason, (TimeoutError, socket.timeout)):
+        return f"no answer from {http_addr} within {timeout_s:g} s; {fix}"
+    if isinstance(reason, socket.gaierror):
+        return f"cannot resolve {http_addr} ({reason.strerror}); {fix}"
+    if isinstance(reason, (http.client.HTTPException, ConnectionResetError)):
+        return (
+            f"{http_addr} answered, but not with HTTP/1.1 (is it the gRPC port, "
+            f"--addr?); {fix}"
+        )
+    if isinstance(exc, ValueError):  # JSON, or a malformed address
+        return f"{http_addr} did not answer with pegaflow /stats JSON; {fix}"
+    text = getattr(reason, "strerror", None) or reason
+    return f"cannot read http://{http_addr}/stats ({text}); {fix}"
 
 
 def _bytes(n: float) -> str:
@@ -122,12 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         stats = fetch(args.http_addr, args.timeout)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        print(
-            f"pegaflow-server status: cannot read http://{args.http_addr}/stats: {exc}",
-            file=sys.stderr,
-        )
-        return 1
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        # URLError and HTTPError are OSErrors; a non-HTTP peer (the gRPC port)
+        # raises http.client's BadStatusLine or RemoteDisconnected.
+        message = diagnose(args.http_addr, exc, args.timeout)
+        print(f"pegaflow-server status: {message}", file=sys.stderr)
+        return 2
     print(json.dumps(stats, indent=2) if args.json else render(stats, args.http_addr))
     return 0
 

@@ -121,7 +121,7 @@ def test_status_subcommand_keeps_the_daemon_flags() -> None:
         text=True,
         timeout=30,
     )
-    assert res.returncode == 1 and "cannot read" in res.stderr
+    assert res.returncode == 2 and "nothing listens at 127.0.0.1:9" in res.stderr
     bad = subprocess.run(
         [sys.executable, "-m", "pegaflow.cli", "--metric-hll-windows", "5 minutes"],
         cwd=ROOT,

@@ -134,7 +134,7 @@ def test_bad_flag_values() -> None:
     assert "not a size" in _cli("--pool-size", "lots").stderr
     assert "host:port" in _cli("--addr", "nowhere").stderr
     res = _cli("--pool-size", "16kb", "--no-http")
-    assert res.returncode == 2 and "pool_size" in res.stderr
+    assert res.returncode == 2 and "argument --pool-size" in res.stderr
 
 
 def test_hugepages_without_reservation_fails_clearly() -> None:
