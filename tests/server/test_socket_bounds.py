@@ -1,0 +1,139 @@
+"""The unix socket cannot be used to exhaust the server (issue: trust, bounded
+resources). The probes that found it: 10 connections each sending a 59 MiB
+partial frame took server RSS from 138 to 724 MiB, and the receive buffer was
+re-copied on every read; a client of another protocol version was answered as
+if it spoke ours."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from pegaflow.client import PegaflowClient
+from pegaflow.frames import HELLO_HEADER, HELLO_REPLY, MAX_BODY, encode_hello
+from tests.kvbuf import LocalKV, hashes
+from tests.procs import ServerProc, start_server
+
+
+@pytest.fixture
+def server(tmp_path) -> Iterator[ServerProc]:
+    proc = start_server(tmp_path, "--pool-size", "16mb")
+    yield proc
+    proc.stop()
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _socket_path(server: ServerProc) -> str:
+    with PegaflowClient(server.addr) as client:
+        return client._server_info().socket_path
+
+
+def _greeted(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(10)
+    sock.connect(path)
+    sock.sendall(encode_hello())
+    assert sock.recv(HELLO_REPLY.size, socket.MSG_WAITALL)[0] == 0
+    return sock
+
+
+def _reply(sock: socket.socket) -> bytes:
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def test_oversized_frames_are_refused_before_buffering(server) -> None:
+    """Scenario: ten connections announce 59 MiB frames and send half of each.
+    Each is refused on its header (nothing buffered) and RSS stays flat."""
+    path = _socket_path(server)
+    before = _rss_mib(server.pid)
+    socks = [_greeted(path) for _ in range(10)]
+    try:
+        for sock in socks:
+            sock.sendall((59 << 20).to_bytes(4, "little") + bytes(1 << 20))
+        for sock in socks:
+            reply = _reply(sock)
+            assert reply[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert f"> {MAX_BODY}".encode() in reply
+    finally:
+        for sock in socks:
+            sock.close()
+    assert _rss_mib(server.pid) - before < 64
+
+
+def test_slow_partial_frames_are_bounded(server) -> None:
+    """Scenario: twenty connections each trickle a frame just under the size
+    cap in 64 KiB pieces and never finish it. Buffering is linear and the
+    server-wide budget of partial frames refuses the connections past it, so
+    RSS grows by at most about that budget; the server keeps serving."""
+    path = _socket_path(server)
+    before = _rss_mib(server.pid)
+    size = MAX_BODY - 1024
+    socks = [_greeted(path) for _ in range(20)]
+    refused = 0
+    try:
+        for sock in socks:
+            sock.sendall(size.to_bytes(4, "little"))
+        piece = bytes(64 << 10)
+        for _ in range((size - (64 << 10)) // len(piece)):
+            for sock in socks:
+                try:
+                    sock.sendall(piece)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+        time.sleep(0.5)  # let the server read what is in flight
+        kv = LocalKV(1, 8, 4096)
+        with PegaflowClient(server.addr) as client:
+            kv.register(client, "e", "ns")
+            hs = hashes(2)
+            assert client.save("e", [0, 1], hs).stored == 2
+            assert client.query("e", hs).num_blocks == 2
+        growth = _rss_mib(server.pid) - before
+        for sock in socks:
+            sock.setblocking(False)
+            try:
+                head = sock.recv(1)
+            except BlockingIOError:
+                continue
+            refused += head == bytes([grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]])
+    finally:
+        for sock in socks:
+            sock.close()
+    assert refused >= 1  # 20 x ~8 MiB is past the 128 MiB budget
+    assert growth < 128 + 64, growth
+
+
+def test_a_client_of_another_protocol_is_refused_clearly(server) -> None:
+    """Scenario: an engine with an older pegaflow (no hello) or another
+    protocol version gets FAILED_PRECONDITION / INVALID_ARGUMENT saying so,
+    never a misread answer."""
+    path = _socket_path(server)
+    with socket.socket(socket.AF_UNIX) as sock:  # version 1: a query first
+        sock.settimeout(10)
+        sock.connect(path)
+        body = struct.pack("<BBHI", 1, 32, 1, 0) + b"e"
+        sock.sendall(len(body).to_bytes(4, "little") + body)
+        reply = _reply(sock)
+    assert b"first frame must be a hello" in reply
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        hello = HELLO_HEADER.pack(0, 0, 99)
+        sock.sendall(len(hello).to_bytes(4, "little") + hello)
+        reply = _reply(sock)
+    assert reply[0] == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert b"hello.version: 99" in reply
