@@ -115,6 +115,9 @@ class EngineConfig:
     inline_copy_bytes: int = 2 << 20
     max_blocks_per_request: int = 65536
     hit_rate: HitRateConfig = field(default_factory=HitRateConfig)
+    # Namespaces with no worker but blocks resident that keep their hit-rate
+    # state; past this, the longest idle loses it (see pegaflow.namespaces).
+    max_idle_namespaces: int = 4096
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s <= 0:
@@ -123,6 +126,8 @@ class EngineConfig:
             raise ValueError("lease_sweep_interval_s: must be > 0")
         if self.copy_threads < 1:
             raise ValueError("copy_threads: must be >= 1")
+        if self.max_idle_namespaces < 0:
+            raise ValueError("max_idle_namespaces: must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

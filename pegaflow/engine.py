@@ -28,6 +28,7 @@ from pegaflow.layout import Transfers, check_block_ids
 from pegaflow.leases import Lease, LeaseTable
 from pegaflow.metrics import Metrics
 from pegaflow.misses import HitRateTracker, RecordingPolicy
+from pegaflow.namespaces import NamespaceReaper
 from pegaflow.policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
 from pegaflow.pool import HostPool
 from pegaflow.ready_index import PackedHashes
@@ -117,6 +118,14 @@ class Engine:
         if ssd is not None:  # at most half the pool waits for the SSD writers
             link = SsdLink(ssd, self.store, self.registry, self.metrics, pool.size // 2)
             self.ssd = link
+        self.namespaces = NamespaceReaper(
+            self.registry,
+            self.store,
+            self.leases,
+            self.hit_rates,
+            self.ssd,
+            config.max_idle_namespaces,
+        )
         self._seen = dataclasses.replace(self.store.counters)
         self.metrics.bind_gauges(
             pool.size,
@@ -128,14 +137,17 @@ class Engine:
 
     # -- registration ---------------------------------------------------------
     def register(self, spec: RegisterSpec) -> Worker:
-        return self.registry.register(spec)
+        worker = self.registry.register(spec)
+        self.namespaces.joined(worker.namespace)
+        return worker
 
     def unregister(self, instance_id: str, tp_rank: int) -> None:
-        self.registry.unregister(instance_id, tp_rank)
+        worker = self.registry.unregister(instance_id, tp_rank)
         if instance_id not in self.registry.instances:
             dropped = self.leases.release_owned_by(instance_id)
             if dropped:
                 logger.info("released %d lease(s) of %s", dropped, instance_id)
+        self.namespaces.left(worker.namespace)  # after its leases went
 
     # -- save -----------------------------------------------------------------
     async def save(

@@ -11,6 +11,7 @@ a block stores the whole of it, once, and every rank loads that copy.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from dataclasses import dataclass, field
@@ -78,9 +79,16 @@ class RegisterSpec:
         return 1 if self.replicated else self.tp_size
 
 
+def namespace_tag(name: str) -> str:
+    """A one-way label of a namespace for /metrics, /stats and logs: equal
+    names give equal tags, and a tag does not give the name back (a namespace
+    made with a tenant secret cannot be read off the server's outputs)."""
+    return hashlib.sha256(b"pegaflow-ns-tag" + name.encode()).hexdigest()[:12]
+
+
 @dataclass(slots=True)
 class Namespace:
-    name: str
+    name: str  # never shown: clients see the tag (see namespace_tag)
     id: int
     tp_size: int  # shards per block: the TP size, or 1 for replicated KV (MLA)
     num_layers: int
@@ -91,6 +99,10 @@ class Namespace:
     @property
     def slot_class(self) -> tuple[int, int]:
         return (self.slot_bytes, self.slot_skew)
+
+    @property
+    def tag(self) -> str:
+        return namespace_tag(self.name)
 
 
 @dataclass(slots=True)
@@ -175,6 +187,11 @@ def _check_cuda(cuda: CudaExport, regions: int) -> None:
 class Registry:
     """Namespaces, instances and their workers; all calls from one thread."""
 
+    # The last namespace id handed out. Ids are never reused, not even after a
+    # namespace is released: block keys, leases and hit-rate state carry the id,
+    # and a reused one would alias a freed namespace's keys with a new one's.
+    _last_namespace_id = 0
+
     def __init__(
         self, copiers: dict[RegionKind, CopyEngine], max_slot_bytes: int = 1 << 62
     ) -> None:
@@ -243,9 +260,10 @@ class Registry:
     def _namespace_for(self, spec: RegisterSpec, geometry: KVGeometry) -> Namespace:
         ns = self.namespaces.get(spec.namespace)
         if ns is None:
+            self._last_namespace_id += 1
             ns = Namespace(
                 spec.namespace,
-                len(self.namespaces) + 1,
+                self._last_namespace_id,
                 spec.shards,
                 geometry.num_layers,
                 geometry.slot_bytes,
@@ -269,6 +287,17 @@ class Registry:
                 f"{ns.num_layers} layers, {ns.slot_bytes} B/block)"
             )
         return ns
+
+    def release_namespace(self, ns: Namespace) -> bool:
+        """Forget ns if no registered worker uses it; False if one does (or ns
+        is no longer the namespace of its name). The caller checks that no
+        block or lease of it is left: those are the engine's."""
+        if self.namespaces.get(ns.name) is not ns:
+            return False
+        if any(i.workers and i.namespace is ns for i in self.instances.values()):
+            return False
+        del self.namespaces[ns.name]
+        return True
 
     def _instance_for(self, spec: RegisterSpec, ns: Namespace) -> Instance:
         inst = self.instances.get(spec.instance_id)

@@ -341,6 +341,17 @@ class HitRateTracker:
             for s in self._namespaces.values()
         ]
 
+    def forget(self, ns_id: int) -> None:
+        """Drop a namespace's counters and windows (it was freed, or idle past
+        the bound). Its logged queries are replayed first, so none of them
+        brings the state back; a namespace that returns starts from zero."""
+        if self._log:
+            self.flush()
+        self._namespaces.pop(ns_id, None)
+
+    def __contains__(self, ns_id: int) -> bool:
+        return ns_id in self._namespaces
+
     @property
     def nbytes(self) -> int:
         return self.ghost.nbytes + sum(
