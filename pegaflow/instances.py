@@ -250,7 +250,7 @@ class Registry:
             spec.instance_id,
             spec.tp_rank,
             spec.tp_size,
-            ns.name,
+            ns.tag,
             geometry.num_layers,
             geometry.slot_bytes,
             ", replicated" if spec.replicated else "",
@@ -272,19 +272,21 @@ class Registry:
             )
             self.namespaces[spec.namespace] = ns
             return ns
+        # Neither the name nor the other engine's geometry goes back: only
+        # what this request itself said.
         if ns.tp_size != spec.shards:
-            what = f"tp_size: {spec.tp_size}"
+            what = f"tp_size: {spec.tp_size} shard(s)"
             if spec.replicated:
                 what = "replicated: 1 shard"
             raise InvalidRequest(
-                f"{what} per block, but namespace {spec.namespace!r} stores "
-                f"{ns.tp_size} shard(s) per block"
+                f"{what} per block differs from this namespace's (registered by "
+                "another engine)"
             )
         if ns.signature != geometry.signature():
             raise InvalidRequest(
-                f"layers: page geometry differs from namespace {spec.namespace!r} "
-                f"({geometry.num_layers} layers, {geometry.slot_bytes} B/block vs "
-                f"{ns.num_layers} layers, {ns.slot_bytes} B/block)"
+                "layers: page geometry differs from this namespace's (registered "
+                f"by another engine); this request has {geometry.num_layers} "
+                f"layers, {geometry.slot_bytes} B/block"
             )
         return ns
 

@@ -3,19 +3,28 @@ blocks, bounded while idle, and never named to a client."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from pegaflow.client import PegaflowClient
+from pegaflow.errors import InvalidRequest
 from tests.kvbuf import LocalKV, hashes
-from tests.procs import ServerProc
+from tests.procs import ROOT, ServerProc, _env
 from tests.server.test_ssd_tier import _flags, _until_ready, _wait_flushed
 
 CYCLES = 200
+
+
+def _tag(name: str) -> str:
+    return hashlib.sha256(b"pegaflow-ns-tag" + name.encode()).hexdigest()[:12]
 
 
 def _rss_kib(pid: int) -> int:
@@ -135,3 +144,86 @@ def test_namespace_freed_with_its_last_block_finds_its_ssd_blocks(
         client.load("b", res.lease_id, dst)
         for i, b in enumerate(dst):
             assert np.array_equal(kv2.block(b), want[i]), f"block {i}"
+
+
+def test_idle_namespaces_keep_hit_rates_up_to_the_bound(
+    server_factory: Callable[..., ServerProc],
+) -> None:
+    """Regression: with --max-idle-namespaces 3, ten engines each save a block
+    in a namespace of their own, query it and leave. Their blocks stay, so do
+    the ten namespaces; only the three idle the shortest keep hit-rate state
+    (and /metrics series). The flag did not exist."""
+    server = server_factory("--pool-size", "64mb", "--max-idle-namespaces", "3")
+    kv = LocalKV(layers=2, blocks=8)
+    with PegaflowClient(server.addr, timeout_s=10) as client:
+        for i in range(10):
+            name = f"idle-{i}"
+            kv.register(client, name, name)
+            hs = hashes(1)
+            client.save(name, [0], hs)
+            client.release_lease(client.query(name, hs).lease_id)
+            client.unregister(name)
+        assert _health(server)["namespaces"] == 10
+        tags = {ns["tag"] for ns in _stats(server)["namespaces"]}
+        assert tags == {_tag(f"idle-{i}") for i in (7, 8, 9)}
+        text = server.get("/metrics")[1].decode()
+        assert _tag("idle-9") in text and _tag("idle-0") not in text
+
+
+def _status(server: ServerProc) -> str:
+    res = subprocess.run(
+        [sys.executable, "-m", "pegaflow", "status", "--http-addr", server.http],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_mismatch_errors_and_outputs_never_name_a_namespace(
+    server: ServerProc,
+) -> None:
+    """Regression: engine "a" registers ns-private-name (4 layers, 16 KiB
+    blocks); engines with another page size, layer count or TP size ask to
+    join it. Their errors used to name the namespace and a's geometry; now
+    they say only what differs from their own request. /metrics, /stats,
+    `pegaflow-server status` and the server's INFO+ log lines label the
+    namespace by its one-way tag, never its name."""
+    name = "ns-private-name"
+    kv, small, three = LocalKV(), LocalKV(page=2048), LocalKV(layers=3)
+    with PegaflowClient(server.addr, timeout_s=10) as client:
+        kv.register(client, "a", name)
+        client.query("a", hashes(4))
+        for other in (small, three):  # a's blocks are 4 layers x 4096 B
+            with pytest.raises(InvalidRequest) as err:
+                other.register(client, "odd", name)
+            msg = str(err.value)
+            assert "layers: page geometry differs from this namespace's" in msg
+            own = f"{other.layers} layers, {other.layers * other.page} B/block"
+            assert msg.endswith(f"this request has {own}"), msg
+            assert name not in msg and "16384" not in msg
+        with pytest.raises(InvalidRequest) as err:
+            kv.register(client, "odd", name, tp_size=2)
+        msg = str(err.value)
+        assert "tp_size" in msg and name not in msg and " 1 shard" not in msg
+        outputs = {
+            "/metrics": server.get("/metrics")[1].decode(),
+            "/stats": server.get("/stats")[1].decode(),
+            "/health": server.get("/health")[1].decode(),
+            "status": _status(server),
+        }
+        for where, text in outputs.items():
+            assert name not in text, where
+        for where in ("/metrics", "/stats", "status"):
+            assert _tag(name) in outputs[where], where
+        client.unregister("a")
+    server.stop()
+    loud = [
+        line
+        for line in server.log.read_text().splitlines()
+        if any(f" {lvl} " in line for lvl in ("INFO", "WARNING", "ERROR"))
+    ]
+    assert loud and not [line for line in loud if name in line]
