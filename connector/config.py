@@ -6,10 +6,14 @@ knows the option names, and every error names the key and what it accepts.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "http://127.0.0.1"
 DEFAULT_PORT = 50055
@@ -42,6 +46,15 @@ class ConnectorConfig:
     lease_reuse_s: float = 5.0
     # Save blocks that fill up during decode, not only prompt blocks.
     save_decode: bool = True
+    # A file holding the tenant secret: the HMAC key of the namespace digest,
+    # so nobody without it can compute the namespace (and read its blocks).
+    # Engines that share blocks share the secret. PEGAFLOW_TENANT_SECRET is
+    # the other way to give it; the file, when named, wins.
+    tenant_secret_file: str = ""
+    # The secret as read (from the file or the environment); kept out of
+    # repr. As an extra-config key it is accepted with a warning: vLLM's
+    # config shows in `ps` and in logs.
+    tenant_secret: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "query_timeout_s", "retry_interval_s"):
@@ -106,18 +119,56 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
     return value
 
 
+def _tenant_secret(extra: dict[str, Any], env: Mapping[str, str]) -> bytes:
+    """The secret from (in this order) tenant_secret_file, tenant_secret or
+    PEGAFLOW_TENANT_SECRET; b"" for none. Errors never repeat a secret."""
+    path = extra.get("tenant_secret_file", "")
+    inline = extra.pop("tenant_secret", None)
+    if path and inline is not None:
+        raise ValueError(
+            "kv_connector_extra_config: give tenant_secret_file or tenant_secret, "
+            "not both"
+        )
+    if path:
+        path = _coerce("tenant_secret_file", path, "")
+        try:
+            secret = Path(path).read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(
+                f"kv_connector_extra_config.tenant_secret_file: cannot read "
+                f"{path!r} ({exc.strerror})"
+            ) from None
+        if not secret:
+            raise ValueError(
+                f"kv_connector_extra_config.tenant_secret_file: {path!r} is empty"
+            )
+        return secret
+    if inline is not None:
+        if not isinstance(inline, str) or not inline.strip():
+            raise ValueError(
+                "kv_connector_extra_config.tenant_secret: expected a non-empty string"
+            )
+        logger.warning(
+            "pegaflow: kv_connector_extra_config.tenant_secret puts the secret "
+            "where `ps` and logs show it; use tenant_secret_file (a file only "
+            "the engine's user can read) or PEGAFLOW_TENANT_SECRET instead"
+        )
+        return inline.strip().encode()
+    return env.get("PEGAFLOW_TENANT_SECRET", "").strip().encode()
+
+
 def parse_config(
     extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
 ) -> ConnectorConfig:
     """The connector's config from vLLM's extra config and the environment."""
     extra = dict(extra or {})
+    env = os.environ if env is None else env
     unknown = sorted(set(extra) - set(_KEYS))
     if unknown:
         raise ValueError(
             f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
             f"PegaKVConnector accepts {', '.join(sorted(_KEYS))}"
         )
+    secret = _tenant_secret(extra, env)
     values = {k: _coerce(k, v, _KEYS[k].default) for k, v in extra.items()}
-    return ConnectorConfig(
-        addr=server_addr(os.environ if env is None else env), **values
-    )
+    return ConnectorConfig(addr=server_addr(env), tenant_secret=secret, **values)

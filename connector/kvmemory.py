@@ -10,6 +10,7 @@ split into kernel blocks ([blocks * r, ...]); older vLLM gives K/V-first
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -76,10 +77,14 @@ def kv_tensors(kv_caches: Mapping[str, Any], num_blocks: int) -> KVTensors:
     return KVTensors(tuple(out), kv_first, device, (kv_first, *signatures.pop()))
 
 
-def namespace_digest(parts: Mapping[str, object]) -> str:
-    """A stable name for 'these bytes mean the same thing'."""
-    text = json.dumps(parts, sort_keys=True, default=str)
-    return "vllm-" + hashlib.sha256(text.encode()).hexdigest()[:40]
+def namespace_digest(parts: Mapping[str, object], secret: bytes = b"") -> str:
+    """A stable name for 'these bytes mean the same thing'. With a tenant
+    secret it is an HMAC keyed by the secret: without the secret nobody can
+    compute it from the (guessable) parts, so nobody can ask for its blocks."""
+    text = json.dumps(parts, sort_keys=True, default=str).encode()
+    if secret:
+        return "vllm-" + hmac.new(secret, text, hashlib.sha256).hexdigest()[:40]
+    return "vllm-" + hashlib.sha256(text).hexdigest()[:40]
 
 
 def namespace_parts(vllm_config: Any, kv: KVTensors, salt: str) -> dict[str, object]:

@@ -68,7 +68,7 @@ class Registrar:
         self.layer_signals = np.zeros(len(kv.tensors), np.uint64)
         signals = self.layer_signals.ctypes.data
         parts = namespace_parts(vllm_config, kv, self.config.namespace_salt)
-        self.namespace = namespace_digest(parts)
+        self.namespace = namespace_digest(parts, self.config.tenant_secret)
         self.replicated = bool(parts["mla"])
         self._device = kv.device
         if kv.device == "cpu":
@@ -86,12 +86,13 @@ class Registrar:
             )
         else:
             self._register_fn = self._describe_cuda(kv, signals)
-        logger.info(
-            "pegaflow: %d layers of %s KV, namespace %s (%s)",
+        logger.info(  # the parts, never the secret: only whether there is one
+            "pegaflow: %d layers of %s KV, namespace %s (%s, tenant secret: %s)",
             len(kv.tensors),
             kv.device,
             self.namespace,
             parts,
+            "yes" if self.config.tenant_secret else "no",
         )
         return kv
 

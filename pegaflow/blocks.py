@@ -28,6 +28,8 @@ BlockHash = bytes
 Key = tuple[int, BlockHash]
 # Eviction hook (the SSD tier): True when it took the slots; it frees them later.
 Spill = Callable[[Key, np.ndarray], bool]
+# Called when a namespace's last entry (ready, in flight or pinned) goes.
+Emptied = Callable[[Namespace], None]
 _KEY = attrgetter("key")
 
 
@@ -73,6 +75,14 @@ class SaveReservation:
 
 
 @dataclass(slots=True)
+class _Held:
+    """A namespace with entries in the store, and how many."""
+
+    ns: Namespace
+    entries: int = 0
+
+
+@dataclass(slots=True)
 class StoreCounters:
     evictions: int = 0
     admission_rejections: int = 0
@@ -98,10 +108,40 @@ class BlockStore:
         # asked or changed, so its order is the order of the requests.
         self._untouched: list[list[BlockEntry]] = []
         self.spill: Spill | None = None
+        # Entries per namespace id, and the namespace: when the count drops to
+        # zero the namespace's index goes and `emptied` hears of it.
+        self._held: dict[int, _Held] = {}
+        self.emptied: Emptied | None = None
 
     @property
     def resident_ready(self) -> int:
         return sum(map(len, self._ready.values()))
+
+    def holds(self, ns_id: int) -> bool:
+        """Whether any block of the namespace is resident, in flight or pinned."""
+        return ns_id in self._held
+
+    def _hold(self, ns: Namespace, new: int) -> None:
+        held = self._held.get(ns.id)
+        if held is None:
+            held = self._held[ns.id] = _Held(ns)
+        held.entries += new
+
+    def _let_go(self, counts: dict[int, int]) -> None:
+        """Entries removed, by namespace id; a namespace left with none loses
+        its index, then `emptied` runs (it may free the namespace)."""
+        for ns_id, n in counts.items():
+            held = self._held[ns_id]
+            held.entries -= n
+            if held.entries == 0:
+                del self._held[ns_id]
+                self._ready.pop(ns_id, None)
+                if self.emptied is not None:
+                    self.emptied(held.ns)
+
+    def _pop_entry(self, key: Key) -> None:
+        if self.entries.pop(key, None) is not None:
+            self._let_go({key[0]: 1})
 
     def pin_lease(self, lease_id: int, entries: list[BlockEntry]) -> None:
         self._unflushed[lease_id] = entries
@@ -176,7 +216,7 @@ class BlockStore:
         positions: list[int] = []
         slots: list[int] = []
         slotless: list[int] = []  # indexes into entries still needing a slot
-        dedup = rejected = 0
+        dedup = rejected = new = 0
         room = self.slabs.free_slots(ns.slot_class)
         get = self.entries.get
         for pos, h in enumerate(hashes):
@@ -192,6 +232,7 @@ class BlockStore:
                         rejected += 1
                         continue
                 entry = self.entries[key] = BlockEntry(key, [0] * tp)
+                new += 1
             elif entry.ready or (entry.landed | entry.in_flight) & mask == mask:
                 dedup += 1  # also a hash repeated within this request
                 continue
@@ -203,6 +244,8 @@ class BlockStore:
             entries.append(entry)
             positions.append(pos)
             slots.append(entry.slots[rank])
+        if new:  # before allocating: an eviction must not see ns as empty
+            self._hold(ns, new)
         if slotless:
             got = self._allocate(ns.slot_class, len(slotless)).tolist()
             for i, slot in zip(slotless, got, strict=False):
@@ -288,8 +331,10 @@ class BlockStore:
 
     def _remove(self, keys: list[Key]) -> None:
         freed: list[int] = []
+        counts: dict[int, int] = {}
         for key in keys:
             entry = self.entries.pop(key)
+            counts[key[0]] = counts.get(key[0], 0) + 1
             slots = [s for s in entry.slots if s]
             if entry.ready:
                 self._ready[key[0]].remove(entry)
@@ -300,6 +345,7 @@ class BlockStore:
                     continue
             freed += slots
         self.slabs.free(np.asarray(freed, np.uint64))
+        self._let_go(counts)
 
     def reserve_load(self, ns: Namespace, hashes: list[BlockHash]) -> list[BlockEntry]:
         """Pinned, in-flight entries with slots for blocks coming from a slower
@@ -314,6 +360,9 @@ class BlockStore:
             entry = BlockEntry(key, [0] * tp, in_flight=complete, pins=1)
             self.entries[key] = entry  # before allocating: never its own victim
             entries.append(entry)
+        if not entries:
+            return []
+        self._hold(ns, len(entries))
         got = self._allocate(ns.slot_class, len(entries) * tp)
         whole = len(got) // tp
         for i, entry in enumerate(entries[:whole]):
@@ -321,6 +370,8 @@ class BlockStore:
         self.slabs.free(got[whole * tp :])
         for entry in entries[whole:]:
             del self.entries[entry.key]
+        if whole < len(entries):
+            self._let_go({ns.id: len(entries) - whole})
         return entries[:whole]
 
     def finish_load(self, entries: list[BlockEntry], ok: np.ndarray) -> None:
@@ -335,13 +386,13 @@ class BlockStore:
             else:
                 entry.in_flight = 0
                 lost.append(entry.slot_array())
-                self.entries.pop(entry.key, None)
+                self._pop_entry(entry.key)
         if lost:
             self.slabs.free(np.concatenate(lost))
 
     def _drop_if_empty(self, key: Key, entry: BlockEntry) -> None:
         if not any(entry.slots) and entry.pins == 0:
-            self.entries.pop(key, None)
+            self._pop_entry(key)
 
     def pin(self, entries: list[BlockEntry]) -> None:
         for entry in entries:

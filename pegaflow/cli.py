@@ -182,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
         "~1.04/2**(N/2) (default: %(default)s)",
     )
     p.add_argument(
+        "--max-idle-namespaces",
+        type=int,
+        default=EngineConfig().max_idle_namespaces,
+        help="namespaces with no engine but blocks in the pool that keep their "
+        "hit-rate state; past it the longest idle loses it (default: %(default)s)",
+    )
+    p.add_argument(
         "--query-socket",
         default="auto",
         help="unix socket for fast prefix queries: a path, 'auto' "
@@ -301,6 +308,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             lease_ttl_s=args.lease_ttl,
             copy_threads=args.copy_threads,
             allow_tcp_host_engines=args.allow_tcp_host_engines,
+            max_idle_namespaces=args.max_idle_namespaces,
             hit_rate=HitRateConfig(
                 args.metric_hll_windows, args.metric_hll_bucket_bits
             ),

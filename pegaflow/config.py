@@ -161,6 +161,9 @@ class EngineConfig:
     max_large_requests: int = 2
     large_request_descriptors: int = 1 << 18
     hit_rate: HitRateConfig = field(default_factory=HitRateConfig)
+    # Namespaces with no worker but blocks resident that keep their hit-rate
+    # state; past this, the longest idle loses it (see pegaflow.namespaces).
+    max_idle_namespaces: int = 4096
 
     def __post_init__(self) -> None:
         check_seconds("lease_ttl_s", self.lease_ttl_s, MAX_LEASE_TTL_S)
@@ -169,6 +172,7 @@ class EngineConfig:
         check_int("inline_copy_bytes", self.inline_copy_bytes, 0, 1 << 30)
         check_int("max_blocks_per_request", self.max_blocks_per_request, 1, 1 << 24)
         check_int("max_large_requests", self.max_large_requests, 1, 1 << 16)
+        check_int("max_idle_namespaces", self.max_idle_namespaces, 0, 1 << 24)
 
 
 @dataclass(frozen=True, slots=True)

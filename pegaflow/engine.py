@@ -36,6 +36,7 @@ from pegaflow.leases import Lease, LeaseTable
 from pegaflow.limits import LargeRequestGate, RequestCaps
 from pegaflow.metrics import Metrics
 from pegaflow.misses import HitRateTracker, RecordingPolicy
+from pegaflow.namespaces import NamespaceReaper
 from pegaflow.policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
 from pegaflow.pool import HostPool
 from pegaflow.ready_index import PackedHashes
@@ -138,6 +139,14 @@ class Engine:
         if ssd is not None:  # at most half the pool waits for the SSD writers
             link = SsdLink(ssd, self.store, self.registry, self.metrics, pool.size // 2)
             self.ssd = link
+        self.namespaces = NamespaceReaper(
+            self.registry,
+            self.store,
+            self.leases,
+            self.hit_rates,
+            self.ssd,
+            config.max_idle_namespaces,
+        )
         self._seen = dataclasses.replace(self.store.counters)
         self.metrics.bind_gauges(
             pool.size,
@@ -149,7 +158,9 @@ class Engine:
 
     # -- registration ---------------------------------------------------------
     def register(self, spec: RegisterSpec, caller: Caller) -> Worker:
-        return self.registry.register(spec, caller)
+        worker = self.registry.register(spec, caller)
+        self.namespaces.joined(worker.namespace)
+        return worker
 
     def unregister(
         self, instance_id: str, tp_rank: int, ctx: CallContext | None = None
@@ -159,11 +170,12 @@ class Engine:
             self.registry.owned_worker(
                 instance_id, tp_rank, ctx.caller, ctx.owner_token
             )
-        self.registry.unregister(instance_id, tp_rank)
+        worker = self.registry.unregister(instance_id, tp_rank)
         if instance_id not in self.registry.instances:
             dropped = self.leases.release_owned_by(instance_id)
             if dropped:
                 logger.info("released %d lease(s) of %s", dropped, instance_id)
+        self.namespaces.left(worker.namespace)  # after its leases went
 
     # -- save -----------------------------------------------------------------
     async def save(

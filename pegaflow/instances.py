@@ -11,6 +11,7 @@ a block stores the whole of it, once, and every rank loads that copy.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import re
@@ -95,9 +96,16 @@ class RegisterSpec:
         return 1 if self.replicated else self.tp_size
 
 
+def namespace_tag(name: str) -> str:
+    """A one-way label of a namespace for /metrics, /stats and logs: equal
+    names give equal tags, and a tag does not give the name back (a namespace
+    made with a tenant secret cannot be read off the server's outputs)."""
+    return hashlib.sha256(b"pegaflow-ns-tag" + name.encode()).hexdigest()[:12]
+
+
 @dataclass(slots=True)
 class Namespace:
-    name: str
+    name: str  # never shown: clients see the tag (see namespace_tag)
     id: int
     tp_size: int  # shards per block: the TP size, or 1 for replicated KV (MLA)
     num_layers: int
@@ -108,6 +116,10 @@ class Namespace:
     @property
     def slot_class(self) -> tuple[int, int]:
         return (self.slot_bytes, self.slot_skew)
+
+    @property
+    def tag(self) -> str:
+        return namespace_tag(self.name)
 
 
 @dataclass(slots=True)
@@ -218,6 +230,11 @@ def _check_cuda(cuda: CudaExport, regions: int) -> None:
 class Registry:
     """Namespaces, instances and their workers; all calls from one thread."""
 
+    # The last namespace id handed out. Ids are never reused, not even after a
+    # namespace is released: block keys, leases and hit-rate state carry the id,
+    # and a reused one would alias a freed namespace's keys with a new one's.
+    _last_namespace_id = 0
+
     def __init__(
         self,
         copiers: dict[RegionKind, CopyEngine],
@@ -285,7 +302,7 @@ class Registry:
             spec.instance_id,
             spec.tp_rank,
             spec.tp_size,
-            ns.name,
+            ns.tag,
             geometry.num_layers,
             geometry.slot_bytes,
             ", replicated" if spec.replicated else "",
@@ -328,9 +345,10 @@ class Registry:
     def _namespace_for(self, spec: RegisterSpec, geometry: KVGeometry) -> Namespace:
         ns = self.namespaces.get(spec.namespace)
         if ns is None:
+            self._last_namespace_id += 1
             ns = Namespace(
                 spec.namespace,
-                len(self.namespaces) + 1,
+                self._last_namespace_id,
                 spec.shards,
                 geometry.num_layers,
                 geometry.slot_bytes,
@@ -339,21 +357,34 @@ class Registry:
             )
             self.namespaces[spec.namespace] = ns
             return ns
+        # Neither the name nor the other engine's geometry goes back: only
+        # what this request itself said.
         if ns.tp_size != spec.shards:
-            what = f"tp_size: {spec.tp_size}"
+            what = f"tp_size: {spec.tp_size} shard(s)"
             if spec.replicated:
                 what = "replicated: 1 shard"
             raise InvalidRequest(
-                f"{what} per block, but namespace {spec.namespace!r} stores "
-                f"{ns.tp_size} shard(s) per block"
+                f"{what} per block differs from this namespace's (registered by "
+                "another engine)"
             )
         if ns.signature != geometry.signature():
             raise InvalidRequest(
-                f"layers: page geometry differs from namespace {spec.namespace!r} "
-                f"({geometry.num_layers} layers, {geometry.slot_bytes} B/block vs "
-                f"{ns.num_layers} layers, {ns.slot_bytes} B/block)"
+                "layers: page geometry differs from this namespace's (registered "
+                f"by another engine); this request has {geometry.num_layers} "
+                f"layers, {geometry.slot_bytes} B/block"
             )
         return ns
+
+    def release_namespace(self, ns: Namespace) -> bool:
+        """Forget ns if no registered worker uses it; False if one does (or ns
+        is no longer the namespace of its name). The caller checks that no
+        block or lease of it is left: those are the engine's."""
+        if self.namespaces.get(ns.name) is not ns:
+            return False
+        if any(i.workers and i.namespace is ns for i in self.instances.values()):
+            return False
+        del self.namespaces[ns.name]
+        return True
 
     def _instance_for(self, spec: RegisterSpec, ns: Namespace) -> Instance:
         inst = self.instances.get(spec.instance_id)

@@ -75,6 +75,11 @@ class LeaseTable:
             )
         self._store.unpin_lease(lease.id, lease.entries)
 
+    def held_in(self, namespace_id: int) -> bool:
+        """Whether a lease pins blocks of the namespace (a scan: asked only
+        when a namespace might be freed)."""
+        return any(le.namespace_id == namespace_id for le in self._leases.values())
+
     def release_owned_by(self, owner: str) -> int:
         owned = [lid for lid, lease in self._leases.items() if lease.owner == owner]
         for lid in owned:

@@ -142,7 +142,7 @@ class RecordingPolicy:
 
 @dataclass(frozen=True, slots=True)
 class NamespaceStats:
-    name: str
+    tag: str  # pegaflow.instances.namespace_tag: never the namespace's name
     hits: dict[str, int]  # by tier
     misses: dict[str, int]  # by cause
     resident_misses: int
@@ -160,7 +160,7 @@ class NamespaceStats:
             for label, w in self.windows.items()
         }
         return {
-            "name": self.name,
+            "tag": self.tag,
             "hits": self.hits,
             "misses": self.misses,
             "resident_misses": self.resident_misses,
@@ -170,7 +170,7 @@ class NamespaceStats:
 
 @dataclass(slots=True)
 class _Namespace:
-    name: str
+    tag: str
     windows: WindowSet
     hits: np.ndarray = field(default_factory=lambda: np.zeros(3, np.int64))
     causes: np.ndarray = field(default_factory=lambda: np.zeros(4, np.int64))
@@ -267,7 +267,7 @@ class HitRateTracker:
             state = self._namespaces.get(ns_id)
             if state is None:
                 windows = WindowSet(self.config.windows_s, self.config.bucket_bits)
-                state = self._namespaces[ns_id] = _Namespace(events[0][0].name, windows)
+                state = self._namespaces[ns_id] = _Namespace(events[0][0].tag, windows)
             h64 = self._hash64(events)
             hits = sum(e[2] for e in events)
             state.windows.add(h64, hits, now)
@@ -332,7 +332,7 @@ class HitRateTracker:
         labels = self.config.labels
         return [
             NamespaceStats(
-                s.name,
+                s.tag,
                 dict(zip(HIT_TIERS, s.hits.tolist(), strict=True)),
                 dict(zip(CAUSES, s.causes.tolist(), strict=True)),
                 s.resident,
@@ -340,6 +340,17 @@ class HitRateTracker:
             )
             for s in self._namespaces.values()
         ]
+
+    def forget(self, ns_id: int) -> None:
+        """Drop a namespace's counters and windows (it was freed, or idle past
+        the bound). Its logged queries are replayed first, so none of them
+        brings the state back; a namespace that returns starts from zero."""
+        if self._log:
+            self.flush()
+        self._namespaces.pop(ns_id, None)
+
+    def __contains__(self, ns_id: int) -> bool:
+        return ns_id in self._namespaces
 
     @property
     def nbytes(self) -> int:

@@ -72,6 +72,11 @@ class SsdLink:
             self._namespaces[ns_id] = got
         return got
 
+    def forget(self, ns_id: int) -> None:
+        """Drop a namespace's cached mapping (it was freed): its blocks stay
+        on disk under the digest, found again when the name comes back."""
+        self._namespaces.pop(ns_id, None)
+
     # -- spill ------------------------------------------------------------------
     def spill(self, key: Key, slots: np.ndarray) -> bool:
         digest, slot_bytes = self._namespace(key[0])

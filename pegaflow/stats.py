@@ -114,6 +114,8 @@ class HitRateCollector:
 
 
 def families(stats: Stats) -> Iterator[Metric]:
+    """A namespace's series are labelled with its tag, never its name, and
+    exist while the namespace has hit-rate state: a freed one's stop."""
     ns_label, win_label = ["namespace"], ["namespace", "window"]
     blocks = CounterMetricFamily(
         "pegaflow_query_blocks",
@@ -140,7 +142,7 @@ def families(stats: Stats) -> Iterator[Metric]:
         )
     }
     for ns in stats["namespaces"]:
-        name = ns["name"]
+        name = ns["tag"]
         for tier in HIT_TIERS:
             blocks.add_metric([name, tier], ns["hits"][tier])
         blocks.add_metric([name, "miss"], sum(ns["misses"].values()))

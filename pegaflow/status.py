@@ -103,7 +103,7 @@ def _header(stats: Stats, http_addr: str) -> list[str]:
 def _namespace(ns: Stats) -> list[str]:
     lines = []
     for i, (window, w) in enumerate(ns["windows"].items()):
-        name = ns["name"][:20] if i == 0 else ""
+        name = ns["tag"] if i == 0 else ""
         gap = 100 * (w["ceiling"] - w["hit_rate"])
         lines.append(
             f"{name:<20} {window:>6} {w['requests']:>12,} {_pct(w['hit_rate']):>9}"
@@ -126,7 +126,7 @@ def render(stats: Stats, http_addr: str) -> str:
     lines = _header(stats, http_addr)
     lines += [
         "",
-        f"{'namespace':<20} {'window':>6} {'blocks':>12} {'hit rate':>9}"
+        f"{'namespace tag':<20} {'window':>6} {'blocks':>12} {'hit rate':>9}"
         f" {'ceiling':>9} {'gap pt':>7}",
     ]
     namespaces = stats["namespaces"]

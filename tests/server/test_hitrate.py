@@ -12,6 +12,7 @@ import pytest
 
 from pegaflow.cli import build_parser, config_from_args
 from pegaflow.client import PegaflowClient
+from pegaflow.instances import namespace_tag
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import ROOT, ServerProc, _env
 
@@ -66,12 +67,13 @@ def test_miss_causes_add_up_beside_the_ceiling(
         hit = server.metric("pegaflow_query_hit_blocks_total")
         miss = server.metric("pegaflow_query_miss_blocks_total")
         assert (hit, miss) == (64, 128)
-        tier = 'namespace="model-a",tier="{}"'.format
+        tag = namespace_tag("model-a")  # the label: never the name itself
+        tier = f'namespace="{tag}",tier="{{}}"'.format
         assert server.metric("pegaflow_query_blocks_total", tier("ram")) == 64
         assert server.metric("pegaflow_query_blocks_total", tier("miss")) == 128
         for t in ("ssd", "remote"):  # exported, zero until those tiers exist
             assert f'tier="{t}"' in server.get("/metrics")[1].decode()
-        win = 'namespace="model-a",window="1m"'
+        win = f'namespace="{tag}",window="1m"'
         assert server.metric("pegaflow_window_query_blocks", win) == 192
         assert server.metric("pegaflow_hit_rate", win) == pytest.approx(1 / 3)
         # 192 queried, 64 distinct: r* = 2/3, the measured gap is capacity's
@@ -81,9 +83,11 @@ def test_miss_causes_add_up_beside_the_ceiling(
 
         status = _status(server)
         assert status.returncode == 0, status.stderr
-        assert "model-a" in status.stdout and "capacity 50.0%" in status.stdout
+        assert tag in status.stdout and "capacity 50.0%" in status.stdout
+        assert "model-a" not in status.stdout
         stats = json.loads(_status(server, "--json").stdout)
         (ns,) = stats["namespaces"]
+        assert ns["tag"] == tag and "name" not in ns
         assert ns["misses"]["capacity"] == 64 and ns["hits"]["ram"] == 64
         assert list(ns["windows"]) == ["1m", "1h"]
 
