@@ -10,6 +10,7 @@ import numpy as np
 
 from pegaflow.config import EngineConfig, PoolConfig
 from pegaflow.engine import Engine
+from pegaflow.identity import CallContext, Caller
 from pegaflow.instances import RegisterSpec
 from pegaflow.layout import LayerLayout, Segment, Transfers
 from pegaflow.pool import HostPool
@@ -28,7 +29,13 @@ class CountingCopier:
     def open(self, pid: int, regions: list, cuda: object = None) -> object:
         return object()
 
-    def gather(self, handle: object, t: Transfers, wait_event: int = 0) -> None:
+    def gather(
+        self,
+        handle: object,
+        t: Transfers,
+        wait_event: int = 0,
+        deadline: float | None = None,
+    ) -> None:
         with self.lock:
             self.running += 1
             self.calls += 1
@@ -37,7 +44,9 @@ class CountingCopier:
         with self.lock:
             self.running -= 1
 
-    def scatter(self, handle: object, t: Transfers) -> None:
+    def scatter(
+        self, handle: object, t: Transfers, deadline: float | None = None
+    ) -> None:
         raise AssertionError("not used")
 
     def close(self, handle: object) -> None:
@@ -67,14 +76,15 @@ def test_large_saves_copy_one_at_a_time() -> None:
     )
 
     async def scenario() -> None:
-        engine.register(spec)
+        init = Caller("unix", 1, 0)  # the engine: pid 1 runs as root everywhere
+        ctx = CallContext(init, engine.register(spec, init).owner_token)
         ids = np.arange(2)
         first = asyncio.create_task(
-            engine.save("i", 0, ids, [b"a" * 32, b"b" * 32], None)
+            engine.save("i", 0, ids, [b"a" * 32, b"b" * 32], None, 0, ctx)
         )
         await _until(lambda: copier.calls == 1)
         second = asyncio.create_task(
-            engine.save("i", 0, ids, [b"c" * 32, b"d" * 32], None)
+            engine.save("i", 0, ids, [b"c" * 32, b"d" * 32], None, 0, ctx)
         )
         await _until(lambda: engine.gate.waiting == 1)
         assert copier.calls == 1  # the second has not started its copy
