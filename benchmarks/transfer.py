@@ -230,14 +230,16 @@ def latency(eng: Engine, reps: int = 200) -> dict:
 
 
 def concurrent(addr: str, eng: Engine, n: int, seconds: float = 2.0) -> dict:
-    """Saves and loads of n blocks at once, from two threads, two channels."""
+    """Saves and loads of n blocks at once, from two threads: one client, whose
+    socket has a connection per thread (a second client could not load for
+    this engine: only its registration's owner may)."""
     src, dst = eng.ids(n, False)
     kept = [secrets.token_bytes(32) for _ in range(n)]
     eng.save(src, kept)
     nbytes = n * eng.layers * eng.page
     done = {"save": 0, "load": 0}
     stop = time.perf_counter() + seconds
-    loader = PegaflowClient(addr, timeout_s=300)
+    loader = eng.client
 
     def loads() -> None:
         while time.perf_counter() < stop:
@@ -253,7 +255,6 @@ def concurrent(addr: str, eng: Engine, n: int, seconds: float = 2.0) -> dict:
         done["save"] += 1
     thread.join()
     wall = time.perf_counter() - start
-    loader.close()
     return {
         "both_N": n,
         "both_save_GBps": round(done["save"] * nbytes / wall / 1e9, 1),

@@ -70,6 +70,7 @@ logger = logging.getLogger(__name__)
 # milliseconds, so this only bounds what slow or stuck senders can pin.
 RECEIVE_BUDGET = 128 << 20
 MAX_CONNECTIONS = 1024
+REFUSED_LINGER_S = 2.0  # a refused connection drains this long, then closes
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,7 @@ class _FastProtocol(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._caller = Caller("unix")
         self._greeted = False
+        self._discard = False  # refused: the rest of the input is dropped
         self._queued: deque[bytes] = deque()
         self._task: asyncio.Task | None = None
         self._eof = False
@@ -129,8 +131,16 @@ class _FastProtocol(asyncio.Protocol):
         self._charge(0)
 
     def _refuse(self, exc: PegaflowError) -> None:
+        """Answer with the error and stop. Whatever the peer still sends is
+        read and dropped for a moment: closing with unread bytes would reset
+        the connection and lose the error before the peer read it."""
+        self._discard = True
+        self._buf.clear()
+        self._charge(0)
         self._transport.write(error_reply(exc))
-        self._transport.close()
+        if self._transport.can_write_eof():
+            self._transport.write_eof()
+        asyncio.get_running_loop().call_later(REFUSED_LINGER_S, self._transport.close)
 
     def _charge(self, size: int) -> None:
         """Charge the shared budget for `size` bytes of partial frame."""
@@ -138,6 +148,8 @@ class _FastProtocol(asyncio.Protocol):
         self._counted = size
 
     def data_received(self, data: bytes) -> None:
+        if self._discard:
+            return
         buf = self._buf
         buf += data  # amortised O(len(data)); frames are cut from the front
         at = 0
@@ -172,7 +184,7 @@ class _FastProtocol(asyncio.Protocol):
         return self._task is not None  # True keeps the transport open for now
 
     def _dispatch(self, body: bytes) -> None:
-        if self._transport.is_closing():
+        if self._discard or self._transport.is_closing():
             return
         if not self._greeted:
             self._hello(body)
@@ -207,7 +219,7 @@ class _FastProtocol(asyncio.Protocol):
             while self._queued:
                 reply = await self._answer(self._queued[0])
                 self._queued.popleft()
-                if not self._transport.is_closing():
+                if not (self._discard or self._transport.is_closing()):
                     self._transport.write(reply)
         finally:
             self._task = None

@@ -34,7 +34,7 @@ base() {
   echo "$want" > "$stamp"
 }
 
-# vLLM 0.33 without its CUDA stack (../shared/VLLM.md, "lean CPU install"): the
+# vLLM 0.33 without its CUDA stack ("lean CPU install"): the
 # wheel without dependencies, then its pure-Python requirements
 # (requirements/vllm-0.33-lean.txt). Enough for the real Scheduler on CPU.
 # pip reports that vllm wants torch 2.14.0 and its CUDA kernels, and that
