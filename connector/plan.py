@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-BlockHash = bytes
+from pegaflow.keys import BlockHash
+
 ReqId = str
 
 

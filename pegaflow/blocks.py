@@ -18,14 +18,13 @@ from operator import attrgetter
 import numpy as np
 
 from pegaflow.instances import Namespace
+from pegaflow.keys import BlockHash, Key, PackedHashes
 from pegaflow.policy import EvictionPolicy
 from pegaflow.pool import SlabAllocator, SlotClass
-from pegaflow.ready_index import PackedHashes, ReadyIndex
+from pegaflow.ready_index import ReadyIndex
 
 logger = logging.getLogger(__name__)
 
-BlockHash = bytes
-Key = tuple[int, BlockHash]
 # Eviction hook (the SSD tier): True when it took the slots; it frees them later.
 Spill = Callable[[Key, np.ndarray], bool]
 # Called when a namespace's last entry (ready, in flight or pinned) goes.

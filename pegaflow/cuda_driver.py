@@ -18,11 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pegaflow.errors import CopyFailed
+from pegaflow.keys import IPC_HANDLE_BYTES
 
 logger = logging.getLogger(__name__)
 
-IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t
-UUID_BYTES = 16
 REGISTER_CHUNK = 64 << 30  # cudaHostRegister is refused (or slow) past this
 _VMM_HINT = (
     "memory from the CUDA VMM API (PyTorch expandable_segments, vLLM sleep mode) "

@@ -19,7 +19,7 @@ from operator import attrgetter
 import numpy as np
 
 from pegaflow import deadlines
-from pegaflow.blocks import BlockEntry, BlockHash, BlockStore
+from pegaflow.blocks import BlockEntry, BlockStore
 from pegaflow.config import EngineConfig
 from pegaflow.errors import (
     DeadlineExceeded,
@@ -27,10 +27,10 @@ from pegaflow.errors import (
     LeaseNotFound,
     PermissionDenied,
 )
-from pegaflow.frames import LoadSpec
 from pegaflow.gds import SsdTier
 from pegaflow.identity import UNKNOWN, CallContext, Caller
 from pegaflow.instances import CopyEngine, RegionKind, RegisterSpec, Registry, Worker
+from pegaflow.keys import MAX_HASH_BYTES, BlockHash, LoadSpec, PackedHashes
 from pegaflow.layout import Transfers, check_block_ids
 from pegaflow.leases import Lease, LeaseTable
 from pegaflow.limits import LargeRequestGate, RequestCaps
@@ -39,13 +39,11 @@ from pegaflow.misses import HitRateTracker, RecordingPolicy
 from pegaflow.namespaces import NamespaceReaper
 from pegaflow.policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
 from pegaflow.pool import HostPool
-from pegaflow.ready_index import PackedHashes
 from pegaflow.results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
 from pegaflow.ssd import SsdLink
 
 logger = logging.getLogger(__name__)
 
-MAX_HASH_BYTES = 64
 _SLOTS = attrgetter("slots")
 
 

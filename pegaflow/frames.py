@@ -39,12 +39,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from pegaflow.errors import InvalidRequest, PegaflowError
-from pegaflow.ready_index import PackedHashes
+from pegaflow.keys import LoadSpec, PackedHashes
 
 PROTOCOL_VERSION = 2  # 1: no hello, no deadlines, no tokens, no register
 HELLO, QUERY, SAVE, LOAD, REGISTER = 0, 1, 2, 3, 4
 KINDS = (QUERY, SAVE, LOAD, REGISTER)  # after the hello
-TOKEN_BYTES = 16
 HELLO_HEADER = struct.Struct("<BBH")
 HELLO_REPLY = struct.Struct("<BH16s")
 QUERY_HEADER = struct.Struct("<BBHIQ")
@@ -57,8 +56,6 @@ LOAD_HEADER = struct.Struct("<BBHIIQQ16s")
 LOAD_REPLY = struct.Struct("<BIQI")
 LOAD_ITEM = np.dtype([("lease_id", "<u8"), ("lease_offset", "<u4"), ("count", "<u4")])
 LOAD_ITEM_REPLY = np.dtype([("loaded", "<u4"), ("bytes", "<u8"), ("error_len", "<u4")])
-# One item of a Load: (lease id, first leased block, destination block ids).
-LoadSpec = tuple[int, int, np.ndarray]
 # Not a grpc.StatusCode value (those stop at 16): the query's answer is `loading`.
 LOADING = 255
 # The largest legitimate body: a save of 65536 blocks with 64-byte hashes is

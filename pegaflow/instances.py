@@ -28,6 +28,7 @@ from pegaflow.errors import (
 )
 from pegaflow.hostcopy import LayerSignals
 from pegaflow.identity import UNKNOWN, Caller, check_host_memory_owner
+from pegaflow.keys import IPC_HANDLE_BYTES, TOKEN_BYTES, UUID_BYTES
 from pegaflow.layout import KVGeometry, LayerLayout, validate_layers
 
 logger = logging.getLogger(__name__)
@@ -37,9 +38,6 @@ MAX_ID_LEN = 256
 MAX_TP = 1024
 MAX_REGIONS = 64
 MAX_EVENTS = 64
-IPC_HANDLE_BYTES = 64
-UUID_BYTES = 16
-TOKEN_BYTES = 16
 _DEVICE_RE = re.compile(r"^(cpu|cuda:\d{1,3})$")
 
 

@@ -30,8 +30,8 @@ import numpy as np
 from pegaflow.config import HitRateConfig
 from pegaflow.hll import WindowSet, WindowStats, hash64, hash64_batches, splitmix64
 from pegaflow.instances import Namespace
+from pegaflow.keys import Key, PackedHashes
 from pegaflow.policy import EvictionPolicy, Protected
-from pegaflow.ready_index import PackedHashes
 
 Cause = Literal["compulsory", "capacity", "admission", "remote"]
 CAUSES: tuple[Cause, ...] = ("compulsory", "capacity", "admission", "remote")
@@ -40,7 +40,6 @@ HIT_TIERS = ("ram", "ssd", "remote")
 # (namespace id, missed block hashes) -> bool mask: which ones a peer holds. It is
 # asked at flush time (<= ~1 s after the query), off the query path.
 RemoteProbe = Callable[[int, list[bytes]], np.ndarray]
-Key = tuple[int, bytes]
 # Logged hashes before a flush is scheduled: ~0.5 ms of loop time on the dev VM,
 # so no query waits long behind one.
 _MAX_PENDING = 1 << 14

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
-Key = Hashable
+Key = Hashable  # any hashable: the store passes pegaflow.keys.Key
 Protected = Callable[[Key], bool]
 
 _MASK64 = (1 << 64) - 1

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pegaflow.hll import hash64, packed_hash64
+from pegaflow.hll import hash64
+from pegaflow.keys import PackedHashes
 
 if TYPE_CHECKING:
     from pegaflow.blocks import BlockEntry
@@ -58,53 +59,6 @@ def _words(tails: np.ndarray) -> np.ndarray:
     padded = np.zeros((n, -(-size // 8) * 8), np.uint8)
     padded[:, :size] = tails
     return padded.view("<u8")
-
-
-class PackedHashes:
-    """count hashes of hash_len bytes each, back to back in buf from offset: a
-    query as it came off the wire, with no Python object per hash until one is
-    asked for (list() on a miss path)."""
-
-    __slots__ = ("buf", "offset", "hash_len", "count", "_h64", "_list")
-
-    def __init__(self, buf: bytes, hash_len: int, count: int, offset: int = 0) -> None:
-        # hash_len is checked by the engine (pegaflow.engine.check_hashes).
-        if offset + hash_len * count > len(buf):
-            raise ValueError(f"{count} hashes of {hash_len} bytes overrun the buffer")
-        self.buf, self.offset, self.hash_len, self.count = buf, offset, hash_len, count
-        self._h64: np.ndarray | None = None
-        self._list: list[bytes] | None = None
-
-    @classmethod
-    def pack(cls, hashes: list[bytes], hash_len: int) -> PackedHashes:
-        """hashes must all be hash_len bytes long."""
-        packed = cls(b"".join(hashes), hash_len, len(hashes))
-        packed._list = hashes
-        return packed
-
-    def __len__(self) -> int:
-        return self.count
-
-    @property
-    def h64(self) -> np.ndarray:
-        """pegaflow.hll.hash64 of every hash (computed once, shared by the
-        index probe and the miss breakdown)."""
-        if self._h64 is None:
-            self._h64 = packed_hash64(self.buf, self.offset, self.hash_len, self.count)
-        return self._h64
-
-    def matrix(self) -> np.ndarray:
-        """(count, hash_len) uint8 view of the hashes."""
-        return np.frombuffer(
-            self.buf, np.uint8, self.hash_len * self.count, self.offset
-        ).reshape(self.count, self.hash_len)
-
-    def list(self) -> list[bytes]:
-        if self._list is None:
-            self._list = np.frombuffer(
-                self.buf, f"V{self.hash_len}", self.count, self.offset
-            ).tolist()
-        return self._list
 
 
 class HashTable:

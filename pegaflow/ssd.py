@@ -27,9 +27,10 @@ import logging
 
 import numpy as np
 
-from pegaflow.blocks import BlockEntry, BlockHash, BlockStore, Key
+from pegaflow.blocks import BlockEntry, BlockStore
 from pegaflow.gds import LoadResult, SsdTier, namespace_digest
 from pegaflow.instances import Namespace, Registry
+from pegaflow.keys import BlockHash, Key
 from pegaflow.metrics import Metrics
 
 logger = logging.getLogger(__name__)

@@ -8,10 +8,11 @@ import pytest
 from pegaflow import ready_index
 from pegaflow.blocks import BlockStore
 from pegaflow.instances import Namespace
+from pegaflow.keys import PackedHashes
 from pegaflow.leases import LeaseTable
 from pegaflow.policy import AdmissionPolicy, LRUPolicy, TinyLFU
 from pegaflow.pool import SlabAllocator
-from pegaflow.ready_index import DICT_BELOW, PackedHashes
+from pegaflow.ready_index import DICT_BELOW
 
 SLOT = 4096
 

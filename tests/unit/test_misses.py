@@ -11,10 +11,10 @@ from pegaflow import ready_index
 from pegaflow.blocks import BlockStore
 from pegaflow.config import HitRateConfig
 from pegaflow.instances import Namespace
+from pegaflow.keys import PackedHashes
 from pegaflow.misses import GhostTable, HitRateTracker, NamespaceStats, RecordingPolicy
 from pegaflow.policy import AdmissionPolicy, LRUPolicy, TinyLFU
 from pegaflow.pool import SlabAllocator
-from pegaflow.ready_index import PackedHashes
 
 SLOT = 4096
 
