@@ -116,7 +116,7 @@ def bench_queries(
     rows = []
     with PegaflowClient(addr, timeout_s=30) as fast, PegaflowClient(addr) as slow:
         fast.register_host("q", "bench-query", os.getpid(), mem.regions, mem.layers)
-        slow._fast_path = ""  # this client always takes gRPC
+        slow.disable_socket()  # this client always takes gRPC
         hashes = [secrets.token_bytes(32) for _ in range(blocks)]
         fast.save("q", np.arange(blocks), hashes)
         p50, p99 = _latency_ms(slow.health, reps)

@@ -44,12 +44,12 @@ SUMS = {
     "save_copy": ('pegaflow_transfer_seconds_sum{direction="save"}',),
     "load_copy": ('pegaflow_transfer_seconds_sum{direction="load"}',),
     "save_rpc": (
-        'pegaflow_rpc_seconds_sum{code="OK",method="Save"}',
-        'pegaflow_rpc_seconds_sum{code="OK",method="Save/unix"}',
+        'pegaflow_rpc_seconds_sum{code="OK",method="Save",transport="grpc"}',
+        'pegaflow_rpc_seconds_sum{code="OK",method="Save",transport="unix"}',
     ),
     "load_rpc": (
-        'pegaflow_rpc_seconds_sum{code="OK",method="Load"}',
-        'pegaflow_rpc_seconds_sum{code="OK",method="Load/unix"}',
+        'pegaflow_rpc_seconds_sum{code="OK",method="Load",transport="grpc"}',
+        'pegaflow_rpc_seconds_sum{code="OK",method="Load",transport="unix"}',
     ),
 }
 

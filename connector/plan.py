@@ -78,10 +78,10 @@ class WorkerReport:
     saves_done: dict[ReqId, int] = field(default_factory=dict)
     # After a (re-)registration: the server's query socket, so the scheduler's
     # queries skip gRPC (only RegisterInstance names it).
-    query_socket: str = ""
+    socket_path: str = ""  # the server's unix socket, once a worker learnt it
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         merged = dict(self.saves_done)
         for req_id, n in other.saves_done.items():
             merged[req_id] = merged.get(req_id, 0) + n
-        return WorkerReport(merged, self.query_socket or other.query_socket)
+        return WorkerReport(merged, self.socket_path or other.socket_path)

@@ -47,7 +47,7 @@ class Registrar:
         self.replicated = False  # every rank holds the same KV (MLA)
         self.registered = False
         self.slot_bytes = 0
-        self.new_query_socket = ""
+        self.new_socket_path = ""
         # Per-layer load progress the server writes (layer-wise sync loads).
         self.layer_signals = np.zeros(0, np.uint64)
         self.layer_index: dict[str, int] = {}
@@ -143,7 +143,7 @@ class Registrar:
             )
             return False
         self.slot_bytes = reg.slot_bytes
-        self.new_query_socket = reg.query_socket  # for the scheduler, once
+        self.new_socket_path = reg.socket_path  # for the scheduler, once
         self.registered = True
         logger.info("pegaflow: registered %s rank %d", self.instance_id, self.tp_rank)
         return True

@@ -196,8 +196,8 @@ class SchedulerHalf:
             st.pending += self.num_workers
 
     def on_worker_report(self, report: WorkerReport) -> None:
-        if report.query_socket:
-            self.client.use_query_socket(report.query_socket)
+        if report.socket_path:  # a worker reached the server's socket
+            self.client.use_socket()
         for rid, n in report.saves_done.items():
             st = self._reqs.get(rid)
             if st is None:

@@ -183,8 +183,8 @@ class WorkerHalf:
         return errors
 
     def take_report(self) -> WorkerReport | None:
-        socket, self.registrar.new_query_socket = self.registrar.new_query_socket, ""
-        self._report.query_socket = socket
+        socket, self.registrar.new_socket_path = self.registrar.new_socket_path, ""
+        self._report.socket_path = socket
         if not (self._report.saves_done or socket):
             return None
         report, self._report = self._report, WorkerReport()

@@ -189,10 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
         "hit-rate state; past it the longest idle loses it (default: %(default)s)",
     )
     p.add_argument(
-        "--query-socket",
+        "--socket",
+        "--query-socket",  # its name before it carried more than queries
+        dest="socket",
         default="auto",
-        help="unix socket for fast prefix queries: a path, 'auto' "
-        "(temp dir, per server) or 'off' (default: auto)",
+        help="the server's unix socket (registrations, queries, saves, loads; "
+        "host engines must register over it): a path, 'auto' (temp dir, per "
+        "server) or 'off' (default: auto). --query-socket is the old name",
     )
     p.add_argument(
         "--allow-tcp-host-engines",
@@ -299,7 +302,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         addr=args.addr,
         http_addr=None if args.no_http else args.http_addr,
-        query_socket=None if args.query_socket == "off" else args.query_socket,
+        socket=None if args.socket == "off" else args.socket,
         log_level=args.log_level,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         pool=PoolConfig(**pool_kwargs),

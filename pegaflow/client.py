@@ -1,41 +1,39 @@
 """Engine-side client: every call carries a deadline; failures raise the typed
-exceptions of pegaflow.errors. Light on purpose: grpcio, protobuf, numpy."""
+exceptions of pegaflow.errors. Light on purpose: grpcio, protobuf, numpy.
+
+Requests go over the server's unix socket when it is reachable and belongs to
+the server asked (pegaflow.socket_client), else over gRPC (pegaflow.transport);
+`_carry` is the one place that chooses and falls back.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import numpy as np
 
 from pegaflow import deadlines
 from pegaflow.errors import PegaflowError, from_status
-from pegaflow.fastpath import FastPathClient
-from pegaflow.frames import encode_load, encode_query, encode_register, encode_save
 from pegaflow.layout import LayerLayout
 from pegaflow.proto import pegaflow_pb2 as pb
-from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
-from pegaflow.results import (
-    LoadBatchResult,
-    LoadItemResult,
-    LoadResult,
-    QueryResult,
-    SaveResult,
-)
+from pegaflow.results import LoadBatchResult, LoadResult, QueryResult, SaveResult
+from pegaflow.session import Session
+from pegaflow.socket_client import SocketTransport
+from pegaflow.transport import GrpcTransport, LoadCall, QueryCall, SaveCall, Transport
 
 if TYPE_CHECKING:  # the client never imports CUDA code itself
     from pegaflow.cuda_export import CudaKVMemory
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 DEFAULT_ADDR = "127.0.0.1:50055"
 PR_SET_PTRACER = 0x59616D61
 # After a save's or load's deadline the client still waits this long for the
@@ -50,7 +48,7 @@ SOCKET_RETRY_S = 5.0  # after the socket failed, gRPC alone for this long
 class Registration:
     server_pid: int
     slot_bytes: int
-    query_socket: str = ""
+    socket_path: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,32 +81,16 @@ class PegaflowClient:
         self.addr = addr
         self.timeout_s = timeout_s
         self.copy_grace_s = copy_grace_s
-        self._channel = grpc.insecure_channel(
-            addr,
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-            ],
-        )
-        self._stub = pb_grpc.PegaFlowStub(self._channel)
-        self._fast: FastPathClient | None = None
-        self._fast_path = ""  # the server's socket, once known; "": gRPC only
+        self._grpc = GrpcTransport(addr, max_message_bytes)
+        self._socket: SocketTransport | None = None
+        self._socket_wanted = False  # a registration or use_socket() asked for it
         self._socket_off = False  # disable_socket(): gRPC for everything
         self._socket_retry_at = 0.0
         self._server: pb.ServerInfoResponse | None = None  # who the socket must be
         # Owner tokens of this client's registrations: (instance_id, tp_rank).
         self._tokens: dict[tuple[str, int], bytes] = {}
 
-    def _call(
-        self, method: str, request: object, timeout_s: float | None = None
-    ) -> object:
-        try:
-            return getattr(self._stub, method)(
-                request, timeout=timeout_s or self.timeout_s
-            )
-        except grpc.RpcError as exc:
-            raise from_status(exc.code(), exc.details() or "") from None
-
+    # -- registration -------------------------------------------------------
     def register_host(
         self,
         instance_id: str,
@@ -122,25 +104,20 @@ class PegaflowClient:
         replicated: bool = False,
         layer_signals: int = 0,
     ) -> Registration:
-        """Register KV memory in this host's CPU RAM (pid, address, size).
+        """Register KV memory of this process in host RAM (pid, address, size).
         replicated: every rank holds the same KV (MLA); blocks stored once.
         layer_signals: address of num_layers u64 words in this process for
         layer-wise loads (load(..., layer_seq=)); 0: none."""
-        req = pb.RegisterInstanceRequest(
-            instance_id=instance_id,
-            namespace=namespace,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            world_size=world_size or tp_size,
-            device="cpu",
-            regions=[
-                pb.MemoryRegion(host=pb.HostRegion(pid=pid, address=a, size=n))
-                for a, n in regions
-            ],
-            layers=[_layer_message(layer) for layer in layers],
-            replicated=replicated,
-            layer_signals=_signals_message(layer_signals),
+        req = _register_request(
+            instance_id, namespace, tp_rank, tp_size, world_size, replicated
         )
+        req.device = "cpu"
+        req.regions.extend(
+            pb.MemoryRegion(host=pb.HostRegion(pid=pid, address=a, size=n))
+            for a, n in regions
+        )
+        req.layers.extend(_layer_message(layer) for layer in layers)
+        _set_signals(req, layer_signals)
         return self._register(req)
 
     def register_cuda(
@@ -158,29 +135,21 @@ class PegaflowClient:
         """Register GPU KV memory: `kv` from pegaflow.cuda_export.export_kv, and
         the handles of its IpcEvents (saves then pass `wait_event`).
         layer_signals: as register_host's (host memory of this process)."""
-        req = pb.RegisterInstanceRequest(
-            instance_id=instance_id,
-            namespace=namespace,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            world_size=world_size or tp_size,
-            device=kv.device,
-            regions=[
-                pb.MemoryRegion(
-                    cuda=pb.CudaRegion(
-                        ipc_handle=r.ipc_handle,
-                        offset=r.offset,
-                        size=r.size,
-                        device_uuid=r.device_uuid,
-                    )
-                )
-                for r in kv.regions
-            ],
-            layers=[_layer_message(layer) for layer in kv.layers],
-            event_handles=list(event_handles),
-            replicated=replicated,
-            layer_signals=_signals_message(layer_signals),
+        req = _register_request(
+            instance_id, namespace, tp_rank, tp_size, world_size, replicated
         )
+        req.device = kv.device
+        for r in kv.regions:
+            cuda = pb.CudaRegion(
+                ipc_handle=r.ipc_handle,
+                offset=r.offset,
+                size=r.size,
+                device_uuid=r.device_uuid,
+            )
+            req.regions.append(pb.MemoryRegion(cuda=cuda))
+        req.layers.extend(_layer_message(layer) for layer in kv.layers)
+        req.event_handles.extend(event_handles)
+        _set_signals(req, layer_signals)
         return self._register(req)
 
     def _register(self, req: pb.RegisterInstanceRequest) -> Registration:
@@ -194,36 +163,23 @@ class PegaflowClient:
             allow_ptrace_from(info.server_pid)
         key = (req.instance_id, req.tp_rank)
         req.owner_token = self._tokens.get(key, b"")
-        resp = None
-        fast = self._fast_client()
-        if fast is not None:
-            frame = encode_register(
-                req.SerializeToString(), deadlines.to_wire(self.timeout_s)
-            )
-            raw = self._fast_call(fast.register, frame, self.timeout_s)
-            if raw is not None:
-                resp = pb.RegisterInstanceResponse.FromString(raw)
-        if resp is None:
-            resp = self._call("RegisterInstance", req)
+        self._socket_wanted = True
+        deadline_ns = deadlines.to_wire(self.timeout_s)
+        resp = self._carry(lambda t: t.register(req, deadline_ns, self.timeout_s))
         self._tokens[key] = resp.owner_token
-        return Registration(resp.server_pid, resp.slot_bytes, resp.query_socket)
+        return Registration(resp.server_pid, resp.slot_bytes, info.socket_path)
 
     def _server_info(self) -> pb.ServerInfoResponse:
-        info = self._call("ServerInfo", pb.ServerInfoRequest())
+        info = self._grpc.call("ServerInfo", pb.ServerInfoRequest(), self.timeout_s)
         if self._server is None or info.server_id != self._server.server_id:
-            self._drop_fast_path()  # a restarted server: another socket
-        if self._fast is None:
-            self._fast_path = "" if self._socket_off else info.socket_path
+            self._drop_socket()  # a restarted server: another socket
         self._server = info
         return info
 
     def _token(self, instance_id: str, tp_rank: int) -> bytes:
         return self._tokens.get((instance_id, tp_rank), b"")
 
-    def _copy_wait_s(self) -> float:
-        """How long a save or load waits for the answer: see COPY_GRACE_S."""
-        return self.timeout_s + self.copy_grace_s
-
+    # -- data path ----------------------------------------------------------
     def save(
         self,
         instance_id: str,
@@ -235,41 +191,19 @@ class PegaflowClient:
     ) -> SaveResult:
         """wait_event: GPU workers, IpcEvents.record()'s value: the server's copy
         waits on the GPU for that event instead of the engine syncing first.
-        Over the server's unix socket when it has one (a save is idempotent:
-        after a broken connection, gRPC repeats it)."""
-        token = self._token(instance_id, tp_rank)
-        deadline_ns = deadlines.to_wire(self.timeout_s)
-        fast = self._fast_client()
-        if fast is not None:
-            frame = encode_save(
-                instance_id,
-                tp_rank,
-                block_ids,
-                list(block_hashes),
-                layer_ids or (),
-                wait_event,
-                deadline_ns,
-                token,
-            )
-            if frame is not None:
-                res = self._fast_call(fast.save, frame, self._copy_wait_s())
-                if res is not None:
-                    return SaveResult(*res)
-        resp = self._call(
-            "Save",
-            pb.SaveRequest(
-                instance_id=instance_id,
-                tp_rank=tp_rank,
-                block_ids=np.asarray(block_ids, np.uint32).tolist(),
-                block_hashes=list(block_hashes),
-                layer_ids=list(layer_ids or ()),
-                wait_event=wait_event,
-                owner_token=token,
-                deadline_ns=deadlines.to_wire(self.timeout_s),
-            ),
-            self._copy_wait_s(),
+        A save is idempotent: after a broken socket, gRPC repeats it."""
+        call = SaveCall(
+            instance_id,
+            tp_rank,
+            np.asarray(block_ids),
+            list(block_hashes),
+            tuple(layer_ids or ()),
+            wait_event,
+            self._token(instance_id, tp_rank),
+            deadlines.to_wire(self.timeout_s),
+            self.timeout_s + self.copy_grace_s,
         )
-        return SaveResult(resp.stored, resp.deduplicated, resp.rejected)
+        return self._carry(lambda t: t.save(call))
 
     def query(
         self,
@@ -277,29 +211,16 @@ class PegaflowClient:
         block_hashes: Sequence[bytes],
         hash_len: int | None = None,
     ) -> QueryResult:
-        """Longest cached prefix; over the server's unix socket when it has one.
-        hash_len: every hash's length, when the caller knows them equal (vLLM's
-        are): the socket path then skips checking each one."""
-        fast = self._fast_client()
-        frame = None
-        if fast is not None:
-            deadline_ns = deadlines.to_wire(self.timeout_s)
-            frame = encode_query(instance_id, list(block_hashes), hash_len, deadline_ns)
-        if fast is not None and frame is not None:
-            res = self._fast_call(fast.query, frame, self.timeout_s)
-            if res is not None:
-                return QueryResult(*res)
-        resp = self._call(
-            "QueryPrefix",
-            pb.QueryPrefixRequest(
-                instance_id=instance_id, block_hashes=list(block_hashes)
-            ),
+        """Longest cached prefix. hash_len: every hash's length, when the caller
+        knows them equal (vLLM's are): the socket then skips checking each."""
+        call = QueryCall(
+            instance_id,
+            list(block_hashes),
+            hash_len,
+            deadlines.to_wire(self.timeout_s),
+            self.timeout_s,
         )
-        if resp.WhichOneof("result") == "loading":
-            return QueryResult(resp.loading.num_blocks, 0, loading=True)
-        return QueryResult(
-            resp.ready.num_blocks, resp.ready.lease_id, resp.ready.lease_ttl_s
-        )
+        return self._carry(lambda t: t.query(call))
 
     def load(
         self,
@@ -312,30 +233,9 @@ class PegaflowClient:
     ) -> LoadResult:
         """layer_seq != 0: the server copies layer by layer and writes it to
         this worker's layer signal word of each layer as that layer lands."""
-        fast = self._fast_load(
-            instance_id,
-            tp_rank,
-            [(lease_id, lease_offset, block_ids)],
-            False,
-            layer_seq,
-        )
-        if fast is not None:
-            return LoadResult(fast.loaded, fast.bytes)
-        resp = self._call(
-            "Load",
-            pb.LoadRequest(
-                instance_id=instance_id,
-                tp_rank=tp_rank,
-                lease_id=lease_id,
-                lease_offset=lease_offset,
-                block_ids=np.asarray(block_ids, np.uint32).tolist(),
-                layer_seq=layer_seq,
-                owner_token=self._token(instance_id, tp_rank),
-                deadline_ns=deadlines.to_wire(self.timeout_s),
-            ),
-            self._copy_wait_s(),
-        )
-        return LoadResult(resp.loaded, resp.bytes)
+        items = [(lease_id, lease_offset, np.asarray(block_ids))]
+        got = self._load(instance_id, tp_rank, items, False, layer_seq)
+        return LoadResult(got.loaded, got.bytes)
 
     def load_many(
         self,
@@ -344,143 +244,106 @@ class PegaflowClient:
         tp_rank: int = 0,
         layer_seq: int = 0,
     ) -> LoadBatchResult:
-        """Every item in one RPC and one copy on the server. A malformed item
-        fails the call (InvalidRequest naming items[i]); an item whose lease is
-        gone comes back with `error` set while the others load."""
-        specs = [(it.lease_id, it.lease_offset, it.block_ids) for it in items]
-        fast = self._fast_load(instance_id, tp_rank, specs, True, layer_seq)
-        if fast is not None:
-            return fast
-        resp = self._call(
-            "Load",
-            pb.LoadRequest(
-                instance_id=instance_id,
-                tp_rank=tp_rank,
-                items=[
-                    pb.LoadItem(
-                        lease_id=it.lease_id,
-                        lease_offset=it.lease_offset,
-                        block_ids=np.asarray(it.block_ids, np.uint32).tolist(),
-                    )
-                    for it in items
-                ],
-                layer_seq=layer_seq,
-                owner_token=self._token(instance_id, tp_rank),
-                deadline_ns=deadlines.to_wire(self.timeout_s),
-            ),
-            self._copy_wait_s(),
+        """Every item in one request and one copy on the server. A malformed
+        item fails the call (InvalidRequest naming items[i]); an item whose
+        lease is gone comes back with `error` set while the others load."""
+        specs = [
+            (it.lease_id, it.lease_offset, np.asarray(it.block_ids)) for it in items
+        ]
+        return self._load(instance_id, tp_rank, specs, True, layer_seq)
+
+    def _load(
+        self, instance_id: str, tp_rank: int, specs: list, batch: bool, seq: int
+    ) -> LoadBatchResult:
+        """After a broken socket gRPC repeats the load: its lease may be
+        consumed by then, and the error says so (vLLM recomputes those)."""
+        call = LoadCall(
+            instance_id,
+            tp_rank,
+            specs,
+            batch,
+            seq,
+            self._token(instance_id, tp_rank),
+            deadlines.to_wire(self.timeout_s),
+            self.timeout_s + self.copy_grace_s,
         )
-        results = tuple(LoadItemResult(r.loaded, r.bytes, r.error) for r in resp.items)
-        if len(results) != len(items):  # a server without batched loads
-            raise PegaflowError(
-                f"Load: {len(results)} item results for {len(items)} items"
-            )
-        return LoadBatchResult(resp.loaded, resp.bytes, results)
+        return self._carry(lambda t: t.load(call))
 
-    def _fast_load(
-        self,
-        instance_id: str,
-        tp_rank: int,
-        specs: list,
-        batch: bool,
-        layer_seq: int,
-    ) -> LoadBatchResult | None:
-        """Over the server's socket; None when gRPC must carry it. After a broken
-        connection gRPC repeats the load: its lease may be consumed by then, and
-        the error says so (vLLM recomputes those blocks)."""
-        fast = self._fast_client()
-        if fast is None:
-            return None
-        token = self._token(instance_id, tp_rank)
-        deadline_ns = deadlines.to_wire(self.timeout_s)
-        frame = encode_load(
-            instance_id, tp_rank, specs, batch, layer_seq, deadline_ns, token
-        )
-        res = None
-        if frame is not None:
-            res = self._fast_call(fast.load, frame, self._copy_wait_s())
-        if res is None:
-            return None
-        loaded, nbytes, items = res
-        if len(items) != len(specs):
-            raise PegaflowError(f"Load: {len(items)} item results for {len(specs)}")
-        return LoadBatchResult(
-            loaded, nbytes, tuple(LoadItemResult(*item) for item in items)
-        )
+    # -- choosing the transport ---------------------------------------------
+    def _carry(self, op: Callable[[Transport], T | None]) -> T:
+        """The socket first, when there is one; gRPC when it cannot carry the
+        request or broke. No answer in time is a failure, not a fallback."""
+        sock = self._socket_transport()
+        if sock is not None:
+            try:
+                got = op(sock)
+            except TimeoutError:  # no answer even after the grace
+                self._drop_socket()
+                raise from_status(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "no answer on the socket"
+                ) from None
+            except OSError as exc:  # server gone or restarted: gRPC decides
+                logger.debug("server socket failed (%s); using gRPC", exc)
+                self._drop_socket()
+            else:
+                if got is not None:
+                    return got
+        return op(self._grpc)
 
-    def use_query_socket(self, path: str) -> None:
-        """Send prefix queries over the server's unix socket from now on (gRPC
-        stays the fallback). For clients that never register, e.g. vLLM's
-        scheduler: its workers learn of the socket at registration and pass
-        the path on; the server's own ServerInfo answer says which to use."""
-        if path and not self._socket_off and self._fast is None:
-            self._fast_path = path
-            self._server = None  # ask the server on first use
-
-    def disable_socket(self) -> None:
-        """gRPC for every call from now on (registration of host memory
-        included, which the server refuses over TCP by default)."""
-        self._socket_off = True
-        self._drop_fast_path()
-        self._fast_path = ""
-
-    def _fast_client(self) -> FastPathClient | None:
-        if self._fast is not None or not self._fast_path:
-            return self._fast
+    def _socket_transport(self) -> SocketTransport | None:
+        if self._socket is not None or not self._socket_wanted or self._socket_off:
+            return self._socket
         if time.monotonic() < self._socket_retry_at:
             return None
         try:
             info = self._server if self._server is not None else self._server_info()
             if not info.socket_path:
                 return None
-            self._fast = FastPathClient(
+            self._socket = SocketTransport(
                 info.socket_path, self.timeout_s, info.server_id, info.server_pid
             )
         except (OSError, PegaflowError) as exc:  # another host, user, or gone
-            logger.debug("server socket %s unusable: %s", self._fast_path, exc)
+            logger.debug("server socket unusable: %s", exc)
             # Ask the server again later: it may have restarted meanwhile.
             self._server = None
             self._socket_retry_at = time.monotonic() + SOCKET_RETRY_S
-        return self._fast
+        return self._socket
 
-    def _fast_call(
-        self, call: Callable[[bytes, float], object], frame: bytes, wait_s: float
-    ) -> object | None:
-        """The reply, or None when the socket broke (the caller uses gRPC)."""
-        try:
-            return call(frame, wait_s)
-        except TimeoutError:  # no answer even after the grace: as gRPC reports it
-            self._drop_fast_path()
-            raise from_status(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply in {wait_s:g} s"
-            ) from None
-        except OSError as exc:  # server gone or restarted: gRPC decides
-            logger.debug("fast-path socket failed (%s); using gRPC", exc)
-            self._drop_fast_path()
-            return None
+    def use_socket(self) -> None:
+        """Send queries over the server's unix socket from now on (gRPC stays
+        the fallback); for clients that never register, e.g. vLLM's
+        scheduler. The server's own ServerInfo answer names the socket."""
+        self._socket_wanted = True
 
-    def _drop_fast_path(self) -> None:
-        if self._fast is not None:
-            self._fast.close()
-            self._fast = None
+    def disable_socket(self) -> None:
+        """gRPC for every call from now on (registration of host memory
+        included, which the server refuses over TCP by default)."""
+        self._socket_off = True
+        self._drop_socket()
 
+    def _drop_socket(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+    # -- the rest (gRPC only) -----------------------------------------------
     def release_lease(self, lease_id: int) -> None:
-        self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
+        request = pb.ReleaseLeaseRequest(lease_id=lease_id)
+        self._grpc.call("ReleaseLease", request, self.timeout_s)
 
     def unregister(self, instance_id: str, tp_rank: int = 0) -> None:
-        token = self._token(instance_id, tp_rank)
-        self._call(
-            "Unregister",
-            pb.UnregisterRequest(
-                instance_id=instance_id, tp_rank=tp_rank, owner_token=token
-            ),
+        request = pb.UnregisterRequest(
+            instance_id=instance_id,
+            tp_rank=tp_rank,
+            owner_token=self._token(instance_id, tp_rank),
         )
+        self._grpc.call("Unregister", request, self.timeout_s)
         self._tokens.pop((instance_id, tp_rank), None)
 
     def health(self, timeout_s: float | None = None) -> bool:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        stub = health_pb2_grpc.HealthStub(self._channel)
+        stub = health_pb2_grpc.HealthStub(self._grpc.channel)
         try:
             resp = stub.Check(
                 health_pb2.HealthCheckRequest(service=""),
@@ -494,11 +357,11 @@ class PegaflowClient:
         self, instance_id: str, tp_rank: int = 0, interval_s: float = 5.0
     ) -> Session:
         token = self._token(instance_id, tp_rank)
-        return Session(self._stub, instance_id, tp_rank, interval_s, token)
+        return Session(self._grpc.stub, instance_id, tp_rank, interval_s, token)
 
     def close(self) -> None:
-        self._drop_fast_path()
-        self._channel.close()
+        self._drop_socket()
+        self._grpc.close()
 
     def __enter__(self) -> PegaflowClient:
         return self
@@ -507,67 +370,28 @@ class PegaflowClient:
         self.close()
 
 
-class Session:
-    """Keeps the liveness stream open from a daemon thread; the server drops the
-    worker when it closes (close(), process exit or crash)."""
+def _register_request(
+    instance_id: str,
+    namespace: str,
+    tp_rank: int,
+    tp_size: int,
+    world_size: int | None,
+    replicated: bool,
+) -> pb.RegisterInstanceRequest:
+    return pb.RegisterInstanceRequest(
+        instance_id=instance_id,
+        namespace=namespace,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        world_size=world_size or tp_size,
+        replicated=replicated,
+    )
 
-    def __init__(
-        self,
-        stub: pb_grpc.PegaFlowStub,
-        instance_id: str,
-        tp_rank: int,
-        interval_s: float,
-        owner_token: bytes = b"",
-    ) -> None:
-        self._pings: queue.Queue[pb.SessionPing | None] = queue.Queue()
-        self._interval = interval_s
-        self._ping = pb.SessionPing(
-            instance_id=instance_id, tp_rank=tp_rank, owner_token=owner_token
-        )
-        self._stream = stub.Session(self._requests())
-        self.error: PegaflowError | None = None
-        self._first = threading.Event()
-        self._thread = threading.Thread(
-            target=self._drain, daemon=True, name="pegaflow-session"
-        )
-        self._thread.start()
-        if not self._first.wait(10.0) and self.error is None:
-            self.error = from_status(
-                grpc.StatusCode.DEADLINE_EXCEEDED, "no session reply"
-            )
-        if self.error is not None:
-            raise self.error
 
-    def _requests(self) -> Iterator[pb.SessionPing]:
-        yield self._ping
-        while True:
-            try:
-                item = self._pings.get(timeout=self._interval)
-            except queue.Empty:
-                item = self._ping
-            if item is None:
-                return
-            yield item
-
-    def _drain(self) -> None:
-        try:
-            for _ in self._stream:
-                self._first.set()
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                self.error = from_status(exc.code(), exc.details() or "")
-        finally:
-            self._first.set()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def close(self) -> None:
-        self._pings.put(None)
-        self._thread.join(timeout=5.0)
-        if self._thread.is_alive():
-            self._stream.cancel()
+def _set_signals(req: pb.RegisterInstanceRequest, address: int) -> None:
+    if address:
+        req.layer_signals.pid = os.getpid()
+        req.layer_signals.address = address
 
 
 def _layer_message(layer: LayerLayout) -> pb.LayerLayout:
@@ -578,9 +402,3 @@ def _layer_message(layer: LayerLayout) -> pb.LayerLayout:
         block_stride=layer.block_stride,
         segments=[pb.Segment(offset=s.offset, size=s.size) for s in layer.segments],
     )
-
-
-def _signals_message(address: int) -> pb.LayerSignals | None:
-    if not address:
-        return None
-    return pb.LayerSignals(pid=os.getpid(), address=address)

@@ -218,7 +218,7 @@ class ServerConfig:
     max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS
     # Unix socket for fast prefix queries: a path, "auto" (a per-server path in
     # the temp directory) or None (off).
-    query_socket: str | None = "auto"
+    socket: str | None = "auto"
     # The L3 SSD tier (pegaflow.gds.SsdConfig); None: off.
     ssd: SsdConfig | None = None
 

@@ -54,6 +54,13 @@ class CopyFailed(PegaflowError):
     code = grpc.StatusCode.INTERNAL
 
 
+class InternalError(PegaflowError):
+    """A bug of ours (an invariant the server itself should have kept), never
+    the client's mistake: logged with its context, answered as INTERNAL."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 class DeadlineExceeded(PegaflowError):
     """The request's deadline passed before its work could start."""
 

@@ -1,4 +1,5 @@
-"""Binary frames of the unix-socket fast path (pegaflow.fastpath).
+"""Binary frames of the server's unix socket (pegaflow.socket_server and
+pegaflow.socket_client).
 
 Little-endian; every request is `u32 body_len | body`, the body starting with a
 u8 kind. Arrays travel as raw u32 runs, hashes as one run of equal-length

@@ -82,11 +82,13 @@ class Metrics:
         )
         self.rpc_seconds = Histogram(
             "pegaflow_rpc_seconds",
-            "server-side RPC time",
-            ["method", "code"],
+            "server-side RPC time, by method, status and transport (grpc, unix)",
+            ["method", "code", "transport"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # (method, code, transport) -> child: see pegaflow.boundary
+        self.rpc_timers: dict[tuple[str, str, str], Histogram] = {}
 
         self.ssd_hits = Counter(
             "pegaflow_ssd_hit_blocks",

@@ -20,7 +20,6 @@ from pegaflow import cuda_driver, gcpolicy
 from pegaflow.config import CudaConfig, ServerConfig, parse_addr
 from pegaflow.cuda_driver import HostRegistrar
 from pegaflow.engine import Engine
-from pegaflow.fastpath import SocketServerInfo, start_query_socket
 from pegaflow.gds import SsdTier
 from pegaflow.hostcopy import HostCopyEngine
 from pegaflow.http import bind_http, serve_http
@@ -29,6 +28,7 @@ from pegaflow.metrics import Metrics, SsdCollector
 from pegaflow.pool import HostPool
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from pegaflow.service import ErrorInterceptor, PegaFlowServicer
+from pegaflow.socket_server import SocketServerInfo, start_socket_server
 from pegaflow.sockfile import check_path, unlink_if_ours
 from pegaflow.startup import StartupError, bind_error, bind_failed
 from pegaflow.stats import HitRateCollector, engine_stats, on_loop
@@ -46,8 +46,8 @@ class RunningServer:
     engine: Engine
     pool: HostPool
     sweeper: asyncio.Task | None = None
-    query_server: asyncio.AbstractServer | None = None
-    query_socket: str = ""
+    socket_server: asyncio.AbstractServer | None = None
+    socket_path: str = ""
 
     @property
     def http_port(self) -> int | None:
@@ -56,8 +56,8 @@ class RunningServer:
     async def stop(self, grace_s: float = 2.0) -> None:
         if self.sweeper is not None:
             self.sweeper.cancel()
-        if self.query_server is not None:
-            _close_query_server(self.query_server, self.query_socket)
+        if self.socket_server is not None:
+            _close_socket_server(self.socket_server, self.socket_path)
         await self.grpc_server.stop(grace_s)
         if self.http is not None:
             self.http.shutdown()
@@ -86,8 +86,8 @@ async def _assemble(
 ) -> RunningServer:
     ordinals = _cuda_devices(config.cuda)
     socket_path = ""
-    if config.query_socket is not None:
-        socket_path = _socket_path(config.query_socket)
+    if config.socket is not None:
+        socket_path = _socket_path(config.socket)
         check_path(socket_path)
     metrics = Metrics()
     server, port = _bind_grpc(config, metrics)
@@ -103,12 +103,12 @@ async def _assemble(
     pb_grpc.add_PegaFlowServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    query_server = None
+    socket_server = None
     if socket_path:
-        servicer.query_socket = socket_path
+        servicer.socket_path = socket_path
         info = SocketServerInfo(os.getpid(), servicer.server_id, socket_path)
-        query_server = await start_query_socket(socket_path, engine, info)
-        undo.callback(_close_query_server, query_server, socket_path)
+        socket_server = await start_socket_server(socket_path, engine, info)
+        undo.callback(_close_socket_server, socket_server, socket_path)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -117,7 +117,7 @@ async def _assemble(
             http, metrics.registry, _health_report(engine, cuda), {"/stats": stats}
         )
     running = RunningServer(
-        server, port, http, engine, engine.pool, None, query_server, socket_path
+        server, port, http, engine, engine.pool, None, socket_server, socket_path
     )
     running.sweeper = asyncio.create_task(_sweep_forever(engine))
     return running
@@ -198,7 +198,7 @@ def _bind_http(addr: str) -> ThreadingHTTPServer:
         raise bind_failed("--http-addr", addr, exc) from None
 
 
-def _close_query_server(server: asyncio.AbstractServer, path: str) -> None:
+def _close_socket_server(server: asyncio.AbstractServer, path: str) -> None:
     """Stop accepting and remove the socket file if it is still ours."""
     for sock in server.sockets:  # before close(): it forgets its sockets
         unlink_if_ours(path, sock)

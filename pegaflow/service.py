@@ -3,7 +3,6 @@ interceptor; the servicer itself never builds a status."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -12,6 +11,7 @@ import grpc
 import numpy as np
 
 from pegaflow import deadlines
+from pegaflow.boundary import guarded
 from pegaflow.engine import Engine
 from pegaflow.errors import InvalidRequest, PegaflowError
 from pegaflow.identity import CallContext, Caller, tcp_peer
@@ -24,8 +24,12 @@ from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 
+_ENDS_CALL = (grpc.aio.AbortError,)  # a handler's own context.abort()
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps PegaflowError to its status, anything else to INTERNAL, and times RPCs."""
+    """Every unary RPC through pegaflow.boundary: errors become statuses, a bug
+    INTERNAL, and each call is timed."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
@@ -42,31 +46,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         inner = handler.unary_unary
         method = details.method.rsplit("/", 1)[-1]
-        seconds = self._metrics.rpc_seconds
+        metrics = self._metrics
 
-        async def guarded(request: object, context: grpc.aio.ServicerContext) -> object:
-            start = time.perf_counter()
-            code = "OK"
-            try:
-                return await inner(request, context)
-            except PegaflowError as exc:
-                code = exc.code.name
-                logger.debug("%s -> %s: %s", method, code, exc)
-                await context.abort(exc.code, str(exc))
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                code = "ABORTED"
-                raise
-            except Exception:
-                code = "INTERNAL"
-                logger.exception("%s failed", method)
-                await context.abort(
-                    grpc.StatusCode.INTERNAL, f"{method}: internal error"
-                )
-            finally:
-                seconds.labels(method, code).observe(time.perf_counter() - start)
+        async def bounded(request: object, context: grpc.aio.ServicerContext) -> object:
+            work = inner(request, context)
+            got = await guarded(metrics, method, "grpc", work, _ENDS_CALL)
+            if isinstance(got, PegaflowError):
+                await context.abort(got.code, str(got))
+            return got
 
         return grpc.unary_unary_rpc_method_handler(
-            guarded,
+            bounded,
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
@@ -171,7 +161,7 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
         self._pid = server_pid
         self.server_id = server_id
         self.port = port  # the bound gRPC port: finds loopback callers' uids
-        self.query_socket = ""  # set once the socket listens
+        self.socket_path = ""  # set once the unix socket listens
 
     async def ServerInfo(
         self, req: pb.ServerInfoRequest, context: grpc.aio.ServicerContext
@@ -180,7 +170,7 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
 
         return pb.ServerInfoResponse(
             server_pid=self._pid,
-            socket_path=self.query_socket,
+            socket_path=self.socket_path,
             socket_protocol=PROTOCOL_VERSION,
             server_id=self.server_id,
         )
@@ -190,7 +180,7 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
     ) -> pb.RegisterInstanceResponse:
         caller = tcp_peer(context.peer(), self.port)
         worker = self._engine.register(spec_from_message(req), caller)
-        return register_response(worker, self._pid, self.query_socket)
+        return register_response(worker, self._pid, self.socket_path)
 
     async def Save(
         self, req: pb.SaveRequest, context: grpc.aio.ServicerContext

@@ -37,7 +37,7 @@ FileId = tuple[int, int]  # (st_dev, st_ino)
 _bound: dict[FileId, tuple[str, FileId]] = {}
 
 
-def check_path(path: str, flag: str = "--query-socket") -> bool:
+def check_path(path: str, flag: str = "--socket") -> bool:
     """Refuse (StartupError) what bind_private_unix would refuse; True when a
     stale socket of ours sits there (bind removes it). Cheap: no bind."""
     parent = os.path.dirname(os.path.abspath(path))
@@ -73,7 +73,7 @@ def check_path(path: str, flag: str = "--query-socket") -> bool:
     return True
 
 
-def bind_private_unix(path: str, flag: str = "--query-socket") -> socket.socket:
+def bind_private_unix(path: str, flag: str = "--socket") -> socket.socket:
     """A bound, listening AF_UNIX socket at `path`, mode 0600 from the start."""
     if check_path(path, flag):
         logger.info("removing stale socket %s (its server is gone)", path)

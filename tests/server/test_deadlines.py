@@ -32,7 +32,8 @@ def server(tmp_path) -> Iterator[ServerProc]:
 
 
 def _count(server: ServerProc, method: str, code: str) -> float:
-    labels = f'code="{code}",method="{method}"'
+    name, _, transport = method.partition("/")
+    labels = f'code="{code}",method="{name}",transport="{transport or "grpc"}"'
     return server.metric("pegaflow_rpc_seconds_count", labels)
 
 
@@ -122,4 +123,4 @@ def test_deadline_from_another_clock_is_refused(server) -> None:
             "e", 0, np.array([0]), hashes(1), (), 0, far, client._token("e", 0)
         )
         with pytest.raises(Exception, match="deadline_ns: .* ahead"):
-            client._fast_client().save(frame, 10)
+            client._socket_transport().frames.save(frame, 10)

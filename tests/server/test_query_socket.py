@@ -59,8 +59,8 @@ def test_socket_answers_like_grpc(server) -> None:
     kv = LocalKV()
     with PegaflowClient(server.addr) as client:
         reg = kv.register(client, "e", "ns")
-        assert reg.query_socket and os.path.exists(reg.query_socket)
-        assert stat.S_IMODE(os.stat(reg.query_socket).st_mode) == 0o600
+        assert reg.socket_path and os.path.exists(reg.socket_path)
+        assert stat.S_IMODE(os.stat(reg.socket_path).st_mode) == 0o600
         hs = hashes(10)
         client.save("e", list(range(6)), hs[:6])
         fast = client.query("e", hs)
@@ -77,7 +77,8 @@ def test_socket_answers_like_grpc(server) -> None:
             client.query("e", [b"x" * 65])
     assert (
         server.metric(
-            "pegaflow_rpc_seconds_count", 'code="OK",method="QueryPrefix/unix"'
+            "pegaflow_rpc_seconds_count",
+            'code="OK",method="QueryPrefix",transport="unix"',
         )
         >= 1
     )
@@ -102,7 +103,7 @@ def _raw(path: str, payload: bytes, hello: bool = True) -> bytes:
 def test_bad_frames_get_errors_and_server_survives(server) -> None:
     kv = LocalKV()
     with PegaflowClient(server.addr) as client:
-        path = kv.register(client, "e", "ns").query_socket
+        path = kv.register(client, "e", "ns").socket_path
         body = struct.pack("<BBHIQ", 9, 32, 1, 0, 0) + b"e"
         reply = _raw(path, len(body).to_bytes(4, "little") + body)
         assert reply[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -129,21 +130,24 @@ def test_falls_back_to_grpc_when_socket_is_unusable(server_factory) -> None:
         "--pool-size", "8mb", "--query-socket", "off", "--allow-tcp-host-engines"
     )
     with PegaflowClient(server.addr) as client:
-        assert kv.register(client, "e", "ns").query_socket == ""
+        assert kv.register(client, "e", "ns").socket_path == ""
         hs = hashes(2)
         client.save("e", [0, 1], hs)
         assert client.query("e", hs).num_blocks == 2
     other = server_factory("--pool-size", "8mb")
     with PegaflowClient(other.addr) as client:
-        path = kv.register(client, "e", "ns").query_socket
+        path = kv.register(client, "e", "ns").socket_path
         client.save("e", [0, 1], hs)
         assert client.query("e", hs).num_blocks == 2  # connects the socket
         os.rename(path, path + ".moved")  # new connections impossible...
-        client._drop_fast_path()  # ...and the open one gone: as after a restart
+        client._drop_socket()  # ...and the open one gone: as after a restart
         assert client.query("e", hs).num_blocks == 2  # answered over gRPC
         os.rename(path + ".moved", path)
     assert (
-        other.metric("pegaflow_rpc_seconds_count", 'code="OK",method="QueryPrefix"')
+        other.metric(
+            "pegaflow_rpc_seconds_count",
+            'code="OK",method="QueryPrefix",transport="grpc"',
+        )
         >= 1
     )
 
@@ -214,10 +218,10 @@ def test_saves_over_the_socket_land_the_same_bytes(server) -> None:
     for i in range(12):
         assert np.array_equal(b.block(20 + i), a.block(i)), i
     assert server.metric(
-        "pegaflow_rpc_seconds_count", 'code="OK",method="Save/unix"'
+        "pegaflow_rpc_seconds_count", 'code="OK",method="Save",transport="unix"'
     ) == pytest.approx(2)
     assert server.metric(
-        "pegaflow_rpc_seconds_count", 'code="OK",method="Load/unix"'
+        "pegaflow_rpc_seconds_count", 'code="OK",method="Load",transport="unix"'
     ) == pytest.approx(1)
 
 
@@ -226,7 +230,7 @@ def test_pipelined_frames_are_answered_in_order(server) -> None:
     already sees the saved blocks."""
     kv = LocalKV()
     with PegaflowClient(server.addr) as client:
-        path = kv.register(client, "e", "ns").query_socket
+        path = kv.register(client, "e", "ns").socket_path
         hs = hashes(40)
         token = client._token("e", 0)
         save = encode_save("e", 0, np.arange(40), hs, (), 0, 0, token)

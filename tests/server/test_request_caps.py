@@ -169,8 +169,10 @@ def test_concurrent_rpcs_bounded(tmp_path: Path) -> None:
     stub = pb_grpc.PegaFlowStub(channel)
     done = threading.Event()
 
+    held_s = 120.0  # longer than the polls below on a loaded machine
+
     def no_pings() -> Iterator[pb.SessionPing]:
-        done.wait(TIMEOUT_S)  # the stream stays open, as an engine's does
+        done.wait(held_s)  # the stream stays open, as an engine's does
         yield from ()
 
     def info_code() -> grpc.StatusCode:
@@ -180,14 +182,14 @@ def test_concurrent_rpcs_bounded(tmp_path: Path) -> None:
             return err.code()
         return grpc.StatusCode.OK
 
-    streams = [stub.Session(no_pings(), timeout=TIMEOUT_S) for _ in range(4)]
+    streams = [stub.Session(no_pings(), timeout=held_s) for _ in range(4)]
     try:
-        assert poll(info_code, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert poll(info_code, grpc.StatusCode.RESOURCE_EXHAUSTED, seconds=60)
     finally:
         done.set()
         for call in streams:
             call.cancel()
-    assert poll(info_code, grpc.StatusCode.OK)
+    assert poll(info_code, grpc.StatusCode.OK, seconds=60)
     channel.close()
     srv.stop()
 

@@ -60,7 +60,7 @@ def test_query_socket_on_a_regular_file_keeps_the_file(tmp_path: Path) -> None:
         *_local("--pool-size", "4mb", "--query-socket", str(victim))
     )
     line = _one_line(err)
-    assert rc == 2 and "--query-socket" in line and "not a socket" in line
+    assert rc == 2 and "--socket" in line and "not a socket" in line
     assert victim.read_bytes() == b"precious"
 
 
@@ -95,7 +95,7 @@ def test_missing_socket_directory(tmp_path: Path) -> None:
     path = tmp_path / "nonexistent" / "dir" / "x.sock"
     rc, err = _failed_start(*_local("--pool-size", "4mb", "--query-socket", str(path)))
     line = _one_line(err)
-    assert rc == 2 and "--query-socket" in line and "does not exist" in line
+    assert rc == 2 and "--socket" in line and "does not exist" in line
 
 
 def test_http_port_in_use_fails_before_the_pool(tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ def test_refuses_what_is_not_a_socket(tmp_path: Path, kind: str) -> None:
         path.mkdir()
     else:
         path.symlink_to(target)
-    with pytest.raises(StartupError, match="--query-socket.*not a socket"):
+    with pytest.raises(StartupError, match="--socket.*not a socket"):
         bind_private_unix(str(path))
     assert os.path.lexists(path) and target.read_bytes() == b"keep me"
     if kind == "file":
@@ -61,7 +61,7 @@ def test_refuses_what_is_not_a_socket(tmp_path: Path, kind: str) -> None:
 
 
 def test_missing_directory_names_the_flag(tmp_path: Path) -> None:
-    with pytest.raises(StartupError, match="--query-socket: directory .* not exist"):
+    with pytest.raises(StartupError, match="--socket: directory .* not exist"):
         bind_private_unix(str(tmp_path / "no" / "such" / "q.sock"))
 
 

@@ -1,48 +1,38 @@
-"""Queries, saves and loads over a unix socket: the scheduler asks once per
-waiting request per step and a worker saves and loads once per step; on the
-machines we run on
-a Python gRPC round trip costs ~1 ms against ~0.15 ms for a framed unix-socket
-exchange (benchmarks/RESULTS.md). gRPC stays the reference API; the client uses
-this path when the server named a socket at registration and it is reachable,
-and falls back otherwise. Frames: pegaflow.frames.
+"""The server's unix socket: registrations, queries, saves and loads.
+
+The scheduler asks once per waiting request per step and a worker saves and
+loads once per step; on the machines we run on a Python gRPC round trip costs
+~1 ms against ~0.15 ms for a framed unix-socket exchange (benchmarks/RESULTS.md).
+It is also where the kernel tells the server who is asking (SO_PEERCRED), so
+host-memory engines register here. gRPC stays the reference API; the client
+(pegaflow.socket_client) falls back to it. Frames: pegaflow.frames.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-import threading
-import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import grpc
-import numpy as np
-
 from pegaflow import deadlines
+from pegaflow.boundary import guarded, guarded_sync
 from pegaflow.errors import (
-    CopyFailed,
     InvalidRequest,
     Overloaded,
     PegaflowError,
     ProtocolMismatch,
-    from_status,
 )
 from pegaflow.frames import (
     HELLO_REPLY,
     LOAD,
-    LOAD_ITEM_REPLY,
-    LOAD_REPLY,
     LOADING,
     MAX_BODY,
     PROTOCOL_VERSION,
     QUERY,
     QUERY_REPLY,
     REGISTER,
-    REGISTER_REPLY,
     SAVE,
     SAVE_REPLY,
     decode_hello,
@@ -50,11 +40,9 @@ from pegaflow.frames import (
     decode_query,
     decode_register,
     decode_save,
-    encode_hello,
     error_reply,
     kind_of,
     load_reply,
-    parse_load_reply,
     register_reply,
 )
 from pegaflow.identity import UNKNOWN, CallContext, Caller, unix_peer
@@ -92,7 +80,7 @@ class _Shared:
     connections: int = 0
 
 
-class _FastProtocol(asyncio.Protocol):
+class _SocketProtocol(asyncio.Protocol):
     """One engine connection. Queries are answered straight from the loop's read
     callback; a save, load or registration runs as a task, and frames behind it
     wait their turn, so replies leave in request order.
@@ -103,8 +91,7 @@ class _FastProtocol(asyncio.Protocol):
     def __init__(self, shared: _Shared) -> None:
         self._shared = shared
         self._engine = shared.engine
-        self._seconds = shared.engine.metrics.rpc_seconds
-        self._ok_seconds = self._seconds.labels("QueryPrefix/unix", "OK")
+        self._metrics = shared.engine.metrics
         self._buf = bytearray()
         self._counted = 0  # of _buf, charged to the shared receive budget
         self._transport: asyncio.Transport | None = None
@@ -236,17 +223,15 @@ class _FastProtocol(asyncio.Protocol):
         return await self._guarded(kind, body)
 
     def _query(self, body: bytes) -> bytes:
-        start = time.perf_counter()
-        try:
-            ident, hashes, hash_len, deadline_ns = decode_query(body)
-            ctx = CallContext(self._caller, b"", deadlines.from_wire(deadline_ns))
-            res = self._engine.query(ident, hashes, hash_len, ctx)
-        except PegaflowError as exc:
-            self._seconds.labels("QueryPrefix/unix", exc.code.name).observe(
-                time.perf_counter() - start
-            )
-            return error_reply(exc)
-        self._ok_seconds.observe(time.perf_counter() - start)
+        got = guarded_sync(
+            self._metrics, "QueryPrefix", "unix", lambda: self._answer_query(body)
+        )
+        return error_reply(got) if isinstance(got, PegaflowError) else got
+
+    def _answer_query(self, body: bytes) -> bytes:
+        ident, hashes, hash_len, deadline_ns = decode_query(body)
+        ctx = CallContext(self._caller, b"", deadlines.from_wire(deadline_ns))
+        res = self._engine.query(ident, hashes, hash_len, ctx)
         status = LOADING if res.loading else 0
         return QUERY_REPLY.pack(status, res.num_blocks, res.lease_id, res.lease_ttl_s)
 
@@ -280,29 +265,22 @@ class _FastProtocol(asyncio.Protocol):
         return load_reply(got.loaded, got.bytes, got.items)
 
     async def _guarded(self, kind: int, body: bytes) -> bytes:
-        """As gRPC's interceptor: errors become statuses, a bug INTERNAL, and
-        the server lives on; every request is timed."""
-        method = _METHODS[kind]
-        start, code = time.perf_counter(), "OK"
-        try:
-            if kind == REGISTER:
-                return self._register(body)
-            return await (self._save(body) if kind == SAVE else self._load(body))
-        except PegaflowError as exc:
-            code = exc.code.name
-            return error_reply(exc)
-        except Exception:
-            code = "INTERNAL"
-            logger.exception("%s failed", method)
-            return error_reply(CopyFailed(f"{method.split('/')[0]}: internal error"))
-        finally:
-            self._seconds.labels(method, code).observe(time.perf_counter() - start)
+        """As gRPC's interceptor does (pegaflow.boundary)."""
+        if kind == REGISTER:
+            work = self._register_async(body)
+        else:
+            work = self._save(body) if kind == SAVE else self._load(body)
+        got = await guarded(self._metrics, _METHODS[kind], "unix", work)
+        return error_reply(got) if isinstance(got, PegaflowError) else got
+
+    async def _register_async(self, body: bytes) -> bytes:
+        return self._register(body)
 
 
-_METHODS = {SAVE: "Save/unix", LOAD: "Load/unix", REGISTER: "RegisterInstance/unix"}
+_METHODS = {SAVE: "Save", LOAD: "Load", REGISTER: "RegisterInstance"}
 
 
-async def start_query_socket(
+async def start_socket_server(
     path: str, engine: Engine, info: SocketServerInfo
 ) -> asyncio.AbstractServer:
     """Serve the socket's frames on `path` (mode 0600 from creation: the
@@ -312,160 +290,8 @@ async def start_query_socket(
     loop = asyncio.get_running_loop()
     shared = _Shared(engine, info)
     try:
-        return await loop.create_unix_server(lambda: _FastProtocol(shared), sock=sock)
+        return await loop.create_unix_server(lambda: _SocketProtocol(shared), sock=sock)
     except BaseException:
         unlink_if_ours(path, sock)
         sock.close()
         raise
-
-
-class FastPathClient:
-    """Blocking client of the fast-path socket: one connection per calling
-    thread (a worker's save must not hold up its load or a query), one request
-    in flight on each. Every connection checks that the server behind the
-    socket is the one the client asked over gRPC (its pid from the kernel, its
-    random id from the hello), so a socket planted at that path gets nothing."""
-
-    def __init__(
-        self, path: str, timeout_s: float, server_id: bytes, server_pid: int
-    ) -> None:
-        self._path = path
-        self._timeout_s = timeout_s
-        self._server_id = server_id
-        self._server_pid = server_pid
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._socks: list[socket.socket] = []
-        self._closed = False
-        self._conn()  # fail now when the socket cannot be reached
-
-    def _conn(self) -> socket.socket:
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(self._timeout_s)
-                sock.connect(self._path)
-                self._greet(sock)
-            except (OSError, PegaflowError):
-                sock.close()
-                raise
-            with self._lock:
-                if self._closed:
-                    sock.close()
-                    raise ConnectionError("fast-path client closed")
-                self._socks.append(sock)
-            self._local.sock = sock
-        return sock
-
-    def _greet(self, sock: socket.socket) -> None:
-        peer = unix_peer(sock)
-        if peer.pid != self._server_pid:
-            raise ConnectionRefusedError(
-                f"{self._path}: served by pid {peer.pid}, not the server "
-                f"(pid {self._server_pid})"
-            )
-        sock.sendall(encode_hello())
-        status, reply = self._read_reply(sock, HELLO_REPLY.size, None)
-        _, version, server_id = HELLO_REPLY.unpack(reply)
-        if server_id != self._server_id or version != PROTOCOL_VERSION:
-            raise ConnectionRefusedError(f"{self._path}: another server's socket")
-
-    def query(self, frame: bytes, wait_s: float) -> tuple[int, int, float, bool]:
-        """(num_blocks, lease_id, lease_ttl_s, loading); typed exceptions for
-        errors; OSError when the connection is broken, TimeoutError when no
-        reply came within wait_s."""
-        status, reply = self._exchange(frame, wait_s, QUERY_REPLY.size)
-        _, n, lease, ttl = QUERY_REPLY.unpack(reply)
-        return n, lease, ttl, status == LOADING
-
-    def save(self, frame: bytes, wait_s: float) -> tuple[int, int, int]:
-        """(stored, deduplicated, rejected)."""
-        _, reply = self._exchange(frame, wait_s, SAVE_REPLY.size)
-        return SAVE_REPLY.unpack(reply)[1:]
-
-    def load(
-        self, frame: bytes, wait_s: float
-    ) -> tuple[int, int, list[tuple[int, int, str]]]:
-        """(loaded, bytes, [(loaded, bytes, error)] per item)."""
-        _, reply = self._exchange(frame, wait_s, LOAD_REPLY.size, _load_reply_size)
-        return parse_load_reply(bytes(reply))
-
-    def register(self, frame: bytes, wait_s: float) -> bytes:
-        """The serialised RegisterInstanceResponse."""
-        _, reply = self._exchange(frame, wait_s, REGISTER_REPLY.size, _register_size)
-        return bytes(reply[REGISTER_REPLY.size :])
-
-    def _exchange(
-        self,
-        frame: bytes,
-        wait_s: float,
-        ok_size: int,
-        full_size: Callable[[bytearray], int] | None = None,
-    ) -> tuple[int, bytearray]:
-        sock = self._conn()
-        try:
-            sock.settimeout(max(wait_s, 1e-3))
-            sock.sendall(frame)
-            return self._read_reply(sock, ok_size, full_size)
-        except OSError:  # an error reply leaves the connection usable
-            self._forget(sock)  # half a reply may be left in it
-            raise
-
-    def _read_reply(
-        self,
-        sock: socket.socket,
-        ok_size: int,
-        full_size: Callable[[bytearray], int] | None,
-    ) -> tuple[int, bytearray]:
-        # Every reply is at least 5 bytes and the only one in flight on
-        # this connection: the first recv (4 KiB) usually takes it whole.
-        reply = self._recv(sock, 5, bytearray())
-        status = reply[0]
-        if status in (0, LOADING):
-            reply = self._recv(sock, ok_size, reply)
-            while full_size is not None and len(reply) < (n := full_size(reply)):
-                reply = self._recv(sock, n, reply)
-            return status, reply
-        length = int.from_bytes(reply[1:5], "little")
-        message = self._recv(sock, 5 + length, reply)[5:].decode(errors="replace")
-        code = next((c for c in grpc.StatusCode if c.value[0] == status), None)
-        raise from_status(code or grpc.StatusCode.UNKNOWN, message)
-
-    @staticmethod
-    def _recv(sock: socket.socket, n: int, buf: bytearray) -> bytearray:
-        """Read until buf holds n bytes."""
-        while len(buf) < n:
-            chunk = sock.recv(max(n - len(buf), 4096))
-            if not chunk:
-                raise ConnectionError("fast-path socket closed by the server")
-            buf += chunk
-        return buf
-
-    def _forget(self, sock: socket.socket) -> None:
-        self._local.sock = None
-        with self._lock:
-            if sock in self._socks:
-                self._socks.remove(sock)
-        sock.close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            socks, self._socks = self._socks, []
-        for sock in socks:
-            sock.close()
-
-
-def _register_size(reply: bytearray) -> int:
-    return REGISTER_REPLY.size + REGISTER_REPLY.unpack_from(reply)[1]
-
-
-def _load_reply_size(reply: bytearray) -> int:
-    """The whole load reply's length, as far as its first bytes tell."""
-    _, _, _, n_items = LOAD_REPLY.unpack_from(reply)
-    size = LOAD_REPLY.size + n_items * LOAD_ITEM_REPLY.itemsize
-    if len(reply) < size:
-        return size
-    table = np.frombuffer(bytes(reply), LOAD_ITEM_REPLY, n_items, LOAD_REPLY.size)
-    return size + int(table["error_len"].sum())
