@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import time
@@ -18,8 +19,6 @@ def start_server(*args: str) -> tuple[subprocess.Popen, str]:
 
 
 def machine() -> dict[str, object]:
-    import os
-
     return {
         "host": platform.node(),
         "cpus": os.cpu_count(),
@@ -29,9 +28,13 @@ def machine() -> dict[str, object]:
 
 
 def write_json(name: str, payload: dict[str, object], path: str | None) -> Path:
+    """Write the results atomically (a temp file beside it, then a rename): a
+    run cut short between two writes leaves the previous complete file."""
     out = Path(path) if path else ROOT / "benchmarks" / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
+    os.replace(tmp, out)
     return out
 
 

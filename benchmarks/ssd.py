@@ -9,6 +9,9 @@ the payload checksum; index recovery time for 100k blocks.
 
 JSON: benchmarks/results/ssd.json (full, posix), ssd_<backend>.json for another
 backend, ssd_quick*.json for --quick (never over the full results), or --json.
+It is rewritten (atomically) after every stage and row, with "stage" naming the
+last one done and "complete" false until the end, so a run cut short (SIGTERM,
+^C, a stage limit) keeps what it measured.
 
 Each row is `--reps` pairs (default 3) of dd and the tier on the same number of
 bytes, alternating which goes first; dd writes with O_DIRECT in DD_BS requests
@@ -32,11 +35,14 @@ import hashlib
 import mmap
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -319,6 +325,52 @@ def main() -> int:
         p.error(str(exc))
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
+    name = "ssd" + ("_quick" if args.quick else "")
+    name += "" if args.backend == "posix" else f"_{args.backend}"
+    results: dict[str, object] = {
+        "command": " ".join(sys.argv),
+        "backend": args.backend,
+        "checksum": algo,
+        "skew": args.skew,
+        "dd_bs": DD_BS,
+        "complete": False,
+        "stage": "start",
+        "rows": [],
+    }
+
+    def save(stage: str) -> None:
+        results["stage"] = stage
+        print(f"wrote {write_json(name, results, args.json)} ({stage})", flush=True)
+
+    # SIGTERM (a stage limit, `timeout`) unwinds like ^C: the finally below
+    # writes what was measured so far.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        run_stages(args, algo, folder, results, save)
+        results["complete"] = True
+    except KeyboardInterrupt:
+        print(f"interrupted in stage {results['stage']}", file=sys.stderr)
+        results["interrupted_in"] = results["stage"]
+        return 130
+    finally:
+        save("done" if results["complete"] else "interrupted")
+    report(results)
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_stages(
+    args: argparse.Namespace,
+    algo: str,
+    folder: Path,
+    results: dict[str, object],
+    save: Callable[[str], None],
+) -> None:
+    """Every stage adds to `results` and saves the JSON when it ends (each row
+    of the paired stage too), so a run cut short keeps what it measured."""
     total = int(float(args.total or (0.25 if args.quick else 1)) * (1 << 30))
     blocks = (
         [256 << 10, 2 * MiB] if args.quick else [256 << 10, 1 * MiB, 2 * MiB, 8 * MiB]
@@ -329,6 +381,7 @@ def main() -> int:
     if args.depths:
         depths = [int(d) for d in args.depths.split(",")]
     args.reps = args.reps or (1 if args.quick else 3)
+    results["reps"] = args.reps
     # page-aligned like the server's pool (one mmap'd region)
     region = mmap.mmap(-1, SOURCE_BYTES + 4096)
     source = np.frombuffer(region, np.uint8)[args.skew : args.skew + SOURCE_BYTES]
@@ -336,17 +389,19 @@ def main() -> int:
     # The ceiling: dd with O_DIRECT on the same disk, bs = DD_BS (the tier's
     # request size: a writer sends up to RUN_BYTES per request). The calibration
     # shows dd against its block size, so the choice can be checked.
-    cpu = {a: cpu_ceilings(a) for a in sorted({algo, "blake2b"})}
-    calib = calibrate(folder, total, args.reps)
-    rows = []
+    results["cpu_one_thread"] = {a: cpu_ceilings(a) for a in sorted({algo, "blake2b"})}
+    save("cpu")
+    results["dd_calibration"] = calibrate(folder, total, args.reps)
+    save("dd_calibration")
+    rows = results["rows"]
+    assert isinstance(rows, list)
     for block in blocks:
         for depth in depths:
-            rows.append(
-                paired_row(
-                    folder, source, block, depth, total, algo, args.backend, args.reps
-                )
+            r = paired_row(
+                folder, source, block, depth, total, algo, args.backend, args.reps
             )
-            r = rows[-1]
+            rows.append(r)
+            save(f"row {block >> 10} KiB x{depth}")
             print(
                 f"{block >> 10} KiB x{depth}: write {r['write_GBps']} "
                 f"(dd {r['dd_write_GBps']}, ratio {r['write/dd']} "
@@ -355,21 +410,28 @@ def main() -> int:
                 f"[{r['read/dd_min']}-{r['read/dd_max']}])",
                 flush=True,
             )
-    ceil = {"dd_16M_x4": dd(folder, total, DD_BS, streams=4)}
+    results["dd"] = {"dd_16M_x4": dd(folder, total, DD_BS, streams=4)}
+    save("dd")
     n = args.recovery_blocks or (20_000 if args.quick else 100_000)
-    recovery = (
+    results["recovery"] = (
         {} if args.skip_recovery else bench_recovery(folder, n, 4096, args.backend)
     )
+    save("recovery")
     folder.rmdir() if not any(folder.iterdir()) else None
+
+
+def report(results: dict[str, Any]) -> None:
+    rows, recovery = results["rows"], results["recovery"]
     cols = ["block_KiB", "depth", "GiB", "write_GBps", "dd_write_GBps", "write/dd"]
     cols += ["write/dd_min", "write/dd_max", "read_GBps", "dd_read_GBps", "read/dd"]
     print(table(rows, [*cols, "read/dd_min", "read/dd_max"]))
+    calib = results["dd_calibration"]
     print(table(calib, ["bs_MiB", "prealloc", "write_GBps", "read_GBps", "reps"]))
-    for name, c in ceil.items():
+    for name, c in results["dd"].items():
         print(
             f"{name} O_DIRECT: write {c['write']:.3f} GB/s, read {c['read']:.3f} GB/s"
         )
-    for a, c in cpu.items():
+    for a, c in results["cpu_one_thread"].items():
         print(
             f"{a} checksum {c['checksum']:.2f} GB/s, memcpy "
             f"{c['memcpy']:.2f} GB/s (one thread)"
@@ -381,27 +443,6 @@ def main() -> int:
             f"{recovery['recover_scan_s']} s (spilling them took "
             f"{recovery['spill_s']} s)"
         )
-    name = "ssd" + ("_quick" if args.quick else "")
-    name += "" if args.backend == "posix" else f"_{args.backend}"
-    out = write_json(
-        name,
-        {
-            "command": " ".join(sys.argv),
-            "backend": args.backend,
-            "checksum": algo,
-            "skew": args.skew,
-            "reps": args.reps,
-            "dd_bs": DD_BS,
-            "dd_calibration": calib,
-            "dd": ceil,
-            "cpu_one_thread": cpu,
-            "rows": rows,
-            "recovery": recovery,
-        },
-        args.json,
-    )
-    print(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ Layout
     files.py     start-up: path checks, reuse / reinitialise / refuse, prealloc
     io.py        FileIO interface, POSIX backend (O_DIRECT where allowed)
     kvikio_io.py kvikio backend (GDS or compat mode), imported lazily
+    recovery.py  start-up: journal replay or header scan, journal reopened
+    records.py   one request's bytes: a run's write parts, a piece read + verified
     store.py     files + rings + index + journal behind one lock
     tier.py      SsdTier: the seam the server calls
     config.py    SsdConfig (moves to pegaflow/config.py when wired in)
@@ -70,9 +72,11 @@ The seam (all of it; the server needs nothing else)
                                           "kvikio-gds" | "kvikio-compat"
     namespace_digest(name, signature)     16-byte on-disk namespace key
 
-Wired into the server by pegaflow/ssd.py (SsdLink): BlockStore._remove hands
-evicted ready blocks to spill() (slots freed on release, marshalled to the event
-loop), Engine.query answers `loading` and runs one load per missing prefix,
+Wired into the server by pegaflow/ssd.py (SsdLink): with --ssd-write-on seal,
+BlockStore.finish_save hands each block it makes ready to spill() (write-behind);
+BlockStore._remove hands evicted ready blocks not yet on SSD to spill() (slots
+freed on release, marshalled to the event loop), Engine.query answers
+`loading` and runs one load per missing prefix,
 pegaflow/cli.py builds SsdConfig into ServerConfig.ssd (--ssd-* flags),
 pegaflow/server.py closes the tier after the engine and before the pool, and
 pegaflow/metrics.py (SsdCollector) exports tier.stats().

@@ -15,6 +15,7 @@ from pegaflow.gds.format import ALIGN, SUPERBLOCK_BYTES, ChecksumName
 from pegaflow.gds.io import BackendName, DirectIO
 
 Admission = Literal["all", "seen_twice"]
+WriteOn = Literal["seal", "evict"]
 OnMismatch = Literal["reinit", "refuse"]
 MIN_FILE_BYTES = 1 << 20
 MAX_CAPACITY_BYTES = 1 << 62  # all files together; file offsets are int64
@@ -46,6 +47,12 @@ class SsdConfig:
     # list of keys remembers the first eviction), so one-off prefixes stay out.
     admission: Admission = "all"
     ghost_keys: int = 1 << 16
+    # "seal": every block is queued for the SSD when a save publishes it
+    # (write-behind: a restart or crash loses only what the queue had not
+    # written, and evicting a block already written frees its slots at once).
+    # "evict": a block goes to the SSD only when L1 evicts it. With
+    # "seen_twice", "seal" writes a block the second time it is saved or hit.
+    write_on: WriteOn = "evict"  # measured: benchmarks/RESULTS_ssd.md
     # Data files and the journal are fdatasync'ed at most this often. A process
     # crash loses nothing either way; after a power loss, blocks not yet synced
     # read back as checksum misses.
@@ -68,6 +75,8 @@ class SsdConfig:
             )
         for name, (lo, hi) in _INT_BOUNDS.items():
             check_int(f"ssd_{name}", getattr(self, name), lo, hi)
+        if self.write_on not in ("seal", "evict"):
+            raise ValueError(f"ssd_write_on: {self.write_on!r} is not seal or evict")
         check_seconds("ssd_sync_interval_s", self.sync_interval_s, 3600.0, zero_ok=True)
 
     @property

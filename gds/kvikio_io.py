@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import importlib
 import logging
 import os
 from collections.abc import Sequence
@@ -20,10 +21,24 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 
+def load_kvikio() -> tuple[Any, Any, Any]:
+    """(kvikio, kvikio.defaults, CuFile), each imported by name: kvikio 26.x no
+    longer imports `kvikio.defaults` from its package __init__, so reading it as
+    an attribute of the package fails. Nothing here reaches a submodule through
+    the package's attributes. CuFile comes from `kvikio.cufile` where the
+    package does not re-export it."""
+    kvikio = importlib.import_module("kvikio")
+    defaults = importlib.import_module("kvikio.defaults")
+    cufile = getattr(kvikio, "CuFile", None)
+    if cufile is None:
+        cufile = importlib.import_module("kvikio.cufile").CuFile
+    return kvikio, defaults, cufile
+
+
 def unavailable() -> str | None:
     """Why kvikio cannot be used here, or None when it can."""
     try:
-        import kvikio  # noqa: F401
+        load_kvikio()
     except ImportError as exc:
         return f"kvikio is not installed ({exc}); pip install 'pegaflow-py[gds]'"
     try:
@@ -39,11 +54,10 @@ def check(done: int, want: int, op: str, offset: int) -> None:
         raise OSError(errno.EIO, f"kvikio short {op} at {offset}: {done}/{want}")
 
 
-def _compat(kvikio: Any) -> bool:
+def _compat(defaults: Any) -> bool:
     """Whether kvikio will do POSIX I/O instead of cuFile (GDS). kvikio's
     default mode is AUTO, resolved at run time (no libcufile, no /run/udev, WSL:
     compat); ask kvikio for the resolved answer where it can give it."""
-    defaults = kvikio.defaults
     resolved = getattr(defaults, "is_compat_mode_preferred", None)
     if callable(resolved):
         return bool(resolved())
@@ -51,7 +65,7 @@ def _compat(kvikio: Any) -> bool:
     return str(getattr(mode, "name", mode)).upper() in ("ON", "TRUE", "1")
 
 
-def _configure(kvikio: Any, threads: int) -> dict[str, object]:
+def _configure(defaults: Any, threads: int) -> dict[str, object]:
     """O_DIRECT for kvikio's POSIX path (host buffers always take it, GDS or
     not) and a thread pool as deep as the tier's I/O threads: kvikio's default
     of one thread would serialise every request the tier has in flight.
@@ -64,13 +78,13 @@ def _configure(kvikio: Any, threads: int) -> dict[str, object]:
             want[f"auto_direct_io_{op}"] = True
     for name, value in want.items():
         try:
-            kvikio.defaults.set(name, value)
+            defaults.set(name, value)
         except (ValueError, KeyError, AttributeError, TypeError) as exc:
             logger.warning("kvikio: cannot set %s=%s (%s)", name, value, exc)
     got: dict[str, object] = {}
     for name in ("num_threads", "auto_direct_io_read", "auto_direct_io_write"):
         try:
-            got[name] = kvikio.defaults.get(name)
+            got[name] = defaults.get(name)
         except (ValueError, KeyError, AttributeError, TypeError):
             got[name] = "?"
     return got
@@ -78,18 +92,17 @@ def _configure(kvikio: Any, threads: int) -> dict[str, object]:
 
 class KvikioIO:
     def __init__(self, paths: Sequence[str], threads: int = 8) -> None:
-        import kvikio
-
-        settings = _configure(kvikio, threads)
+        kvikio, defaults, cufile = load_kvikio()
+        settings = _configure(defaults, threads)
         self.paths = list(paths)
         self.files: list[Any] = []
         try:
             for path in paths:
-                self.files.append(kvikio.CuFile(path, "r+"))
+                self.files.append(cufile(path, "r+"))
         except BaseException:
             self.close()
             raise
-        compat = _compat(kvikio)
+        compat = _compat(defaults)
         self.mode = "kvikio-compat" if compat else "kvikio-gds"
         direct = getattr(self.files[0], "is_direct_io_supported", lambda: "?")()
         logger.info(

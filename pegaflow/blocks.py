@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 Spill = Callable[[Key, np.ndarray], bool]
 # Called when a namespace's last entry (ready, in flight or pinned) goes.
 Emptied = Callable[[Namespace], None]
+# Write-behind hooks (the SSD tier): blocks a save just made ready; blocks hit.
+Published = Callable[[list["BlockEntry"]], None]
 _KEY = attrgetter("key")
 
 
@@ -107,6 +109,8 @@ class BlockStore:
         # asked or changed, so its order is the order of the requests.
         self._untouched: list[list[BlockEntry]] = []
         self.spill: Spill | None = None
+        self.sealed: Published | None = None
+        self.touched: Published | None = None
         # Entries per namespace id, and the namespace: when the count drops to
         # zero the namespace's index goes and `emptied` hears of it.
         self._held: dict[int, _Held] = {}
@@ -198,6 +202,8 @@ class BlockStore:
         owed, self._untouched = self._untouched, []
         for found in owed:
             self.policy.touch_many(list(map(_KEY, found)))
+            if self.touched is not None:
+                self.touched(found)
 
     def reserve_save(
         self, ns: Namespace, rank: int, hashes: list[BlockHash], layers: np.ndarray
@@ -283,6 +289,7 @@ class BlockStore:
         self.apply_touches()
         clear, rank, complete = ~res.mask, res.rank, res.complete
         failed: list[int] = []
+        sealed: list[BlockEntry] = []
         for entry in res.entries:
             entry.pins -= 1
             entry.in_flight &= clear
@@ -290,12 +297,15 @@ class BlockStore:
                 entry.landed |= res.mask
                 if entry.landed == complete and not entry.ready:
                     self._make_ready(entry)
+                    sealed.append(entry)
             elif not (entry.landed | entry.in_flight) & res.shard_mask:
                 failed.append(entry.slots[rank])
                 entry.slots[rank] = 0
                 self._drop_if_empty(entry.key, entry)
         if failed:
             self.slabs.free(np.asarray(failed, np.uint64))
+        if sealed and self.sealed is not None:
+            self.sealed(sealed)
 
     def _make_ready(self, entry: BlockEntry) -> None:
         entry.ready = True

@@ -251,15 +251,24 @@ def _ssd_flags(p: argparse.ArgumentParser) -> None:
         "--ssd-admission",
         choices=["all", "seen_twice"],
         default="all",
-        help="spill every block evicted from L1, or only those evicted twice "
-        "(default: all)",
+        help="write every block to SSD, or only one seen twice (with "
+        "--ssd-write-on seal: saved or hit a second time; evict: evicted a "
+        "second time) (default: all)",
+    )
+    p.add_argument(
+        "--ssd-write-on",
+        choices=["seal", "evict"],
+        default="evict",
+        help="queue a block for the SSD when a save completes it (write-behind: "
+        "it survives a restart, and its eviction frees its slots at once) or "
+        "only when L1 evicts it (default: evict; see the README)",
     )
     p.add_argument(
         "--ssd-queue-blocks",
         type=int,
         default=64,
-        help="spills waiting for the SSD writers; past this an evicted block is "
-        "dropped, never waited for (default: %(default)s)",
+        help="blocks waiting for the SSD writers; past this a block's write is "
+        "dropped and counted, never waited for (default: %(default)s)",
     )
     p.add_argument(
         "--ssd-on-mismatch",
@@ -285,6 +294,7 @@ def ssd_config(args: argparse.Namespace) -> SsdConfig | None:
         backend=args.ssd_backend,
         direct_io=args.ssd_direct_io,
         admission=args.ssd_admission,
+        write_on=args.ssd_write_on,
         queue_blocks=args.ssd_queue_blocks,
         on_mismatch=args.ssd_on_mismatch,
         show_progress=not args.no_progress,

@@ -1,15 +1,26 @@
-"""The L3 SSD tier wired into the engine: spill on L1 eviction, prefetch on an
-L1 miss. The bytes move in pegaflow.gds (SsdTier); this is bookkeeping on the
-event loop only.
+"""The L3 SSD tier wired into the engine: write-behind when a save seals a
+block (or spill on L1 eviction), prefetch on an L1 miss. The bytes move in
+pegaflow.gds (SsdTier); this is bookkeeping on the event loop only.
 
-Spill: BlockStore calls `spill(key, slots)` when it evicts a ready block. If the
-tier queues it, the slots stay allocated (out of the allocator's reach) until the
-tier's writer has written them (straight from the slots where they are 4 KiB-
-aligned, else through a copy) and its `release` callback hands them back to
-the loop; otherwise BlockStore frees them at once. A save never waits for the SSD,
-so an allocation at a full pool evicts until a victim's spill is refused (queue
-full): one burst moves up to --ssd-queue-blocks LRU blocks to SSD, and their
-slots come back as soon as the loop runs the writers' releases.
+Write-behind (--ssd-write-on seal): BlockStore calls `sealed(entries)` with the
+blocks a save just made ready, and each is queued for the tier straight from its
+slots (a full queue drops it, counted; the save never waits). The block stays
+ready in L1 meanwhile: its bytes do not change once ready. If L1 evicts it
+before the writer is done, its slots stay allocated until the tier's release;
+if it is already on the SSD, its slots are freed at once; one that never got
+queued (dropped, not admitted) is spilled on eviction as below. With
+--ssd-admission seen_twice the tier's ghost list sees a block at its seal and
+again at a hit or a second save (or its eviction), and writes it then.
+
+Spill (--ssd-write-on evict, and the fallback above): BlockStore calls
+`spill(key, slots)` when it evicts a ready block. If the tier queues it, the
+slots stay allocated (out of the allocator's reach) until the tier's writer has
+written them (straight from the slots where they are 4 KiB-aligned, else through
+a copy) and its `release` callback hands them back to the loop; otherwise
+BlockStore frees them at once. A save never waits for the SSD, so an allocation
+at a full pool evicts until a victim's spill is refused (queue full): one burst
+moves up to --ssd-queue-blocks LRU blocks to SSD, and their slots come back as
+soon as the loop runs the writers' releases.
 TODO(issue 5): spill ahead of a low watermark, so saves find free slots instead.
 
 Prefetch: a query that misses L1 at block i asks the tier how many of the blocks
@@ -24,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,6 +47,15 @@ from pegaflow.keys import BlockHash, Key
 from pegaflow.metrics import Metrics
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Writing:
+    """A sealed block the tier is writing from its L1 slots."""
+
+    slots: np.ndarray
+    nbytes: int
+    evicted: bool = False  # L1 let it go: free the slots at release
 
 
 class SsdLink:
@@ -62,7 +84,19 @@ class SsdLink:
         # query finds its first missing block here and answers `loading` again.
         self._loading: dict[Key, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        store.spill = self.spill
+        # Write-behind: blocks being written from their slots; ready blocks
+        # whose write was refused at the seal (not admitted, queue full), to be
+        # offered again at a hit while the tier's admission is seen_twice.
+        self._writing: dict[Key, _Writing] = {}
+        self._unwritten: dict[Key, BlockEntry] = {}
+        self._seen_twice = tier.config.admission == "seen_twice"
+        if tier.config.write_on == "seal":
+            store.sealed = self.sealed
+            store.spill = self.evicted
+            if self._seen_twice:
+                store.touched = self.touched
+        else:
+            store.spill = self.spill
 
     def _namespace(self, ns_id: int) -> tuple[bytes, int]:
         """(on-disk namespace digest, slot bytes per shard) of a namespace id."""
@@ -86,25 +120,72 @@ class SsdLink:
             self._metrics.ssd_spills_refused.inc()
             return False
         loop = asyncio.get_running_loop()
-        release = functools.partial(self._release, loop, slots, nbytes)
+        release = functools.partial(self._release, loop, self._released, slots, nbytes)
         if not self.tier.spill(digest, key[1], slots, slot_bytes, release):
             return False
         self._held += nbytes
         return True
 
+    @staticmethod
     def _release(
-        self, loop: asyncio.AbstractEventLoop, slots: np.ndarray, nbytes: int
+        loop: asyncio.AbstractEventLoop, then: Callable[..., None], *args: object
     ) -> None:
         """From a writer thread: the slots' bytes are written (or copied out);
-        the allocator is the loop's, so the free runs there."""
+        the allocator is the loop's, so `then` runs there."""
         try:
-            loop.call_soon_threadsafe(self._released, slots, nbytes)
+            loop.call_soon_threadsafe(then, *args)
         except RuntimeError:  # loop closed at shutdown: the pool goes with it
             logger.debug("ssd release after the loop closed")
 
     def _released(self, slots: np.ndarray, nbytes: int) -> None:
         self._store.slabs.free(slots)
         self._held -= nbytes
+
+    # -- write-behind -----------------------------------------------------------
+    def sealed(self, entries: list[BlockEntry]) -> None:
+        """A save made these blocks ready: queue each for the SSD."""
+        for entry in entries:
+            self._write(entry)
+
+    def touched(self, entries: list[BlockEntry]) -> None:
+        """Blocks hit in L1: a second sighting for those not yet written."""
+        if not self._unwritten:
+            return
+        for entry in entries:
+            if self._unwritten.get(entry.key) is entry:
+                self._write(entry)
+
+    def _write(self, entry: BlockEntry) -> None:
+        key = entry.key
+        digest, slot_bytes = self._namespace(key[0])
+        slots = entry.slot_array()
+        loop = asyncio.get_running_loop()
+        release = functools.partial(self._release, loop, self._written, key)
+        if self.tier.spill(digest, key[1], slots, slot_bytes, release):
+            self._writing[key] = _Writing(slots, slot_bytes * len(slots))
+            self._unwritten.pop(key, None)
+        elif self._seen_twice:
+            self._unwritten[key] = entry
+
+    def _written(self, key: Key) -> None:
+        w = self._writing.pop(key)
+        if w.evicted:
+            self._store.slabs.free(w.slots)
+            self._held -= w.nbytes
+
+    def evicted(self, key: Key, slots: np.ndarray) -> bool:
+        """L1 evicts a ready block (write-behind): True when its slots are
+        kept until a write from them is done, False when they are free now."""
+        self._unwritten.pop(key, None)
+        w = self._writing.get(key)
+        if w is not None and not w.evicted and np.array_equal(w.slots, slots):
+            w.evicted = True  # the writer still reads them
+            self._held += w.nbytes
+            return True
+        digest, _ = self._namespace(key[0])
+        if self.tier.lookup(digest, [key[1]]):
+            return False  # already on the SSD
+        return self.spill(key, slots)
 
     # -- prefetch ---------------------------------------------------------------
     def loading(

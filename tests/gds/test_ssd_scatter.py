@@ -305,6 +305,7 @@ def test_kvikio_reads_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         CuFile=_FakeCuFile, defaults=defaults, __version__="fake"
     )
     monkeypatch.setitem(sys.modules, "kvikio", fake)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)  # a submodule
     monkeypatch.setattr(kvikio_io, "unavailable", lambda: None)
     monkeypatch.setattr(_FakeCuFile, "reads", [])
     cfg = config(tmp_path, capacity=32 << 20, backend="kvikio", read_threads=1)

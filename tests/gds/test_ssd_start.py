@@ -164,6 +164,7 @@ def test_kvikio_backend_same_format(
         CuFile=_FakeCuFile, defaults=defaults, __version__="fake"
     )
     monkeypatch.setitem(sys.modules, "kvikio", fake)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)  # a submodule
     monkeypatch.setattr(kvikio_io, "unavailable", lambda: None)
     with opened(config(tmp_path, backend="kvikio")) as tier:
         assert tier.mode == "kvikio-compat"

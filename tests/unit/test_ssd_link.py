@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -22,6 +23,8 @@ SLOT = 4096
 class FakeTier:
     """Queues up to `queue` spills (never written: the test releases them);
     holds loads until the test completes them."""
+
+    config = SimpleNamespace(write_on="evict", admission="all")
 
     def __init__(self, queue: int = 2) -> None:
         self.spills: list[tuple[bytes, np.ndarray, object]] = []

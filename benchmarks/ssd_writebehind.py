@@ -1,0 +1,150 @@
+"""Write-behind cost: host-path save GB/s with no SSD tier, with
+--ssd-write-on evict and with --ssd-write-on seal (same pool, a working set
+larger than the pool so L1 evicts), the SSD write GB/s each reached next to a
+paired dd of the same bytes on the same disk, and the writes dropped (queue
+full) under a save burst larger than the disk absorbs.
+
+    python benchmarks/ssd_writebehind.py                 # files in /var/tmp
+    python benchmarks/ssd_writebehind.py --quick         # small, a smoke check
+    python benchmarks/ssd_writebehind.py --dir /mnt/nvme/x
+
+JSON: benchmarks/results/ssd_writebehind[_quick].json (or --json), rewritten
+atomically after every mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import table, write_json  # noqa: E402
+from benchmarks.ssd import dd  # noqa: E402
+from pegaflow.client import PegaflowClient  # noqa: E402
+from pegaflow.kv_layouts import describe, vllm_layer_views  # noqa: E402
+from pegaflow.spawn import spawn_server  # noqa: E402
+
+PAGE = 64 << 10
+LAYERS = 4  # one block = 4 x 64 KiB = 256 KiB
+BATCH = 64  # blocks per save
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metrics(http: str) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read()
+    out: dict[str, float] = {}
+    for line in body.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(value)
+    return out
+
+
+def _drained(http: str, timeout: float = 300.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = _metrics(http)
+        if m.get("pegaflow_ssd_queue_depth", 0) == 0:
+            return m
+        time.sleep(0.02)
+    raise RuntimeError("ssd queue did not drain")
+
+
+def run_mode(mode: str, pool: str, blocks: int, folder: Path) -> dict[str, object]:
+    """Save `blocks` fresh blocks in batches of BATCH as fast as one client
+    can; the tier (if any) in `folder`."""
+    http = f"127.0.0.1:{_free_port()}"
+    args = ["--pool-size", pool, "--no-progress", "--http-addr", http]
+    if mode != "none":
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        args += ["--ssd-cache-path", str(folder / "ssd0.bin")]
+        args += ["--ssd-cache-capacity", f"{2 * blocks * LAYERS * PAGE}"]
+        args += ["--ssd-write-on", mode, "--ssd-backend", "posix"]
+    proc, addr = spawn_server("--log-level", "warning", *args)
+    buf = np.empty(LAYERS * BATCH * 2 * PAGE, np.uint8)
+    buf[:] = np.frombuffer(np.random.default_rng(0).bytes(buf.nbytes), np.uint8)
+    views = vllm_layer_views(buf, LAYERS, BATCH * 2, (PAGE,))
+    mem = describe(views)
+    try:
+        with PegaflowClient(addr, timeout_s=120) as client:
+            client.register_host("b", "bench-wb", os.getpid(), mem.regions, mem.layers)
+            stored = 0
+            t0 = time.perf_counter()
+            for _ in range(blocks // BATCH):
+                hs = [secrets.token_bytes(32) for _ in range(BATCH)]
+                stored += client.save("b", np.arange(BATCH), hs).stored
+            save_s = time.perf_counter() - t0
+            m = _drained(http) if mode != "none" else _metrics(http)
+            drain_s = time.perf_counter() - t0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    nbytes = blocks * LAYERS * PAGE
+    written = m.get("pegaflow_ssd_written_bytes_total", 0.0)
+    row: dict[str, object] = {
+        "mode": mode,
+        "GiB_saved": round(nbytes / (1 << 30), 2),
+        "stored": stored,
+        "save_GBps": round(nbytes / save_s / 1e9, 3),
+        "evictions": int(m.get("pegaflow_evictions_total", 0)),
+        "ssd_written_GiB": round(written / (1 << 30), 3),
+        "ssd_write_GBps": round(written / drain_s / 1e9, 3) if written else 0.0,
+        "dropped": int(m.get("pegaflow_ssd_spills_dropped_total", 0)),
+        "refused_held": int(m.get("pegaflow_ssd_spills_refused_total", 0)),
+    }
+    if written:  # the paired ceiling: dd of the same bytes on the same disk
+        row["dd_write_GBps"] = round(dd(folder, int(written), 16 << 20)["write"], 3)
+        row["write/dd"] = round(float(row["ssd_write_GBps"]) / row["dd_write_GBps"], 2)
+        shutil.rmtree(folder, ignore_errors=True)
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default="/var/tmp/pegaflow-wb-bench")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--reps", type=int, default=None, help="rounds of the 3 modes")
+    p.add_argument("--json")
+    args = p.parse_args()
+    pool = "128mb" if args.quick else "1gb"
+    pool_blocks = (128 if args.quick else 1024) << 20 >> 18  # 256 KiB blocks
+    blocks = 3 * pool_blocks // BATCH * BATCH  # 3x the pool: L1 evicts
+    reps = args.reps or (1 if args.quick else 3)
+    name = "ssd_writebehind" + ("_quick" if args.quick else "")
+    results: dict[str, object] = {"command": " ".join(sys.argv), "rows": []}
+    rows = results["rows"]
+    assert isinstance(rows, list)
+    for rep in range(reps):  # modes interleaved: drift hits all alike
+        for mode in ("none", "evict", "seal"):
+            rows.append({"rep": rep, **run_mode(mode, pool, blocks, Path(args.dir))})
+            write_json(name, results, args.json)
+            print(rows[-1], flush=True)
+    cols = ["rep", "mode", "GiB_saved", "stored", "save_GBps", "evictions"]
+    cols += ["ssd_written_GiB", "ssd_write_GBps", "dropped", "refused_held"]
+    print(table(rows, cols))
+    for mode in ("none", "evict", "seal"):
+        got = [r["save_GBps"] for r in rows if r["mode"] == mode]
+        print(f"{mode}: median save {np.median(got):.3f} GB/s")
+    print(f"wrote {write_json(name, results, args.json)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

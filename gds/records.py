@@ -1,0 +1,205 @@
+"""Record bytes of one request: the parts of a run to write (header pages built,
+unaligned payloads staged) and the parts of a piece to read back, verified.
+
+No bookkeeping and no lock here: the store has made the records busy (being
+written, or pinned for reading) before it calls in, so their space is safe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+
+from pegaflow.gds.format import (
+    ALIGN,
+    HEADER_BYTES,
+    FormatError,
+    RecordHeader,
+    hash_parts,
+)
+from pegaflow.gds.io import AlignedBuffer, FileIO, Part, host_view
+from pegaflow.gds.ring import Record
+from pegaflow.runs import merge_parts
+
+logger = logging.getLogger(__name__)
+
+_ZERO_PAGE = bytes(HEADER_BYTES)
+
+
+def gather(
+    run: list[Record],
+    payloads: Sequence[Sequence[Part]],
+    buf: AlignedBuffer,
+    store_id: bytes,
+) -> tuple[list[Part], bool]:
+    """Checksum each payload, build its header page in buf, stage the payloads
+    that cannot be written in place. Returns the run's parts in file order
+    (contiguous ones merged) and whether any payload is written in place."""
+    direct = [
+        all(a % ALIGN == 0 and n % ALIGN == 0 for a, n in parts) for parts in payloads
+    ]
+    buf.ensure(
+        sum(
+            HEADER_BYTES if d else rec.length
+            for rec, d in zip(run, direct, strict=True)
+        )
+    )
+    iov: list[Part] = []
+    at = 0
+    for rec, parts, d in zip(run, payloads, direct, strict=True):
+        if sum(n for _, n in parts) != rec.payload_len:
+            raise ValueError(f"payload of {rec.payload_len} B given in other parts")
+        head = buf.address + at
+        if d:
+            views = [host_view(a, n) for a, n in parts]
+            iov.append((head, HEADER_BYTES))
+            iov.extend(parts)
+            at += HEADER_BYTES
+        else:
+            dst = head + HEADER_BYTES
+            for a, n in parts:
+                ctypes.memmove(dst, a, n)
+                dst += n
+            ctypes.memset(dst, 0, rec.length - HEADER_BYTES - rec.payload_len)
+            start = at + HEADER_BYTES
+            views = [buf.view(start, start + rec.payload_len)]
+            iov.append((head, rec.length))
+            at += rec.length
+        rec.checksum = hash_parts(rec.checksum_id, views)
+        page = buf.view(head - buf.address, head - buf.address + HEADER_BYTES)
+        page[:] = _ZERO_PAGE  # no stale bytes from the last run
+        RecordHeader(
+            rec.ns_digest,
+            rec.block_hash,
+            store_id,
+            rec.seq,
+            rec.payload_len,
+            rec.checksum,
+            rec.checksum_id,
+        ).pack_into(page)
+    return merge_parts(iov), any(direct)
+
+
+def read_pieces(
+    io: FileIO,
+    store_id: bytes,
+    run: list[Record],
+    dests: Sequence[Sequence[int]],
+    each: int,
+    buf: AlignedBuffer,
+    ok: list[bool],
+    failures: list[tuple[Record, str]],
+) -> None:
+    """read_piece over the records of `run` that fit the caller's geometry, in
+    pieces of back-to-back ones (one request per piece); ok[i] set per record.
+    A record of other geometry is left False (and not a failure)."""
+    piece: list[int] = []
+    for i, rec in enumerate([*run, None]):
+        if piece and (
+            rec is None
+            or rec.file != run[piece[-1]].file
+            or rec.offset != run[piece[-1]].offset + run[piece[-1]].length
+            or rec.payload_len != len(dests[i]) * each
+        ):
+            got = read_piece(
+                io,
+                store_id,
+                [run[j] for j in piece],
+                [dests[j] for j in piece],
+                each,
+                buf,
+                failures,
+            )
+            for j, good in zip(piece, got, strict=True):
+                ok[j] = good
+            piece = []
+        if rec is not None and rec.payload_len == len(dests[i]) * each:
+            piece.append(i)
+
+
+def read_piece(
+    io: FileIO,
+    store_id: bytes,
+    recs: list[Record],
+    dests: Sequence[Sequence[int]],
+    each: int,
+    buf: AlignedBuffer,
+    failures: list[tuple[Record, str]],
+) -> list[bool]:
+    """Read records that lie back to back in one file in one request and
+    verify each; ok per record. A record whose slots (dests[i], `each` bytes
+    apiece) are all 4 KiB-aligned is read straight into them; any other into
+    buf, verified there and copied out. Each failed record is added to
+    `failures` with the counter it bumps (the caller drops it)."""
+    direct = each % ALIGN == 0
+    in_place = [direct and all(a % ALIGN == 0 for a in d) for d in dests]
+    buf.ensure(
+        sum(
+            HEADER_BYTES if p else rec.length
+            for rec, p in zip(recs, in_place, strict=True)
+        )
+    )
+    iov: list[Part] = []
+    where: list[int] = []  # each record's header page (or whole record) in buf
+    at = 0
+    for rec, d, p in zip(recs, dests, in_place, strict=True):
+        where.append(at)
+        if p:
+            iov.append((buf.address + at, HEADER_BYTES))
+            iov.extend((a, each) for a in d)
+            at += HEADER_BYTES
+        else:
+            iov.append((buf.address + at, rec.length))
+            at += rec.length
+    try:
+        io.preadv(recs[0].file, merge_parts(iov), recs[0].offset)
+    except OSError as exc:
+        logger.warning(
+            "ssd read of %d B failed: %s",
+            recs[-1].offset + recs[-1].length - recs[0].offset,
+            exc,
+        )
+        failures.extend((rec, "read_errors") for rec in recs)
+        return [False] * len(recs)
+    ok = []
+    for rec, d, p, head in zip(recs, dests, in_place, where, strict=True):
+        if p:
+            payload = [host_view(a, each) for a in d]
+        else:
+            lo = head + HEADER_BYTES
+            payload = [buf.view(lo, lo + rec.payload_len)]
+        failure = verify(rec, store_id, buf.view(head, head + HEADER_BYTES), payload)
+        if failure:
+            failures.append((rec, failure))
+            ok.append(False)
+            continue
+        if not p:
+            src = buf.address + head + HEADER_BYTES
+            for i, dest in enumerate(d):
+                ctypes.memmove(dest, src + i * each, each)
+        ok.append(True)
+    return ok
+
+
+def verify(
+    rec: Record, store_id: bytes, page: memoryview, payload: list[memoryview]
+) -> str:
+    """The counter to bump, or "" when the record is intact and the one
+    indexed: its header page, then the payload's parts (back to back)."""
+    try:
+        head = RecordHeader.unpack(page)
+    except FormatError:
+        return "header_mismatches"
+    expect = (store_id, rec.seq, rec.ns_digest, rec.block_hash)
+    got = (head.store_id, head.seq, head.ns_digest, head.block_hash)
+    if got != expect or head.payload_len != rec.payload_len:
+        return "header_mismatches"
+    if head.checksum != rec.checksum or head.checksum_id != rec.checksum_id:
+        return "header_mismatches"
+    try:
+        if hash_parts(head.checksum_id, payload) != head.checksum:
+            return "checksum_failures"
+    except (FormatError, ImportError):
+        return "checksum_failures"
+    return ""
