@@ -49,7 +49,7 @@ class CopyKernels:
 
         `t` names bytes by absolute address (`Buffer.address` space); every
         range must lie inside its buffer and destinations must not overlap, or
-        InvalidRequest names the field. `max_blocks` caps the CUDA grid (SM
+        InternalError names the field. `max_blocks` caps the CUDA grid (SM
         share); `width` caps the store size (16, 8, or 1 = bytes only).
         """
         check_launch(width, max_blocks)

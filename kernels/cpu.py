@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pegaflow.errors import InvalidRequest
+from pegaflow.errors import InternalError
 
 from .base import CopyKernels
 from .plan import Buffer, aligned_empty, check_buffer
@@ -67,7 +67,7 @@ def wrap(
 def wrap_array(obj: np.ndarray) -> Buffer:
     """A buffer over a C-contiguous numpy array's bytes."""
     if not isinstance(obj, np.ndarray) or not obj.flags.c_contiguous:
-        raise InvalidRequest("array: need a C-contiguous numpy array")
+        raise InternalError("array: need a C-contiguous numpy array")
     return wrap(obj.ctypes.data, obj.nbytes, owner=obj)
 
 

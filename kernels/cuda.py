@@ -46,7 +46,7 @@ from numba import cuda  # noqa: E402
 from numba.cuda import types  # noqa: E402
 from numba.cuda.core import config  # noqa: E402
 
-from pegaflow.errors import CopyFailed, InvalidRequest  # noqa: E402
+from pegaflow.errors import CopyFailed, InternalError  # noqa: E402
 
 from .base import CopyKernels  # noqa: E402
 from .plan import Buffer, aligned_empty, check_buffer, split_table  # noqa: E402
@@ -248,7 +248,7 @@ def _device_alias(address: int) -> int:
     try:
         return int(_check(driver.cuMemHostGetDevicePointer(address, 0), "map"))
     except CopyFailed as e:
-        raise InvalidRequest(f"address: {address:#x} is not mapped pinned: {e}") from e
+        raise InternalError(f"address: {address:#x} is not mapped pinned: {e}") from e
 
 
 def wrap(
@@ -276,7 +276,7 @@ def wrap_array(obj: Any) -> Buffer:
     if cai is None and isinstance(obj, np.ndarray) and obj.flags.c_contiguous:
         return wrap(obj.ctypes.data, obj.nbytes, mapped=True, owner=obj)
     if cai is None or cai.get("strides") is not None:
-        raise InvalidRequest("array: need a contiguous CUDA or mapped numpy array")
+        raise InternalError("array: need a contiguous CUDA or mapped numpy array")
     nbytes = int(np.prod(cai["shape"])) * np.dtype(cai["typestr"]).itemsize
     return wrap(cai["data"][0], nbytes, owner=obj)
 

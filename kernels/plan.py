@@ -17,8 +17,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pegaflow.errors import InvalidRequest
+from pegaflow.errors import InternalError
 from pegaflow.layout import Transfers
+from pegaflow.runs import merge_adjacent
 
 Width = Literal[1, 8, 16]
 Direction = Literal["gather", "scatter"]
@@ -57,19 +58,19 @@ class StageChunk:
 def check_buffer(address: int, device_address: int, nbytes: int) -> None:
     """A buffer must be a real, 16-byte aligned range (the 16-byte path needs it)."""
     if nbytes < ALIGN:
-        raise InvalidRequest(f"nbytes: {nbytes}, need at least {ALIGN}")
+        raise InternalError(f"nbytes: {nbytes}, need at least {ALIGN}")
     for field, value in (("address", address), ("device_address", device_address)):
         if value <= 0 or value + nbytes > 1 << 64:
-            raise InvalidRequest(f"{field}: {value:#x} (+{nbytes}) is not a range")
+            raise InternalError(f"{field}: {value:#x} (+{nbytes}) is not a range")
         if value % ALIGN:
-            raise InvalidRequest(f"{field}: {value:#x} is not {ALIGN}-byte aligned")
+            raise InternalError(f"{field}: {value:#x} is not {ALIGN}-byte aligned")
 
 
 def check_launch(width: int, max_blocks: int | None) -> None:
     if width not in WIDTHS:
-        raise InvalidRequest(f"width: {width}, need one of {WIDTHS}")
+        raise InternalError(f"width: {width}, need one of {WIDTHS}")
     if max_blocks is not None and max_blocks < 1:
-        raise InvalidRequest(f"max_blocks: {max_blocks}, need >= 1 or None")
+        raise InternalError(f"max_blocks: {max_blocks}, need >= 1 or None")
 
 
 def descriptor_table(src: Buffer, dst: Buffer, t: Transfers) -> np.ndarray:
@@ -87,15 +88,15 @@ def descriptor_table(src: Buffer, dst: Buffer, t: Transfers) -> np.ndarray:
 
 def _check_arrays(t: Transfers) -> None:
     if not isinstance(t, Transfers):
-        raise InvalidRequest(f"transfers: expected Transfers, got {type(t).__name__}")
+        raise InternalError(f"transfers: expected Transfers, got {type(t).__name__}")
     n = None
     for field in ("src", "dst", "nbytes"):
         a = getattr(t, field)
         if not isinstance(a, np.ndarray) or a.dtype != np.uint64 or a.ndim != 1:
             what = getattr(a, "dtype", type(a).__name__)
-            raise InvalidRequest(f"transfers.{field}: need 1-D uint64, got {what}")
+            raise InternalError(f"transfers.{field}: need 1-D uint64, got {what}")
         if n is not None and len(a) != n:
-            raise InvalidRequest(f"transfers.{field}: {len(a)} rows, src has {n}")
+            raise InternalError(f"transfers.{field}: {len(a)} rows, src has {n}")
         n = len(a)
 
 
@@ -104,7 +105,7 @@ def _check_inside(field: str, off: np.ndarray, nbytes: np.ndarray, size: int) ->
     bad = (off > cap) | (nbytes > cap - off)  # no overflow: off <= cap when read
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise InvalidRequest(
+        raise InternalError(
             f"{field}[{i}]: {int(nbytes[i])} bytes at offset {int(off[i])} "
             f"(wrapped if huge) leave the {size}-byte buffer"
         )
@@ -124,7 +125,7 @@ def _check_disjoint(field: str, off: np.ndarray, nbytes: np.ndarray) -> None:
     clash = np.flatnonzero(end[:-1] > start[1:])
     if clash.size:
         i = int(order[clash[0] + 1])
-        raise InvalidRequest(f"{field}[{i}]: overlaps another destination range")
+        raise InternalError(f"{field}[{i}]: overlaps another destination range")
 
 
 def split_table(table: np.ndarray, rows: int, min_piece: int) -> np.ndarray:
@@ -164,7 +165,7 @@ def stage_chunks(
     open; aligned pages pack back to back and their runs merge.
     """
     if capacity < STAGE_ALIGN:
-        raise InvalidRequest(f"staging: capacity {capacity} is below {STAGE_ALIGN}")
+        raise InternalError(f"staging: capacity {capacity} is below {STAGE_ALIGN}")
     dev_row, host_row = (0, 1) if direction == "gather" else (1, 0)
     table = table[:, table[2] > 0]
     nbytes = table[2]
@@ -172,7 +173,7 @@ def stage_chunks(
     padded = (skew + nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN
     if padded.size and padded.max() > capacity:
         i = int(np.argmax(padded))
-        raise InvalidRequest(
+        raise InternalError(
             f"transfers.nbytes: {int(nbytes[i])} bytes in one descriptor exceed "
             f"the {capacity}-byte staging buffer"
         )
@@ -197,11 +198,8 @@ def stage_chunks(
 
 def _runs(host: np.ndarray, stage: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     """[3, k]: staging offset, host offset, nbytes of each contiguous stretch."""
-    joined = (host[1:] == host[:-1] + nbytes[:-1]) & (
-        stage[1:] == stage[:-1] + nbytes[:-1]
-    )
-    first = np.flatnonzero(np.concatenate(([True], ~joined)))
-    return np.stack([stage[first], host[first], np.add.reduceat(nbytes, first)])
+    (stage, host), nbytes = merge_adjacent([stage, host], nbytes)
+    return np.stack([stage, host, nbytes])
 
 
 def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:

@@ -27,8 +27,9 @@ from typing import Literal
 import numpy as np
 
 from pegaflow import deadlines
-from pegaflow.errors import CopyFailed, InvalidRequest
+from pegaflow.errors import CopyFailed, InternalError, InvalidRequest
 from pegaflow.layout import Transfers
+from pegaflow.runs import merge_adjacent
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +99,8 @@ def _coalesce(
     local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge runs where both sides continue exactly where the previous ended."""
-    prev_end = nbytes[:-1]
-    joins = (local[1:] == local[:-1] + prev_end) & (
-        remote[1:] == remote[:-1] + prev_end
-    )
-    first = np.flatnonzero(np.concatenate(([True], ~joins)))
-    return local[first], remote[first], np.add.reduceat(nbytes, first)
+    (local, remote), nbytes = merge_adjacent([local, remote], nbytes)
+    return local, remote, nbytes
 
 
 def _iovecs(addr: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
@@ -317,7 +314,7 @@ class HostCopyEngine:
         deadline: float | None,
     ) -> None:
         if not len(local) == len(remote) == len(nbytes):
-            raise InvalidRequest(
+            raise InternalError(
                 f"transfers: src, dst, nbytes lengths differ "
                 f"({len(local)}, {len(remote)}, {len(nbytes)})"
             )
@@ -357,7 +354,7 @@ class HostCopyEngine:
         if bad >= 0:
             field = "src" if op == "gather" else "dst"
             a, s = int(remote[bad]), int(n[bad])
-            raise InvalidRequest(
+            raise InternalError(
                 f"transfers.{field}[{bad}]: [{a:#x}, {a + s:#x}) is outside the "
                 f"regions registered for process {regions.pid}"
             )

@@ -26,7 +26,7 @@ if hasattr(np, "row_stack"):
     del np.row_stack
 
 from pegaflow import kernels  # noqa: E402
-from pegaflow.errors import InvalidRequest  # noqa: E402
+from pegaflow.errors import InternalError  # noqa: E402
 from pegaflow.layout import Transfers  # noqa: E402
 from tests.kernels.kernel_cases import all_cases, check, host_alloc, run_case  # noqa: E402
 
@@ -48,7 +48,7 @@ def rejects_bad_requests() -> None:
     for call in (k.gather, k.scatter):
         try:
             call(src, dst, t, stream=k.stream())
-        except InvalidRequest as e:
+        except InternalError as e:
             assert "transfers.src[0]" in str(e), e
         else:
             raise AssertionError("out-of-bounds source accepted")

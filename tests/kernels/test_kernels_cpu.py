@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pegaflow import kernels
-from pegaflow.errors import InvalidRequest
+from pegaflow.errors import InternalError
 from pegaflow.layout import Transfers
 from tests.kernels.kernel_cases import (
     Case,
@@ -84,7 +84,7 @@ def _t(src: object, dst: object, rows: list[tuple[int, int, int]]) -> Transfers:
 )
 def test_out_of_bounds_and_overlap_rejected(rows: list, field: str) -> None:
     src, dst = _setup()
-    with pytest.raises(InvalidRequest, match=field):
+    with pytest.raises(InternalError, match=field):
         cpu.gather(src, dst, _t(src, dst, rows), stream=None)
 
 
@@ -95,33 +95,33 @@ def test_below_base_rejected() -> None:
         np.array([dst.address], np.uint64),
         np.array([16], np.uint64),
     )
-    with pytest.raises(InvalidRequest, match=r"transfers\.src\[0\]"):
+    with pytest.raises(InternalError, match=r"transfers\.src\[0\]"):
         cpu.copy_descriptors(src, dst, t, stream=None)
 
 
 def test_bad_tables_and_launch_args_rejected() -> None:
     src, dst = _setup()
     ok = _t(src, dst, [(0, 0, 16)])
-    with pytest.raises(InvalidRequest, match=r"transfers\.nbytes"):
+    with pytest.raises(InternalError, match=r"transfers\.nbytes"):
         cpu.scatter(
             src, dst, replace(ok, nbytes=ok.nbytes.astype(np.int64)), stream=None
         )
-    with pytest.raises(InvalidRequest, match=r"transfers\.dst: 2 rows"):
+    with pytest.raises(InternalError, match=r"transfers\.dst: 2 rows"):
         bad = Transfers(ok.src, np.repeat(ok.dst, 2), ok.nbytes)
         cpu.scatter(src, dst, bad, stream=None)
-    with pytest.raises(InvalidRequest, match="width"):
+    with pytest.raises(InternalError, match="width"):
         cpu.gather(src, dst, ok, stream=None, width=4)  # type: ignore[arg-type]
-    with pytest.raises(InvalidRequest, match="max_blocks"):
+    with pytest.raises(InternalError, match="max_blocks"):
         cpu.gather(src, dst, ok, stream=None, max_blocks=0)
 
 
 def test_wrap_checks_alignment_and_size() -> None:
     mem = kernels.plan.aligned_empty(64)
-    with pytest.raises(InvalidRequest, match="address"):
+    with pytest.raises(InternalError, match="address"):
         cpu.wrap(mem.ctypes.data + 8, 32)
-    with pytest.raises(InvalidRequest, match="nbytes"):
+    with pytest.raises(InternalError, match="nbytes"):
         cpu.wrap(mem.ctypes.data, 8)
-    with pytest.raises(InvalidRequest, match="array"):
+    with pytest.raises(InternalError, match="array"):
         cpu.wrap_array(np.zeros((4, 8), np.uint8)[:, :4])
 
 
@@ -140,7 +140,7 @@ def test_staging_keeps_device_alignment_and_rejects_huge_pages() -> None:
     (chunk,) = kernels.plan.stage_chunks(table, 64, "scatter")
     assert (chunk.table[0] % 16).tolist() == [0, 4]  # as device offsets 0, 100
     assert chunk.runs[0].tolist() == [3, 40]  # scatter runs read the host
-    with pytest.raises(InvalidRequest, match="staging"):
+    with pytest.raises(InternalError, match="staging"):
         kernels.plan.stage_chunks(table, 16, "gather")
 
 

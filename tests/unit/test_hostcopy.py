@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pegaflow import hostcopy
-from pegaflow.errors import CopyFailed, InvalidRequest
+from pegaflow.errors import CopyFailed, InternalError, InvalidRequest
 from pegaflow.hostcopy import IOV_MAX, HostCopyEngine
 from pegaflow.layout import KVGeometry, LayerLayout, Segment, Transfers
 
@@ -253,11 +253,11 @@ def test_out_of_region_descriptor_copies_nothing(
     local = pool.ctypes.data + np.arange(3, dtype=np.uint64) * PAGE
     remote = child.base + np.array([0, PAGE, SIZE // 2 - PAGE // 2], np.uint64)
     t = Transfers(remote, local, np.full(3, PAGE, np.uint64))
-    with pytest.raises(InvalidRequest, match=r"transfers\.src\[2\]"):
+    with pytest.raises(InternalError, match=r"transfers\.src\[2\]"):
         engine.gather(regions, t)
     assert not pool.any()
     pool[:] = 7
-    with pytest.raises(InvalidRequest, match=r"transfers\.dst\[2\]"):
+    with pytest.raises(InternalError, match=r"transfers\.dst\[2\]"):
         engine.scatter(regions, Transfers(local, remote, t.nbytes))
     assert np.array_equal(child.contents(tmp_path), child.expected)
 
