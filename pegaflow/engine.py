@@ -13,7 +13,6 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from itertools import pairwise
 from operator import attrgetter
 
 import numpy as np
@@ -21,6 +20,8 @@ import numpy as np
 from pegaflow import deadlines
 from pegaflow.blocks import BlockEntry, BlockStore
 from pegaflow.config import EngineConfig
+from pegaflow.copiers.base import CopyEngine, RegionKind
+from pegaflow.copiers.signals import LayerSignals, scatter_by_layer
 from pegaflow.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -29,7 +30,7 @@ from pegaflow.errors import (
 )
 from pegaflow.gds import SsdTier
 from pegaflow.identity import UNKNOWN, CallContext, Caller
-from pegaflow.instances import CopyEngine, RegionKind, RegisterSpec, Registry, Worker
+from pegaflow.instances import RegisterSpec, Registry, Worker
 from pegaflow.keys import MAX_HASH_BYTES, BlockHash, LoadSpec, PackedHashes
 from pegaflow.layout import Transfers, check_block_ids
 from pegaflow.leases import Lease, LeaseTable
@@ -45,24 +46,6 @@ from pegaflow.ssd import SsdLink
 logger = logging.getLogger(__name__)
 
 _SLOTS = attrgetter("slots")
-
-
-def _scatter_by_layer(
-    worker: Worker, seq: int, deadline: float | None, handle: object, t: Transfers
-) -> None:
-    """One copy per layer, each followed by its signal: a Python step per layer
-    is what a per-layer signal costs (~50 us a layer on the host path)."""
-    geometry, signals = worker.geometry, worker.signals
-    rows = len(geometry.layer_rows)
-    layer_of = np.tile(geometry.layer_rows, len(t) // rows if rows else 0)
-    order = np.argsort(layer_of, kind="stable")
-    edges = np.searchsorted(layer_of[order], np.arange(geometry.num_layers + 1))
-    src, dst, nbytes = t.src[order], t.dst[order], t.nbytes[order]
-    for layer, (a, b) in enumerate(pairwise(edges.tolist())):
-        if b > a:
-            part = Transfers(src[a:b], dst[a:b], nbytes[a:b])
-            worker.copier.scatter(handle, part, deadline=deadline)
-        signals.signal(layer, seq)
 
 
 async def _uncancellable(work: Awaitable[None]) -> None:
@@ -125,6 +108,7 @@ class Engine:
             copiers,
             max_slot_bytes=pool.slab_bytes,
             allow_tcp_host_engines=config.allow_tcp_host_engines,
+            open_signals=LayerSignals,
         )
         self.caps = RequestCaps(
             pool.size, pool.slab_bytes, config.max_blocks_per_request
@@ -344,7 +328,7 @@ class Engine:
         scatter = functools.partial(worker.copier.scatter, deadline=ctx.deadline)
         if layer_seq:
             scatter = functools.partial(
-                _scatter_by_layer, worker, layer_seq, ctx.deadline
+                scatter_by_layer, worker, layer_seq, ctx.deadline
             )
         self.store.pin(entries)  # a lease may expire while we copy
         try:

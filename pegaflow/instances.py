@@ -17,8 +17,14 @@ import logging
 import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
 
+from pegaflow.copiers.base import (
+    CopyEngine,
+    CudaExport,
+    LoadSignals,
+    OpenSignals,
+    RegionKind,
+)
 from pegaflow.errors import (
     InstanceHeld,
     InvalidRequest,
@@ -26,50 +32,17 @@ from pegaflow.errors import (
     PermissionDenied,
     UnknownInstance,
 )
-from pegaflow.hostcopy import LayerSignals
 from pegaflow.identity import UNKNOWN, Caller, check_host_memory_owner
 from pegaflow.keys import IPC_HANDLE_BYTES, TOKEN_BYTES, UUID_BYTES
 from pegaflow.layout import KVGeometry, LayerLayout, validate_layers
 
 logger = logging.getLogger(__name__)
 
-RegionKind = Literal["host", "cuda"]
 MAX_ID_LEN = 256
 MAX_TP = 1024
 MAX_REGIONS = 64
 MAX_EVENTS = 64
 _DEVICE_RE = re.compile(r"^(cpu|cuda:\d{1,3})$")
-
-
-@dataclass(frozen=True, slots=True)
-class CudaExport:
-    """What a GPU worker sends beside its (offset, size) regions."""
-
-    ipc_handles: tuple[bytes, ...]  # one per region: its allocation's handle
-    device_uuid: bytes
-    event_handles: tuple[bytes, ...] = ()  # SaveRequest.wait_event picks one
-
-
-class CopyEngine(Protocol):
-    """Moves descriptor tables between one worker's KV memory and pool slots."""
-
-    def open(
-        self,
-        pid: int,
-        regions: list[tuple[int, int]],
-        cuda: CudaExport | None = None,
-    ) -> object: ...
-    def gather(
-        self,
-        handle: object,
-        transfers: object,
-        wait_event: int = 0,
-        deadline: float | None = None,
-    ) -> None: ...
-    def scatter(
-        self, handle: object, transfers: object, deadline: float | None = None
-    ) -> None: ...
-    def close(self, handle: object) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +59,7 @@ class RegisterSpec:
     layers: tuple[LayerLayout, ...]
     cuda: CudaExport | None = None  # set exactly when region_kind == "cuda"
     replicated: bool = False  # every rank holds the same KV (MLA): one shard
-    layer_signals: tuple[int, int] | None = None  # (pid, address): see hostcopy
+    layer_signals: tuple[int, int] | None = None  # (pid, address): see copiers.signals
     owner_token: bytes = b""  # of the caller's previous registration, if any
 
     @property
@@ -130,7 +103,7 @@ class Worker:
     copier: CopyEngine
     handle: object
     shard: int = 0  # which of a block's shards it saves and loads
-    signals: LayerSignals | None = None  # per-layer load progress, if registered
+    signals: LoadSignals | None = None  # per-layer load progress, if registered
     active_ops: int = 0
     closed: bool = False
     owner: Caller = Caller("tcp")  # who registered it, as the kernel said
@@ -238,8 +211,10 @@ class Registry:
         copiers: dict[RegionKind, CopyEngine],
         max_slot_bytes: int = 1 << 62,
         allow_tcp_host_engines: bool = False,
+        open_signals: OpenSignals | None = None,
     ) -> None:
         self._copiers = copiers
+        self._open_signals = open_signals
         self._allow_tcp = allow_tcp_host_engines
         self._max_slot_bytes = max_slot_bytes  # a block of one rank must fit a slot
         self.namespaces: dict[str, Namespace] = {}
@@ -266,7 +241,9 @@ class Registry:
                     f"pool's slots hold at most {self._max_slot_bytes}"
                 )
             if spec.layer_signals is not None:
-                signals = LayerSignals(*spec.layer_signals, geometry.num_layers)
+                if self._open_signals is None:
+                    raise NotSupported("layer_signals: this server has no signals")
+                signals = self._open_signals(*spec.layer_signals, geometry.num_layers)
             ns = self._namespace_for(spec, geometry)
             instance = self._instance_for(spec, ns)
         except BaseException:

@@ -18,12 +18,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pegaflow import cuda_driver, gcpolicy
 from pegaflow.config import CudaConfig, ServerConfig, parse_addr
+from pegaflow.copiers.base import CopyEngine, RegionKind
+from pegaflow.copiers.host import HostCopyEngine
 from pegaflow.cuda_driver import HostRegistrar
 from pegaflow.engine import Engine
 from pegaflow.gds import SsdTier
-from pegaflow.hostcopy import HostCopyEngine
 from pegaflow.http import bind_http, serve_http
-from pegaflow.instances import CopyEngine, RegionKind
 from pegaflow.metrics import Metrics, SsdCollector
 from pegaflow.pool import HostPool
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
@@ -222,7 +222,7 @@ def _cuda_devices(config: CudaConfig) -> list[int]:
 
 
 def _cuda_copier(config: CudaConfig, pool: HostPool, ordinals: list[int]) -> object:
-    from pegaflow.cudacopy import CudaCopyEngine  # imports numba: GPU hosts only
+    from pegaflow.copiers.cuda import CudaCopyEngine  # imports numba: GPU hosts only
 
     try:
         return CudaCopyEngine(

@@ -12,10 +12,11 @@ import numpy as np
 
 from pegaflow import deadlines
 from pegaflow.boundary import guarded
+from pegaflow.copiers.base import CudaExport
 from pegaflow.engine import Engine
 from pegaflow.errors import InvalidRequest, PegaflowError
 from pegaflow.identity import CallContext, Caller, tcp_peer
-from pegaflow.instances import CudaExport, RegisterSpec, Worker
+from pegaflow.instances import RegisterSpec, Worker
 from pegaflow.layout import LayerLayout, Segment
 from pegaflow.metrics import Metrics
 from pegaflow.proto import pegaflow_pb2 as pb

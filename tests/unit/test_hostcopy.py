@@ -13,9 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pegaflow import hostcopy
+from pegaflow.copiers import host as hostcopy
+from pegaflow.copiers import vm
+from pegaflow.copiers.host import HostCopyEngine
+from pegaflow.copiers.vm import IOV_MAX
 from pegaflow.errors import CopyFailed, InternalError, InvalidRequest
-from pegaflow.hostcopy import IOV_MAX, HostCopyEngine
 from pegaflow.layout import KVGeometry, LayerLayout, Segment, Transfers
 
 PAGE = 4096
@@ -159,11 +161,9 @@ def test_many_descriptors_take_several_calls(
 ) -> None:
     """3000 scattered 512 B pieces: >IOV_MAX iovecs, split over calls and threads."""
     counts: list[int] = []
-    for name in ("_readv", "_writev"):
-        real = getattr(hostcopy, name)
-        monkeypatch.setattr(
-            hostcopy, name, lambda *a, f=real: counts.append(a[2]) or f(*a)
-        )
+    for name in ("READV", "WRITEV"):
+        real = getattr(vm, name)
+        monkeypatch.setattr(vm, name, lambda *a, f=real: counts.append(a[2]) or f(*a))
     n, piece = 3000, 512
     remote = child.base + np.random.default_rng().permutation(n) * 1024
     pool = np.zeros(n * piece, np.uint8)
@@ -191,8 +191,8 @@ def test_contiguous_blocks_coalesce_into_one_iovec(
 ) -> None:
     """Pages of consecutive blocks into consecutive slots: one iovec, same bytes."""
     counts: list[int] = []
-    real = hostcopy._readv
-    monkeypatch.setattr(hostcopy, "_readv", lambda *a: counts.append(a[2]) or real(*a))
+    real = vm.READV
+    monkeypatch.setattr(vm, "READV", lambda *a: counts.append(a[2]) or real(*a))
     # One layer of 8 KiB pages: block b's page and slot b both advance by a page.
     geo = KVGeometry(
         (LayerLayout(0, PAGE, 64, 8192, (Segment(0, 8192),)),), [child.base]
@@ -219,28 +219,28 @@ def test_coalesce_merges_only_when_both_sides_continue() -> None:
 
 
 def test_ranges_may_span_adjacent_spans() -> None:
-    starts, ends = hostcopy._merge_spans(
+    starts, ends = vm.merge_spans(
         np.array([300, 100, 200, 500], np.uint64),
         np.array([400, 200, 250, 600], np.uint64),
     )
     assert starts.tolist() == [100, 300, 500] and ends.tolist() == [250, 400, 600]
     addr = np.array([100, 150, 300, 240, 450], np.uint64)
     n = np.array([150, 50, 100, 20, 10], np.uint64)
-    assert hostcopy._first_outside(starts, ends, addr, n) == 3
-    assert hostcopy._first_outside(starts, ends, addr[:3], n[:3]) == -1
+    assert vm.first_outside(starts, ends, addr, n) == 3
+    assert vm.first_outside(starts, ends, addr[:3], n[:3]) == -1
     huge = np.array([2**64 - 1], np.uint64)  # wraps past 2**64
-    assert hostcopy._first_outside(starts, ends, addr[:1], huge) == 0
+    assert vm.first_outside(starts, ends, addr[:1], huge) == 0
 
 
 def test_advance_resumes_inside_an_iovec() -> None:
-    liov = hostcopy._iovecs(
+    liov = vm.iovecs(
         np.array([1000, 2000, 3000], np.uint64), np.array([10, 20, 30], np.uint64)
     )
-    riov = hostcopy._iovecs(np.array([7000, 8000, 9000], np.uint64), liov[:, 1].copy())
-    left, right = hostcopy._advance(liov, riov, 15)  # 5 bytes into the second
+    riov = vm.iovecs(np.array([7000, 8000, 9000], np.uint64), liov[:, 1].copy())
+    left, right = vm.advance(liov, riov, 15)  # 5 bytes into the second
     assert left.tolist() == [[2005, 15], [3000, 30]]
     assert right.tolist() == [[8005, 15], [9000, 30]]
-    left, right = hostcopy._advance(liov, riov, 30)  # exactly at a boundary
+    left, right = vm.advance(liov, riov, 30)  # exactly at a boundary
     assert left.tolist() == [[3000, 30]] and right.tolist() == [[9000, 30]]
 
 

@@ -1,6 +1,6 @@
 """CUDA copy engine: moves KV pages between engines' GPU memory and the pool.
 
-Same seam as pegaflow.hostcopy.HostCopyEngine (`open`, `gather`, `scatter`,
+Same seam as pegaflow.copiers.host.HostCopyEngine (`open`, `gather`, `scatter`,
 `close`), over pegaflow.kernels' CUDA backend: one kernel launch per save or
 load moves every (layer, block) page, zero-copy between device memory opened
 with CUDA IPC and the pool, registered mapped (cudaHostRegister). Saves and
@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from pegaflow import cuda_driver, deadlines, kernels
+from pegaflow.copiers.base import CudaExport
 from pegaflow.errors import CopyFailed, InvalidRequest
-from pegaflow.instances import CudaExport
 from pegaflow.layout import Transfers
 
 logger = logging.getLogger(__name__)

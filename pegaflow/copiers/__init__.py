@@ -1,0 +1,1 @@
+"""Copy engines (see pegaflow.copiers.base)."""

@@ -1,0 +1,167 @@
+"""process_vm_readv / process_vm_writev, bound once with ctypes (which drops
+the GIL around the call), and the numpy helpers that turn descriptor tables
+into iovec arrays and check them against a process's mappings. Used by the host
+copy engine and by the per-layer load signals; nothing else moves bytes this way.
+
+Both calls need ptrace access to the engine: same user, and under Yama
+ptrace_scope 1 the engine must allow the server with prctl(PR_SET_PTRACER).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import select
+from collections.abc import Callable
+from typing import Literal
+
+import numpy as np
+
+from pegaflow import deadlines
+from pegaflow.errors import CopyFailed, InvalidRequest
+
+IOV_MAX = 1024  # the kernel's UIO_MAXIOV; more iovecs on one side is EINVAL
+# Below this many bytes in one batch, a second thread costs more than it saves.
+Direction = Literal["gather", "scatter"]
+
+PTRACE_HINT = (
+    "the server needs ptrace permission on the engine: same user, and with Yama "
+    "ptrace_scope=1 the engine must call prctl(PR_SET_PTRACER, <server pid>), "
+    "or the server needs CAP_SYS_PTRACE"
+)
+
+
+def bind(name: str) -> Callable[..., int]:
+    # __getitem__ gives a private function object, so these argtypes are ours.
+    fn = ctypes.CDLL(None, use_errno=True)[name]
+    fn.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong)
+    fn.argtypes += (ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong)
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+READV = bind("process_vm_readv")
+WRITEV = bind("process_vm_writev")
+
+
+def merge_spans(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Union of [start, end) ranges as sorted spans; touching ranges join."""
+    if not starts.size:
+        return starts, ends
+    order = np.argsort(starts, kind="stable")
+    s, reach = starts[order], np.maximum.accumulate(ends[order])
+    first = np.flatnonzero(np.concatenate(([True], s[1:] > reach[:-1])))
+    last = np.append(first[1:], len(s)) - 1
+    return s[first], reach[last]
+
+
+def first_outside(
+    starts: np.ndarray, ends: np.ndarray, addr: np.ndarray, nbytes: np.ndarray
+) -> int:
+    """Index of the first [addr, addr + nbytes) not inside one span, else -1."""
+    if not starts.size:
+        return 0 if addr.size else -1
+    end = addr + nbytes  # wraps past 2**64 for a bogus range: caught by end >= addr
+    i = np.searchsorted(starts, addr, side="right") - 1
+    ok = (i >= 0) & (end >= addr) & (end <= ends[np.maximum(i, 0)])
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if bad.size else -1
+
+
+def iovecs(addr: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """(n, 2) uint64 rows, laid out as C `struct iovec {base, len}`."""
+    return np.ascontiguousarray(np.stack((addr, nbytes), axis=1), np.uint64)
+
+
+def advance(
+    liov: np.ndarray, riov: np.ndarray, done: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The iovecs left after the first `done` bytes (< total) were copied."""
+    ends = np.cumsum(liov[:, 1])
+    i = int(np.searchsorted(ends, done, side="right"))
+    # Bytes of iovec i already copied: the kernel may stop inside an iovec.
+    cut = np.uint64(done - int(ends[i] - liov[i, 1]))
+    liov, riov = liov[i:].copy(), riov[i:].copy()
+    for iov in (liov, riov):
+        iov[0, 0] += cut
+        iov[0, 1] -= cut
+    return liov, riov
+
+
+def failure(
+    op: Direction, pid: int, err: int, liov: np.ndarray, riov: np.ndarray
+) -> CopyFailed:
+    """The CopyFailed for a call that failed (err = 0: made no progress)."""
+    name = errno.errorcode.get(err, f"errno {err}") if err else "no progress"
+    where = f"engine 0x{int(riov[0, 0]):x}, local 0x{int(liov[0, 0]):x}"
+    if err == errno.ESRCH:
+        why = f"engine process {pid} is gone"
+    elif err == errno.EPERM:
+        why = PTRACE_HINT
+    elif err in (errno.EFAULT, 0):
+        why = f"memory not mapped or not accessible at {where}"
+    else:
+        why = f"{os.strerror(err)} at {where}"
+    return CopyFailed(f"{op} with engine process {pid} failed ({name}): {why}")
+
+
+def transfer(
+    op: Direction,
+    pid: int,
+    liov: np.ndarray,
+    riov: np.ndarray,
+    deadline: float | None = None,
+) -> None:
+    """One call of at most IOV_MAX iovecs, resumed after short transfers. The
+    deadline is checked right before every syscall: a server that was stopped
+    (SIGSTOP, a long GC) between calls must not write into an engine that has
+    given up on this request."""
+    call = READV if op == "gather" else WRITEV
+    left = int(liov[:, 1].sum())
+    while True:
+        deadlines.check(deadline, op)
+        n = len(liov)
+        got = call(pid, liov.ctypes.data, n, riov.ctypes.data, n, 0)
+        if got <= 0:
+            raise failure(op, pid, ctypes.get_errno() if got < 0 else 0, liov, riov)
+        left -= got
+        if left == 0:
+            return
+        # A fault or the kernel's ~2 GiB per-call cap stops short: go on from
+        # the exact byte, so a real fault shows up as -1 on the next call.
+        liov, riov = advance(liov, riov, got)
+
+
+def rw_spans(pid: int) -> tuple[np.ndarray, np.ndarray]:
+    """Read-write mappings of `pid`, merged where adjacent."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise InvalidRequest(f"pid: process {pid} does not exist") from None
+    except PermissionError:
+        raise InvalidRequest(
+            f"pid: cannot read /proc/{pid}/maps; {PTRACE_HINT}"
+        ) from None
+    if not lines:  # a zombie: killed but not yet reaped by its parent
+        raise InvalidRequest(f"pid: process {pid} has exited")
+    ranges = [ln.split(maxsplit=2)[:2] for ln in lines]
+    rw = [r.split("-") for r, perms in ranges if perms.startswith("rw")]
+    starts = np.array([int(s, 16) for s, _ in rw], np.uint64)
+    ends = np.array([int(e, 16) for _, e in rw], np.uint64)
+    return merge_spans(starts, ends)
+
+
+def pidfd_open(pid: int) -> int:
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):  # kernel < 5.3: fall back to the bare pid
+        return -1
+
+
+def exited(pidfd: int) -> bool:
+    """A pidfd polls readable once its process has exited."""
+    if pidfd < 0:
+        return False
+    return bool(select.select([pidfd], [], [], 0)[0])
