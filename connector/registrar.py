@@ -23,7 +23,7 @@ from pegaflow.errors import NotSupported, PegaflowError
 from pegaflow.kv_layouts import describe
 
 from .config import ConnectorConfig
-from .kvmemory import KVTensors, kv_tensors, namespace_digest, namespace_parts
+from .tensors import KVTensors, kv_tensors, namespace_digest, namespace_parts
 
 logger = logging.getLogger(__name__)
 
@@ -97,19 +97,16 @@ class Registrar:
         return kv
 
     def _describe_cuda(self, kv: KVTensors, signals: int) -> Any:
-        register_cuda = getattr(self.client, "register_cuda", None)
         try:
             from pegaflow.cuda_export import IpcEvents, export_kv
-        except ImportError as exc:
-            register_cuda = None
-            reason = f"{exc}"
-        else:
-            reason = "this pegaflow client has no register_cuda"
-        if register_cuda is None:
-            # TODO(issue 4): the GPU data path lands with the issue "GPU data path".
-            raise NotSupported(f"PegaKVConnector: CUDA KV cannot register: {reason}")
+        except ImportError as exc:  # cuda-python missing: the [cuda] extra
+            raise NotSupported(
+                f"PegaKVConnector: CUDA KV cannot register ({exc}); install "
+                "pegaflow-py[cuda] into vLLM's environment"
+            ) from None
         cuda_kv = export_kv(kv.tensors, kv_first=kv.kv_first)
         self._events = IpcEvents(int(kv.device.split(":")[1]))
+        register_cuda = self.client.register_cuda
         return lambda: register_cuda(
             self.instance_id,
             self.namespace,

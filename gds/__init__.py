@@ -50,11 +50,11 @@ The seam (all of it; the server needs nothing else)
     tier.lookup(ns_digest, hashes) -> int
         Event-loop safe, lock-free: the length of the prefix of hashes on SSD.
 
-    tier.load(ns_digest, hashes, slots, slot_bytes) -> Future[LoadResult]
+    tier.load(ns_digest, hashes, slots, slot_bytes) -> Future[SsdLoadResult]
         Event-loop safe, never blocks: reads block i into the addresses in
         slots[i] (array [n, shards] or [n]) on the reader pool. The
         concurrent.futures.Future (await it with asyncio.wrap_future) gives
-        LoadResult(ok: bool array, nbytes, seconds). A record that is gone,
+        SsdLoadResult(ok: bool array, nbytes, seconds). A record that is gone,
         damaged (checksum / header mismatch: counted, dropped) or of another
         geometry is False; its slots hold garbage and go back to the pool.
         A reader pins up to 16 MiB of its blocks at a time (READ_RUN_BYTES) and
@@ -87,10 +87,10 @@ from __future__ import annotations
 from pegaflow.gds.config import SsdConfig
 from pegaflow.gds.format import namespace_digest
 from pegaflow.gds.io import SsdError
-from pegaflow.gds.tier import LoadResult, SsdStats, SsdTier
+from pegaflow.gds.tier import SsdLoadResult, SsdStats, SsdTier
 
 __all__ = [
-    "LoadResult",
+    "SsdLoadResult",
     "SsdConfig",
     "SsdError",
     "SsdStats",

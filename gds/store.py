@@ -28,11 +28,11 @@ from pegaflow.gds.ring import BlockHash, Index, NsDigest, Record, Ring, State
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Recovery", "SsdStore", "StoreCounters"]
+__all__ = ["Recovery", "SsdStore", "SsdStoreCounters"]
 
 
 @dataclass(slots=True)
-class StoreCounters:
+class SsdStoreCounters:
     bytes_written: int = 0
     bytes_read: int = 0
     blocks_written: int = 0
@@ -53,7 +53,7 @@ class SsdStore:
         start = time.perf_counter()
         self.cfg = cfg
         self.lock = threading.Lock()
-        self.counters = StoreCounters()
+        self.counters = SsdStoreCounters()
         layout = prepare(cfg)
         self._lock_fd = layout.lock_fd
         self.store_id = layout.store_id

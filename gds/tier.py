@@ -41,7 +41,7 @@ READ_RUN_BLOCKS = 256
 
 
 @dataclass(frozen=True, slots=True)
-class LoadResult:
+class SsdLoadResult:
     ok: np.ndarray  # bool per requested block: its bytes are in its slots
     nbytes: int  # payload bytes read into slots
     seconds: float  # from load() to the last block done (prefetch latency)
@@ -244,7 +244,7 @@ class SsdTier:
         hashes: Sequence[BlockHash],
         slots: np.ndarray,
         slot_bytes: int,
-    ) -> Future[LoadResult]:
+    ) -> Future[SsdLoadResult]:
         """Read blocks into L1 slots: slots[i] holds block i's slot address per TP
         shard (shape [len(hashes), shards], or [len(hashes)] for one shard). Never
         blocks; the future completes on a reader thread. A block whose record is
@@ -253,11 +253,11 @@ class SsdTier:
         (store.read_run): no two blocks in flight may share a slot."""
         n = len(hashes)
         table = np.asarray(slots, np.uint64).reshape(n, -1)
-        out: Future[LoadResult] = Future()
+        out: Future[SsdLoadResult] = Future()
         ok = np.zeros(n, bool)
         start = time.perf_counter()
         if not n or self._closed:
-            out.set_result(LoadResult(ok, 0, 0.0))
+            out.set_result(SsdLoadResult(ok, 0, 0.0))
             return out
         # One task per reader thread, not per block: the loop thread does O(1)
         # work here however long the prefix.
@@ -277,7 +277,7 @@ class SsdTier:
                 self._counts["hits"] += int(ok.sum())
                 self._load_seconds += seconds
             nbytes = int(ok.sum()) * table.shape[1] * slot_bytes
-            out.set_result(LoadResult(ok, nbytes, seconds))
+            out.set_result(SsdLoadResult(ok, nbytes, seconds))
 
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             args = (ns_digest, hashes[a:b], table[a:b], slot_bytes, ok[a:b])

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 
 from pegaflow.errors import InternalError
-from pegaflow.layout import Transfers
+from pegaflow.geometry import Transfers
 from pegaflow.runs import merge_adjacent
 
 Width = Literal[1, 8, 16]

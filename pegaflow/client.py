@@ -21,7 +21,7 @@ import numpy as np
 
 from pegaflow import deadlines
 from pegaflow.errors import PegaflowError, from_status
-from pegaflow.layout import LayerLayout
+from pegaflow.geometry import LayerLayout
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.results import LoadBatchResult, LoadResult, QueryResult, SaveResult
 from pegaflow.session import Session

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pegaflow import cuda_driver
+from pegaflow.geometry import LayerLayout
 from pegaflow.kv_layouts import describe
-from pegaflow.layout import LayerLayout
 
 DEFAULT_EVENTS = 4  # saves in flight at once per worker, each with its own event
 

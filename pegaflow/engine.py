@@ -29,10 +29,10 @@ from pegaflow.errors import (
     PermissionDenied,
 )
 from pegaflow.gds import SsdTier
+from pegaflow.geometry import Transfers, check_block_ids
 from pegaflow.identity import UNKNOWN, CallContext, Caller
 from pegaflow.instances import RegisterSpec, Registry, Worker
 from pegaflow.keys import MAX_HASH_BYTES, BlockHash, LoadSpec, PackedHashes
-from pegaflow.layout import Transfers, check_block_ids
 from pegaflow.leases import Lease, LeaseTable
 from pegaflow.limits import LargeRequestGate, RequestCaps
 from pegaflow.metrics import Metrics

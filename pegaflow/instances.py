@@ -32,9 +32,9 @@ from pegaflow.errors import (
     PermissionDenied,
     UnknownInstance,
 )
+from pegaflow.geometry import KVGeometry, LayerLayout, validate_layers
 from pegaflow.identity import UNKNOWN, Caller, check_host_memory_owner
 from pegaflow.keys import IPC_HANDLE_BYTES, TOKEN_BYTES, UUID_BYTES
-from pegaflow.layout import KVGeometry, LayerLayout, validate_layers
 
 logger = logging.getLogger(__name__)
 

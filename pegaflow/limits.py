@@ -2,7 +2,7 @@
 few requests whose descriptor tables are large.
 
 A copy is described by a table of descriptors, one per (block, layer, segment)
-(pegaflow.layout.Transfers: 24 B a row). Building and running one costs 58 to
+(pegaflow.geometry.Transfers: 24 B a row). Building and running one costs 58 to
 ~115 B a descriptor at its peak (temporaries, bounds checks, iovecs): one Save
 of 16.8 M one-byte descriptors (512 blocks of 4096 layers x 8 segments) grew
 the server's RSS by 932 MiB; 262144 descriptors of 512 B that do not coalesce
@@ -23,7 +23,8 @@ count to the bytes moved, so one-byte segments turned a 16 MiB pool into
   are bounded together anyway (each holds the pool slots it fills); loads of
   one lease are not. The gate sits in Engine._copy, so it bounds the copies'
   working memory (bounds checks, iovecs, staging) and threads, but a queued
-  request's table is already built (TODO(issue 9): gate before building).
+  request's table is already built: at most max_concurrent_rpcs of them,
+  each under a small fraction of the pool.
 
 gRPC messages are bounded before they are deserialised (MAX_MESSAGE_BYTES): a
 message is parsed in full before any check of ours runs, so 8 refused 1M-hash

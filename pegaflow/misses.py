@@ -1,7 +1,7 @@
 """Why queried blocks missed, and the hit-rate ceiling, per namespace.
 
-Every queried block is a hit from a tier (ram today; ssd and remote once those
-tiers exist) or a miss with exactly one cause, so hits + misses by cause = queried:
+Every queried block is a hit from a tier (ram or ssd; remote once the cross-node
+tier exists) or a miss with exactly one cause, so hits + misses by cause = queried:
 - remote: a peer had it (nothing answers the probe until peers exist: 0),
 - admission: TinyLFU refused it recently,
 - capacity: it was evicted recently,

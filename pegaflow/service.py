@@ -15,9 +15,9 @@ from pegaflow.boundary import guarded
 from pegaflow.copiers.base import CudaExport
 from pegaflow.engine import Engine
 from pegaflow.errors import InvalidRequest, PegaflowError
+from pegaflow.geometry import LayerLayout, Segment
 from pegaflow.identity import CallContext, Caller, tcp_peer
 from pegaflow.instances import RegisterSpec, Worker
-from pegaflow.layout import LayerLayout, Segment
 from pegaflow.metrics import Metrics
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc

@@ -21,7 +21,8 @@ BlockStore frees them at once. A save never waits for the SSD, so an allocation
 at a full pool evicts until a victim's spill is refused (queue full): one burst
 moves up to --ssd-queue-blocks LRU blocks to SSD, and their slots come back as
 soon as the loop runs the writers' releases.
-TODO(issue 5): spill ahead of a low watermark, so saves find free slots instead.
+(Spilling ahead of a low watermark, so saves find free slots at once, is
+not done: with --ssd-write-on seal most victims are on the SSD already.)
 
 Prefetch: a query that misses L1 at block i asks the tier how many of the blocks
 from i on it holds. If any, the engine answers `loading` and one background load
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pegaflow.blocks import BlockEntry, BlockStore
-from pegaflow.gds import LoadResult, SsdTier, namespace_digest
+from pegaflow.gds import SsdLoadResult, SsdTier, namespace_digest
 from pegaflow.instances import Namespace, Registry
 from pegaflow.keys import BlockHash, Key
 from pegaflow.metrics import Metrics
@@ -217,7 +218,7 @@ class SsdLink:
         return n, True
 
     async def _finish(
-        self, entries: list[BlockEntry], result: asyncio.Future[LoadResult]
+        self, entries: list[BlockEntry], result: asyncio.Future[SsdLoadResult]
     ) -> None:
         ok = np.zeros(len(entries), bool)
         try:

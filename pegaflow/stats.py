@@ -54,7 +54,7 @@ def engine_stats(engine: Engine, started: float) -> Stats:
         "tiers": {
             "ram": {"enabled": True, "hit_blocks": tier_hits("ram")},
             "ssd": {"enabled": engine.ssd is not None, "hit_blocks": tier_hits("ssd")},
-            # TODO(issue: cross-node sharing): real state once wired.
+            # The cross-node tier is not built yet: always off.
             "remote": {"enabled": False, "peers": 0, "hit_blocks": tier_hits("remote")},
         },
         "policy": {

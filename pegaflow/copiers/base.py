@@ -3,7 +3,7 @@
 One CopyEngine per kind of engine memory: pegaflow.copiers.host for host KV
 (process_vm_readv/writev, pegaflow.copiers.vm), pegaflow.copiers.cuda for GPU KV
 (numba kernels of pegaflow.kernels over CUDA IPC mappings). The engine hands a
-copier descriptor tables (pegaflow.layout.Transfers) built from validated
+copier descriptor tables (pegaflow.geometry.Transfers) built from validated
 requests; a table that breaks a copier's own checks is our bug (InternalError).
 Per-layer load progress is pegaflow.copiers.signals.
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from pegaflow.layout import Transfers
+from pegaflow.geometry import Transfers
 
 RegionKind = Literal["host", "cuda"]
 

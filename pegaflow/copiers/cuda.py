@@ -38,7 +38,7 @@ import numpy as np
 from pegaflow import cuda_driver, deadlines, kernels
 from pegaflow.copiers.base import CudaExport
 from pegaflow.errors import CopyFailed, InvalidRequest
-from pegaflow.layout import Transfers
+from pegaflow.geometry import Transfers
 
 logger = logging.getLogger(__name__)
 

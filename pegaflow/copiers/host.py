@@ -32,7 +32,7 @@ from pegaflow.copiers.vm import (
     transfer,
 )
 from pegaflow.errors import CopyFailed, InternalError, InvalidRequest
-from pegaflow.layout import Transfers
+from pegaflow.geometry import Transfers
 from pegaflow.runs import merge_adjacent
 
 logger = logging.getLogger(__name__)

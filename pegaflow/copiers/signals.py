@@ -18,7 +18,7 @@ from pegaflow.copiers.vm import (
     transfer,
 )
 from pegaflow.errors import CopyFailed, InvalidRequest
-from pegaflow.layout import Transfers
+from pegaflow.geometry import Transfers
 
 if TYPE_CHECKING:
     from pegaflow.instances import Worker

@@ -4,7 +4,7 @@ plans given by the test. Run by tests/connector/ranks.py, one JSON command per
 line on stdin, one JSON answer per line on stdout.
 
 vLLM is not importable on the GPU test machine: the worker half needs from
-`vllm_config` only what `kvmemory.namespace_parts` reads, built here.
+`vllm_config` only what `tensors.namespace_parts` reads, built here.
 """
 
 from __future__ import annotations

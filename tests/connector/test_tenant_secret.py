@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pegaflow.connector.config import parse_config
-from pegaflow.connector.kvmemory import kv_tensors, namespace_digest, namespace_parts
 from pegaflow.connector.registrar import Registrar
+from pegaflow.connector.tensors import kv_tensors, namespace_digest, namespace_parts
 
 SECRET = "s3cr3t-tenant-key-0123456789"
 PARTS = {"model": "m", "layers": 2, "salt": ""}
@@ -85,7 +85,7 @@ def test_registrar_namespace_uses_the_secret_and_logs_never_show_it(
     of one model differ exactly when their secrets do, and the registrar's
     log line (the namespace's parts) never carries the secret."""
     pytest.importorskip("torch")
-    from tests.connector.test_kvmemory_stats import config, views
+    from tests.connector.test_tensors_stats import config, views
 
     path = tmp_path / "secret"
     path.write_text(SECRET)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from pegaflow import kernels
-from pegaflow.layout import KVGeometry, LayerLayout, Segment, Transfers
+from pegaflow.geometry import KVGeometry, LayerLayout, Segment, Transfers
 
 POISON = 0xAB
 MLA_DIM = 576  # DeepSeek MLA latent + rope, bf16

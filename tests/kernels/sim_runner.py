@@ -27,7 +27,7 @@ if hasattr(np, "row_stack"):
 
 from pegaflow import kernels  # noqa: E402
 from pegaflow.errors import InternalError  # noqa: E402
-from pegaflow.layout import Transfers  # noqa: E402
+from pegaflow.geometry import Transfers  # noqa: E402
 from tests.kernels.kernel_cases import all_cases, check, host_alloc, run_case  # noqa: E402
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from pegaflow import kernels
 from pegaflow.errors import InternalError
-from pegaflow.layout import Transfers
+from pegaflow.geometry import Transfers
 from tests.kernels.kernel_cases import (
     Case,
     all_cases,

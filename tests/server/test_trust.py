@@ -21,7 +21,7 @@ import pytest
 from pegaflow.client import PegaflowClient
 from pegaflow.errors import PegaflowError, PermissionDenied
 from pegaflow.frames import encode_register
-from pegaflow.layout import LayerLayout, Segment
+from pegaflow.geometry import LayerLayout, Segment
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from tests.kvbuf import LocalKV, hashes

@@ -11,9 +11,9 @@ import pytest
 
 from pegaflow.config import EngineConfig, PoolConfig
 from pegaflow.engine import Engine
+from pegaflow.geometry import LayerLayout, Segment, Transfers
 from pegaflow.identity import CallContext, Caller
 from pegaflow.instances import RegisterSpec
-from pegaflow.layout import LayerLayout, Segment, Transfers
 from pegaflow.pool import HostPool
 
 PAGE = 4096

@@ -10,9 +10,9 @@ import numpy as np
 
 from pegaflow.config import EngineConfig, PoolConfig
 from pegaflow.engine import Engine
+from pegaflow.geometry import LayerLayout, Segment, Transfers
 from pegaflow.identity import CallContext, Caller
 from pegaflow.instances import RegisterSpec
-from pegaflow.layout import LayerLayout, Segment, Transfers
 from pegaflow.pool import HostPool
 
 PAGE = 4096

@@ -18,7 +18,7 @@ from pegaflow.copiers import vm
 from pegaflow.copiers.host import HostCopyEngine
 from pegaflow.copiers.vm import IOV_MAX
 from pegaflow.errors import CopyFailed, InternalError, InvalidRequest
-from pegaflow.layout import KVGeometry, LayerLayout, Segment, Transfers
+from pegaflow.geometry import KVGeometry, LayerLayout, Segment, Transfers
 
 PAGE = 4096
 SIZE = 4 << 20

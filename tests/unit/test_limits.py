@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pegaflow.errors import DeadlineExceeded, InvalidRequest
-from pegaflow.layout import LayerLayout, Segment, validate_layers
+from pegaflow.geometry import LayerLayout, Segment, validate_layers
 from pegaflow.limits import (
     MAX_DESCRIPTORS_PER_BLOCK,
     MIN_AVG_SEGMENT_BYTES,

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from pegaflow.blocks import BlockStore
-from pegaflow.gds import LoadResult
+from pegaflow.gds import SsdLoadResult
 from pegaflow.instances import Namespace, Registry
 from pegaflow.metrics import Metrics
 from pegaflow.policy import LRUPolicy
@@ -28,7 +28,7 @@ class FakeTier:
 
     def __init__(self, queue: int = 2) -> None:
         self.spills: list[tuple[bytes, np.ndarray, object]] = []
-        self.loads: list[tuple[list[bytes], np.ndarray, Future[LoadResult]]] = []
+        self.loads: list[tuple[list[bytes], np.ndarray, Future[SsdLoadResult]]] = []
         self.on_ssd: set[bytes] = set()
         self.queue = queue
 
@@ -49,8 +49,8 @@ class FakeTier:
 
     def load(
         self, ns: bytes, hashes: list[bytes], slots: np.ndarray, each: int
-    ) -> Future[LoadResult]:
-        fut: Future[LoadResult] = Future()
+    ) -> Future[SsdLoadResult]:
+        fut: Future[SsdLoadResult] = Future()
         self.loads.append((list(hashes), slots, fut))
         return fut
 
@@ -110,7 +110,7 @@ async def _one_load_per_prefix() -> None:
     assert _save(store, ns, _h(2)) == 0  # being loaded: a save deduplicates
     hashes, slots, fut = tier.loads[0]
     assert hashes == _h(2, 3, 4) and len(np.unique(slots)) == 3
-    fut.set_result(LoadResult(np.array([True, False, True]), 2 * SLOT, 0.01))
+    fut.set_result(SsdLoadResult(np.array([True, False, True]), 2 * SLOT, 0.01))
     for _ in range(3):
         await asyncio.sleep(0)
     assert len(store.longest_prefix(ns, _h(1, 2, 3, 4))) == 2  # 3 failed

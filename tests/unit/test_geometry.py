@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from pegaflow.errors import InvalidRequest
-from pegaflow.kv_layouts import describe, vllm_layer_views
-from pegaflow.layout import (
+from pegaflow.geometry import (
     KVGeometry,
     LayerLayout,
     Segment,
     check_block_ids,
     validate_layers,
 )
+from pegaflow.kv_layouts import describe, vllm_layer_views
 
 
 def _apply(t, src_arr: np.ndarray, dst_arr: np.ndarray) -> None:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pegaflow.connector.kvmemory import kv_tensors, namespace_digest, namespace_parts
+from pegaflow.connector.tensors import kv_tensors, namespace_digest, namespace_parts
 from pegaflow.kv_layouts import describe
 from tests.connector.conftest import needs_vllm
 
