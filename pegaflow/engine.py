@@ -31,7 +31,7 @@ from pegaflow.errors import (
 from pegaflow.gds import SsdTier
 from pegaflow.geometry import Transfers, check_block_ids
 from pegaflow.identity import UNKNOWN, CallContext, Caller
-from pegaflow.instances import RegisterSpec, Registry, Worker
+from pegaflow.instances import Registry, Worker
 from pegaflow.keys import MAX_HASH_BYTES, BlockHash, LoadSpec, PackedHashes
 from pegaflow.leases import Lease, LeaseTable
 from pegaflow.limits import LargeRequestGate, RequestCaps
@@ -40,6 +40,7 @@ from pegaflow.misses import HitRateTracker, RecordingPolicy
 from pegaflow.namespaces import NamespaceReaper
 from pegaflow.policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
 from pegaflow.pool import HostPool
+from pegaflow.registration import RegisterSpec
 from pegaflow.results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
 from pegaflow.ssd import SsdLink
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pegaflow import limits
 from pegaflow.errors import InvalidRequest
 
 MAX_LAYERS = 4096
@@ -129,46 +128,6 @@ class KVGeometry:
     def signature(self) -> tuple[int, ...]:
         """What must agree between workers sharing a namespace: segment sizes."""
         return (self.num_layers, *self.seg_bytes.tolist())
-
-
-def validate_layers(layers: tuple[LayerLayout, ...], region_sizes: list[int]) -> None:
-    """Reject a layout that is empty, inconsistent, reaches outside a region, or
-    whose blocks need too many copy descriptors for their bytes (limits)."""
-    if not layers:
-        raise InvalidRequest("layers: at least one layer is required")
-    if len(layers) > MAX_LAYERS:
-        raise InvalidRequest(f"layers: {len(layers)} layers exceeds {MAX_LAYERS}")
-    num_blocks = layers[0].num_blocks
-    for i, layer in enumerate(layers):
-        field = f"layers[{i}]"
-        if not 0 <= layer.region_index < len(region_sizes):
-            raise InvalidRequest(
-                f"{field}.region_index: {layer.region_index} but "
-                f"{len(region_sizes)} region(s) registered"
-            )
-        if layer.num_blocks <= 0 or layer.num_blocks != num_blocks:
-            raise InvalidRequest(
-                f"{field}.num_blocks: {layer.num_blocks}; every layer needs the "
-                f"same positive count ({num_blocks})"
-            )
-        if not 1 <= len(layer.segments) <= MAX_SEGMENTS_PER_LAYER:
-            raise InvalidRequest(
-                f"{field}.segments: need 1..{MAX_SEGMENTS_PER_LAYER}, got "
-                f"{len(layer.segments)}"
-            )
-        if any(s.size <= 0 or s.offset < 0 for s in layer.segments):
-            raise InvalidRequest(f"{field}.segments: sizes must be > 0, offsets >= 0")
-        if layer.block_stride <= 0 and layer.num_blocks > 1:
-            raise InvalidRequest(f"{field}.block_stride: must be > 0")
-        end = layer.span_end()
-        size = region_sizes[layer.region_index]
-        if layer.offset < 0 or end > size:
-            raise InvalidRequest(
-                f"{field}: pages reach byte {end} but region "
-                f"{layer.region_index} is {size} bytes"
-            )
-    counts = [len(layer.segments) for layer in layers]
-    limits.check_block_geometry(counts, [layer.page_bytes for layer in layers])
 
 
 def check_block_ids(block_ids: np.ndarray, num_blocks: int, field: str) -> None:

@@ -14,13 +14,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import re
 import secrets
 from dataclasses import dataclass, field
 
 from pegaflow.copiers.base import (
     CopyEngine,
-    CudaExport,
     LoadSignals,
     OpenSignals,
     RegionKind,
@@ -32,39 +30,12 @@ from pegaflow.errors import (
     PermissionDenied,
     UnknownInstance,
 )
-from pegaflow.geometry import KVGeometry, LayerLayout, validate_layers
+from pegaflow.geometry import KVGeometry
 from pegaflow.identity import UNKNOWN, Caller, check_host_memory_owner
-from pegaflow.keys import IPC_HANDLE_BYTES, TOKEN_BYTES, UUID_BYTES
+from pegaflow.keys import TOKEN_BYTES
+from pegaflow.registration import RegisterSpec, validate_spec
 
 logger = logging.getLogger(__name__)
-
-MAX_ID_LEN = 256
-MAX_TP = 1024
-MAX_REGIONS = 64
-MAX_EVENTS = 64
-_DEVICE_RE = re.compile(r"^(cpu|cuda:\d{1,3})$")
-
-
-@dataclass(frozen=True, slots=True)
-class RegisterSpec:
-    instance_id: str
-    namespace: str
-    tp_rank: int
-    tp_size: int
-    world_size: int
-    device: str
-    region_kind: RegionKind
-    pid: int
-    regions: tuple[tuple[int, int], ...]  # (address or offset, size)
-    layers: tuple[LayerLayout, ...]
-    cuda: CudaExport | None = None  # set exactly when region_kind == "cuda"
-    replicated: bool = False  # every rank holds the same KV (MLA): one shard
-    layer_signals: tuple[int, int] | None = None  # (pid, address): see copiers.signals
-    owner_token: bytes = b""  # of the caller's previous registration, if any
-
-    @property
-    def shards(self) -> int:
-        return 1 if self.replicated else self.tp_size
 
 
 def namespace_tag(name: str) -> str:
@@ -137,65 +108,6 @@ class Instance:
     world_size: int
     workers: dict[int, Worker] = field(default_factory=dict)
     owner_uid: int = UNKNOWN  # every rank of an instance runs as one user
-
-
-def _check_ident(value: str, field_name: str) -> None:
-    if not value or len(value) > MAX_ID_LEN or not value.isprintable():
-        raise InvalidRequest(
-            f"{field_name}: must be 1..{MAX_ID_LEN} printable characters"
-        )
-
-
-def validate_spec(spec: RegisterSpec) -> None:
-    _check_ident(spec.instance_id, "instance_id")
-    _check_ident(spec.namespace, "namespace")
-    if not 1 <= spec.tp_size <= MAX_TP:
-        raise InvalidRequest(f"tp_size: {spec.tp_size} not in 1..{MAX_TP}")
-    if not 0 <= spec.tp_rank < spec.tp_size:
-        raise InvalidRequest(f"tp_rank: {spec.tp_rank} not in 0..{spec.tp_size - 1}")
-    if not spec.tp_size <= spec.world_size <= MAX_TP * 64:
-        raise InvalidRequest(
-            f"world_size: {spec.world_size} must be >= tp_size ({spec.tp_size})"
-        )
-    if not _DEVICE_RE.match(spec.device):
-        raise InvalidRequest(f"device: {spec.device!r} is not 'cpu' or 'cuda:N'")
-    if not 1 <= len(spec.regions) <= MAX_REGIONS:
-        raise InvalidRequest(f"regions: need 1..{MAX_REGIONS}, got {len(spec.regions)}")
-    if (spec.region_kind == "host") != (spec.device == "cpu"):
-        raise InvalidRequest(
-            f"regions: {spec.region_kind} regions do not match device {spec.device}"
-        )
-    for i, (_, size) in enumerate(spec.regions):
-        if size <= 0:
-            raise InvalidRequest(f"regions[{i}].size: must be > 0")
-    if (spec.cuda is None) != (spec.region_kind == "host"):
-        raise InvalidRequest("regions: cuda regions need their ipc handles")
-    if spec.cuda is not None:
-        _check_cuda(spec.cuda, len(spec.regions))
-    if spec.owner_token and len(spec.owner_token) != TOKEN_BYTES:
-        raise InvalidRequest(
-            f"owner_token: {len(spec.owner_token)} bytes, need {TOKEN_BYTES} or none"
-        )
-    validate_layers(spec.layers, [size for _, size in spec.regions])
-
-
-def _check_cuda(cuda: CudaExport, regions: int) -> None:
-    if len(cuda.ipc_handles) != regions:
-        raise InvalidRequest("regions: every cuda region needs its ipc_handle")
-    for i, h in enumerate(cuda.ipc_handles):
-        if len(h) != IPC_HANDLE_BYTES:
-            raise InvalidRequest(
-                f"regions[{i}].cuda.ipc_handle: {len(h)} bytes, need {IPC_HANDLE_BYTES}"
-            )
-    if len(cuda.device_uuid) != UUID_BYTES:
-        raise InvalidRequest(
-            f"regions.cuda.device_uuid: {len(cuda.device_uuid)} bytes, need "
-            f"{UUID_BYTES} (one device per worker)"
-        )
-    if len(cuda.event_handles) > MAX_EVENTS:
-        raise InvalidRequest(f"event_handles: more than {MAX_EVENTS}")
-    if any(len(h) != IPC_HANDLE_BYTES for h in cuda.event_handles):
-        raise InvalidRequest(f"event_handles: each needs {IPC_HANDLE_BYTES} bytes")
 
 
 class Registry:

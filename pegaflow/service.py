@@ -17,10 +17,11 @@ from pegaflow.engine import Engine
 from pegaflow.errors import InvalidRequest, PegaflowError
 from pegaflow.geometry import LayerLayout, Segment
 from pegaflow.identity import CallContext, Caller, tcp_peer
-from pegaflow.instances import RegisterSpec, Worker
+from pegaflow.instances import Worker
 from pegaflow.metrics import Metrics
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+from pegaflow.registration import RegisterSpec
 
 logger = logging.getLogger(__name__)
 

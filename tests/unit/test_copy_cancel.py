@@ -13,8 +13,8 @@ from pegaflow.config import EngineConfig, PoolConfig
 from pegaflow.engine import Engine
 from pegaflow.geometry import LayerLayout, Segment, Transfers
 from pegaflow.identity import CallContext, Caller
-from pegaflow.instances import RegisterSpec
 from pegaflow.pool import HostPool
+from pegaflow.registration import RegisterSpec
 
 PAGE = 4096
 

@@ -12,9 +12,9 @@ from pegaflow.geometry import (
     LayerLayout,
     Segment,
     check_block_ids,
-    validate_layers,
 )
 from pegaflow.kv_layouts import describe, vllm_layer_views
+from pegaflow.registration import validate_layers
 
 
 def _apply(t, src_arr: np.ndarray, dst_arr: np.ndarray) -> None:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pegaflow.errors import DeadlineExceeded, InvalidRequest
-from pegaflow.geometry import LayerLayout, Segment, validate_layers
+from pegaflow.geometry import LayerLayout, Segment
 from pegaflow.limits import (
     MAX_DESCRIPTORS_PER_BLOCK,
     MIN_AVG_SEGMENT_BYTES,
@@ -17,6 +17,7 @@ from pegaflow.limits import (
     check_block_geometry,
     pool_blocks,
 )
+from pegaflow.registration import validate_layers
 
 
 def _layers(n: int, segs: int, seg_bytes: int) -> tuple[LayerLayout, ...]:

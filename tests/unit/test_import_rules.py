@@ -1,0 +1,130 @@
+"""The module map of docs/architecture.md, enforced: what vLLM imports (the
+client and the connector) pulls in nothing of the server, and bookkeeping pulls
+in no copy engine or driver. Module-level imports only: a function's lazy
+import is the documented way to reach optional, heavy code."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {"pegaflow": "pegaflow", "pegaflow.kernels": "kernels"}
+PACKAGES |= {"pegaflow.gds": "gds", "pegaflow.connector": "connector"}
+
+SERVER = {
+    "pegaflow.engine",
+    "pegaflow.service",
+    "pegaflow.server",
+    "pegaflow.socket_server",
+    "pegaflow.blocks",
+    "pegaflow.pool",
+    "pegaflow.policy",
+    "pegaflow.leases",
+    "pegaflow.misses",
+    "pegaflow.ready_index",
+    "pegaflow.instances",
+    "pegaflow.namespaces",
+    "pegaflow.ssd",
+    "pegaflow.stats",
+    "pegaflow.metrics",
+    "pegaflow.boundary",
+    "pegaflow.limits",
+    "pegaflow.cli",
+    "pegaflow.config",
+}
+BOOKKEEPING = [
+    "pegaflow.blocks",
+    "pegaflow.policy",
+    "pegaflow.leases",
+    "pegaflow.misses",
+    "pegaflow.ready_index",
+    "pegaflow.instances",
+    "pegaflow.namespaces",
+    "pegaflow.pool",
+]
+COPY_OR_DRIVER = ("pegaflow.copiers.", "pegaflow.cuda_driver", "pegaflow.kernels")
+COPY_PROTOCOLS = "pegaflow.copiers.base"  # types only: allowed everywhere
+
+
+def _path(module: str) -> Path | None:
+    for prefix, folder in sorted(PACKAGES.items(), key=lambda p: -len(p[0])):
+        if module == prefix or module.startswith(prefix + "."):
+            rest = module[len(prefix) :].lstrip(".").replace(".", "/")
+            base = ROOT / folder / rest if rest else ROOT / folder
+            for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+                if candidate.is_file():
+                    return candidate
+    return None
+
+
+def _imports(module: str) -> set[str]:
+    """Our modules that `module` imports at module level (not TYPE_CHECKING)."""
+    path = _path(module)
+    if path is None:
+        return set()
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        found |= _node_imports(node, package)
+    return {m for m in found if m.startswith("pegaflow")}
+
+
+def _node_imports(node: ast.stmt, package: str) -> set[str]:
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return set()  # a lazy import inside a function or method
+    out: set[str] = set()
+    if isinstance(node, ast.Import):
+        out |= {alias.name for alias in node.names}
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            parts = package.split(".")
+            parent = parts[: len(parts) - node.level + 1]
+            base = ".".join(parent + ([base] if base else []))
+        out.add(base)
+        out |= {f"{base}.{alias.name}" for alias in node.names}
+    else:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.stmt):
+                out |= _node_imports(child, package)
+    return {m for m in out if _path(m) is not None}
+
+
+def _closure(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        todo.extend(_imports(module))
+    return seen
+
+
+@pytest.mark.parametrize("entry", ["pegaflow.client", "pegaflow.connector"])
+def test_what_vllm_imports_needs_nothing_of_the_server(entry: str) -> None:
+    assert _path(entry) is not None
+    pulled = _closure(entry) & SERVER
+    assert not pulled, f"{entry} pulls in server modules: {sorted(pulled)}"
+
+
+@pytest.mark.parametrize("module", BOOKKEEPING)
+def test_bookkeeping_imports_no_copy_engine_or_driver(module: str) -> None:
+    bad = {
+        m
+        for m in _closure(module)
+        if m.startswith(COPY_OR_DRIVER) and not m.startswith(COPY_PROTOCOLS)
+    }
+    assert not bad, f"{module} pulls in {sorted(bad)}"
+
+
+def test_the_rules_can_fail() -> None:
+    """The checker sees a real import: the engine does pull in the copiers."""
+    assert "pegaflow.copiers.signals" in _closure("pegaflow.engine")
+    assert "pegaflow.blocks" in _closure("pegaflow.engine")
