@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -14,6 +20,9 @@ from prometheus_client.core import (
 )
 
 from pegaflow.gds import SsdStats
+
+# No `_created` series: one per counter and histogram, noise on every scrape.
+disable_created_metrics()
 
 _LATENCY_BUCKETS = (
     1e-4,
@@ -31,6 +40,34 @@ _LATENCY_BUCKETS = (
     1,
     5,
 )
+
+
+Transport = str  # "grpc" or "unix" (pegaflow.fastpath)
+
+
+class RpcSeconds:
+    """pegaflow_rpc_seconds{method, code, transport}. `labels(method, code)`
+    with method "Save/unix" (the socket server's older form) is read as
+    method "Save", transport "unix"; a bare method is gRPC's."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._hist = Histogram(
+            "pegaflow_rpc_seconds",
+            "server-side RPC time",
+            ["method", "code", "transport"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+    def labels(
+        self, method: str, code: str, transport: Transport | None = None
+    ) -> Histogram:
+        if transport is None:
+            method, _, transport = method.partition("/")
+        return self._hist.labels(method, code, transport or "grpc")
+
+    def collect(self) -> list[Metric]:
+        return self._hist.collect()
 
 
 class Metrics:
@@ -80,13 +117,7 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.rpc_seconds = Histogram(
-            "pegaflow_rpc_seconds",
-            "server-side RPC time",
-            ["method", "code"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.rpc_seconds = RpcSeconds(r)
 
         self.ssd_hits = Counter(
             "pegaflow_ssd_hit_blocks",

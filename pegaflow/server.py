@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pegaflow import cuda_driver, gcpolicy
+from pegaflow.compat_metrics import OriginalMetrics, OriginalSsdMetrics
 from pegaflow.config import CudaConfig, ServerConfig, parse_addr
 from pegaflow.cuda_driver import HostRegistrar
 from pegaflow.engine import Engine
@@ -99,6 +100,7 @@ async def _assemble(
     started = time.monotonic()
     stats = on_loop(asyncio.get_running_loop(), lambda: engine_stats(engine, started))
     metrics.registry.register(HitRateCollector(stats))
+    metrics.registry.register(OriginalMetrics(metrics, stats))  # their names
     servicer = PegaFlowServicer(engine, os.getpid(), secrets.token_bytes(16), port)
     pb_grpc.add_PegaFlowServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -154,6 +156,7 @@ def _bring_up(
     undo.callback(engine.close)
     if tier is not None:
         metrics.registry.register(SsdCollector(tier.stats))
+        metrics.registry.register(OriginalSsdMetrics(tier.stats))
         logger.info(
             "ssd tier: %s, %d B, %s",
             tier.mode,

@@ -72,6 +72,16 @@ def engine_stats(engine: Engine, started: float) -> Stats:
             "memory_bytes": engine.hit_rates.nbytes,
         },
         "namespaces": namespaces,
+        # what registration tells: pegaflow_namespace_info (compat_metrics)
+        "registered": [
+            {
+                "tag": ns.tag,
+                "shards": ns.tp_size,
+                "layers": ns.num_layers,
+                "block_bytes": ns.slot_bytes,
+            }
+            for ns in engine.registry.namespaces.values()
+        ],
     }
 
 

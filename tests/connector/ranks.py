@@ -146,7 +146,7 @@ def tp2_round_trip(
         {"req_id": "part", "lease_id": part.lease_id, "block_ids": PART, "sync": True},
         {"req_id": "gone", "lease_id": gone.lease_id, "block_ids": GONE, "sync": False},
     ]
-    loads_ok = 'code="OK",method="Load'  # a label prefix: gRPC's and /unix's
+    loads_ok = 'code="OK",method="Load",'  # every transport
     load_rpcs = metric("pegaflow_rpc_seconds_count", loads_ok)
     got = all_ranks(ranks, "step", loads=loads, saves=[])
     # One Load per rank for the async requests, one for the sync one.

@@ -32,7 +32,8 @@ def server(tmp_path) -> Iterator[ServerProc]:
 
 
 def _count(server: ServerProc, method: str, code: str) -> float:
-    labels = f'code="{code}",method="{method}"'
+    name, _, transport = method.partition("/")
+    labels = f'code="{code}",method="{name}",transport="{transport or "grpc"}"'
     return server.metric("pegaflow_rpc_seconds_count", labels)
 
 

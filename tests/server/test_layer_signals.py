@@ -73,7 +73,10 @@ def test_each_layer_is_signalled_after_its_bytes(server) -> None:
             assert watcher.seen == list(range(LAYERS)) and watcher.wrong == []
             assert (signals == seq).all()
     assert (
-        server.metric("pegaflow_rpc_seconds_count", 'code="OK",method="Load/unix"') == 1
+        server.metric(
+            "pegaflow_rpc_seconds_count", 'code="OK",method="Load",transport="unix"'
+        )
+        == 1
     )
 
 

@@ -94,9 +94,13 @@ def test_health_and_metrics_endpoints(server) -> None:
         "pegaflow_rpc_seconds_bucket",
     ):
         assert name in text or name.replace("_total", "") in text, name
-    assert 'pegaflow_rpc_seconds_count{code="OK",method="Save/unix"} 1.0' in text
     assert (
-        'pegaflow_rpc_seconds_count{code="OK",method="RegisterInstance/unix"}' in text
+        'pegaflow_rpc_seconds_count{code="OK",method="Save",transport="unix"} 1.0'
+        in text
+    )
+    assert (
+        'pegaflow_rpc_seconds_count{code="OK",method="RegisterInstance",transport="unix"}'
+        in text
     )
     assert server.get("/nope")[0] == 404
 
@@ -174,5 +178,6 @@ def test_engine_names_the_server_before_registering(server, monkeypatch) -> None
         kv.register(client, "e", "ns")
     assert steps == [("ServerInfo", 0), ("allow", server.pid)]
     assert server.metric(
-        "pegaflow_rpc_seconds_count", 'code="OK",method="RegisterInstance/unix"'
+        "pegaflow_rpc_seconds_count",
+        'code="OK",method="RegisterInstance",transport="unix"',
     ) == pytest.approx(1)
