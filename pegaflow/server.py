@@ -225,8 +225,10 @@ def _cuda_devices(config: CudaConfig) -> list[int]:
 
 
 def _cuda_copier(config: CudaConfig, pool: HostPool, ordinals: list[int]) -> object:
-    from pegaflow.cudacopy import CudaCopyEngine  # imports numba: GPU hosts only
-
+    try:  # imports numba-cuda: GPU hosts only
+        from pegaflow.cudacopy import CudaCopyEngine
+    except ImportError as exc:
+        raise StartupError(f"--devices: {exc}; {cuda_driver.hint(exc)}") from exc
     try:
         return CudaCopyEngine(
             pool.base, pool.size, ordinals, config.max_ctas, config.event_timeout_s

@@ -16,7 +16,7 @@ import pytest
 from pegaflow import __version__
 from pegaflow.cli import build_parser
 from pegaflow.compat_flags import IGNORED, SHARD_NAME
-from tests.procs import ROOT, _env, start_server
+from tests.procs import ROOT, _env, _readline, start_server
 
 # Started for real below (values from the original's docs, sizes shrunk to fit
 # a CI machine): every original flag except those in NEEDS_MACHINE/NOT_HERE.
@@ -115,3 +115,45 @@ def test_version_flag() -> None:
             timeout=60,
         )
         assert proc.returncode == 0 and proc.stdout.decode().strip() == __version__
+
+
+def test_devices_without_the_cuda_extra_names_it(tmp_path: Path) -> None:
+    """Scenario: `--devices 0` where cuda-bindings is not installed said only
+    "No module named 'cuda'"; it must name the extra to install."""
+    shadow = tmp_path / "shadow" / "cuda"
+    shadow.mkdir(parents=True)  # an import of cuda.* fails as when not installed
+    (shadow / "__init__.py").write_text(
+        "raise ImportError(\"No module named 'cuda'\")\n"
+    )
+    env = _env()
+    env["PYTHONPATH"] = f"{shadow.parent}:{env['PYTHONPATH']}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pegaflow.cli", "--pool-size", "4mb", "--no-http"]
+        + ["--addr", "127.0.0.1:0", "--devices", "0", "--query-socket", "off"],
+        capture_output=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert 'pip install "pegaflow-py[cuda]"' in err and "Traceback" not in err
+
+
+def test_no_progress_frames_when_stderr_is_a_file(tmp_path: Path) -> None:
+    """Scenario: under a service manager (stderr a file) the pool's pre-touch
+    bar wrote \\r frames into the log; bars are for terminals (or --progress)."""
+    log = tmp_path / "stderr.log"
+    argv = [sys.executable, "-m", "pegaflow.cli", "--pool-size", "64mb"]
+    argv += ["--addr", "127.0.0.1:0", "--no-http", "--query-socket", "off"]
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=err, env=_env(), cwd=ROOT
+        )
+    try:
+        assert _readline(proc, 60).startswith("READY"), log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    text = log.read_bytes()
+    assert b"\r" not in text and b"pool ready" in text
