@@ -155,10 +155,10 @@ def exact_ceilings(
 ) -> tuple[float, float]:
     """Exact (r*, infinite-cache hit rate); with pools, per pool (isolated).
 
-    r* = (N - U) / N counts each block's first *query* as a miss: what the
-    server's HyperLogLog estimates. An infinite cache also hits blocks that a
-    save put there before their first query (a reply, queried in the next
-    turn), so its hit rate can lie above r*.
+    r* = (N - U) / N counts each block's first *query* as a miss. An infinite
+    cache also hits blocks that a save put there before their first query (a
+    reply, queried in the next turn), so its hit rate can lie above r*: that
+    is what the server's ceiling estimates (pegaflow.misses).
     """
     queried: dict[int, set[BlockHash]] = {}
     saved: dict[int, set[BlockHash]] = {}

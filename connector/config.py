@@ -11,12 +11,21 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "http://127.0.0.1"
 DEFAULT_PORT = 50055
+Mode = Literal["read_write", "save_only"]
+# The original PegaFlow connector's keys that tune what is not here: accepted,
+# and a WARNING says why when one is set to anything but its default.
+ORIGINAL_IGNORED = {
+    "pegaflow.transfer_backend": "the server picks its copy engine per instance",
+    "pegaflow.wait_for_full_prefix": "it waits for cross-node (RDMA) fetches",
+    "pegaflow.pd_tail_save": "partial tail blocks of P/D are not cached here",
+    "pegaflow.pd_tail_load": "partial tail blocks of P/D are not cached here",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +55,9 @@ class ConnectorConfig:
     lease_reuse_s: float = 5.0
     # Save blocks that fill up during decode, not only prompt blocks.
     save_decode: bool = True
+    # save_only: never query or load (another connector owns reads; the
+    # original's `pegaflow.mode`).
+    mode: Mode = "read_write"
     # A file holding the tenant secret: the HMAC key of the namespace digest,
     # so nobody without it can compute the namespace (and read its blocks).
     # Engines that share blocks share the secret. PEGAFLOW_TENANT_SECRET is
@@ -62,6 +74,11 @@ class ConnectorConfig:
                 raise ValueError(f"kv_connector_extra_config.{name}: must be > 0")
         if self.lease_reuse_s < 0:
             raise ValueError("kv_connector_extra_config.lease_reuse_s: must be >= 0")
+        if self.mode not in ("read_write", "save_only"):
+            raise ValueError(
+                "kv_connector_extra_config.mode: read_write or save_only, got "
+                f"{self.mode!r}"
+            )
         if self.sync_load_max_tokens < 0:
             raise ValueError(
                 "kv_connector_extra_config.sync_load_max_tokens: must be >= 0"
@@ -157,12 +174,63 @@ def _tenant_secret(extra: dict[str, Any], env: Mapping[str, str]) -> bytes:
     return env.get("PEGAFLOW_TENANT_SECRET", "").strip().encode()
 
 
+def _original_keys(
+    extra: dict[str, Any], env: Mapping[str, str]
+) -> tuple[dict[str, Any], Mapping[str, str]]:
+    """The original connector's `pegaflow.*` keys -> ours. As there, the
+    PEGAFLOW_HOST / PEGAFLOW_PORT environment wins over pegaflow.host/.port."""
+    ours = {k: v for k, v in extra.items() if not k.startswith("pegaflow.")}
+    theirs = {k: v for k, v in extra.items() if k.startswith("pegaflow.")}
+    given = dict(env)
+    endpoints = theirs.pop("pegaflow.tp_shard_endpoints", None)
+    if endpoints is not None:
+        if not isinstance(endpoints, list) or len(endpoints) != 1:
+            raise ValueError(
+                "kv_connector_extra_config.pegaflow.tp_shard_endpoints: one "
+                "server per TP replica here; a replica spanning hosts is not "
+                "supported yet"
+            )
+        host, _, port = str(endpoints[0]).rpartition(":")
+        theirs.setdefault("pegaflow.host", host)
+        theirs.setdefault("pegaflow.port", port)
+    for key, var in (
+        ("pegaflow.host", "PEGAFLOW_HOST"),
+        ("pegaflow.port", "PEGAFLOW_PORT"),
+    ):
+        if key in theirs:
+            value = theirs.pop(key)
+            if not given.get(var):
+                given[var] = str(value)
+    if "pegaflow.mode" in theirs:
+        ours.setdefault("mode", theirs.pop("pegaflow.mode"))
+    for key, why in ORIGINAL_IGNORED.items():
+        if theirs.pop(key, None) not in (None, False):
+            logger.warning(
+                "pegaflow: kv_connector_extra_config.%s is accepted and ignored: %s",
+                key,
+                why,
+            )
+    ours.update(theirs)  # anything left is unknown: named below
+    return ours, given
+
+
+def failure_policy_warning(policy: str | None) -> str | None:
+    """The line to log for vLLM's kv_load_failure_policy, if any."""
+    if policy != "fail":
+        return None
+    return (
+        "pegaflow: kv_load_failure_policy is 'fail' (vLLM's default): a load "
+        "the server cannot finish (server restarted or gone) fails the request; "
+        'set "kv_load_failure_policy": "recompute" to recompute those blocks'
+    )
+
+
 def parse_config(
     extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
 ) -> ConnectorConfig:
     """The connector's config from vLLM's extra config and the environment."""
-    extra = dict(extra or {})
     env = os.environ if env is None else env
+    extra, env = _original_keys(dict(extra or {}), env)
     unknown = sorted(set(extra) - set(_KEYS))
     if unknown:
         raise ValueError(

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from .config import parse_config
+from .config import failure_policy_warning, parse_config
 from .plan import StepPlan, WorkerReport, new_stats
 from .scheduler import SchedulerHalf
 from .stats import PegaConnectorStats, PegaPromMetrics
@@ -90,6 +90,9 @@ class PegaKVConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
+            policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", None)
+            if warning := failure_policy_warning(policy):
+                logger.warning("%s", warning)
             algo = vllm_config.cache_config.prefix_caching_hash_algo
             if algo.startswith("xxhash") and "PYTHONHASHSEED" not in os.environ:
                 logger.warning(

@@ -95,7 +95,7 @@ class SchedulerHalf:
 
     def _query(self, request: Any, local: int, limit: int, now: float) -> _Hit | None:
         miss = _Hit(local, limit, 0, 0, now)
-        if limit <= local or now < self._away_until:
+        if limit <= local or now < self._away_until or self.config.mode == "save_only":
             return miss
         hashes = request.block_hashes[local:limit]
         start = time.perf_counter()

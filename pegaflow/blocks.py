@@ -115,6 +115,9 @@ class BlockStore:
         # zero the namespace's index goes and `emptied` hears of it.
         self._held: dict[int, _Held] = {}
         self.emptied: Emptied | None = None
+        # Hears the keys of saves refused for want of a free slot (a miss
+        # cause of their own: HitRateTracker.pool_full).
+        self.on_pool_full: Callable[[list[Key]], None] | None = None
 
     @property
     def resident_ready(self) -> int:
@@ -283,6 +286,8 @@ class BlockStore:
             entry.pins -= 1
             self._drop_if_empty(entry.key, entry)
         self.counters.pool_full_rejections += len(idx)
+        if self.on_pool_full is not None and idx:
+            self.on_pool_full([entries[i].key for i in idx])
         return len(idx)
 
     def finish_save(self, res: SaveReservation, ok: bool) -> None:

@@ -8,6 +8,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
+from pegaflow import __version__, compat_flags
 from pegaflow.config import (
     CudaConfig,
     EngineConfig,
@@ -25,6 +26,8 @@ from pegaflow.startup import StartupError
 
 if TYPE_CHECKING:
     from pegaflow.gds import SsdConfig
+
+DEFAULT_SSD_CAPACITY = 512 << 30
 
 # PegaFlow flags that later issues implement; refused clearly until then.
 NOT_YET = {
@@ -47,6 +50,9 @@ FLAG_OF = {
     "ssd_cache_path": "--ssd-cache-path",
     "ssd_cache_capacity": "--ssd-cache-capacity",
     "ssd_queue_blocks": "--ssd-queue-blocks",
+    "ssd_cache_shards": "--ssd-cache-shards",
+    "ssd_write_threads": "--ssd-write-inflight",
+    "ssd_read_threads": "--ssd-prefetch-inflight",
 }
 
 
@@ -104,14 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-addr",
         type=_addr,
         default="127.0.0.1:9091",
-        help="/health and /metrics address (default: %(default)s)",
+        help="/health and /metrics address (default: %(default)s, loopback; "
+        "the original PegaFlow listens on 0.0.0.0:9091: give that to expose it)",
     )
     p.add_argument("--no-http", action="store_true", help="do not serve HTTP")
     p.add_argument(
         "--pool-size",
         type=_size,
         default=_size("1gb"),
-        help="L1 host pool size, e.g. 512mb, 64gb, 1tb (default: 1gb)",
+        help="L1 host pool size, e.g. 512mb, 64gb, 1tb (default: 1gb; the "
+        "original PegaFlow's is 30gb)",
     )
     p.add_argument(
         "--use-hugepages",
@@ -205,33 +213,52 @@ def build_parser() -> argparse.ArgumentParser:
         "which process asks, so host engines register over the unix socket",
     )
     _ssd_flags(p)
+    p.add_argument(
+        "--progress",
+        action="store_true",
+        help="progress bars even when stderr is not a terminal (default: only "
+        "on a terminal, so service logs get no \\r frames)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument(
-        "--log-level", choices=["debug", "info", "warning", "error"], default="info"
+        "--log-level",
+        type=compat_flags.log_level,
+        choices=["debug", "info", "warning", "error"],
+        default="info",
+        help="debug, info, warning (or warn), error; trace is debug "
+        "(default: %(default)s)",
     )
+    p.add_argument("-V", "--version", action="version", version=__version__)
     for flag, what in NOT_YET.items():
         p.add_argument(
             flag,
             dest=flag.lstrip("-").replace("-", "_"),
             default=None,
+            # --nics mlx5_0 mlx5_1 (the original's form) or --nics mlx5_0,mlx5_1
+            nargs="+" if flag == "--nics" else None,
             help=argparse.SUPPRESS,
             metavar=what,
         )
+    compat_flags.add_flags(p)
     return p
 
 
 def _ssd_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ssd-cache-path",
-        action="append",
+        action="extend",
+        nargs="+",
         default=None,
-        help="file of the L3 SSD cache; repeat for several disks (default: off)",
+        help="file or directory of the L3 SSD cache; several, or the flag "
+        "repeated, for several disks; a directory holds --ssd-cache-shards "
+        "files (default: off)",
     )
     p.add_argument(
         "--ssd-cache-capacity",
         type=_size,
         default=None,
-        help="SSD cache size over all its files, e.g. 512gb (units as --pool-size)",
+        help="SSD cache size over all its files, e.g. 512gb (units as --pool-size; "
+        "default with --ssd-cache-path: 512gb)",
     )
     p.add_argument(
         "--ssd-backend",
@@ -266,9 +293,9 @@ def _ssd_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ssd-queue-blocks",
         type=int,
-        default=64,
+        default=None,
         help="blocks waiting for the SSD writers; past this a block's write is "
-        "dropped and counted, never waited for (default: %(default)s)",
+        "dropped and counted, never waited for (default: 64)",
     )
     p.add_argument(
         "--ssd-on-mismatch",
@@ -279,25 +306,37 @@ def _ssd_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def show_progress(args: argparse.Namespace) -> bool:
+    """Bars on a terminal, or when asked: a service log gets no \\r frames."""
+    if args.no_progress:
+        return False
+    return args.progress or sys.stderr.isatty()
+
+
 def ssd_config(args: argparse.Namespace) -> SsdConfig | None:
     if args.ssd_cache_path is None:
         if args.ssd_cache_capacity is not None:
             raise ValueError("--ssd-cache-capacity needs --ssd-cache-path")
         return None
-    if args.ssd_cache_capacity is None:
-        raise ValueError("--ssd-cache-path needs --ssd-cache-capacity")
     from pegaflow.gds import SsdConfig  # numpy: after argument errors
 
+    threads: dict[str, int] = {}
+    if args.ssd_write_inflight is not None:
+        threads["write_threads"] = args.ssd_write_inflight
+    if args.ssd_prefetch_inflight is not None:
+        threads["read_threads"] = args.ssd_prefetch_inflight
     return SsdConfig(
-        paths=tuple(args.ssd_cache_path),
-        capacity_bytes=args.ssd_cache_capacity,
+        paths=compat_flags.ssd_paths(args.ssd_cache_path, args.ssd_cache_shards),
+        # the original's default; the free-space check names the flag
+        capacity_bytes=args.ssd_cache_capacity or DEFAULT_SSD_CAPACITY,
         backend=args.ssd_backend,
         direct_io=args.ssd_direct_io,
         admission=args.ssd_admission,
         write_on=args.ssd_write_on,
-        queue_blocks=args.ssd_queue_blocks,
+        queue_blocks=compat_flags.ssd_queue_blocks(args),
         on_mismatch=args.ssd_on_mismatch,
-        show_progress=not args.no_progress,
+        show_progress=show_progress(args),
+        **threads,
     )
 
 
@@ -305,7 +344,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     pool_kwargs: dict[str, object] = {
         "size_bytes": args.pool_size,
         "use_hugepages": args.use_hugepages,
-        "show_progress": not args.no_progress,
+        "show_progress": show_progress(args),
     }
     if args.prefault_threads is not None:
         pool_kwargs["prefault_threads"] = args.prefault_threads
@@ -347,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     for flag, what in NOT_YET.items():
         if getattr(args, flag.lstrip("-").replace("-", "_")) is not None:
             parser.error(f"{flag} needs {what}, which this version does not have yet")
+    if args.enable_prometheus and args.no_http:
+        parser.error("--enable-prometheus serves /metrics over HTTP: drop --no-http")
+    warnings = compat_flags.ignored_warnings(args) + compat_flags.bucket_bits(args)
     try:
         config = config_from_args(args)
     except ValueError as exc:
@@ -356,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for line in warnings:
+        logging.getLogger(__name__).warning("%s", line)
     from pegaflow.gds import SsdError
     from pegaflow.server import serve  # grpc/numpy import after argument errors
 

@@ -88,6 +88,17 @@ def _from_bytes(cls: Any, data: bytes) -> Any:
 
 
 # -- devices ------------------------------------------------------------------
+CUDA_EXTRA = 'pip install "pegaflow-py[cuda]" (cuda-bindings, numba-cuda)'
+
+
+def hint(exc: BaseException) -> str:
+    """What to do about a GPU stack that did not load: the missing extra, or
+    the driver; host engines need neither (--devices none)."""
+    if isinstance(exc, ImportError):
+        return f"install the cuda extra: {CUDA_EXTRA}, or give --devices none"
+    return "is the NVIDIA driver loaded (nvidia-smi)? or give --devices none"
+
+
 def probe(ordinals: Sequence[int] | None) -> list[int]:
     """The CUDA devices to serve: `ordinals`, or every visible one when None.
 
@@ -99,7 +110,7 @@ def probe(ordinals: Sequence[int] | None) -> list[int]:
         count = check(rt.cudaGetDeviceCount(), "cudaGetDeviceCount")
     except (ImportError, OSError, RuntimeError, CudaError) as exc:
         if ordinals:
-            raise CudaError(f"--devices: no usable CUDA ({exc})") from exc
+            raise CudaError(f"--devices: no usable CUDA ({exc}); {hint(exc)}") from exc
         logger.info("no CUDA GPU stack (%s); serving host engines only", exc)
         return []
     wanted = list(range(count)) if ordinals is None else list(ordinals)

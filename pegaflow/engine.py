@@ -104,6 +104,7 @@ class Engine:
         )
         policy = RecordingPolicy(policy, self.hit_rates)
         self.store = BlockStore(pool.slabs, policy)
+        self.store.on_pool_full = self.hit_rates.pool_full
         self.leases = LeaseTable(self.store, config.lease_ttl_s)
         self.registry = Registry(
             copiers,

@@ -168,10 +168,14 @@ class WindowStats:
 
     @property
     def ceiling(self) -> float:
-        """r* = (N - U) / N: the hit rate of an infinite cache."""
+        """r* = (N - U) / N: the hit rate of an infinite cache, U the distinct
+        blocks seen for the first time by a query (see pegaflow.misses). They
+        all missed, so U <= the misses: the estimate is clamped there and the
+        ceiling never reads below the hit rate."""
         if not self.requests:
             return 0.0
-        return min(1.0, max(0.0, (self.requests - self.unique) / self.requests))
+        unique = min(self.unique, self.requests - self.hits)
+        return min(1.0, max(0.0, (self.requests - unique) / self.requests))
 
 
 class RollingWindow:
@@ -236,13 +240,18 @@ class WindowSet:
         self.bits = bits
         self.windows = [RollingWindow(s, bits) for s in spans_s]
 
-    def add(self, h64: np.ndarray, hits: int, now: float) -> None:
+    def add(
+        self, h64: np.ndarray, hits: int, now: float, requests: int | None = None
+    ) -> None:
+        """h64: the hashes to count as distinct; requests: the blocks queried
+        (default: len(h64))."""
+        requests = len(h64) if requests is None else requests
         # Fold the batch once, then one elementwise max per window: cheaper than
         # scattering every hash into every window (measured 1.7x at 64K hashes).
         batch = np.zeros(1 << self.bits, np.uint8)
         update(batch, *index_rank(h64, self.bits))
         for window in self.windows:
-            window.merge(batch, len(h64), hits, now)
+            window.merge(batch, requests, hits, now)
 
     def stats(self, now: float) -> list[WindowStats]:
         return [w.stats(now) for w in self.windows]

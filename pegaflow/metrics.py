@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -14,6 +20,9 @@ from prometheus_client.core import (
 )
 
 from pegaflow.gds import SsdStats
+
+# No `_created` series: one per counter and histogram, noise on every scrape.
+disable_created_metrics()
 
 _LATENCY_BUCKETS = (
     1e-4,

@@ -5,11 +5,18 @@ tier exists) or a miss with exactly one cause, so hits + misses by cause = queri
 - remote: a peer had it (nothing answers the probe until peers exist: 0),
 - admission: TinyLFU refused it recently,
 - capacity: it was evicted recently,
+- pool_full: a save of it found no free slot recently (every block pinned),
 - compulsory: none of those is remembered: never stored here, or refused or
   evicted longer ago than the ghost table remembers.
 A ready block behind the first miss of a prefix misses because of that block
 (chained hashes stop the prefix there), so it takes that block's cause; it is
 also counted as `resident`, a sign that eviction broke prefixes in the middle.
+
+The ceiling's distinct count takes only blocks seen here for the first time: a
+hit was saved before, and so was a miss the ghost table remembers (evicted or
+refused) or one still resident behind a prefix's first miss; the rest, first
+queried before any save, are what even an infinite cache would miss. So the
+ceiling is that cache's hit rate, and never below the measured one.
 
 The query path only appends to a log. flush() (the sweeper each second, a stats
 read, or a full log) replays it in order in vectorised batches, so each miss is
@@ -33,9 +40,16 @@ from pegaflow.instances import Namespace
 from pegaflow.keys import Key, PackedHashes
 from pegaflow.policy import EvictionPolicy, Protected
 
-Cause = Literal["compulsory", "capacity", "admission", "remote"]
-CAUSES: tuple[Cause, ...] = ("compulsory", "capacity", "admission", "remote")
-COMPULSORY, CAPACITY, ADMISSION, REMOTE = range(4)
+Cause = Literal["compulsory", "capacity", "admission", "pool_full", "remote"]
+CAUSES: tuple[Cause, ...] = (
+    "compulsory",
+    "capacity",
+    "admission",
+    "pool_full",
+    "remote",
+)
+# The ghost table keeps causes in 2 bits: 0..3. REMOTE comes from the probe.
+COMPULSORY, CAPACITY, ADMISSION, POOL_FULL, REMOTE = range(5)
 HIT_TIERS = ("ram", "ssd", "remote")
 # (namespace id, missed block hashes) -> bool mask: which ones a peer holds. It is
 # asked at flush time (<= ~1 s after the query), off the query path.
@@ -172,7 +186,7 @@ class _Namespace:
     tag: str
     windows: WindowSet
     hits: np.ndarray = field(default_factory=lambda: np.zeros(3, np.int64))
-    causes: np.ndarray = field(default_factory=lambda: np.zeros(4, np.int64))
+    causes: np.ndarray = field(default_factory=lambda: np.zeros(5, np.int64))
     resident: int = 0
 
 
@@ -230,6 +244,11 @@ class HitRateTracker:
         self._log.append((cause, key))
         self._pending += 1
 
+    def pool_full(self, keys: Sequence[Key]) -> None:
+        """Saves refused for want of a free slot (BlockStore.on_pool_full)."""
+        for key in keys:
+            self.record(POOL_FULL, key)
+
     def _flush_soon(self) -> None:
         try:
             loop = asyncio.get_running_loop()
@@ -269,27 +288,30 @@ class HitRateTracker:
                 state = self._namespaces[ns_id] = _Namespace(events[0][0].tag, windows)
             h64 = self._hash64(events)
             hits = sum(e[2] for e in events)
-            state.windows.add(h64, hits, now)
+            first_seen = self._classify(state, ns_id, h64, events)
+            state.windows.add(first_seen, hits, now, requests=len(h64))
             from_ssd = sum(e[5] for e in events)
             state.hits[0] += hits - from_ssd
             state.hits[1] += from_ssd
-            self._classify(state, ns_id, h64, events)
 
     def _classify(
         self, state: _Namespace, ns_id: int, h64: np.ndarray, events: list[_Query]
-    ) -> None:
+    ) -> np.ndarray:
+        """Count the misses by cause; the hash64 of those seen for the first
+        time (for the ceiling's distinct count)."""
         sizes = np.fromiter((len(e[1]) for e in events), np.int64, len(events))
         hits = np.fromiter((e[2] for e in events), np.int64, len(events))
         missed = sizes - hits
         total = int(missed.sum())
         if total == 0:
-            return
+            return h64[:0]
         # Position in h64 of every missed block; first: its query's first miss.
         starts = np.cumsum(sizes) - sizes + hits
         first = np.repeat(np.cumsum(missed) - missed, missed)
         pos = np.arange(total) + np.repeat(starts, missed) - first
         ids = np.full(total, ns_id, np.uint64)
         causes = self.ghost.lookup(fingerprints(ids, h64[pos]))
+        new = causes == COMPULSORY  # not stored nor offered here recently
         if self._remote is not None:
             missed_hashes = [h for e in events for h in _listed(e[1])[e[2] :]]
             causes[self._remote(ns_id, missed_hashes)] = REMOTE
@@ -297,7 +319,9 @@ class HitRateTracker:
         if resident is not None:
             causes = np.where(resident, causes[first], causes)
             state.resident += int(resident.sum())
+            new &= ~resident
         state.causes += np.bincount(causes, minlength=len(CAUSES))
+        return h64[pos][new]
 
     @staticmethod
     def _hash64(events: list[_Query]) -> np.ndarray:

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pegaflow import cuda_driver, gcpolicy
+from pegaflow.compat_metrics import OriginalMetrics, OriginalSsdMetrics
 from pegaflow.config import CudaConfig, ServerConfig, parse_addr
 from pegaflow.copiers.base import CopyEngine, RegionKind
 from pegaflow.copiers.host import HostCopyEngine
@@ -99,6 +100,7 @@ async def _assemble(
     started = time.monotonic()
     stats = on_loop(asyncio.get_running_loop(), lambda: engine_stats(engine, started))
     metrics.registry.register(HitRateCollector(stats))
+    metrics.registry.register(OriginalMetrics(metrics, stats))  # their names
     servicer = PegaFlowServicer(engine, os.getpid(), secrets.token_bytes(16), port)
     pb_grpc.add_PegaFlowServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -154,6 +156,7 @@ def _bring_up(
     undo.callback(engine.close)
     if tier is not None:
         metrics.registry.register(SsdCollector(tier.stats))
+        metrics.registry.register(OriginalSsdMetrics(tier.stats))
         logger.info(
             "ssd tier: %s, %d B, %s",
             tier.mode,
@@ -222,7 +225,10 @@ def _cuda_devices(config: CudaConfig) -> list[int]:
 
 
 def _cuda_copier(config: CudaConfig, pool: HostPool, ordinals: list[int]) -> object:
-    from pegaflow.copiers.cuda import CudaCopyEngine  # imports numba: GPU hosts only
+    try:  # imports numba-cuda: GPU hosts only
+        from pegaflow.copiers.cuda import CudaCopyEngine
+    except ImportError as exc:
+        raise StartupError(f"--devices: {exc}; {cuda_driver.hint(exc)}") from exc
 
     try:
         return CudaCopyEngine(

@@ -72,6 +72,16 @@ def engine_stats(engine: Engine, started: float) -> Stats:
             "memory_bytes": engine.hit_rates.nbytes,
         },
         "namespaces": namespaces,
+        # what registration tells: pegaflow_namespace_info (compat_metrics)
+        "registered": [
+            {
+                "tag": ns.tag,
+                "shards": ns.tp_size,
+                "layers": ns.num_layers,
+                "block_bytes": ns.slot_bytes,
+            }
+            for ns in engine.registry.namespaces.values()
+        ],
     }
 
 
@@ -124,7 +134,7 @@ def families(stats: Stats) -> Iterator[Metric]:
     )
     causes = CounterMetricFamily(
         "pegaflow_query_miss_blocks_by_cause",
-        "missed blocks by cause: compulsory, capacity, admission, remote",
+        "missed blocks by cause: compulsory, capacity, admission, pool_full, remote",
         labels=["namespace", "cause"],
     )
     resident = CounterMetricFamily(
@@ -136,9 +146,9 @@ def families(stats: Stats) -> Iterator[Metric]:
         key: GaugeMetricFamily(name, text, labels=win_label)
         for key, name, text in (
             ("hit_rate", "pegaflow_hit_rate", "measured block hit rate"),
-            ("ceiling", "pegaflow_hit_rate_ceiling", "r* = (N - U) / N, by HLL"),
+            ("ceiling", "pegaflow_hit_rate_ceiling", "infinite cache hit rate, by HLL"),
             ("requests", "pegaflow_window_query_blocks", "N: blocks queried"),
-            ("unique", "pegaflow_window_unique_blocks", "U: distinct, by HLL"),
+            ("unique", "pegaflow_window_unique_blocks", "U: first seen, by HLL"),
         )
     }
     for ns in stats["namespaces"]:

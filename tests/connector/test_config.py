@@ -83,3 +83,34 @@ def test_import_is_cheap() -> None:
     ).stdout.split()
     assert out[0] == "[]", out
     assert float(out[1]) < 0.5
+
+
+def test_original_connector_keys(caplog: pytest.LogCaptureFixture) -> None:
+    """Scenario: the original connector's `pegaflow.*` keys were refused as
+    unknown. They keep their meaning; PEGAFLOW_HOST/PORT win, as there."""
+    extra = {"pegaflow.host": "http://10.0.0.7", "pegaflow.port": 6001}
+    assert parse_config(extra, env={}).addr == "10.0.0.7:6001"
+    env = {"PEGAFLOW_HOST": "http://10.0.0.9"}
+    assert parse_config(extra, env=env).addr == "10.0.0.9:6001"
+    one = {"pegaflow.tp_shard_endpoints": ["http://10.0.0.8:6002"]}
+    assert parse_config(one, env={}).addr == "10.0.0.8:6002"
+    assert parse_config({"pegaflow.mode": "save_only"}, env={}).mode == "save_only"
+    with caplog.at_level("WARNING", logger="pegaflow.connector.config"):
+        parse_config({"pegaflow.pd_tail_save": True}, env={})
+    assert "pd_tail_save is accepted and ignored" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"pegaflow.mode": "read_only"}, "mode: read_write or save_only"),
+        (
+            {"pegaflow.tp_shard_endpoints": ["http://a:1", "http://b:1"]},
+            "spanning hosts is not supported",
+        ),
+        ({"pegaflow.nope": 1}, r"unknown key\(s\) pegaflow.nope"),
+    ],
+)
+def test_bad_original_keys(extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_config(extra, env={})

@@ -38,7 +38,7 @@ def _fill(client: PegaflowClient, kv: LocalKV, n: int) -> None:
 def _causes(server: ServerProc) -> dict[str, float]:
     return {
         c: server.metric("pegaflow_query_miss_blocks_by_cause_total", f'cause="{c}"')
-        for c in ("compulsory", "capacity", "admission", "remote")
+        for c in ("compulsory", "capacity", "admission", "pool_full", "remote")
     }
 
 
@@ -62,6 +62,7 @@ def test_miss_causes_add_up_beside_the_ceiling(
             "compulsory": 64,
             "capacity": 64,
             "admission": 0,
+            "pool_full": 0,
             "remote": 0,
         }
         hit = server.metric("pegaflow_query_hit_blocks_total")
@@ -135,3 +136,27 @@ def test_status_subcommand_keeps_the_daemon_flags() -> None:
         timeout=30,
     )
     assert bad.returncode == 2 and "not a duration" in bad.stderr
+
+
+def test_demo_ceiling_not_below_hit_rate(
+    server_factory: Callable[..., ServerProc],
+) -> None:
+    """Scenario: `python -m pegaflow.demo` (engine A saves, engine B queries
+    first and hits all) left `status` showing hit rate 100 % beside a ceiling
+    of 0.3 %: blocks saved before their first query counted as never seen."""
+    server = server_factory("--pool-size", "64mb")
+    demo = subprocess.run(
+        [sys.executable, "-m", "pegaflow.demo", "--addr", server.addr]
+        + ["--tokens", "1600", "--layers", "2"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    stats = json.loads(_status(server, "--json").stdout)
+    (ns,) = stats["namespaces"]
+    for label, window in ns["windows"].items():
+        assert window["hit_rate"] > 0.4, (label, window)  # B hit every block
+        assert window["ceiling"] >= window["hit_rate"], (label, window)

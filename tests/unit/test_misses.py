@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pegaflow import ready_index
 from pegaflow.blocks import BlockStore
@@ -41,6 +43,7 @@ class Rig:
         inner = AdmissionPolicy(LRUPolicy(), TinyLFU(64)) if lfu else LRUPolicy()
         policy = RecordingPolicy(inner, self.tracker)
         self.store = BlockStore(SlabAllocator(1 << 30, slots * SLOT, SLOT), policy)
+        self.store.on_pool_full = self.tracker.pool_full
         self.ns = Namespace("model", 1, 1, 1, SLOT, (1, SLOT))
         self.queried = 0
 
@@ -77,7 +80,13 @@ def test_never_seen_blocks_are_compulsory_even_if_evicted_later() -> None:
     rig.save(a)
     rig.save(_hashes(4))  # evicts all of a
     ns = rig.stats()
-    assert ns.misses == {"compulsory": 4, "capacity": 0, "admission": 0, "remote": 0}
+    assert ns.misses == {
+        "compulsory": 4,
+        "capacity": 0,
+        "admission": 0,
+        "pool_full": 0,
+        "remote": 0,
+    }
     assert rig.query(a) == 0
     assert rig.stats().misses["capacity"] == 4
 
@@ -116,7 +125,13 @@ def test_blocks_a_peer_holds_are_remote_available() -> None:
     rig.save(ours)
     assert rig.query(ours + theirs + _hashes(1)) == 2
     ns = rig.stats()
-    assert ns.misses == {"compulsory": 1, "capacity": 0, "admission": 0, "remote": 3}
+    assert ns.misses == {
+        "compulsory": 1,
+        "capacity": 0,
+        "admission": 0,
+        "pool_full": 0,
+        "remote": 3,
+    }
 
 
 def test_no_peers_means_zero_remote_and_windows_track_the_ceiling() -> None:
@@ -201,3 +216,63 @@ def test_packed_queries_count_like_listed_ones(monkeypatch: pytest.MonkeyPatch) 
         results.append((ns.hits, ns.misses, ns.resident_misses))
     assert results[0] == results[1]
     assert results[0][1]["remote"] == 200 and results[0][0]["ram"] == 1500 + 700
+
+
+def test_full_pool_refusals_are_their_own_cause() -> None:
+    """Scenario: every slot is pinned by a save in flight, so the next save is
+    refused; its blocks, queried later, were counted as compulsory misses."""
+    rig = Rig(slots=4)
+    held = rig.store.reserve_save(rig.ns, 0, _hashes(4), np.arange(1))
+    refused = _hashes(2)
+    res = rig.store.reserve_save(rig.ns, 0, refused, np.arange(1))
+    assert res.rejected == 2
+    rig.store.finish_save(res, True)
+    rig.store.finish_save(held, True)
+    assert rig.query(refused) == 0
+    ns = rig.stats()
+    assert ns.misses["pool_full"] == 2 and ns.misses["compulsory"] == 0
+
+
+def test_blocks_saved_before_their_first_query_count_as_seen() -> None:
+    """Scenario (the demo): engine A saves, engine B queries first and hits
+    everything; the ceiling read 0 % beside a 100 % hit rate."""
+    rig = Rig(slots=64)
+    a = _hashes(40)
+    rig.save(a)
+    assert rig.query(a) == 40
+    (w,) = rig.stats().windows.values()
+    assert w.hit_rate == 1.0 and w.ceiling == 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["query", "save", "both"]),
+            st.integers(0, 30),  # first block of the prefix
+            st.integers(1, 12),  # its length
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    st.integers(2, 24),  # pool slots: small ones evict and refuse
+    st.booleans(),
+)
+def test_ceiling_never_below_hit_rate(
+    ops: list[tuple[str, int, int]], slots: int, lfu: bool
+) -> None:
+    """Scenario: any mix of queries and saves (saves without queries, queries
+    that miss and then save, evictions, TinyLFU refusals): the ceiling is the
+    best any cache could do, so it never reads below the measured hit rate."""
+    rig = Rig(slots=slots, lfu=lfu)
+    universe = _hashes(42)
+    for op, start, length in ops:
+        blocks = universe[start : start + length]
+        if op in ("query", "both"):
+            rig.query(blocks)
+        if op in ("save", "both"):
+            rig.save(blocks)
+    if rig.queried == 0:
+        return
+    (w,) = rig.stats().windows.values()
+    assert w.ceiling >= w.hit_rate

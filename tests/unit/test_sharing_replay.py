@@ -33,7 +33,12 @@ def test_replay_is_deterministic_for_a_seed() -> None:
         # a peer pool is the only "remote" here: none for a single pool
         pooled = row.get("layout", "").startswith("isolated")
         assert (row["miss_causes"]["remote"] > 0) == pooled
-        assert abs(row["hll_ceiling"] - row["exact_ceiling"]) < 0.02
+        # the ceiling is the infinite cache's hit rate: a block is seen when it
+        # is first saved or queried (pool-full refusals kept apart from
+        # compulsory misses, so a refused block's next miss is not "new")
+        assert abs(row["hll_ceiling"] - row["exact_ceiling"]) < 0.01
+        assert row["hll_ceiling"] >= row["block_hit_rate"]
+        assert row["exact_ceiling"] >= row["first_query_ceiling"]
 
 
 def test_trace_hashes_depend_only_on_the_seed() -> None:
