@@ -9,7 +9,6 @@ start, so its pages are in the baseline and growth is tables and messages.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -163,17 +162,12 @@ def test_concurrent_rpcs_bounded(tmp_path: Path) -> None:
     """Regression: the server admitted any number of concurrent RPCs. With
     --max-concurrent-rpcs 4, four open session streams (as four engine workers
     hold) fill it: a fifth call gets RESOURCE_EXHAUSTED; once the streams end,
-    calls are served again."""
+    calls are served again. The sessions are real (each answered its first
+    ping), so the streams surely run on the server when the fifth call comes."""
     srv = start_server(tmp_path, "--max-concurrent-rpcs", "4", "--pool-size", "8mb")
     channel = grpc.insecure_channel(srv.addr)
     stub = pb_grpc.PegaFlowStub(channel)
-    done = threading.Event()
-
-    held_s = 120.0  # longer than the polls below on a loaded machine
-
-    def no_pings() -> Iterator[pb.SessionPing]:
-        done.wait(held_s)  # the stream stays open, as an engine's does
-        yield from ()
+    kv = LocalKV(1, 8, 4096)
 
     def info_code() -> grpc.StatusCode:
         try:
@@ -182,13 +176,15 @@ def test_concurrent_rpcs_bounded(tmp_path: Path) -> None:
             return err.code()
         return grpc.StatusCode.OK
 
-    streams = [stub.Session(no_pings(), timeout=held_s) for _ in range(4)]
-    try:
-        assert poll(info_code, grpc.StatusCode.RESOURCE_EXHAUSTED, seconds=60)
-    finally:
-        done.set()
-        for call in streams:
-            call.cancel()
+    with PegaflowClient(srv.addr, timeout_s=TIMEOUT_S) as client:
+        for i in range(4):  # registrations first: they need a free RPC
+            kv.register(client, f"s{i}", "ns")
+        sessions = [client.open_session(f"s{i}", interval_s=60) for i in range(4)]
+        try:
+            assert info_code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            for session in sessions:
+                session.close()
     assert poll(info_code, grpc.StatusCode.OK, seconds=60)
     channel.close()
     srv.stop()
