@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,6 +23,9 @@ from pegaflow.keys import BlockHash, Key, PackedHashes
 from pegaflow.policy import EvictionPolicy
 from pegaflow.pool import SlabAllocator, SlotClass
 from pegaflow.ready_index import ReadyIndex
+
+if TYPE_CHECKING:
+    from pegaflow.slotlog import SlotLog
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +122,9 @@ class BlockStore:
         # Hears the keys of saves refused for want of a free slot (a miss
         # cause of their own: HitRateTracker.pool_full).
         self.on_pool_full: Callable[[list[Key]], None] | None = None
+        # A file-backed pool's slot rows (pegaflow.slotlog): told of slots
+        # allocated to blocks and of blocks published.
+        self.log: SlotLog | None = getattr(slabs, "log", None)
 
     @property
     def resident_ready(self) -> int:
@@ -258,6 +265,9 @@ class BlockStore:
             got = self._allocate(ns.slot_class, len(slotless)).tolist()
             for i, slot in zip(slotless, got, strict=False):
                 entries[i].slots[rank] = slots[i] = slot
+            if self.log is not None and got:
+                written = [keys[i][1] for i in slotless[: len(got)]]
+                self.log.writing(ns, written, rank, np.asarray(got, np.uint64))
             if len(got) < len(slotless):
                 rejected += self._unreserve(slotless[len(got) :], entries, mask)
                 keep = [e.slots[rank] != 0 for e in entries]
@@ -294,7 +304,7 @@ class BlockStore:
         self.apply_touches()
         clear, rank, complete = ~res.mask, res.rank, res.complete
         failed: list[int] = []
-        sealed: list[BlockEntry] = []
+        sealed: list[BlockEntry] = []  # published now
         for entry in res.entries:
             entry.pins -= 1
             entry.in_flight &= clear
@@ -309,6 +319,8 @@ class BlockStore:
                 self._drop_if_empty(entry.key, entry)
         if failed:
             self.slabs.free(np.asarray(failed, np.uint64))
+        if sealed and self.log is not None:
+            self.log.landed(sealed)
         if sealed and self.sealed is not None:
             self.sealed(sealed)
 
@@ -381,6 +393,10 @@ class BlockStore:
         whole = len(got) // tp
         for i, entry in enumerate(entries[:whole]):
             entry.slots[:] = got[i * tp : (i + 1) * tp].tolist()
+        if self.log is not None and whole:
+            shards = got[: whole * tp].reshape(whole, tp)
+            for shard in range(tp):
+                self.log.writing(ns, hashes[:whole], shard, shards[:, shard])
         self.slabs.free(got[whole * tp :])
         for entry in entries[whole:]:
             del self.entries[entry.key]
@@ -392,17 +408,37 @@ class BlockStore:
         """Blocks that arrived become ready (visible, evictable); the rest go."""
         self.apply_touches()
         lost: list[np.ndarray] = []
+        published: list[BlockEntry] = []
         for entry, good in zip(entries, ok.tolist(), strict=True):
             entry.pins -= 1
             if good:  # in flight on every bit: those are the complete block
                 entry.landed, entry.in_flight = entry.in_flight, 0
                 self._make_ready(entry)
+                published.append(entry)
             else:
                 entry.in_flight = 0
                 lost.append(entry.slot_array())
                 self._pop_entry(entry.key)
         if lost:
             self.slabs.free(np.concatenate(lost))
+        if published and self.log is not None:
+            self.log.landed(published)
+
+    def adopt(self, ns: Namespace, hashes: list[BlockHash], slots: np.ndarray) -> None:
+        """Ready blocks already in their slots ([blocks, shards], claimed from
+        the allocator): a restarted server's recovered pool. Least recently
+        used first, as the policy sees them."""
+        complete = (1 << (ns.tp_size * ns.num_layers)) - 1
+        fresh = 0
+        for h, row in zip(hashes, slots.tolist(), strict=True):
+            key = (ns.id, h)
+            if key in self.entries:
+                continue
+            entry = self.entries[key] = BlockEntry(key, row, landed=complete)
+            self._make_ready(entry)
+            fresh += 1
+        if fresh:
+            self._hold(ns, fresh)
 
     def _drop_if_empty(self, key: Key, entry: BlockEntry) -> None:
         if not any(entry.slots) and entry.pins == 0:

@@ -127,6 +127,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="back the pool with reserved 2 MiB hugepages",
     )
     p.add_argument(
+        "--pool-file",
+        default=None,
+        help="keep the pool in this file (under /dev/shm, or on a hugetlbfs "
+        "mount with --use-hugepages): a restarted server serves its blocks",
+    )
+    p.add_argument(
+        "--pool-on-mismatch",
+        choices=["reinit", "refuse"],
+        default="reinit",
+        help="a --pool-file of another format or size: start it afresh or "
+        "refuse to start (default: reinit)",
+    )
+    p.add_argument(
         "--enable-lfu-admission",
         action="store_true",
         help="TinyLFU admission: keep hot blocks through scans",
@@ -345,6 +358,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "size_bytes": args.pool_size,
         "use_hugepages": args.use_hugepages,
         "show_progress": show_progress(args),
+        "pool_file": args.pool_file,
+        "on_mismatch": args.pool_on_mismatch,
     }
     if args.prefault_threads is not None:
         pool_kwargs["prefault_threads"] = args.prefault_threads
@@ -401,11 +416,18 @@ def main(argv: list[str] | None = None) -> int:
     for line in warnings:
         logging.getLogger(__name__).warning("%s", line)
     from pegaflow.gds import SsdError
+    from pegaflow.poolfile import PoolFileError
     from pegaflow.server import serve  # grpc/numpy import after argument errors
 
     try:
         asyncio.run(serve(config))
-    except (HugepagesUnavailable, PoolTooLarge, SsdError, StartupError) as exc:
+    except (
+        HugepagesUnavailable,
+        PoolTooLarge,
+        PoolFileError,
+        SsdError,
+        StartupError,
+    ) as exc:
         print(f"pegaflow-server: {exc}", file=sys.stderr)  # names flag and fix
         return 2
     except OSError as exc:  # not foreseen: at least one line, not a traceback

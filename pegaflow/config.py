@@ -134,9 +134,14 @@ class PoolConfig:
     prefault_threads: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))
     slab_bytes: int = 64 << 20
     show_progress: bool = True
+    # A file that outlives the server (pegaflow.poolfile); None: anonymous memory.
+    pool_file: str | None = None
+    on_mismatch: Literal["reinit", "refuse"] = "reinit"
 
     def __post_init__(self) -> None:
         check_int("pool_size", self.size_bytes, 0, MAX_POOL_BYTES)
+        if self.on_mismatch not in ("reinit", "refuse"):
+            raise ValueError(f"pool_on_mismatch: {self.on_mismatch!r}")
         if self.size_bytes < 1 << 20:
             raise ValueError(f"pool_size: {self.size_bytes} bytes is below 1 MiB")
         check_int("prefault_threads", self.prefault_threads, 1, MAX_THREADS)

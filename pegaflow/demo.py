@@ -3,6 +3,10 @@
 Engine A computes ("prefills") a 10K-token prompt's KV, saves it, and is killed.
 Engine B, a new process, asks for the same prompt's blocks, loads them into other
 block ids, and checks every byte against what A had.
+
+With --restart-server the server itself (one it starts, on a pool file and an
+SSD file in a temp directory) is SIGKILLed after engine A's save and restarted
+on the same files before engine B asks: the cache outlives the server.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -105,8 +111,15 @@ def engine_b(addr: str, shape: Shape, seed: int, conn: object) -> None:
         session = client.open_session("engine-b")
         start = time.perf_counter()
         hit = client.query("engine-b", hashes)
+        deadline = start + 30
+        while hit.loading and time.perf_counter() < deadline:  # from the SSD
+            time.sleep(0.01)
+            hit = client.query("engine-b", hashes)
         queried = time.perf_counter()
-        loaded = client.load("engine-b", hit.lease_id, ids[: hit.num_blocks])
+        loaded_bytes = 0
+        if hit.num_blocks:
+            loaded = client.load("engine-b", hit.lease_id, ids[: hit.num_blocks])
+            loaded_bytes = loaded.bytes
         seconds = time.perf_counter() - queried
         expected = _prefill_bytes(seed, shape)
         mismatched = sum(
@@ -122,13 +135,48 @@ def engine_b(addr: str, shape: Shape, seed: int, conn: object) -> None:
         {
             "queried": len(hashes),
             "hit": hit.num_blocks,
-            "bytes": loaded.bytes,
+            "bytes": loaded_bytes,
             "seconds": seconds,
             "query_seconds": queried - start,
             "mismatched_pages": mismatched,
             "checked_bytes": int(hit.num_blocks) * shape.layers * PAGE_BYTES,
         }
     )
+
+
+def _restart_files(pool_size: int) -> tuple[tempfile.TemporaryDirectory, ...]:
+    """A temp dir for the pool file (in /dev/shm where there is one: a pool
+    file on disk would be paged to it) and one for the SSD file."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    return (
+        tempfile.TemporaryDirectory(prefix="pegaflow-demo-pool-", dir=shm),
+        tempfile.TemporaryDirectory(prefix="pegaflow-demo-ssd-"),
+    )
+
+
+def _start(
+    pool_size: int, files: tuple[tempfile.TemporaryDirectory, ...]
+) -> tuple[subprocess.Popen, str]:
+    flags = ["--no-http", "--pool-size", str(pool_size), "--log-level", "warning"]
+    if files:
+        flags += ["--pool-file", os.path.join(files[0].name, "pool.bin")]
+        flags += ["--ssd-cache-path", os.path.join(files[1].name, "ssd0.bin")]
+        flags += ["--ssd-cache-capacity", str(pool_size), "--ssd-backend", "posix"]
+    return spawn_server(*flags)
+
+
+def _restart(
+    server: subprocess.Popen,
+    pool_size: int,
+    files: tuple[tempfile.TemporaryDirectory, ...],
+) -> tuple[subprocess.Popen, str]:
+    server.send_signal(signal.SIGKILL)
+    server.wait(30)
+    print("server: SIGKILLed; restarting it on the same pool and SSD files", flush=True)
+    start = time.perf_counter()
+    server, addr = _start(pool_size, files)
+    print(f"server: serving again in {time.perf_counter() - start:.2f} s", flush=True)
+    return server, addr
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +191,15 @@ def main(argv: list[str] | None = None) -> int:
         help="layers of Llama-3.1-8B shape (64 KiB pages; 32 = full model)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--restart-server",
+        action="store_true",
+        help="SIGKILL the server after engine A's save and restart it on the "
+        "same pool file and SSD file (a server this demo starts itself)",
+    )
     args = p.parse_args(argv)
+    if args.restart_server and args.addr:
+        p.error("--restart-server: needs a server the demo starts (drop --addr)")
     prompt_blocks = args.tokens // 16
     shape = Shape(args.layers, prompt_blocks * 2, prompt_blocks, 16)
     need = prompt_blocks * args.layers * PAGE_BYTES
@@ -156,9 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             f"starting pegaflow-server with a {args.pool_size / 2**20:.0f} MiB pool",
             flush=True,
         )
-        server, addr = spawn_server(
-            "--no-http", "--pool-size", str(args.pool_size), "--log-level", "warning"
-        )
+        files = _restart_files(args.pool_size) if args.restart_server else ()
+        server, addr = _start(args.pool_size, files)
     ctx = mp.get_context("spawn")
     try:
         recv, send = ctx.Pipe(duplex=False)
@@ -173,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             "then SIGKILLed",
             flush=True,
         )
+        if args.restart_server:
+            server, addr = _restart(server, args.pool_size, files)
         b = ctx.Process(target=engine_b, args=(addr, shape, args.seed, send))
         b.start()
         got = recv.recv()
@@ -189,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         f"query {got['query_seconds'] * 1e3:.2f} ms)"
     )
     ok = got["mismatched_pages"] == 0 and got["hit"] == got["queried"]
+    if files:
+        files[0].cleanup()
     print(
         f"verified {got['checked_bytes']} bytes: "
         f"{'all equal' if ok else str(got['mismatched_pages']) + ' pages differ'}"

@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pegaflow.copiers.base import (
@@ -131,6 +132,9 @@ class Registry:
         self._max_slot_bytes = max_slot_bytes  # a block of one rank must fit a slot
         self.namespaces: dict[str, Namespace] = {}
         self.instances: dict[str, Instance] = {}
+        # A new namespace -> the recovered one of its name and geometry, if any
+        # (pegaflow.recovery: a restarted server's kept pool).
+        self.adopt: Callable[[Namespace], Namespace] | None = None
 
     def register(self, spec: RegisterSpec, caller: Caller) -> Worker:
         validate_spec(spec)
@@ -165,6 +169,8 @@ class Registry:
             if new_namespace:  # a rejected request must not fix a geometry
                 self.namespaces.pop(spec.namespace, None)
             raise
+        if new_namespace and self.adopt is not None:
+            ns = instance.namespace = self.adopt(ns)
         old = instance.workers.get(spec.tp_rank)
         if old is not None:
             self._retire(old)

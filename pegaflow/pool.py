@@ -12,16 +12,21 @@ import ctypes
 import errno
 import logging
 import mmap
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from tqdm import tqdm
 
 from pegaflow.config import PoolConfig
+
+if TYPE_CHECKING:
+    from pegaflow.poolfile import PoolFile
+    from pegaflow.slotlog import SlotLog
 
 logger = logging.getLogger(__name__)
 
@@ -135,32 +140,50 @@ class HostPool:
         slab = min(config.slab_bytes, max(1 << 16, config.size_bytes // 16))
         self.slab_bytes = slab // align * align or align
         self.size = config.size_bytes // self.slab_bytes * self.slab_bytes
-        self._mmap = _map_region(self.size, config.use_hugepages)
-        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.file: PoolFile | None = None
+        self.log: SlotLog | None = None
+        if config.pool_file is None:
+            self._mmap = _map_region(self.size, config.use_hugepages)
+            self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        else:
+            self.file = _open_file(config, self.size, self.slab_bytes, align)
+            self._mmap = self.file.mmap
+            self.array = self.file.data
         self.base = int(self.array.ctypes.data)
         self._registrar = None
         try:
-            self.bring_up = self._prefault(config)
-            if registrar is not None:
+            # A file's bytes are the last server's blocks: touch, never zero them.
+            zero_ok = self.file is None or self.file.fresh
+            self.bring_up = self._prefault(config, zero_ok)
+            if registrar is not None:  # in chunks, in parallel (HostRegistrar)
                 registrar.register(self.base, self.size)
         except BaseException:
             self.close()
             raise
         self._registrar = registrar
-        self.slabs = SlabAllocator(self.base, self.size, self.slab_bytes)
+        self.slabs = self._slabs()
         logger.info(
-            "pool ready: %.2f GiB at %.2f GB/s (%d slabs of %d MiB, hugepages=%s)",
+            "pool ready: %.2f GiB at %.2f GB/s (%d slabs of %d MiB, hugepages=%s%s)",
             self.size / (1 << 30),
             self.bring_up.gb_per_s,
             self.size // self.slab_bytes,
             self.slab_bytes >> 20,
             config.use_hugepages,
+            f", file {config.pool_file}" if config.pool_file else "",
         )
 
-    def _prefault(self, config: PoolConfig) -> BringUp:
+    def _slabs(self) -> SlabAllocator:
+        if self.file is None:
+            return SlabAllocator(self.base, self.size, self.slab_bytes)
+        from pegaflow.slotlog import LoggedSlabs, SlotLog  # imports this module
+
+        self.log = SlotLog(self.file, self.base)
+        return LoggedSlabs(self.base, self.size, self.slab_bytes, self.log)
+
+    def _prefault(self, config: PoolConfig, zero_ok: bool = True) -> BringUp:
         start = time.perf_counter()
         chunks = range(0, self.size, PREFAULT_CHUNK)
-        touch = _touch_function(self.base, self.size)
+        touch = _touch_function(self.base, self.size, zero_ok)
         bar = tqdm(
             total=self.size,
             unit="B",
@@ -186,16 +209,36 @@ class HostPool:
         if self._registrar is not None:
             self._registrar.unregister(self.base)
             self._registrar = None
+        if self.log is not None:  # seals what is queued: it reads the slots
+            self.log.close()
+            self.log = None
         if not hasattr(self, "array"):
             return  # closed already (a failed start-up, then the stop path)
         del self.array
+        if self.file is not None:
+            self.file.close()
+            return
         try:
             self._mmap.close()
         except BufferError:  # a view is still alive; the OS frees it at exit
             logger.debug("pool mmap still referenced at close")
 
 
-def _touch_function(base: int, total: int) -> Callable[[int, int], int]:
+def _open_file(config: PoolConfig, size: int, slab_bytes: int, align: int) -> PoolFile:
+    from pegaflow.poolfile import Geometry, PoolFile
+
+    geometry = Geometry(size, slab_bytes, align)
+    path = config.pool_file or ""
+    exists = os.path.exists(path) and os.path.getsize(path) == geometry.file_bytes
+    available = _meminfo("MemAvailable")
+    if not exists and available is not None and size > available:
+        raise PoolTooLarge(size, available)  # a file already there is resident
+    return PoolFile(path, geometry, config.on_mismatch)
+
+
+def _touch_function(
+    base: int, total: int, zero_ok: bool = True
+) -> Callable[[int, int], int]:
     libc = ctypes.CDLL(None, use_errno=True)
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -205,7 +248,8 @@ def _touch_function(base: int, total: int) -> Callable[[int, int], int]:
         if madvise(base + offset, size, MADV_POPULATE_WRITE) != 0:
             if ctypes.get_errno() == errno.ENOMEM:  # memset would be OOM-killed
                 raise PoolTooLarge(total, _meminfo("MemAvailable"))
-            ctypes.memset(base + offset, 0, size)  # kernels before 5.14
+            if zero_ok:  # kernels before 5.14; a kept file faults in on use
+                ctypes.memset(base + offset, 0, size)
         return size
 
     return touch
@@ -227,7 +271,8 @@ class SlabAllocator:
     def __init__(self, base: int, size: int, slab_bytes: int) -> None:
         self.base = base
         self.slab_bytes = slab_bytes
-        self.free_slabs: list[int] = list(range(size // slab_bytes - 1, -1, -1))
+        self.size_slabs = size // slab_bytes
+        self.free_slabs: list[int] = list(range(self.size_slabs - 1, -1, -1))
         self._slab_class: dict[int, SlotClass] = {}
         self._free_slots: dict[int, list[int]] = {}  # slab -> free slot indices
         self._partial: dict[SlotClass, dict[int, None]] = {}  # slabs with room
@@ -291,6 +336,39 @@ class SlabAllocator:
         del self._free_slots[slab]
         del self._slab_class[slab]
         self.free_slabs.append(slab)
+
+    def claim(self, addresses: list[int], slot_bytes: int) -> list[bool]:
+        """Take these slots as allocated (a recovered pool's, all still free):
+        True per slot taken; False where the slab holds another class or the
+        slot was taken already. Called once, before any allocation."""
+        taken: dict[int, set[int]] = {}
+        ok: list[bool] = []
+        for addr in addresses:
+            off = addr - self.base
+            slab, inside = divmod(off, self.slab_bytes)
+            skew, index = inside % slot_bytes, inside // slot_bytes
+            cls = (slot_bytes, skew)
+            have = self._slab_class.setdefault(slab, cls)
+            mine = taken.setdefault(slab, set())
+            good = have == cls and skew < 4096 and index not in mine
+            good = good and 0 <= slab < self.size_slabs
+            good = good and index < self.slots_per_slab(cls)
+            if good:
+                mine.add(index)
+                self.used_bytes += slot_bytes
+            ok.append(good)
+        for slab, mine in taken.items():
+            if not mine:
+                del self._slab_class[slab]
+                continue
+            cls = self._slab_class[slab]
+            free = [i for i in range(self.slots_per_slab(cls) - 1, -1, -1)]
+            self._free_slots[slab] = [i for i in free if i not in mine]
+            if self._free_slots[slab]:
+                self._partial.setdefault(cls, {})[slab] = None
+        gone = set(taken) & set(self._slab_class)
+        self.free_slabs = [s for s in self.free_slabs if s not in gone]
+        return ok
 
     def free_slots(self, cls: SlotClass) -> int:
         """Slots of the class obtainable without eviction."""

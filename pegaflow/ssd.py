@@ -108,6 +108,10 @@ class SsdLink:
             self._namespaces[ns_id] = got
         return got
 
+    def known(self, ns_id: int, digest: bytes, slot_bytes: int) -> None:
+        """A namespace known by digest only (pegaflow.recovery)."""
+        self._namespaces[ns_id] = (digest, slot_bytes)
+
     def forget(self, ns_id: int) -> None:
         """Drop a namespace's cached mapping (it was freed): its blocks stay
         on disk under the digest, found again when the name comes back."""

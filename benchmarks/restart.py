@@ -1,0 +1,167 @@
+"""Warm restart of L1 (--pool-file): time from exec to the first hit, and the
+share of acknowledged blocks a restarted server serves, after SIGTERM and after
+SIGKILL during steady saves.
+
+    python benchmarks/restart.py                       # 4 and 8 GiB pools
+    python benchmarks/restart.py --sizes 16gb,64gb     # the H200 host
+    python benchmarks/restart.py --quick               # 256 MiB, a smoke check
+
+The pool file lives in --dir (default /dev/shm). One engine process (this one)
+holds 256 blocks of 2 MiB (32 layers x 64 KiB, Llama-3.1-8B) and saves them
+again and again under fresh hashes until the pool is --fill full, never
+evicting; with sigkill a second thread keeps saving while the server is
+SIGKILLed. A block counts as acknowledged when its save returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import start_server, table, write_json  # noqa: E402
+from pegaflow.client import PegaflowClient  # noqa: E402
+from pegaflow.config import parse_size  # noqa: E402
+from pegaflow.errors import PegaflowError  # noqa: E402
+from pegaflow.kv_layouts import describe, vllm_layer_views  # noqa: E402
+
+PAGE = 64 << 10
+LAYERS = 32
+BLOCK = PAGE * LAYERS
+BATCH = 64
+
+
+class Engine:
+    def __init__(self, blocks: int) -> None:
+        self.buf = np.frombuffer(
+            np.random.default_rng(0).bytes(LAYERS * blocks * PAGE), np.uint8
+        ).copy()
+        self.mem = describe(vllm_layer_views(self.buf, LAYERS, blocks, (PAGE,)))
+        self.blocks = blocks
+
+    def register(self, client: PegaflowClient, inst: str) -> None:
+        client.register_host(
+            inst, "bench-restart", os.getpid(), self.mem.regions, self.mem.layers
+        )
+
+
+def _fill(
+    addr: str,
+    eng: Engine,
+    target: int,
+    stop: threading.Event,
+    inst: str = "writer",
+    killed: bool = False,
+) -> list[bytes]:
+    """Save batches under fresh hashes until `target` blocks or stop; the
+    hashes of every acknowledged block."""
+    acked: list[bytes] = []
+    client = PegaflowClient(addr, timeout_s=60)
+    try:
+        eng.register(client, inst)
+        while len(acked) < target and not stop.is_set():
+            hs = [secrets.token_bytes(32) for _ in range(BATCH)]
+            ids = np.arange(len(acked), len(acked) + BATCH) % eng.blocks
+            if client.save(inst, ids, hs).stored == BATCH:
+                acked += hs
+    except PegaflowError:
+        if not killed:  # only a save under the SIGKILL may fail
+            raise
+    finally:
+        with contextlib.suppress(PegaflowError):
+            client.close()
+    return acked
+
+
+def _first_hit(flags: list[str], eng: Engine, acked: list[bytes]) -> dict:
+    start = time.perf_counter()
+    proc, addr = start_server(*flags)
+    ready = time.perf_counter() - start
+    with PegaflowClient(addr, timeout_s=120) as client:
+        eng.register(client, "reader")
+        first = client.query("reader", acked[:BATCH])
+        hit_s = time.perf_counter() - start
+        if first.lease_id:
+            client.release_lease(first.lease_id)
+        hits = 0
+        for h in acked:  # one by one: a prefix query stops at the first miss
+            res = client.query("reader", [h])
+            hits += res.num_blocks
+            if res.lease_id:
+                client.release_lease(res.lease_id)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(120)
+    return {"ready_s": round(ready, 2), "first_hit_s": round(hit_s, 2), "hits": hits}
+
+
+def run(size: int, mode: str, fill: float, directory: str) -> dict:
+    path = os.path.join(directory, f"bench-restart-{os.getpid()}.pool")
+    flags = ["--pool-size", str(size), "--pool-file", path, "--no-progress"]
+    eng = Engine(256)
+    target = int(size * fill) // BLOCK // BATCH * BATCH
+    proc, addr = start_server(*flags)
+    try:
+        stop = threading.Event()
+        if mode == "sigterm":
+            acked = _fill(addr, eng, target, stop)
+            proc.send_signal(signal.SIGTERM)
+        else:  # most of the pool, then SIGKILL while a writer keeps saving
+            acked = _fill(addr, eng, target * 3 // 4, stop)
+            out: list[list[bytes]] = []
+            writer = threading.Thread(
+                target=lambda: out.append(
+                    _fill(addr, eng, target // 4, stop, "writer2", True)
+                )
+            )
+            writer.start()
+            time.sleep(0.5)  # steady saves under way (a measurement, not a sync)
+            proc.send_signal(signal.SIGKILL)
+            writer.join()
+            acked += out[0]
+        proc.wait(120)
+        got = _first_hit(flags, eng, acked)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return {
+        "pool_gib": size / (1 << 30),
+        "stop": mode,
+        "acked_blocks": len(acked),
+        **got,
+        "recovered_share": round(got["hits"] / max(1, len(acked)), 4),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="4gb,8gb")
+    # below 1: slots skewed to the engine's pages fit 7 of 2 MiB in a 16 MiB
+    # slab; past the room the oldest blocks would be evicted, not lost
+    p.add_argument("--fill", type=float, default=0.8)
+    p.add_argument("--dir", default="/dev/shm")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    sizes = [256 << 20] if args.quick else list(map(parse_size, args.sizes.split(",")))
+    rows = [
+        run(s, m, args.fill, args.dir) for s in sizes for m in ("sigterm", "sigkill")
+    ]
+    cols = ["pool_gib", "stop", "acked_blocks", "ready_s", "first_hit_s"]
+    print(table(rows, [*cols, "hits", "recovered_share"]))
+    print(write_json("restart", {"rows": rows, "fill": args.fill}, args.json))
+
+
+if __name__ == "__main__":
+    main()
