@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     need = prompt_blocks * args.layers * PAGE_BYTES
     server = None
     addr = args.addr
+    files: tuple = ()  # the restart demo's pool and SSD files
+    if args.restart_server and addr is not None:
+        p.error("--restart-server starts its own server: leave out --addr")
     if addr is None:
         if args.pool_size < need * 1.1:
             p.error(f"--pool-size: the prompt needs {need / 2**20:.0f} MiB; give more")

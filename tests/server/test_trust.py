@@ -208,9 +208,14 @@ def test_instance_ids_cannot_be_hijacked(server) -> None:
 def _run_as(uid: int, code: str) -> subprocess.CompletedProcess:
     """Python code run by a process that imported our packages as root, then
     dropped to `uid` (the interpreter itself lives under /root here)."""
+    # Everything the attack touches is imported while still root: the checkout
+    # may be unreadable for the other uid (a 0700 temp dir in CI). The channel
+    # object exists too, but connects only at its first call, as `uid`.
     prelude = (
         "import os, grpc, socket, numpy as np, pegaflow.proto.pegaflow_pb2 as pb, "
         "pegaflow.proto.pegaflow_pb2_grpc as pbg\n"
+        "import grpc._channel, grpc._interceptor, grpc._utilities\n"
+        "_warm = grpc.insecure_channel('127.0.0.1:1'); _warm.close()\n"
         f"os.setgroups([]); os.setgid({uid}); os.setuid({uid})\n"
     )
     return subprocess.run(
