@@ -11,7 +11,8 @@ from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
 
-BlockHash = bytes
+from pegaflow.keys import BlockHash
+
 NsDigest = bytes
 
 

@@ -46,6 +46,7 @@ from numba import cuda  # noqa: E402
 from numba.cuda import types  # noqa: E402
 from numba.cuda.core import config  # noqa: E402
 
+from pegaflow.cuda_driver import check  # noqa: E402 - the one status check
 from pegaflow.errors import CopyFailed, InternalError  # noqa: E402
 
 from .base import CopyKernels  # noqa: E402
@@ -229,24 +230,13 @@ def _kernel() -> Any:
 
 
 # -- host side ---------------------------------------------------------------
-def _check(result: tuple[Any, ...], what: str) -> Any:
-    """The one place a CUDA driver status becomes an exception."""
-    from cuda.bindings import driver
-
-    err = result[0]
-    if err != driver.CUresult.CUDA_SUCCESS:
-        name = driver.cuGetErrorName(err)[1]
-        raise CopyFailed(f"{what}: {name.decode() if name else err}")
-    return result[1] if len(result) > 1 else None
-
-
 def _device_alias(address: int) -> int:
     """Device address of mapped (registered or host-allocated) pinned memory."""
     from cuda.bindings import driver
 
     cuda.current_context()  # the driver call needs a current context
     try:
-        return int(_check(driver.cuMemHostGetDevicePointer(address, 0), "map"))
+        return int(check(driver.cuMemHostGetDevicePointer(address, 0), "map"))
     except CopyFailed as e:
         raise InternalError(f"address: {address:#x} is not mapped pinned: {e}") from e
 
@@ -383,7 +373,7 @@ class CudaKernels(CopyKernels):
         for s, d, n in runs.T.tolist():  # per contiguous run; runs span whole slots
             to = driver.CUdeviceptr(dst.address + d)
             frm = driver.CUdeviceptr(src.address + s)
-            _check(driver.cuMemcpyAsync(to, frm, n, stream.handle), "memcpy")
+            check(driver.cuMemcpyAsync(to, frm, n, stream.handle), "memcpy")
 
 
 _kernels = CudaKernels()

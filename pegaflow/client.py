@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
@@ -23,6 +22,7 @@ from pegaflow import deadlines
 from pegaflow.errors import PegaflowError, from_status
 from pegaflow.geometry import LayerLayout
 from pegaflow.proto import pegaflow_pb2 as pb
+from pegaflow.register_messages import cuda_request, host_request
 from pegaflow.results import LoadBatchResult, LoadResult, QueryResult, SaveResult
 from pegaflow.session import Session
 from pegaflow.socket_client import SocketTransport
@@ -98,26 +98,14 @@ class PegaflowClient:
         pid: int,
         regions: Sequence[tuple[int, int]],
         layers: Sequence[LayerLayout],
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        world_size: int | None = None,
-        replicated: bool = False,
-        layer_signals: int = 0,
+        **options: Any,
     ) -> Registration:
         """Register KV memory of this process in host RAM (pid, address, size).
-        replicated: every rank holds the same KV (MLA); blocks stored once.
-        layer_signals: address of num_layers u64 words in this process for
-        layer-wise loads (load(..., layer_seq=)); 0: none."""
-        req = _register_request(
-            instance_id, namespace, tp_rank, tp_size, world_size, replicated
-        )
-        req.device = "cpu"
-        req.regions.extend(
-            pb.MemoryRegion(host=pb.HostRegion(pid=pid, address=a, size=n))
-            for a, n in regions
-        )
-        req.layers.extend(_layer_message(layer) for layer in layers)
-        _set_signals(req, layer_signals)
+        options: tp_rank, tp_size, world_size, replicated (every rank holds the
+        same KV, MLA: blocks stored once), layer_signals (address of num_layers
+        u64 words in this process for layer-wise loads); see
+        pegaflow.register_messages.host_request."""
+        req = host_request(instance_id, namespace, pid, regions, layers, **options)
         return self._register(req)
 
     def register_cuda(
@@ -126,30 +114,12 @@ class PegaflowClient:
         namespace: str,
         kv: CudaKVMemory,
         event_handles: Sequence[bytes] = (),
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        world_size: int | None = None,
-        replicated: bool = False,
-        layer_signals: int = 0,
+        **options: Any,
     ) -> Registration:
         """Register GPU KV memory: `kv` from pegaflow.cuda_export.export_kv, and
-        the handles of its IpcEvents (saves then pass `wait_event`).
-        layer_signals: as register_host's (host memory of this process)."""
-        req = _register_request(
-            instance_id, namespace, tp_rank, tp_size, world_size, replicated
-        )
-        req.device = kv.device
-        for r in kv.regions:
-            cuda = pb.CudaRegion(
-                ipc_handle=r.ipc_handle,
-                offset=r.offset,
-                size=r.size,
-                device_uuid=r.device_uuid,
-            )
-            req.regions.append(pb.MemoryRegion(cuda=cuda))
-        req.layers.extend(_layer_message(layer) for layer in kv.layers)
-        req.event_handles.extend(event_handles)
-        _set_signals(req, layer_signals)
+        the handles of its IpcEvents (saves then pass `wait_event`); options as
+        register_host's."""
+        req = cuda_request(instance_id, namespace, kv, event_handles, **options)
         return self._register(req)
 
     def _register(self, req: pb.RegisterInstanceRequest) -> Registration:
@@ -368,37 +338,3 @@ class PegaflowClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _register_request(
-    instance_id: str,
-    namespace: str,
-    tp_rank: int,
-    tp_size: int,
-    world_size: int | None,
-    replicated: bool,
-) -> pb.RegisterInstanceRequest:
-    return pb.RegisterInstanceRequest(
-        instance_id=instance_id,
-        namespace=namespace,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        world_size=world_size or tp_size,
-        replicated=replicated,
-    )
-
-
-def _set_signals(req: pb.RegisterInstanceRequest, address: int) -> None:
-    if address:
-        req.layer_signals.pid = os.getpid()
-        req.layer_signals.address = address
-
-
-def _layer_message(layer: LayerLayout) -> pb.LayerLayout:
-    return pb.LayerLayout(
-        region_index=layer.region_index,
-        offset=layer.offset,
-        num_blocks=layer.num_blocks,
-        block_stride=layer.block_stride,
-        segments=[pb.Segment(offset=s.offset, size=s.size) for s in layer.segments],
-    )
