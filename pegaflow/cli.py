@@ -393,7 +393,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["status"]:  # a subcommand; every flag form stays the daemon's
-        from pegaflow.status import main as status_main
+        from pegaflow.status_command import main as status_main
 
         return status_main(argv[1:])
     parser = build_parser()

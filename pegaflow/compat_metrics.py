@@ -70,7 +70,7 @@ def _histogram(
 
 class OriginalMetrics:
     """The original's names, from our Metrics and the engine's stats snapshot
-    (pegaflow.stats.engine_stats, read on the event loop)."""
+    (pegaflow.report.engine_stats, read on the event loop)."""
 
     def __init__(self, metrics: object, stats: Callable[[], Stats]) -> None:
         self._m = metrics

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import secrets
@@ -30,11 +29,11 @@ from pegaflow.metrics import Metrics, SsdCollector
 from pegaflow.pool import HostPool
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from pegaflow.recovery import Recovered, RecoveryReport, recover
+from pegaflow.report import HitRateCollector, engine_stats, health_report, on_loop
 from pegaflow.service import ErrorInterceptor, PegaFlowServicer
 from pegaflow.socket_server import SocketServerInfo, start_socket_server
 from pegaflow.sockfile import check_path, unlink_if_ours
 from pegaflow.startup import StartupError, bind_error, bind_failed
-from pegaflow.stats import HitRateCollector, engine_stats, on_loop
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +119,7 @@ async def _assemble(
         serve_http(
             http,
             metrics.registry,
-            _health_report(engine, cuda, recovery),
+            health_report(engine, cuda, recovery),
             {"/stats": stats},
         )
     running = RunningServer(
@@ -249,28 +248,6 @@ def _cuda_copier(config: CudaConfig, pool: HostPool, ordinals: list[int]) -> obj
         raise StartupError(
             f"--devices: CUDA copy engine failed to start: {exc}"
         ) from exc
-
-
-def _health_report(engine: Engine, cuda: object, recovery: RecoveryReport | None):  # noqa: ANN202 - HTTP thread's
-    ssd = engine.ssd.tier if engine.ssd is not None else None
-
-    def report() -> dict[str, object]:
-        slabs = engine.pool.slabs
-        return {
-            "status": "ok",
-            "pool_capacity_bytes": engine.pool.size,
-            "pool_used_bytes": slabs.used_bytes,
-            "resident_blocks": engine.store.resident_ready,
-            "namespaces": len(engine.registry.namespaces),
-            "workers": sum(len(i.workers) for i in engine.registry.instances.values()),
-            "cuda_mappings": getattr(cuda, "mapped_allocations", 0),
-            "ssd_mode": ssd.mode if ssd else "off",
-            "ssd_capacity_bytes": ssd.config.capacity_bytes if ssd else 0,
-            "pool_file": engine.pool.file is not None,
-            "pool_recovered": dataclasses.asdict(recovery) if recovery else None,
-        }
-
-    return report
 
 
 async def _sweep_forever(engine: Engine) -> None:

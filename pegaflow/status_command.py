@@ -1,5 +1,5 @@
 """`pegaflow-server status`: one screen about a running server, read from its
-HTTP /stats document (pegaflow.stats): pool, tiers, per-namespace hit rate beside
+HTTP /stats document (pegaflow.report): pool, tiers, per-namespace hit rate beside
 its ceiling, and the top miss causes.
 
 Standard library only, so it starts fast and runs anywhere the server's HTTP

@@ -1,5 +1,6 @@
-"""The server's state as one JSON document (HTTP /stats, read by
-`pegaflow-server status`) and the hit-rate families of /metrics built from it.
+"""What the server reports about itself: /health (health_report), the /stats
+JSON document (engine_stats, read by `pegaflow-server status`) and the
+hit-rate families of /metrics built from it.
 
 The document is built on the engine's event loop (the HTTP thread hops there and
 waits), so the bookkeeping it reads is never caught half-updated.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import time
@@ -22,6 +24,7 @@ from pegaflow.misses import CAUSES, HIT_TIERS
 
 if TYPE_CHECKING:
     from pegaflow.engine import Engine
+    from pegaflow.recovery import RecoveryReport
 
 logger = logging.getLogger(__name__)
 
@@ -167,3 +170,29 @@ def families(stats: Stats) -> Iterator[Metric]:
     )
     hll.add_metric([], stats["hll"]["memory_bytes"])
     yield from (blocks, causes, resident, *gauges.values(), hll)
+
+
+def health_report(
+    engine: Engine, cuda: object, recovery: RecoveryReport | None
+) -> Callable[[], dict[str, object]]:
+    """/health's document, read from the HTTP thread: counts only, no
+    bookkeeping walk (that is /stats, built on the loop)."""
+    ssd = engine.ssd.tier if engine.ssd is not None else None
+
+    def report() -> dict[str, object]:
+        slabs = engine.pool.slabs
+        return {
+            "status": "ok",
+            "pool_capacity_bytes": engine.pool.size,
+            "pool_used_bytes": slabs.used_bytes,
+            "resident_blocks": engine.store.resident_ready,
+            "namespaces": len(engine.registry.namespaces),
+            "workers": sum(len(i.workers) for i in engine.registry.instances.values()),
+            "cuda_mappings": getattr(cuda, "mapped_allocations", 0),
+            "ssd_mode": ssd.mode if ssd else "off",
+            "ssd_capacity_bytes": ssd.config.capacity_bytes if ssd else 0,
+            "pool_file": engine.pool.file is not None,
+            "pool_recovered": dataclasses.asdict(recovery) if recovery else None,
+        }
+
+    return report
