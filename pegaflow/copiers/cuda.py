@@ -142,7 +142,7 @@ class CudaCopyEngine:
         self._k = kernels.backend("cuda")
         self._ctas = max_ctas
         self._policy = policy or CopyPolicy()
-        self._dma = dma.driver() if self._policy.setting != "kernel" else None
+        self._dma = self._open_dma()
         self._attrs: dict[tuple[CopyDirection, int], dma.MemcpyAttributes] = {}
         self._timeout = event_timeout_s
         self._devices: dict[bytes, _Device] = {}
@@ -165,6 +165,21 @@ class CudaCopyEngine:
             max_ctas,
             self._policy.setting,
         )
+
+    def _open_dma(self) -> dma.MemcpyBatch | None:
+        """The driver's batch call, unless kernels do every copy. A driver
+        without it (before CUDA 12.8) refuses --copy-path dma and turns
+        "auto" into kernels only."""
+        if self._policy.setting == "kernel":
+            return None
+        try:
+            return dma.driver()
+        except cuda_driver.CudaError as exc:
+            if self._policy.setting == "dma":
+                raise
+            logger.warning("copy engines unavailable, kernels only: %s", exc)
+            self._policy = CopyPolicy("kernel")
+            return None
 
     def _warm_up(self, dev: _Device) -> None:
         """Compile the kernel now (about a second), not in the first save."""
