@@ -8,6 +8,14 @@ Every timed transfer kind is byte-checked once: a save, then a load into
 poisoned other blocks, compared on the GPU.
 
     PYTHONPATH=$PWD python3 benchmarks/transfer.py --out DIR [--quick] [--prefill]
+        [--copy-path auto|kernel|dma] [--copy-sm-cap N] [--tag NAME]
+    ... --interference [--copy-paths kernel,dma,auto] [--copy-sm-caps 16,66]
+
+`--interference` is the engine-interference mode (benchmarks/interference.py):
+a bf16 matmul loop in a second process while saves, loads or both stream, for
+each server setting, reported as copy GB/s next to the matmul's slowdown.
+torch is imported where the GPU is used: argument parsing and the tables
+import without it.
 """
 
 from __future__ import annotations
@@ -16,23 +24,27 @@ import argparse
 import secrets
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import interference  # noqa: E402
 from benchmarks.common import table, write_json  # noqa: E402
-from benchmarks.transfer_extras import bring_up, prefill_seconds  # noqa: E402
 from pegaflow.client import PegaflowClient  # noqa: E402
 from pegaflow.cuda_export import IpcEvents, export_kv  # noqa: E402
 from pegaflow.kv_layouts import vllm_layer_views  # noqa: E402
 from pegaflow.spawn import spawn_server  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
 
 # (name, layers, page bytes): Llama-3.1-8B (8 KV heads x 16 tokens x 2 x 128 x
 # bf16) and DeepSeek-V3 MLA (block 64 x 576 x bf16).
@@ -76,6 +88,8 @@ class Engine:
     def __init__(
         self, addr: str, http: str, name: str, layers: int, page: int, n_max: int
     ) -> None:
+        import torch
+
         self.http = http
         self.layers, self.page = layers, page
         self.blocks = 2 * n_max + 64
@@ -99,6 +113,8 @@ class Engine:
         return perm[:n], perm[n : 2 * n]
 
     def save(self, src: np.ndarray, hashes: list[bytes], event: bool = True) -> float:
+        import torch
+
         t = time.perf_counter()
         wait = (
             self.events.record(torch.cuda.current_stream().cuda_stream) if event else 0
@@ -116,6 +132,8 @@ class Engine:
         return time.perf_counter() - t
 
     def checked_round_trip(self, src: np.ndarray, dst: np.ndarray) -> bool:
+        import torch
+
         s, d = torch.as_tensor(src).cuda(), torch.as_tensor(dst).cuda()
         self.view[:, d] = POISON
         torch.cuda.synchronize()
@@ -131,6 +149,8 @@ class Engine:
 
 def ceiling_gbps(pinned: torch.Tensor, dev: torch.Tensor, nbytes: int) -> float:
     """Best of 3: one pinned cudaMemcpy each way of nbytes (in <=2 GiB pieces)."""
+    import torch
+
     best = {"d2h": 0.0, "h2d": 0.0}
     for _ in range(3):
         for way in best:
@@ -203,6 +223,8 @@ def bench_shape(
 
 def latency(eng: Engine, reps: int = 200) -> dict:
     """1 block x all layers, RPC + copy + completion seen here, ms."""
+    import torch
+
     src, dst = np.array([3]), np.array([eng.blocks - 1])
     out = {}
     for label, event in (("save_event", True), ("save_synced", False)):
@@ -265,32 +287,75 @@ def concurrent(addr: str, eng: Engine, n: int, seconds: float = 2.0) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="directory for transfer.json")
+    p.add_argument("--tag", default="", help="transfer-TAG.json, for variants")
     p.add_argument("--quick", action="store_true", help="small sizes, small pool")
     p.add_argument("--prefill", action="store_true", help="10K-token prefill too")
     p.add_argument("--bringup-gib", type=int, default=64)
-    args = p.parse_args()
-    sizes = [1, 16, 64] if args.quick else [1, 16, 64, 640, 2560]
-    pool = "4gb" if args.quick else "16gb"
+    p.add_argument(
+        "--shapes",
+        default=",".join(name for name, _, _ in SHAPES),
+        help="comma-separated shape names (default: all)",
+    )
+    p.add_argument("--copy-path", choices=interference.PATHS, default="auto")
+    p.add_argument("--copy-sm-cap", type=int, default=interference.DEFAULT_CAP)
+    interference.add_arguments(p)
+    return p
+
+
+def start_server(pool: str, *extra: str) -> tuple[subprocess.Popen, str, str]:
+    """(process, gRPC address, HTTP address) of a server on GPU 0."""
     with socket.socket() as sock:  # a free port for /metrics
         sock.bind(("127.0.0.1", 0))
         http = f"127.0.0.1:{sock.getsockname()[1]}"
     proc, addr = spawn_server(
         "--pool-size", pool, "--devices", "0", "--no-progress",
-        "--log-level", "warning", "--http-addr", http,
+        "--log-level", "warning", "--http-addr", http, *extra,
     )  # fmt: skip
+    return proc, addr, http
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(60)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    name = "interference" if args.interference else "transfer"
+    name += f"-{args.tag}" if args.tag else ""
+    out = str(Path(args.out) / f"{name}.json") if args.out else None
+
+    def save(payload: dict) -> Path:
+        return write_json(name, payload, out)
+
+    if args.interference:
+        print(f"wrote {save(interference.run(args, save))}")
+    else:
+        print(f"wrote {save(run_shapes(args))}")
+
+
+def run_shapes(args: argparse.Namespace) -> dict:
+    import torch
+
+    from benchmarks.transfer_extras import bring_up, prefill_seconds
+
+    sizes = [1, 16, 64] if args.quick else [1, 16, 64, 640, 2560]
+    pool = "4gb" if args.quick else "16gb"
+    setting = interference.Setting(args.copy_path, args.copy_sm_cap)
+    proc, addr, http = start_server(pool, *setting.server_args())
     ceil = {"pinned": torch.empty(2 << 30, dtype=torch.int8, pin_memory=True)}
-    rows, extra = [], {}
+    rows, extra = [], {"copy_path": args.copy_path, "copy_sm_cap": args.copy_sm_cap}
     try:
         for shape in SHAPES:
-            got, more = bench_shape((addr, http), shape, sizes, ceil)
-            rows += got
-            extra |= more
+            if shape[0] in args.shapes.split(","):
+                got, more = bench_shape((addr, http), shape, sizes, ceil)
+                rows += got
+                extra |= more
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop_server(proc)
     del ceil
     if args.bringup_gib:
         extra |= bring_up(4 if args.quick else args.bringup_gib)
@@ -302,15 +367,10 @@ def main() -> None:
             load_s = load[0]["MiB"] * 2**20 / (load[0]["load_GBps"] * 1e9)
             extra["load_10k_ms"] = round(1e3 * load_s, 2)
             extra["warm_cold_ratio"] = round(pre / load_s, 1)
-    cols = list(rows[0])
-    print(table(rows, cols))
+    print(table(rows, list(rows[0])))
     for key, value in extra.items():
         print(f"{key}: {value}")
-    out = Path(args.out) / "transfer.json" if args.out else None
-    path = write_json(
-        "transfer", {"rows": rows, "extra": extra}, str(out) if out else None
-    )
-    print(f"wrote {path}")
+    return {"rows": rows, "extra": extra}
 
 
 if __name__ == "__main__":

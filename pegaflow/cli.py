@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING
 
 from pegaflow import __version__, compat_flags
 from pegaflow.config import (
+    Crossover,
     CudaConfig,
     EngineConfig,
     HitRateConfig,
     PoolConfig,
     ServerConfig,
     parse_addr,
+    parse_crossovers,
     parse_devices,
     parse_duration,
     parse_size,
@@ -44,6 +46,7 @@ FLAG_OF = {
     "lease_ttl_s": "--lease-ttl",
     "copy_threads": "--copy-threads",
     "max_ctas": "--copy-ctas",
+    "copy_crossovers": "--copy-crossovers",
     "event_timeout_s": "--cuda-event-timeout",
     "metric_hll_windows": "--metric-hll-windows",
     "metric_hll_bucket_bits": "--metric-hll-bucket-bits",
@@ -177,10 +180,27 @@ def build_parser() -> argparse.ArgumentParser:
         "needed), 'none' (host engines only) or ordinals '0,1' (default: auto)",
     )
     p.add_argument(
+        "--copy-sm-cap",
         "--copy-ctas",
+        dest="copy_ctas",
         type=int,
         default=66,
-        help="CUDA blocks per copy direction: leaves SMs to engines (default: 66)",
+        help="CUDA blocks (one SM each) per copy direction for copy kernels: "
+        "leaves SMs to engines (default: 66)",
+    )
+    p.add_argument(
+        "--copy-path",
+        choices=("auto", "kernel", "dma"),
+        default="auto",
+        help="kernels, copy engines (cuMemcpyBatchAsync: no SMs), or per batch "
+        "from --copy-crossovers (default: auto)",
+    )
+    p.add_argument(
+        "--copy-crossovers",
+        default=None,
+        help="where auto takes copy engines: 'none' or e.g. 'save:81920:65536' "
+        "(direction:min_pages[:min_page_bytes], comma-separated; default: the "
+        "table in pegaflow/config.py)",
     )
     p.add_argument(
         "--cuda-event-timeout",
@@ -385,9 +405,17 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             devices=args.devices.devices,
             max_ctas=args.copy_ctas,
             event_timeout_s=args.cuda_event_timeout,
+            copy_path=args.copy_path,
+            **crossovers(args),
         ),
         ssd=ssd_config(args),
     )
+
+
+def crossovers(args: argparse.Namespace) -> dict[str, tuple[Crossover, ...]]:
+    if args.copy_crossovers is None:
+        return {}
+    return {"crossovers": parse_crossovers(args.copy_crossovers)}
 
 
 def main(argv: list[str] | None = None) -> int:

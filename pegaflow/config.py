@@ -180,20 +180,76 @@ class EngineConfig:
         check_int("max_idle_namespaces", self.max_idle_namespaces, 0, 1 << 24)
 
 
+CopyPathSetting = Literal["auto", "kernel", "dma"]
+CopyDirection = Literal["save", "load"]
+MAX_PAGES = 1 << 32
+
+
+@dataclass(frozen=True, slots=True)
+class Crossover:
+    """A batch of `direction` with at least `min_pages` pages of at least
+    `min_page_bytes` each goes to the copy engines (DMA); kernels move the rest."""
+
+    direction: CopyDirection
+    min_pages: int
+    min_page_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.direction not in ("save", "load"):
+            raise ValueError(f"copy_crossovers: direction {self.direction!r}")
+        check_int("copy_crossovers", self.min_pages, 1, MAX_PAGES)
+        check_int("copy_crossovers", self.min_page_bytes, 0, 1 << 40)
+
+
+# TODO(issue 12): to be re-measured on the H200 (benchmarks/transfer.py
+# --interference sweeps --copy-path kernel/dma). From the issue's figures,
+# 64 KiB pages x 32 layers: copy engines beat kernels GPU -> host only at
+# N = 2560 blocks (51.3 vs ~45 GB/s), and never host -> GPU (34 / 46 / 46
+# vs 36 / 47 / 48 GB/s at N = 64 / 640 / 2560).
+DEFAULT_CROSSOVERS = (Crossover("save", 2560 * 32, 64 << 10),)
+
+
+def parse_crossovers(text: str) -> tuple[Crossover, ...]:
+    """'none', or 'save:81920:65536,load:4096' (direction:min_pages[:min_bytes])."""
+    if text.strip().lower() == "none":
+        return ()
+    rows = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        try:
+            numbers = [int(x) for x in parts[1:]]
+            if not 1 <= len(numbers) <= 2:
+                raise ValueError
+        except ValueError:
+            raise ValueError(
+                f"copy_crossovers: {item!r}, need direction:min_pages[:min_bytes]"
+            ) from None
+        rows.append(Crossover(parts[0], *numbers))  # type: ignore[arg-type]
+    return tuple(rows)
+
+
 @dataclass(frozen=True, slots=True)
 class CudaConfig:
-    """The GPU data path: which devices, how many CTAs per copy direction."""
+    """The GPU data path: which devices, how many CTAs per copy direction, and
+    whether a batch moves by kernel or copy engine (`copy_path`; "auto" picks
+    per batch from `crossovers`)."""
 
     enabled: bool = True  # False: host engines only, CUDA is never touched
     devices: tuple[int, ...] | None = None  # None: every visible GPU, if any
     max_ctas: int = 66
     event_timeout_s: float = 10.0  # bound on a save waiting for an engine event
+    copy_path: CopyPathSetting = "auto"
+    crossovers: tuple[Crossover, ...] = DEFAULT_CROSSOVERS
 
     def __post_init__(self) -> None:
         if self.devices is not None and (not self.devices or min(self.devices) < 0):
             raise ValueError("devices: need CUDA ordinals >= 0")
         check_int("max_ctas", self.max_ctas, 1, MAX_CTAS)
         check_seconds("event_timeout_s", self.event_timeout_s, 3600.0)
+        if self.copy_path not in ("auto", "kernel", "dma"):
+            raise ValueError(f"copy_path: {self.copy_path!r}, need auto|kernel|dma")
+        if not all(isinstance(c, Crossover) for c in self.crossovers):
+            raise ValueError("copy_crossovers: need Crossover rows")
 
 
 def parse_devices(text: str) -> CudaConfig:

@@ -58,6 +58,14 @@ def _error_name(err: Any) -> str:
         return str(err)
 
 
+def driver_status(code: int) -> Any:
+    """A driver status from a ctypes call (a plain int) as check() names it."""
+    try:
+        return _dr().CUresult(code)
+    except (ImportError, ValueError):  # no cuda-python, or a code it lacks
+        return code
+
+
 def check(result: Any, what: str) -> Any:
     """The one place a CUDA status (runtime or driver) becomes an exception.
 

@@ -236,14 +236,16 @@ def _cuda_devices(config: CudaConfig) -> list[int]:
 
 def _cuda_copier(config: CudaConfig, pool: HostPool, ordinals: list[int]) -> object:
     try:  # imports numba-cuda: GPU hosts only
-        from pegaflow.copiers.cuda import CudaCopyEngine
+        from pegaflow.copiers.cuda import CopyPolicy, CudaCopyEngine
     except ImportError as exc:
         raise StartupError(f"--devices: {exc}; {cuda_driver.hint(exc)}") from exc
 
     try:
+        policy = CopyPolicy.from_config(config)
         return CudaCopyEngine(
-            pool.base, pool.size, ordinals, config.max_ctas, config.event_timeout_s
-        )
+            pool.base, pool.size, ordinals, config.max_ctas, config.event_timeout_s,
+            policy,
+        )  # fmt: skip
     except Exception as exc:  # a broken GPU stack: one line (the pool is undone)
         raise StartupError(
             f"--devices: CUDA copy engine failed to start: {exc}"

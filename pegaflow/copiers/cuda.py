@@ -22,6 +22,11 @@ copy still sat on the stream behind a wait that never ends, and the IPC close
 never leaves work waiting on another process in the server's context (and
 Engine._copy now outlives a cancelled RPC). The engine itself never syncs; the
 copy starts within ~50 us of its event completing.
+
+Each batch moves by kernel or by the copy engines (pegaflow.copiers.dma),
+chosen per batch from its shape by a CopyPolicy: kernels are faster on small
+and mid-sized batches, copy engines use no SMs. Both run on the direction's
+stream, so the choice never reorders a save or a load.
 """
 
 from __future__ import annotations
@@ -31,14 +36,18 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from pegaflow import cuda_driver, deadlines, kernels
+from pegaflow.copiers import dma
 from pegaflow.copiers.base import CudaExport
 from pegaflow.errors import CopyFailed, InvalidRequest
 from pegaflow.geometry import Transfers
+
+if TYPE_CHECKING:  # values the server passes in; no import of its config
+    from pegaflow.config import CopyPathSetting, Crossover, CudaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +55,47 @@ DEFAULT_CTAS = 66  # half the H200's SMs per direction (RESULTS_kernels.md)
 SPIN_S = 1e-3  # poll an engine's event without sleeping for this long
 POLL_S = 50e-6
 CLOSE_WAIT_S = 10.0  # a re-opened allocation waits this long for its old close
+
+
+CopyPath = Literal["kernel", "dma"]
+CopyDirection = dma.Direction  # save: GPU -> pool, load: pool -> GPU
+
+
+class CopyPolicy:
+    """Kernel or copy engines for one batch, from its direction, page count and
+    page size: `setting` "kernel" or "dma" forces one, "auto" takes DMA where a
+    crossover row of the batch's direction says so (the server passes
+    CudaConfig.crossovers, whose defaults are the measured table). With no
+    rows, "auto" is kernels only."""
+
+    def __init__(
+        self, setting: CopyPathSetting = "auto", crossovers: tuple[Crossover, ...] = ()
+    ) -> None:
+        if setting not in ("auto", "kernel", "dma"):
+            raise ValueError(f"copy_path: {setting!r}, need auto|kernel|dma")
+        self.setting = setting
+        self.crossovers = crossovers
+
+    @classmethod
+    def from_config(cls, config: CudaConfig) -> CopyPolicy:
+        return cls(config.copy_path, config.crossovers)
+
+    def choose(self, direction: CopyDirection, pages: int, page_bytes: int) -> CopyPath:
+        if self.setting != "auto":
+            return self.setting
+        for row in self.crossovers:
+            if (
+                row.direction == direction
+                and pages >= row.min_pages
+                and page_bytes >= row.min_page_bytes
+            ):
+                return "dma"
+        return "kernel"
+
+    def choose_for(self, direction: CopyDirection, t: Transfers) -> CopyPath:
+        """choose() for a descriptor table: its rows are the pages."""
+        pages = len(t)
+        return self.choose(direction, pages, t.total_bytes // pages if pages else 0)
 
 
 @dataclass(slots=True)
@@ -85,11 +135,15 @@ class CudaCopyEngine:
         ordinals: list[int],
         max_ctas: int = DEFAULT_CTAS,
         event_timeout_s: float = 10.0,
+        policy: CopyPolicy | None = None,
     ) -> None:
         if not ordinals:
             raise ValueError("ordinals: need at least one CUDA device")
         self._k = kernels.backend("cuda")
         self._ctas = max_ctas
+        self._policy = policy or CopyPolicy()
+        self._dma = self._open_dma()
+        self._attrs: dict[tuple[CopyDirection, int], dma.MemcpyAttributes] = {}
         self._timeout = event_timeout_s
         self._devices: dict[bytes, _Device] = {}
         self._mappings: dict[tuple[bytes, bytes], _Mapping] = {}
@@ -105,7 +159,27 @@ class CudaCopyEngine:
             dev = _Device(ordinal, uuid, pool, self._k.stream(), self._k.stream())
             self._devices[uuid] = dev
             self._warm_up(dev)
-        logger.info("CUDA copy engine on device(s) %s, %d CTAs", ordinals, max_ctas)
+        logger.info(
+            "CUDA copy engine on device(s) %s, %d CTAs, copy path %s",
+            ordinals,
+            max_ctas,
+            self._policy.setting,
+        )
+
+    def _open_dma(self) -> dma.MemcpyBatch | None:
+        """The driver's batch call, unless kernels do every copy. A driver
+        without it (before CUDA 12.8) refuses --copy-path dma and turns
+        "auto" into kernels only."""
+        if self._policy.setting == "kernel":
+            return None
+        try:
+            return dma.driver()
+        except cuda_driver.CudaError as exc:
+            if self._policy.setting == "dma":
+                raise
+            logger.warning("copy engines unavailable, kernels only: %s", exc)
+            self._policy = CopyPolicy("kernel")
+            return None
 
     def _warm_up(self, dev: _Device) -> None:
         """Compile the kernel now (about a second), not in the first save."""
@@ -234,9 +308,12 @@ class CudaCopyEngine:
                     f"{len(regions.events)} event(s)"
                 )
             self._wait_event(regions.events[wait_event - 1])
-        k, ctas = self._k, self._ctas
-        k.gather(regions.buffer, dev.pool, t, stream=dev.save, max_blocks=ctas)
-        k.synchronize(dev.save)
+        if self._policy.choose_for("save", t) == "dma":
+            self._batch("save", regions.buffer, dev.pool, t, dev)
+        else:
+            k, ctas = self._k, self._ctas
+            k.gather(regions.buffer, dev.pool, t, stream=dev.save, max_blocks=ctas)
+        self._k.synchronize(dev.save)
 
     def scatter(
         self, regions: CudaRegions, t: Transfers, deadline: float | None = None
@@ -246,10 +323,25 @@ class CudaCopyEngine:
         dev = regions.device
         cuda_driver.set_device(dev.ordinal)
         deadlines.check(deadline, "load")
-        self._k.scatter(
-            dev.pool, regions.buffer, t, stream=dev.load, max_blocks=self._ctas
-        )
+        if self._policy.choose_for("load", t) == "dma":
+            self._batch("load", dev.pool, regions.buffer, t, dev)
+        else:
+            self._k.scatter(
+                dev.pool, regions.buffer, t, stream=dev.load, max_blocks=self._ctas
+            )
         self._k.synchronize(dev.load)
+
+    def _batch(
+        self, direction: CopyDirection, src: Any, dst: Any, t: Transfers, dev: _Device
+    ) -> None:
+        """Enqueue `t` on the direction's stream as copy-engine batches."""
+        assert self._dma is not None  # a "kernel" policy never chooses DMA
+        key = (direction, dev.ordinal)
+        attrs = self._attrs.get(key)
+        if attrs is None:
+            attrs = self._attrs[key] = dma.attributes(direction, dev.ordinal)
+        stream = dev.save if direction == "save" else dev.load
+        self._dma(dma.plan(src, dst, t), attrs, int(stream.handle))
 
     def _wait_event(self, event: Any) -> None:
         """Until the engine's event completed, at most event_timeout_s."""

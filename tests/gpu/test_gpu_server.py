@@ -219,3 +219,33 @@ def test_vmm_memory_is_refused_clearly(
     e = engine(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     with pytest.raises(RuntimeError, match="expandable_segments"):
         e.call("init", device="cuda:0", layout="LBNHC", seed=1, **LLAMA)
+
+
+COPY_PATHS = {
+    "dma": ("--copy-path", "dma"),
+    "auto-dma": ("--copy-path", "auto", "--copy-crossovers", "save:1,load:1"),
+    "kernel": ("--copy-path", "kernel"),
+}
+
+
+@pytest.mark.parametrize("path", list(COPY_PATHS))
+def test_copy_paths_move_the_same_bytes(
+    gpu: None,
+    server_factory: Callable[..., ServerProc],
+    engine: Callable[..., EngineProc],
+    path: str,
+) -> None:
+    """Saves and loads by copy engines (cuMemcpyBatchAsync from numpy arrays,
+    forced or chosen by a crossover row) and by kernels: every byte equal for a
+    one-segment and a K/V-first layout, and the server log shows which path
+    moved them."""
+    args = ("--pool-size", "2gb", "--devices", "0", *COPY_PATHS[path])
+    srv = server_factory(*args)
+    for layout in ("LBNHC", "kv_first"):
+        a, b = engine(), engine()
+        ns = f"ns-{path}-{layout}"
+        setup(a, srv, f"a-{ns}", ns, layout=layout, seed=21, **LLAMA)
+        setup(b, srv, f"b-{ns}", ns, layout=layout, seed=22, **LLAMA)
+        expected, got = save_then_load(a, b, tokens(N))
+        assert got == expected
+    assert ("copy-engine batch" in srv.log.read_text()) == (path != "kernel")

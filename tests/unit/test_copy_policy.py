@@ -1,0 +1,96 @@
+"""Kernel or copy engines, per batch (pegaflow.copiers.cuda.CopyPolicy), and the
+settings that feed it: CudaConfig.copy_path / crossovers and their flags."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pegaflow.cli import build_parser, config_from_args, flag_message
+from pegaflow.config import (
+    DEFAULT_CROSSOVERS,
+    Crossover,
+    CudaConfig,
+    parse_crossovers,
+)
+from pegaflow.copiers.cuda import CopyPolicy
+from pegaflow.geometry import Transfers
+
+LAYERS, PAGE = 32, 64 << 10
+
+
+def test_default_table_follows_the_issues_figures() -> None:
+    """DMA for saves from 2560 blocks x 32 layers of 64 KiB pages; kernels
+    below, kernels for every load, kernels for pages smaller than measured."""
+    auto = CopyPolicy.from_config(CudaConfig())
+    assert auto.choose("save", 2560 * LAYERS, PAGE) == "dma"
+    assert auto.choose("save", 2559 * LAYERS, PAGE) == "kernel"
+    assert auto.choose("save", 64 * LAYERS, PAGE) == "kernel"
+    assert auto.choose("save", 2560 * LAYERS, 4096) == "kernel"
+    assert auto.choose("save", 2560 * 61, 64 * 576 * 2) == "dma"  # MLA pages
+    for n in (1, 64, 640, 2560, 10_000):
+        assert auto.choose("load", n * LAYERS, PAGE) == "kernel"
+
+
+@pytest.mark.parametrize("setting", ["kernel", "dma"])
+def test_a_forced_path_wins_over_the_table(setting: str) -> None:
+    forced = CopyPolicy(setting, DEFAULT_CROSSOVERS)  # type: ignore[arg-type]
+    for direction in ("save", "load"):
+        for pages in (1, 2560 * LAYERS):
+            assert forced.choose(direction, pages, PAGE) == setting
+
+
+def test_rows_apply_per_direction_and_page_size() -> None:
+    policy = CopyPolicy("auto", (Crossover("load", 100, 8192), Crossover("load", 1000)))
+    assert policy.choose("load", 100, 8192) == "dma"
+    assert policy.choose("load", 100, 8191) == "kernel"
+    assert policy.choose("load", 1000, 16) == "dma"  # the second row
+    assert policy.choose("save", 10**6, PAGE) == "kernel"
+    assert CopyPolicy().choose("save", 10**6, PAGE) == "kernel"  # no rows
+
+
+def test_choose_for_reads_the_shape_of_a_table() -> None:
+    policy = CopyPolicy("auto", (Crossover("save", 4, 1024),))
+
+    def table(pages: int, size: int) -> Transfers:
+        a = np.arange(pages, dtype=np.uint64) * np.uint64(size) + np.uint64(1 << 20)
+        return Transfers(a, a + np.uint64(1 << 30), np.full(pages, size, np.uint64))
+
+    assert policy.choose_for("save", table(4, 1024)) == "dma"
+    assert policy.choose_for("save", table(3, 1024)) == "kernel"
+    assert policy.choose_for("save", table(4, 1008)) == "kernel"
+    assert policy.choose_for("save", table(0, 1024)) == "kernel"
+
+
+def test_parse_crossovers() -> None:
+    assert parse_crossovers("none") == ()
+    assert parse_crossovers("save:81920:65536, load:5") == (
+        Crossover("save", 81920, 65536),
+        Crossover("load", 5, 0),
+    )
+    for bad in ("save", "save:x", "both:5", "save:0", "save:1:2:3", ""):
+        with pytest.raises(ValueError, match="copy_crossovers"):
+            parse_crossovers(bad)
+
+
+def test_config_refuses_an_unknown_path() -> None:
+    with pytest.raises(ValueError, match="copy_path"):
+        CudaConfig(copy_path="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="copy_crossovers"):
+        CudaConfig(crossovers=(("save", 1),))  # type: ignore[arg-type]
+
+
+def test_flags_reach_the_config() -> None:
+    def cuda(*argv: str) -> CudaConfig:
+        return config_from_args(build_parser().parse_args(list(argv))).cuda
+
+    assert cuda().copy_path == "auto" and cuda().crossovers == DEFAULT_CROSSOVERS
+    assert cuda("--copy-sm-cap", "33").max_ctas == 33
+    assert cuda("--copy-ctas", "17").max_ctas == 17  # the older spelling
+    got = cuda("--copy-path", "dma", "--copy-crossovers", "load:640")
+    assert got.copy_path == "dma" and got.crossovers == (Crossover("load", 640),)
+    assert cuda("--copy-crossovers", "none").crossovers == ()
+    args = build_parser().parse_args(["--copy-crossovers", "save:-1"])
+    with pytest.raises(ValueError) as info:
+        config_from_args(args)
+    assert flag_message(info.value).startswith("argument --copy-crossovers: ")
