@@ -115,12 +115,13 @@ for b in ("kvikio", "posix"):
         runs[b] = json.load(open(p))
 if not runs:
     sys.exit("no benchmark JSON written")
-for b, r in runs.items():
-    dd = r["dd_best"]
-    rec = r["recovery"]
-    print(f"{b}: mode {r['rows'][0]['mode']}, checksum {r['checksum']}, best dd write "
-          f"{dd['write']:.2f} read {dd['read']:.2f} GB/s; recovery of {rec['blocks']} "
-          f"blocks: journal {rec['recover_journal_s']} s, scan {rec['recover_scan_s']} s")
+for b, r in runs.items():  # a run cut short has rows and no later stages
+    mode = r["rows"][0]["mode"] if r.get("rows") else "?"
+    rec = r.get("recovery")
+    tail = (f"; recovery of {rec['blocks']} blocks: journal "
+            f"{rec['recover_journal_s']} s, scan {rec['recover_scan_s']} s"
+            if rec else f"; stopped in {r.get('interrupted_in', r.get('stage'))}")
+    print(f"{b}: mode {mode}, checksum {r['checksum']}{tail}")
 rows = {b: {(x["block_KiB"], x["depth"]): x for x in r["rows"]} for b, r in runs.items()}
 keys = sorted(set().union(*rows.values()))
 head = "block_KiB depth " + " ".join(

@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def _spill_then_kill(folder: Path, start: int, until: int, aligned: bool) -> int:
     """Run the writer until it reports `until` durable blocks, then SIGKILL it
     while its next batch is in flight; returns the last durable count."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Keep the caller's path too: kvikio may live in a --target folder there.
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.Popen(
         [
             sys.executable,
