@@ -52,7 +52,7 @@ class SsdConfig:
     # written, and evicting a block already written frees its slots at once).
     # "evict": a block goes to the SSD only when L1 evicts it. With
     # "seen_twice", "seal" writes a block the second time it is saved or hit.
-    write_on: WriteOn = "evict"  # measured: benchmarks/RESULTS_ssd.md
+    write_on: WriteOn = "seal"  # measured: benchmarks/RESULTS_ssd.md (H200 host)
     # Data files and the journal are fdatasync'ed at most this often. A process
     # crash loses nothing either way; after a power loss, blocks not yet synced
     # read back as checksum misses.

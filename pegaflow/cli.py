@@ -318,10 +318,10 @@ def _ssd_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ssd-write-on",
         choices=["seal", "evict"],
-        default="evict",
+        default="seal",
         help="queue a block for the SSD when a save completes it (write-behind: "
         "it survives a restart, and its eviction frees its slots at once) or "
-        "only when L1 evicts it (default: evict; see the README)",
+        "only when L1 evicts it (default: seal; see the README)",
     )
     p.add_argument(
         "--ssd-queue-blocks",
