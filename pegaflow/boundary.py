@@ -13,10 +13,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pegaflow.errors import InternalError, PegaflowError
-from pegaflow.metrics import Metrics
+
+if TYPE_CHECKING:  # any object with rpc_seconds/rpc_timers (the metaserver's too)
+    from pegaflow.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 

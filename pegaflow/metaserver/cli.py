@@ -1,0 +1,148 @@
+"""`pegaflow-metaserver`: flags -> MetaConfig -> serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import sys
+
+from pegaflow.config import parse_addr
+from pegaflow.metaserver.config import MetaConfig, read_token
+
+# MetaConfig field -> the flag that sets it, for error messages.
+FLAG_OF = {
+    "node_stale_s": "--node-stale-secs",
+    "ttl_s": "--ttl-minutes",
+    "max_entries": "--max-entries",
+    "token": "--peer-token-env/--peer-token-file",
+    "peer_token_env": "--peer-token-env",
+    "peer_token_file": "--peer-token-file",
+}
+
+
+def _addr(text: str) -> str:
+    try:
+        parse_addr(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pegaflow-metaserver",
+        description="Which node holds which KV block, for cross-node sharing "
+        "between pegaflow-servers (soft state: nodes re-advertise after a restart).",
+    )
+    p.add_argument(
+        "--addr", type=_addr, default="127.0.0.1:50056", help="gRPC listen address"
+    )
+    p.add_argument(
+        "--http-addr",
+        type=_addr,
+        default="127.0.0.1:9092",
+        help="/health and /metrics (default %(default)s)",
+    )
+    p.add_argument("--no-http", action="store_true", help="serve no HTTP endpoint")
+    p.add_argument(
+        "--node-stale-secs",
+        type=float,
+        default=30.0,
+        help="drop a node (and its entries) not heard from for this long; nodes "
+        "heartbeat every third of it (default %(default)s)",
+    )
+    p.add_argument(
+        "--ttl-minutes",
+        type=float,
+        default=60.0,
+        help="drop an entry not re-inserted for this long (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-entries",
+        type=int,
+        default=4_000_000,
+        help="most (block, owner) entries held; the oldest are evicted beyond it "
+        "(default %(default)s, ~1 GiB)",
+    )
+    token = p.add_mutually_exclusive_group()
+    token.add_argument(
+        "--peer-token-env",
+        metavar="NAME",
+        help="require the shared token in environment variable NAME on every RPC",
+    )
+    token.add_argument(
+        "--peer-token-file",
+        metavar="PATH",
+        help="require the shared token in this file (mode 0600) on every RPC",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        type=lambda s: {"trace": "debug", "warn": "warning"}.get(s.lower(), s.lower()),
+        choices=["debug", "info", "warning", "error"],
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> MetaConfig:
+    return MetaConfig(
+        addr=args.addr,
+        http_addr=None if args.no_http else args.http_addr,
+        node_stale_s=args.node_stale_secs,
+        ttl_s=args.ttl_minutes * 60.0,
+        max_entries=args.max_entries,
+        log_level=args.log_level,
+        token=read_token(args.peer_token_env, args.peer_token_file),
+    )
+
+
+def _flag_message(exc: ValueError) -> str:
+    field, sep, rest = str(exc).partition(": ")
+    flag = FLAG_OF.get(field)
+    return f"argument {flag}: {rest}" if sep and flag else str(exc)
+
+
+def _routable(addr: str) -> bool:
+    host, _ = parse_addr(addr)
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return host != "localhost"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(_flag_message(exc))
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if config.token is None and _routable(config.addr):
+        logging.getLogger(__name__).warning(
+            "--addr %s is reachable from other hosts and no peer token is set: "
+            "anyone who reaches it can advertise and query blocks",
+            config.addr,
+        )
+    from pegaflow.metaserver.server import serve  # grpc imports after arg errors
+    from pegaflow.startup import StartupError
+
+    try:
+        asyncio.run(serve(config))
+    except StartupError as exc:
+        print(f"pegaflow-metaserver: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"pegaflow-metaserver: cannot start: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,202 @@
+"""gRPC servicer: message -> checked values -> Directory -> message, and the
+one interceptor that checks the shared token and turns errors into statuses
+(through pegaflow.boundary, as the server's does)."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from pegaflow.boundary import guarded
+from pegaflow.errors import InvalidRequest, PegaflowError
+from pegaflow.keys import MAX_HASH_BYTES, PackedHashes
+from pegaflow.metaserver.config import (
+    MAX_BATCH_HASHES,
+    MAX_ENDPOINT_BYTES,
+    MAX_NAMESPACE_BYTES,
+    MAX_NODE_ID_BYTES,
+    TOKEN_METADATA_KEY,
+)
+from pegaflow.metaserver.directory import Directory
+from pegaflow.metaserver.index import BlockHash, NamespaceDigest
+from pegaflow.metaserver.metrics import MetaMetrics
+from pegaflow.proto import metaserver_pb2 as pb
+from pegaflow.proto import metaserver_pb2_grpc as pb_grpc
+
+_ENDS_CALL = (grpc.aio.AbortError,)
+
+
+class Unauthenticated(PegaflowError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+def check_text(field: str, text: str, limit: int, empty_ok: bool = False) -> str:
+    """A node id or endpoint: printable ASCII without spaces, 1..limit bytes
+    (they are logged and handed to other nodes as they are)."""
+    if not text and empty_ok:
+        return text
+    if not 1 <= len(text) <= limit:
+        raise InvalidRequest(f"{field}: {len(text)} characters, need 1..{limit}")
+    if not (text.isascii() and text.isprintable()) or " " in text:
+        raise InvalidRequest(f"{field}: only printable ASCII without spaces")
+    return text
+
+
+def node_ref(ref: pb.NodeRef) -> tuple[str, int]:
+    node_id = check_text("node.node_id", ref.node_id, MAX_NODE_ID_BYTES)
+    if ref.incarnation == 0:
+        raise InvalidRequest("node.incarnation: must be > 0")
+    return node_id, ref.incarnation
+
+
+def blocks(msg: pb.Blocks) -> tuple[NamespaceDigest, list[BlockHash]]:
+    if not 1 <= len(msg.namespace) <= MAX_NAMESPACE_BYTES:
+        raise InvalidRequest(
+            f"blocks.namespace: {len(msg.namespace)} bytes, "
+            f"need 1..{MAX_NAMESPACE_BYTES}"
+        )
+    hash_len, size = msg.hash_len, len(msg.hashes)
+    if not 1 <= hash_len <= MAX_HASH_BYTES:
+        raise InvalidRequest(f"blocks.hash_len: {hash_len}, need 1..{MAX_HASH_BYTES}")
+    if size % hash_len:
+        raise InvalidRequest(
+            f"blocks.hashes: {size} bytes is not a multiple of hash_len {hash_len}"
+        )
+    if size // hash_len > MAX_BATCH_HASHES:
+        raise InvalidRequest(
+            f"blocks.hashes: {size // hash_len} hashes, the most is {MAX_BATCH_HASHES}"
+        )
+    return msg.namespace, PackedHashes(msg.hashes, hash_len, size // hash_len).list()
+
+
+class MetaServicer(pb_grpc.MetaServerServicer):
+    def __init__(self, directory: Directory) -> None:
+        self.directory = directory
+
+    async def Join(  # noqa: N802 - gRPC's method names
+        self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
+    ) -> pb.JoinResponse:
+        node_id, incarnation = node_ref(request.node)
+        endpoint = check_text("endpoint", request.endpoint, MAX_ENDPOINT_BYTES)
+        self.directory.join(node_id, incarnation, endpoint)
+        config = self.directory.config
+        return pb.JoinResponse(
+            heartbeat_interval_ms=int(config.heartbeat_interval_s * 1000),
+            node_stale_ms=int(config.node_stale_s * 1000),
+            max_batch_hashes=MAX_BATCH_HASHES,
+            ttl_s=int(config.ttl_s),
+        )
+
+    async def Heartbeat(  # noqa: N802
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        entries = self.directory.heartbeat(*node_ref(request.node))
+        return pb.HeartbeatResponse(entries=entries)
+
+    async def Insert(  # noqa: N802
+        self, request: pb.InsertRequest, context: grpc.aio.ServicerContext
+    ) -> pb.InsertResponse:
+        node = node_ref(request.node)
+        inserted, refreshed = self.directory.insert(*node, *blocks(request.blocks))
+        return pb.InsertResponse(inserted=inserted, refreshed=refreshed)
+
+    async def Remove(  # noqa: N802
+        self, request: pb.RemoveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RemoveResponse:
+        node = node_ref(request.node)
+        return pb.RemoveResponse(
+            removed=self.directory.remove(*node, *blocks(request.blocks))
+        )
+
+    async def QueryPrefix(  # noqa: N802
+        self, request: pb.QueryPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> pb.QueryPrefixResponse:
+        asker = check_text(
+            "asker_node_id", request.asker_node_id, MAX_NODE_ID_BYTES, empty_ok=True
+        )
+        segments = self.directory.query(*blocks(request.blocks), asker)
+        return pb.QueryPrefixResponse(
+            segments=[
+                pb.Segment(
+                    node_id=s.node_id,
+                    incarnation=s.incarnation,
+                    endpoint=s.endpoint,
+                    blocks=s.blocks,
+                )
+                for s in segments
+            ],
+            matched=sum(s.blocks for s in segments),
+        )
+
+    async def Leave(  # noqa: N802
+        self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LeaveResponse:
+        return pb.LeaveResponse(removed=self.directory.leave(*node_ref(request.node)))
+
+
+class MetaInterceptor(grpc.aio.ServerInterceptor):
+    """Every RPC (health included) needs the shared token when one is set;
+    unary RPCs then run through pegaflow.boundary (errors become statuses, a
+    bug INTERNAL, each call timed)."""
+
+    def __init__(self, metrics: MetaMetrics, token: str | None) -> None:
+        self._metrics = metrics
+        self._token = token.encode() if token is not None else None
+
+    def _authorised(self, details: grpc.HandlerCallDetails) -> bool:
+        if self._token is None:
+            return True
+        for key, value in details.invocation_metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(given, self._token)  # constant time
+        return False
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]
+        ],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        allowed = self._authorised(details)
+        method = details.method.rsplit("/", 1)[-1]
+        if handler.unary_unary is None:  # health's Watch: refused or as it is
+            return handler if allowed else _refusing(handler)
+        inner, metrics = handler.unary_unary, self._metrics
+
+        async def bounded(request: object, context: grpc.aio.ServicerContext) -> object:
+            work = inner(request, context) if allowed else _refuse()
+            got = await guarded(metrics, method, "grpc", work, _ENDS_CALL)  # type: ignore[arg-type]
+            if isinstance(got, PegaflowError):
+                await context.abort(got.code, str(got))
+            return got
+
+        return grpc.unary_unary_rpc_method_handler(
+            bounded,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+_REFUSED = f"{TOKEN_METADATA_KEY}: missing or wrong token"
+
+
+async def _refuse() -> object:
+    raise Unauthenticated(_REFUSED)
+
+
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def abort(request: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)
+
+    return grpc.unary_stream_rpc_method_handler(
+        abort,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
