@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pegaflow.keys import BlockHash
+from ..keys import BlockHash
 
 ReqId = str
 

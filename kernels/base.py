@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pegaflow.geometry import Transfers
-
+from ..geometry import Transfers
 from .plan import Buffer, Width, check_launch, descriptor_table, stage_chunks
 
 

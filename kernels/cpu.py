@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pegaflow.errors import InternalError
-
+from ..errors import InternalError
 from .base import CopyKernels
 from .plan import Buffer, aligned_empty, check_buffer
 
