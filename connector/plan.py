@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..keys import BlockHash
+from pegaflow.keys import BlockHash
 
 ReqId = str
 

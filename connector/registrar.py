@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from ..client import PegaflowClient, Session
-from ..errors import NotSupported, PegaflowError
-from ..kv_layouts import describe
+from pegaflow.client import PegaflowClient, Session
+from pegaflow.errors import NotSupported, PegaflowError
+from pegaflow.kv_layouts import describe
+
 from .config import ConnectorConfig
 from .tensors import KVTensors, kv_tensors, namespace_digest, namespace_parts
 
@@ -97,7 +98,7 @@ class Registrar:
 
     def _describe_cuda(self, kv: KVTensors, signals: int) -> Any:
         try:
-            from ..cuda_export import IpcEvents, export_kv
+            from pegaflow.cuda_export import IpcEvents, export_kv
         except ImportError as exc:  # cuda-python missing: the [cuda] extra
             raise NotSupported(
                 f"PegaKVConnector: CUDA KV cannot register ({exc}); install "

@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..client import PegaflowClient
-from ..errors import PegaflowError
+from pegaflow.client import PegaflowClient
+from pegaflow.errors import PegaflowError
+
 from .config import ConnectorConfig
 from .plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stats
 

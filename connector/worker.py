@@ -28,8 +28,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from typing import Any
 
-from ..client import LoadItem, PegaflowClient
-from ..errors import PegaflowError, ServerUnavailable, UnknownInstance
+from pegaflow.client import LoadItem, PegaflowClient
+from pegaflow.errors import PegaflowError, ServerUnavailable, UnknownInstance
+
 from .config import ConnectorConfig
 from .plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stats
 from .registrar import Registrar

@@ -10,9 +10,9 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from ..config import check_int, check_seconds
-from .format import ALIGN, SUPERBLOCK_BYTES, ChecksumName
-from .io import BackendName, DirectIO
+from pegaflow.config import check_int, check_seconds
+from pegaflow.gds.format import ALIGN, SUPERBLOCK_BYTES, ChecksumName
+from pegaflow.gds.io import BackendName, DirectIO
 
 Admission = Literal["all", "seen_twice"]
 WriteOn = Literal["seal", "evict"]

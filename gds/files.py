@@ -16,8 +16,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from .config import SsdConfig
-from .format import (
+from pegaflow.gds.config import SsdConfig
+from pegaflow.gds.format import (
     FILE_MAGIC,
     FORMAT_VERSION,
     STORE_ID_BYTES,
@@ -25,7 +25,7 @@ from .format import (
     FormatError,
     Superblock,
 )
-from .io import SsdError
+from pegaflow.gds.io import SsdError
 
 logger = logging.getLogger(__name__)
 GiB = float(1 << 30)

@@ -11,16 +11,16 @@ import ctypes
 import logging
 from collections.abc import Sequence
 
-from ..runs import merge_parts
-from .format import (
+from pegaflow.gds.format import (
     ALIGN,
     HEADER_BYTES,
     FormatError,
     RecordHeader,
     hash_parts,
 )
-from .io import AlignedBuffer, FileIO, Part, host_view
-from .ring import Record
+from pegaflow.gds.io import AlignedBuffer, FileIO, Part, host_view
+from pegaflow.gds.ring import Record
+from pegaflow.runs import merge_parts
 
 logger = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
-from . import journal, scan
-from .config import SsdConfig
-from .io import FileIO
-from .ring import Index, Ring
+from pegaflow.gds import journal, scan
+from pegaflow.gds.config import SsdConfig
+from pegaflow.gds.io import FileIO
+from pegaflow.gds.ring import Index, Ring
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from .format import (
+from pegaflow.gds.format import (
     ALIGN,
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -38,8 +38,8 @@ from .format import (
     FormatError,
     hasher,
 )
-from .io import AlignedBuffer, FileIO
-from .ring import Index, Record, Ring, State
+from pegaflow.gds.io import AlignedBuffer, FileIO
+from pegaflow.gds.ring import Index, Record, Ring, State
 
 logger = logging.getLogger(__name__)
 

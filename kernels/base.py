@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..geometry import Transfers
+from pegaflow.geometry import Transfers
+
 from .plan import Buffer, Width, check_launch, descriptor_table, stage_chunks
 
 

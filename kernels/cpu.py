@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InternalError
+from pegaflow.errors import InternalError
+
 from .base import CopyKernels
 from .plan import Buffer, aligned_empty, check_buffer
 

@@ -46,8 +46,9 @@ from numba import cuda  # noqa: E402
 from numba.cuda import types  # noqa: E402
 from numba.cuda.core import config  # noqa: E402
 
-from ..cuda_driver import check  # noqa: E402 - the one status check
-from ..errors import CopyFailed, InternalError  # noqa: E402
+from pegaflow.cuda_driver import check  # noqa: E402 - the one status check
+from pegaflow.errors import CopyFailed, InternalError  # noqa: E402
+
 from .base import CopyKernels  # noqa: E402
 from .plan import Buffer, aligned_empty, check_buffer, split_table  # noqa: E402
 

@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..errors import InternalError
-from ..geometry import Transfers
-from ..runs import merge_adjacent
+from pegaflow.errors import InternalError
+from pegaflow.geometry import Transfers
+from pegaflow.runs import merge_adjacent
 
 Width = Literal[1, 8, 16]
 Direction = Literal["gather", "scatter"]

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .instances import Namespace
-from .keys import BlockHash, Key, PackedHashes
-from .policy import EvictionPolicy
-from .pool import SlabAllocator, SlotClass
-from .ready_index import ReadyIndex
+from pegaflow.instances import Namespace
+from pegaflow.keys import BlockHash, Key, PackedHashes
+from pegaflow.policy import EvictionPolicy
+from pegaflow.pool import SlabAllocator, SlotClass
+from pegaflow.ready_index import ReadyIndex
 
 if TYPE_CHECKING:
-    from .slotlog import SlotLog
+    from pegaflow.slotlog import SlotLog
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from . import __version__, compat_flags
-from .config import (
+from pegaflow import __version__, compat_flags
+from pegaflow.config import (
     Crossover,
     CudaConfig,
     EngineConfig,
@@ -22,12 +22,12 @@ from .config import (
     parse_duration,
     parse_size,
 )
-from .limits import MAX_CONCURRENT_RPCS
-from .pool import HugepagesUnavailable, PoolTooLarge
-from .startup import StartupError
+from pegaflow.limits import MAX_CONCURRENT_RPCS
+from pegaflow.pool import HugepagesUnavailable, PoolTooLarge
+from pegaflow.startup import StartupError
 
 if TYPE_CHECKING:
-    from .gds import SsdConfig
+    from pegaflow.gds import SsdConfig
 
 DEFAULT_SSD_CAPACITY = 512 << 30
 
@@ -351,7 +351,7 @@ def ssd_config(args: argparse.Namespace) -> SsdConfig | None:
         if args.ssd_cache_capacity is not None:
             raise ValueError("--ssd-cache-capacity needs --ssd-cache-path")
         return None
-    from .gds import SsdConfig  # numpy: after argument errors
+    from pegaflow.gds import SsdConfig  # numpy: after argument errors
 
     threads: dict[str, int] = {}
     if args.ssd_write_inflight is not None:
@@ -421,7 +421,7 @@ def crossovers(args: argparse.Namespace) -> dict[str, tuple[Crossover, ...]]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["status"]:  # a subcommand; every flag form stays the daemon's
-        from .status_command import main as status_main
+        from pegaflow.status_command import main as status_main
 
         return status_main(argv[1:])
     parser = build_parser()
@@ -443,9 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     for line in warnings:
         logging.getLogger(__name__).warning("%s", line)
-    from .gds import SsdError
-    from .poolfile import PoolFileError
-    from .server import serve  # grpc/numpy import after argument errors
+    from pegaflow.gds import SsdError
+    from pegaflow.poolfile import PoolFileError
+    from pegaflow.server import serve  # grpc/numpy import after argument errors
 
     try:
         asyncio.run(serve(config))

@@ -18,18 +18,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 import numpy as np
 
-from . import deadlines
-from .errors import PegaflowError, from_status
-from .geometry import LayerLayout
-from .proto import pegaflow_pb2 as pb
-from .register_messages import cuda_request, host_request
-from .results import LoadBatchResult, LoadResult, QueryResult, SaveResult
-from .session import Session
-from .socket_client import SocketTransport
-from .transport import GrpcTransport, LoadCall, QueryCall, SaveCall, Transport
+from pegaflow import deadlines
+from pegaflow.errors import PegaflowError, from_status
+from pegaflow.geometry import LayerLayout
+from pegaflow.proto import pegaflow_pb2 as pb
+from pegaflow.register_messages import cuda_request, host_request
+from pegaflow.results import LoadBatchResult, LoadResult, QueryResult, SaveResult
+from pegaflow.session import Session
+from pegaflow.socket_client import SocketTransport
+from pegaflow.transport import GrpcTransport, LoadCall, QueryCall, SaveCall, Transport
 
 if TYPE_CHECKING:  # the client never imports CUDA code itself
-    from .cuda_export import CudaKVMemory
+    from pegaflow.cuda_export import CudaKVMemory
 
 logger = logging.getLogger(__name__)
 

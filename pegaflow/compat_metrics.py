@@ -20,7 +20,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 
-from .gds import SsdStats
+from pegaflow.gds import SsdStats
 
 Stats = dict[str, object]
 # our hit tiers -> the original's tier label (its cross-node tier is RDMA)

@@ -10,10 +10,10 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from .limits import MAX_CONCURRENT_RPCS, MAX_MESSAGE_BYTES
+from pegaflow.limits import MAX_CONCURRENT_RPCS, MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:  # built by the CLI; the config module stays import-light
-    from .gds import SsdConfig
+    from pegaflow.gds import SsdConfig
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 

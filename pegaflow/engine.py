@@ -17,32 +17,32 @@ from operator import attrgetter
 
 import numpy as np
 
-from . import deadlines
-from .blocks import BlockEntry, BlockStore
-from .config import EngineConfig
-from .copiers.base import CopyEngine, RegionKind
-from .copiers.signals import LayerSignals, scatter_by_layer
-from .errors import (
+from pegaflow import deadlines
+from pegaflow.blocks import BlockEntry, BlockStore
+from pegaflow.config import EngineConfig
+from pegaflow.copiers.base import CopyEngine, RegionKind
+from pegaflow.copiers.signals import LayerSignals, scatter_by_layer
+from pegaflow.errors import (
     DeadlineExceeded,
     InvalidRequest,
     LeaseNotFound,
     PermissionDenied,
 )
-from .gds import SsdTier
-from .geometry import Transfers, check_block_ids
-from .identity import UNKNOWN, CallContext, Caller
-from .instances import Registry, Worker
-from .keys import MAX_HASH_BYTES, BlockHash, LoadSpec, PackedHashes
-from .leases import Lease, LeaseTable
-from .limits import LargeRequestGate, RequestCaps
-from .metrics import Metrics
-from .misses import HitRateTracker, RecordingPolicy
-from .namespaces import NamespaceReaper
-from .policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
-from .pool import HostPool
-from .registration import RegisterSpec
-from .results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
-from .ssd import SsdLink
+from pegaflow.gds import SsdTier
+from pegaflow.geometry import Transfers, check_block_ids
+from pegaflow.identity import UNKNOWN, CallContext, Caller
+from pegaflow.instances import Registry, Worker
+from pegaflow.keys import MAX_HASH_BYTES, BlockHash, LoadSpec, PackedHashes
+from pegaflow.leases import Lease, LeaseTable
+from pegaflow.limits import LargeRequestGate, RequestCaps
+from pegaflow.metrics import Metrics
+from pegaflow.misses import HitRateTracker, RecordingPolicy
+from pegaflow.namespaces import NamespaceReaper
+from pegaflow.policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
+from pegaflow.pool import HostPool
+from pegaflow.registration import RegisterSpec
+from pegaflow.results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
+from pegaflow.ssd import SsdLink
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InvalidRequest
+from pegaflow.errors import InvalidRequest
 
 MAX_LAYERS = 4096
 MAX_SEGMENTS_PER_LAYER = 8

@@ -7,8 +7,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from .blocks import BlockEntry, BlockStore
-from .errors import LeaseNotFound
+from pegaflow.blocks import BlockEntry, BlockStore
+from pegaflow.errors import LeaseNotFound
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from .gds import SsdStats
+from pegaflow.gds import SsdStats
 
 # No `_created` series: one per counter and histogram, noise on every scrape.
 disable_created_metrics()

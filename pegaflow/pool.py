@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 from tqdm import tqdm
 
-from .config import PoolConfig
+from pegaflow.config import PoolConfig
 
 if TYPE_CHECKING:
-    from .poolfile import PoolFile
-    from .slotlog import SlotLog
+    from pegaflow.poolfile import PoolFile
+    from pegaflow.slotlog import SlotLog
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class HostPool:
     def _slabs(self) -> SlabAllocator:
         if self.file is None:
             return SlabAllocator(self.base, self.size, self.slab_bytes)
-        from .slotlog import LoggedSlabs, SlotLog  # imports this module
+        from pegaflow.slotlog import LoggedSlabs, SlotLog  # imports this module
 
         self.log = SlotLog(self.file, self.base)
         return LoggedSlabs(self.base, self.size, self.slab_bytes, self.log)
@@ -225,7 +225,7 @@ class HostPool:
 
 
 def _open_file(config: PoolConfig, size: int, slab_bytes: int, align: int) -> PoolFile:
-    from .poolfile import Geometry, PoolFile
+    from pegaflow.poolfile import Geometry, PoolFile
 
     geometry = Geometry(size, slab_bytes, align)
     path = config.pool_file or ""

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from .blocks import BlockStore
-from .gds import namespace_digest
-from .instances import Namespace, Registry
-from .pool import HostPool
-from .poolfile import FREE, GRANULE, LANDED, META_OFFSET, SEALED, WRITING
-from .slotlog import checksum
-from .ssd import SsdLink
+from pegaflow.blocks import BlockStore
+from pegaflow.gds import namespace_digest
+from pegaflow.instances import Namespace, Registry
+from pegaflow.pool import HostPool
+from pegaflow.poolfile import FREE, GRANULE, LANDED, META_OFFSET, SEALED, WRITING
+from pegaflow.slotlog import checksum
+from pegaflow.ssd import SsdLink
 
 logger = logging.getLogger(__name__)
 

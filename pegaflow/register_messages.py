@@ -9,11 +9,11 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .geometry import LayerLayout
-from .proto import pegaflow_pb2 as pb
+from pegaflow.geometry import LayerLayout
+from pegaflow.proto import pegaflow_pb2 as pb
 
 if TYPE_CHECKING:
-    from .cuda_export import CudaKVMemory
+    from pegaflow.cuda_export import CudaKVMemory
 
 
 def host_request(

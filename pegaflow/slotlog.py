@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING
 import blake3
 import numpy as np
 
-from .gds import namespace_digest
-from .instances import Namespace
-from .pool import SlabAllocator
-from .poolfile import FREE, GRANULE, LANDED, META_OFFSET, SEALED, WRITING
+from pegaflow.gds import namespace_digest
+from pegaflow.instances import Namespace
+from pegaflow.pool import SlabAllocator
+from pegaflow.poolfile import FREE, GRANULE, LANDED, META_OFFSET, SEALED, WRITING
 
 if TYPE_CHECKING:
-    from .blocks import BlockEntry
-    from .poolfile import PoolFile
+    from pegaflow.blocks import BlockEntry
+    from pegaflow.poolfile import PoolFile
 
 logger = logging.getLogger(__name__)
 

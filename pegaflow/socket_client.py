@@ -10,8 +10,8 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
-from .errors import PegaflowError, from_status
-from .frames import (
+from pegaflow.errors import PegaflowError, from_status
+from pegaflow.frames import (
     HELLO_REPLY,
     LOAD_ITEM_REPLY,
     LOAD_REPLY,
@@ -27,10 +27,10 @@ from .frames import (
     encode_save,
     parse_load_reply,
 )
-from .identity import unix_peer
-from .proto import pegaflow_pb2 as pb
-from .results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
-from .transport import LoadCall, QueryCall, SaveCall
+from pegaflow.identity import unix_peer
+from pegaflow.proto import pegaflow_pb2 as pb
+from pegaflow.results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
+from pegaflow.transport import LoadCall, QueryCall, SaveCall
 
 
 class SocketClient:

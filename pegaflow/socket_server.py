@@ -16,15 +16,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import deadlines
-from .boundary import guarded, guarded_sync
-from .errors import (
+from pegaflow import deadlines
+from pegaflow.boundary import guarded, guarded_sync
+from pegaflow.errors import (
     InvalidRequest,
     Overloaded,
     PegaflowError,
     ProtocolMismatch,
 )
-from .frames import (
+from pegaflow.frames import (
     HELLO_REPLY,
     LOAD,
     LOADING,
@@ -45,11 +45,11 @@ from .frames import (
     load_reply,
     register_reply,
 )
-from .identity import UNKNOWN, CallContext, Caller, unix_peer
-from .sockfile import bind_private_unix, unlink_if_ours
+from pegaflow.identity import UNKNOWN, CallContext, Caller, unix_peer
+from pegaflow.sockfile import bind_private_unix, unlink_if_ours
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from pegaflow.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -236,8 +236,8 @@ class _SocketProtocol(asyncio.Protocol):
         return QUERY_REPLY.pack(status, res.num_blocks, res.lease_id, res.lease_ttl_s)
 
     def _register(self, body: bytes) -> bytes:
-        from .proto import pegaflow_pb2 as pb
-        from .service import register_response, spec_from_message
+        from pegaflow.proto import pegaflow_pb2 as pb
+        from pegaflow.service import register_response, spec_from_message
 
         request, deadline_ns = decode_register(body)
         deadlines.check(deadlines.from_wire(deadline_ns), "register")

@@ -23,7 +23,7 @@ import os
 import socket
 import stat
 
-from .startup import StartupError
+from pegaflow.startup import StartupError
 
 logger = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from .errors import PegaflowError, from_status
-from .keys import BlockHash, LoadSpec
-from .proto import pegaflow_pb2 as pb
-from .proto import pegaflow_pb2_grpc as pb_grpc
-from .results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
+from pegaflow.errors import PegaflowError, from_status
+from pegaflow.keys import BlockHash, LoadSpec
+from pegaflow.proto import pegaflow_pb2 as pb
+from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+from pegaflow.results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
 
 
 @dataclass(frozen=True, slots=True)

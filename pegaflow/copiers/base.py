@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from ..geometry import Transfers
+from pegaflow.geometry import Transfers
 
 RegionKind = Literal["host", "cuda"]
 

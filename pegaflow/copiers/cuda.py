@@ -40,14 +40,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from .. import cuda_driver, deadlines, kernels
-from ..errors import CopyFailed, InvalidRequest
-from ..geometry import Transfers
-from . import dma
-from .base import CudaExport
+from pegaflow import cuda_driver, deadlines, kernels
+from pegaflow.copiers import dma
+from pegaflow.copiers.base import CudaExport
+from pegaflow.errors import CopyFailed, InvalidRequest
+from pegaflow.geometry import Transfers
 
 if TYPE_CHECKING:  # values the server passes in; no import of its config
-    from ..config import CopyPathSetting, Crossover, CudaConfig
+    from pegaflow.config import CopyPathSetting, Crossover, CudaConfig
 
 logger = logging.getLogger(__name__)
 

@@ -20,10 +20,7 @@ from itertools import pairwise
 
 import numpy as np
 
-from ..errors import CopyFailed, InternalError, InvalidRequest
-from ..geometry import Transfers
-from ..runs import merge_adjacent
-from .vm import (
+from pegaflow.copiers.vm import (
     IOV_MAX,
     Direction,
     exited,
@@ -34,6 +31,9 @@ from .vm import (
     rw_spans,
     transfer,
 )
+from pegaflow.errors import CopyFailed, InternalError, InvalidRequest
+from pegaflow.geometry import Transfers
+from pegaflow.runs import merge_adjacent
 
 logger = logging.getLogger(__name__)
 

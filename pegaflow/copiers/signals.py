@@ -9,9 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import CopyFailed, InvalidRequest
-from ..geometry import Transfers
-from .vm import (
+from pegaflow.copiers.vm import (
     exited,
     first_outside,
     iovecs,
@@ -19,9 +17,11 @@ from .vm import (
     rw_spans,
     transfer,
 )
+from pegaflow.errors import CopyFailed, InvalidRequest
+from pegaflow.geometry import Transfers
 
 if TYPE_CHECKING:
-    from ..instances import Worker
+    from pegaflow.instances import Worker
 
 if TYPE_CHECKING:
     pass

@@ -8,8 +8,8 @@ import ipaddress
 import logging
 import sys
 
-from ..config import parse_addr
-from .config import MetaConfig, read_token
+from pegaflow.config import parse_addr
+from pegaflow.metaserver.config import MetaConfig, read_token
 
 # MetaConfig field -> the flag that sets it, for error messages.
 FLAG_OF = {
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             "anyone who reaches it can advertise and query blocks",
             config.addr,
         )
-    from ..startup import StartupError
-    from .server import serve  # grpc imports after arg errors
+    from pegaflow.metaserver.server import serve  # grpc imports after arg errors
+    from pegaflow.startup import StartupError
 
     try:
         asyncio.run(serve(config))

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from ..proto import metaserver_pb2 as pb
-from ..proto import metaserver_pb2_grpc as pb_grpc
-from .config import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
-from .directory import Segment
+from pegaflow.metaserver.config import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
+from pegaflow.metaserver.directory import Segment
+from pegaflow.proto import metaserver_pb2 as pb
+from pegaflow.proto import metaserver_pb2_grpc as pb_grpc
 
 
 @dataclass(frozen=True, slots=True)

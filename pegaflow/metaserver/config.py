@@ -6,7 +6,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from ..config import LogLevel, check_int, check_seconds, parse_addr
+from pegaflow.config import LogLevel, check_int, check_seconds, parse_addr
 
 # Every request is bounded by these before any work: the largest legitimate
 # request, a 65536-hash batch of 64-byte hashes, is 4 MiB on the wire.

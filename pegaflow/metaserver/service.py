@@ -9,21 +9,21 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from ..boundary import guarded
-from ..errors import InvalidRequest, PegaflowError
-from ..keys import MAX_HASH_BYTES, PackedHashes
-from ..proto import metaserver_pb2 as pb
-from ..proto import metaserver_pb2_grpc as pb_grpc
-from .config import (
+from pegaflow.boundary import guarded
+from pegaflow.errors import InvalidRequest, PegaflowError
+from pegaflow.keys import MAX_HASH_BYTES, PackedHashes
+from pegaflow.metaserver.config import (
     MAX_BATCH_HASHES,
     MAX_ENDPOINT_BYTES,
     MAX_NAMESPACE_BYTES,
     MAX_NODE_ID_BYTES,
     TOKEN_METADATA_KEY,
 )
-from .directory import Directory
-from .index import BlockHash, NamespaceDigest
-from .metrics import MetaMetrics
+from pegaflow.metaserver.directory import Directory
+from pegaflow.metaserver.index import BlockHash, NamespaceDigest
+from pegaflow.metaserver.metrics import MetaMetrics
+from pegaflow.proto import metaserver_pb2 as pb
+from pegaflow.proto import metaserver_pb2_grpc as pb_grpc
 
 _ENDS_CALL = (grpc.aio.AbortError,)
 
