@@ -16,7 +16,7 @@ from pegaflow.config import (
     HitRateConfig,
     PoolConfig,
     ServerConfig,
-    parse_addr,
+    addr_arg,
     parse_crossovers,
     parse_devices,
     parse_duration,
@@ -88,14 +88,6 @@ def _windows(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-def _addr(text: str) -> str:
-    try:
-        parse_addr(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    return text
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pegaflow-server",
@@ -105,13 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--addr",
-        type=_addr,
+        type=addr_arg,
         default="127.0.0.1:50055",
         help="gRPC listen address (default: %(default)s, loopback)",
     )
     p.add_argument(
         "--http-addr",
-        type=_addr,
+        type=addr_arg,
         default="127.0.0.1:9091",
         help="/health and /metrics address (default: %(default)s, loopback; "
         "the original PegaFlow listens on 0.0.0.0:9091: give that to expose it)",

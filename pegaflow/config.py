@@ -55,6 +55,17 @@ def parse_size(text: str) -> int:
     return int(float(number) * scale)
 
 
+def addr_arg(text: str) -> str:
+    """An argparse type: `text` if parse_addr takes it (the CLIs' --addr)."""
+    import argparse  # the CLIs' concern; config stays import-light
+
+    try:
+        parse_addr(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
 def parse_addr(text: str) -> tuple[str, int]:
     """'host:port' -> (host, port); IPv6 as '[::1]:port'."""
     host, sep, port = text.rpartition(":")
@@ -201,8 +212,10 @@ class Crossover:
         check_int("copy_crossovers", self.min_page_bytes, 0, 1 << 40)
 
 
-# TODO(issue 12): to be re-measured on the H200 (benchmarks/transfer.py
-# --interference sweeps --copy-path kernel/dma). From the issue's figures,
+# Measured on the H200 on 2026-12-01 (benchmarks/RESULTS.md): right for an
+# idle GPU, wrong for a busy one (kernels slowed an engine's matmul 41-48 %,
+# copy engines ~1 %). Missing: a choice that knows whether the engine computes.
+# From the issue's figures,
 # 64 KiB pages x 32 layers: copy engines beat kernels GPU -> host only at
 # N = 2560 blocks (51.3 vs ~45 GB/s), and never host -> GPU (34 / 46 / 46
 # vs 36 / 47 / 48 GB/s at N = 64 / 640 / 2560).

@@ -8,7 +8,7 @@ import ipaddress
 import logging
 import sys
 
-from pegaflow.config import parse_addr
+from pegaflow.config import addr_arg, parse_addr
 from pegaflow.metaserver.config import MetaConfig, read_token
 
 # MetaConfig field -> the flag that sets it, for error messages.
@@ -22,14 +22,6 @@ FLAG_OF = {
 }
 
 
-def _addr(text: str) -> str:
-    try:
-        parse_addr(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    return text
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pegaflow-metaserver",
@@ -37,11 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
         "between pegaflow-servers (soft state: nodes re-advertise after a restart).",
     )
     p.add_argument(
-        "--addr", type=_addr, default="127.0.0.1:50056", help="gRPC listen address"
+        "--addr", type=addr_arg, default="127.0.0.1:50056", help="gRPC listen address"
     )
     p.add_argument(
         "--http-addr",
-        type=_addr,
+        type=addr_arg,
         default="127.0.0.1:9092",
         help="/health and /metrics (default %(default)s)",
     )
