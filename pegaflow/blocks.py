@@ -115,6 +115,10 @@ class BlockStore:
         self.spill: Spill | None = None
         self.sealed: Published | None = None
         self.touched: Published | None = None
+        # The remote tier's advertising: blocks that became ready here (saved,
+        # loaded, adopted) and ready blocks that left.
+        self.published: Published | None = None
+        self.unpublished: Callable[[list[Key]], None] | None = None
         # Entries per namespace id, and the namespace: when the count drops to
         # zero the namespace's index goes and `emptied` hears of it.
         self._held: dict[int, _Held] = {}
@@ -129,6 +133,11 @@ class BlockStore:
     @property
     def resident_ready(self) -> int:
         return sum(map(len, self._ready.values()))
+
+    def namespace(self, ns_id: int) -> Namespace | None:
+        """The namespace of blocks held here, by id."""
+        held = self._held.get(ns_id)
+        return held.ns if held is not None else None
 
     def holds(self, ns_id: int) -> bool:
         """Whether any block of the namespace is resident, in flight or pinned."""
@@ -323,6 +332,8 @@ class BlockStore:
             self.log.landed(sealed)
         if sealed and self.sealed is not None:
             self.sealed(sealed)
+        if sealed and self.published is not None:
+            self.published(sealed)
 
     def _make_ready(self, entry: BlockEntry) -> None:
         entry.ready = True
@@ -358,11 +369,13 @@ class BlockStore:
     def _remove(self, keys: list[Key]) -> None:
         freed: list[int] = []
         counts: dict[int, int] = {}
+        gone: list[Key] = []
         for key in keys:
             entry = self.entries.pop(key)
             counts[key[0]] = counts.get(key[0], 0) + 1
             slots = [s for s in entry.slots if s]
             if entry.ready:
+                gone.append(key)
                 self._ready[key[0]].remove(entry)
                 # A spilled block's slots stay allocated until the tier wrote them.
                 if self.spill is not None and self.spill(
@@ -371,6 +384,8 @@ class BlockStore:
                     continue
             freed += slots
         self.slabs.free(np.asarray(freed, np.uint64))
+        if gone and self.unpublished is not None:
+            self.unpublished(gone)
         self._let_go(counts)
 
     def reserve_load(self, ns: Namespace, hashes: list[BlockHash]) -> list[BlockEntry]:
@@ -423,22 +438,26 @@ class BlockStore:
             self.slabs.free(np.concatenate(lost))
         if published and self.log is not None:
             self.log.landed(published)
+        if published and self.published is not None:
+            self.published(published)
 
     def adopt(self, ns: Namespace, hashes: list[BlockHash], slots: np.ndarray) -> None:
         """Ready blocks already in their slots ([blocks, shards], claimed from
         the allocator): a restarted server's recovered pool. Least recently
         used first, as the policy sees them."""
         complete = (1 << (ns.tp_size * ns.num_layers)) - 1
-        fresh = 0
+        fresh: list[BlockEntry] = []
         for h, row in zip(hashes, slots.tolist(), strict=True):
             key = (ns.id, h)
             if key in self.entries:
                 continue
             entry = self.entries[key] = BlockEntry(key, row, landed=complete)
             self._make_ready(entry)
-            fresh += 1
+            fresh.append(entry)
         if fresh:
-            self._hold(ns, fresh)
+            self._hold(ns, len(fresh))
+            if self.published is not None:
+                self.published(fresh)
 
     def _drop_if_empty(self, key: Key, entry: BlockEntry) -> None:
         if not any(entry.slots) and entry.pins == 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -28,15 +29,10 @@ from pegaflow.startup import StartupError
 
 if TYPE_CHECKING:
     from pegaflow.gds import SsdConfig
+    from pegaflow.remote.config import RemoteConfig
 
 DEFAULT_SSD_CAPACITY = 512 << 30
-
-# PegaFlow flags that later issues implement; refused clearly until then.
-NOT_YET = {
-    "--metaserver-addr": "cross-node sharing",
-    "--enable-rdma": "the RDMA transport",
-    "--nics": "the RDMA transport",
-}
+PEER_TOKEN_ENV = "PEGAFLOW_PEER_TOKEN"
 
 
 # The config field a ValueError names (pegaflow.config) -> the flag that sets it.
@@ -56,6 +52,13 @@ FLAG_OF = {
     "ssd_cache_shards": "--ssd-cache-shards",
     "ssd_write_threads": "--ssd-write-inflight",
     "ssd_read_threads": "--ssd-prefetch-inflight",
+    "remote_transport": "--remote-transport",
+    "remote_query_timeout_s": "--remote-query-timeout",
+    "remote_fetch_timeout_s": "--remote-fetch-timeout",
+    "max_advertise_queue": "--metaserver-queue-depth",
+    "peer_token_env": "--peer-token-env",
+    "peer_token_file": "--peer-token-file",
+    "token": "--peer-token",
 }
 
 
@@ -254,16 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     p.add_argument("-V", "--version", action="version", version=__version__)
-    for flag, what in NOT_YET.items():
-        p.add_argument(
-            flag,
-            dest=flag.lstrip("-").replace("-", "_"),
-            default=None,
-            # --nics mlx5_0 mlx5_1 (the original's form) or --nics mlx5_0,mlx5_1
-            nargs="+" if flag == "--nics" else None,
-            help=argparse.SUPPRESS,
-            metavar=what,
-        )
+    _remote_flags(p)
     compat_flags.add_flags(p)
     return p
 
@@ -365,6 +359,123 @@ def ssd_config(args: argparse.Namespace) -> SsdConfig | None:
     )
 
 
+def _remote_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cross-node sharing (the L2 remote tier)")
+    g.add_argument(
+        "--metaserver-addr",
+        default=None,
+        metavar="[http://]HOST:PORT",
+        help="pegaflow-metaserver to advertise to and ask on a local miss; turns "
+        "the remote tier on (default: off). --addr must then be this node's "
+        "routable address",
+    )
+    g.add_argument(
+        "--nics",
+        action="extend",
+        nargs="+",
+        default=None,
+        metavar="DEV",
+        help="RDMA devices for one-sided reads (mlx5_0 mlx5_1, or comma-"
+        "separated); each must have an active port",
+    )
+    g.add_argument(
+        "--remote-transport",
+        choices=["rdma", "tcp"],
+        default=None,
+        help="how peers' blocks are read (default: rdma with --nics, else tcp)",
+    )
+    g.add_argument(
+        "--enable-rdma",
+        action="store_true",
+        help="the original's spelling of --remote-transport rdma",
+    )
+    g.add_argument(
+        "--node-id",
+        default="",
+        help="this node's stable name at the metaserver (default: --addr)",
+    )
+    token = g.add_mutually_exclusive_group()
+    token.add_argument(
+        "--peer-token-env",
+        metavar="NAME",
+        default=None,
+        help="the cluster's shared token is in environment variable NAME "
+        f"(default: ${PEER_TOKEN_ENV} when set)",
+    )
+    token.add_argument(
+        "--peer-token-file",
+        metavar="PATH",
+        default=None,
+        help="the cluster's shared token is in this file (mode 0600)",
+    )
+    token.add_argument(
+        "--peer-token",
+        default=None,
+        help="the token itself (visible in ps: prefer --peer-token-env/-file)",
+    )
+    g.add_argument(
+        "--remote-fetch-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a peer fetch taking longer becomes a miss (default: %(default)s)",
+    )
+    g.add_argument(
+        "--remote-query-timeout",
+        type=float,
+        default=0.05,
+        metavar="SECONDS",
+        help="how long a query waits for the metaserver (default: %(default)s)",
+    )
+    g.add_argument(
+        "--metaserver-queue-depth",
+        type=int,
+        default=1 << 20,
+        metavar="HASHES",
+        help="block hashes waiting to be advertised; beyond it they are dropped "
+        "and counted (default: %(default)s)",
+    )
+    g.add_argument(
+        "--remote-allow-loopback",
+        action="store_true",
+        help="let --addr be loopback: peers on this one host only (trying it out)",
+    )
+
+
+def remote_config(args: argparse.Namespace) -> RemoteConfig | None:
+    nics = tuple(n for part in args.nics or () for n in part.split(",") if n)
+    if args.metaserver_addr is None:
+        if nics or args.enable_rdma or args.remote_transport:
+            raise ValueError("remote_transport: --nics/--enable-rdma/--remote-"
+                             "transport need --metaserver-addr")  # fmt: skip
+        return None
+    from pegaflow.metaserver.config import read_token
+    from pegaflow.remote.config import RemoteConfig
+
+    protocol = args.remote_transport or ("rdma" if nics or args.enable_rdma else "tcp")
+    token = args.peer_token
+    if token is None:
+        env = args.peer_token_env
+        if (
+            env is None
+            and args.peer_token_file is None
+            and os.environ.get(PEER_TOKEN_ENV)
+        ):
+            env = PEER_TOKEN_ENV
+        token = read_token(env, args.peer_token_file)
+    return RemoteConfig(
+        metaserver_addr=args.metaserver_addr,
+        protocol=protocol,
+        nics=nics,
+        token=token,
+        node_id=args.node_id,
+        query_timeout_s=args.remote_query_timeout,
+        fetch_timeout_s=args.remote_fetch_timeout,
+        max_advertise_queue=args.metaserver_queue_depth,
+        allow_loopback=args.remote_allow_loopback,
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     pool_kwargs: dict[str, object] = {
         "size_bytes": args.pool_size,
@@ -401,6 +512,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             **crossovers(args),
         ),
         ssd=ssd_config(args),
+        remote=remote_config(args),
     )
 
 
@@ -418,9 +530,6 @@ def main(argv: list[str] | None = None) -> int:
         return status_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    for flag, what in NOT_YET.items():
-        if getattr(args, flag.lstrip("-").replace("-", "_")) is not None:
-            parser.error(f"{flag} needs {what}, which this version does not have yet")
     if args.enable_prometheus and args.no_http:
         parser.error("--enable-prometheus serves /metrics over HTTP: drop --no-http")
     warnings = compat_flags.ignored_warnings(args) + compat_flags.bucket_bits(args)

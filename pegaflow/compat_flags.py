@@ -36,9 +36,14 @@ IGNORED: dict[str, tuple[Callable[[str], object] | None, str]] = {
     "--trace-sample-rate": (float, "there is no OpenTelemetry tracing"),
     "--pool-shards": (int, "the pool's allocator is not sharded"),
     "--blockwise-alloc": (None, "the pool hands out fixed-size slots already"),
-    "--qps-per-peer": (int, "it tunes the RDMA transport, which is not here yet"),
-    "--metaserver-queue-depth": (int, "cross-node sharing is not here yet"),
-    "--transfer-lock-timeout-secs": (int, "cross-node sharing is not here yet"),
+    "--qps-per-peer": (
+        int,
+        "the Mooncake transfer engine sizes its queue pairs (MC_NUM_QP_PER_EP)",
+    ),
+    "--transfer-lock-timeout-secs": (
+        int,
+        "remote reads are bounded by --remote-fetch-timeout, and take no lock",
+    ),
 }
 
 # One write batch of the original counts as this many blocks of our spill

@@ -14,6 +14,7 @@ from pegaflow.limits import MAX_CONCURRENT_RPCS, MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:  # built by the CLI; the config module stays import-light
     from pegaflow.gds import SsdConfig
+    from pegaflow.remote.config import RemoteConfig
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -295,6 +296,8 @@ class ServerConfig:
     socket: str | None = "auto"
     # The L3 SSD tier (pegaflow.gds.SsdConfig); None: off.
     ssd: SsdConfig | None = None
+    # The L2 remote tier (pegaflow.remote.config.RemoteConfig); None: off.
+    remote: RemoteConfig | None = None
 
     def __post_init__(self) -> None:
         parse_addr(self.addr)

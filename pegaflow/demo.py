@@ -4,6 +4,9 @@ Engine A computes ("prefills") a 10K-token prompt's KV, saves it, and is killed.
 Engine B, a new process, asks for the same prompt's blocks, loads them into other
 block ids, and checks every byte against what A had.
 
+With --nodes 2 the two engines sit on two nodes (two servers and a metaserver
+on this host, pegaflow.demo_nodes): B's blocks come from A's node.
+
 With --restart-server the server itself (one it starts, on a pool file and an
 SSD file in a temp directory) is SIGKILLed after engine A's save and restarted
 on the same files before engine B asks: the cache outlives the server.
@@ -12,6 +15,7 @@ on the same files before engine B asks: the cache outlives the server.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import multiprocessing as mp
 import os
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pegaflow import demo_nodes
 from pegaflow.config import parse_size
 from pegaflow.spawn import spawn_server
 
@@ -112,7 +117,7 @@ def engine_b(addr: str, shape: Shape, seed: int, conn: object) -> None:
         start = time.perf_counter()
         hit = client.query("engine-b", hashes)
         deadline = start + 30
-        while hit.loading and time.perf_counter() < deadline:  # from the SSD
+        while hit.loading and time.perf_counter() < deadline:  # SSD or a peer
             time.sleep(0.01)
             hit = client.query("engine-b", hashes)
         queried = time.perf_counter()
@@ -197,7 +202,17 @@ def main(argv: list[str] | None = None) -> int:
         help="SIGKILL the server after engine A's save and restart it on the "
         "same pool file and SSD file (a server this demo starts itself)",
     )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="2: engine A on node 1, engine B on node 2 (a metaserver and two "
+        "servers this demo starts): B's hit is read from node 1",
+    )
     args = p.parse_args(argv)
+    if args.nodes == 2 and (args.addr or args.restart_server):
+        p.error("--nodes 2 starts its own servers: leave out --addr/--restart-server")
     if args.restart_server and args.addr:
         p.error("--restart-server: needs a server the demo starts (drop --addr)")
     prompt_blocks = args.tokens // 16
@@ -208,7 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     files: tuple = ()  # the restart demo's pool and SSD files
     if args.restart_server and addr is not None:
         p.error("--restart-server starts its own server: leave out --addr")
-    if addr is None:
+    stack = contextlib.ExitStack()
+    nodes: list[dict[str, str]] = []
+    if args.nodes == 2:
+        if args.pool_size < need * 1.1:
+            p.error(f"--pool-size: the prompt needs {need / 2**20:.0f} MiB; give more")
+        nodes = demo_nodes.start_nodes(stack, args.pool_size, 2)
+        addr = nodes[0]["grpc"]
+    elif addr is None:
         if args.pool_size < need * 1.1:
             p.error(f"--pool-size: the prompt needs {need / 2**20:.0f} MiB; give more")
         print(
@@ -233,11 +255,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.restart_server:
             server, addr = _restart(server, args.pool_size, files)
+        if nodes:
+            took = demo_nodes.wait_advertised(nodes[0]["http"], shape.prompt_blocks)
+            print(f"node 1: advertised to the metaserver in {took * 1e3:.0f} ms")
+            addr = nodes[1]["grpc"]
         b = ctx.Process(target=engine_b, args=(addr, shape, args.seed, send))
         b.start()
         got = recv.recv()
         b.join()
+        remote = demo_nodes.remote_stats(nodes[1]["http"]) if nodes else None
     finally:
+        stack.close()
         if server is not None:
             server.send_signal(signal.SIGTERM)
             server.wait(30)
@@ -248,6 +276,13 @@ def main(argv: list[str] | None = None) -> int:
         f"into other block ids in {got['seconds'] * 1e3:.1f} ms ({gbps:.2f} GB/s; "
         f"query {got['query_seconds'] * 1e3:.2f} ms)"
     )
+    if remote is not None:
+        fetched, ms = remote["fetched_bytes"], remote["fetch_ms_last"]
+        print(
+            f"node 2: read {fetched} bytes from node 1 in {ms:.1f} ms "
+            f"({fetched / ms / 1e6 if ms else 0:.2f} GB/s; query to ready, checksums "
+            f"checked), failed: {remote['failed_blocks']}"
+        )
     ok = got["mismatched_pages"] == 0 and got["hit"] == got["queried"]
     if files:
         files[0].cleanup()

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from pegaflow.errors import (
 from pegaflow.gds import SsdTier
 from pegaflow.geometry import Transfers, check_block_ids
 from pegaflow.identity import UNKNOWN, CallContext, Caller
-from pegaflow.instances import Registry, Worker
+from pegaflow.instances import Namespace, Registry, Worker
 from pegaflow.keys import MAX_HASH_BYTES, BlockHash, LoadSpec, PackedHashes
 from pegaflow.leases import Lease, LeaseTable
 from pegaflow.limits import LargeRequestGate, RequestCaps
@@ -43,6 +44,9 @@ from pegaflow.pool import HostPool
 from pegaflow.registration import RegisterSpec
 from pegaflow.results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
 from pegaflow.ssd import SsdLink
+
+if TYPE_CHECKING:
+    from pegaflow.remote.link import RemoteLink
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +135,7 @@ class Engine:
             self.ssd,
             config.max_idle_namespaces,
         )
+        self.remote: RemoteLink | None = None  # attach_remote
         self._seen = dataclasses.replace(self.store.counters)
         self.metrics.bind_gauges(
             pool.size,
@@ -139,6 +144,15 @@ class Engine:
             lambda: len(self.leases),
             lambda: sum(len(i.workers) for i in self.registry.instances.values()),
         )
+
+    def attach_remote(self, link: RemoteLink) -> None:
+        """The L2 tier: it hears of every block published and withdrawn here,
+        and answers which misses a peer held (the miss breakdown)."""
+        self.remote = link
+        self.store.published = link.published
+        self.store.unpublished = link.unpublished
+        self.hit_rates.remote = link.probe
+        self.namespaces.remote = link
 
     # -- registration ---------------------------------------------------------
     def register(self, spec: RegisterSpec, caller: Caller) -> Worker:
@@ -253,18 +267,73 @@ class Engine:
         check_hashes(hashes, self.config.max_blocks_per_request, hash_len)
         ns = inst.namespace
         hits, rest = self.store.lookup(ns, hashes)
-        if self.ssd is not None and len(rest):
+        if len(rest) and (self.ssd is not None or self.remote is not None):
             listed = hashes.list() if isinstance(hashes, PackedHashes) else hashes
-            n, started = self.ssd.loading(ns, listed, len(hits))
+            if self.ssd is not None:
+                n, started = self.ssd.loading(ns, listed, len(hits))
+                if n:
+                    if started:
+                        self._count_loading(ns, hashes, hits, rest, hash_len, n, "ssd")
+                    return QueryResult(n, 0, 0.0, loading=True)
+            if self.remote is not None:
+                known = self.remote.remembered(ns, listed[len(hits)])
+                if known is None:  # ask the metaserver: the boundary awaits it
+                    ask = functools.partial(
+                        self._query_remote, instance_id, hashes, listed, hash_len
+                    )
+                    return QueryResult(0, 0, 0.0, pending=ask)
+                if known[0]:
+                    return QueryResult(known[0], 0, 0.0, loading=True)
+        return self._answer(instance_id, hashes, hits, rest, hash_len)
+
+    async def _query_remote(
+        self,
+        instance_id: str,
+        hashes: list[BlockHash] | PackedHashes,
+        listed: list[BlockHash],
+        hash_len: int | None,
+    ) -> QueryResult:
+        """The rest of a query that missed L1 and L3: the metaserver's plan."""
+        ns = self.registry.instance(instance_id).namespace
+        hits, rest = self.store.lookup(ns, hashes)  # again: the loop ran meanwhile
+        if len(rest):
+            n, started = await self.remote.loading(ns, listed, len(hits))
             if n:
-                # Counted once, when the load starts: the engine's polls while
-                # it runs are waits, not new requests; its final ready answer
-                # is counted as usual.
                 if started:
-                    total = len(hits) + n
-                    self.hit_rates.query(ns, hashes, total, rest[n:], hash_len, n)
-                    self.metrics.ssd_hits.inc(n)
+                    self._count_loading(ns, hashes, hits, rest, hash_len, n, "remote")
                 return QueryResult(n, 0, 0.0, loading=True)
+            hits, rest = self.store.lookup(ns, hashes)  # and again after the await
+        return self._answer(instance_id, hashes, hits, rest, hash_len)
+
+    def _count_loading(
+        self,
+        ns: Namespace,
+        hashes: list[BlockHash] | PackedHashes,
+        hits: list[BlockEntry],
+        rest: np.ndarray,
+        hash_len: int | None,
+        n: int,
+        tier: str,
+    ) -> None:
+        """Counted once, when the load starts: the engine's polls while it runs
+        are waits, not new requests; its final ready answer counts as usual."""
+        total = len(hits) + n
+        if tier == "ssd":
+            self.hit_rates.query(ns, hashes, total, rest[n:], hash_len, ssd=n)
+            self.metrics.ssd_hits.inc(n)
+        else:
+            self.hit_rates.query(ns, hashes, total, rest[n:], hash_len, remote=n)
+
+    def _answer(
+        self,
+        instance_id: str,
+        hashes: list[BlockHash] | PackedHashes,
+        hits: list[BlockEntry],
+        rest: np.ndarray,
+        hash_len: int | None,
+    ) -> QueryResult:
+        inst = self.registry.instance(instance_id)
+        ns = inst.namespace
         self.hit_rates.query(ns, hashes, len(hits), rest, hash_len)
         self.metrics.hits.inc(len(hits))
         self.metrics.misses.inc(len(hashes) - len(hits))
@@ -393,6 +462,8 @@ class Engine:
     def sweep(self) -> None:
         now = time.monotonic()
         self.leases.sweep(now)
+        if self.remote is not None:
+            self.remote.sweep()
         self.store.drop_stale(now - self.config.lease_ttl_s)
         self.hit_rates.flush()
 

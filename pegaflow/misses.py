@@ -1,8 +1,9 @@
 """Why queried blocks missed, and the hit-rate ceiling, per namespace.
 
-Every queried block is a hit from a tier (ram or ssd; remote once the cross-node
-tier exists) or a miss with exactly one cause, so hits + misses by cause = queried:
-- remote: a peer had it (nothing answers the probe until peers exist: 0),
+Every queried block is a hit from a tier (ram, ssd or remote) or a miss with
+exactly one cause, so hits + misses by cause = queried:
+- remote: the metaserver named a peer holding it, but it was not fetched (the
+  peer was dead, slow, had evicted it, or sent bytes that failed their check),
 - admission: TinyLFU refused it recently,
 - capacity: it was evicted recently,
 - pool_full: a save of it found no free slot recently (every block pinned),
@@ -195,8 +196,8 @@ class _Namespace:
 # unless a remote probe asks for the misses.
 Hashes = Sequence[bytes] | PackedHashes
 # A logged query: (namespace, hashes, hits, readiness of the blocks past the
-# prefix, length, hits of those from ssd)
-_Query = tuple[Namespace, Hashes, int, np.ndarray, "int | None", int]
+# prefix, length, hits of those from ssd, hits of those from peers)
+_Query = tuple[Namespace, Hashes, int, np.ndarray, "int | None", int, int]
 
 
 class HitRateTracker:
@@ -210,7 +211,7 @@ class HitRateTracker:
         self.config = config
         self.ghost = GhostTable(ghost_bits)
         self._clock = clock
-        self._remote = remote
+        self.remote = remote  # set once the remote tier is up
         self._namespaces: dict[int, _Namespace] = {}
         self._log: list[tuple] = []
         self._pending = 0
@@ -231,11 +232,12 @@ class HitRateTracker:
         rest: np.ndarray,
         hash_len: int | None = None,
         ssd: int = 0,
+        remote: int = 0,
     ) -> None:
         """rest: whether each block past the prefix is ready (see
-        BlockStore.lookup). hits counts every tier; the last `ssd` of them came
-        from the SSD tier."""
-        self._log.append((ns, hashes, hits, rest, hash_len, ssd))
+        BlockStore.lookup). hits counts every tier; `ssd` of them came from the
+        SSD tier, `remote` from peers."""
+        self._log.append((ns, hashes, hits, rest, hash_len, ssd, remote))
         self._pending += len(hashes)
         if self._pending >= _MAX_PENDING:
             self._flush_soon()
@@ -291,8 +293,10 @@ class HitRateTracker:
             first_seen = self._classify(state, ns_id, h64, events)
             state.windows.add(first_seen, hits, now, requests=len(h64))
             from_ssd = sum(e[5] for e in events)
-            state.hits[0] += hits - from_ssd
+            from_peers = sum(e[6] for e in events)
+            state.hits[0] += hits - from_ssd - from_peers
             state.hits[1] += from_ssd
+            state.hits[2] += from_peers
 
     def _classify(
         self, state: _Namespace, ns_id: int, h64: np.ndarray, events: list[_Query]
@@ -312,9 +316,9 @@ class HitRateTracker:
         ids = np.full(total, ns_id, np.uint64)
         causes = self.ghost.lookup(fingerprints(ids, h64[pos]))
         new = causes == COMPULSORY  # not stored nor offered here recently
-        if self._remote is not None:
+        if self.remote is not None:
             missed_hashes = [h for e in events for h in _listed(e[1])[e[2] :]]
-            causes[self._remote(ns_id, missed_hashes)] = REMOTE
+            causes[self.remote(ns_id, missed_hashes)] = REMOTE
         resident = self._resident(events)
         if resident is not None:
             causes = np.where(resident, causes[first], causes)

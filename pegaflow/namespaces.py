@@ -52,6 +52,7 @@ class NamespaceReaper:
         self._leases = leases
         self._hit_rates = hit_rates
         self._ssd = ssd
+        self.remote: object | None = None  # the remote tier, once attached
         self._max_idle = max_idle
         # Idle namespaces, the longest idle first.
         self._idle: OrderedDict[int, Namespace] = OrderedDict()
@@ -102,3 +103,5 @@ class NamespaceReaper:
         self._hit_rates.forget(ns.id)
         if self._ssd is not None:
             self._ssd.forget(ns.id)
+        if self.remote is not None:
+            self.remote.forget(ns.id)

@@ -57,8 +57,11 @@ def engine_stats(engine: Engine, started: float) -> Stats:
         "tiers": {
             "ram": {"enabled": True, "hit_blocks": tier_hits("ram")},
             "ssd": {"enabled": engine.ssd is not None, "hit_blocks": tier_hits("ssd")},
-            # The cross-node tier is not built yet: always off.
-            "remote": {"enabled": False, "peers": 0, "hit_blocks": tier_hits("remote")},
+            "remote": {
+                "enabled": engine.remote is not None,
+                "hit_blocks": tier_hits("remote"),
+                **(engine.remote.report() if engine.remote is not None else {}),
+            },
         },
         "policy": {
             "admission": "tinylfu" if engine.config.enable_lfu_admission else "all",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 
@@ -18,6 +19,9 @@ class QueryResult:
     lease_id: int  # 0 when nothing is leased
     lease_ttl_s: float = 0.0
     loading: bool = False  # a slower tier is pulling blocks in: ask again
+    # Set by the engine when the answer needs the metaserver: the server's
+    # boundary awaits it for the final result (never sent to a client).
+    pending: Callable[[], Awaitable[QueryResult]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

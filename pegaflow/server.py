@@ -64,6 +64,8 @@ class RunningServer:
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()
+        if self.engine.remote is not None:  # reads into pool slots: before it goes
+            await self.engine.remote.close()
         self.engine.close()
         if self.engine.ssd is not None:  # reads pool slots: before the pool goes
             await self.engine.ssd.close()
@@ -87,6 +89,11 @@ async def _assemble(
     config: ServerConfig, undo: contextlib.AsyncExitStack
 ) -> RunningServer:
     ordinals = _cuda_devices(config.cuda)
+    remote_host = None
+    if config.remote is not None:  # before anything binds: a bad --addr fails fast
+        from pegaflow.remote import bringup
+
+        remote_host = bringup.preflight(config.remote, config.addr)
     socket_path = ""
     if config.socket is not None:
         socket_path = _socket_path(config.socket)
@@ -98,6 +105,17 @@ async def _assemble(
     if http is not None:
         undo.callback(http.server_close)
     engine, cuda, recovery = _bring_up(config, ordinals, metrics, undo)
+    if config.remote is not None:
+        transport = bringup.start_transport(config.remote, remote_host)
+        undo.callback(transport.close)
+        bringup.register_pool(
+            transport, engine.pool.base, engine.pool.size, config.pool.show_progress
+        )
+        rpc_addr = bringup.advertised_addr(remote_host, port)
+        link = bringup.attach(
+            config.remote, engine, transport, server, rpc_addr, metrics.registry
+        )
+        undo.push_async_callback(link.close)
     started = time.monotonic()
     stats = on_loop(asyncio.get_running_loop(), lambda: engine_stats(engine, started))
     metrics.registry.register(HitRateCollector(stats))
@@ -113,6 +131,8 @@ async def _assemble(
         socket_server = await start_socket_server(socket_path, engine, info)
         undo.callback(_close_socket_server, socket_server, socket_path)
     await server.start()
+    if engine.remote is not None:
+        bringup.start_advertising(config.remote, engine.remote, metrics.registry)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     if http is not None:

@@ -205,6 +205,8 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
         self, req: pb.QueryPrefixRequest, context: grpc.aio.ServicerContext
     ) -> pb.QueryPrefixResponse:
         res = self._engine.query(req.instance_id, list(req.block_hashes))
+        if res.pending is not None:
+            res = await res.pending()
         if res.loading:
             return pb.QueryPrefixResponse(
                 loading=pb.QueryPrefixResponse.Loading(num_blocks=res.num_blocks)

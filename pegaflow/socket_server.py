@@ -46,6 +46,7 @@ from pegaflow.frames import (
     register_reply,
 )
 from pegaflow.identity import UNKNOWN, CallContext, Caller, unix_peer
+from pegaflow.results import QueryResult
 from pegaflow.sockfile import bind_private_unix, unlink_if_ours
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class _SocketProtocol(asyncio.Protocol):
         self._caller = Caller("unix")
         self._greeted = False
         self._discard = False  # refused: the rest of the input is dropped
-        self._queued: deque[bytes] = deque()
+        self._queued: deque[bytes | QueryResult] = deque()
         self._task: asyncio.Task | None = None
         self._eof = False
 
@@ -177,8 +178,11 @@ class _SocketProtocol(asyncio.Protocol):
             self._hello(body)
             return
         if not self._queued and body[:1] == bytes([QUERY]):
-            self._transport.write(self._query(body))
-            return
+            reply = self._query(body)
+            if isinstance(reply, bytes):
+                self._transport.write(reply)
+                return
+            body = reply  # it waits for the metaserver: answered in order below
         self._queued.append(body)
         if self._task is None:
             self._task = asyncio.ensure_future(self._drain())
@@ -213,27 +217,37 @@ class _SocketProtocol(asyncio.Protocol):
             if self._eof:
                 self._transport.close()
 
-    async def _answer(self, body: bytes) -> bytes:
+    async def _answer(self, body: bytes | QueryResult) -> bytes:
+        if isinstance(body, QueryResult):
+            return await self._finish_query(body)
         try:
             kind = kind_of(body)
         except PegaflowError as exc:
             return error_reply(exc)
         if kind == QUERY:
-            return self._query(body)
+            reply = self._query(body)
+            return (
+                reply if isinstance(reply, bytes) else await self._finish_query(reply)
+            )
         return await self._guarded(kind, body)
 
-    def _query(self, body: bytes) -> bytes:
+    def _query(self, body: bytes) -> bytes | QueryResult:
+        """The reply, or a result still waiting for the metaserver."""
         got = guarded_sync(
             self._metrics, "QueryPrefix", "unix", lambda: self._answer_query(body)
         )
         return error_reply(got) if isinstance(got, PegaflowError) else got
 
-    def _answer_query(self, body: bytes) -> bytes:
+    def _answer_query(self, body: bytes) -> bytes | QueryResult:
         ident, hashes, hash_len, deadline_ns = decode_query(body)
         ctx = CallContext(self._caller, b"", deadlines.from_wire(deadline_ns))
         res = self._engine.query(ident, hashes, hash_len, ctx)
-        status = LOADING if res.loading else 0
-        return QUERY_REPLY.pack(status, res.num_blocks, res.lease_id, res.lease_ttl_s)
+        return res if res.pending is not None else _query_reply(res)
+
+    async def _finish_query(self, res: QueryResult) -> bytes:
+        """Timed apart from the query's first part, which was counted already."""
+        got = await guarded(self._metrics, "QueryMetaserver", "unix", res.pending())
+        return error_reply(got) if isinstance(got, PegaflowError) else _query_reply(got)
 
     def _register(self, body: bytes) -> bytes:
         from pegaflow.proto import pegaflow_pb2 as pb
@@ -295,3 +309,8 @@ async def start_socket_server(
         unlink_if_ours(path, sock)
         sock.close()
         raise
+
+
+def _query_reply(res: QueryResult) -> bytes:
+    status = LOADING if res.loading else 0
+    return QUERY_REPLY.pack(status, res.num_blocks, res.lease_id, res.lease_ttl_s)

@@ -92,12 +92,25 @@ def _header(stats: Stats, http_addr: str) -> list[str]:
         peers = f" ({t['peers']} peers)" if "peers" in t else ""
         label = "tiers   " if i == 0 else " " * 8
         lines.append(f"{label}{tier:<7}{state}{peers:<12} {t['hit_blocks']:,} hits")
+        if tier == "remote" and t["enabled"]:
+            lines.append(_remote(t))
     lines.append(
         f"ceiling HyperLogLog over {', '.join(hll['windows'])}: 2**"
         f"{hll['bucket_bits']} registers x {hll['sub_windows']} sub-windows, "
         f"{_bytes(hll['memory_bytes'])}"
     )
     return lines
+
+
+def _remote(t: Stats) -> str:
+    failed = ", ".join(f"{k} {v:,}" for k, v in t["failed_blocks"].items() if v)
+    joined = "joined" if t["joined"] else "NOT joined"
+    return (
+        f"{' ' * 15}{joined} {t['metaserver']}; fetched "
+        f"{_bytes(t['fetched_bytes'])} in {t['fetches']:,} fetches, "
+        f"{t['fetch_ms_mean']:.1f} ms mean; {t['pins_held']} pins held; "
+        f"failed: {failed or 'none'}"
+    )
 
 
 def _namespace(ns: Stats) -> list[str]:

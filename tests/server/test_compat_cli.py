@@ -19,7 +19,7 @@ from pegaflow.compat_flags import IGNORED, SHARD_NAME
 from tests.procs import ROOT, _env, _readline, start_server
 
 # Started for real below (values from the original's docs, sizes shrunk to fit
-# a CI machine): every original flag except those in NEEDS_MACHINE/NOT_HERE.
+# a CI machine): every original flag except those in NEEDS_MACHINE/MULTI_NODE.
 STARTED = [
     ("--addr", "127.0.0.1:0"),
     ("--http-addr", "127.0.0.1:0"),
@@ -50,7 +50,24 @@ STARTED = [
 # Honoured, but need what a CI machine lacks: reserved hugepages, a GPU.
 NEEDS_MACHINE = [("--use-hugepages",), ("--devices", "0,1,2,3")]
 # Refused with a clear message until the remote tier exists.
-NOT_HERE = [("--nics", "mlx5_0", "mlx5_1"), ("--metaserver-addr", "http://m:50056")]
+# The seeds' multi-node form, refused here for what this machine lacks, each
+# with the message that names it: (flags, what stderr must say).
+MULTI_NODE = [
+    (("--nics", "mlx5_0", "mlx5_1"), "need --metaserver-addr"),
+    (
+        ("--metaserver-addr", "http://m:50056"),
+        "loopback reaches only this host",
+    ),
+    (
+        ("--addr", "0.0.0.0:0", "--metaserver-addr", "http://m:50056"),
+        "a wildcard names no host",
+    ),
+    (
+        ("--addr", "10.255.0.1:0", "--metaserver-addr", "http://m:50056",
+         "--nics", "mlx5_0", "mlx5_1"),
+        "no RDMA device 'mlx5_0'",
+    ),
+]  # fmt: skip
 
 
 def _argv(flags: list[tuple[str, ...]]) -> list[str]:
@@ -60,7 +77,8 @@ def _argv(flags: list[tuple[str, ...]]) -> list[str]:
 def test_every_original_flag_parses() -> None:
     """Scenario: the full original command line, the SSD path included; 21 of
     these flags used to stop the start with "unrecognized arguments"."""
-    every = [*STARTED, *NEEDS_MACHINE, *NOT_HERE, ("--ssd-cache-path", "/d1", "/d2")]
+    remote = [("--nics", "mlx5_0", "mlx5_1"), ("--metaserver-addr", "http://m:50056")]
+    every = [*STARTED, *NEEDS_MACHINE, *remote, ("--ssd-cache-path", "/d1", "/d2")]
     assert len({flag[0] for flag in every}) == 30
     args = build_parser().parse_args(_argv(every))
     assert args.nics == ["mlx5_0", "mlx5_1"]
@@ -89,10 +107,18 @@ def test_original_command_line_starts(tmp_path: Path) -> None:
         assert sum(f" {flag}" in line for line in warned) == 1, (flag, log)
 
 
-@pytest.mark.parametrize("flags", NOT_HERE, ids=lambda f: f[0])
-def test_remote_flags_refused_clearly(flags: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("case", MULTI_NODE, ids=lambda c: " ".join(c[0][-2:]))
+def test_multi_node_flags_checked_at_start(case: tuple[tuple[str, ...], str]) -> None:
     """Scenario: the seeds' multi-node form (`--nics mlx5_0 mlx5_1`, two values)
-    gave an argparse usage error; it must name the missing remote tier."""
+    parses; what cannot work here (no metaserver named, a loopback or wildcard
+    --addr to advertise, an RDMA device this machine lacks: Mooncake would
+    fall back to TCP silently) stops the start with exit 2 and names it."""
+    flags, says = case
+    if "--nics" in flags and "--metaserver-addr" in flags:
+        from pegaflow.remote.nics import active_devices
+
+        if "mlx5_0" in active_devices():
+            pytest.skip("this machine has an active mlx5_0")
     proc = subprocess.run(
         [sys.executable, "-m", "pegaflow.cli", "--pool-size", "4mb", *flags],
         capture_output=True,
@@ -100,8 +126,8 @@ def test_remote_flags_refused_clearly(flags: tuple[str, ...]) -> None:
         cwd=ROOT,
         timeout=60,
     )
-    assert proc.returncode == 2
-    assert "which this version does not have yet" in proc.stderr.decode()
+    assert proc.returncode == 2, proc.stderr.decode()
+    assert says in proc.stderr.decode()
 
 
 def test_version_flag() -> None:

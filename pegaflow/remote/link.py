@@ -1,0 +1,507 @@
+"""The L2 remote tier wired into the engine: advertise what L1 holds, and on a
+local miss (after L1 and L3) fetch the prefix from the peers that hold it.
+
+A fetch, all on the event loop but the read itself:
+1. the query asks the metaserver (bounded wait) for an ordered plan of
+   (owner, block count) segments of the missing prefix, never naming us;
+2. local L1 slots are reserved for the planned blocks (pinned, in flight: a
+   concurrent save of one deduplicates) and the query answers `loading`;
+3. per owner, concurrently: Pin RPC (the owner pins the blocks and answers
+   their slot addresses and checksums), checked against our geometry, then
+   one batched one-sided read into our slots on a worker thread, whose blocks
+   are checked against the checksums; Release;
+4. blocks that arrived intact are published like local saves; the rest are
+   freed and counted by cause. The engine's next poll finds them ready.
+
+Failures become misses, never hangs or wrong bytes: every step has a deadline
+(--remote-fetch-timeout), and a prefix whose fetch failed, or that the
+metaserver did not know, is remembered for a moment so the engine's next poll
+answers at once instead of starting again. Slots reserved for a read that
+outlives its deadline stay reserved until the read's thread returns: they are
+never handed out while a read may still write them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from pegaflow import peer_auth
+from pegaflow.blocks import BlockEntry, BlockStore
+from pegaflow.gds import namespace_digest
+from pegaflow.instances import Namespace
+from pegaflow.keys import BlockHash, Key
+from pegaflow.metaserver.client import pack
+from pegaflow.pool import HostPool
+from pegaflow.proto import metaserver_pb2 as meta_pb
+from pegaflow.proto import metaserver_pb2_grpc as meta_grpc
+from pegaflow.proto import peer_pb2 as peer_pb
+from pegaflow.remote.advertiser import Advertiser
+from pegaflow.remote.config import RemoteConfig
+from pegaflow.remote.metrics import RemoteMetrics
+from pegaflow.remote.peers import Endpoint, PeerChannels
+from pegaflow.remote.pins import PinTable, checksums_of
+from pegaflow.remote.transport import RemoteTransport, TransportError
+
+logger = logging.getLogger(__name__)
+
+_REMEMBERED = 1 << 16  # prefixes remembered as failed or unknown, and unfetched keys
+_RELEASE_TIMEOUT_S = 2.0
+_HOLD_MARGIN_S = 2.0  # a pin is asked to outlive our fetch deadline by this
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSegment:
+    endpoint: Endpoint
+    incarnation: int
+    start: int  # index into the fetched run
+    blocks: int
+
+
+@dataclass(slots=True)
+class RemoteStats:
+    fetches: int = 0
+    fetched_blocks: int = 0
+    fetched_bytes: int = 0
+    fetch_seconds: float = 0.0  # sum over fetches
+    last_fetch_s: float = 0.0
+
+
+class RemoteLink:
+    def __init__(
+        self,
+        config: RemoteConfig,
+        store: BlockStore,
+        pool: HostPool,
+        metrics: RemoteMetrics,
+        transport: RemoteTransport,
+        node_id: str,
+        incarnation: int,
+        rpc_addr: str,
+    ) -> None:
+        self.config = config
+        self._store = store
+        self._pool = pool
+        self.metrics = metrics
+        self.transport = transport
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self.endpoint = Endpoint(rpc_addr, transport.endpoint)
+        self.namespaces: dict[bytes, Namespace] = {}  # digest -> namespace held
+        self._digests: dict[int, bytes] = {}
+        self.pins = PinTable(store, pool)
+        self._loading: dict[
+            Key, int
+        ] = {}  # as in pegaflow.ssd: key -> blocks to the end
+        self._negative: OrderedDict[Key, float] = OrderedDict()  # key -> until
+        self._unfetched: OrderedDict[Key, None] = OrderedDict()  # for the miss causes
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.stats = RemoteStats()
+        self._peers_seen: set[str] = set()  # owners fetched from
+        addr = config.metaserver_host_port
+        self._meta_channel = grpc.aio.insecure_channel(addr)
+        self._meta = meta_grpc.MetaServerStub(self._meta_channel)
+        self._meta_metadata = peer_auth.metadata(config.token)
+        self._peers = PeerChannels(config.token)
+        self.advertiser: Advertiser | None = None
+
+    def start_advertising(self, advertiser: Advertiser) -> None:
+        self.advertiser = advertiser
+        advertiser.start()
+
+    # -- namespaces -------------------------------------------------------------
+    def digest(self, ns: Namespace) -> bytes:
+        got = self._digests.get(ns.id)
+        if got is None:
+            got = self._digests[ns.id] = namespace_digest(ns.name, ns.signature)
+            self.namespaces[got] = ns
+        return got
+
+    def forget(self, ns_id: int) -> None:
+        digest = self._digests.pop(ns_id, None)
+        if digest is not None:
+            self.namespaces.pop(digest, None)
+
+    # -- advertising (BlockStore hooks) -------------------------------------------
+    def published(self, entries: list[BlockEntry]) -> None:
+        """Blocks that became ready here (saved, or loaded from a slower tier)."""
+        if self.advertiser is None:
+            return
+        for ns_id, hashes in _by_namespace(e.key for e in entries).items():
+            ns = self._namespace(ns_id)
+            if ns is not None:
+                self.advertiser.advertise(self.digest(ns), hashes)
+
+    def unpublished(self, keys: list[Key]) -> None:
+        """Ready blocks that left L1 (evicted, or their namespace freed)."""
+        self.pins.forget(keys)
+        if self.advertiser is None:
+            return
+        for ns_id, hashes in _by_namespace(keys).items():
+            digest = self._digests.get(ns_id)
+            if digest is not None:
+                self.advertiser.withdraw(digest, hashes)
+
+    def _namespace(self, ns_id: int) -> Namespace | None:
+        return self._store.namespace(ns_id)
+
+    async def snapshot(self) -> dict[bytes, list[bytes]]:
+        """Every ready block held, by namespace digest: the advertiser re-sends
+        it after a (re)join. Walks the index in slices, yielding the loop."""
+        keys = list(self._store.entries.items())
+        held: dict[bytes, list[bytes]] = {}
+        for start in range(0, len(keys), 50_000):
+            for key, entry in keys[start : start + 50_000]:
+                if entry.ready:
+                    ns = self._namespace(key[0])
+                    if ns is not None:
+                        held.setdefault(self.digest(ns), []).append(key[1])
+            await asyncio.sleep(0)
+        return held
+
+    # -- the query path -----------------------------------------------------------
+    def remembered(self, ns: Namespace, first: BlockHash) -> tuple[int, bool] | None:
+        """(blocks loading, False) when a fetch from `first` runs, (0, False)
+        when that prefix is remembered as not fetchable; None: ask."""
+        key = (ns.id, first)
+        running = self._loading.get(key)
+        if running is not None:
+            return running, False
+        until = self._negative.get(key)
+        if until is not None:
+            if until > time.monotonic():
+                return 0, False
+            del self._negative[key]
+        return None
+
+    async def loading(
+        self, ns: Namespace, hashes: Sequence[BlockHash], start: int
+    ) -> tuple[int, bool]:
+        """(blocks of hashes[start:] being fetched from peers, whether this call
+        started the fetch)."""
+        first = (ns.id, hashes[start])
+        rest = list(hashes[start:])
+        began = time.monotonic()
+        try:
+            plan = await self._plan(ns, rest)
+        except (grpc.RpcError, asyncio.TimeoutError, ValueError) as exc:
+            logger.debug("metaserver query failed: %s", exc)
+            self.metrics.failures.labels("metaserver").inc()
+            self._remember(first)
+            return 0, False
+        if not plan:
+            self._remember(first)
+            return 0, False
+        again = self.remembered(ns, rest[0])  # the loop ran while we asked
+        if again is not None and again[0]:
+            return again
+        planned = plan[-1].start + plan[-1].blocks
+        entries = self._store.reserve_load(ns, rest[:planned])
+        if not entries:
+            self._mark_unfetched(ns, rest[:planned], "no_slot")
+            self._remember(first)
+            return 0, False
+        n = len(entries)
+        plan = _clip(plan, n)
+        self._loading.update(
+            zip((e.key for e in entries), range(n, 0, -1), strict=True)
+        )
+        task = asyncio.ensure_future(self._fetch(ns, entries, plan, began))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return n, True
+
+    async def _plan(self, ns: Namespace, hashes: list[BlockHash]) -> list[PlanSegment]:
+        if len(set(map(len, hashes))) != 1:
+            return []  # the metaserver takes one hash length per request
+        reply = await self._meta.QueryPrefix(
+            meta_pb.QueryPrefixRequest(
+                blocks=pack(self.digest(ns), hashes), asker_node_id=self.node_id
+            ),
+            timeout=self.config.query_timeout_s,
+            metadata=self._meta_metadata,
+        )
+        plan: list[PlanSegment] = []
+        at = 0
+        for seg in reply.segments:
+            if seg.node_id == self.node_id or seg.blocks == 0:
+                break  # never read from ourselves; a lying plan stops here
+            plan.append(
+                PlanSegment(
+                    Endpoint.parse(seg.endpoint), seg.incarnation, at, seg.blocks
+                )
+            )
+            at += seg.blocks
+        if at > len(hashes):
+            raise ValueError(f"metaserver plan covers {at} of {len(hashes)} blocks")
+        return plan
+
+    # -- the fetch ----------------------------------------------------------------
+    async def _fetch(
+        self,
+        ns: Namespace,
+        entries: list[BlockEntry],
+        plan: list[PlanSegment],
+        began: float,
+    ) -> None:
+        ok = np.zeros(len(entries), bool)
+        deadline = began + self.config.fetch_timeout_s
+        reads = [
+            asyncio.ensure_future(self._segment(ns, entries, seg, ok, deadline))
+            for seg in plan
+        ]
+        done, late = await asyncio.wait(
+            reads, timeout=max(0.0, deadline - time.monotonic())
+        )
+        for task in done:
+            if task.exception() is not None:
+                logger.warning("remote fetch failed: %r", task.exception())
+        if late:
+            # A read may still write our slots: they stay reserved until every
+            # segment's thread returned, and only then are they freed.
+            lost = sum(s.blocks for s, t in zip(plan, reads, strict=True) if t in late)
+            self.metrics.failures.labels("deadline").inc(lost)
+            self._unloading(entries)
+            self._remember(entries[0].key)
+            await asyncio.wait(late)
+            self._store.finish_load(entries, np.zeros(len(entries), bool))
+            return
+        self._unloading(entries)
+        good = int(ok.sum())
+        if good < len(entries):
+            self._remember(entries[0].key)
+        nbytes = good * ns.slot_bytes * ns.tp_size
+        seconds = time.monotonic() - began
+        self.metrics.hits.inc(good)
+        self.metrics.bytes.inc(nbytes)
+        self.metrics.fetch_seconds.observe(seconds)
+        st = self.stats
+        st.fetches += 1
+        st.fetched_blocks += good
+        st.fetched_bytes += nbytes
+        st.fetch_seconds += seconds
+        st.last_fetch_s = seconds
+        self._store.finish_load(entries, ok)
+        logger.debug(
+            "fetched %d of %d blocks (%d B) from %d peer(s) in %.1f ms",
+            good, len(entries), nbytes, len(plan), seconds * 1e3,
+        )  # fmt: skip
+
+    async def _segment(
+        self,
+        ns: Namespace,
+        entries: list[BlockEntry],
+        seg: PlanSegment,
+        ok: np.ndarray,
+        deadline: float,
+    ) -> None:
+        """One owner's run: pin, check, read, verify, release."""
+        run = entries[seg.start : seg.start + seg.blocks]
+        keys = [e.key for e in run]
+        left = deadline - time.monotonic()
+        request = peer_pb.PinRequest(
+            namespace=self.digest(ns),
+            hash_len=len(keys[0][1]),
+            hashes=b"".join(k[1] for k in keys),
+            hold_ms=int((left + _HOLD_MARGIN_S) * 1000),
+            slot_bytes=ns.slot_bytes,
+            shards=ns.tp_size,
+            reader_node_id=self.node_id,
+        )
+        try:
+            pin = await self._peers.pin(seg.endpoint.rpc, request, max(left, 0.001))
+        except grpc.RpcError as exc:
+            logger.info("peer %s: pin failed: %s", seg.endpoint.rpc, exc.code())
+            return self._fail(keys, "peer_unreachable")
+        granted_until = time.monotonic() + pin.hold_ms / 1000
+        try:
+            got = _check_pin(pin, len(run), ns)
+        except _Refused as refused:
+            self._release_soon(seg.endpoint.rpc, pin.pin_id)
+            return self._fail(keys, refused.cause)
+        remote, sums = got
+        n = len(remote)
+        if n < len(run):
+            self._fail(keys[n:], "peer_evicted")
+        if n == 0:
+            return None
+        local = np.array([e.slots for e in run[:n]], np.uint64)
+        # Read only inside the hold the owner granted, with a margin for the
+        # read itself: past it the owner may reuse those slots.
+        if min(granted_until, deadline) - time.monotonic() <= 0:
+            self._release_soon(seg.endpoint.rpc, pin.pin_id)
+            return self._fail(keys[:n], "pin_expired")
+        try:
+            intact = await asyncio.to_thread(
+                self._read_and_verify, seg.endpoint.transfer, local, remote, sums,
+                ns.slot_bytes,
+            )  # fmt: skip
+        except TransportError as exc:
+            logger.info("peer %s: %s", seg.endpoint.transfer, exc)
+            self._release_soon(seg.endpoint.rpc, pin.pin_id)
+            return self._fail(keys[:n], "transport")
+        self._release_soon(seg.endpoint.rpc, pin.pin_id)
+        bad = np.flatnonzero(~intact)
+        if len(bad):
+            logger.warning(
+                "peer %s: %d of %d blocks failed their checksum; dropped",
+                seg.endpoint.rpc, len(bad), n,
+            )  # fmt: skip
+            self._fail([keys[i] for i in bad.tolist()], "checksum")
+        ok[seg.start : seg.start + n] = intact
+        self._peers_seen.add(seg.endpoint.rpc)
+        return None
+
+    def _read_and_verify(
+        self,
+        endpoint: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        sums: np.ndarray,
+        slot_bytes: int,
+    ) -> np.ndarray:
+        """On a worker thread: one batched read, then each block's shards
+        against the owner's checksums. A bool per block."""
+        lengths = np.full(local.size, slot_bytes, np.uint64)
+        before = getattr(self.transport, "retried", 0)
+        self.transport.read(endpoint, local.reshape(-1), remote.reshape(-1), lengths)
+        retried = getattr(self.transport, "retried", 0) - before
+        if retried:
+            self.metrics.retries.inc(retried)
+        return (checksums_of(self._pool, local, slot_bytes) == sums).all(axis=1)
+
+    def _release_soon(self, addr: str, pin_id: int) -> None:
+        if not pin_id:
+            return
+
+        async def release() -> None:
+            try:
+                await self._peers.release(addr, pin_id, _RELEASE_TIMEOUT_S)
+            except grpc.RpcError as exc:  # the pin expires on its own
+                logger.debug("release of pin %d at %s: %s", pin_id, addr, exc.code())
+
+        task = asyncio.ensure_future(release())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _fail(self, keys: list[Key], cause: str) -> None:
+        self.metrics.failures.labels(cause).inc(len(keys))
+        for key in keys:
+            self._unfetched[key] = None
+        while len(self._unfetched) > _REMEMBERED:
+            self._unfetched.popitem(last=False)
+
+    def _mark_unfetched(
+        self, ns: Namespace, hashes: list[BlockHash], cause: str
+    ) -> None:
+        self._fail([(ns.id, h) for h in hashes], cause)
+
+    def _unloading(self, entries: list[BlockEntry]) -> None:
+        for e in entries:
+            self._loading.pop(e.key, None)
+
+    def _remember(self, key: Key) -> None:
+        self._negative[key] = time.monotonic() + self.config.negative_ttl_s
+        self._negative.move_to_end(key)
+        while len(self._negative) > _REMEMBERED:
+            self._negative.popitem(last=False)
+
+    # -- the miss breakdown -------------------------------------------------------
+    def probe(self, ns_id: int, hashes: list[bytes]) -> np.ndarray:
+        """Which missed blocks the metaserver named but we did not fetch."""
+        known = self._unfetched
+        return np.fromiter(((ns_id, h) in known for h in hashes), bool, len(hashes))
+
+    # -- what /stats and `pegaflow-server status` show ---------------------------
+    def report(self) -> dict[str, object]:
+        st = self.stats
+        adv = self.advertiser
+        failures = {
+            s.labels["cause"]: int(s.value)
+            for m in self.metrics.failures.collect()
+            for s in m.samples
+            if s.name.endswith("_total")
+        }
+        return {
+            "node_id": self.node_id,
+            "endpoint": str(self.endpoint),
+            "metaserver": self.config.metaserver_host_port,
+            "joined": adv is not None and adv.joined.is_set(),
+            "peers": len(self._peers_seen),
+            "fetches": st.fetches,
+            "fetched_blocks": st.fetched_blocks,
+            "fetched_bytes": st.fetched_bytes,
+            "fetch_ms_mean": round(st.fetch_seconds / st.fetches * 1e3, 3)
+            if st.fetches
+            else 0.0,
+            "fetch_ms_last": round(st.last_fetch_s * 1e3, 3),
+            "failed_blocks": failures,
+            "pins_held": len(self.pins),
+            "advertised": adv.counters.advertised if adv else 0,
+            "withdrawn": adv.counters.withdrawn if adv else 0,
+            "advertise_dropped": adv.counters.dropped if adv else 0,
+        }
+
+    # -- housekeeping ------------------------------------------------------------
+    def sweep(self) -> None:
+        self.pins.sweep()
+        self.metrics.pins.set(len(self.pins))
+
+    async def close(self) -> None:
+        if self.advertiser is not None:
+            await asyncio.to_thread(self.advertiser.close)
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=self.config.fetch_timeout_s)
+        self.pins.close()
+        await self._peers.close()
+        await self._meta_channel.close()
+        await asyncio.to_thread(self.transport.close)
+
+
+class _Refused(Exception):
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+def _check_pin(
+    pin: peer_pb.PinResponse, asked: int, ns: Namespace
+) -> tuple[np.ndarray, np.ndarray]:
+    """The owner's answer, checked before anything is read: ([blocks, shards]
+    remote slot addresses, their checksums). Raises _Refused with the cause."""
+    if pin.pin_id == 0 or pin.blocks == 0:
+        raise _Refused("peer_evicted")
+    if (pin.slot_bytes, pin.shards) != (ns.slot_bytes, ns.tp_size):
+        raise _Refused("geometry")
+    want = pin.blocks * pin.shards * 8
+    if pin.blocks > asked or len(pin.slot_addrs) != want or len(pin.checksums) != want:
+        raise _Refused("geometry")
+    shape = (pin.blocks, pin.shards)
+    remote = np.frombuffer(pin.slot_addrs, "<u8").astype(np.uint64).reshape(shape)
+    sums = np.frombuffer(pin.checksums, "<u8").astype(np.uint64).reshape(shape)
+    return remote, sums
+
+
+def _clip(plan: list[PlanSegment], n: int) -> list[PlanSegment]:
+    """The plan cut to the first n blocks (fewer slots were reserved)."""
+    out = []
+    for seg in plan:
+        if seg.start >= n:
+            break
+        blocks = min(seg.blocks, n - seg.start)
+        out.append(PlanSegment(seg.endpoint, seg.incarnation, seg.start, blocks))
+    return out
+
+
+def _by_namespace(keys) -> dict[int, list[bytes]]:
+    out: dict[int, list[bytes]] = {}
+    for ns_id, h in keys:
+        out.setdefault(ns_id, []).append(h)
+    return out

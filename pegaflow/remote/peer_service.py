@@ -1,0 +1,74 @@
+"""The Peer gRPC service (proto/peer.proto) on the owner's server port: Pin and
+Release for readers on other nodes. Errors become statuses in the server's one
+interceptor (pegaflow.service.ErrorInterceptor), like every other RPC."""
+
+from __future__ import annotations
+
+import grpc
+
+from pegaflow import peer_auth
+from pegaflow.errors import InvalidRequest
+from pegaflow.keys import MAX_HASH_BYTES, PackedHashes
+from pegaflow.proto import peer_pb2 as pb
+from pegaflow.proto import peer_pb2_grpc as pb_grpc
+from pegaflow.remote.pins import PinTable
+
+MAX_PIN_HASHES = 65536
+MAX_NAMESPACE_BYTES = 64
+
+
+class PeerServicer(pb_grpc.PeerServicer):
+    def __init__(
+        self, pins: PinTable, namespaces: object, token: str | None, incarnation: int
+    ) -> None:
+        """namespaces: digest -> Namespace of the blocks this node advertises."""
+        self._pins = pins
+        self._namespaces = namespaces
+        self._token = token
+        self._incarnation = incarnation
+
+    async def Pin(
+        self, req: pb.PinRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PinResponse:
+        peer_auth.require(context, self._token)
+        if not 1 <= len(req.namespace) <= MAX_NAMESPACE_BYTES:
+            raise InvalidRequest(f"namespace: need 1..{MAX_NAMESPACE_BYTES} bytes")
+        if not 1 <= req.hash_len <= MAX_HASH_BYTES:
+            raise InvalidRequest(f"hash_len: {req.hash_len}, need 1..{MAX_HASH_BYTES}")
+        count, extra = divmod(len(req.hashes), req.hash_len)
+        if extra or not 0 < count <= MAX_PIN_HASHES:
+            raise InvalidRequest(
+                f"hashes: {len(req.hashes)} bytes is not 1..{MAX_PIN_HASHES} "
+                f"hashes of {req.hash_len} bytes"
+            )
+        ns = self._namespaces.get(req.namespace)
+        empty = pb.PinResponse(incarnation=self._incarnation)
+        if ns is None:
+            return empty  # nothing of that namespace here (any more)
+        if (req.slot_bytes, req.shards) != (ns.slot_bytes, ns.tp_size):
+            # Same digest, other geometry: a reader bug; never hand out slots.
+            raise InvalidRequest(
+                f"slot_bytes/shards: {req.slot_bytes}/{req.shards} do not match "
+                "this namespace's geometry here"
+            )
+        got = await self._pins.pin(
+            ns, PackedHashes(req.hashes, req.hash_len, count), req.hold_ms / 1000
+        )
+        if not got.pin_id:
+            return empty
+        return pb.PinResponse(
+            pin_id=got.pin_id,
+            blocks=len(got.slots),
+            slot_addrs=got.slots.astype("<u8").tobytes(),
+            checksums=got.checksums.astype("<u8").tobytes(),
+            hold_ms=int(got.hold_s * 1000),
+            slot_bytes=ns.slot_bytes,
+            shards=ns.tp_size,
+            incarnation=self._incarnation,
+        )
+
+    async def Release(
+        self, req: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseResponse:
+        peer_auth.require(context, self._token)
+        return pb.ReleaseResponse(released=self._pins.release(req.pin_id))

@@ -1,0 +1,77 @@
+"""Readers' channels to owners' Peer services, and the endpoint string a node
+advertises: where its Peer RPCs go and where its transfer engine serves reads."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import grpc
+
+from pegaflow import peer_auth
+from pegaflow.proto import peer_pb2 as pb
+from pegaflow.proto import peer_pb2_grpc as pb_grpc
+
+MAX_CHANNELS = 256  # owners a node keeps a channel to; the oldest goes first
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    rpc: str  # host:port of the owner's pegaflow-server (its Peer service)
+    transfer: str  # host:port of its transfer engine
+
+    def __str__(self) -> str:
+        return f"rpc={self.rpc};te={self.transfer}"
+
+    @classmethod
+    def parse(cls, text: str) -> Endpoint:
+        """ValueError on anything but rpc=...;te=... (it came from the network)."""
+        fields = dict(part.split("=", 1) for part in text.split(";") if "=" in part)
+        rpc, transfer = fields.get("rpc", ""), fields.get("te", "")
+        if not rpc or not transfer or ":" not in rpc or ":" not in transfer:
+            raise ValueError(f"endpoint: {text!r} is not rpc=HOST:PORT;te=HOST:PORT")
+        return cls(rpc, transfer)
+
+
+class PeerChannels:
+    """grpc.aio stubs by owner address, on the event loop."""
+
+    def __init__(self, token: str | None) -> None:
+        self._metadata = peer_auth.metadata(token)
+        self._stubs: OrderedDict[str, tuple[grpc.aio.Channel, pb_grpc.PeerStub]] = (
+            OrderedDict()
+        )
+
+    def _stub(self, addr: str) -> pb_grpc.PeerStub:
+        got = self._stubs.get(addr)
+        if got is not None:
+            self._stubs.move_to_end(addr)
+            return got[1]
+        if len(self._stubs) >= MAX_CHANNELS:
+            _, (old, _) = self._stubs.popitem(last=False)
+            asyncio.ensure_future(old.close())  # its calls in flight end with it
+        channel = grpc.aio.insecure_channel(
+            addr, options=[("grpc.max_receive_message_length", 64 << 20)]
+        )
+        stub = pb_grpc.PeerStub(channel)
+        self._stubs[addr] = (channel, stub)
+        return stub
+
+    async def pin(
+        self, addr: str, request: pb.PinRequest, timeout_s: float
+    ) -> pb.PinResponse:
+        return await self._stub(addr).Pin(
+            request, timeout=timeout_s, metadata=self._metadata
+        )
+
+    async def release(self, addr: str, pin_id: int, timeout_s: float) -> bool:
+        got = await self._stub(addr).Release(
+            pb.ReleaseRequest(pin_id=pin_id), timeout=timeout_s, metadata=self._metadata
+        )
+        return got.released
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()

@@ -1,0 +1,141 @@
+"""The owner's side of a remote read: blocks pinned for a reader, with their
+slot addresses and checksums, until it releases them or the hold expires.
+
+A pinned block is never evicted, so its slots are never freed or reused while
+the reader may still be reading them (the original's open #403 is a
+use-after-free exactly there). The hold the reader asks for covers its own
+deadline plus a margin, and the reader reads nothing after the hold it was
+granted, so the pin outlives every read of it.
+
+Checksums are blake3 (8 bytes) of each slot's bytes, computed the first time a
+block is pinned, off the loop, and kept while the block stays ready: a ready
+block's bytes never change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import blake3
+import numpy as np
+
+from pegaflow.blocks import BlockEntry, BlockStore
+from pegaflow.instances import Namespace
+from pegaflow.keys import Key, PackedHashes
+from pegaflow.pool import HostPool
+
+logger = logging.getLogger(__name__)
+
+MAX_HOLD_S = 30.0
+MAX_PINS = 4096  # pins held at once; a reader beyond it gets nothing pinned
+
+
+@dataclass(slots=True)
+class Pin:
+    entries: list[BlockEntry]
+    expires: float  # time.monotonic()
+
+
+@dataclass(frozen=True, slots=True)
+class Pinned:
+    pin_id: int  # 0: nothing pinned
+    slots: np.ndarray  # [blocks, shards] uint64
+    checksums: np.ndarray  # [blocks, shards] uint64
+    hold_s: float
+
+
+NOTHING = Pinned(0, np.zeros((0, 0), np.uint64), np.zeros((0, 0), np.uint64), 0.0)
+
+
+def slot_checksum(data: np.ndarray) -> int:
+    return int.from_bytes(blake3.blake3(data).digest(8), "little")
+
+
+def checksums_of(pool: HostPool, slots: np.ndarray, slot_bytes: int) -> np.ndarray:
+    """blake3 of each slot (uint64 array of any shape): a call per slot, each
+    over a whole slot (MiBs), with the GIL released inside."""
+    flat = slots.reshape(-1).tolist()
+    out = np.fromiter(
+        (slot_checksum(pool.view(a, slot_bytes)) for a in flat), np.uint64, len(flat)
+    )
+    return out.reshape(slots.shape)
+
+
+class PinTable:
+    """Runs on the event loop; only checksum computation leaves it."""
+
+    def __init__(self, store: BlockStore, pool: HostPool) -> None:
+        self._store = store
+        self._pool = pool
+        self._pins: dict[int, Pin] = {}
+        self._ids = itertools.count(1)
+        self._sums: dict[Key, np.ndarray] = {}  # per ready block, its shards' sums
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    async def pin(self, ns: Namespace, hashes: PackedHashes, hold_s: float) -> Pinned:
+        if len(self._pins) >= MAX_PINS:
+            self.sweep()
+            if len(self._pins) >= MAX_PINS:
+                return NOTHING
+        entries = self._store.longest_prefix(ns, hashes.list())
+        if not entries:
+            return NOTHING
+        hold_s = min(hold_s, MAX_HOLD_S)
+        self._store.pin(entries)
+        pin_id = next(self._ids)
+        self._pins[pin_id] = Pin(entries, time.monotonic() + hold_s)
+        slots = np.array([e.slots for e in entries], np.uint64)
+        try:
+            sums = await self._checksums(entries, slots, ns.slot_bytes)
+        except BaseException:
+            self.release(pin_id)
+            raise
+        pin = self._pins.get(pin_id)
+        if pin is None:  # expired while hashing: the reader asked too little
+            return NOTHING
+        left = pin.expires - time.monotonic()
+        return Pinned(pin_id, slots, sums, left)
+
+    async def _checksums(
+        self, entries: list[BlockEntry], slots: np.ndarray, slot_bytes: int
+    ) -> np.ndarray:
+        known = [self._sums.get(e.key) for e in entries]
+        missing = [i for i, s in enumerate(known) if s is None]
+        if missing:
+            fresh = await asyncio.to_thread(
+                checksums_of, self._pool, slots[missing], slot_bytes
+            )
+            for i, row in zip(missing, fresh, strict=True):
+                known[i] = self._sums[entries[i].key] = row
+        return np.stack(known) if known else np.zeros(slots.shape, np.uint64)
+
+    def release(self, pin_id: int) -> bool:
+        pin = self._pins.pop(pin_id, None)
+        if pin is None:
+            return False
+        self._store.unpin(pin.entries)
+        return True
+
+    def forget(self, keys: list[Key]) -> None:
+        """Blocks no longer ready here: their checksums go with them."""
+        for key in keys:
+            self._sums.pop(key, None)
+
+    def sweep(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        gone = [i for i, p in self._pins.items() if p.expires <= now]
+        for pin_id in gone:
+            self.release(pin_id)
+        self.expired += len(gone)
+        return len(gone)
+
+    def close(self) -> None:
+        for pin_id in list(self._pins):
+            self.release(pin_id)

@@ -1,0 +1,160 @@
+"""One-sided reads of a peer's pool: the narrow interface the remote tier needs
+(register, read a batch, endpoint, close) and its Mooncake Transfer Engine
+implementation. Another engine (NIXL) stands in by implementing RemoteTransport.
+
+Mooncake serves reads of registered memory only: a read outside what the owner
+registered is refused by the owner's engine (the TCP engine thread, or the NIC's
+memory-region check over RDMA), so a reader cannot reach past the pool. There is
+no authentication on the data path itself: its ports must be reachable from the
+cluster only (docs/multinode.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# Mooncake's own advice: one batch at most ~1 GiB, and registrations it can map
+# in one piece (4 GiB regions registered in parallel at start).
+MAX_BATCH_BYTES = 1 << 30
+MAX_REGISTER_BYTES = 4 << 30
+
+
+class TransportError(RuntimeError):
+    """A read that did not complete: its destination bytes are undefined."""
+
+
+class RemoteTransport(Protocol):
+    def register(self, base: int, size: int) -> None: ...
+
+    def read(
+        self, endpoint: str, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray
+    ) -> None:
+        """Copy lengths[i] bytes from the peer's remote[i] to our local[i]
+        (uint64 arrays); raises TransportError."""
+        ...
+
+    @property
+    def endpoint(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TransportSettings:
+    protocol: str  # "tcp" | "rdma"
+    host: str  # the routable address peers reach us at
+    nics: tuple[str, ...] = ()
+    # A read making no progress this long is abandoned (a stopped peer).
+    progress_timeout_s: int = 5
+
+
+def _configure_environment(settings: TransportSettings) -> None:
+    """Mooncake reads these at engine creation; set only what the operator did
+    not. Why each: a stopped peer must not hang a read (progress timeout); its
+    TCP sockets listen on our routable address, not every interface."""
+    defaults = {
+        "MC_TCP_PROGRESS_TIMEOUT_SEC": str(settings.progress_timeout_s),
+        "MC_TRANSFER_TIMEOUT": str(settings.progress_timeout_s),
+        "MC_TCP_BIND_ADDRESS": settings.host,
+        "MC_LOG_LEVEL": "WARNING",
+    }
+    for name, value in defaults.items():
+        os.environ.setdefault(name, value)
+
+
+class MooncakeTransport:
+    """batch_transfer_sync_read over Mooncake's TCP or RDMA transport, peers
+    found by its P2P handshake (no etcd)."""
+
+    def __init__(self, settings: TransportSettings) -> None:
+        _configure_environment(settings)
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:  # the `remote` extra, or libibverbs1/libnuma1
+            raise TransportError(
+                f"mooncake transfer engine unavailable ({exc}); install the "
+                "'remote' extra (pip install 'pegaflow-py[remote]') and the "
+                "system libraries libibverbs1 and libnuma1"
+            ) from exc
+        self._engine = TransferEngine()
+        device = ",".join(settings.nics)
+        rc = self._engine.initialize(
+            settings.host, "P2PHANDSHAKE", settings.protocol, device
+        )
+        if rc != 0:
+            raise TransportError(
+                f"mooncake {settings.protocol} transport failed to start on "
+                f"{settings.host} (rc {rc})"
+            )
+        self._endpoint = _endpoint(settings.host, self._engine.get_rpc_port())
+        self._registered: list[tuple[int, int]] = []
+        self._lock = threading.Lock()  # register/close vs reads
+        self.retried = 0  # reads that failed once and succeeded on the retry
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def register(self, base: int, size: int) -> None:
+        rc = self._engine.register_memory(base, size)
+        if rc != 0:
+            raise TransportError(f"registering {size} B at {base:#x} failed (rc {rc})")
+        with self._lock:
+            self._registered.append((base, size))
+
+    def read(
+        self, endpoint: str, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray
+    ) -> None:
+        for start, stop in batches(lengths, MAX_BATCH_BYTES):
+            args = (local[start:stop], remote[start:stop], lengths[start:stop])
+            if self._read_once(endpoint, *args) == 0:
+                continue
+            # 0.3.13.post1/0.3.14: the first transfer after a few idle seconds
+            # can fail on a connection the peer dropped; once is a retry.
+            if self._read_once(endpoint, *args) != 0:
+                raise TransportError(f"read from {endpoint} failed")
+            self.retried += 1
+
+    def _read_once(
+        self, endpoint: str, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray
+    ) -> int:
+        return self._engine.batch_transfer_sync_read(
+            endpoint,
+            np.ascontiguousarray(local, np.uint64),
+            np.ascontiguousarray(remote, np.uint64),
+            np.ascontiguousarray(lengths, np.uint64),
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            regions, self._registered = self._registered, []
+        for base, _ in regions:
+            self._engine.unregister_memory(base)
+
+
+def batches(lengths: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    """[start, stop) index ranges of at most `limit` bytes each (a single
+    longer entry is a batch of its own)."""
+    if len(lengths) == 0:
+        return []
+    ends = np.cumsum(lengths, dtype=np.int64)
+    cuts = [0]
+    base = 0
+    while cuts[-1] < len(lengths):
+        stop = int(np.searchsorted(ends, base + limit, side="right"))
+        stop = max(stop, cuts[-1] + 1)
+        cuts.append(stop)
+        base = int(ends[stop - 1])
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
