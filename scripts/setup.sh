@@ -16,6 +16,24 @@ for arg in "$@"; do
 done
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 
+# The remote tier's transfer engine (Mooncake) links libibverbs and libnuma even
+# for TCP. Installed here when we may (root with apt), else named.
+system_libs() {
+  local missing=()
+  for lib in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1; do
+    ldconfig -p | grep -q "${lib%%:*}" || missing+=("${lib##*:}")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "installing ${missing[*]} (the remote tier's transfer engine needs them)" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null ||
+      { apt-get update -q >/dev/null &&
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null; }
+  else
+    echo "note: install ${missing[*]} for the remote tier (apt-get install ${missing[*]})" >&2
+  fi
+}
+
 base() {
   local stamp=.venv/.pegaflow-setup want
   want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
@@ -52,5 +70,6 @@ lean_vllm() {
   echo "$want" > "$stamp"
 }
 
+system_libs
 base
 [ "$with_vllm" = 0 ] || lean_vllm

@@ -217,9 +217,22 @@ def save_async(**kwargs: object) -> dict:
     return {"started": True}
 
 
-def query(hashes: list[str]) -> dict:
-    res = state["client"].query(state["instance"], [bytes.fromhex(h) for h in hashes])
-    return {"num_blocks": res.num_blocks, "lease_id": res.lease_id}
+def query(hashes: list[str], wait_s: float = 0.0) -> dict:
+    """wait_s > 0: poll while the server answers `loading` (a slower tier or a
+    peer is pulling the blocks in), as the connector does, for up to wait_s."""
+    raw = [bytes.fromhex(h) for h in hashes]
+    res = state["client"].query(state["instance"], raw)
+    end, polls = time.monotonic() + wait_s, 0
+    while res.loading and time.monotonic() < end:
+        time.sleep(0.005)
+        polls += 1
+        res = state["client"].query(state["instance"], raw)
+    return {
+        "num_blocks": res.num_blocks,
+        "lease_id": res.lease_id,
+        "loading": res.loading,
+        "polls": polls,
+    }
 
 
 def load(lease_id: int, block_ids: list[int], offset: int = 0) -> dict:

@@ -64,9 +64,17 @@ class ServerProc:
         return self.proc.returncode
 
 
-def start_server(tmp: Path, *args: str, timeout: float = 60.0) -> ServerProc:
+def start_server(
+    tmp: Path,
+    *args: str,
+    timeout: float = 60.0,
+    prefix: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> ServerProc:
+    """prefix: run under it (e.g. `ip netns exec NS`); env: extra variables."""
     log = tmp / f"server-{time.monotonic_ns()}.log"
     argv = [
+        *prefix,
         sys.executable,
         "-m",
         "pegaflow.cli",
@@ -81,7 +89,11 @@ def start_server(tmp: Path, *args: str, timeout: float = 60.0) -> ServerProc:
     ]
     with open(log, "wb") as err:
         proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=err, env=_env(), cwd=ROOT
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env={**_env(), **(env or {})},
+            cwd=ROOT,
         )
     line = _readline(proc, timeout)
     if not line.startswith("READY"):
@@ -103,10 +115,13 @@ def _readline(proc: subprocess.Popen, timeout: float) -> str:
 class EngineProc:
     """A separate engine process (tests/engine_worker.py) driven by JSON lines."""
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
-        """env: extra variables (e.g. PYTORCH_CUDA_ALLOC_CONF for a GPU engine)."""
+    def __init__(
+        self, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+    ) -> None:
+        """env: extra variables (e.g. PYTORCH_CUDA_ALLOC_CONF for a GPU engine);
+        prefix: run under it (e.g. `ip netns exec NS`)."""
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "engine_worker.py")],
+            [*prefix, sys.executable, str(ROOT / "tests" / "engine_worker.py")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env={**_env(), **(env or {})},

@@ -19,10 +19,15 @@ _ids = itertools.count(1)
 
 
 def start_metaserver(
-    tmp: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 30.0
+    tmp: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 30.0,
+    prefix: tuple[str, ...] = (),
 ) -> ServerProc:
+    """prefix: run under it (e.g. `ip netns exec NS`)."""
     log = tmp / f"metaserver-{time.monotonic_ns()}.log"
-    argv = [sys.executable, "-m", "pegaflow.metaserver"]
+    argv = [*prefix, sys.executable, "-m", "pegaflow.metaserver"]
     if not any(a.startswith("--addr") for a in args):
         argv += ["--addr", "127.0.0.1:0"]
     argv += ["--http-addr", "127.0.0.1:0", "--log-level", "debug", *args]
