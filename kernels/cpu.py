@@ -2,7 +2,8 @@
 
 It is the reference the CUDA kernels are tested against and the backend of
 machines without a GPU. Copies are synchronous; `stream` and `max_blocks` are
-accepted for signature parity and ignored, `width` too (memmove picks its own).
+accepted for signature parity and ignored, `width` and `shape` too (memmove
+picks its own); `copy_pair` is the two copies one after the other.
 The descriptor loop runs under numba's CPU JIT when numba is installed (it is
 not a base dependency), else as a plain loop of numpy slice copies.
 """
@@ -20,12 +21,13 @@ import numpy as np
 from pegaflow.errors import InternalError
 
 from .base import CopyKernels
-from .plan import Buffer, aligned_empty, check_buffer
+from .plan import Buffer, LaunchShape, aligned_empty, check_buffer
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "copy_descriptors",
+    "copy_pair",
     "gather",
     "gather_staged",
     "scatter",
@@ -96,9 +98,22 @@ class CpuKernels(CopyKernels):
         stream: Any,
         max_blocks: int | None,
         width: int,
+        shape: LaunchShape,
     ) -> None:
         if table.shape[1]:
             _copy_table()(src.data, dst.data, table)
+
+    def _launch_pair(
+        self,
+        a: tuple[Buffer, Buffer, np.ndarray],
+        b: tuple[Buffer, Buffer, np.ndarray],
+        stream: Any,
+        max_blocks: int | None,
+        width: int,
+        shape: LaunchShape,
+    ) -> None:
+        for src, dst, table in (a, b):
+            self._launch(src, dst, table, stream, max_blocks, width, shape)
 
     def _dma(self, src: Buffer, dst: Buffer, runs: np.ndarray, stream: Any) -> None:
         if runs.shape[1]:
@@ -107,6 +122,7 @@ class CpuKernels(CopyKernels):
 
 _kernels = CpuKernels()
 copy_descriptors = _kernels.copy_descriptors
+copy_pair = _kernels.copy_pair
 gather = _kernels.gather
 scatter = _kernels.scatter
 gather_staged = _kernels.gather_staged

@@ -23,7 +23,9 @@ from pegaflow.runs import merge_adjacent
 
 Width = Literal[1, 8, 16]
 Direction = Literal["gather", "scatter"]
+KernelKind = Literal["block", "warp"]
 WIDTHS = (1, 8, 16)
+MAX_THREADS = 1024  # CUDA's limit on threads per block
 ALIGN = 16  # buffer bases must allow the widest store
 STAGE_ALIGN = 16
 
@@ -40,6 +42,32 @@ class Buffer:
     data: Any
     words: Any
     owner: Any = None  # keeps the memory alive while the buffer is used
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchShape:
+    """Which copy kernel runs and how it is cut up (the CPU twin ignores it).
+
+    "block" (the default, the first kernel): each CUDA block takes one
+    descriptor at a time; small requests are split on the host. "warp": each
+    warp takes one piece of a descriptor (`parts` pieces per descriptor, None =
+    enough to give every warp of the grid work), no shared memory or block
+    barriers; it is also the kernel that can move two tables (a save and a
+    load) in one launch. `threads` per CUDA block, None = the backend's default.
+    """
+
+    kernel: KernelKind = "block"
+    threads: int | None = None
+    parts: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kernel not in ("block", "warp"):
+            raise InternalError(f"shape.kernel: {self.kernel!r}, need block|warp")
+        t = self.threads
+        if t is not None and not (32 <= t <= MAX_THREADS and t % 32 == 0):
+            raise InternalError(f"shape.threads: {t}, need a multiple of 32 <= 1024")
+        if self.parts is not None and self.parts < 1:
+            raise InternalError(f"shape.parts: {self.parts}, need >= 1 or None")
 
 
 @dataclass(frozen=True, slots=True)

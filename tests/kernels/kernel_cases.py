@@ -18,6 +18,9 @@ import numpy as np
 
 from pegaflow import kernels
 from pegaflow.geometry import KVGeometry, LayerLayout, Segment, Transfers
+from pegaflow.kernels.plan import LaunchShape
+
+WARP = LaunchShape("warp")
 
 POISON = 0xAB
 MLA_DIM = 576  # DeepSeek MLA latent + rope, bf16
@@ -33,6 +36,7 @@ class Case:
     width: int = 16
     max_blocks: int | None = None
     staging: int = 0  # staging capacity for the staged ops
+    shape: LaunchShape | None = None  # None: the backend's default kernel
 
 
 def lbnhc(layers: int, blocks: int, page: int, skew: int = 0) -> tuple:
@@ -135,7 +139,32 @@ def all_cases() -> list[Case]:
         replace(cases[8], name="scatter_staged", op="scatter_staged", staging=300),
         replace(cases[4], name="odd_staged", op="gather_staged", staging=128),
     ]
-    return cases
+    return cases + warp_cases(cases)
+
+
+def warp_cases(cases: list[Case]) -> list[Case]:
+    """The warp kernel on the same scenarios, and its own cuts: uneven pieces,
+    several warps per block, one block for everything."""
+    by = {c.name: c for c in cases}
+    out = [
+        replace(by[name], name=f"warp_{name}", shape=WARP)
+        for name in (
+            "lbnhc", "blnhc_8b", "kv_first", "mla", "odd_pages", "skew4",
+            "empty_ids", "scatter_lbnhc", "mixed_alignment", "fuzz0", "width8",
+            "width1", "gather_staged",
+        )
+    ]  # fmt: skip
+    out += [
+        replace(by["mla"], name="warp_parts3", shape=LaunchShape("warp", parts=3)),
+        replace(
+            by["odd_pages"],
+            name="warp_64_threads_parts5",
+            shape=LaunchShape("warp", threads=64, parts=5),
+        ),
+        replace(by["fuzz1"], name="warp_one_block", shape=WARP, max_blocks=1),
+        replace(by["lbnhc"], name="block_64_threads", shape=LaunchShape(threads=64)),
+    ]
+    return out
 
 
 def reference(case: Case) -> np.ndarray:
@@ -177,6 +206,8 @@ def prepare_case(
     t = Transfers(*(abs_table[:, c].copy() for c in range(3)))
     stream = k.stream()
     kw: dict[str, Any] = {"stream": stream, "max_blocks": case.max_blocks}
+    if case.shape is not None:
+        kw["shape"] = case.shape
     if case.staging:
         kw["staging"] = k.staging_buffer(case.staging)
 
@@ -201,3 +232,29 @@ def check(case: Case, got: np.ndarray) -> None:
         f"{case.name}: {bad.size} bytes differ, first at {bad[0]} "
         f"(got {got[bad[0]]:#x}, want {want[bad[0]]:#x})"
     )
+
+
+PAIR = ("lbnhc", "scatter_kv_first")  # a save and a load in one launch
+
+
+def run_pair(
+    k: ModuleType, engine: Alloc, pool: Alloc, shape: LaunchShape = WARP
+) -> tuple[Case, Case, np.ndarray, np.ndarray]:
+    """copy_pair over PAIR's two cases, each in its own buffers: (case a,
+    case b, a's destination bytes, b's destination bytes)."""
+    by = {c.name: c for c in all_cases()}
+    a, b = by[PAIR[0]], by[PAIR[1]]
+    sides = []
+    for case in (a, b):
+        gathers = case.op.startswith("gather")
+        dst_init = np.full(case.dst_bytes, POISON, np.uint8)
+        src_buf, _ = (engine if gathers else pool)(case.src)
+        dst_buf, read = (pool if gathers else engine)(dst_init)
+        base = np.array([src_buf.address, dst_buf.address, 0], np.uint64)
+        abs_table = case.table + base
+        t = Transfers(*(abs_table[:, c].copy() for c in range(3)))
+        sides.append(((src_buf, dst_buf, t), read))
+    stream = k.stream()
+    k.copy_pair(sides[0][0], sides[1][0], stream=stream, shape=shape)
+    k.synchronize(stream)
+    return a, b, sides[0][1](), sides[1][1]()

@@ -28,7 +28,19 @@ if hasattr(np, "row_stack"):
 from pegaflow import kernels  # noqa: E402
 from pegaflow.errors import InternalError  # noqa: E402
 from pegaflow.geometry import Transfers  # noqa: E402
-from tests.kernels.kernel_cases import all_cases, check, host_alloc, run_case  # noqa: E402
+from pegaflow.kernels.plan import LaunchShape  # noqa: E402
+from tests.kernels.kernel_cases import (  # noqa: E402
+    all_cases,
+    check,
+    host_alloc,
+    run_case,
+    run_pair,
+)
+
+PAIR_SHAPES = {
+    "pair": LaunchShape("warp"),
+    "pair_64_threads_parts2": LaunchShape("warp", threads=64, parts=2),
+}
 
 
 def shim_installed() -> None:
@@ -54,6 +66,15 @@ def rejects_bad_requests() -> None:
             raise AssertionError("out-of-bounds source accepted")
 
 
+def pair(shape: LaunchShape) -> None:
+    """A save and a load in one launch, each checked against the reference."""
+    k = kernels.backend("cuda")
+    alloc = host_alloc(k)
+    a, b, got_a, got_b = run_pair(k, alloc, alloc, shape)
+    check(a, got_a)
+    check(b, got_b)
+
+
 def main(shard: int, shards: int) -> dict[str, str]:
     k = kernels.backend("cuda")
     assert k.SIMULATED, "simulator not active"
@@ -62,6 +83,8 @@ def main(shard: int, shards: int) -> dict[str, str]:
         ("shim_installed", shim_installed),
         ("rejects_bad_requests", rejects_bad_requests),
     ]
+    for name, shape in PAIR_SHAPES.items():
+        jobs.append((name, lambda s=shape: pair(s)))
     for case in all_cases():
         jobs.append((case.name, lambda c=case: check(c, run_case(k, c, alloc, alloc))))
     results = {}

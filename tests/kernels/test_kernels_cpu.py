@@ -24,6 +24,7 @@ from tests.kernels.kernel_cases import (
     host_alloc,
     lbnhc,
     run_case,
+    run_pair,
 )
 
 cpu = kernels.backend("cpu")
@@ -35,6 +36,26 @@ CASES = all_cases()
 def test_cpu_matches_reference(case: Case) -> None:
     alloc = host_alloc(cpu)
     check(case, run_case(cpu, case, alloc, alloc))
+
+
+def test_cpu_pair_matches_reference() -> None:
+    """copy_pair on the CPU twin: the two copies, each checked."""
+    alloc = host_alloc(cpu)
+    a, b, got_a, got_b = run_pair(cpu, alloc, alloc)
+    check(a, got_a)
+    check(b, got_b)
+
+
+def test_launch_shape_rejects_bad_values() -> None:
+    shape = kernels.plan.LaunchShape
+    for kw, field in (
+        ({"kernel": "grid"}, "kernel"),
+        ({"threads": 48}, "threads"),
+        ({"threads": 2048}, "threads"),
+        ({"parts": 0}, "parts"),
+    ):
+        with pytest.raises(InternalError, match=f"shape.{field}"):
+            shape(**kw)
 
 
 def test_python_fallback_matches(monkeypatch: pytest.MonkeyPatch) -> None:

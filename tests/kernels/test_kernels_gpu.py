@@ -29,6 +29,7 @@ from tests.kernels.kernel_cases import (
     lbnhc,
     prepare_case,
     run_case,
+    run_pair,
 )
 
 pytestmark = pytest.mark.gpu
@@ -71,6 +72,13 @@ def test_gpu_matches_reference(case: Case, k: ModuleType, torch: ModuleType) -> 
     check(case, run_case(k, case, engine_alloc(k, torch), pinned_alloc(k, torch)))
 
 
+def test_gpu_pair_matches_reference(k: ModuleType, torch: ModuleType) -> None:
+    """A save and a load in one launch of the warp kernel, real memory."""
+    a, b, got_a, got_b = run_pair(k, engine_alloc(k, torch), pinned_alloc(k, torch))
+    check(a, got_a)
+    check(b, got_b)
+
+
 @pytest.fixture
 def registered(k: ModuleType) -> Iterator[np.ndarray]:
     """32 MiB of mmap'd memory registered mapped, as the pool registers it."""
@@ -86,10 +94,16 @@ def registered(k: ModuleType) -> Iterator[np.ndarray]:
     runtime.cudaHostUnregister(arr.ctypes.data)  # the mmap goes with the last ref
 
 
+@pytest.mark.parametrize("kernel", ["block", "warp"])
 @pytest.mark.parametrize("width", [16, 8, 1])
 @pytest.mark.parametrize("staged", [False, True])
 def test_llama_like_round_trip(
-    k: ModuleType, torch: ModuleType, registered: np.ndarray, width: int, staged: bool
+    k: ModuleType,
+    torch: ModuleType,
+    registered: np.ndarray,
+    width: int,
+    staged: bool,
+    kernel: str,
 ) -> None:
     """8 layers x 32 blocks of 64 KiB pages: gather into registered pool slots,
     scatter back into a poisoned engine buffer, compare with the CPU twin."""
@@ -105,7 +119,8 @@ def test_llama_like_round_trip(
     registered[:] = 0xAB
     save = geo.engine_to_slots(ids, pool.address + slots * geo.slot_bytes, np.arange(8))
     stream = k.stream()
-    kw: dict[str, Any] = {"stream": stream, "width": width}
+    shape = kernels.plan.LaunchShape(kernel)  # type: ignore[arg-type]
+    kw: dict[str, Any] = {"stream": stream, "width": width, "shape": shape}
     if staged:
         kw["staging"] = k.staging_buffer(3 << 20)  # forces several rounds
     getattr(k, "gather_staged" if staged else "gather")(
