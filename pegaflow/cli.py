@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -32,7 +31,6 @@ if TYPE_CHECKING:
     from pegaflow.remote.config import RemoteConfig
 
 DEFAULT_SSD_CAPACITY = 512 << 30
-PEER_TOKEN_ENV = "PEGAFLOW_PEER_TOKEN"
 
 
 # The config field a ValueError names (pegaflow.config) -> the flag that sets it.
@@ -59,6 +57,8 @@ FLAG_OF = {
     "peer_token_env": "--peer-token-env",
     "peer_token_file": "--peer-token-file",
     "token": "--peer-token",
+    "peer_token": "--peer-token",
+    "peer_token_var": "$PEGAFLOW_PEER_TOKEN",
 }
 
 
@@ -400,7 +400,7 @@ def _remote_flags(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         default=None,
         help="the cluster's shared token is in environment variable NAME "
-        f"(default: ${PEER_TOKEN_ENV} when set)",
+        "(default: $PEGAFLOW_PEER_TOKEN when set)",
     )
     token.add_argument(
         "--peer-token-file",
@@ -449,20 +449,15 @@ def remote_config(args: argparse.Namespace) -> RemoteConfig | None:
             raise ValueError("remote_transport: --nics/--enable-rdma/--remote-"
                              "transport need --metaserver-addr")  # fmt: skip
         return None
-    from pegaflow.metaserver.config import read_token
+    from pegaflow import peer_auth
     from pegaflow.remote.config import RemoteConfig
 
-    protocol = args.remote_transport or ("rdma" if nics or args.enable_rdma else "tcp")
-    token = args.peer_token
-    if token is None:
-        env = args.peer_token_env
-        if (
-            env is None
-            and args.peer_token_file is None
-            and os.environ.get(PEER_TOKEN_ENV)
-        ):
-            env = PEER_TOKEN_ENV
-        token = read_token(env, args.peer_token_file)
+    protocol = args.remote_transport or (
+        "rdma" if nics or args.enable_rdma else "tcp"
+    )
+    token = peer_auth.read_token(
+        args.peer_token, args.peer_token_env, args.peer_token_file
+    )
     return RemoteConfig(
         metaserver_addr=args.metaserver_addr,
         protocol=protocol,
@@ -542,6 +537,11 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.peer_token is not None:
+        warnings.append(
+            "--peer-token is visible to every local user in `ps`; prefer "
+            "$PEGAFLOW_PEER_TOKEN or --peer-token-file"
+        )
     for line in warnings:
         logging.getLogger(__name__).warning("%s", line)
     from pegaflow.gds import SsdError

@@ -57,9 +57,24 @@ base() {
 # (requirements/vllm-0.33-lean.txt). Enough for the real Scheduler on CPU.
 # pip reports that vllm wants torch 2.14.0 and its CUDA kernels, and that
 # grpcio-tools (dev only, for scripts/gen_proto.py) wants protobuf < 6: harmless.
+# Those and only those are left out of `pip check` (lean_pip_check); any other
+# conflict stops the setup.
+LEAN_OMITTED='^vllm 0\.33\.0 requires (fastsafetensors|flashinfer-python|humming-kernels|instanttensor|nvidia-cudnn-frontend|nvidia-cutlass-dsl|nvtx|pynvvideocodec|quack-kernels|tilelang|tokenspeed-mla|torchaudio|torchcodec|torchvision), which is not installed\.$'
+LEAN_OMITTED+='|^vllm 0\.33\.0 has requirement torch==2\.14\.0, but you have torch 2\.13\.0\+cpu\.$'
+LEAN_OMITTED+='|^grpcio-tools 1\.71\.2 has requirement protobuf<6\.0dev,>=5\.26\.1, but you have protobuf [0-9.]+\.$'
+lean_pip_check() {
+  local left
+  left=$(.venv/bin/python -m pip check 2>&1 | grep -Ev "$LEAN_OMITTED" || true)
+  if [ -n "$left" ]; then
+    echo "pip check, less what the lean vLLM install leaves out on purpose:" >&2
+    echo "$left" >&2
+    return 1
+  fi
+}
+
 lean_vllm() {
   local stamp=.venv/.pegaflow-vllm want
-  want=$(cat requirements/vllm-0.33-lean.txt | sha256sum | cut -d' ' -f1)
+  want=$(cat requirements/vllm-0.33-lean.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return 0
   fi
@@ -67,6 +82,7 @@ lean_vllm() {
   pip install --no-deps "vllm==0.33.0"
   pip install -r requirements/vllm-0.33-lean.txt
   .venv/bin/python -c "import vllm.v1.core.sched.scheduler" 2>/dev/null
+  lean_pip_check
   echo "$want" > "$stamp"
 }
 

@@ -8,16 +8,23 @@ import ipaddress
 import logging
 import sys
 
+from pegaflow import __version__, compat_flags, peer_auth
 from pegaflow.config import addr_arg, parse_addr
-from pegaflow.metaserver.config import MetaConfig, read_token
+from pegaflow.metaserver import compat_flags as original
+from pegaflow.metaserver.config import MetaConfig
+
+DEFAULT_MAX_ENTRIES = 4_000_000
 
 # MetaConfig field -> the flag that sets it, for error messages.
 FLAG_OF = {
     "node_stale_s": "--node-stale-secs",
     "ttl_s": "--ttl-minutes",
-    "max_entries": "--max-entries",
-    "token": "--peer-token-env/--peer-token-file",
+    "max_entries": "--max-entries/--max-capacity-mb",
+    "max_capacity_mb": "--max-capacity-mb",
+    "token": "the peer token",
+    "peer_token": "--peer-token",
     "peer_token_env": "--peer-token-env",
+    "peer_token_var": "$" + peer_auth.ENV_VAR,
     "peer_token_file": "--peer-token-file",
 }
 
@@ -35,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-addr",
         type=addr_arg,
         default="127.0.0.1:9092",
-        help="/health and /metrics (default %(default)s)",
+        help="/health and /metrics (default %(default)s; the original's is "
+        "0.0.0.0:9092: give that to serve other hosts)",
     )
     p.add_argument("--no-http", action="store_true", help="serve no HTTP endpoint")
     p.add_argument(
@@ -54,11 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-entries",
         type=int,
-        default=4_000_000,
+        default=None,
         help="most (block, owner) entries held; the oldest are evicted beyond it "
-        "(default %(default)s, ~1 GiB)",
+        f"(default {DEFAULT_MAX_ENTRIES}, ~1 GiB)",
     )
     token = p.add_mutually_exclusive_group()
+    token.add_argument(
+        "--peer-token",
+        metavar="TOKEN",
+        help="require this shared token on every RPC (it shows in `ps`: prefer "
+        f"${peer_auth.ENV_VAR}, used when none of these three flags is given)",
+    )
     token.add_argument(
         "--peer-token-env",
         metavar="NAME",
@@ -72,9 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-level",
         default="info",
-        type=lambda s: {"trace": "debug", "warn": "warning"}.get(s.lower(), s.lower()),
+        type=compat_flags.log_level,
         choices=["debug", "info", "warning", "error"],
+        help="also the original's trace (logged as debug) and warn",
     )
+    p.add_argument("-V", "--version", action="version", version=__version__)
+    original.add_flags(p)
     return p
 
 
@@ -84,16 +101,20 @@ def config_from_args(args: argparse.Namespace) -> MetaConfig:
         http_addr=None if args.no_http else args.http_addr,
         node_stale_s=args.node_stale_secs,
         ttl_s=args.ttl_minutes * 60.0,
-        max_entries=args.max_entries,
+        max_entries=original.max_entries(args, DEFAULT_MAX_ENTRIES),
         log_level=args.log_level,
-        token=read_token(args.peer_token_env, args.peer_token_file),
+        token=peer_auth.read_token(
+            args.peer_token, args.peer_token_env, args.peer_token_file
+        ),
     )
 
 
 def _flag_message(exc: ValueError) -> str:
     field, sep, rest = str(exc).partition(": ")
     flag = FLAG_OF.get(field)
-    return f"argument {flag}: {rest}" if sep and flag else str(exc)
+    if not (sep and flag):
+        return str(exc)
+    return f"argument {flag}: {rest}" if flag.startswith("--") else f"{flag}: {rest}"
 
 
 def _routable(addr: str) -> bool:
@@ -107,6 +128,8 @@ def _routable(addr: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if (why := original.refused(args)) is not None:
+        parser.error(why)
     try:
         config = config_from_args(args)
     except ValueError as exc:
@@ -116,8 +139,16 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    log = logging.getLogger(__name__)
+    for line in original.ignored_warnings(args):
+        log.warning("%s", line)
+    if args.peer_token is not None:
+        log.warning(
+            "--peer-token is visible to every local user in `ps`; prefer $%s",
+            peer_auth.ENV_VAR,
+        )
     if config.token is None and _routable(config.addr):
-        logging.getLogger(__name__).warning(
+        log.warning(
             "--addr %s is reachable from other hosts and no peer token is set: "
             "anyone who reaches it can advertise and query blocks",
             config.addr,

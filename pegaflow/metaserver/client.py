@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from pegaflow.metaserver.config import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY
+from pegaflow import peer_auth
+from pegaflow.metaserver.config import MAX_MESSAGE_BYTES
 from pegaflow.metaserver.directory import Segment
 from pegaflow.proto import metaserver_pb2 as pb
 from pegaflow.proto import metaserver_pb2_grpc as pb_grpc
@@ -35,7 +36,7 @@ class MetaClient:
         self.addr = addr.removeprefix("http://")
         self.node = pb.NodeRef(node_id=node_id, incarnation=incarnation)
         self.timeout_s = timeout_s
-        self._metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
+        self._metadata = peer_auth.metadata(token)
         self._channel = grpc.insecure_channel(
             self.addr,
             options=[

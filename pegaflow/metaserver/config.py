@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import stat
 from dataclasses import dataclass
 
 from pegaflow.config import LogLevel, check_int, check_seconds, parse_addr
+from pegaflow.peer_auth import check_token
 
 # Every request is bounded by these before any work: the largest legitimate
 # request, a 65536-hash batch of 64-byte hashes, is 4 MiB on the wire.
@@ -21,9 +20,6 @@ MAX_NAMESPACES = 4096
 # Owners remembered per block: a fifth node advertising it replaces the owner
 # heard from longest ago (a plan needs one live owner, not all of them).
 OWNERS_PER_BLOCK = 4
-MIN_TOKEN_CHARS = 16
-MAX_TOKEN_CHARS = 4096
-TOKEN_METADATA_KEY = "x-pegaflow-token"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,37 +54,3 @@ class MetaConfig:
         """How often stale nodes and expired entries are looked for: an entry
         outlives its TTL by at most an eighth of it."""
         return min(max(min(self.node_stale_s / 4, self.ttl_s / 8), 0.05), 5.0)
-
-
-def check_token(token: str) -> None:
-    """A token goes into gRPC metadata: printable ASCII, no spaces, and long
-    enough not to be guessed."""
-    if not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS:
-        raise ValueError(
-            f"token: {len(token)} characters, need {MIN_TOKEN_CHARS}..{MAX_TOKEN_CHARS}"
-        )
-    if not all(33 <= ord(c) <= 126 for c in token):
-        raise ValueError("token: only printable ASCII without spaces")
-
-
-def read_token(env_name: str | None, path: str | None) -> str | None:
-    """The shared token from an environment variable or a file (so it stays out
-    of `ps`); None when neither is named. ValueError names the flag."""
-    if env_name is not None:
-        value = os.environ.get(env_name, "")
-        if not value:
-            raise ValueError(f"peer_token_env: ${env_name} is unset or empty")
-        return value.strip()
-    if path is None:
-        return None
-    try:
-        with open(path, encoding="ascii") as file:
-            mode = os.fstat(file.fileno()).st_mode
-            value = file.read(MAX_TOKEN_CHARS + 2).strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"peer_token_file: cannot read {path}: {exc}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"peer_token_file: {path} is readable by others; chmod 600 it")
-    if not value:
-        raise ValueError(f"peer_token_file: {path} is empty")
-    return value

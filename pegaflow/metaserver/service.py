@@ -4,11 +4,11 @@ one interceptor that checks the shared token and turns errors into statuses
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 
 import grpc
 
+from pegaflow import peer_auth
 from pegaflow.boundary import guarded
 from pegaflow.errors import InvalidRequest, PegaflowError
 from pegaflow.keys import MAX_HASH_BYTES, PackedHashes
@@ -17,7 +17,6 @@ from pegaflow.metaserver.config import (
     MAX_ENDPOINT_BYTES,
     MAX_NAMESPACE_BYTES,
     MAX_NODE_ID_BYTES,
-    TOKEN_METADATA_KEY,
 )
 from pegaflow.metaserver.directory import Directory
 from pegaflow.metaserver.index import BlockHash, NamespaceDigest
@@ -145,15 +144,6 @@ class MetaInterceptor(grpc.aio.ServerInterceptor):
         self._metrics = metrics
         self._token = token.encode() if token is not None else None
 
-    def _authorised(self, details: grpc.HandlerCallDetails) -> bool:
-        if self._token is None:
-            return True
-        for key, value in details.invocation_metadata or ():
-            if key == TOKEN_METADATA_KEY:
-                given = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(given, self._token)  # constant time
-        return False
-
     async def intercept_service(
         self,
         continuation: Callable[
@@ -164,14 +154,14 @@ class MetaInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return handler
-        allowed = self._authorised(details)
+        refused = peer_auth.refusal(self._token, details.invocation_metadata)
         method = details.method.rsplit("/", 1)[-1]
         if handler.unary_unary is None:  # health's Watch: refused or as it is
-            return handler if allowed else _refusing(handler)
+            return handler if refused is None else _refusing(handler, refused)
         inner, metrics = handler.unary_unary, self._metrics
 
         async def bounded(request: object, context: grpc.aio.ServicerContext) -> object:
-            work = inner(request, context) if allowed else _refuse()
+            work = inner(request, context) if refused is None else _refuse(refused)
             got = await guarded(metrics, method, "grpc", work, _ENDS_CALL)  # type: ignore[arg-type]
             if isinstance(got, PegaflowError):
                 await context.abort(got.code, str(got))
@@ -184,16 +174,13 @@ class MetaInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
-_REFUSED = f"{TOKEN_METADATA_KEY}: missing or wrong token"
+async def _refuse(why: str) -> object:
+    raise Unauthenticated(why)
 
 
-async def _refuse() -> object:
-    raise Unauthenticated(_REFUSED)
-
-
-def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _refusing(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
     async def abort(request: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     return grpc.unary_stream_rpc_method_handler(
         abort,

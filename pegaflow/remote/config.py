@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pegaflow.config import check_int, check_seconds, parse_addr
-from pegaflow.metaserver.config import check_token
+from pegaflow.peer_auth import check_token
 
 RemoteProtocol = Literal["tcp", "rdma"]
 

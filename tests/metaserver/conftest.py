@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pegaflow import peer_auth
 from pegaflow.metaserver.client import MetaClient
 from tests.procs import ROOT, ServerProc, _env, _readline
 
@@ -31,12 +32,14 @@ def start_metaserver(
     if not any(a.startswith("--addr") for a in args):
         argv += ["--addr", "127.0.0.1:0"]
     argv += ["--http-addr", "127.0.0.1:0", "--log-level", "debug", *args]
+    # A token in the caller's environment would guard every test's metaserver.
+    base = {k: v for k, v in _env().items() if k != peer_auth.ENV_VAR}
     with open(log, "wb") as err:
         proc = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
             stderr=err,
-            env={**_env(), **(env or {})},
+            env={**base, **(env or {})},
             cwd=ROOT,
         )
     line = _readline(proc, timeout)

@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from pegaflow.metaserver.client import MetaClient
+from pegaflow.peer_auth import METADATA_KEY
 from pegaflow.proto import peer_pb2 as pb
 from pegaflow.proto import peer_pb2_grpc as pb_grpc
 from tests.remote.conftest import TOKEN, Cluster, block_hashes
@@ -66,12 +67,12 @@ def test_wrong_or_missing_token_refused(cluster: Cluster) -> None:
     with grpc.insecure_channel(addr) as channel:
         stub = pb_grpc.PeerStub(channel)
         request = pb.PinRequest(namespace=b"x" * 16, hash_len=4, hashes=b"abcd")
-        for metadata in ((), (("x-pegaflow-token", "w" * 32),)):
+        for metadata in ((), ((METADATA_KEY, "w" * 32),)):
             with pytest.raises(grpc.RpcError) as err:
                 stub.Pin(request, timeout=5, metadata=metadata)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert TOKEN not in (err.value.details() or "")
-        ok = stub.Pin(request, timeout=5, metadata=(("x-pegaflow-token", TOKEN),))
+        ok = stub.Pin(request, timeout=5, metadata=((METADATA_KEY, TOKEN),))
         assert ok.pin_id == 0  # authenticated: nothing of that namespace here
     for token in (None, "w" * 32):
         client = MetaClient(cluster.meta_addr, "intruder", 1, token)
