@@ -452,9 +452,7 @@ def remote_config(args: argparse.Namespace) -> RemoteConfig | None:
     from pegaflow import peer_auth
     from pegaflow.remote.config import RemoteConfig
 
-    protocol = args.remote_transport or (
-        "rdma" if nics or args.enable_rdma else "tcp"
-    )
+    protocol = args.remote_transport or ("rdma" if nics or args.enable_rdma else "tcp")
     token = peer_auth.read_token(
         args.peer_token, args.peer_token_env, args.peer_token_file
     )

@@ -70,7 +70,9 @@ class Cluster:
         self.servers[i] = server
         return server
 
-    def engine(self, i: int, instance: str, seed: int, namespace: str = "m") -> EngineProc:
+    def engine(
+        self, i: int, instance: str, seed: int, namespace: str = "m"
+    ) -> EngineProc:
         """A host-KV engine on node i, registered with its server."""
         engine = EngineProc(prefix=tuple(self.nodes[i].argv()))
         self.engines.append(engine)
