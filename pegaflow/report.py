@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pegaflow.gds import namespace_digest
 from pegaflow.hll import SUB_WINDOWS
 from pegaflow.misses import CAUSES, HIT_TIERS
 
@@ -82,6 +83,8 @@ def engine_stats(engine: Engine, started: float) -> Stats:
         "registered": [
             {
                 "tag": ns.tag,
+                # as on SSD and at the metaserver (a hash of name and geometry)
+                "digest": namespace_digest(ns.name, ns.signature).hex(),
                 "shards": ns.tp_size,
                 "layers": ns.num_layers,
                 "block_bytes": ns.slot_bytes,

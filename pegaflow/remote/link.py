@@ -431,6 +431,8 @@ class RemoteLink:
         }
         return {
             "node_id": self.node_id,
+            "incarnation": self.incarnation,
+            "loading_blocks": len(self._loading),
             "endpoint": str(self.endpoint),
             "metaserver": self.config.metaserver_host_port,
             "joined": adv is not None and adv.joined.is_set(),
@@ -447,6 +449,7 @@ class RemoteLink:
             "advertised": adv.counters.advertised if adv else 0,
             "withdrawn": adv.counters.withdrawn if adv else 0,
             "advertise_dropped": adv.counters.dropped if adv else 0,
+            "rejoins": adv.counters.rejoins if adv else 0,
         }
 
     # -- housekeeping ------------------------------------------------------------

@@ -46,7 +46,7 @@ class Cluster:
             self.tmp,
             "--addr", self.meta_addr,
             "--http-addr", f"{self.meta_node.address}:9092",
-            "--node-stale-secs", "3",
+            "--node-stale-secs", "6",
             "--peer-token-env", "PEGAFLOW_PEER_TOKEN",
             env=TOKEN_ENV,
             prefix=tuple(self.meta_node.argv()),
@@ -59,7 +59,7 @@ class Cluster:
             self.tmp,
             "--addr", f"{node.address}:{SERVER_PORT}",
             "--http-addr", f"{node.address}:{HTTP_PORT}",
-            "--pool-size", "64mb",
+            "--pool-size", "256mb",
             "--metaserver-addr", f"http://{self.meta_addr}",
             "--remote-fetch-timeout", "5",
             "--socket", str(self.tmp / f"node{i}.sock"),
@@ -71,12 +71,13 @@ class Cluster:
         return server
 
     def engine(
-        self, i: int, instance: str, seed: int, namespace: str = "m"
-    ) -> EngineProc:
+        self, i: int, instance: str, seed: int, namespace: str = "m",
+        shape: dict | None = None,
+    ) -> EngineProc:  # fmt: skip
         """A host-KV engine on node i, registered with its server."""
         engine = EngineProc(prefix=tuple(self.nodes[i].argv()))
         self.engines.append(engine)
-        engine.call("init", seed=seed, **SHAPE)
+        engine.call("init", seed=seed, **(shape or SHAPE))
         engine.call("register", addr=self.servers[i].addr, instance=instance,
                     namespace=namespace)  # fmt: skip
         return engine
@@ -123,3 +124,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 if server is not None:
                     server.stop()
         net.close()
+
+
+BIG = dict(layout="LBNHC", layers=8, blocks=256, heads=8, block_size=16, head=64)
+BIG_BLOCK_BYTES = 8 * 8 * 16 * 2 * 64 * 2  # layers * page bytes: 256 KiB
+
+
+def namespace_digest(cluster: Cluster, node: int, block_bytes: int) -> bytes:
+    """The digest a node advertises for the namespace of that block size (what
+    its /stats lists for operators)."""
+    stats = json.loads(cluster.servers[node].get("/stats")[1])
+    (digest,) = {
+        r["digest"] for r in stats["registered"] if r["block_bytes"] == block_bytes
+    }
+    return bytes.fromhex(digest)

@@ -33,9 +33,22 @@ def _ip(*args: str, ns: str | None = None) -> None:
 class Node:
     name: str  # its namespace
     address: str  # its only routable address, inside the namespace
+    device: str = ""  # its end of the veth pair (inside the namespace)
 
     def argv(self, *command: str) -> list[str]:
         return ["ip", "netns", "exec", self.name, *command]
+
+    def limit_rate(self, rate: str | None) -> None:
+        """Shape what this node sends to `rate` (e.g. "200mbit"); None: lift it."""
+        if rate is None:
+            subprocess.run(self.argv("tc", "qdisc", "del", "dev", self.device, "root"),
+                           capture_output=True)  # fmt: skip
+            return
+        subprocess.run(
+            self.argv("tc", "qdisc", "add", "dev", self.device, "root", "tbf",
+                      "rate", rate, "burst", "64kb", "latency", "2s"),
+            check=True, capture_output=True,
+        )  # fmt: skip
 
 
 @dataclass
@@ -73,7 +86,7 @@ class Netns:
         address = f"{self.subnet}.{10 + index}"
         try:
             _ip("netns", "add", name)
-            self.nodes.append(Node(name, address))
+            self.nodes.append(Node(name, address, inner))
             _ip("link", "add", veth, "type", "veth", "peer", "name", inner)
             _ip("link", "set", inner, "netns", name)
             _ip("link", "set", veth, "master", self._bridge, "up")

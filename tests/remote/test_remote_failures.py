@@ -1,0 +1,154 @@
+"""Every way a remote fetch can go wrong ends as a miss (counted by cause),
+never a hang and never a wrong byte loaded."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from pegaflow.peer_auth import METADATA_KEY
+from pegaflow.proto import peer_pb2 as pb
+from pegaflow.proto import peer_pb2_grpc as pb_grpc
+from tests.remote.conftest import (
+    BIG,
+    SHAPE,
+    TOKEN,
+    Cluster,
+    block_hashes,
+    namespace_digest,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _owner(cluster: Cluster, node: int, instance: str, n: int, shape=SHAPE):
+    engine = cluster.engine(node, instance, seed=11 + node, namespace="big"
+                            if shape is BIG else "m", shape=shape)  # fmt: skip
+    ids = list(range(n))
+    hashes = block_hashes(instance, n)
+    assert engine.call("save", block_ids=ids, hashes=hashes)["stored"] == n
+    return engine, ids, hashes
+
+
+def _failed(cluster: Cluster, node: int) -> dict[str, int]:
+    return cluster.remote(node)["failed_blocks"]
+
+
+def test_peer_killed_mid_transfer_is_a_miss(cluster: Cluster) -> None:
+    """Scenario: node 2 holds a 32 MiB prefix and sends at 200 Mbit/s (a read
+    of it takes ~1.3 s); node 1 starts fetching it and node 2 is SIGKILLed
+    mid-read: node 1's query ends as a miss within the fetch deadline, no
+    block of it is published, and the next query is answered at once."""
+    before = cluster.remote(2)["advertised"]
+    _, _, hashes = _owner(cluster, 2, "kill-a", 128, BIG)
+    cluster.wait_remote(2, lambda r: r["advertised"] >= before + 128, "advertising")
+    reader = cluster.engine(1, "kill-b", 5, namespace="big", shape=BIG)
+    cluster.nodes[2].limit_rate("200mbit")
+    try:
+        result: dict = {}
+        started = time.monotonic()
+        thread = threading.Thread(
+            target=lambda: result.update(reader.call("query", hashes=hashes, wait_s=30))
+        )
+        thread.start()
+        cluster.wait_remote(1, lambda r: r["loading_blocks"] > 0, "the fetch",
+                            timeout_s=10)  # fmt: skip
+        time.sleep(0.3)  # past the pin (a small RPC): inside the 1.3 s read
+        cluster.servers[2].stop(signal.SIGKILL)
+        thread.join(40)
+    finally:
+        cluster.nodes[2].limit_rate(None)
+    took = time.monotonic() - started
+    assert not thread.is_alive(), "the query hung"
+    assert result["num_blocks"] == 0 and not result["loading"], result
+    assert took < 5 + 5, took  # --remote-fetch-timeout 5, and a margin
+    failed = _failed(cluster, 1)
+    assert failed["transport"] + failed["deadline"] >= 128, failed
+    again = time.monotonic()
+    assert reader.call("query", hashes=hashes, wait_s=10)["num_blocks"] == 0
+    assert time.monotonic() - again < 6
+    cluster.start_server(2)  # a new incarnation for the tests after this one
+    cluster.wait_remote(2, lambda r: r["joined"], "node 2 joining again")
+
+
+def test_peer_evicted_meanwhile_is_a_miss(cluster: Cluster) -> None:
+    """Scenario: node 0 advertised a prefix, then lost its way to the
+    metaserver (a blackhole route) and evicted the prefix: the metaserver still
+    names node 0, node 1's pin finds nothing there, and the query is a miss
+    counted as peer_evicted."""
+    node = cluster.nodes[0]
+    before = cluster.remote(0)["advertised"]
+    owner, ids, hashes = _owner(cluster, 0, "evict-a", 64, BIG)
+    cluster.wait_remote(0, lambda r: r["advertised"] >= before + 64, "advertising")
+    # ready before the route goes: node 0 is dropped as stale 6 s after it
+    reader = cluster.engine(1, "evict-b", 6, namespace="big", shape=BIG)
+    route = ["ip", "route", "add", "blackhole", f"{cluster.meta_node.address}/32"]
+    subprocess.run(node.argv(*route), check=True)
+    try:
+        # 256 MiB pool of 256 KiB blocks: 1024 new ones evict the prefix
+        for start in range(0, 1024, 256):
+            fresh = block_hashes(f"evict-fill{start}", 256)
+            owner.call("save", block_ids=list(range(256)), hashes=fresh)
+        was = _failed(cluster, 1)["peer_evicted"]
+        got = reader.call("query", hashes=hashes, wait_s=10)
+        assert got["num_blocks"] == 0 and not got["loading"], got
+        assert _failed(cluster, 1)["peer_evicted"] >= was + 1
+    finally:
+        subprocess.run(node.argv("ip", "route", "del", "blackhole",
+                                 f"{cluster.meta_node.address}/32"))  # fmt: skip
+
+
+def test_lying_peer_bytes_never_loaded(cluster: Cluster) -> None:
+    """Scenario: node 0's pool bytes change after it computed their checksums
+    (a peer serving other bytes than it vouched for): node 1 reads them, finds
+    every block failing its checksum, loads none, and counts them."""
+    before = cluster.remote(0)["advertised"]
+    _, _, hashes = _owner(cluster, 0, "liar-a", 16)
+    cluster.wait_remote(0, lambda r: r["advertised"] >= before + 16, "advertising")
+    digest = namespace_digest(cluster, 0, 4 * 8192)
+    raw = b"".join(bytes.fromhex(h) for h in hashes)
+    with grpc.insecure_channel(cluster.servers[0].addr) as channel:
+        stub = pb_grpc.PeerStub(channel)
+        pin = stub.Pin(
+            pb.PinRequest(namespace=digest, hash_len=len(raw) // 16, hashes=raw,
+                          hold_ms=5000, slot_bytes=4 * 8192, shards=1),
+            timeout=10, metadata=((METADATA_KEY, TOKEN),),
+        )  # fmt: skip
+        assert pin.blocks == 16
+        slots = np.frombuffer(pin.slot_addrs, "<u8")
+        with open(f"/proc/{cluster.servers[0].pid}/mem", "r+b", buffering=0) as mem:
+            for addr in slots.tolist():  # the peer's bytes change under it
+                mem.seek(addr)
+                mem.write(np.random.default_rng(addr).bytes(4 * 8192))
+        stub.Release(pb.ReleaseRequest(pin_id=pin.pin_id), timeout=5,
+                     metadata=((METADATA_KEY, TOKEN),))  # fmt: skip
+    reader = cluster.engine(1, "liar-b", 7)
+    was = _failed(cluster, 1)["checksum"]
+    got = reader.call("query", hashes=hashes, wait_s=10)
+    assert got["num_blocks"] == 0, got
+    assert _failed(cluster, 1)["checksum"] == was + 16
+
+
+def test_metaserver_restart_index_whole_again(cluster: Cluster) -> None:
+    """Scenario: the metaserver is SIGKILLed and restarted empty: within one
+    heartbeat period (2 s here) each node rejoins and re-sends what it holds,
+    and a prefix saved before the restart is a remote hit again."""
+    before = cluster.remote(0)["advertised"]
+    _, ids, hashes = _owner(cluster, 0, "meta-a", 8)
+    cluster.wait_remote(0, lambda r: r["advertised"] >= before + 8, "advertising")
+    rejoins = cluster.remote(0).get("rejoins", 0)
+    cluster.meta.stop(signal.SIGKILL)
+    restarted = time.monotonic()
+    cluster.start_metaserver()
+    cluster.wait_remote(0, lambda r: r["rejoins"] > rejoins, "rejoining", 10)
+    took = time.monotonic() - restarted
+    assert took < 2.0 + 2.0, took  # one heartbeat, and the rejoin itself
+    reader = cluster.engine(2, "meta-b", 8)
+    got = reader.call("query", hashes=hashes, wait_s=10)
+    assert got["num_blocks"] == 8, got
