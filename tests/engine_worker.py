@@ -221,13 +221,15 @@ def query(hashes: list[str], wait_s: float = 0.0) -> dict:
     """wait_s > 0: poll while the server answers `loading` (a slower tier or a
     peer is pulling the blocks in), as the connector does, for up to wait_s."""
     raw = [bytes.fromhex(h) for h in hashes]
+    start = time.perf_counter()
     res = state["client"].query(state["instance"], raw)
     end, polls = time.monotonic() + wait_s, 0
     while res.loading and time.monotonic() < end:
-        time.sleep(0.005)
+        time.sleep(0.001)
         polls += 1
         res = state["client"].query(state["instance"], raw)
     return {
+        "seconds": time.perf_counter() - start,
         "num_blocks": res.num_blocks,
         "lease_id": res.lease_id,
         "loading": res.loading,

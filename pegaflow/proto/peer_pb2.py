@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\npeer.proto\x12\x10pegaflow.peer.v1\"\x8e\x01\n\nPinRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x10\n\x08hash_len\x18\x02 \x01(\r\x12\x0e\n\x06hashes\x18\x03 \x01(\x0c\x12\x0f\n\x07hold_ms\x18\x04 \x01(\r\x12\x12\n\nslot_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06shards\x18\x06 \x01(\r\x12\x16\n\x0ereader_node_id\x18\x07 \x01(\t\"\x9e\x01\n\x0bPinResponse\x12\x0e\n\x06pin_id\x18\x01 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12\x12\n\nslot_addrs\x18\x03 \x01(\x0c\x12\x11\n\tchecksums\x18\x04 \x01(\x0c\x12\x0f\n\x07hold_ms\x18\x05 \x01(\r\x12\x12\n\nslot_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06shards\x18\x07 \x01(\r\x12\x13\n\x0bincarnation\x18\x08 \x01(\x04\" \n\x0eReleaseRequest\x12\x0e\n\x06pin_id\x18\x01 \x01(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x9a\x01\n\x04Peer\x12\x42\n\x03Pin\x12\x1c.pegaflow.peer.v1.PinRequest\x1a\x1d.pegaflow.peer.v1.PinResponse\x12N\n\x07Release\x12 .pegaflow.peer.v1.ReleaseRequest\x1a!.pegaflow.peer.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\npeer.proto\x12\x10pegaflow.peer.v1\"\x8e\x01\n\nPinRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x10\n\x08hash_len\x18\x02 \x01(\r\x12\x0e\n\x06hashes\x18\x03 \x01(\x0c\x12\x0f\n\x07hold_ms\x18\x04 \x01(\r\x12\x12\n\nslot_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06shards\x18\x06 \x01(\r\x12\x16\n\x0ereader_node_id\x18\x07 \x01(\t\"\x9e\x01\n\x0bPinResponse\x12\x0e\n\x06pin_id\x18\x01 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12\x12\n\nslot_addrs\x18\x03 \x01(\x0c\x12\x11\n\tchecksums\x18\x04 \x01(\x0c\x12\x0f\n\x07hold_ms\x18\x05 \x01(\r\x12\x12\n\nslot_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06shards\x18\x07 \x01(\r\x12\x13\n\x0bincarnation\x18\x08 \x01(\x04\"\"\n\x10\x43hecksumsRequest\x12\x0e\n\x06pin_id\x18\x01 \x01(\x04\"&\n\x11\x43hecksumsResponse\x12\x11\n\tchecksums\x18\x01 \x01(\x0c\" \n\x0eReleaseRequest\x12\x0e\n\x06pin_id\x18\x01 \x01(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xf0\x01\n\x04Peer\x12\x42\n\x03Pin\x12\x1c.pegaflow.peer.v1.PinRequest\x1a\x1d.pegaflow.peer.v1.PinResponse\x12T\n\tChecksums\x12\".pegaflow.peer.v1.ChecksumsRequest\x1a#.pegaflow.peer.v1.ChecksumsResponse\x12N\n\x07Release\x12 .pegaflow.peer.v1.ReleaseRequest\x1a!.pegaflow.peer.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PINREQUEST']._serialized_end=175
   _globals['_PINRESPONSE']._serialized_start=178
   _globals['_PINRESPONSE']._serialized_end=336
-  _globals['_RELEASEREQUEST']._serialized_start=338
-  _globals['_RELEASEREQUEST']._serialized_end=370
-  _globals['_RELEASERESPONSE']._serialized_start=372
-  _globals['_RELEASERESPONSE']._serialized_end=407
-  _globals['_PEER']._serialized_start=410
-  _globals['_PEER']._serialized_end=564
+  _globals['_CHECKSUMSREQUEST']._serialized_start=338
+  _globals['_CHECKSUMSREQUEST']._serialized_end=372
+  _globals['_CHECKSUMSRESPONSE']._serialized_start=374
+  _globals['_CHECKSUMSRESPONSE']._serialized_end=412
+  _globals['_RELEASEREQUEST']._serialized_start=414
+  _globals['_RELEASEREQUEST']._serialized_end=446
+  _globals['_RELEASERESPONSE']._serialized_start=448
+  _globals['_RELEASERESPONSE']._serialized_end=483
+  _globals['_PEER']._serialized_start=486
+  _globals['_PEER']._serialized_end=726
 # @@protoc_insertion_point(module_scope)

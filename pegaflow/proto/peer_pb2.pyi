@@ -42,6 +42,18 @@ class PinResponse(_message.Message):
     incarnation: int
     def __init__(self, pin_id: _Optional[int] = ..., blocks: _Optional[int] = ..., slot_addrs: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., hold_ms: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., shards: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
+class ChecksumsRequest(_message.Message):
+    __slots__ = ("pin_id",)
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    pin_id: int
+    def __init__(self, pin_id: _Optional[int] = ...) -> None: ...
+
+class ChecksumsResponse(_message.Message):
+    __slots__ = ("checksums",)
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    checksums: bytes
+    def __init__(self, checksums: _Optional[bytes] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("pin_id",)
     PIN_ID_FIELD_NUMBER: _ClassVar[int]

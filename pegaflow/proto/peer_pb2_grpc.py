@@ -39,6 +39,11 @@ class PeerStub(object):
                 request_serializer=peer__pb2.PinRequest.SerializeToString,
                 response_deserializer=peer__pb2.PinResponse.FromString,
                 _registered_method=True)
+        self.Checksums = channel.unary_unary(
+                '/pegaflow.peer.v1.Peer/Checksums',
+                request_serializer=peer__pb2.ChecksumsRequest.SerializeToString,
+                response_deserializer=peer__pb2.ChecksumsResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pegaflow.peer.v1.Peer/Release',
                 request_serializer=peer__pb2.ReleaseRequest.SerializeToString,
@@ -58,6 +63,14 @@ class PeerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checksums(self, request, context):
+        """The pinned slots' checksums, when Pin did not carry them (computed while
+        the reader reads: a ready block's bytes never change).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -71,6 +84,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Pin,
                     request_deserializer=peer__pb2.PinRequest.FromString,
                     response_serializer=peer__pb2.PinResponse.SerializeToString,
+            ),
+            'Checksums': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checksums,
+                    request_deserializer=peer__pb2.ChecksumsRequest.FromString,
+                    response_serializer=peer__pb2.ChecksumsResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -105,6 +123,33 @@ class Peer(object):
             '/pegaflow.peer.v1.Peer/Pin',
             peer__pb2.PinRequest.SerializeToString,
             peer__pb2.PinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checksums(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pegaflow.peer.v1.Peer/Checksums',
+            peer__pb2.ChecksumsRequest.SerializeToString,
+            peer__pb2.ChecksumsResponse.FromString,
             options,
             channel_credentials,
             insecure,

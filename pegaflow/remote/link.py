@@ -24,11 +24,12 @@ never handed out while a read may still write them.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -55,6 +56,8 @@ logger = logging.getLogger(__name__)
 _REMEMBERED = 1 << 16  # prefixes remembered as failed or unknown, and unfetched keys
 _RELEASE_TIMEOUT_S = 2.0
 _HOLD_MARGIN_S = 2.0  # a pin is asked to outlive our fetch deadline by this
+# A fetch is read in pieces this large, each hashed while the next is read.
+_PIECE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,8 @@ class RemoteStats:
     fetched_bytes: int = 0
     fetch_seconds: float = 0.0  # sum over fetches
     last_fetch_s: float = 0.0
+    # the last fetch's phases, ms: metaserver plan, pin, read (+ hashing it)
+    last_phases_ms: dict[str, float] = field(default_factory=dict)
 
 
 class RemoteLink:
@@ -191,6 +196,7 @@ class RemoteLink:
         began = time.monotonic()
         try:
             plan = await self._plan(ns, rest)
+            self.stats.last_phases_ms = {"plan": _ms(began)}
         except (grpc.RpcError, asyncio.TimeoutError, ValueError) as exc:
             logger.debug("metaserver query failed: %s", exc)
             self.metrics.failures.labels("metaserver").inc()
@@ -315,12 +321,15 @@ class RemoteLink:
             shards=ns.tp_size,
             reader_node_id=self.node_id,
         )
+        pinned = time.monotonic()
         try:
             pin = await self._peers.pin(seg.endpoint.rpc, request, max(left, 0.001))
         except grpc.RpcError as exc:
             logger.info("peer %s: pin failed: %s", seg.endpoint.rpc, exc.code())
             return self._fail(keys, "peer_unreachable")
         granted_until = time.monotonic() + pin.hold_ms / 1000
+        phases = self.stats.last_phases_ms
+        phases["pin"] = _ms(pinned)
         try:
             got = _check_pin(pin, len(run), ns)
         except _Refused as refused:
@@ -330,24 +339,39 @@ class RemoteLink:
         n = len(remote)
         if n < len(run):
             self._fail(keys[n:], "peer_evicted")
-        if n == 0:
-            return None
         local = np.array([e.slots for e in run[:n]], np.uint64)
-        # Read only inside the hold the owner granted, with a margin for the
-        # read itself: past it the owner may reuse those slots.
+        # Read only inside the hold the owner granted: past it the owner may
+        # reuse those slots.
         if min(granted_until, deadline) - time.monotonic() <= 0:
             self._release_soon(seg.endpoint.rpc, pin.pin_id)
             return self._fail(keys[:n], "pin_expired")
+        later = None
+        if sums is None:  # the owner hashes while we read
+            wait = max(deadline - time.monotonic(), 0.001)
+            later = asyncio.ensure_future(
+                self._peers.checksums(seg.endpoint.rpc, pin.pin_id, wait)
+            )
+        reading = time.monotonic()
         try:
-            intact = await asyncio.to_thread(
-                self._read_and_verify, seg.endpoint.transfer, local, remote, sums,
+            mine = await asyncio.to_thread(
+                self._read_and_hash, seg.endpoint.transfer, local, remote,
                 ns.slot_bytes,
             )  # fmt: skip
+            phases["read"] = _ms(reading)
+            if later is not None:
+                sums = _sums(await later, local.shape)
+            phases["checksums_wait"] = _ms(reading) - phases["read"]
         except TransportError as exc:
             logger.info("peer %s: %s", seg.endpoint.transfer, exc)
-            self._release_soon(seg.endpoint.rpc, pin.pin_id)
             return self._fail(keys[:n], "transport")
-        self._release_soon(seg.endpoint.rpc, pin.pin_id)
+        except (grpc.RpcError, _Refused) as exc:
+            logger.info("peer %s: no checksums: %s", seg.endpoint.rpc, exc)
+            return self._fail(keys[:n], "peer_unreachable")
+        finally:
+            if later is not None and not later.done():
+                later.cancel()
+            self._release_soon(seg.endpoint.rpc, pin.pin_id)
+        intact = (mine == sums).all(axis=1)
         bad = np.flatnonzero(~intact)
         if len(bad):
             logger.warning(
@@ -359,23 +383,32 @@ class RemoteLink:
         self._peers_seen.add(seg.endpoint.rpc)
         return None
 
-    def _read_and_verify(
-        self,
-        endpoint: str,
-        local: np.ndarray,
-        remote: np.ndarray,
-        sums: np.ndarray,
-        slot_bytes: int,
+    def _read_and_hash(
+        self, endpoint: str, local: np.ndarray, remote: np.ndarray, slot_bytes: int
     ) -> np.ndarray:
-        """On a worker thread: one batched read, then each block's shards
-        against the owner's checksums. A bool per block."""
-        lengths = np.full(local.size, slot_bytes, np.uint64)
+        """On a worker thread: the read in pieces of ~_PIECE_BYTES, each piece
+        hashed on a second thread while the next one is read. The checksum
+        of every slot read ([blocks, shards])."""
+        shards = local.shape[1]
+        per = max(1, _PIECE_BYTES // (slot_bytes * shards))
+        flat_local, flat_remote = local.reshape(-1), remote.reshape(-1)
+        lengths = np.full(flat_local.size, slot_bytes, np.uint64)
         before = getattr(self.transport, "retried", 0)
-        self.transport.read(endpoint, local.reshape(-1), remote.reshape(-1), lengths)
+        hashed: list[concurrent.futures.Future[np.ndarray]] = []
+        with concurrent.futures.ThreadPoolExecutor(1) as hasher:
+            for start in range(0, len(local), per):  # per piece, not per block
+                a, b = start * shards, min(len(local), start + per) * shards
+                self.transport.read(
+                    endpoint, flat_local[a:b], flat_remote[a:b], lengths[a:b]
+                )
+                piece = flat_local[a:b]
+                hashed.append(
+                    hasher.submit(checksums_of, self._pool, piece, slot_bytes)
+                )
         retried = getattr(self.transport, "retried", 0) - before
         if retried:
             self.metrics.retries.inc(retried)
-        return (checksums_of(self._pool, local, slot_bytes) == sums).all(axis=1)
+        return np.concatenate([f.result() for f in hashed]).reshape(local.shape)
 
     def _release_soon(self, addr: str, pin_id: int) -> None:
         if not pin_id:
@@ -444,6 +477,7 @@ class RemoteLink:
             if st.fetches
             else 0.0,
             "fetch_ms_last": round(st.last_fetch_s * 1e3, 3),
+            "fetch_phases_ms_last": st.last_phases_ms,
             "failed_blocks": failures,
             "pins_held": len(self.pins),
             "advertised": adv.counters.advertised if adv else 0,
@@ -476,7 +510,7 @@ class _Refused(Exception):
 
 def _check_pin(
     pin: peer_pb.PinResponse, asked: int, ns: Namespace
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray | None]:
     """The owner's answer, checked before anything is read: ([blocks, shards]
     remote slot addresses, their checksums). Raises _Refused with the cause."""
     if pin.pin_id == 0 or pin.blocks == 0:
@@ -484,12 +518,25 @@ def _check_pin(
     if (pin.slot_bytes, pin.shards) != (ns.slot_bytes, ns.tp_size):
         raise _Refused("geometry")
     want = pin.blocks * pin.shards * 8
-    if pin.blocks > asked or len(pin.slot_addrs) != want or len(pin.checksums) != want:
+    if pin.blocks > asked or len(pin.slot_addrs) != want:
+        raise _Refused("geometry")
+    if len(pin.checksums) not in (0, want):
         raise _Refused("geometry")
     shape = (pin.blocks, pin.shards)
     remote = np.frombuffer(pin.slot_addrs, "<u8").astype(np.uint64).reshape(shape)
-    sums = np.frombuffer(pin.checksums, "<u8").astype(np.uint64).reshape(shape)
+    sums = _sums(pin.checksums, shape) if pin.checksums else None
     return remote, sums
+
+
+def _sums(raw: bytes, shape: tuple[int, int]) -> np.ndarray:
+    """The owner's checksums; _Refused when they do not fit the pin."""
+    if len(raw) != shape[0] * shape[1] * 8:
+        raise _Refused("geometry")
+    return np.frombuffer(raw, "<u8").astype(np.uint64).reshape(shape)
+
+
+def _ms(since: float) -> float:
+    return round((time.monotonic() - since) * 1e3, 3)
 
 
 def _clip(plan: list[PlanSegment], n: int) -> list[PlanSegment]:

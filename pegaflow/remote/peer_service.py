@@ -56,16 +56,25 @@ class PeerServicer(pb_grpc.PeerServicer):
         )
         if not got.pin_id:
             return empty
+        sums = b"" if got.checksums is None else got.checksums.astype("<u8").tobytes()
         return pb.PinResponse(
             pin_id=got.pin_id,
             blocks=len(got.slots),
             slot_addrs=got.slots.astype("<u8").tobytes(),
-            checksums=got.checksums.astype("<u8").tobytes(),
+            checksums=sums,
             hold_ms=int(got.hold_s * 1000),
             slot_bytes=ns.slot_bytes,
             shards=ns.tp_size,
             incarnation=self._incarnation,
         )
+
+    async def Checksums(
+        self, req: pb.ChecksumsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ChecksumsResponse:
+        peer_auth.require(context, self._token)
+        sums = await self._pins.checksums(req.pin_id)
+        raw = b"" if sums is None else sums.astype("<u8").tobytes()
+        return pb.ChecksumsResponse(checksums=raw)
 
     async def Release(
         self, req: pb.ReleaseRequest, context: grpc.aio.ServicerContext

@@ -65,6 +65,13 @@ class PeerChannels:
             request, timeout=timeout_s, metadata=self._metadata
         )
 
+    async def checksums(self, addr: str, pin_id: int, timeout_s: float) -> bytes:
+        got = await self._stub(addr).Checksums(
+            pb.ChecksumsRequest(pin_id=pin_id), timeout=timeout_s,
+            metadata=self._metadata,
+        )  # fmt: skip
+        return got.checksums
+
     async def release(self, addr: str, pin_id: int, timeout_s: float) -> bool:
         got = await self._stub(addr).Release(
             pb.ReleaseRequest(pin_id=pin_id), timeout=timeout_s, metadata=self._metadata

@@ -8,8 +8,9 @@ deadline plus a margin, and the reader reads nothing after the hold it was
 granted, so the pin outlives every read of it.
 
 Checksums are blake3 (8 bytes) of each slot's bytes, computed the first time a
-block is pinned, off the loop, and kept while the block stays ready: a ready
-block's bytes never change.
+block is pinned, off the loop and while the reader already reads (it asks for
+them with Checksums), and kept while the block stays ready: a ready block's
+bytes never change.
 """
 
 from __future__ import annotations
@@ -38,21 +39,24 @@ MAX_PINS = 4096  # pins held at once; a reader beyond it gets nothing pinned
 class Pin:
     entries: list[BlockEntry]
     expires: float  # time.monotonic()
+    checksums: asyncio.Future[np.ndarray]
 
 
 @dataclass(frozen=True, slots=True)
 class Pinned:
     pin_id: int  # 0: nothing pinned
     slots: np.ndarray  # [blocks, shards] uint64
-    checksums: np.ndarray  # [blocks, shards] uint64
+    checksums: np.ndarray | None  # [blocks, shards] uint64; None: ask later
     hold_s: float
 
 
-NOTHING = Pinned(0, np.zeros((0, 0), np.uint64), np.zeros((0, 0), np.uint64), 0.0)
+NOTHING = Pinned(0, np.zeros((0, 0), np.uint64), None, 0.0)
 
 
 def slot_checksum(data: np.ndarray) -> int:
-    return int.from_bytes(blake3.blake3(data).digest(8), "little")
+    # blake3 splits one input over its own threads (slots are MiBs)
+    h = blake3.blake3(data, max_threads=blake3.blake3.AUTO)
+    return int.from_bytes(h.digest(8), "little")
 
 
 def checksums_of(pool: HostPool, slots: np.ndarray, slot_bytes: int) -> np.ndarray:
@@ -90,37 +94,47 @@ class PinTable:
         hold_s = min(hold_s, MAX_HOLD_S)
         self._store.pin(entries)
         pin_id = next(self._ids)
-        self._pins[pin_id] = Pin(entries, time.monotonic() + hold_s)
         slots = np.array([e.slots for e in entries], np.uint64)
-        try:
-            sums = await self._checksums(entries, slots, ns.slot_bytes)
-        except BaseException:
-            self.release(pin_id)
-            raise
-        pin = self._pins.get(pin_id)
-        if pin is None:  # expired while hashing: the reader asked too little
-            return NOTHING
-        left = pin.expires - time.monotonic()
-        return Pinned(pin_id, slots, sums, left)
+        known = [self._sums.get(e.key) for e in entries]
+        sums = asyncio.ensure_future(self._checksums(entries, slots, known, ns))
+        self._pins[pin_id] = Pin(entries, time.monotonic() + hold_s, sums)
+        ready = np.stack(known) if all(k is not None for k in known) else None
+        return Pinned(pin_id, slots, ready, hold_s)
 
     async def _checksums(
-        self, entries: list[BlockEntry], slots: np.ndarray, slot_bytes: int
+        self,
+        entries: list[BlockEntry],
+        slots: np.ndarray,
+        known: list[np.ndarray | None],
+        ns: Namespace,
     ) -> np.ndarray:
-        known = [self._sums.get(e.key) for e in entries]
         missing = [i for i, s in enumerate(known) if s is None]
-        if missing:
+        if missing:  # the entries are pinned meanwhile: their bytes stay
             fresh = await asyncio.to_thread(
-                checksums_of, self._pool, slots[missing], slot_bytes
+                checksums_of, self._pool, slots[missing], ns.slot_bytes
             )
             for i, row in zip(missing, fresh, strict=True):
-                known[i] = self._sums[entries[i].key] = row
-        return np.stack(known) if known else np.zeros(slots.shape, np.uint64)
+                known[i] = row
+                if entries[i].ready:
+                    self._sums[entries[i].key] = row
+        return np.stack(known)
+
+    async def checksums(self, pin_id: int) -> np.ndarray | None:
+        """The pin's checksums once computed; None when the pin is gone."""
+        pin = self._pins.get(pin_id)
+        if pin is None:
+            return None
+        sums = await asyncio.shield(pin.checksums)
+        return sums if pin_id in self._pins else None
 
     def release(self, pin_id: int) -> bool:
         pin = self._pins.pop(pin_id, None)
         if pin is None:
             return False
-        self._store.unpin(pin.entries)
+        if pin.checksums.done():
+            self._store.unpin(pin.entries)
+        else:  # the hashing thread still reads the slots: they stay until it ends
+            pin.checksums.add_done_callback(lambda _: self._store.unpin(pin.entries))
         return True
 
     def forget(self, keys: list[Key]) -> None:

@@ -121,6 +121,10 @@ def test_lying_peer_bytes_never_loaded(cluster: Cluster) -> None:
             timeout=10, metadata=((METADATA_KEY, TOKEN),),
         )  # fmt: skip
         assert pin.blocks == 16
+        # what node 0 vouches for: computed now, from the bytes it holds
+        sums = stub.Checksums(pb.ChecksumsRequest(pin_id=pin.pin_id), timeout=10,
+                              metadata=((METADATA_KEY, TOKEN),))  # fmt: skip
+        assert len(sums.checksums) == 16 * 8
         slots = np.frombuffer(pin.slot_addrs, "<u8")
         with open(f"/proc/{cluster.servers[0].pid}/mem", "r+b", buffering=0) as mem:
             for addr in slots.tolist():  # the peer's bytes change under it
