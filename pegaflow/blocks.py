@@ -4,20 +4,22 @@ slots, and whether they are complete, pinned or in flight.
 Bookkeeping only; bytes move in pegaflow.engine through a copy engine. A block has
 one slot per TP shard; it becomes visible (and evictable) only when every layer of
 every shard has landed. Pinned blocks (leased or being copied) are never evicted.
+The entry and its bit masks: pegaflow.block_entry; lease pins and LRU touches the
+query path defers: pegaflow.deferred.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pegaflow.block_entry import BlockEntry, SaveReservation, layer_mask
+from pegaflow.deferred import Deferred
 from pegaflow.instances import Namespace
 from pegaflow.keys import BlockHash, Key, PackedHashes
 from pegaflow.policy import EvictionPolicy
@@ -34,49 +36,8 @@ Spill = Callable[[Key, np.ndarray], bool]
 # Called when a namespace's last entry (ready, in flight or pinned) goes.
 Emptied = Callable[[Namespace], None]
 # Write-behind hooks (the SSD tier): blocks a save just made ready; blocks hit.
-Published = Callable[[list["BlockEntry"]], None]
+Published = Callable[[list[BlockEntry]], None]
 _KEY = attrgetter("key")
-
-
-def layer_mask(rank: int, layers: np.ndarray, num_layers: int) -> int:
-    """Bit rank * num_layers + layer for each layer: a block's (shard, layer)
-    pieces as one Python int, so per-block bookkeeping is a few int operations
-    instead of numpy calls (~1 us each)."""
-    bits = np.zeros(num_layers, bool)
-    bits[layers] = True
-    packed = np.packbits(bits, bitorder="little").tobytes()
-    return int.from_bytes(packed, "little") << (rank * num_layers)
-
-
-@dataclass(slots=True, eq=False)  # identity: compared against None in bulk
-class BlockEntry:
-    key: Key
-    slots: list[int]  # slot address per TP shard, 0 until allocated
-    landed: int = 0  # bit rank * num_layers + layer (see layer_mask)
-    in_flight: int = 0
-    ready: bool = False
-    pins: int = 0
-    created: float = field(default_factory=time.monotonic)
-    row: int = -1  # in its namespace's ReadyIndex, while ready
-
-    def slot_array(self) -> np.ndarray:
-        return np.array([s for s in self.slots if s], np.uint64)
-
-
-@dataclass(frozen=True, slots=True)
-class SaveReservation:
-    """Blocks of one Save that need copying, with their (now pinned) slots."""
-
-    keys: list[Key]
-    entries: list[BlockEntry]
-    positions: np.ndarray  # index into the request's block list
-    slots: np.ndarray  # uint64 slot address of this rank, per key
-    deduplicated: int
-    rejected: int
-    rank: int = 0
-    mask: int = 0  # the (shard, layer) bits this save writes
-    shard_mask: int = 0  # every layer bit of this rank's shard
-    complete: int = 0  # every bit of a block: it is ready when all landed
 
 
 @dataclass(slots=True)
@@ -104,14 +65,9 @@ class BlockStore:
         # at once (a dict lookup per hash misses the caches in a big index).
         self._ready: dict[int, ReadyIndex] = {}
         self.counters = StoreCounters()
-        # Leases pin lazily: their entries are counted only when an eviction
-        # needs to know, so a lease released before then costs no per-block work
-        # on the query path (2560-block prefixes are latency-critical).
-        self._unflushed: dict[int, list[BlockEntry]] = {}
-        # Hits whose LRU touch is still owed: applied after the query's reply
-        # (a 2560-block touch is ~0.3 ms) and always before the policy is next
-        # asked or changed, so its order is the order of the requests.
-        self._untouched: list[list[BlockEntry]] = []
+        # Lease pins and LRU touches owed to the policy (pegaflow.deferred):
+        # paid before the policy is next asked (_settle) or changed.
+        self._owed = Deferred()
         self.spill: Spill | None = None
         self.sealed: Published | None = None
         self.touched: Published | None = None
@@ -166,16 +122,17 @@ class BlockStore:
             self._let_go({key[0]: 1})
 
     def pin_lease(self, lease_id: int, entries: list[BlockEntry]) -> None:
-        self._unflushed[lease_id] = entries
+        self._owed.lease(lease_id, entries)
 
     def unpin_lease(self, lease_id: int, entries: list[BlockEntry]) -> None:
-        if self._unflushed.pop(lease_id, None) is None:
+        if not self._owed.release(lease_id):
             self.unpin(entries)
 
-    def _flush_pins(self) -> None:
-        for entries in self._unflushed.values():
+    def _settle(self) -> None:
+        """The policy is about to choose victims or admissions: pay it first."""
+        for entries in self._owed.take_pins():
             self.pin(entries)
-        self._unflushed.clear()
+        self.apply_touches()
 
     def _protected(self, key: Key) -> bool:
         return self.entries[key].pins > 0
@@ -203,23 +160,12 @@ class BlockStore:
         else:
             found, rest = index.prefix_listed(hashes)
         if found:
-            self._untouched.append(found)
-            if len(self._untouched) == 1:
-                self._touch_soon()
+            self._owed.hit(found, self.apply_touches)
         return found, rest
-
-    def _touch_soon(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self.apply_touches()
-            return
-        loop.call_soon(self.apply_touches)
 
     def apply_touches(self) -> None:
         """Give the policy the hits it has not seen yet, oldest first."""
-        owed, self._untouched = self._untouched, []
-        for found in owed:
+        for found in self._owed.take_hits():
             self.policy.touch_many(list(map(_KEY, found)))
             if self.touched is not None:
                 self.touched(found)
@@ -249,8 +195,7 @@ class BlockStore:
             if entry is None:
                 if len(slotless) >= room:
                     if len(slotless) == room:
-                        self._flush_pins()  # the policy will ask for these
-                        self.apply_touches()
+                        self._settle()  # the policy will ask for these
                     if not self.policy.should_admit(key, self._protected):
                         self.counters.admission_rejections += 1
                         rejected += 1
@@ -350,8 +295,7 @@ class BlockStore:
         got = [self.slabs.allocate(cls, n)]
         short = n - len(got[0])
         if short:
-            self._flush_pins()
-            self.apply_touches()
+            self._settle()
         while short > 0:
             want = short
             victims = self.policy.evict(want, self._protected)

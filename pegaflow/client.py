@@ -3,23 +3,21 @@ exceptions of pegaflow.errors. Light on purpose: grpcio, protobuf, numpy.
 
 Requests go over the server's unix socket when it is reachable and belongs to
 the server asked (pegaflow.socket_client), else over gRPC (pegaflow.transport);
-`_carry` is the one place that chooses and falls back.
+`_carry` is the one place that chooses and falls back. How each transport
+builds its messages, connects and fails lives in those modules.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import grpc
 import numpy as np
 
 from pegaflow import deadlines
-from pegaflow.errors import PegaflowError, from_status
 from pegaflow.geometry import LayerLayout
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.register_messages import cuda_request, host_request
@@ -41,7 +39,6 @@ PR_SET_PTRACER = 0x59616D61
 # cut at its next syscall) in that time, so a failure is reported only once
 # nothing of the request can still write into the engine's memory.
 COPY_GRACE_S = 2.0
-SOCKET_RETRY_S = 5.0  # after the socket failed, gRPC alone for this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +79,11 @@ class PegaflowClient:
         self.timeout_s = timeout_s
         self.copy_grace_s = copy_grace_s
         self._grpc = GrpcTransport(addr, max_message_bytes)
-        self._socket: SocketTransport | None = None
+        self._socket = SocketTransport(
+            lambda: self._grpc.server_info(self.timeout_s), timeout_s
+        )
         self._socket_wanted = False  # a registration or use_socket() asked for it
         self._socket_off = False  # disable_socket(): gRPC for everything
-        self._socket_retry_at = 0.0
-        self._server: pb.ServerInfoResponse | None = None  # who the socket must be
         # Owner tokens of this client's registrations: (instance_id, tp_rank).
         self._tokens: dict[tuple[str, int], bytes] = {}
 
@@ -140,10 +137,8 @@ class PegaflowClient:
         return Registration(resp.server_pid, resp.slot_bytes, info.socket_path)
 
     def _server_info(self) -> pb.ServerInfoResponse:
-        info = self._grpc.call("ServerInfo", pb.ServerInfoRequest(), self.timeout_s)
-        if self._server is None or info.server_id != self._server.server_id:
-            self._drop_socket()  # a restarted server: another socket
-        self._server = info
+        info = self._grpc.server_info(self.timeout_s)
+        self._socket.follow(info)  # a restarted server: another socket
         return info
 
     def _token(self, instance_id: str, tp_rank: int) -> bytes:
@@ -241,43 +236,17 @@ class PegaflowClient:
 
     # -- choosing the transport ---------------------------------------------
     def _carry(self, op: Callable[[Transport], T | None]) -> T:
-        """The socket first, when there is one; gRPC when it cannot carry the
-        request or broke. No answer in time is a failure, not a fallback."""
-        sock = self._socket_transport()
-        if sock is not None:
+        """The socket first, when wanted; gRPC when it cannot carry the request
+        or broke. No answer in time is a failure, not a fallback."""
+        if self._socket_wanted and not self._socket_off:
             try:
-                got = op(sock)
-            except TimeoutError:  # no answer even after the grace
-                self._drop_socket()
-                raise from_status(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, "no answer on the socket"
-                ) from None
+                got = op(self._socket)
             except OSError as exc:  # server gone or restarted: gRPC decides
                 logger.debug("server socket failed (%s); using gRPC", exc)
-                self._drop_socket()
             else:
                 if got is not None:
                     return got
         return op(self._grpc)
-
-    def _socket_transport(self) -> SocketTransport | None:
-        if self._socket is not None or not self._socket_wanted or self._socket_off:
-            return self._socket
-        if time.monotonic() < self._socket_retry_at:
-            return None
-        try:
-            info = self._server if self._server is not None else self._server_info()
-            if not info.socket_path:
-                return None
-            self._socket = SocketTransport(
-                info.socket_path, self.timeout_s, info.server_id, info.server_pid
-            )
-        except (OSError, PegaflowError) as exc:  # another host, user, or gone
-            logger.debug("server socket unusable: %s", exc)
-            # Ask the server again later: it may have restarted meanwhile.
-            self._server = None
-            self._socket_retry_at = time.monotonic() + SOCKET_RETRY_S
-        return self._socket
 
     def use_socket(self) -> None:
         """Send queries over the server's unix socket from now on (gRPC stays
@@ -289,48 +258,28 @@ class PegaflowClient:
         """gRPC for every call from now on (registration of host memory
         included, which the server refuses over TCP by default)."""
         self._socket_off = True
-        self._drop_socket()
-
-    def _drop_socket(self) -> None:
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
+        self._socket.close()
 
     # -- the rest (gRPC only) -----------------------------------------------
     def release_lease(self, lease_id: int) -> None:
-        request = pb.ReleaseLeaseRequest(lease_id=lease_id)
-        self._grpc.call("ReleaseLease", request, self.timeout_s)
+        self._grpc.release_lease(lease_id, self.timeout_s)
 
     def unregister(self, instance_id: str, tp_rank: int = 0) -> None:
-        request = pb.UnregisterRequest(
-            instance_id=instance_id,
-            tp_rank=tp_rank,
-            owner_token=self._token(instance_id, tp_rank),
-        )
-        self._grpc.call("Unregister", request, self.timeout_s)
+        token = self._token(instance_id, tp_rank)
+        self._grpc.unregister(instance_id, tp_rank, token, self.timeout_s)
         self._tokens.pop((instance_id, tp_rank), None)
 
     def health(self, timeout_s: float | None = None) -> bool:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        stub = health_pb2_grpc.HealthStub(self._grpc.channel)
-        try:
-            resp = stub.Check(
-                health_pb2.HealthCheckRequest(service=""),
-                timeout=timeout_s or self.timeout_s,
-            )
-        except grpc.RpcError:
-            return False
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
+        return self._grpc.health(timeout_s or self.timeout_s)
 
     def open_session(
         self, instance_id: str, tp_rank: int = 0, interval_s: float = 5.0
     ) -> Session:
         token = self._token(instance_id, tp_rank)
-        return Session(self._grpc.stub, instance_id, tp_rank, interval_s, token)
+        return self._grpc.session(instance_id, tp_rank, interval_s, token)
 
     def close(self) -> None:
-        self._drop_socket()
+        self._socket.close()
         self._grpc.close()
 
     def __enter__(self) -> PegaflowClient:

@@ -7,7 +7,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from pegaflow.blocks import BlockEntry, BlockStore
+from pegaflow.block_entry import BlockEntry
+from pegaflow.blocks import BlockStore
 from pegaflow.errors import LeaseNotFound
 
 

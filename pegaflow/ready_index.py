@@ -39,7 +39,7 @@ from pegaflow.hll import hash64
 from pegaflow.keys import PackedHashes
 
 if TYPE_CHECKING:
-    from pegaflow.blocks import BlockEntry
+    from pegaflow.block_entry import BlockEntry
 
 EMPTY, TOMB = -2, -1  # row values of a free slot; EMPTY ends a run
 STASHED = -2  # the slot of a row in the stash (see HashTable._stash)

@@ -36,7 +36,7 @@ from pegaflow.pool import SlabAllocator
 from pegaflow.poolfile import FREE, GRANULE, LANDED, META_OFFSET, SEALED, WRITING
 
 if TYPE_CHECKING:
-    from pegaflow.blocks import BlockEntry
+    from pegaflow.block_entry import BlockEntry
     from pegaflow.poolfile import PoolFile
 
 logger = logging.getLogger(__name__)

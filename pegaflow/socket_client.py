@@ -1,11 +1,16 @@
 """The engine's side of the server's unix socket (pegaflow.socket_server):
-blocking, one connection per calling thread. Frames: pegaflow.frames."""
+blocking, one connection per calling thread (SocketClient), and the Transport
+over it that connects on first use and drops a broken connection
+(SocketTransport). Frames: pegaflow.frames."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -31,6 +36,11 @@ from pegaflow.identity import unix_peer
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
 from pegaflow.transport import LoadCall, QueryCall, SaveCall
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RETRY_S = 5.0  # after the socket failed to connect, gRPC alone for this long
 
 
 class SocketClient:
@@ -186,20 +196,39 @@ def _load_reply_size(reply: bytearray) -> int:
 
 
 class SocketTransport:
-    """pegaflow.transport.Transport over the server's unix socket."""
+    """pegaflow.transport.Transport over the server's unix socket, connected
+    on first use to the socket that the server gRPC reaches names in its
+    ServerInfo. It answers None while it has no connection: the server serves
+    no socket, or it is out of reach (another host or user; asked again
+    RETRY_S later, as the server may have restarted meanwhile). A connection
+    that breaks is dropped and raises OSError; one with no answer in time is
+    dropped and raises the typed timeout error."""
 
     def __init__(
-        self, path: str, timeout_s: float, server_id: bytes, server_pid: int
+        self, server_info: Callable[[], pb.ServerInfoResponse], timeout_s: float
     ) -> None:
-        self.frames = SocketClient(path, timeout_s, server_id, server_pid)
+        self._ask = server_info  # gRPC's ServerInfo
+        self._timeout_s = timeout_s
+        self.server: pb.ServerInfoResponse | None = None  # whom it must reach
+        self._frames: SocketClient | None = None
+        self._retry_at = 0.0
+
+    @property
+    def connected(self) -> bool:
+        return self._frames is not None
+
+    def follow(self, info: pb.ServerInfoResponse) -> None:
+        """The server gRPC reaches now: restarted, it has another socket."""
+        if self.server is None or info.server_id != self.server.server_id:
+            self.close()
+        self.server = info
 
     def register(
         self, request: pb.RegisterInstanceRequest, deadline_ns: int, wait_s: float
-    ) -> pb.RegisterInstanceResponse:
+    ) -> pb.RegisterInstanceResponse | None:
         frame = encode_register(request.SerializeToString(), deadline_ns)
-        return pb.RegisterInstanceResponse.FromString(
-            self.frames.register(frame, wait_s)
-        )
+        got = self._send(frame, lambda s, f: s.register(f, wait_s))
+        return None if got is None else pb.RegisterInstanceResponse.FromString(got)
 
     def save(self, call: SaveCall) -> SaveResult | None:
         frame = encode_save(
@@ -212,17 +241,15 @@ class SocketTransport:
             call.deadline_ns,
             call.token,
         )
-        if frame is None:
-            return None
-        return SaveResult(*self.frames.save(frame, call.wait_s))
+        got = self._send(frame, lambda s, f: s.save(f, call.wait_s))
+        return None if got is None else SaveResult(*got)
 
     def query(self, call: QueryCall) -> QueryResult | None:
         frame = encode_query(
             call.instance_id, call.hashes, call.hash_len, call.deadline_ns
         )
-        if frame is None:
-            return None
-        return QueryResult(*self.frames.query(frame, call.wait_s))
+        got = self._send(frame, lambda s, f: s.query(f, call.wait_s))
+        return None if got is None else QueryResult(*got)
 
     def load(self, call: LoadCall) -> LoadBatchResult | None:
         frame = encode_load(
@@ -234,9 +261,10 @@ class SocketTransport:
             call.deadline_ns,
             call.token,
         )
-        if frame is None:
+        got = self._send(frame, lambda s, f: s.load(f, call.wait_s))
+        if got is None:
             return None
-        loaded, nbytes, items = self.frames.load(frame, call.wait_s)
+        loaded, nbytes, items = got
         if len(items) != len(call.items):
             raise PegaflowError(
                 f"Load: {len(items)} item results for {len(call.items)}"
@@ -246,4 +274,45 @@ class SocketTransport:
         )
 
     def close(self) -> None:
-        self.frames.close()
+        """Drop the connection; the next call connects again."""
+        if self._frames is not None:
+            self._frames.close()
+            self._frames = None
+
+    def _send(
+        self, frame: bytes | None, exchange: Callable[[SocketClient, bytes], T]
+    ) -> T | None:
+        if frame is None:
+            return None
+        frames = self.connection()
+        if frames is None:
+            return None
+        try:
+            return exchange(frames, frame)
+        except TimeoutError:  # no answer even after the grace
+            self.close()
+            raise from_status(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "no answer on the socket"
+            ) from None
+        except OSError:  # server gone or restarted: the client falls back
+            self.close()
+            raise
+
+    def connection(self) -> SocketClient | None:
+        """The frame client, connected on first use; None while there is none."""
+        if self._frames is not None or time.monotonic() < self._retry_at:
+            return self._frames
+        try:
+            info = self.server
+            if info is None:
+                info = self._ask()
+                self.follow(info)
+            if info.socket_path:
+                self._frames = SocketClient(
+                    info.socket_path, self._timeout_s, info.server_id, info.server_pid
+                )
+        except (OSError, PegaflowError) as exc:  # another host, user, or gone
+            logger.debug("server socket unusable: %s", exc)
+            self.server = None  # ask the server again next time
+            self._retry_at = time.monotonic() + RETRY_S
+        return self._frames

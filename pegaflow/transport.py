@@ -3,10 +3,13 @@ by the unix socket (pegaflow.socket_client) or by gRPC (here).
 
 A call is a frozen value built once by the client; each transport turns it into
 its own wire form. A transport answers None when it cannot carry a request
-(the socket's frames hold only equal-length hashes, u32 ids), raises OSError
-when it broke (the client then tries the next), TimeoutError when no answer
-came in `wait_s`, and the typed errors of pegaflow.errors for the server's
-answers.
+(the socket's frames hold only equal-length hashes, u32 ids; it has no
+connection), raises OSError when it broke (the client then tries the next),
+and the typed errors of pegaflow.errors for the server's answers and for no
+answer within `wait_s`.
+
+What only gRPC carries (ServerInfo, ReleaseLease, Unregister, health, the
+Session stream) is GrpcTransport's own methods, outside the protocol.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pegaflow.keys import BlockHash, LoadSpec
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from pegaflow.results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
+from pegaflow.session import Session
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +153,38 @@ class GrpcTransport:
                 f"Load: {len(results)} item results for {len(call.items)} items"
             )
         return LoadBatchResult(resp.loaded, resp.bytes, results)
+
+    # -- gRPC only --------------------------------------------------------
+    def server_info(self, timeout_s: float) -> pb.ServerInfoResponse:
+        return self.call("ServerInfo", pb.ServerInfoRequest(), timeout_s)
+
+    def release_lease(self, lease_id: int, timeout_s: float) -> None:
+        self.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id), timeout_s)
+
+    def unregister(
+        self, instance_id: str, tp_rank: int, token: bytes, timeout_s: float
+    ) -> None:
+        request = pb.UnregisterRequest(
+            instance_id=instance_id, tp_rank=tp_rank, owner_token=token
+        )
+        self.call("Unregister", request, timeout_s)
+
+    def health(self, timeout_s: float) -> bool:
+        """Whether the server's health service answers SERVING."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        request = health_pb2.HealthCheckRequest(service="")
+        try:
+            resp = stub.Check(request, timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def session(
+        self, instance_id: str, tp_rank: int, interval_s: float, token: bytes
+    ) -> Session:
+        return Session(self.stub, instance_id, tp_rank, interval_s, token)
 
     def close(self) -> None:
         self.channel.close()

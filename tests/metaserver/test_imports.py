@@ -14,6 +14,8 @@ FORBIDDEN = (
     "pegaflow.server",
     "pegaflow.socket_server",
     "pegaflow.blocks",
+    "pegaflow.block_entry",
+    "pegaflow.deferred",
     "pegaflow.pool",
     "pegaflow.policy",
     "pegaflow.leases",

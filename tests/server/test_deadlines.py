@@ -123,4 +123,4 @@ def test_deadline_from_another_clock_is_refused(server) -> None:
             "e", 0, np.array([0]), hashes(1), (), 0, far, client._token("e", 0)
         )
         with pytest.raises(Exception, match="deadline_ns: .* ahead"):
-            client._socket_transport().frames.save(frame, 10)
+            client._socket.connection().save(frame, 10)

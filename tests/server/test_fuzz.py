@@ -450,7 +450,7 @@ def fast_exchange(fz: Fuzz, body: bytes) -> None:
     acceptable status or OK, never a dropped connection or INTERNAL."""
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(TIMEOUT_S)
-        sock.connect(fz.client._server.socket_path)
+        sock.connect(fz.client._socket.server.socket_path)
         sock.sendall(len(body).to_bytes(4, "little") + body)
         sock.shutdown(socket.SHUT_WR)
         reply = b""

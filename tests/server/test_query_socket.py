@@ -140,7 +140,7 @@ def test_falls_back_to_grpc_when_socket_is_unusable(server_factory) -> None:
         client.save("e", [0, 1], hs)
         assert client.query("e", hs).num_blocks == 2  # connects the socket
         os.rename(path, path + ".moved")  # new connections impossible...
-        client._drop_socket()  # ...and the open one gone: as after a restart
+        client._socket.close()  # ...and the open one gone: as after a restart
         assert client.query("e", hs).num_blocks == 2  # answered over gRPC
         os.rename(path + ".moved", path)
     assert (

@@ -96,7 +96,7 @@ def test_spill_then_loading_then_ready_from_another_client(
         assert server.metric("pegaflow_ssd_blocks") >= 64
         kv2.register(b, "b", "ns")  # another engine of the namespace
         got = b.query("b", first)  # over the unix socket: it starts the load
-        assert b._socket is not None
+        assert b._socket.connected
         assert got.loading and got.num_blocks == 64 and got.lease_id == 0
         res = _until_ready(b, "b", first)
         assert res.num_blocks == 64

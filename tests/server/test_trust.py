@@ -164,7 +164,7 @@ def test_layer_signals_of_another_process_are_refused(server) -> None:
             req.layer_signals.address = victim.address
             frame = encode_register(req.SerializeToString(), 0)
             with pytest.raises(PermissionDenied, match="layer_signals.pid"):
-                client._socket_transport().frames.register(frame, 10)
+                client._socket.connection().register(frame, 10)
     finally:
         assert victim.close() == 0
 

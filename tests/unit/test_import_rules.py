@@ -20,6 +20,8 @@ SERVER = {
     "pegaflow.server",
     "pegaflow.socket_server",
     "pegaflow.blocks",
+    "pegaflow.block_entry",
+    "pegaflow.deferred",
     "pegaflow.pool",
     "pegaflow.policy",
     "pegaflow.leases",
@@ -38,6 +40,8 @@ SERVER = {
 }
 BOOKKEEPING = [
     "pegaflow.blocks",
+    "pegaflow.block_entry",
+    "pegaflow.deferred",
     "pegaflow.policy",
     "pegaflow.leases",
     "pegaflow.misses",

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pegaflow.blocks import BlockEntry
+from pegaflow.block_entry import BlockEntry
 from pegaflow.hll import hash64
 from pegaflow.ready_index import (
     MAX_LOAD,
