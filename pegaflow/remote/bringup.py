@@ -98,7 +98,9 @@ def attach(
         incarnation, rpc_addr,
     )  # fmt: skip
     engine.attach_remote(link)
-    servicer = PeerServicer(link.pins, link.namespaces, config.token, incarnation)
+    servicer = PeerServicer(
+        link.pins, link.namespaces, config.token, incarnation, metrics
+    )
     peer_pb2_grpc.add_PeerServicer_to_server(servicer, server)
     return link
 

@@ -11,6 +11,7 @@ from pegaflow.errors import InvalidRequest
 from pegaflow.keys import MAX_HASH_BYTES, PackedHashes
 from pegaflow.proto import peer_pb2 as pb
 from pegaflow.proto import peer_pb2_grpc as pb_grpc
+from pegaflow.remote.metrics import RemoteMetrics
 from pegaflow.remote.pins import PinTable
 
 MAX_PIN_HASHES = 65536
@@ -19,10 +20,16 @@ MAX_NAMESPACE_BYTES = 64
 
 class PeerServicer(pb_grpc.PeerServicer):
     def __init__(
-        self, pins: PinTable, namespaces: object, token: str | None, incarnation: int
+        self,
+        pins: PinTable,
+        namespaces: object,
+        token: str | None,
+        incarnation: int,
+        metrics: RemoteMetrics,
     ) -> None:
         """namespaces: digest -> Namespace of the blocks this node advertises."""
         self._pins = pins
+        self._metrics = metrics
         self._namespaces = namespaces
         self._token = token
         self._incarnation = incarnation
@@ -56,6 +63,8 @@ class PeerServicer(pb_grpc.PeerServicer):
         )
         if not got.pin_id:
             return empty
+        self._metrics.served_blocks.inc(len(got.slots))
+        self._metrics.pins.set(len(self._pins))
         sums = b"" if got.checksums is None else got.checksums.astype("<u8").tobytes()
         return pb.PinResponse(
             pin_id=got.pin_id,

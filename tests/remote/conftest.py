@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.connector.conftest import tiny_model  # noqa: F401 (a fixture here too)
 from tests.metaserver.conftest import start_metaserver
 from tests.procs import EngineProc, ServerProc, start_server
 from tests.remote.netns import Netns, NetnsUnavailable, Node

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.connector.conftest import needs_vllm, tiny_model  # noqa: F401 (fixture)
+from tests.connector.conftest import needs_vllm
 from tests.remote.conftest import SERVER_PORT, Cluster
 
 needs_vllm()

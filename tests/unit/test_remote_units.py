@@ -1,0 +1,104 @@
+"""The remote tier's pure parts: batch cutting, endpoint parsing, the routable
+--addr check, the --nics check against a sysfs tree, a peer's Pin answer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pegaflow.instances import Namespace
+from pegaflow.proto import peer_pb2 as pb
+from pegaflow.remote.config import RemoteConfig, check_routable
+from pegaflow.remote.link import PlanSegment, _check_pin, _clip, _Refused
+from pegaflow.remote.nics import NicError, active_devices, check_nics
+from pegaflow.remote.peers import Endpoint
+from pegaflow.remote.transport import batches
+
+
+def test_batches_cut_at_the_limit_and_cover_everything() -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 100, 1000).astype(np.uint64)
+    cuts = batches(lengths, 512)
+    assert cuts[0][0] == 0 and cuts[-1][1] == len(lengths)
+    assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:], strict=False))
+    assert all(int(lengths[a:b].sum()) <= 512 for a, b in cuts)
+    assert batches(np.array([2000], np.uint64), 512) == [(0, 1)]  # one big entry
+    assert batches(np.zeros(0, np.uint64), 512) == []
+
+
+def test_endpoint_round_trip_and_garbage_refused() -> None:
+    e = Endpoint("10.0.0.5:50055", "10.0.0.5:15000")
+    assert Endpoint.parse(str(e)) == e
+    for bad in ("", "rpc=a", "rpc=1.2.3.4:5", "te=1:2", "rpc=x;te=y", "junk"):
+        with pytest.raises(ValueError):
+            Endpoint.parse(bad)
+
+
+def test_addr_must_be_routable() -> None:
+    assert check_routable("10.1.2.3:50055") == "10.1.2.3"
+    with pytest.raises(ValueError, match="wildcard"):
+        check_routable("0.0.0.0:50055")
+    with pytest.raises(ValueError, match="loopback"):
+        check_routable("127.0.0.1:50055")
+    assert check_routable("127.0.0.1:1", allow_loopback=True) == "127.0.0.1"
+    with pytest.raises(ValueError, match="rdma needs --nics"):
+        RemoteConfig("m:1", protocol="rdma")
+
+
+def _device(root: Path, name: str, state: str) -> None:
+    port = root / name / "ports" / "1"
+    port.mkdir(parents=True)
+    (port / "state").write_text(state)
+
+
+def test_nics_need_an_active_port(tmp_path: Path) -> None:
+    _device(tmp_path, "mlx5_0", "4: ACTIVE\n")
+    _device(tmp_path, "mlx5_1", "1: DOWN\n")
+    check_nics(("mlx5_0",), tmp_path)
+    with pytest.raises(NicError, match="mlx5_1 has no active port"):
+        check_nics(("mlx5_0", "mlx5_1"), tmp_path)
+    with pytest.raises(NicError, match="no RDMA device 'mlx5_9'"):
+        check_nics(("mlx5_9",), tmp_path)
+    with pytest.raises(NicError, match="not an RDMA device name"):
+        check_nics(("../etc",), tmp_path)
+    assert active_devices(tmp_path) == ["mlx5_0"]
+
+
+NS = Namespace("m", 1, 2, 4, 4096, (4, 1024))
+
+
+def _pin(blocks: int, shards: int = 2, slot_bytes: int = 4096, sums: bool = True):
+    addrs = np.arange(blocks * shards, dtype="<u8") * 4096
+    return pb.PinResponse(
+        pin_id=7, blocks=blocks, shards=shards, slot_bytes=slot_bytes,
+        slot_addrs=addrs.tobytes(), checksums=addrs.tobytes() if sums else b"",
+    )  # fmt: skip
+
+
+def test_a_peers_pin_is_checked_before_any_read() -> None:
+    remote, sums = _check_pin(_pin(3), 4, NS)
+    assert remote.shape == (3, 2) and sums.shape == (3, 2)
+    assert _check_pin(_pin(3, sums=False), 4, NS)[1] is None
+    cases = {
+        "peer_evicted": pb.PinResponse(pin_id=0),
+        "geometry": _pin(3, slot_bytes=8192),
+    }
+    too_many = _pin(5)
+    short = _pin(3)
+    short.slot_addrs = short.slot_addrs[:-8]
+    torn = _pin(3)
+    torn.checksums = torn.checksums[:8]
+    for cause, pin in [*cases.items(), ("geometry", too_many),
+                       ("geometry", short), ("geometry", torn)]:  # fmt: skip
+        with pytest.raises(_Refused) as err:
+            _check_pin(pin, 4, NS)
+        assert err.value.cause == cause
+
+
+def test_plan_clipped_to_the_slots_reserved() -> None:
+    e = Endpoint("a:1", "a:2")
+    plan = [PlanSegment(e, 1, 0, 3), PlanSegment(e, 1, 3, 4)]
+    assert [(s.start, s.blocks) for s in _clip(plan, 5)] == [(0, 3), (3, 2)]
+    assert [(s.start, s.blocks) for s in _clip(plan, 2)] == [(0, 2)]
