@@ -94,11 +94,42 @@ def wait_advertised(server, count: int, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def advertise_cost(tmp, node, server_on, engine_on, env, pool, blocks, saves) -> dict:
+    """Median time of a 64-block save on node 1's server (advertising every
+    sealed block) against a server without the remote tier, same namespace
+    geometry, alternating the two so drift hits both alike."""
+    plain = start_server(
+        tmp, "--addr", f"{node.address}:50057", "--http-addr",
+        f"{node.address}:9093", "--pool-size", pool, "--log-level", "warning",
+        "--socket", str(tmp / "plain.sock"), prefix=tuple(node.argv()), env=env,
+        timeout=300,
+    )  # fmt: skip
+    engine_off = EngineProc(prefix=tuple(node.argv()))
+    try:
+        engine_off.call("init", seed=9, blocks=blocks, **SHAPE, timeout=300)
+        engine_off.call("register", addr=plain.addr, instance="off", namespace="b")
+        times: dict[str, list[float]] = {"on": [], "off": []}
+        for _ in range(saves):
+            for side, engine in (("on", engine_on), ("off", engine_off)):
+                hashes = [secrets.token_hex(32) for _ in range(64)]
+                t = time.perf_counter()
+                engine.call("save", block_ids=list(range(64)), hashes=hashes)
+                times[side].append(time.perf_counter() - t)
+    finally:
+        engine_off.close()
+        plain.stop()
+    on, off = (statistics.median(times[k]) for k in ("on", "off"))
+    return {"blocks": 64, "saves": saves, "on_ms": round(on * 1e3, 2),
+            "off_ms": round(off * 1e3, 2),
+            "cost_pct": round((on / off - 1) * 100, 1)}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-mib", default="2,4,16,64,256,1024")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--latency-blocks", type=int, default=640, help="10K tokens")
+    p.add_argument("--cost-saves", type=int, default=40, help="saves per side")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes_mib.split(",")]
@@ -192,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                 "save_ms": round(statistics.median(r["save_s"] for r in runs) * 1e3, 1),
             })  # fmt: skip
             print(table(rows[-1:], list(rows[-1])), flush=True)
+        cost = advertise_cost(tmp, a, servers[0], owner, env, pool, engine_blocks,
+                              args.cost_saves)  # fmt: skip
+        print(f"advertising cost: {cost}", flush=True)
         lat = [one(args.latency_blocks) for _ in range(args.repeat)]
         latency = {
             "blocks": args.latency_blocks,
@@ -208,8 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nquery -> ready, {latency['blocks']} blocks "
           f"({latency['bytes'] >> 20} MiB): fetch {latency['fetch_ms']} ms, "
           f"engine ready {latency['ready_ms']} ms")  # fmt: skip
+    print(f"save of {cost['blocks']} blocks: {cost['on_ms']} ms with the remote "
+          f"tier, {cost['off_ms']} ms without ({cost['cost_pct']:+.1f} %)")  # fmt: skip
     out = write_json("remote", {"command": " ".join(sys.argv), "rows": rows,
-                                "latency": latency}, args.json)  # fmt: skip
+                                "latency": latency, "advertise_cost": cost},
+                     args.json)  # fmt: skip
     print(f"wrote {out}")
     return 0
 

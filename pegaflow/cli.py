@@ -51,6 +51,7 @@ FLAG_OF = {
     "ssd_write_threads": "--ssd-write-inflight",
     "ssd_read_threads": "--ssd-prefetch-inflight",
     "remote_transport": "--remote-transport",
+    "metaserver_addr": "--metaserver-addr",
     "remote_query_timeout_s": "--remote-query-timeout",
     "remote_fetch_timeout_s": "--remote-fetch-timeout",
     "max_advertise_queue": "--metaserver-queue-depth",

@@ -35,7 +35,10 @@ class RemoteConfig:
     allow_loopback: bool = False
 
     def __post_init__(self) -> None:
-        parse_addr(self.metaserver_host_port)
+        try:
+            parse_addr(self.metaserver_host_port)
+        except ValueError as exc:
+            raise ValueError(f"metaserver_addr: {exc}") from None
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"remote_transport: {self.protocol!r}, need tcp or rdma")
         if self.protocol == "rdma" and not self.nics:

@@ -199,7 +199,7 @@ class RemoteLink:
             self.stats.last_phases_ms = {"plan": _ms(began)}
         except (grpc.RpcError, asyncio.TimeoutError, ValueError) as exc:
             logger.debug("metaserver query failed: %s", exc)
-            self.metrics.failures.labels("metaserver").inc()
+            self.metrics.failures.labels("metaserver").inc(len(rest))
             self._remember(first)
             return 0, False
         if not plan:
@@ -513,10 +513,11 @@ def _check_pin(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """The owner's answer, checked before anything is read: ([blocks, shards]
     remote slot addresses, their checksums). Raises _Refused with the cause."""
+    answered = pin.slot_bytes or pin.shards  # an empty answer says neither
+    if answered and (pin.slot_bytes, pin.shards) != (ns.slot_bytes, ns.tp_size):
+        raise _Refused("geometry")
     if pin.pin_id == 0 or pin.blocks == 0:
         raise _Refused("peer_evicted")
-    if (pin.slot_bytes, pin.shards) != (ns.slot_bytes, ns.tp_size):
-        raise _Refused("geometry")
     want = pin.blocks * pin.shards * 8
     if pin.blocks > asked or len(pin.slot_addrs) != want:
         raise _Refused("geometry")

@@ -53,11 +53,12 @@ class PeerServicer(pb_grpc.PeerServicer):
         if ns is None:
             return empty  # nothing of that namespace here (any more)
         if (req.slot_bytes, req.shards) != (ns.slot_bytes, ns.tp_size):
-            # Same digest, other geometry: a reader bug; never hand out slots.
-            raise InvalidRequest(
-                f"slot_bytes/shards: {req.slot_bytes}/{req.shards} do not match "
-                "this namespace's geometry here"
-            )
+            # Same digest, other geometry: nothing is pinned, and the answer
+            # says ours, so the reader counts it as a geometry mismatch.
+            return pb.PinResponse(
+                slot_bytes=ns.slot_bytes, shards=ns.tp_size,
+                incarnation=self._incarnation,
+            )  # fmt: skip
         got = await self._pins.pin(
             ns, PackedHashes(req.hashes, req.hash_len, count), req.hold_ms / 1000
         )

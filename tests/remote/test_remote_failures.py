@@ -140,7 +140,8 @@ def test_lying_peer_bytes_never_loaded(cluster: Cluster) -> None:
 
 
 def test_metaserver_restart_index_whole_again(cluster: Cluster) -> None:
-    """Scenario: the metaserver is SIGKILLed and restarted empty: within one
+    """Scenario: the metaserver is SIGKILLed: a query that misses locally is a
+    miss at once, counted as `metaserver`. It is restarted empty: within one
     heartbeat period (2 s here) each node rejoins and re-sends what it holds,
     and a prefix saved before the restart is a remote hit again."""
     before = cluster.remote(0)["advertised"]
@@ -148,11 +149,19 @@ def test_metaserver_restart_index_whole_again(cluster: Cluster) -> None:
     cluster.wait_remote(0, lambda r: r["advertised"] >= before + 8, "advertising")
     rejoins = cluster.remote(0).get("rejoins", 0)
     cluster.meta.stop(signal.SIGKILL)
+    # while it is down: a miss, at once (no hang), counted against it
+    reader = cluster.engine(2, "meta-b", 8)
+    was = _failed(cluster, 2)["metaserver"]
+    asked = time.monotonic()
+    got = reader.call("query", hashes=hashes, wait_s=10)
+    assert got["num_blocks"] == 0 and not got["loading"], got
+    assert time.monotonic() - asked < 2.0
+    assert _failed(cluster, 2)["metaserver"] == was + len(hashes)
     restarted = time.monotonic()
     cluster.start_metaserver()
     cluster.wait_remote(0, lambda r: r["rejoins"] > rejoins, "rejoining", 10)
     took = time.monotonic() - restarted
     assert took < 2.0 + 2.0, took  # one heartbeat, and the rejoin itself
-    reader = cluster.engine(2, "meta-b", 8)
+    time.sleep(2.1)  # the miss above is remembered for 2 s
     got = reader.call("query", hashes=hashes, wait_s=10)
     assert got["num_blocks"] == 8, got

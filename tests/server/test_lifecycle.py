@@ -126,10 +126,19 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("flag", ["--enable-rdma", "--metaserver-addr", "--nics"])
-def test_later_flags_rejected_clearly(flag: str) -> None:
-    res = _cli(flag, "x")
-    assert res.returncode == 2 and flag in res.stderr and "not have yet" in res.stderr
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (("--enable-rdma",), "need --metaserver-addr"),
+        (("--nics", "mlx5_0"), "need --metaserver-addr"),
+        (("--metaserver-addr", "x"), "argument --metaserver-addr: not a host:port"),
+        (("--metaserver-addr", "10.9.9.9:1", "--remote-fetch-timeout", "nan"),
+         "argument --remote-fetch-timeout"),
+    ],
+)  # fmt: skip
+def test_remote_flags_checked(argv: tuple[str, ...], says: str) -> None:
+    res = _cli(*argv)
+    assert res.returncode == 2 and says in res.stderr, res.stderr
 
 
 def test_bad_flag_values() -> None:
