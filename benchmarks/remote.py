@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost-saves", type=int, default=40, help="saves per side")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    # SIGTERM (a timeout, a Ctrl-C from a supervisor) still removes the namespaces
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = [int(s) for s in args.sizes_mib.split(",")]
     most = max(max(sizes) * (1 << 20) // BLOCK_BYTES, args.latency_blocks)
     pool = f"{(most * BLOCK_BYTES * 3 // 2) >> 20}mb"

@@ -24,12 +24,10 @@ never handed out while a read may still write them.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -43,13 +41,19 @@ from pegaflow.metaserver.client import pack
 from pegaflow.pool import HostPool
 from pegaflow.proto import metaserver_pb2 as meta_pb
 from pegaflow.proto import metaserver_pb2_grpc as meta_grpc
-from pegaflow.proto import peer_pb2 as peer_pb
 from pegaflow.remote.advertiser import Advertiser
 from pegaflow.remote.config import RemoteConfig
+from pegaflow.remote.fetch import (
+    OwnerReads,
+    PlanSegment,
+    RemoteStats,
+    clip_plan,
+    elapsed_ms,
+)
 from pegaflow.remote.metrics import RemoteMetrics
 from pegaflow.remote.peers import Endpoint, PeerChannels
-from pegaflow.remote.pins import PinTable, checksums_of
-from pegaflow.remote.transport import RemoteTransport, TransportError
+from pegaflow.remote.pins import PinTable
+from pegaflow.remote.transport import RemoteTransport
 
 logger = logging.getLogger(__name__)
 
@@ -58,25 +62,6 @@ _RELEASE_TIMEOUT_S = 2.0
 _HOLD_MARGIN_S = 2.0  # a pin is asked to outlive our fetch deadline by this
 # A fetch is read in pieces this large, each hashed while the next is read.
 _PIECE_BYTES = 16 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class PlanSegment:
-    endpoint: Endpoint
-    incarnation: int
-    start: int  # index into the fetched run
-    blocks: int
-
-
-@dataclass(slots=True)
-class RemoteStats:
-    fetches: int = 0
-    fetched_blocks: int = 0
-    fetched_bytes: int = 0
-    fetch_seconds: float = 0.0  # sum over fetches
-    last_fetch_s: float = 0.0
-    # the last fetch's phases, ms: metaserver plan, pin, read (+ hashing it)
-    last_phases_ms: dict[str, float] = field(default_factory=dict)
 
 
 class RemoteLink:
@@ -109,12 +94,15 @@ class RemoteLink:
         self._unfetched: OrderedDict[Key, None] = OrderedDict()  # for the miss causes
         self._tasks: set[asyncio.Task[None]] = set()
         self.stats = RemoteStats()
-        self._peers_seen: set[str] = set()  # owners fetched from
         addr = config.metaserver_host_port
         self._meta_channel = grpc.aio.insecure_channel(addr)
         self._meta = meta_grpc.MetaServerStub(self._meta_channel)
         self._meta_metadata = peer_auth.metadata(config.token)
         self._peers = PeerChannels(config.token)
+        self._reads = OwnerReads(
+            self._peers, transport, pool, metrics, self.stats, node_id, self._fail,
+            self._tasks,
+        )  # fmt: skip
         self.advertiser: Advertiser | None = None
 
     def start_advertising(self, advertiser: Advertiser) -> None:
@@ -196,7 +184,7 @@ class RemoteLink:
         began = time.monotonic()
         try:
             plan = await self._plan(ns, rest)
-            self.stats.last_phases_ms = {"plan": _ms(began)}
+            self.stats.last_phases_ms = {"plan": elapsed_ms(began)}
         except (grpc.RpcError, asyncio.TimeoutError, ValueError) as exc:
             logger.debug("metaserver query failed: %s", exc)
             self.metrics.failures.labels("metaserver").inc(len(rest))
@@ -215,7 +203,7 @@ class RemoteLink:
             self._remember(first)
             return 0, False
         n = len(entries)
-        plan = _clip(plan, n)
+        plan = clip_plan(plan, n)
         self._loading.update(
             zip((e.key for e in entries), range(n, 0, -1), strict=True)
         )
@@ -260,7 +248,9 @@ class RemoteLink:
         ok = np.zeros(len(entries), bool)
         deadline = began + self.config.fetch_timeout_s
         reads = [
-            asyncio.ensure_future(self._segment(ns, entries, seg, ok, deadline))
+            asyncio.ensure_future(
+                self._reads.run(ns, self.digest(ns), entries, seg, ok, deadline)
+            )
             for seg in plan
         ]
         done, late = await asyncio.wait(
@@ -299,130 +289,6 @@ class RemoteLink:
             "fetched %d of %d blocks (%d B) from %d peer(s) in %.1f ms",
             good, len(entries), nbytes, len(plan), seconds * 1e3,
         )  # fmt: skip
-
-    async def _segment(
-        self,
-        ns: Namespace,
-        entries: list[BlockEntry],
-        seg: PlanSegment,
-        ok: np.ndarray,
-        deadline: float,
-    ) -> None:
-        """One owner's run: pin, check, read, verify, release."""
-        run = entries[seg.start : seg.start + seg.blocks]
-        keys = [e.key for e in run]
-        left = deadline - time.monotonic()
-        request = peer_pb.PinRequest(
-            namespace=self.digest(ns),
-            hash_len=len(keys[0][1]),
-            hashes=b"".join(k[1] for k in keys),
-            hold_ms=int((left + _HOLD_MARGIN_S) * 1000),
-            slot_bytes=ns.slot_bytes,
-            shards=ns.tp_size,
-            reader_node_id=self.node_id,
-        )
-        pinned = time.monotonic()
-        try:
-            pin = await self._peers.pin(seg.endpoint.rpc, request, max(left, 0.001))
-        except grpc.RpcError as exc:
-            logger.info("peer %s: pin failed: %s", seg.endpoint.rpc, exc.code())
-            return self._fail(keys, "peer_unreachable")
-        granted_until = time.monotonic() + pin.hold_ms / 1000
-        phases = self.stats.last_phases_ms
-        phases["pin"] = _ms(pinned)
-        try:
-            got = _check_pin(pin, len(run), ns)
-        except _Refused as refused:
-            self._release_soon(seg.endpoint.rpc, pin.pin_id)
-            return self._fail(keys, refused.cause)
-        remote, sums = got
-        n = len(remote)
-        if n < len(run):
-            self._fail(keys[n:], "peer_evicted")
-        local = np.array([e.slots for e in run[:n]], np.uint64)
-        # Read only inside the hold the owner granted: past it the owner may
-        # reuse those slots.
-        if min(granted_until, deadline) - time.monotonic() <= 0:
-            self._release_soon(seg.endpoint.rpc, pin.pin_id)
-            return self._fail(keys[:n], "pin_expired")
-        later = None
-        if sums is None:  # the owner hashes while we read
-            wait = max(deadline - time.monotonic(), 0.001)
-            later = asyncio.ensure_future(
-                self._peers.checksums(seg.endpoint.rpc, pin.pin_id, wait)
-            )
-        reading = time.monotonic()
-        try:
-            mine = await asyncio.to_thread(
-                self._read_and_hash, seg.endpoint.transfer, local, remote,
-                ns.slot_bytes,
-            )  # fmt: skip
-            phases["read"] = _ms(reading)
-            if later is not None:
-                sums = _sums(await later, local.shape)
-            phases["checksums_wait"] = _ms(reading) - phases["read"]
-        except TransportError as exc:
-            logger.info("peer %s: %s", seg.endpoint.transfer, exc)
-            return self._fail(keys[:n], "transport")
-        except (grpc.RpcError, _Refused) as exc:
-            logger.info("peer %s: no checksums: %s", seg.endpoint.rpc, exc)
-            return self._fail(keys[:n], "peer_unreachable")
-        finally:
-            if later is not None and not later.done():
-                later.cancel()
-            self._release_soon(seg.endpoint.rpc, pin.pin_id)
-        intact = (mine == sums).all(axis=1)
-        bad = np.flatnonzero(~intact)
-        if len(bad):
-            logger.warning(
-                "peer %s: %d of %d blocks failed their checksum; dropped",
-                seg.endpoint.rpc, len(bad), n,
-            )  # fmt: skip
-            self._fail([keys[i] for i in bad.tolist()], "checksum")
-        ok[seg.start : seg.start + n] = intact
-        self._peers_seen.add(seg.endpoint.rpc)
-        return None
-
-    def _read_and_hash(
-        self, endpoint: str, local: np.ndarray, remote: np.ndarray, slot_bytes: int
-    ) -> np.ndarray:
-        """On a worker thread: the read in pieces of ~_PIECE_BYTES, each piece
-        hashed on a second thread while the next one is read. The checksum
-        of every slot read ([blocks, shards])."""
-        shards = local.shape[1]
-        per = max(1, _PIECE_BYTES // (slot_bytes * shards))
-        flat_local, flat_remote = local.reshape(-1), remote.reshape(-1)
-        lengths = np.full(flat_local.size, slot_bytes, np.uint64)
-        before = getattr(self.transport, "retried", 0)
-        hashed: list[concurrent.futures.Future[np.ndarray]] = []
-        with concurrent.futures.ThreadPoolExecutor(1) as hasher:
-            for start in range(0, len(local), per):  # per piece, not per block
-                a, b = start * shards, min(len(local), start + per) * shards
-                self.transport.read(
-                    endpoint, flat_local[a:b], flat_remote[a:b], lengths[a:b]
-                )
-                piece = flat_local[a:b]
-                hashed.append(
-                    hasher.submit(checksums_of, self._pool, piece, slot_bytes)
-                )
-        retried = getattr(self.transport, "retried", 0) - before
-        if retried:
-            self.metrics.retries.inc(retried)
-        return np.concatenate([f.result() for f in hashed]).reshape(local.shape)
-
-    def _release_soon(self, addr: str, pin_id: int) -> None:
-        if not pin_id:
-            return
-
-        async def release() -> None:
-            try:
-                await self._peers.release(addr, pin_id, _RELEASE_TIMEOUT_S)
-            except grpc.RpcError as exc:  # the pin expires on its own
-                logger.debug("release of pin %d at %s: %s", pin_id, addr, exc.code())
-
-        task = asyncio.ensure_future(release())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def _fail(self, keys: list[Key], cause: str) -> None:
         self.metrics.failures.labels(cause).inc(len(keys))
@@ -469,7 +335,7 @@ class RemoteLink:
             "endpoint": str(self.endpoint),
             "metaserver": self.config.metaserver_host_port,
             "joined": adv is not None and adv.joined.is_set(),
-            "peers": len(self._peers_seen),
+            "peers": len(st.peers_seen),
             "fetches": st.fetches,
             "fetched_blocks": st.fetched_blocks,
             "fetched_bytes": st.fetched_bytes,
@@ -500,55 +366,6 @@ class RemoteLink:
         await self._peers.close()
         await self._meta_channel.close()
         await asyncio.to_thread(self.transport.close)
-
-
-class _Refused(Exception):
-    def __init__(self, cause: str) -> None:
-        super().__init__(cause)
-        self.cause = cause
-
-
-def _check_pin(
-    pin: peer_pb.PinResponse, asked: int, ns: Namespace
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """The owner's answer, checked before anything is read: ([blocks, shards]
-    remote slot addresses, their checksums). Raises _Refused with the cause."""
-    answered = pin.slot_bytes or pin.shards  # an empty answer says neither
-    if answered and (pin.slot_bytes, pin.shards) != (ns.slot_bytes, ns.tp_size):
-        raise _Refused("geometry")
-    if pin.pin_id == 0 or pin.blocks == 0:
-        raise _Refused("peer_evicted")
-    want = pin.blocks * pin.shards * 8
-    if pin.blocks > asked or len(pin.slot_addrs) != want:
-        raise _Refused("geometry")
-    if len(pin.checksums) not in (0, want):
-        raise _Refused("geometry")
-    shape = (pin.blocks, pin.shards)
-    remote = np.frombuffer(pin.slot_addrs, "<u8").astype(np.uint64).reshape(shape)
-    sums = _sums(pin.checksums, shape) if pin.checksums else None
-    return remote, sums
-
-
-def _sums(raw: bytes, shape: tuple[int, int]) -> np.ndarray:
-    """The owner's checksums; _Refused when they do not fit the pin."""
-    if len(raw) != shape[0] * shape[1] * 8:
-        raise _Refused("geometry")
-    return np.frombuffer(raw, "<u8").astype(np.uint64).reshape(shape)
-
-
-def _ms(since: float) -> float:
-    return round((time.monotonic() - since) * 1e3, 3)
-
-
-def _clip(plan: list[PlanSegment], n: int) -> list[PlanSegment]:
-    """The plan cut to the first n blocks (fewer slots were reserved)."""
-    out = []
-    for seg in plan:
-        if seg.start >= n:
-            break
-        blocks = min(seg.blocks, n - seg.start)
-        out.append(PlanSegment(seg.endpoint, seg.incarnation, seg.start, blocks))
-    return out
 
 
 def _by_namespace(keys) -> dict[int, list[bytes]]:

@@ -11,7 +11,7 @@ import pytest
 from pegaflow.instances import Namespace
 from pegaflow.proto import peer_pb2 as pb
 from pegaflow.remote.config import RemoteConfig, check_routable
-from pegaflow.remote.link import PlanSegment, _check_pin, _clip, _Refused
+from pegaflow.remote.fetch import PlanSegment, Refused, check_pin, clip_plan
 from pegaflow.remote.nics import NicError, active_devices, check_nics
 from pegaflow.remote.peers import Endpoint
 from pegaflow.remote.transport import batches
@@ -78,9 +78,9 @@ def _pin(blocks: int, shards: int = 2, slot_bytes: int = 4096, sums: bool = True
 
 
 def test_a_peers_pin_is_checked_before_any_read() -> None:
-    remote, sums = _check_pin(_pin(3), 4, NS)
+    remote, sums = check_pin(_pin(3), 4, NS)
     assert remote.shape == (3, 2) and sums.shape == (3, 2)
-    assert _check_pin(_pin(3, sums=False), 4, NS)[1] is None
+    assert check_pin(_pin(3, sums=False), 4, NS)[1] is None
     cases = {
         "peer_evicted": pb.PinResponse(pin_id=0),
         "geometry": _pin(3, slot_bytes=8192),
@@ -92,13 +92,13 @@ def test_a_peers_pin_is_checked_before_any_read() -> None:
     torn.checksums = torn.checksums[:8]
     for cause, pin in [*cases.items(), ("geometry", too_many),
                        ("geometry", short), ("geometry", torn)]:  # fmt: skip
-        with pytest.raises(_Refused) as err:
-            _check_pin(pin, 4, NS)
+        with pytest.raises(Refused) as err:
+            check_pin(pin, 4, NS)
         assert err.value.cause == cause
 
 
 def test_plan_clipped_to_the_slots_reserved() -> None:
     e = Endpoint("a:1", "a:2")
     plan = [PlanSegment(e, 1, 0, 3), PlanSegment(e, 1, 3, 4)]
-    assert [(s.start, s.blocks) for s in _clip(plan, 5)] == [(0, 3), (3, 2)]
-    assert [(s.start, s.blocks) for s in _clip(plan, 2)] == [(0, 2)]
+    assert [(s.start, s.blocks) for s in clip_plan(plan, 5)] == [(0, 3), (3, 2)]
+    assert [(s.start, s.blocks) for s in clip_plan(plan, 2)] == [(0, 2)]
