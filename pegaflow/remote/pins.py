@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 MAX_HOLD_S = 30.0
 MAX_PINS = 4096  # pins held at once; a reader beyond it gets nothing pinned
+# Peers may pin at most this share of the pool at once: the rest stays
+# evictable, so a burst of readers (or one that never releases) cannot make
+# this node's own saves fail for want of a slot.
+MAX_PINNED_SHARE = 0.5
 
 
 @dataclass(slots=True)
@@ -40,6 +44,7 @@ class Pin:
     entries: list[BlockEntry]
     expires: float  # time.monotonic()
     checksums: asyncio.Future[np.ndarray]
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +83,10 @@ class PinTable:
         self._pins: dict[int, Pin] = {}
         self._ids = itertools.count(1)
         self._sums: dict[Key, np.ndarray] = {}  # per ready block, its shards' sums
+        self._pinned_bytes = 0
+        self._max_pinned_bytes = int(pool.size * MAX_PINNED_SHARE)
         self.expired = 0
+        self.refused = 0  # pins refused: too many, or too much of the pool
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -87,17 +95,25 @@ class PinTable:
         if len(self._pins) >= MAX_PINS:
             self.sweep()
             if len(self._pins) >= MAX_PINS:
+                self.refused += 1
                 return NOTHING
-        entries = self._store.longest_prefix(ns, hashes.list())
+        entries = self._store.lookup(ns, hashes)[0]  # packed: no object per hash
         if not entries:
             return NOTHING
+        nbytes = len(entries) * ns.slot_bytes * ns.tp_size
+        if self._pinned_bytes + nbytes > self._max_pinned_bytes:
+            self.sweep()
+            if self._pinned_bytes + nbytes > self._max_pinned_bytes:
+                self.refused += 1
+                return NOTHING
+        self._pinned_bytes += nbytes
         hold_s = min(hold_s, MAX_HOLD_S)
         self._store.pin(entries)
         pin_id = next(self._ids)
         slots = np.array([e.slots for e in entries], np.uint64)
         known = [self._sums.get(e.key) for e in entries]
         sums = asyncio.ensure_future(self._checksums(entries, slots, known, ns))
-        self._pins[pin_id] = Pin(entries, time.monotonic() + hold_s, sums)
+        self._pins[pin_id] = Pin(entries, time.monotonic() + hold_s, sums, nbytes)
         ready = np.stack(known) if all(k is not None for k in known) else None
         return Pinned(pin_id, slots, ready, hold_s)
 
@@ -131,6 +147,7 @@ class PinTable:
         pin = self._pins.pop(pin_id, None)
         if pin is None:
             return False
+        self._pinned_bytes -= pin.nbytes
         if pin.checksums.done():
             self._store.unpin(pin.entries)
         else:  # the hashing thread still reads the slots: they stay until it ends
