@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 INSERT, REMOVE = "insert", "remove"
 _RETRY_S = 1.0  # a metaserver that is down is tried again this often
+# How long a batch waits for more hashes before it is sent: the index lags a
+# save by at most this (plus the RPC), and a burst of saves shares one Insert.
+LINGER_S = 0.02
 # Snapshot of everything held: digest -> its ready hashes (one length each).
 Snapshot = Callable[[], Coroutine[None, None, dict[bytes, list[bytes]]]]
 
@@ -149,6 +152,14 @@ class Advertiser:
                     self._cond.wait(timeout)
                 if not self._queue:
                     return
+                # Linger a moment for the saves behind this one: one Insert
+                # for many saves costs each of them less than its own RPC.
+                linger_end = time.monotonic() + LINGER_S
+                while self._queued < batch_limit and not self._stop:
+                    left = linger_end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
                 op, digest, hashes = self._take(batch_limit)
             self._send(op, digest, hashes, batch_limit)
 

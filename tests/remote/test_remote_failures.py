@@ -77,6 +77,31 @@ def test_peer_killed_mid_transfer_is_a_miss(cluster: Cluster) -> None:
     cluster.wait_remote(2, lambda r: r["joined"], "node 2 joining again")
 
 
+def test_stopped_peer_is_a_miss_at_the_deadline(cluster: Cluster) -> None:
+    """Scenario: node 2 holds a prefix and stops answering (SIGSTOP): node 1's
+    pin waits at most --remote-fetch-timeout (5 s), then the query is a miss;
+    node 2, continued, serves again."""
+    before = cluster.remote(2)["advertised"]
+    _, _, hashes = _owner(cluster, 2, "stop-a", 8)
+    cluster.wait_remote(2, lambda r: r["advertised"] >= before + 8, "advertising")
+    reader = cluster.engine(1, "stop-b", 9)
+    was = _failed(cluster, 1)
+    server = cluster.servers[2]
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        got = reader.call("query", hashes=hashes, wait_s=20)
+        took = time.monotonic() - started
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    assert got["num_blocks"] == 0 and not got["loading"], got
+    assert 4.0 < took < 5 + 3, took  # the deadline, not a hang
+    now = _failed(cluster, 1)
+    late = sum(now[c] - was[c] for c in ("peer_unreachable", "deadline"))
+    assert late >= 8, now
+    cluster.wait_remote(2, lambda r: r["joined"], "node 2 serving again")
+
+
 def test_peer_evicted_meanwhile_is_a_miss(cluster: Cluster) -> None:
     """Scenario: node 0 advertised a prefix, then lost its way to the
     metaserver (a blackhole route) and evicted the prefix: the metaserver still
