@@ -8,7 +8,7 @@ Every timed transfer kind is byte-checked once: a save, then a load into
 poisoned other blocks, compared on the GPU.
 
     PYTHONPATH=$PWD python3 benchmarks/transfer.py --out DIR [--quick] [--prefill]
-        [--copy-path auto|kernel|dma] [--copy-sm-cap N] [--tag NAME]
+        [--copy-path auto|kernel|dma] [--copy-sm-cap N] [--tag NAME] [--sizes 1,64]
     ... --interference [--copy-paths kernel,dma,auto] [--copy-sm-caps 16,66]
 
 `--interference` is the engine-interference mode (benchmarks/interference.py):
@@ -295,6 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", action="store_true", help="10K-token prefill too")
     p.add_argument("--bringup-gib", type=int, default=64)
     p.add_argument(
+        "--sizes",
+        type=_sizes,
+        default=None,
+        help="comma-separated N blocks (default 1,16,64,640,2560; --quick 1,16,64)",
+    )
+    p.add_argument(
         "--shapes",
         default=",".join(name for name, _, _ in SHAPES),
         help="comma-separated shape names (default: all)",
@@ -303,6 +309,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--copy-sm-cap", type=int, default=interference.DEFAULT_CAP)
     interference.add_arguments(p)
     return p
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: need N >= 1, comma-separated")
+    return sizes
 
 
 def start_server(pool: str, *extra: str) -> tuple[subprocess.Popen, str, str]:
@@ -342,7 +358,7 @@ def run_shapes(args: argparse.Namespace) -> dict:
 
     from benchmarks.transfer_extras import bring_up, prefill_seconds
 
-    sizes = [1, 16, 64] if args.quick else [1, 16, 64, 640, 2560]
+    sizes = args.sizes or ([1, 16, 64] if args.quick else [1, 16, 64, 640, 2560])
     pool = "4gb" if args.quick else "16gb"
     setting = interference.Setting(args.copy_path, args.copy_sm_cap)
     proc, addr, http = start_server(pool, *setting.server_args())

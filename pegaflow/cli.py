@@ -194,9 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--copy-crossovers",
         default=None,
-        help="where auto takes copy engines: 'none' or e.g. 'save:81920:65536' "
-        "(direction:min_pages[:min_page_bytes], comma-separated; default: the "
-        "table in pegaflow/config.py)",
+        help="where auto takes copy engines: 'none' or e.g. 'save:1-128:65536' "
+        "(direction:min_pages[-max_pages][:min_page_bytes], comma-separated; "
+        "default: the table in pegaflow/config.py)",
     )
     p.add_argument(
         "--cuda-event-timeout",

@@ -199,46 +199,70 @@ MAX_PAGES = 1 << 32
 
 @dataclass(frozen=True, slots=True)
 class Crossover:
-    """A batch of `direction` with at least `min_pages` pages of at least
-    `min_page_bytes` each goes to the copy engines (DMA); kernels move the rest."""
+    """A batch of `direction` with `min_pages` to `max_pages` pages of at least
+    `min_page_bytes` each goes to the copy engines (DMA); kernels move the rest.
+    How each path's batch is waited for: pegaflow.copiers.cuda.COMPLETION."""
 
     direction: CopyDirection
     min_pages: int
     min_page_bytes: int = 0
+    max_pages: int = MAX_PAGES
 
     def __post_init__(self) -> None:
         if self.direction not in ("save", "load"):
             raise ValueError(f"copy_crossovers: direction {self.direction!r}")
         check_int("copy_crossovers", self.min_pages, 1, MAX_PAGES)
         check_int("copy_crossovers", self.min_page_bytes, 0, 1 << 40)
+        check_int("copy_crossovers", self.max_pages, self.min_pages, MAX_PAGES)
+
+    def covers(self, direction: CopyDirection, pages: int, page_bytes: int) -> bool:
+        return (
+            direction == self.direction
+            and self.min_pages <= pages <= self.max_pages
+            and page_bytes >= self.min_page_bytes
+        )
 
 
-# Measured on the H200 on 2026-12-01 (benchmarks/RESULTS.md): right for an
-# idle GPU, wrong for a busy one (kernels slowed an engine's matmul 41-48 %,
-# copy engines ~1 %). Missing: a choice that knows whether the engine computes.
-# From the issue's figures,
-# 64 KiB pages x 32 layers: copy engines beat kernels GPU -> host only at
-# N = 2560 blocks (51.3 vs ~45 GB/s), and never host -> GPU (34 / 46 / 46
-# vs 36 / 47 / 48 GB/s at N = 64 / 640 / 2560).
-DEFAULT_CROSSOVERS = (Crossover("save", 2560 * 32, 64 << 10),)
+# Measured on the H200 on 2026-12-02 (benchmarks/results/h200_2026-12-02/
+# kernel_variants.log: 64 KiB pages x 32 layers, random ids, wall clock until
+# the host sees completion). Right for an idle GPU; on a busy one kernels
+# slowed an engine's matmul 41-48 %, copy engines ~1 % (2026-12-01). Missing:
+# a choice that knows whether the engine computes.
+# - save, N = 1 block: copy engines + mapped flag 112 us P50, block kernel +
+#   stream sync 208 us (272 us at the server's 66-CTA cap: 7.7 GB/s). At N = 8
+#   the kernel wins (33.2-34.6 vs 24.5 GB/s: 0.49 vs 0.68 ms). Fixed plus
+#   per-block costs fitted to N = 1 and 8 cross at 3-4.5 blocks, so copy
+#   engines take saves of up to 4 blocks (128 pages); N = 2-4 are
+#   interpolated, not measured.
+# - save, N >= 64: the kernel (0.89-0.92 of the ceiling) beats copy engines
+#   (0.69-0.78) at every N, 2560 included (50.5 vs 43.1 GB/s; the server's own
+#   copy time agreed on 2026-12-01: 43-44 GB/s by DMA at 2560, 49-50 by
+#   kernel at 640), so the earlier "DMA from 2560 blocks" row is gone.
+# - load: kernels at every N; at N = 1 copy engines + flag only tie (161 us).
+DEFAULT_CROSSOVERS = (Crossover("save", 1, 64 << 10, max_pages=4 * 32),)
 
 
 def parse_crossovers(text: str) -> tuple[Crossover, ...]:
-    """'none', or 'save:81920:65536,load:4096' (direction:min_pages[:min_bytes])."""
+    """'none', or 'save:1-128:65536,load:4096' (direction:pages[:min_bytes],
+    pages being min_pages or min_pages-max_pages)."""
     if text.strip().lower() == "none":
         return ()
     rows = []
     for item in text.split(","):
         parts = item.strip().split(":")
         try:
-            numbers = [int(x) for x in parts[1:]]
-            if not 1 <= len(numbers) <= 2:
+            if not 2 <= len(parts) <= 3:
                 raise ValueError
+            low, dash, high = parts[1].partition("-")
+            pages = [int(low), *([int(high)] if dash else [])]
+            min_bytes = int(parts[2]) if len(parts) == 3 else 0
         except ValueError:
             raise ValueError(
-                f"copy_crossovers: {item!r}, need direction:min_pages[:min_bytes]"
+                f"copy_crossovers: {item!r}, need "
+                "direction:min_pages[-max_pages][:min_bytes]"
             ) from None
-        rows.append(Crossover(parts[0], *numbers))  # type: ignore[arg-type]
+        direction, lo, hi = parts[0], pages[0], pages[-1] if dash else MAX_PAGES
+        rows.append(Crossover(direction, lo, min_bytes, hi))  # type: ignore[arg-type]
     return tuple(rows)
 
 

@@ -231,6 +231,27 @@ def event_done(event: Any) -> bool:
     return True
 
 
+def mapped_word() -> tuple[int, int]:
+    """(host address, device address) of 8 zeroed bytes of mapped pinned host
+    memory, kept for the process's life: the word a stream writes when its work
+    is done (stream_write32) and the host polls."""
+    rt = _rt()
+    flags = rt.cudaHostAllocMapped | rt.cudaHostAllocPortable
+    host = int(check(rt.cudaHostAlloc(8, flags), "cudaHostAlloc"))
+    ctypes.memset(host, 0, 8)
+    dev = check(rt.cudaHostGetDevicePointer(host, 0), "cudaHostGetDevicePointer")
+    return host, int(dev)
+
+
+def stream_write32(stream: int, device_address: int, value: int) -> None:
+    """Queue a 4-byte write of `value` on `stream`, after a memory fence and
+    every copy queued before it (cuStreamWriteValue32)."""
+    dr = _dr()
+    ptr = dr.CUdeviceptr(device_address)
+    flags = dr.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+    check(dr.cuStreamWriteValue32(stream, ptr, value, flags), "cuStreamWriteValue32")
+
+
 class HostRegistrar:
     """`pegaflow.pool.PoolRegistrar` over cudaHostRegister(Mapped | Portable):
     the pool becomes DMA-able and reachable zero-copy from every context.

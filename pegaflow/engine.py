@@ -212,12 +212,17 @@ class Engine:
             block_ids[res.positions], res.slots, layers
         )
         gather = functools.partial(worker.copier.gather, deadline=ctx.deadline)
-        if wait_event:  # host copiers take no event: they refuse one
-            gather = functools.partial(gather, wait_event=wait_event)
         ok = False
         try:
-            # An event-gated copy waits for the engine's compute: never on the loop.
-            inline = not wait_event
+            # An event-gated copy waits for the engine's compute: never on the
+            # loop, unless the event already completed (then it needs no wait;
+            # a hop to a thread costs more than a small copy). Host copiers
+            # refuse any event, here.
+            if wait_event and not worker.copier.event_done(worker.handle, wait_event):
+                gather = functools.partial(gather, wait_event=wait_event)
+                inline = False
+            else:
+                inline = True
             seconds = await self._copy(worker, gather, transfers, inline, ctx.deadline)
             if ctx.deadline is not None and time.monotonic() > ctx.deadline:
                 raise DeadlineExceeded(

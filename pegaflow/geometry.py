@@ -91,12 +91,29 @@ class KVGeometry:
         self.num_blocks = layers[0].num_blocks
         self.num_layers = len(layers)
         self.layer_rows = np.repeat(np.arange(len(layers)), seg_counts)
+        self._all_rows = np.arange(rows)
 
     def engine_to_slots(
         self, block_ids: np.ndarray, slot_addrs: np.ndarray, layer_ids: np.ndarray
     ) -> Transfers:
         """Descriptors copying the given layers of engine blocks into slots."""
-        rows = np.flatnonzero(np.isin(self.layer_rows, layer_ids))
+        return self._transfers(block_ids, slot_addrs, self._rows(layer_ids))
+
+    def _rows(self, layer_ids: np.ndarray) -> np.ndarray:
+        """The (layer, segment) rows of `layer_ids`, in slot order. A mask
+        over the layers, not np.isin: ~10 vs ~50 us a request (dev VM)."""
+        ids = np.asarray(layer_ids)
+        if not ids.size:
+            return np.zeros(0, np.intp)
+        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.num_layers:
+            return np.flatnonzero(np.isin(self.layer_rows, ids))  # ids outside
+        wanted = np.zeros(self.num_layers, bool)
+        wanted[ids] = True
+        return np.flatnonzero(wanted[self.layer_rows])
+
+    def _transfers(
+        self, block_ids: np.ndarray, slot_addrs: np.ndarray, rows: np.ndarray
+    ) -> Transfers:
         eng = (
             self.engine_offset[rows][None, :]
             + block_ids.astype(np.uint64)[:, None] * self.block_stride[rows][None, :]
@@ -109,7 +126,7 @@ class KVGeometry:
         self, slot_addrs: np.ndarray, block_ids: np.ndarray
     ) -> Transfers:
         """Descriptors copying whole slots back into engine blocks."""
-        t = self.engine_to_slots(block_ids, slot_addrs, np.arange(self.num_layers))
+        t = self._transfers(block_ids, slot_addrs, self._all_rows)
         return Transfers(t.dst, t.src, t.nbytes)
 
     @property

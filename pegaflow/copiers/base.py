@@ -48,6 +48,10 @@ class CopyEngine(Protocol):
     ) -> None:
         """Engine -> pool; wait_event (CUDA only): after the engine's event."""
 
+    def event_done(self, handle: object, wait_event: int) -> bool:
+        """Whether a save gated on wait_event could start now (CUDA only;
+        InvalidRequest where gather would refuse that event)."""
+
     def scatter(
         self, handle: object, transfers: Transfers, deadline: float | None = None
     ) -> None:

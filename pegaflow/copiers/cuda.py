@@ -24,30 +24,38 @@ Engine._copy now outlives a cancelled RPC). The engine itself never syncs; the
 copy starts within ~50 us of its event completing.
 
 Each batch moves by kernel or by the copy engines (pegaflow.copiers.dma),
-chosen per batch from its shape by a CopyPolicy: kernels are faster on small
-and mid-sized batches, copy engines use no SMs. Both run on the direction's
-stream, so the choice never reorders a save or a load.
+chosen per batch from its shape by a CopyPolicy: copy engines for saves of a
+few blocks, kernels for the rest (config.DEFAULT_CROSSOVERS has the figures);
+copy engines use no SMs. Both run on the direction's stream, so the choice
+never reorders a save or a load. How the thread then waits for the batch
+follows its path (COMPLETION; pegaflow.copiers.completion).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from pegaflow import cuda_driver, deadlines, kernels
 from pegaflow.copiers import dma
 from pegaflow.copiers.base import CudaExport
+from pegaflow.copiers.completion import StreamFlag
+from pegaflow.copiers.policy import (
+    COMPLETION,
+    FLAG_MAX_BYTES,
+    CopyDirection,
+    CopyPath,
+    CopyPolicy,
+)
 from pegaflow.errors import CopyFailed, InvalidRequest
 from pegaflow.geometry import Transfers
-
-if TYPE_CHECKING:  # values the server passes in; no import of its config
-    from pegaflow.config import CopyPathSetting, Crossover, CudaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -57,56 +65,18 @@ POLL_S = 50e-6
 CLOSE_WAIT_S = 10.0  # a re-opened allocation waits this long for its old close
 
 
-CopyPath = Literal["kernel", "dma"]
-CopyDirection = dma.Direction  # save: GPU -> pool, load: pool -> GPU
-
-
-class CopyPolicy:
-    """Kernel or copy engines for one batch, from its direction, page count and
-    page size: `setting` "kernel" or "dma" forces one, "auto" takes DMA where a
-    crossover row of the batch's direction says so (the server passes
-    CudaConfig.crossovers, whose defaults are the measured table). With no
-    rows, "auto" is kernels only."""
-
-    def __init__(
-        self, setting: CopyPathSetting = "auto", crossovers: tuple[Crossover, ...] = ()
-    ) -> None:
-        if setting not in ("auto", "kernel", "dma"):
-            raise ValueError(f"copy_path: {setting!r}, need auto|kernel|dma")
-        self.setting = setting
-        self.crossovers = crossovers
-
-    @classmethod
-    def from_config(cls, config: CudaConfig) -> CopyPolicy:
-        return cls(config.copy_path, config.crossovers)
-
-    def choose(self, direction: CopyDirection, pages: int, page_bytes: int) -> CopyPath:
-        if self.setting != "auto":
-            return self.setting
-        for row in self.crossovers:
-            if (
-                row.direction == direction
-                and pages >= row.min_pages
-                and page_bytes >= row.min_page_bytes
-            ):
-                return "dma"
-        return "kernel"
-
-    def choose_for(self, direction: CopyDirection, t: Transfers) -> CopyPath:
-        """choose() for a descriptor table: its rows are the pages."""
-        pages = len(t)
-        return self.choose(direction, pages, t.total_bytes // pages if pages else 0)
-
-
 @dataclass(slots=True)
 class _Device:
-    """One GPU the server serves: the pool's alias there and two streams."""
+    """One GPU the server serves: the pool's alias there, two streams and
+    their completion flags (none where copy engines are off or the driver
+    refuses stream writes)."""
 
     ordinal: int
     uuid: bytes
     pool: Any  # kernels Buffer over the whole pool, mapped
     save: Any  # numba streams
     load: Any
+    flags: dict[CopyDirection, StreamFlag] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -159,6 +129,8 @@ class CudaCopyEngine:
             dev = _Device(ordinal, uuid, pool, self._k.stream(), self._k.stream())
             self._devices[uuid] = dev
             self._warm_up(dev)
+            if self._dma is not None:
+                dev.flags = self._open_flags(dev)
         logger.info(
             "CUDA copy engine on device(s) %s, %d CTAs, copy path %s",
             ordinals,
@@ -188,6 +160,24 @@ class CudaCopyEngine:
         t = Transfers(np.array([base]), np.array([base + np.uint64(16)]), one)
         self._k.copy_descriptors(dev.pool, dev.pool, t, stream=dev.save)
         self._k.synchronize(dev.save)
+
+    def _open_flags(self, dev: _Device) -> dict[CopyDirection, StreamFlag]:
+        """A flag per stream, each written once here; {} (stream syncs only)
+        where the driver refuses stream memory operations or the word never
+        changes (each wait would then spin its whole bound)."""
+        flags: dict[CopyDirection, StreamFlag] = {}
+        try:
+            for direction, stream in (("save", dev.save), ("load", dev.load)):
+                host, device = cuda_driver.mapped_word()
+                probe = StreamFlag(host, device, cuda_driver.stream_write32, 1.0)
+                sync = functools.partial(self._k.synchronize, stream)
+                if not probe.wait(int(stream.handle), sync):
+                    raise cuda_driver.CudaError("the first flag write never landed")
+                flags[direction] = StreamFlag(host, device, cuda_driver.stream_write32)
+        except CopyFailed as exc:  # CudaError, or the probe's synchronize
+            logger.warning("stream flags unavailable, stream syncs only: %s", exc)
+            return {}
+        return flags
 
     @property
     def mapped_allocations(self) -> int:
@@ -302,18 +292,29 @@ class CudaCopyEngine:
         dev = regions.device
         cuda_driver.set_device(dev.ordinal)
         if wait_event:
-            if not 1 <= wait_event <= len(regions.events):
-                raise InvalidRequest(
-                    f"wait_event: {wait_event}, the worker registered "
-                    f"{len(regions.events)} event(s)"
-                )
-            self._wait_event(regions.events[wait_event - 1])
-        if self._policy.choose_for("save", t) == "dma":
+            self._wait_event(self._event(regions, wait_event))
+        path = self._policy.choose_for("save", t)
+        if path == "dma":
             self._batch("save", regions.buffer, dev.pool, t, dev)
         else:
             k, ctas = self._k, self._ctas
             k.gather(regions.buffer, dev.pool, t, stream=dev.save, max_blocks=ctas)
-        self._k.synchronize(dev.save)
+        self._finish(dev, "save", path, t)
+
+    def event_done(self, regions: CudaRegions, wait_event: int) -> bool:
+        """Whether the engine's event `wait_event` (1-based) completed: a save
+        gated on it may then start at once, without waiting (and inline)."""
+        cuda_driver.set_device(regions.device.ordinal)
+        return cuda_driver.event_done(self._event(regions, wait_event))
+
+    @staticmethod
+    def _event(regions: CudaRegions, wait_event: int) -> Any:
+        if not 1 <= wait_event <= len(regions.events):
+            raise InvalidRequest(
+                f"wait_event: {wait_event}, the worker registered "
+                f"{len(regions.events)} event(s)"
+            )
+        return regions.events[wait_event - 1]
 
     def scatter(
         self, regions: CudaRegions, t: Transfers, deadline: float | None = None
@@ -323,13 +324,25 @@ class CudaCopyEngine:
         dev = regions.device
         cuda_driver.set_device(dev.ordinal)
         deadlines.check(deadline, "load")
-        if self._policy.choose_for("load", t) == "dma":
+        path = self._policy.choose_for("load", t)
+        if path == "dma":
             self._batch("load", dev.pool, regions.buffer, t, dev)
         else:
             self._k.scatter(
                 dev.pool, regions.buffer, t, stream=dev.load, max_blocks=self._ctas
             )
-        self._k.synchronize(dev.load)
+        self._finish(dev, "load", path, t)
+
+    def _finish(
+        self, dev: _Device, direction: CopyDirection, path: CopyPath, t: Transfers
+    ) -> None:
+        """Wait for the batch just queued: COMPLETION's way for its path."""
+        stream = dev.save if direction == "save" else dev.load
+        flag = dev.flags.get(direction)
+        if flag is None or COMPLETION[path] != "flag" or t.total_bytes > FLAG_MAX_BYTES:
+            self._k.synchronize(stream)
+            return
+        flag.wait(int(stream.handle), functools.partial(self._k.synchronize, stream))
 
     def _batch(
         self, direction: CopyDirection, src: Any, dst: Any, t: Transfers, dev: _Device

@@ -143,8 +143,11 @@ class HostCopyEngine:
         A host engine's save is ordered by the RPC itself: it has no events.
         """
         if wait_event:
-            raise InvalidRequest("wait_event: host engines have no CUDA events")
+            self.event_done(regions, wait_event)
         self._copy("gather", regions, t.dst, t.src, t.nbytes, deadline)
+
+    def event_done(self, regions: HostRegions, wait_event: int) -> bool:
+        raise InvalidRequest("wait_event: host engines have no CUDA events")
 
     def scatter(
         self, regions: HostRegions, t: Transfers, deadline: float | None = None

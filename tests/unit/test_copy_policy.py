@@ -14,22 +14,33 @@ from pegaflow.config import (
     parse_crossovers,
 )
 from pegaflow.copiers.cuda import CopyPolicy
+from pegaflow.copiers.policy import COMPLETION
 from pegaflow.geometry import Transfers
 
 LAYERS, PAGE = 32, 64 << 10
 
 
-def test_default_table_follows_the_issues_figures() -> None:
-    """DMA for saves from 2560 blocks x 32 layers of 64 KiB pages; kernels
-    below, kernels for every load, kernels for pages smaller than measured."""
+def test_default_table_follows_the_h200_figures() -> None:
+    """DMA for saves of 1-4 blocks x 32 layers of 64 KiB pages (copy engines +
+    mapped flag beat the kernel at N = 1, lose from N = 8; 2026-12-02);
+    kernels above, kernels for every load, kernels for pages smaller than
+    measured. The 2560-block DMA row of 2026-12-01 is gone (kernels won there)."""
     auto = CopyPolicy.from_config(CudaConfig())
-    assert auto.choose("save", 2560 * LAYERS, PAGE) == "dma"
-    assert auto.choose("save", 2559 * LAYERS, PAGE) == "kernel"
-    assert auto.choose("save", 64 * LAYERS, PAGE) == "kernel"
-    assert auto.choose("save", 2560 * LAYERS, 4096) == "kernel"
-    assert auto.choose("save", 2560 * 61, 64 * 576 * 2) == "dma"  # MLA pages
-    for n in (1, 64, 640, 2560, 10_000):
+    for n in (1, 2, 4):
+        assert auto.choose("save", n * LAYERS, PAGE) == "dma"
+    assert auto.choose("save", 4 * LAYERS + 1, PAGE) == "kernel"
+    for n in (8, 64, 640, 2559, 2560, 10_000):
+        assert auto.choose("save", n * LAYERS, PAGE) == "kernel"
+    assert auto.choose("save", LAYERS, 4096) == "kernel"
+    assert auto.choose("save", 2 * 61, 64 * 576 * 2) == "dma"  # 2 MLA blocks
+    assert auto.choose("save", 3 * 61, 64 * 576 * 2) == "kernel"
+    for n in (1, 4, 64, 640, 2560, 10_000):
         assert auto.choose("load", n * LAYERS, PAGE) == "kernel"
+
+
+def test_completion_follows_the_path() -> None:
+    """Copy engines end with the mapped flag, kernels with a stream sync."""
+    assert COMPLETION == {"dma": "flag", "kernel": "sync"}
 
 
 @pytest.mark.parametrize("setting", ["kernel", "dma"])
@@ -62,13 +73,30 @@ def test_choose_for_reads_the_shape_of_a_table() -> None:
     assert policy.choose_for("save", table(0, 1024)) == "kernel"
 
 
+def test_rows_with_a_page_range() -> None:
+    policy = CopyPolicy("auto", (Crossover("save", 2, 0, max_pages=10),))
+    assert [policy.choose("save", n, PAGE) for n in (1, 2, 10, 11)] == [
+        "kernel",
+        "dma",
+        "dma",
+        "kernel",
+    ]
+    with pytest.raises(ValueError, match="copy_crossovers"):
+        Crossover("save", 10, 0, max_pages=9)
+
+
 def test_parse_crossovers() -> None:
     assert parse_crossovers("none") == ()
     assert parse_crossovers("save:81920:65536, load:5") == (
         Crossover("save", 81920, 65536),
         Crossover("load", 5, 0),
     )
-    for bad in ("save", "save:x", "both:5", "save:0", "save:1:2:3", ""):
+    assert parse_crossovers("save:1-128:65536,load:7-7") == (
+        Crossover("save", 1, 65536, 128),
+        Crossover("load", 7, 0, 7),
+    )
+    bad_rows = ("save", "save:x", "both:5", "save:0", "save:1:2:3", "", "save:5-4")
+    for bad in (*bad_rows, "save:1-", "save:-1", "save:1-x:5"):
         with pytest.raises(ValueError, match="copy_crossovers"):
             parse_crossovers(bad)
 

@@ -114,3 +114,23 @@ def test_page_skew_follows_engine_alignment() -> None:
     assert KVGeometry(layers, [0x10000]).page_skew == 0
     odd = (LayerLayout(0, 0, 4, 1000, (Segment(0, 1000),)),)
     assert KVGeometry(odd, [0x10000 + 64]).page_skew == 0  # no common residue
+
+
+def test_layer_rows_match_isin() -> None:
+    """engine_to_slots picks rows by a layer mask: the same rows, in the same
+    order, as np.isin, whatever the ids (ids outside the layers pick none)."""
+    segs = (Segment(0, 1024), Segment(4096, 512))
+    layers = tuple(LayerLayout(0, i * 65536, 8, 8192, segs) for i in range(5))
+    g = KVGeometry(layers, [0x100000])
+    slots = np.array([0x900000, 0x800000], np.uint64)
+    for ids in ([], [0, 1, 2, 3, 4], [3, 1], [4], [2, 9], [-1, 0], [1, 1]):
+        layer_ids = np.array(ids, np.int64)
+        got = g.engine_to_slots(np.array([3, 5]), slots, layer_ids)
+        rows = np.flatnonzero(np.isin(g.layer_rows, layer_ids))
+        want = g._transfers(np.array([3, 5]), slots, rows)
+        for field in ("src", "dst", "nbytes"):
+            a, b = getattr(got, field), getattr(want, field)
+            assert a.dtype == np.uint64 and a.tolist() == b.tolist()
+    back = g.slots_to_engine(slots, np.array([3, 5]))
+    full = g.engine_to_slots(np.array([3, 5]), slots, np.arange(5))
+    assert back.src.tolist() == full.dst.tolist() and len(back) == 20

@@ -59,6 +59,14 @@ def test_arguments() -> None:
             _parse(*bad)
 
 
+def test_sizes() -> None:
+    assert _parse().sizes is None  # the built-in sweep
+    assert _parse("--sizes", "1,64,640").sizes == [1, 64, 640]
+    for bad in ("0", "1,x", ""):
+        with pytest.raises(SystemExit):
+            _parse("--sizes", bad)
+
+
 def test_settings_sweep_caps_only_where_kernels_run() -> None:
     got = interference.settings(["kernel", "dma", "auto"], [16, 66])
     assert [s.label for s in got] == [
