@@ -9,6 +9,8 @@ ready. Measured per size (median of --repeat):
   fetch      node 2's own time, query to the last block checked and published
   ready      the engine's time from its first query to the ready answer (its
              polls every 1 ms included)
+  mooncake   one Mooncake batch read of the same bytes between the same two
+             namespaces, no server, no checksums: the transport alone
   raw        the same bytes over one TCP connection between the same two
              namespaces (sendall / recv_into, no checksums): the ceiling
 and the ratio fetch / raw. Also the advertising cost: a save's time on node 1
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import signal
 import statistics
@@ -61,6 +64,49 @@ else:
         k = min(len(buf), left); conn.sendall(view[:k]); left -= k
     conn.close()
 """
+
+
+_TE = """
+import sys, time, numpy as np
+from pegaflow.remote.transport import MooncakeTransport, TransportSettings
+n, role, host = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+te = MooncakeTransport(TransportSettings("tcp", host))
+buf = np.ones(n, np.uint8); te.register(buf.ctypes.data, n)
+if role == "owner":
+    print(te.endpoint, buf.ctypes.data, flush=True); sys.stdin.readline()
+else:
+    endpoint, base = sys.argv[4], int(sys.argv[5]); blk = 2 << 20; k = n // blk
+    rng = np.random.default_rng(0)
+    local = buf.ctypes.data + np.arange(k, dtype=np.uint64) * blk
+    remote = base + rng.permutation(k).astype(np.uint64) * blk
+    lengths = np.full(k, blk, np.uint64)
+    te.read(endpoint, local[:1], remote[:1], lengths[:1])  # connect
+    start = time.perf_counter(); te.read(endpoint, local, remote, lengths)
+    print(time.perf_counter() - start, flush=True)
+"""
+
+
+def transport_alone(net: Netns, src: int, dst: int, nbytes: int) -> float:
+    """Seconds for one Mooncake batch read of nbytes (2 MiB entries, random
+    order) by dst from src, with no pegaflow server around it."""
+    owner = subprocess.Popen(
+        net.nodes[src].argv(sys.executable, "-c", _TE, str(nbytes), "owner",
+                            net.nodes[src].address),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        endpoint, base = owner.stdout.readline().split()
+        out = subprocess.run(
+            net.nodes[dst].argv(sys.executable, "-c", _TE, str(nbytes), "reader",
+                                net.nodes[dst].address, endpoint.decode(),
+                                base.decode()),
+            capture_output=True, check=True, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        return float(out.stdout.split()[-1])
+    finally:
+        owner.communicate(b"\n", timeout=30)
 
 
 def raw_transfer(net: Netns, src: int, dst: int, nbytes: int) -> float:
@@ -137,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = [int(s) for s in args.sizes_mib.split(",")]
     most = max(max(sizes) * (1 << 20) // BLOCK_BYTES, args.latency_blocks)
-    pool = f"{(most * BLOCK_BYTES * 3 // 2) >> 20}mb"
+    # room for the largest prefix twice over (peers pin at most half a pool)
+    pool = f"{(most * BLOCK_BYTES * 5 // 2) >> 20}mb"
     engine_blocks = most + 8
     tmp = Path(ROOT / "benchmarks" / "results" / ".remote-run")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -186,15 +233,17 @@ def main(argv: list[str] | None = None) -> int:
             e.call("register", addr=servers[i].addr, instance=f"e{i}", namespace="b")
             engines.append(e)
         owner, reader = engines
-        advertised = 0
+        # First, while both pools are empty: the same saves evict alike later.
+        cost = advertise_cost(tmp, a, servers[0], owner, env, pool, engine_blocks,
+                              args.cost_saves)  # fmt: skip
+        print(f"advertising cost: {cost}", flush=True)
 
         def one(n: int) -> dict:
-            nonlocal advertised
+            advertised = stats(servers[0])["advertised"] + n
             hashes = [secrets.token_hex(32) for _ in range(n)]
             t = time.perf_counter()
             owner.call("save", block_ids=list(range(n)), hashes=hashes, timeout=300)
             save_s = time.perf_counter() - t
-            advertised += n
             wait_advertised(servers[0], advertised)
             got = reader.call("query", hashes=hashes, wait_s=120, timeout=300)
             assert got["num_blocks"] == n, got
@@ -214,21 +263,21 @@ def main(argv: list[str] | None = None) -> int:
             nbytes = n * BLOCK_BYTES
             runs = [one(n) for _ in range(args.repeat)]
             raws = [raw_transfer(net, 1, 2, nbytes) for _ in range(args.repeat)]
+            alone = [transport_alone(net, 1, 2, nbytes) for _ in range(args.repeat)]
             fetch = statistics.median(r["fetch_s"] for r in runs)
             ready = statistics.median(r["ready_s"] for r in runs)
             raw = statistics.median(raws)
+            te = statistics.median(alone)
             rows.append({
                 "MiB": nbytes >> 20, "blocks": n,
                 "fetch_ms": round(fetch * 1e3, 1), "ready_ms": round(ready * 1e3, 1),
                 "fetch_GBps": round(nbytes / fetch / 1e9, 3),
+                "mooncake_GBps": round(nbytes / te / 1e9, 3),
                 "raw_GBps": round(nbytes / raw / 1e9, 3),
                 "fetch/raw": round(raw / fetch, 2),
                 "save_ms": round(statistics.median(r["save_s"] for r in runs) * 1e3, 1),
             })  # fmt: skip
             print(table(rows[-1:], list(rows[-1])), flush=True)
-        cost = advertise_cost(tmp, a, servers[0], owner, env, pool, engine_blocks,
-                              args.cost_saves)  # fmt: skip
-        print(f"advertising cost: {cost}", flush=True)
         lat = [one(args.latency_blocks) for _ in range(args.repeat)]
         latency = {
             "blocks": args.latency_blocks,

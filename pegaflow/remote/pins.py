@@ -103,12 +103,15 @@ class PinTable:
         entries = self._store.lookup(ns, hashes)[0]  # packed: no object per hash
         if not entries:
             return NOTHING
-        nbytes = len(entries) * ns.slot_bytes * ns.tp_size
-        if self._pinned_bytes + nbytes > self._max_pinned_bytes:
+        per_block = ns.slot_bytes * ns.tp_size
+        if self._pinned_bytes + len(entries) * per_block > self._max_pinned_bytes:
             self.sweep()
-            if self._pinned_bytes + nbytes > self._max_pinned_bytes:
+            room = (self._max_pinned_bytes - self._pinned_bytes) // per_block
+            if room <= 0:
                 self.refused += 1
                 return NOTHING
+            entries = entries[:room]  # the prefix's head: the reader reads that
+        nbytes = len(entries) * per_block
         self._pinned_bytes += nbytes
         hold_s = min(hold_s, MAX_HOLD_S)
         self._store.pin(entries)
