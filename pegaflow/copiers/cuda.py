@@ -154,11 +154,16 @@ class CudaCopyEngine:
             return None
 
     def _warm_up(self, dev: _Device) -> None:
-        """Compile the kernel now (about a second), not in the first save."""
-        base = np.uint64(dev.pool.address)
+        """Compile the kernel now (about a second), not in the first save.
+
+        On scratch memory, never the pool: a kept --pool-file holds the last
+        server's blocks, and a copy inside the pool changed the first slot's
+        bytes (its checksum then failed: one block lost per restart)."""
+        scratch = self._k.staging_buffer(32)
+        base = np.uint64(scratch.address)
         one = np.ones(1, np.uint64) * np.uint64(16)
         t = Transfers(np.array([base]), np.array([base + np.uint64(16)]), one)
-        self._k.copy_descriptors(dev.pool, dev.pool, t, stream=dev.save)
+        self._k.copy_descriptors(scratch, scratch, t, stream=dev.save)
         self._k.synchronize(dev.save)
 
     def _open_flags(self, dev: _Device) -> dict[CopyDirection, StreamFlag]:
