@@ -141,32 +141,44 @@ def wait_advertised(server, count: int, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def advertise_cost(tmp, node, server_on, engine_on, env, pool, blocks, saves) -> dict:
-    """Median time of a 64-block save on node 1's server (advertising every
-    sealed block) against a server without the remote tier, same namespace
-    geometry, alternating the two so drift hits both alike."""
-    plain = start_server(
-        tmp, "--addr", f"{node.address}:50057", "--http-addr",
-        f"{node.address}:9093", "--pool-size", pool, "--log-level", "warning",
-        "--socket", str(tmp / "plain.sock"), prefix=tuple(node.argv()), env=env,
-        timeout=300,
-    )  # fmt: skip
-    engine_off = EngineProc(prefix=tuple(node.argv()))
+def advertise_cost(tmp: Path, node, meta_addr: str, env: dict, saves: int) -> dict:
+    """Median time of a 16-block save on a fresh server of the remote tier
+    (advertising every sealed block) against a fresh one without it, same
+    namespace geometry, pools large enough that nothing is evicted, the two
+    alternating so drift hits both alike."""
+    blocks = 16
+    pool = f"{(saves * blocks * BLOCK_BYTES * 5 // 4) >> 20}mb"
+    procs: list = []
+    engines = {}
     try:
-        engine_off.call("init", seed=9, blocks=blocks, **SHAPE, timeout=300)
-        engine_off.call("register", addr=plain.addr, instance="off", namespace="b")
+        for side, port, extra in (
+            ("on", 50058, ["--metaserver-addr", f"http://{meta_addr}"]),
+            ("off", 50057, []),
+        ):
+            server = start_server(
+                tmp, "--addr", f"{node.address}:{port}", "--http-addr",
+                f"{node.address}:{port + 1000}", "--pool-size", pool, "--log-level",
+                "warning", "--socket", str(tmp / f"cost-{side}.sock"), *extra,
+                prefix=tuple(node.argv()), env=env, timeout=300,
+            )  # fmt: skip
+            procs.append(server)
+            engine = EngineProc(prefix=tuple(node.argv()))
+            procs.append(engine)
+            engine.call("init", seed=9, blocks=blocks, **SHAPE, timeout=300)
+            engine.call("register", addr=server.addr, instance=side, namespace="c")
+            engines[side] = engine
         times: dict[str, list[float]] = {"on": [], "off": []}
         for _ in range(saves):
-            for side, engine in (("on", engine_on), ("off", engine_off)):
-                hashes = [secrets.token_hex(32) for _ in range(64)]
+            for side, engine in engines.items():
+                hashes = [secrets.token_hex(32) for _ in range(blocks)]
                 t = time.perf_counter()
-                engine.call("save", block_ids=list(range(64)), hashes=hashes)
+                engine.call("save", block_ids=list(range(blocks)), hashes=hashes)
                 times[side].append(time.perf_counter() - t)
     finally:
-        engine_off.close()
-        plain.stop()
+        for proc in reversed(procs):
+            (proc.close if isinstance(proc, EngineProc) else proc.stop)()
     on, off = (statistics.median(times[k]) for k in ("on", "off"))
-    return {"blocks": 64, "saves": saves, "on_ms": round(on * 1e3, 2),
+    return {"blocks": blocks, "saves": saves, "on_ms": round(on * 1e3, 2),
             "off_ms": round(off * 1e3, 2),
             "cost_pct": round((on / off - 1) * 100, 1)}  # fmt: skip
 
@@ -234,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             engines.append(e)
         owner, reader = engines
         # First, while both pools are empty: the same saves evict alike later.
-        cost = advertise_cost(tmp, a, servers[0], owner, env, pool, engine_blocks,
+        cost = advertise_cost(tmp, a, f"{meta_node.address}:50056", env,
                               args.cost_saves)  # fmt: skip
         print(f"advertising cost: {cost}", flush=True)
 
