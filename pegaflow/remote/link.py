@@ -6,10 +6,11 @@ A fetch, all on the event loop but the read itself:
    (owner, block count) segments of the missing prefix, never naming us;
 2. local L1 slots are reserved for the planned blocks (pinned, in flight: a
    concurrent save of one deduplicates) and the query answers `loading`;
-3. per owner, concurrently: Pin RPC (the owner pins the blocks and answers
-   their slot addresses and checksums), checked against our geometry, then
-   one batched one-sided read into our slots on a worker thread, whose blocks
-   are checked against the checksums; Release;
+3. per owner, concurrently (pegaflow.remote.fetch): Pin RPC (the owner pins
+   the blocks and answers their slot addresses; their checksums come with it
+   or, hashed while we read, from a Checksums RPC), checked against our
+   geometry, then one batched one-sided read into our slots on a worker
+   thread, whose slots are hashed and compared; Release;
 4. blocks that arrived intact are published like local saves; the rest are
    freed and counted by cause. The engine's next poll finds them ready.
 
@@ -58,10 +59,6 @@ from pegaflow.remote.transport import RemoteTransport
 logger = logging.getLogger(__name__)
 
 _REMEMBERED = 1 << 16  # prefixes remembered as failed or unknown, and unfetched keys
-_RELEASE_TIMEOUT_S = 2.0
-_HOLD_MARGIN_S = 2.0  # a pin is asked to outlive our fetch deadline by this
-# A fetch is read in pieces this large, each hashed while the next is read.
-_PIECE_BYTES = 16 << 20
 
 
 class RemoteLink:
