@@ -114,6 +114,22 @@ def _map_region(size: int, hugepages: bool) -> mmap.mmap:
         raise HugepagesUnavailable(f"--use-hugepages: mmap failed: {exc}") from exc
 
 
+def _filesystem(path: str) -> str:
+    """The type of the filesystem holding path, as /proc/mounts names it."""
+    try:
+        best, kind = "", "an unknown filesystem"
+        real = os.path.realpath(path)
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                parts = line.split()
+                inside = len(parts) > 2 and real.startswith(parts[1].rstrip("/") + "/")
+                if inside and len(parts[1]) > len(best):
+                    best, kind = parts[1], f"{parts[2]} ({parts[1]})"
+        return kind
+    except OSError:
+        return "an unknown filesystem"
+
+
 def _hugepages_free() -> int:
     return _meminfo("HugePages_Free", scale=1) or 0
 
@@ -156,7 +172,7 @@ class HostPool:
             zero_ok = self.file is None or self.file.fresh
             self.bring_up = self._prefault(config, zero_ok)
             if registrar is not None:  # in chunks, in parallel (HostRegistrar)
-                registrar.register(self.base, self.size)
+                self._register(registrar, config)
         except BaseException:
             self.close()
             raise
@@ -171,6 +187,25 @@ class HostPool:
             config.use_hugepages,
             f", file {config.pool_file}" if config.pool_file else "",
         )
+
+    def _register(self, registrar: PoolRegistrar, config: PoolConfig) -> None:
+        """Pin the pool for the GPUs. A pool file on a filesystem whose pages
+        CUDA cannot pin (seen on the H200 host: a file under /tmp answered
+        cudaErrorInvalidValue, the same file in /dev/shm registered) is one
+        line naming the flag and the fix, not a traceback."""
+        try:
+            registrar.register(self.base, self.size)
+        except Exception as exc:
+            if config.pool_file is None:
+                raise
+            from pegaflow.poolfile import PoolFileError
+
+            fs = _filesystem(config.pool_file)
+            raise PoolFileError(
+                f"--pool-file: CUDA cannot pin the pages of {config.pool_file} "
+                f"({exc}; it lies on {fs}); put it on /dev/shm or a hugetlbfs "
+                "mount (with --use-hugepages)"
+            ) from None
 
     def _slabs(self) -> SlabAllocator:
         if self.file is None:

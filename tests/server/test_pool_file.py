@@ -8,6 +8,8 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,19 @@ from tests.kvbuf import LocalKV, hashes
 from tests.procs import ROOT, ServerProc, _env
 
 N = 64  # blocks of 16 KiB (LocalKV: 4 layers x 4 KiB): no eviction in 16 MiB
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture
+def tmp_path(tmp_path: Path) -> Iterator[Path]:
+    """Pool files where docs/operations.md puts them, in /dev/shm: on the H200
+    host CUDA cannot pin a file under /tmp (cudaErrorInvalidValue), and a GPU
+    host's server pins its pool."""
+    if not SHM.is_dir():
+        yield tmp_path
+        return
+    with tempfile.TemporaryDirectory(prefix="pegaflow-test-", dir=SHM) as d:
+        yield Path(d)
 
 
 def _flags(tmp: Path, *extra: str) -> tuple[str, ...]:
