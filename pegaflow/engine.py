@@ -27,13 +27,12 @@ from pegaflow.errors import (
     DeadlineExceeded,
     InvalidRequest,
     LeaseNotFound,
-    PermissionDenied,
 )
 from pegaflow.gds import SsdTier
 from pegaflow.geometry import Transfers, check_block_ids
-from pegaflow.identity import UNKNOWN, CallContext, Caller
-from pegaflow.instances import Namespace, Registry, Worker
-from pegaflow.keys import MAX_HASH_BYTES, BlockHash, LoadSpec, PackedHashes
+from pegaflow.identity import CallContext, Caller
+from pegaflow.instances import Registry, Worker
+from pegaflow.keys import BlockHash, LoadSpec, PackedHashes
 from pegaflow.leases import Lease, LeaseTable
 from pegaflow.limits import LargeRequestGate, RequestCaps
 from pegaflow.metrics import Metrics
@@ -41,6 +40,7 @@ from pegaflow.misses import HitRateTracker, RecordingPolicy
 from pegaflow.namespaces import NamespaceReaper
 from pegaflow.policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
 from pegaflow.pool import HostPool
+from pegaflow.prefix_query import PrefixQueries, check_hashes
 from pegaflow.registration import RegisterSpec
 from pegaflow.results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
 from pegaflow.ssd import SsdLink
@@ -67,22 +67,6 @@ async def _uncancellable(work: Awaitable[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
             logger.debug("copy of a cancelled RPC failed: %s", task.exception())
         raise
-
-
-def check_hashes(
-    hashes: list[BlockHash], limit: int, hash_len: int | None = None
-) -> None:
-    """Count and lengths; hash_len skips the scan when every length is known."""
-    if len(hashes) > limit:
-        raise InvalidRequest(f"block_hashes: {len(hashes)} exceeds {limit}")
-    if not hashes:
-        return
-    lengths = [hash_len] if hash_len is not None else list(map(len, hashes))
-    if min(lengths) < 1 or max(lengths) > MAX_HASH_BYTES:
-        i = next(i for i, n in enumerate(lengths) if not 0 < n <= MAX_HASH_BYTES)
-        raise InvalidRequest(
-            f"block_hashes[{i}]: {lengths[i]} bytes, need 1..{MAX_HASH_BYTES}"
-        )
 
 
 class Engine:
@@ -136,6 +120,7 @@ class Engine:
             config.max_idle_namespaces,
         )
         self.remote: RemoteLink | None = None  # attach_remote
+        self.queries = PrefixQueries(self)
         self._seen = dataclasses.replace(self.store.counters)
         self.metrics.bind_gauges(
             pool.size,
@@ -253,99 +238,8 @@ class Engine:
         hash_len: int | None = None,
         ctx: CallContext | None = None,
     ) -> QueryResult:
-        """hashes: a list (gRPC) or a fast-path frame's packed run, which stays
-        packed unless a miss needs the SSD tier. hash_len: the length every
-        hash is known to have (a fast-path frame). A query needs no owner
-        token (vLLM's scheduler asks for its workers), but a caller the kernel
-        names must run as the instance's user."""
-        inst = self.registry.instance(instance_id)
-        if ctx is not None:
-            deadlines.check(ctx.deadline, "query")
-            uid = ctx.caller.uid
-            if UNKNOWN not in (uid, inst.owner_uid) and uid not in (0, inst.owner_uid):
-                raise PermissionDenied(
-                    f"instance_id: {instance_id!r} belongs to another user (uid "
-                    f"{inst.owner_uid}); the caller is uid {uid}"
-                )
-        if isinstance(hashes, PackedHashes):
-            hash_len = hashes.hash_len
-        check_hashes(hashes, self.config.max_blocks_per_request, hash_len)
-        ns = inst.namespace
-        hits, rest = self.store.lookup(ns, hashes)
-        if len(rest) and (self.ssd is not None or self.remote is not None):
-            listed = hashes.list() if isinstance(hashes, PackedHashes) else hashes
-            if self.ssd is not None:
-                n, started = self.ssd.loading(ns, listed, len(hits))
-                if n:
-                    if started:
-                        self._count_loading(ns, hashes, hits, rest, hash_len, n, "ssd")
-                    return QueryResult(n, 0, 0.0, loading=True)
-            if self.remote is not None:
-                known = self.remote.remembered(ns, listed[len(hits)])
-                if known is None:  # ask the metaserver: the boundary awaits it
-                    ask = functools.partial(
-                        self._query_remote, instance_id, hashes, listed, hash_len
-                    )
-                    return QueryResult(0, 0, 0.0, pending=ask)
-                if known[0]:
-                    return QueryResult(known[0], 0, 0.0, loading=True)
-        return self._answer(instance_id, hashes, hits, rest, hash_len)
-
-    async def _query_remote(
-        self,
-        instance_id: str,
-        hashes: list[BlockHash] | PackedHashes,
-        listed: list[BlockHash],
-        hash_len: int | None,
-    ) -> QueryResult:
-        """The rest of a query that missed L1 and L3: the metaserver's plan."""
-        ns = self.registry.instance(instance_id).namespace
-        hits, rest = self.store.lookup(ns, hashes)  # again: the loop ran meanwhile
-        if len(rest):
-            n, started = await self.remote.loading(ns, listed, len(hits))
-            if n:
-                if started:
-                    self._count_loading(ns, hashes, hits, rest, hash_len, n, "remote")
-                return QueryResult(n, 0, 0.0, loading=True)
-            hits, rest = self.store.lookup(ns, hashes)  # and again after the await
-        return self._answer(instance_id, hashes, hits, rest, hash_len)
-
-    def _count_loading(
-        self,
-        ns: Namespace,
-        hashes: list[BlockHash] | PackedHashes,
-        hits: list[BlockEntry],
-        rest: np.ndarray,
-        hash_len: int | None,
-        n: int,
-        tier: str,
-    ) -> None:
-        """Counted once, when the load starts: the engine's polls while it runs
-        are waits, not new requests; its final ready answer counts as usual."""
-        total = len(hits) + n
-        if tier == "ssd":
-            self.hit_rates.query(ns, hashes, total, rest[n:], hash_len, ssd=n)
-            self.metrics.ssd_hits.inc(n)
-        else:
-            self.hit_rates.query(ns, hashes, total, rest[n:], hash_len, remote=n)
-
-    def _answer(
-        self,
-        instance_id: str,
-        hashes: list[BlockHash] | PackedHashes,
-        hits: list[BlockEntry],
-        rest: np.ndarray,
-        hash_len: int | None,
-    ) -> QueryResult:
-        inst = self.registry.instance(instance_id)
-        ns = inst.namespace
-        self.hit_rates.query(ns, hashes, len(hits), rest, hash_len)
-        self.metrics.hits.inc(len(hits))
-        self.metrics.misses.inc(len(hashes) - len(hits))
-        if not hits:
-            return QueryResult(0, 0, 0.0)
-        lease = self.leases.create(instance_id, ns.id, hits, inst.world_size)
-        return QueryResult(len(hits), lease.id, self.leases.ttl_s)
+        """The longest cached prefix, or `loading` (pegaflow.prefix_query)."""
+        return self.queries.query(instance_id, hashes, hash_len, ctx)
 
     # -- load -----------------------------------------------------------------
     async def load(

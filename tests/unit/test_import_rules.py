@@ -16,6 +16,12 @@ PACKAGES |= {"pegaflow.gds": "gds", "pegaflow.connector": "connector"}
 
 SERVER = {
     "pegaflow.engine",
+    "pegaflow.prefix_query",
+    "pegaflow.remote.link",
+    "pegaflow.remote.fetch",
+    "pegaflow.remote.pins",
+    "pegaflow.remote.peer_service",
+    "pegaflow.remote.bringup",
     "pegaflow.service",
     "pegaflow.server",
     "pegaflow.socket_server",
