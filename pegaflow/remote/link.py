@@ -194,6 +194,8 @@ class RemoteLink:
         if again is not None and again[0]:
             return again
         planned = plan[-1].start + plan[-1].blocks
+        if first in self._store.entries:  # saved here while we asked
+            return 0, False
         entries = self._store.reserve_load(ns, rest[:planned])
         if not entries:
             self._mark_unfetched(ns, rest[:planned], "no_slot")
