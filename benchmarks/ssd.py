@@ -42,7 +42,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 
@@ -50,7 +50,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import table, write_json  # noqa: E402
 from pegaflow.gds import SsdConfig, SsdTier, namespace_digest  # noqa: E402
-from pegaflow.gds.format import CHECKSUM_IDS, checksum_id, hasher  # noqa: E402
+from pegaflow.gds.format import (  # noqa: E402
+    CHECKSUM_NAMES,
+    ChecksumName,
+    checksum_id,
+    hasher,
+)
 
 NS = namespace_digest("bench", (1,))
 SOURCE_BYTES = 256 << 20  # the "pool": blocks cycle through it
@@ -300,7 +305,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="/var/tmp/pegaflow-ssd-bench", help="scratch dir")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--checksum", default="auto", choices=("auto", "blake2b", "blake3"))
+    p.add_argument("--checksum", default="auto", choices=get_args(ChecksumName))
     p.add_argument("--total", default=None, help="GiB per row (default 1, quick 0.25)")
     p.add_argument("--backend", default="posix", choices=("posix", "kvikio", "auto"))
     p.add_argument("--recovery-blocks", type=int, default=None, help="default 100k")
@@ -320,7 +325,7 @@ def main() -> int:
     p.add_argument("--json", help="output path (default: see the module docstring)")
     args = p.parse_args()
     try:
-        algo = {v: k for k, v in CHECKSUM_IDS.items()}[checksum_id(args.checksum)]
+        algo = CHECKSUM_NAMES[checksum_id(args.checksum)]
     except ValueError as exc:
         p.error(str(exc))
     folder = Path(args.dir)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from pegaflow.config import check_int, check_seconds
 from pegaflow.gds.format import ALIGN, SUPERBLOCK_BYTES, ChecksumName
@@ -35,7 +35,9 @@ class SsdConfig:
     capacity_bytes: int  # all files together (--ssd-cache-capacity), split evenly
     backend: BackendName = "auto"
     direct_io: DirectIO = "auto"
-    checksum: ChecksumName = "auto"  # of new records: blake3 where installed
+    # Payload checksum of new records ("auto": xxh3-64); records of any known
+    # algorithm stay readable, each names its own. Not a flag: a config field.
+    checksum: ChecksumName = "auto"
     # Files written by another format version or sized for another capacity:
     # reinitialise them (the cached blocks are dropped) or refuse to start.
     on_mismatch: OnMismatch = "reinit"
@@ -77,6 +79,11 @@ class SsdConfig:
             check_int(f"ssd_{name}", getattr(self, name), lo, hi)
         if self.write_on not in ("seal", "evict"):
             raise ValueError(f"ssd_write_on: {self.write_on!r} is not seal or evict")
+        if self.checksum not in get_args(ChecksumName):
+            raise ValueError(
+                f"ssd_checksum: {self.checksum!r} is not one of "
+                f"{', '.join(get_args(ChecksumName))}"
+            )
         check_seconds("ssd_sync_interval_s", self.sync_interval_s, 3600.0, zero_ok=True)
 
     @property

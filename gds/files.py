@@ -4,7 +4,9 @@ before, preallocate and stamp new ones.
 Files that carry a superblock of this format version and capacity, all from one
 store, are reused (their blocks survive the restart). Files of another version,
 capacity or file set are reinitialised with a warning saying why, or refused
-(`on_mismatch="refuse"`). A file that is not ours and holds data is never touched.
+(`on_mismatch="refuse"`); so are files whose records name a checksum this
+server does not know, found later by recovery (`Mismatch`, `reinitialise`). A
+file that is not ours and holds data is never touched.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ class Layout:
     lock_fd: int  # held (flock) until the store closes: one server per cache
 
 
+class Mismatch(Exception):
+    """Files found, while rebuilding the index, not to fit this server; the
+    message says why (refused or reinitialised by `reinitialise`)."""
+
+
 def prepare(cfg: SsdConfig) -> Layout:
     for path in cfg.paths:
         _check_path(path)
@@ -72,6 +79,14 @@ def _prepare(cfg: SsdConfig, lock_fd: int) -> Layout:
         assert found[0] is not None
         return Layout(found[0].store_id, cfg.file_bytes, False, "", lock_fd)
     existing = any(sb is not None for sb in found)
+    return reinitialise(cfg, lock_fd, reason, existing)
+
+
+def reinitialise(
+    cfg: SsdConfig, lock_fd: int, reason: str, existing: bool = True
+) -> Layout:
+    """Start the files afresh (a new store id, so nothing of theirs is read
+    again), or refuse to where `on_mismatch="refuse"` and they hold a cache."""
     if existing and cfg.on_mismatch == "refuse":
         raise SsdError(
             f"ssd cache files do not match this server: {reason}; delete them or "

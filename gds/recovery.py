@@ -1,7 +1,8 @@
 """Start-up of the SSD store: rebuild the rings and the index from the journal,
 or by scanning the record headers where the journal is missing, foreign,
 unreadable or damaged before its tail; then reopen the journal or rewrite it
-as a snapshot."""
+as a snapshot. Records naming a checksum this server does not know raise
+`files.Mismatch` (the store refuses or reinitialises the files)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 from pegaflow.gds import journal, scan
 from pegaflow.gds.config import SsdConfig
+from pegaflow.gds.files import Mismatch
+from pegaflow.gds.format import unknown_checksums
 from pegaflow.gds.io import FileIO
 from pegaflow.gds.ring import Index, Ring
 
@@ -101,6 +106,7 @@ def recover(
     torn, next_seq = 0, 1
     rebuilt_by: RebuiltBy = "new"
     if loaded is not None:
+        _check_checksums(loaded.entries)
         done = journal.replay(loaded.entries, rings, index, cfg.show_progress)
         torn, next_seq = done.torn_records, max(1, done.next_seq)
         rebuilt_by = "journal"
@@ -114,6 +120,8 @@ def recover(
         found = scan.scan(
             io, rings, index, store_id, cfg.read_threads, cfg.show_progress
         )
+        if reason := unknown_checksums(found.checksum_ids):
+            raise Mismatch(reason)
         torn, next_seq = found.dropped, max(1, found.next_seq)
         rebuilt_by = "scan"
     if (
@@ -127,3 +135,10 @@ def recover(
             cfg.journal_path, store_id, journal.snapshot(rings)
         )
     return Recovered(log, torn, torn_entries, next_seq, rebuilt_by)
+
+
+def _check_checksums(entries: np.ndarray) -> None:
+    """Raise Mismatch where a committed record names an unknown checksum."""
+    commits = entries["checksum_id"][entries["kind"] == journal.Kind.COMMIT]
+    if reason := unknown_checksums(np.unique(commits).tolist()):
+        raise Mismatch(reason)

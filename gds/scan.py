@@ -79,6 +79,7 @@ class Scanned:
     dropped: int  # headers found whose record is torn, damaged or overwritten
     next_seq: int
     bytes_read: int
+    checksum_ids: frozenset[int]  # named by the intact headers of this store
 
 
 def _payload_ok(cid: int, payload: memoryview, checksum: int) -> bool:
@@ -95,6 +96,7 @@ class _Scanner:
         self.threads = threads
         self._local = threading.local()
         self.dropped = 0
+        self.checksum_ids: set[int] = set()
         self._lock = threading.Lock()
 
     def _buffer(self, nbytes: int) -> AlignedBuffer:
@@ -152,6 +154,7 @@ class _Scanner:
             keep[i] = _payload_ok(int(row["cid"]), payload, int(row["csum"]))
         with self._lock:
             self.dropped += int(ours.sum()) - int(keep.sum())
+            self.checksum_ids.update(np.unique(found["cid"]).tolist())
         return found[keep]
 
     def recheck(self, ring: Ring, row: np.void) -> bool:
@@ -264,4 +267,5 @@ def scan(
     survivors = scanner.run(rings, progress)
     top = max((_place(r, f, index) for r, f in zip(rings, survivors, strict=True)))
     total = sum(r.end - r.start for r in rings)
-    return Scanned(index.count, scanner.dropped, top + 1, total)
+    ids = frozenset(scanner.checksum_ids)
+    return Scanned(index.count, scanner.dropped, top + 1, total, ids)

@@ -19,11 +19,17 @@ from dataclasses import dataclass
 
 from pegaflow.gds import journal
 from pegaflow.gds.config import SsdConfig
-from pegaflow.gds.files import prepare
+from pegaflow.gds.files import Layout, Mismatch, prepare, reinitialise
 from pegaflow.gds.format import SUPERBLOCK_BYTES, checksum_id, record_bytes
 from pegaflow.gds.io import AlignedBuffer, Part, SsdError, open_backend
 from pegaflow.gds.records import gather, read_pieces
-from pegaflow.gds.recovery import Recovery, journal_bloated, log_ready, recover
+from pegaflow.gds.recovery import (
+    Recovered,
+    Recovery,
+    journal_bloated,
+    log_ready,
+    recover,
+)
 from pegaflow.gds.ring import BlockHash, Index, NsDigest, Record, Ring, State
 
 logger = logging.getLogger(__name__)
@@ -49,20 +55,13 @@ class SsdStore:
         try:
             self._checksum_id = checksum_id(cfg.checksum)
         except ValueError as exc:
-            raise SsdError(f"--ssd-checksum: {exc}") from None
+            raise SsdError(f"ssd_checksum: {exc}") from None
         start = time.perf_counter()
         self.cfg = cfg
         self.lock = threading.Lock()
         self.counters = SsdStoreCounters()
         layout = prepare(cfg)
         self._lock_fd = layout.lock_fd
-        self.store_id = layout.store_id
-        self.rings = [
-            Ring(i, SUPERBLOCK_BYTES, layout.file_bytes) for i in range(len(cfg.paths))
-        ]
-        self.index = Index()
-        self._claimed = [0] * len(self.rings)  # bytes reserved per ring
-        self._next_seq = 1
         try:
             self.io = open_backend(
                 cfg.backend,
@@ -71,9 +70,7 @@ class SsdStore:
                 cfg.write_threads + cfg.read_threads,
             )
             try:
-                done = recover(
-                    cfg, self.io, self.rings, self.index, self.store_id, layout.fresh
-                )
+                layout, done = self._recover(layout)
             except BaseException:
                 self.io.close()
                 raise
@@ -93,6 +90,26 @@ class SsdStore:
             done.rebuilt_by,
         )
         log_ready(self.recovery, len(cfg.paths), layout.file_bytes, self.io.mode)
+
+    def _recover(self, layout: Layout) -> tuple[Layout, Recovered]:
+        """Rebuild rings and index from the files; files that recovery finds
+        unfit (records of an unknown checksum) are refused or started afresh."""
+        try:
+            return layout, self._rebuild(layout)
+        except Mismatch as exc:
+            layout = reinitialise(self.cfg, layout.lock_fd, str(exc))
+            return layout, self._rebuild(layout)
+
+    def _rebuild(self, layout: Layout) -> Recovered:
+        self.store_id = layout.store_id
+        self.rings = [
+            Ring(i, SUPERBLOCK_BYTES, layout.file_bytes)
+            for i in range(len(self.cfg.paths))
+        ]
+        self.index = Index()
+        self._claimed = [0] * len(self.rings)  # bytes reserved per ring
+        args = (self.cfg, self.io, self.rings, self.index, self.store_id)
+        return recover(*args, layout.fresh)
 
     # -- writing -----------------------------------------------------------------------
     def reserve(

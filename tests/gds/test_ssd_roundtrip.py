@@ -7,10 +7,8 @@ import threading
 from pathlib import Path
 
 import numpy as np
-import pytest
 
-from pegaflow.gds import SsdError, SsdTier, namespace_digest
-from pegaflow.gds import format as gds_format
+from pegaflow.gds import namespace_digest
 from tests.gds.helpers import (
     MODES,
     NS,
@@ -136,28 +134,6 @@ def test_record_larger_than_a_file_is_refused(tmp_path: Path) -> None:
         assert tier.spill(NS, key(1), addresses(big), 3 << 20)
         tier.flush()
         assert tier.stats().no_space == 1 and tier.lookup(NS, [key(1)]) == 0
-
-
-def test_records_of_either_checksum_load(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Each record names its checksum: a store keeps blocks of both."""
-    pytest.importorskip("blake3")
-    with opened(config(tmp_path, checksum="blake2b")) as tier:
-        spill(tier, [1, 2])
-    with opened(config(tmp_path, checksum="blake3")) as tier:
-        spill(tier, [3])
-        ids = {
-            r.checksum_id for t in tier.store.index.tables.values() for r in t.values()
-        }
-        assert ids == {1, 2}
-        assert load(tier, [1, 2, 3]).all()
-    monkeypatch.setattr(gds_format, "_has_blake3", lambda: False)
-    with pytest.raises(SsdError, match="blake3 module is not installed"):
-        SsdTier(config(tmp_path, checksum="blake3"))
-    with opened(config(tmp_path)) as tier:  # auto: blake2b here
-        spill(tier, [4])
-        assert tier.store.index.get(NS, key(4)).checksum_id == 1  # type: ignore[union-attr]
 
 
 def test_failed_spill_frees_its_space(tmp_path: Path) -> None:
