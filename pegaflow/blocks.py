@@ -11,8 +11,11 @@ query path defers: pegaflow.deferred.
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -181,16 +184,16 @@ class BlockStore:
         """
         mask = layer_mask(rank, layers, ns.num_layers)
         tp = ns.tp_size
-        keys: list[Key] = []
         entries: list[BlockEntry] = []
         positions: list[int] = []
         slots: list[int] = []
         slotless: list[int] = []  # indexes into entries still needing a slot
         dedup = rejected = new = 0
         room = self.slabs.free_slots(ns.slot_class)
-        get = self.entries.get
-        for pos, h in enumerate(hashes):
-            key = (ns.id, h)
+        table = self.entries
+        get = table.get
+        now = time.monotonic()  # one creation time for the request's blocks
+        for pos, key in enumerate(zip(repeat(ns.id), hashes)):
             entry = get(key)
             if entry is None:
                 if len(slotless) >= room:
@@ -200,19 +203,24 @@ class BlockStore:
                         self.counters.admission_rejections += 1
                         rejected += 1
                         continue
-                entry = self.entries[key] = BlockEntry(key, [0] * tp)
+                slotless.append(len(entries))
+                entry = table[key] = BlockEntry(key, [0] * tp, 0, mask, False, 1, now)
                 new += 1
-            elif entry.ready or (entry.landed | entry.in_flight) & mask == mask:
+                entries.append(entry)
+                positions.append(pos)
+                slots.append(0)
+                continue
+            if entry.ready or (entry.landed | entry.in_flight) & mask == mask:
                 dedup += 1  # also a hash repeated within this request
                 continue
             if not entry.slots[rank]:
                 slotless.append(len(entries))
             entry.in_flight |= mask
             entry.pins += 1
-            keys.append(key)
             entries.append(entry)
             positions.append(pos)
             slots.append(entry.slots[rank])
+        keys = list(map(_KEY, entries))
         if new:  # before allocating: an eviction must not see ns as empty
             self._hold(ns, new)
         if slotless:
@@ -256,29 +264,41 @@ class BlockStore:
 
     def finish_save(self, res: SaveReservation, ok: bool) -> None:
         self.apply_touches()
-        clear, rank, complete = ~res.mask, res.rank, res.complete
-        failed: list[int] = []
+        if not ok:
+            self._fail_save(res)
+            return
+        mask, clear, complete = res.mask, ~res.mask, res.complete
         sealed: list[BlockEntry] = []  # published now
         for entry in res.entries:
             entry.pins -= 1
             entry.in_flight &= clear
-            if ok:
-                entry.landed |= res.mask
-                if entry.landed == complete and not entry.ready:
-                    self._make_ready(entry)
-                    sealed.append(entry)
-            elif not (entry.landed | entry.in_flight) & res.shard_mask:
+            entry.landed |= mask
+            if entry.landed == complete and not entry.ready:
+                sealed.append(entry)
+        if not sealed:
+            return
+        self._make_ready_many(sealed)
+        if self.log is not None:
+            self.log.landed(sealed)
+        if self.sealed is not None:
+            self.sealed(sealed)
+        if self.published is not None:
+            self.published(sealed)
+
+    def _fail_save(self, res: SaveReservation) -> None:
+        """A copy that failed: its pieces never landed; a block with no piece
+        of this shard landed or in flight gives its slot back."""
+        clear, rank = ~res.mask, res.rank
+        failed: list[int] = []
+        for entry in res.entries:
+            entry.pins -= 1
+            entry.in_flight &= clear
+            if not (entry.landed | entry.in_flight) & res.shard_mask:
                 failed.append(entry.slots[rank])
                 entry.slots[rank] = 0
                 self._drop_if_empty(entry.key, entry)
         if failed:
             self.slabs.free(np.asarray(failed, np.uint64))
-        if sealed and self.log is not None:
-            self.log.landed(sealed)
-        if sealed and self.sealed is not None:
-            self.sealed(sealed)
-        if sealed and self.published is not None:
-            self.published(sealed)
 
     def _make_ready(self, entry: BlockEntry) -> None:
         entry.ready = True
@@ -287,6 +307,21 @@ class BlockStore:
             index = self._ready[entry.key[0]] = ReadyIndex()
         index.add(entry)
         self.policy.insert(entry.key)
+
+    def _make_ready_many(self, entries: list[BlockEntry]) -> None:
+        """_make_ready() each entry, in order (distinct, none ready yet)."""
+        ns_id = entries[0].key[0]
+        if len(entries) < 2 or any(e.key[0] != ns_id for e in entries):
+            for entry in entries:
+                self._make_ready(entry)
+            return
+        for entry in entries:
+            entry.ready = True
+        index = self._ready.get(ns_id)
+        if index is None:
+            index = self._ready[ns_id] = ReadyIndex()
+        index.add_many(entries)
+        self.policy.insert_many(list(map(_KEY, entries)))
 
     def _allocate(self, cls: SlotClass, n: int) -> np.ndarray:
         """Up to n slots, evicting LRU blocks (of any class) while short. A
@@ -311,22 +346,24 @@ class BlockStore:
         return np.concatenate(got)
 
     def _remove(self, keys: list[Key]) -> None:
+        entries = list(map(self.entries.pop, keys))
+        counts = Counter(key[0] for key in keys)  # in order of first sight
         freed: list[int] = []
-        counts: dict[int, int] = {}
         gone: list[Key] = []
-        for key in keys:
-            entry = self.entries.pop(key)
-            counts[key[0]] = counts.get(key[0], 0) + 1
-            slots = [s for s in entry.slots if s]
+        ready: dict[int, list[BlockEntry]] = {}
+        spill = self.spill
+        for key, entry in zip(keys, entries, strict=True):
             if entry.ready:
                 gone.append(key)
-                self._ready[key[0]].remove(entry)
+                ready.setdefault(key[0], []).append(entry)
                 # A spilled block's slots stay allocated until the tier wrote them.
-                if self.spill is not None and self.spill(
-                    key, np.asarray(slots, np.uint64)
-                ):
+                if spill is not None and spill(key, entry.slot_array()):
                     continue
-            freed += slots
+            freed += entry.slots
+        for ns_id, out in ready.items():
+            self._ready[ns_id].remove_many(out)
+        if 0 in freed:  # shards never allocated
+            freed = [s for s in freed if s]
         self.slabs.free(np.asarray(freed, np.uint64))
         if gone and self.unpublished is not None:
             self.unpublished(gone)
@@ -372,7 +409,6 @@ class BlockStore:
             entry.pins -= 1
             if good:  # in flight on every bit: those are the complete block
                 entry.landed, entry.in_flight = entry.in_flight, 0
-                self._make_ready(entry)
                 published.append(entry)
             else:
                 entry.in_flight = 0
@@ -380,6 +416,8 @@ class BlockStore:
                 self._pop_entry(entry.key)
         if lost:
             self.slabs.free(np.concatenate(lost))
+        if published:
+            self._make_ready_many(published)
         if published and self.log is not None:
             self.log.landed(published)
         if published and self.published is not None:

@@ -30,7 +30,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby
+from itertools import groupby, repeat
 from typing import Literal
 
 import numpy as np
@@ -130,6 +130,7 @@ class RecordingPolicy:
         self._tracker = tracker
         # Bound straight through: the query path calls touch_many, no extra frame.
         self.insert = inner.insert
+        self.insert_many = inner.insert_many
         self.touch = inner.touch
         self.touch_many = inner.touch_many
         self.remove = inner.remove
@@ -137,8 +138,8 @@ class RecordingPolicy:
 
     def evict(self, n: int, protected: Protected) -> list[Key] | None:
         victims = self._inner.evict(n, protected)
-        for key in victims or ():
-            self._tracker.record(CAPACITY, key)
+        if victims:
+            self._tracker.record_many(CAPACITY, victims)
         return victims
 
     def should_admit(self, candidate: Key, protected: Protected) -> bool:
@@ -246,10 +247,13 @@ class HitRateTracker:
         self._log.append((cause, key))
         self._pending += 1
 
+    def record_many(self, cause: int, keys: Sequence[Key]) -> None:
+        self._log.extend(zip(repeat(cause), keys))
+        self._pending += len(keys)
+
     def pool_full(self, keys: Sequence[Key]) -> None:
         """Saves refused for want of a free slot (BlockStore.on_pool_full)."""
-        for key in keys:
-            self.record(POOL_FULL, key)
+        self.record_many(POOL_FULL, keys)
 
     def _flush_soon(self) -> None:
         try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
+from itertools import repeat
 from typing import Protocol
 
 import numpy as np
@@ -46,6 +47,7 @@ _MAX_PENDING = 4096
 
 class EvictionPolicy(Protocol):
     def insert(self, key: Key) -> None: ...
+    def insert_many(self, keys: Sequence[Key]) -> None: ...  # insert each, in order
     def touch(self, key: Key) -> None: ...
     def touch_many(self, keys: Sequence[Key]) -> None: ...  # all resident, in order
     def remove(self, key: Key) -> None: ...
@@ -70,6 +72,15 @@ class LRUPolicy:
     def insert(self, key: Key) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
+
+    def insert_many(self, keys: Sequence[Key]) -> None:
+        # A save's blocks: C-level passes, as touch_many. A key already here
+        # moves to the MRU end, as insert() moves it.
+        order = self._order
+        before = len(order)
+        order.update(zip(keys, repeat(None)))
+        if len(order) - before != len(keys):
+            deque(map(order.move_to_end, keys), maxlen=0)
 
     def touch(self, key: Key) -> None:
         if key in self._order:
@@ -250,6 +261,19 @@ class AdmissionPolicy:
         else:
             self._sketch.record(key)
         self._inner.insert(key)
+
+    def insert_many(self, keys: Sequence[Key]) -> None:
+        pending = self._pending
+        if pending:
+            fresh = [k for k in keys if k not in pending]
+            pending.difference_update(keys)
+        else:
+            fresh = keys
+        if len(fresh) == 1:
+            self._sketch.record(fresh[0])
+        elif fresh:
+            self._sketch.record_many(fresh)
+        self._inner.insert_many(keys)
 
     def touch(self, key: Key) -> None:
         if key in self._inner:

@@ -291,6 +291,8 @@ def _touch_function(
 
 
 SlotClass = tuple[int, int]  # (slot bytes, offset of slot 0 inside its slab)
+# Frees of this many slots go slab by slab (SlabAllocator._free_batch).
+_BATCH_FREE = 16
 
 
 class SlabAllocator:
@@ -353,7 +355,11 @@ class SlabAllocator:
         return got
 
     def free(self, addresses: np.ndarray) -> None:
-        for addr in np.asarray(addresses, np.uint64).tolist():
+        addresses = np.asarray(addresses, np.uint64)
+        if len(addresses) >= _BATCH_FREE:
+            self._free_batch(addresses)
+            return
+        for addr in addresses.tolist():
             off = addr - self.base
             slab = off // self.slab_bytes
             cls = self._slab_class[slab]
@@ -365,6 +371,37 @@ class SlabAllocator:
                 self._release_slab(slab, cls)
             else:
                 self._partial[cls][slab] = None
+
+    def _free_batch(self, addresses: np.ndarray) -> None:
+        """free() slab by slab: the same free lists, partial slabs and slab
+        releases (in the order the loop makes them), with numpy per address
+        and Python per slab."""
+        off = addresses - np.uint64(self.base)
+        slabs = off // np.uint64(self.slab_bytes)
+        order = np.argsort(slabs, kind="stable")
+        uniq, start, counts = np.unique(
+            slabs[order], return_index=True, return_counts=True
+        )
+        ids = uniq.tolist()
+        classes = [self._slab_class[s] for s in ids]
+        size = np.repeat(np.array([c[0] for c in classes], np.uint64), counts)
+        skew = np.repeat(np.array([c[1] for c in classes], np.uint64), counts)
+        index = ((off[order] % np.uint64(self.slab_bytes) - skew) // size).tolist()
+        first = order[start].tolist()  # where each slab first appears
+        last = order[start + counts - 1].tolist()  # and where it last does
+        bounds = (start + counts).tolist()
+        released: list[tuple[int, int, SlotClass]] = []
+        for i in sorted(range(len(ids)), key=first.__getitem__):
+            slab, cls = ids[i], classes[i]
+            free = self._free_slots[slab]
+            free += index[bounds[i] - int(counts[i]) : bounds[i]]
+            self.used_bytes -= cls[0] * int(counts[i])
+            if len(free) == self.slots_per_slab(cls):
+                released.append((last[i], slab, cls))
+            else:
+                self._partial[cls][slab] = None
+        for _, slab, cls in sorted(released):
+            self._release_slab(slab, cls)
 
     def _release_slab(self, slab: int, cls: SlotClass) -> None:
         self._partial[cls].pop(slab, None)

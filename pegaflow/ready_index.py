@@ -99,6 +99,23 @@ class HashTable:
         entry.row = row
         self._pending[row] = None
 
+    def add_many(self, entries: list[BlockEntry]) -> None:
+        """add() each entry, in order (the same rows)."""
+        free = self._free
+        rows: list[int] = []
+        while len(rows) < len(entries):
+            if not free:
+                rows.append(self._grow_rows())
+                free = self._free
+            take = min(len(entries) - len(rows), len(free))
+            if take:
+                rows += free[: -take - 1 : -1]  # pop() order: from the end
+                del free[-take:]
+        self._entries[rows] = entries
+        for entry, row in zip(entries, rows, strict=True):
+            entry.row = row
+        self._pending.update(dict.fromkeys(rows))
+
     def remove(self, entry: BlockEntry) -> None:
         row = entry.row
         slot = int(self._slot_of[row])
@@ -115,6 +132,30 @@ class HashTable:
         self._entries[row] = None
         self._free.append(row)
         entry.row = -1
+
+    def remove_many(self, entries: list[BlockEntry]) -> None:
+        """remove() each entry (distinct, all in the table)."""
+        rows = [e.row for e in entries]
+        at = np.array(rows, np.int64)
+        slot = self._slot_of[at]
+        waiting = np.zeros(len(rows), bool)
+        pending = self._pending
+        if pending:
+            waiting[:] = [row in pending for row in rows]
+            for row in at[waiting].tolist():
+                del pending[row]
+        for i in np.flatnonzero((slot == STASHED) & ~waiting).tolist():
+            del self._stash[entries[i].key[1]]
+            self._live -= 1
+        tombs = slot[(slot >= 0) & ~waiting]
+        self._slots[tombs, 1] = TOMB  # a tombstone keeps the runs through it
+        self._live -= len(tombs)
+        self._tombs += len(tombs)
+        self._slot_of[at] = -1
+        self._entries[at] = None
+        self._free += rows
+        for entry in entries:
+            entry.row = -1
 
     def _grow_rows(self) -> int:
         row = len(self._entries)
@@ -346,10 +387,35 @@ class ReadyIndex:
             table = self._tables[len(h)] = HashTable(len(h))
         table.add(entry)
 
+    def add_many(self, entries: list[BlockEntry]) -> None:
+        """add() each entry; all of one hash length (a save's blocks)."""
+        h = entries[0].key[1]
+        if any(len(e.key[1]) != len(h) for e in entries):
+            for entry in entries:
+                self.add(entry)
+            return
+        self._by_hash.update([(e.key[1], e) for e in entries])
+        table = self._tables.get(len(h))
+        if table is None:
+            table = self._tables[len(h)] = HashTable(len(h))
+        table.add_many(entries)
+
     def remove(self, entry: BlockEntry) -> None:
         h = entry.key[1]
         del self._by_hash[h]
         self._tables[len(h)].remove(entry)
+
+    def remove_many(self, entries: list[BlockEntry]) -> None:
+        """remove() each entry (distinct, all here)."""
+        by_hash = self._by_hash
+        size = len(entries[0].key[1])
+        for entry in entries:
+            del by_hash[entry.key[1]]
+        if any(len(e.key[1]) != size for e in entries):
+            for entry in entries:
+                self._tables[len(entry.key[1])].remove(entry)
+        else:
+            self._tables[size].remove_many(entries)
 
     def prefix(self, q: PackedHashes) -> tuple[list[BlockEntry], np.ndarray]:
         """Entries of the ready prefix of q, and whether each block from the
