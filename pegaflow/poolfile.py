@@ -29,7 +29,10 @@ logger = logging.getLogger(__name__)
 OnMismatch = Literal["reinit", "refuse"]
 
 MAGIC = b"PEGAPOOL"
-VERSION = 1
+# The slot checksum's algorithm is part of the format (pegaflow.slotlog): a
+# file of another version is never read, only refused or reinitialised.
+VERSION = 2
+FORMATS = {1: "blake3 slot checksums", 2: "xxh3-64 slot checksums"}
 GRANULE = 4096  # data bytes per header row; smaller slots are not recorded
 # magic, version, row bytes, granule, data bytes, slab bytes, data offset, pid
 _SUPER = struct.Struct("<8sIIIQQQI")
@@ -127,9 +130,9 @@ class PoolFile:
         if found is not None:
             version, _, _, data, slab, _ = found
             why = (
-                f"it holds a pool of format {version}, {data} B in slabs of "
-                f"{slab} B; this server needs format {VERSION}, {g.data_bytes} B "
-                f"in slabs of {g.slab_bytes} B"
+                f"it holds a pool of format {_format(version)}, {data} B in slabs "
+                f"of {slab} B; this server needs format {_format(VERSION)}, "
+                f"{g.data_bytes} B in slabs of {g.slab_bytes} B"
             )
         elif size == 0:
             why = ""
@@ -141,8 +144,8 @@ class PoolFile:
         if why and on_mismatch == "refuse":
             raise PoolFileError(
                 f"--pool-file: {self.path}: {why}; start with the same --pool-size "
-                "(and format), pass --pool-on-mismatch reinit to start it afresh, "
-                "or name another file"
+                "(and a server of that format), pass --pool-on-mismatch reinit "
+                "to start it afresh, or name another file"
             )
         if why:
             logger.warning("pool file %s: %s; reinitialising it", self.path, why)
@@ -191,6 +194,11 @@ class PoolFile:
             logger.debug("pool file mapping still referenced at close")
         os.close(self.fd)
         self.fd = -1
+
+
+def _format(version: int) -> str:
+    name = FORMATS.get(version)
+    return f"{version} ({name})" if name else str(version)
 
 
 def _open_locked(path: str) -> int:

@@ -2,12 +2,13 @@
 
 At start-up (before any engine registers) every row LANDED or SEALED is
 checked with numpy over the whole table (offsets, sizes, lengths), SEALED rows
-against their checksum (threads; a tqdm bar on a terminal), and the rows of
-one block (namespace digest, hash) grouped: a block whose every shard is there
-and agrees is claimed from the allocator and published, ready and evictable,
-under a namespace known only by its digest. The engine that later registers a
-namespace of that name and geometry adopts it (Recovered.adopt): same id, so
-its blocks are hits at once. Every other row is marked FREE.
+against their xxh3-64 checksum (pegaflow.slotlog; threads, a tqdm bar on a
+terminal), and the rows of one block (namespace digest, hash) grouped: a block
+whose every shard is there and agrees is claimed from the allocator and
+published, ready and evictable, under a namespace known only by its digest.
+The engine that later registers a namespace of that name and geometry adopts
+it (Recovered.adopt): same id, so its blocks are hits at once. Every other row
+is marked FREE.
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ from pegaflow.blocks import BlockStore
 from pegaflow.gds import namespace_digest
 from pegaflow.instances import Namespace, Registry
 from pegaflow.pool import HostPool
-from pegaflow.poolfile import FREE, GRANULE, LANDED, META_OFFSET, SEALED, WRITING
-from pegaflow.slotlog import checksum
+from pegaflow.poolfile import FREE, GRANULE, LANDED, SEALED, WRITING
+from pegaflow.slotlog import checksums
 from pegaflow.ssd import SsdLink
 
 logger = logging.getLogger(__name__)
 
 _CHECK_THREADS = 8
-_CHECK_BATCH = 256  # rows per task: blake3 drops the GIL inside each
+# rows per task: xxh3 drops the GIL inside each slot past 64 KiB (a vLLM block's
+# shard is MiBs); smaller slots hash under it, as fast as their Python per row
+_CHECK_BATCH = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +156,6 @@ def _plausible(t: np.ndarray, pool: HostPool) -> np.ndarray:
 def _checksums_ok(pool: HostPool, rows: np.ndarray, progress: bool) -> np.ndarray:
     assert pool.file is not None
     t, data = pool.file.table, pool.file.data
-    raw = t.view(np.uint8).reshape(len(t), -1)
     total = int(t["slot_bytes"][rows].sum())
     bar = tqdm(
         total=total,
@@ -164,12 +166,7 @@ def _checksums_ok(pool: HostPool, rows: np.ndarray, progress: bool) -> np.ndarra
     )
 
     def check(part: np.ndarray) -> np.ndarray:
-        out = np.zeros(len(part), bool)
-        for i, row in enumerate(part.tolist()):
-            off, n = int(t["offset"][row]), int(t["slot_bytes"][row])
-            meta = raw[row, META_OFFSET:].tobytes()
-            out[i] = checksum(meta, data[off : off + n]) == int(t["checksum"][row])
-        return out
+        return checksums(t, data, part) == t["checksum"][part]
 
     parts = [rows[i : i + _CHECK_BATCH] for i in range(0, len(rows), _CHECK_BATCH)]
     results = []

@@ -7,16 +7,23 @@ A row's state word:
     WRITING  allocated to a block whose bytes are being copied in: not trusted
     LANDED   the block was published: every copy into it had finished (the
              flip runs on the loop after the copy's thread or stream joined)
-    SEALED   LANDED, and the checksum (blake3 over the rest of the row and the
-             slot's bytes) is written: a restart checks it
+    SEALED   LANDED, and the checksum (xxh3-64 over the rest of the row and
+             the slot's bytes) is written: a restart checks it
 
-The checksum is computed off the save path, by one sealer thread: blake3 runs
-at ~3.6 GB/s a core on the dev VM, against a host save path of ~9 GB/s, so at
-seal time it would cut save throughput by ~3x (benchmarks/RESULTS.md, restart).
-A torn write is caught by the state word alone (a slot still WRITING is
-dropped); the checksum catches bytes or rows changed while no server ran. A
-slot freed or reused while the sealer hashed it has a new generation, and the
-sealer's result is discarded.
+The checksum is xxh3-64 since pool format 2 (format 1 used blake3; such a file
+is refused or reinitialised, never read: pegaflow.poolfile). It guards against
+accidental damage, not tampering: whoever can write the file (mode 0600, the
+server's user) can rewrite a row's checksum as well, whatever the hash. xxh3
+runs at ~25 GB/s a core on the dev VM (blake3: ~3.6), so a restart's check
+pass is mostly memory bandwidth and Python per row (benchmarks/RESULTS.md,
+warm restart).
+
+It is still computed off the save path, by one sealer thread: against a host
+save path of ~9 GB/s, hashing at seal time would cost ~25 % of a save's
+throughput. A torn write is caught by the state word alone (a slot still
+WRITING is dropped); the checksum catches bytes or rows changed while no server
+ran. A slot freed or reused while the sealer hashed it has a new generation,
+and the sealer's result is discarded.
 """
 
 from __future__ import annotations
@@ -27,8 +34,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import blake3
 import numpy as np
+import xxhash
 
 from pegaflow.gds import namespace_digest
 from pegaflow.instances import Namespace
@@ -44,11 +51,30 @@ logger = logging.getLogger(__name__)
 _STOP = None
 
 
-def checksum(meta: bytes, data: np.ndarray) -> int:
-    """64 bits of blake3 over a row's meta bytes and its slot's bytes."""
-    h = blake3.blake3(meta)
-    h.update(data)
-    return int.from_bytes(h.digest(8), "little")
+def checksum(meta: bytes | np.ndarray, data: np.ndarray) -> int:
+    """xxh3-64 over a row's meta bytes and its slot's bytes."""
+    h = xxhash.xxh3_64(meta)
+    h.update(data)  # drops the GIL past 64 KiB (python-xxhash's threshold)
+    return h.intdigest()
+
+
+def checksums(table: np.ndarray, data: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """The checksums rows `idx` of `table` describe, over their slots in
+    `data`: the rows' fields read at once, then one hash per slot."""
+    # Copies (a row changed meanwhile is caught by its gen), the meta bytes
+    # through a plain byte view: a structured copy (table[idx]) would leave
+    # the rows' padding bytes uninitialised, and the checksum covers them.
+    raw = table.view(np.uint8).reshape(len(table), table.itemsize)
+    meta = raw[idx, META_OFFSET:]
+    offs, sizes = table["offset"][idx].tolist(), table["slot_bytes"][idx].tolist()
+    return np.fromiter(
+        (
+            checksum(meta[i], data[off : off + n])
+            for i, (off, n) in enumerate(zip(offs, sizes, strict=True))
+        ),
+        np.uint64,
+        len(idx),
+    )
 
 
 class SlotLog:
@@ -58,7 +84,6 @@ class SlotLog:
     def __init__(self, file: PoolFile, base: int) -> None:
         self._file = file
         self._table = file.table
-        self._raw = file.table.view(np.uint8).reshape(len(file.table), -1)
         self._data = file.data
         self._base = base
         self._lock = threading.Lock()
@@ -155,7 +180,7 @@ class SlotLog:
         while (job := self._queue.get()) is not _STOP:
             idx, gens = job
             try:
-                sums = self._checksums(idx)
+                sums = checksums(self._table, self._data, idx)
             except Exception:  # a background loop: log, leave the rows LANDED
                 logger.exception("sealing %d pool slots failed", len(idx))
                 sums = None
@@ -169,14 +194,6 @@ class SlotLog:
                 self._pending -= len(idx)
                 if self._pending == 0:
                     self._idle.notify_all()
-
-    def _checksums(self, idx: np.ndarray) -> np.ndarray:
-        sums = np.zeros(len(idx), np.uint64)
-        t, raw, data = self._table, self._raw, self._data
-        for i, row in enumerate(idx.tolist()):
-            off, n = int(t["offset"][row]), int(t["slot_bytes"][row])
-            sums[i] = checksum(raw[row, META_OFFSET:].tobytes(), data[off : off + n])
-        return sums
 
     @property
     def pending(self) -> int:

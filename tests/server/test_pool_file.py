@@ -16,7 +16,16 @@ import numpy as np
 import pytest
 
 from pegaflow.client import PegaflowClient
-from pegaflow.poolfile import _SUPER, GRANULE, ROW, SEALED, SUPER_BYTES, WRITING
+from pegaflow.poolfile import (
+    _SUPER,
+    GRANULE,
+    META_OFFSET,
+    ROW,
+    SEALED,
+    SUPER_BYTES,
+    VERSION,
+    WRITING,
+)
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import ROOT, ServerProc, _env
 
@@ -180,3 +189,53 @@ def test_another_geometry_is_refused_or_reinitialised(
     assert _health(server)["pool_recovered"]["blocks"] == 0
     assert _hits(server, hs, want) == 0
     assert "reinitialising it" in server.log.read_text()
+
+
+def _as_format_1(path: Path) -> None:
+    """Rewrite a kept pool file as a server of format 1 left it: the same
+    layout, its SEALED rows' checksums blake3 (64 bits of it) over the row's
+    meta and the slot, and version 1 in the superblock."""
+    blake3 = pytest.importorskip("blake3")
+    rows, offset = _rows(path), _data_offset(path)
+    raw = rows.view(np.uint8).reshape(len(rows), ROW.itemsize)
+    data = np.memmap(path, np.uint8, "r", offset, (_super(path)[4],))
+    for i in np.flatnonzero(rows["state"] == SEALED).tolist():
+        off, n = int(rows["offset"][i]), int(rows["slot_bytes"][i])
+        h = blake3.blake3(raw[i, META_OFFSET:].tobytes())
+        h.update(data[off : off + n])
+        rows["checksum"][i] = int.from_bytes(h.digest(8), "little")
+    rows.flush()
+    del rows, raw, data
+    head = list(_super(path))
+    head[1] = 1
+    with open(path, "r+b") as f:
+        f.write(_SUPER.pack(*head))
+
+
+def test_a_file_of_the_blake3_format_is_refused_or_reinitialised(
+    server_factory, tmp_path: Path
+) -> None:
+    """Scenario: 64 blocks kept in a pool file written by the previous format
+    (1: blake3 slot checksums; same size and slabs). With --pool-on-mismatch
+    refuse the server exits naming both formats and the flag, and leaves the
+    file as it was; with reinit (the default) it starts afresh and says why:
+    no block is recovered and none is checked against the wrong hash (no
+    checksum failures), every query a miss."""
+    server = server_factory(*_flags(tmp_path))
+    hs, want = _save(server, LocalKV(seed=5))
+    server.stop(signal.SIGTERM)
+    path = tmp_path / "pool.bin"
+    _as_format_1(path)
+    rc, err = _failed_start(*_flags(tmp_path, "--pool-on-mismatch", "refuse"))
+    assert rc == 2 and "Traceback" not in err
+    assert "format 1 (blake3 slot checksums)" in err
+    assert f"format {VERSION} (xxh3-64 slot checksums)" in err
+    assert "--pool-on-mismatch reinit" in err
+    assert _super(path)[1] == 1 and (_rows(path)["state"] == SEALED).sum() == N
+    server = server_factory(*_flags(tmp_path))
+    report = _health(server)["pool_recovered"]
+    assert (report["blocks"], report["bad_checksum"]) == (0, 0)
+    assert _hits(server, hs, want) == 0
+    log = server.log.read_text()
+    assert "format 1 (blake3 slot checksums)" in log and "reinitialising it" in log
+    assert _super(path)[1] == VERSION
