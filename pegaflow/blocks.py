@@ -28,6 +28,7 @@ from pegaflow.keys import BlockHash, Key, PackedHashes
 from pegaflow.policy import EvictionPolicy
 from pegaflow.pool import SlabAllocator, SlotClass
 from pegaflow.ready_index import ReadyIndex
+from pegaflow.tier_loads import TierLoads
 
 if TYPE_CHECKING:
     from pegaflow.slotlog import SlotLog
@@ -59,7 +60,7 @@ class StoreCounters:
     stale_dropped: int = 0
 
 
-class BlockStore:
+class BlockStore(TierLoads):
     def __init__(self, slabs: SlabAllocator, policy: EvictionPolicy) -> None:
         self.slabs = slabs
         self.policy = policy
@@ -368,78 +369,6 @@ class BlockStore:
         if gone and self.unpublished is not None:
             self.unpublished(gone)
         self._let_go(counts)
-
-    def reserve_load(self, ns: Namespace, hashes: list[BlockHash]) -> list[BlockEntry]:
-        """Pinned, in-flight entries with slots for blocks coming from a slower
-        tier; stops at the first key already known or when no slot can be freed.
-        In flight on every layer, a concurrent save of the key deduplicates."""
-        tp, complete = ns.tp_size, (1 << (ns.tp_size * ns.num_layers)) - 1
-        entries: list[BlockEntry] = []
-        for h in hashes:
-            key = (ns.id, h)
-            if key in self.entries:
-                break
-            entry = BlockEntry(key, [0] * tp, in_flight=complete, pins=1)
-            self.entries[key] = entry  # before allocating: never its own victim
-            entries.append(entry)
-        if not entries:
-            return []
-        self._hold(ns, len(entries))
-        got = self._allocate(ns.slot_class, len(entries) * tp)
-        whole = len(got) // tp
-        for i, entry in enumerate(entries[:whole]):
-            entry.slots[:] = got[i * tp : (i + 1) * tp].tolist()
-        if self.log is not None and whole:
-            shards = got[: whole * tp].reshape(whole, tp)
-            for shard in range(tp):
-                self.log.writing(ns, hashes[:whole], shard, shards[:, shard])
-        self.slabs.free(got[whole * tp :])
-        for entry in entries[whole:]:
-            del self.entries[entry.key]
-        if whole < len(entries):
-            self._let_go({ns.id: len(entries) - whole})
-        return entries[:whole]
-
-    def finish_load(self, entries: list[BlockEntry], ok: np.ndarray) -> None:
-        """Blocks that arrived become ready (visible, evictable); the rest go."""
-        self.apply_touches()
-        lost: list[np.ndarray] = []
-        published: list[BlockEntry] = []
-        for entry, good in zip(entries, ok.tolist(), strict=True):
-            entry.pins -= 1
-            if good:  # in flight on every bit: those are the complete block
-                entry.landed, entry.in_flight = entry.in_flight, 0
-                published.append(entry)
-            else:
-                entry.in_flight = 0
-                lost.append(entry.slot_array())
-                self._pop_entry(entry.key)
-        if lost:
-            self.slabs.free(np.concatenate(lost))
-        if published:
-            self._make_ready_many(published)
-        if published and self.log is not None:
-            self.log.landed(published)
-        if published and self.published is not None:
-            self.published(published)
-
-    def adopt(self, ns: Namespace, hashes: list[BlockHash], slots: np.ndarray) -> None:
-        """Ready blocks already in their slots ([blocks, shards], claimed from
-        the allocator): a restarted server's recovered pool. Least recently
-        used first, as the policy sees them."""
-        complete = (1 << (ns.tp_size * ns.num_layers)) - 1
-        fresh: list[BlockEntry] = []
-        for h, row in zip(hashes, slots.tolist(), strict=True):
-            key = (ns.id, h)
-            if key in self.entries:
-                continue
-            entry = self.entries[key] = BlockEntry(key, row, landed=complete)
-            self._make_ready(entry)
-            fresh.append(entry)
-        if fresh:
-            self._hold(ns, len(fresh))
-            if self.published is not None:
-                self.published(fresh)
 
     def _drop_if_empty(self, key: Key, entry: BlockEntry) -> None:
         if not any(entry.slots) and entry.pins == 0:

@@ -27,6 +27,7 @@ SERVER = {
     "pegaflow.socket_server",
     "pegaflow.blocks",
     "pegaflow.block_entry",
+    "pegaflow.tier_loads",
     "pegaflow.deferred",
     "pegaflow.pool",
     "pegaflow.policy",
@@ -47,6 +48,7 @@ SERVER = {
 BOOKKEEPING = [
     "pegaflow.blocks",
     "pegaflow.block_entry",
+    "pegaflow.tier_loads",
     "pegaflow.deferred",
     "pegaflow.policy",
     "pegaflow.leases",
