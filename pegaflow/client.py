@@ -9,10 +9,8 @@ builds its messages, connects and fails lives in those modules.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -20,8 +18,15 @@ import numpy as np
 from pegaflow import deadlines
 from pegaflow.geometry import LayerLayout
 from pegaflow.proto import pegaflow_pb2 as pb
-from pegaflow.register_messages import cuda_request, host_request
-from pegaflow.results import LoadBatchResult, LoadResult, QueryResult, SaveResult
+from pegaflow.register_messages import allow_ptrace_from, cuda_request, host_request
+from pegaflow.results import (
+    LoadBatchResult,
+    LoadItem,
+    LoadResult,
+    QueryResult,
+    Registration,
+    SaveResult,
+)
 from pegaflow.session import Session
 from pegaflow.socket_client import SocketTransport
 from pegaflow.transport import GrpcTransport, LoadCall, QueryCall, SaveCall, Transport
@@ -31,40 +36,16 @@ if TYPE_CHECKING:  # the client never imports CUDA code itself
 
 logger = logging.getLogger(__name__)
 
+# Imported from here by engines (`from pegaflow.client import LoadItem`).
+__all__ = ["LoadItem", "PegaflowClient", "Registration", "allow_ptrace_from"]
+
 T = TypeVar("T")
 DEFAULT_ADDR = "127.0.0.1:50055"
-PR_SET_PTRACER = 0x59616D61
 # After a save's or load's deadline the client still waits this long for the
 # server's answer: a copy that started before the deadline finishes (or is
 # cut at its next syscall) in that time, so a failure is reported only once
 # nothing of the request can still write into the engine's memory.
 COPY_GRACE_S = 2.0
-
-
-@dataclass(frozen=True, slots=True)
-class Registration:
-    server_pid: int
-    slot_bytes: int
-    socket_path: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class LoadItem:
-    """Leased blocks [lease_offset, lease_offset + len(block_ids)) into these
-    engine blocks; one per request in a batched load."""
-
-    lease_id: int
-    block_ids: Sequence[int] | np.ndarray
-    lease_offset: int = 0
-
-
-def allow_ptrace_from(pid: int) -> None:
-    """Let the server read/write our KV memory where Yama restricts ptrace."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: nothing to allow
-        logger.debug("prctl(PR_SET_PTRACER) unavailable")
 
 
 class PegaflowClient:

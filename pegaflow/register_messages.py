@@ -5,6 +5,8 @@ to the server."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -14,6 +16,8 @@ from pegaflow.proto import pegaflow_pb2 as pb
 
 if TYPE_CHECKING:
     from pegaflow.cuda_export import CudaKVMemory
+
+logger = logging.getLogger(__name__)
 
 
 def host_request(
@@ -102,3 +106,15 @@ def _layer_message(layer: LayerLayout) -> pb.LayerLayout:
         block_stride=layer.block_stride,
         segments=[pb.Segment(offset=s.offset, size=s.size) for s in layer.segments],
     )
+
+
+PR_SET_PTRACER = 0x59616D61
+
+
+def allow_ptrace_from(pid: int) -> None:
+    """Let the server read/write our KV memory where Yama restricts ptrace."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: nothing to allow
+        logger.debug("prctl(PR_SET_PTRACER) unavailable")

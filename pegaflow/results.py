@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,3 +51,20 @@ class LoadBatchResult:
     def failed(self) -> list[int]:
         """Indexes of the items that did not load."""
         return [i for i, item in enumerate(self.items) if item.error]
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    server_pid: int
+    slot_bytes: int
+    socket_path: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadItem:
+    """Leased blocks [lease_offset, lease_offset + len(block_ids)) into these
+    engine blocks; one per request in a batched load."""
+
+    lease_id: int
+    block_ids: Sequence[int] | np.ndarray
+    lease_offset: int = 0
