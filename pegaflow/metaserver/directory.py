@@ -1,6 +1,7 @@
 """The metaserver's operations: nodes (join, heartbeat, leave, staleness) over
-the block index. Runs on the event loop only; the servicer calls it with
-values already checked."""
+the block index. gRPC's handler threads and the sweep thread call it; one
+lock makes each operation atomic. The servicer calls it with values already
+checked."""
 
 from __future__ import annotations
 

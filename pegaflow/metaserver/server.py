@@ -2,8 +2,8 @@
 
 gRPC's synchronous server with a small thread pool: every RPC is a short,
 CPU-bound step under the Directory's one lock, and grpcio's sync path answers
-a unary call in about two thirds of grpc.aio's time (benchmarks/RESULTS.md,
-"Metaserver ... sync server")."""
+a unary call sooner than grpc.aio does (benchmarks/RESULTS.md, "dev VM,
+2026-12-02: sync server, cheaper plan")."""
 
 from __future__ import annotations
 
