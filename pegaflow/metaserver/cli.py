@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ipaddress
 import logging
 import sys
@@ -157,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from pegaflow.startup import StartupError
 
     try:
-        asyncio.run(serve(config))
+        serve(config)
     except StartupError as exc:
         print(f"pegaflow-metaserver: {exc}", file=sys.stderr)
         return 2

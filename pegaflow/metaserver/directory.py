@@ -1,10 +1,12 @@
 """The metaserver's operations: nodes (join, heartbeat, leave, staleness) over
-the block index. Runs on the event loop only; the servicer calls it with
-values already checked."""
+the block index. gRPC's handler threads and the sweep thread call it; one
+lock makes each operation atomic. The servicer calls it with values already
+checked."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -39,23 +41,28 @@ class Directory:
         self.queries = 0
         self.query_hashes = 0
         self.query_matched = 0
+        # Every operation below holds it whole; readers of plain counts (the
+        # HTTP thread's /health and /metrics) do not.
+        self._lock = threading.Lock()
 
     def join(self, node_id: str, incarnation: int, endpoint: str) -> Node:
-        node, fenced = self.nodes.join(node_id, incarnation, endpoint, self.clock())
-        if fenced:
-            self._fence(node, incarnation)
-        self.node_events["joined"] += 1
-        logger.info(
-            "node %r joined: incarnation %d, endpoint %s",
-            node_id,
-            incarnation,
-            endpoint,
-        )
-        return node
+        with self._lock:
+            node, fenced = self.nodes.join(node_id, incarnation, endpoint, self.clock())
+            if fenced:
+                self._fence(node, incarnation)
+            self.node_events["joined"] += 1
+            logger.info(
+                "node %r joined: incarnation %d, endpoint %s",
+                node_id,
+                incarnation,
+                endpoint,
+            )
+            return node
 
     def heartbeat(self, node_id: str, incarnation: int) -> int:
         """The entries held for the node."""
-        return int(self.index.node_entries[self._known(node_id, incarnation).slot])
+        with self._lock:
+            return int(self.index.node_entries[self._known(node_id, incarnation).slot])
 
     def insert(
         self,
@@ -64,8 +71,9 @@ class Directory:
         digest: NamespaceDigest,
         hashes: list[BlockHash],
     ) -> tuple[int, int]:
-        node = self._known(node_id, incarnation)
-        return self.index.insert(digest, hashes, node.slot, self.clock())
+        with self._lock:
+            node = self._known(node_id, incarnation)
+            return self.index.insert(digest, hashes, node.slot, self.clock())
 
     def remove(
         self,
@@ -74,49 +82,53 @@ class Directory:
         digest: NamespaceDigest,
         hashes: list[BlockHash],
     ) -> int:
-        node = self._known(node_id, incarnation)
-        return self.index.remove(digest, hashes, node.slot)
+        with self._lock:
+            node = self._known(node_id, incarnation)
+            return self.index.remove(digest, hashes, node.slot)
 
     def leave(self, node_id: str, incarnation: int) -> int:
-        node = self._known(node_id, incarnation)
-        removed = self.index.drop_node(node.slot, "left")
-        self.nodes.remove(node)
-        self.node_events["left"] += 1
-        logger.info("node %r left: %d entries dropped", node_id, removed)
-        return removed
+        with self._lock:
+            node = self._known(node_id, incarnation)
+            removed = self.index.drop_node(node.slot, "left")
+            self.nodes.remove(node)
+            self.node_events["left"] += 1
+            logger.info("node %r left: %d entries dropped", node_id, removed)
+            return removed
 
     def query(
         self, digest: NamespaceDigest, hashes: list[BlockHash], asker: str
     ) -> list[Segment]:
-        node = self.nodes.find(asker) if asker else None
-        plan = self.index.prefix(digest, hashes, node.slot if node else -1)
-        owners = self.nodes.by_slot
-        segments = [
-            Segment(o.node_id, o.incarnation, o.endpoint, blocks)
-            for o, blocks in ((owners[slot], blocks) for slot, blocks in plan)
-        ]
-        self.queries += 1
-        self.query_hashes += len(hashes)
-        self.query_matched += sum(s.blocks for s in segments)
-        return segments
+        with self._lock:
+            node = self.nodes.find(asker) if asker else None
+            plan = self.index.prefix(digest, hashes, node.slot if node else -1)
+            owners = self.nodes.by_slot
+            segments = [
+                Segment(o.node_id, o.incarnation, o.endpoint, blocks)
+                for o, blocks in ((owners[slot], blocks) for slot, blocks in plan)
+            ]
+            self.queries += 1
+            self.query_hashes += len(hashes)
+            self.query_matched += sum(s.blocks for s in segments)
+            return segments
 
     def sweep(self) -> None:
         """Drop nodes not heard from for --node-stale-secs, with their entries,
         and entries older than --ttl-minutes."""
-        now = self.clock()
-        for node in self.nodes.stale(now - self.config.node_stale_s):
-            dropped = self.index.drop_node(node.slot, "stale_node")
-            self.nodes.remove(node)
-            self.node_events["stale"] += 1
-            logger.warning(
-                "node %r not heard from for %.1f s: dropped with %d entries",
-                node.node_id,
-                now - node.last_seen,
-                dropped,
-            )
-        expired = self.index.expire(now - self.config.ttl_s)
-        if expired:
-            logger.debug("%d entries expired", expired)
+        with self._lock:
+            now = self.clock()
+            for node in self.nodes.stale(now - self.config.node_stale_s):
+                dropped = self.index.drop_node(node.slot, "stale_node")
+                self.nodes.remove(node)
+                self.node_events["stale"] += 1
+                logger.warning(
+                    "node %r not heard from for %.1f s: dropped with %d entries",
+                    node.node_id,
+                    now - node.last_seen,
+                    dropped,
+                )
+            expired = self.index.expire(now - self.config.ttl_s)
+            if expired:
+                logger.debug("%d entries expired", expired)
 
     def _known(self, node_id: str, incarnation: int) -> Node:
         node, newer = self.nodes.check(node_id, incarnation, self.clock())

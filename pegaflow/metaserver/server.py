@@ -1,14 +1,19 @@
-"""Metaserver assembly: directory + gRPC + HTTP, the sweep loop, serve()."""
+"""Metaserver assembly: directory + gRPC + HTTP, the sweep thread, serve().
+
+gRPC's synchronous server with a small thread pool: every RPC is a short,
+CPU-bound step under the Directory's one lock, and grpcio's sync path answers
+a unary call sooner than grpc.aio does (benchmarks/RESULTS.md, "dev VM,
+2026-12-02: sync server, cheaper plan")."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 import signal
+import threading
 import time
-from dataclasses import dataclass
+from concurrent import futures
+from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 
 import grpc
@@ -26,30 +31,37 @@ from pegaflow.startup import StartupError, bind_error, bind_failed
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pegaflow.meta.v1.MetaServer"
+# Handler threads. The work is serialised by the Directory's lock (and the
+# GIL), so more threads would only queue there; a few keep one slow client's
+# unary call from holding up the rest. Health Watch streams take none (they
+# run non-blocking on grpc_health's own callbacks).
+GRPC_WORKERS = 8
 
 
 @dataclass(slots=True)
 class RunningMetaServer:
-    grpc_server: grpc.aio.Server
+    grpc_server: grpc.Server
     port: int
     http: ThreadingHTTPServer | None
     directory: Directory
-    sweeper: asyncio.Task | None = None
+    stopping: threading.Event = field(default_factory=threading.Event)
+    sweeper: threading.Thread | None = None
 
     @property
     def http_port(self) -> int | None:
         return self.http.server_address[1] if self.http else None
 
-    async def stop(self, grace_s: float = 1.0) -> None:
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.stopping.set()
+        self.grpc_server.stop(grace_s).wait()
         if self.sweeper is not None:
-            self.sweeper.cancel()
-        await self.grpc_server.stop(grace_s)
+            self.sweeper.join()
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()
 
 
-async def create_server(config: MetaConfig) -> RunningMetaServer:
+def create_server(config: MetaConfig) -> RunningMetaServer:
     """Bind gRPC (port 0 picks one) and HTTP, start serving and sweeping."""
     directory = Directory(config)
     metrics = MetaMetrics(directory)
@@ -60,26 +72,33 @@ async def create_server(config: MetaConfig) -> RunningMetaServer:
         try:
             http = bind_http(host, http_port)
         except OSError as exc:
-            await server.stop(None)
+            server.stop(None)
             raise bind_failed("--http-addr", config.http_addr, exc) from None
     pb_grpc.add_MetaServerServicer_to_server(MetaServicer(directory), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    await server.start()
+    server.start()
     for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     if http is not None:
         serve_http(http, metrics.registry, _health_report(directory))
     running = RunningMetaServer(server, port, http, directory)
-    running.sweeper = asyncio.create_task(_sweep_forever(directory))
+    running.sweeper = threading.Thread(
+        target=_sweep_forever,
+        args=(directory, running.stopping),
+        name="meta-sweep",
+        daemon=True,
+    )
+    running.sweeper.start()
     return running
 
 
-def _bind_grpc(config: MetaConfig, metrics: MetaMetrics) -> tuple[grpc.aio.Server, int]:
+def _bind_grpc(config: MetaConfig, metrics: MetaMetrics) -> tuple[grpc.Server, int]:
     host, port = parse_addr(config.addr)
     if (error := bind_error("--addr", config.addr, host, port)) is not None:
         raise error
-    server = grpc.aio.server(
+    server = grpc.server(
+        futures.ThreadPoolExecutor(GRPC_WORKERS, thread_name_prefix="meta-grpc"),
         interceptors=[MetaInterceptor(metrics, config.token)],
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         options=[
@@ -117,23 +136,21 @@ def _health_report(directory: Directory):  # noqa: ANN202 - the HTTP thread's
     return report
 
 
-async def _sweep_forever(directory: Directory) -> None:
+def _sweep_forever(directory: Directory, stopping: threading.Event) -> None:
     interval = directory.config.sweep_interval_s
-    while True:
-        await asyncio.sleep(interval)
+    while not stopping.wait(interval):
         try:
             directory.sweep()
         except Exception:  # a background loop must survive any one bad sweep
             logger.exception("sweep failed")
 
 
-async def serve(config: MetaConfig) -> None:
+def serve(config: MetaConfig) -> None:
     """Run until SIGTERM/SIGINT; print one READY line for supervisors and tests."""
-    running = await create_server(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
+    running = create_server(config)
+    stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        signal.signal(sig, lambda *_: stop.set())
     host, _ = parse_addr(config.addr)
     http = (
         f"{parse_addr(config.http_addr)[0]}:{running.http_port}"
@@ -148,8 +165,7 @@ async def serve(config: MetaConfig) -> None:
         http,
         "required" if config.token else "off",
     )
-    await stop.wait()
+    stop.wait()
     logger.info("stopping")
-    with contextlib.suppress(asyncio.CancelledError):
-        await running.stop()
+    running.stop()
     logger.info("stopped")

@@ -4,12 +4,12 @@ one interceptor that checks the shared token and turns errors into statuses
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import grpc
 
 from pegaflow import peer_auth
-from pegaflow.boundary import guarded
+from pegaflow.boundary import guarded_sync
 from pegaflow.errors import InvalidRequest, PegaflowError
 from pegaflow.keys import MAX_HASH_BYTES, PackedHashes
 from pegaflow.metaserver.config import (
@@ -23,8 +23,6 @@ from pegaflow.metaserver.index import BlockHash, NamespaceDigest
 from pegaflow.metaserver.metrics import MetaMetrics
 from pegaflow.proto import metaserver_pb2 as pb
 from pegaflow.proto import metaserver_pb2_grpc as pb_grpc
-
-_ENDS_CALL = (grpc.aio.AbortError,)
 
 
 class Unauthenticated(PegaflowError):
@@ -74,8 +72,8 @@ class MetaServicer(pb_grpc.MetaServerServicer):
     def __init__(self, directory: Directory) -> None:
         self.directory = directory
 
-    async def Join(  # noqa: N802 - gRPC's method names
-        self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
+    def Join(  # noqa: N802 - gRPC's method names
+        self, request: pb.JoinRequest, context: grpc.ServicerContext
     ) -> pb.JoinResponse:
         node_id, incarnation = node_ref(request.node)
         endpoint = check_text("endpoint", request.endpoint, MAX_ENDPOINT_BYTES)
@@ -88,29 +86,29 @@ class MetaServicer(pb_grpc.MetaServerServicer):
             ttl_s=int(config.ttl_s),
         )
 
-    async def Heartbeat(  # noqa: N802
-        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    def Heartbeat(  # noqa: N802
+        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatResponse:
         entries = self.directory.heartbeat(*node_ref(request.node))
         return pb.HeartbeatResponse(entries=entries)
 
-    async def Insert(  # noqa: N802
-        self, request: pb.InsertRequest, context: grpc.aio.ServicerContext
+    def Insert(  # noqa: N802
+        self, request: pb.InsertRequest, context: grpc.ServicerContext
     ) -> pb.InsertResponse:
         node = node_ref(request.node)
         inserted, refreshed = self.directory.insert(*node, *blocks(request.blocks))
         return pb.InsertResponse(inserted=inserted, refreshed=refreshed)
 
-    async def Remove(  # noqa: N802
-        self, request: pb.RemoveRequest, context: grpc.aio.ServicerContext
+    def Remove(  # noqa: N802
+        self, request: pb.RemoveRequest, context: grpc.ServicerContext
     ) -> pb.RemoveResponse:
         node = node_ref(request.node)
         return pb.RemoveResponse(
             removed=self.directory.remove(*node, *blocks(request.blocks))
         )
 
-    async def QueryPrefix(  # noqa: N802
-        self, request: pb.QueryPrefixRequest, context: grpc.aio.ServicerContext
+    def QueryPrefix(  # noqa: N802
+        self, request: pb.QueryPrefixRequest, context: grpc.ServicerContext
     ) -> pb.QueryPrefixResponse:
         asker = check_text(
             "asker_node_id", request.asker_node_id, MAX_NODE_ID_BYTES, empty_ok=True
@@ -129,13 +127,13 @@ class MetaServicer(pb_grpc.MetaServerServicer):
             matched=sum(s.blocks for s in segments),
         )
 
-    async def Leave(  # noqa: N802
-        self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
+    def Leave(  # noqa: N802
+        self, request: pb.LeaveRequest, context: grpc.ServicerContext
     ) -> pb.LeaveResponse:
         return pb.LeaveResponse(removed=self.directory.leave(*node_ref(request.node)))
 
 
-class MetaInterceptor(grpc.aio.ServerInterceptor):
+class MetaInterceptor(grpc.ServerInterceptor):
     """Every RPC (health included) needs the shared token when one is set;
     unary RPCs then run through pegaflow.boundary (errors become statuses, a
     bug INTERNAL, each call timed)."""
@@ -143,28 +141,42 @@ class MetaInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: MetaMetrics, token: str | None) -> None:
         self._metrics = metrics
         self._token = token.encode() if token is not None else None
+        # One wrapped handler per method, made on its first call: building
+        # one per call cost a few per cent of an empty call.
+        self._bounded: dict[str, grpc.RpcMethodHandler] = {}
 
-    async def intercept_service(
+    def intercept_service(
         self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]
-        ],
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
+        handler = continuation(details)
         if handler is None:
             return handler
-        refused = peer_auth.refusal(self._token, details.invocation_metadata)
-        method = details.method.rsplit("/", 1)[-1]
         if handler.unary_unary is None:  # health's Watch: refused or as it is
+            refused = peer_auth.refusal(self._token, details.invocation_metadata)
             return handler if refused is None else _refusing(handler, refused)
-        inner, metrics = handler.unary_unary, self._metrics
+        bounded = self._bounded.get(details.method)
+        if bounded is None:
+            bounded = self._bounded[details.method] = self._bound(details, handler)
+        return bounded
 
-        async def bounded(request: object, context: grpc.aio.ServicerContext) -> object:
-            work = inner(request, context) if refused is None else _refuse(refused)
-            got = await guarded(metrics, method, "grpc", work, _ENDS_CALL)  # type: ignore[arg-type]
+    def _bound(
+        self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler
+    ) -> grpc.RpcMethodHandler:
+        method = details.method.rsplit("/", 1)[-1]
+        inner, metrics, token = handler.unary_unary, self._metrics, self._token
+
+        def work(request: object, context: grpc.ServicerContext) -> object:
+            refused = peer_auth.refusal(token, context.invocation_metadata())
+            if refused is not None:
+                raise Unauthenticated(refused)
+            return inner(request, context)
+
+        def bounded(request: object, context: grpc.ServicerContext) -> object:
+            got = guarded_sync(metrics, method, "grpc", lambda: work(request, context))
             if isinstance(got, PegaflowError):
-                await context.abort(got.code, str(got))
+                context.abort(got.code, str(got))  # raises: grpc ends the call
             return got
 
         return grpc.unary_unary_rpc_method_handler(
@@ -174,13 +186,9 @@ class MetaInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
-async def _refuse(why: str) -> object:
-    raise Unauthenticated(why)
-
-
 def _refusing(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
-    async def abort(request: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+    def abort(request: object, context: grpc.ServicerContext) -> None:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     return grpc.unary_stream_rpc_method_handler(
         abort,
