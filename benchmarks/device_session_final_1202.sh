@@ -6,16 +6,7 @@
 #   3. restart.py --sizes 64gb (pool-file checksums: xxh3 instead of blake3)
 #   4. ssd_writebehind.py --quick (SSD record checksums: xxh3 instead of blake3)
 # Run from the repo root with .whl carried; JSON and logs in $OUT.
-set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-START=$SECONDS
-stage() { echo; echo "=== $* (t=$((SECONDS - START)) s)"; }
-
-stage install
-python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl
-export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+. "$(dirname "$0")/device_prelude.sh"
 
 stage "gpu tests: server CUDA path"
 timeout "${TEST_S:-100}" python3 -m pytest -m gpu tests/gpu -o addopts="" \

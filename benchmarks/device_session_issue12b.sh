@@ -12,18 +12,7 @@
 #      save + load at once, N = 1 latency; byte-checked; JSON in $OUT
 # The variants' table is printed last. numpy 2.5 vs numba-cuda (row_stack) is
 # handled in kernels/cuda.py itself.
-set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-START=$SECONDS
-stage() { echo; echo "=== $* (t=$((SECONDS - START)) s)"; }
-
-stage install
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl
-fi
-export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+. "$(dirname "$0")/device_prelude.sh"
 python3 -c "import numpy, numba, torch; print('numpy', numpy.__version__, \
 'numba', numba.__version__, 'torch', torch.__version__)"
 

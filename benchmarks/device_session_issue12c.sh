@@ -18,18 +18,7 @@
 #      save path (and its 1-block latencies)
 # A short table comes last; logs and JSON (transfer-auto.json,
 # transfer-kernel.json) land in $OUT.
-set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-START=$SECONDS
-stage() { echo; echo "=== $* (t=$((SECONDS - START)) s)"; }
-
-stage install
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl
-fi
-export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+. "$(dirname "$0")/device_prelude.sh"
 python3 -c "import numpy, numba, torch; print('numpy', numpy.__version__, \
 'numba', numba.__version__, 'torch', torch.__version__)"
 

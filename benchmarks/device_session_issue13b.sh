@@ -6,16 +6,7 @@
 #      GPU host: the server builds the CUDA copy engine, so its warm-up runs)
 #   2. benchmarks/restart.py --sizes 16gb,64gb (SIGTERM and SIGKILL), JSON in $OUT
 # Run from the repo root with .whl carried.
-set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-START=$SECONDS
-stage() { echo; echo "=== $* (t=$((SECONDS - START)) s)"; }
-
-stage install
-python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl
-export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+. "$(dirname "$0")/device_prelude.sh"
 
 stage "pool-file tests on a GPU host"
 timeout "${TEST_S:-120}" python3 -m pytest tests/server/test_pool_file.py \
