@@ -40,7 +40,6 @@ _PIECE_BYTES = 256 << 20
 @dataclass(frozen=True, slots=True)
 class PlanSegment:
     endpoint: Endpoint
-    incarnation: int
     start: int  # index into the fetched run
     blocks: int
 
@@ -172,7 +171,7 @@ class OwnerReads:
         per = max(1, _PIECE_BYTES // (slot_bytes * shards))
         flat_local, flat_remote = local.reshape(-1), remote.reshape(-1)
         lengths = np.full(flat_local.size, slot_bytes, np.uint64)
-        before = getattr(self._transport, "retried", 0)
+        before = self._transport.retried
         hashed: list[concurrent.futures.Future[np.ndarray]] = []
         with concurrent.futures.ThreadPoolExecutor(1) as hasher:
             for start in range(0, len(local), per):  # per piece, not per block
@@ -184,7 +183,7 @@ class OwnerReads:
                 hashed.append(
                     hasher.submit(checksums_of, self._pool, piece, slot_bytes)
                 )
-        retried = getattr(self._transport, "retried", 0) - before
+        retried = self._transport.retried - before
         if retried:
             self._metrics.retries.inc(retried)
         return np.concatenate([f.result() for f in hashed]).reshape(local.shape)
@@ -249,5 +248,5 @@ def clip_plan(plan: list[PlanSegment], n: int) -> list[PlanSegment]:
         if seg.start >= n:
             break
         blocks = min(seg.blocks, n - seg.start)
-        out.append(PlanSegment(seg.endpoint, seg.incarnation, seg.start, blocks))
+        out.append(PlanSegment(seg.endpoint, seg.start, blocks))
     return out

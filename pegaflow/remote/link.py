@@ -84,9 +84,8 @@ class RemoteLink:
         self.namespaces: dict[bytes, Namespace] = {}  # digest -> namespace held
         self._digests: dict[int, bytes] = {}
         self.pins = PinTable(store, pool)
-        self._loading: dict[
-            Key, int
-        ] = {}  # as in pegaflow.ssd: key -> blocks to the end
+        # As in pegaflow.ssd: key being fetched -> blocks of its fetch from it on.
+        self._loading: dict[Key, int] = {}
         self._negative: OrderedDict[Key, float] = OrderedDict()  # key -> until
         self._unfetched: OrderedDict[Key, None] = OrderedDict()  # for the miss causes
         self._tasks: set[asyncio.Task[None]] = set()
@@ -125,7 +124,7 @@ class RemoteLink:
         if self.advertiser is None:
             return
         for ns_id, hashes in _by_namespace(e.key for e in entries).items():
-            ns = self._namespace(ns_id)
+            ns = self._store.namespace(ns_id)
             if ns is not None:
                 self.advertiser.advertise(self.digest(ns), hashes)
 
@@ -139,22 +138,20 @@ class RemoteLink:
             if digest is not None:
                 self.advertiser.withdraw(digest, hashes)
 
-    def _namespace(self, ns_id: int) -> Namespace | None:
-        return self._store.namespace(ns_id)
-
     async def snapshot(self) -> dict[bytes, list[bytes]]:
         """Every ready block held, by namespace digest: the advertiser re-sends
         it after a (re)join. Walks the index in slices, yielding the loop."""
         keys = list(self._store.entries.items())
-        held: dict[bytes, list[bytes]] = {}
+        by_ns: dict[int, list[bytes]] = {}
         for start in range(0, len(keys), 50_000):
-            for key, entry in keys[start : start + 50_000]:
+            for (ns_id, h), entry in keys[start : start + 50_000]:
                 if entry.ready:
-                    ns = self._namespace(key[0])
-                    if ns is not None:
-                        held.setdefault(self.digest(ns), []).append(key[1])
+                    by_ns.setdefault(ns_id, []).append(h)
             await asyncio.sleep(0)
-        return held
+        namespaces = {i: self._store.namespace(i) for i in by_ns}
+        return {
+            self.digest(ns): by_ns[i] for i, ns in namespaces.items() if ns is not None
+        }
 
     # -- the query path -----------------------------------------------------------
     def remembered(self, ns: Namespace, first: BlockHash) -> tuple[int, bool] | None:
@@ -226,11 +223,7 @@ class RemoteLink:
         for seg in reply.segments:
             if seg.node_id == self.node_id or seg.blocks == 0:
                 break  # never read from ourselves; a lying plan stops here
-            plan.append(
-                PlanSegment(
-                    Endpoint.parse(seg.endpoint), seg.incarnation, at, seg.blocks
-                )
-            )
+            plan.append(PlanSegment(Endpoint.parse(seg.endpoint), at, seg.blocks))
             at += seg.blocks
         if at > len(hashes):
             raise ValueError(f"metaserver plan covers {at} of {len(hashes)} blocks")
@@ -345,6 +338,8 @@ class RemoteLink:
             "fetch_phases_ms_last": st.last_phases_ms,
             "failed_blocks": failures,
             "pins_held": len(self.pins),
+            "pins_expired": self.pins.expired,
+            "pins_refused": self.pins.refused,
             "advertised": adv.counters.advertised if adv else 0,
             "withdrawn": adv.counters.withdrawn if adv else 0,
             "advertise_dropped": adv.counters.dropped if adv else 0,

@@ -32,6 +32,8 @@ class TransportError(RuntimeError):
 
 
 class RemoteTransport(Protocol):
+    retried: int  # reads that failed once and succeeded on the retry
+
     def register(self, base: int, size: int) -> None: ...
 
     def read(

@@ -99,6 +99,6 @@ def test_a_peers_pin_is_checked_before_any_read() -> None:
 
 def test_plan_clipped_to_the_slots_reserved() -> None:
     e = Endpoint("a:1", "a:2")
-    plan = [PlanSegment(e, 1, 0, 3), PlanSegment(e, 1, 3, 4)]
+    plan = [PlanSegment(e, 0, 3), PlanSegment(e, 3, 4)]
     assert [(s.start, s.blocks) for s in clip_plan(plan, 5)] == [(0, 3), (3, 2)]
     assert [(s.start, s.blocks) for s in clip_plan(plan, 2)] == [(0, 2)]
