@@ -88,10 +88,10 @@ pegaflow/metrics.py (SsdCollector) exports tier.stats().
 
 from __future__ import annotations
 
-from pegaflow.gds.config import SsdConfig
-from pegaflow.gds.format import namespace_digest
-from pegaflow.gds.io import SsdError
-from pegaflow.gds.tier import SsdLoadResult, SsdStats, SsdTier
+from .config import SsdConfig
+from .format import namespace_digest
+from .io import SsdError
+from .tier import SsdLoadResult, SsdStats, SsdTier
 
 __all__ = [
     "SsdLoadResult",

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from pegaflow.config import check_int, check_seconds
-from pegaflow.gds.format import ALIGN, SUPERBLOCK_BYTES, ChecksumName
-from pegaflow.gds.io import BackendName, DirectIO
+
+from .format import ALIGN, SUPERBLOCK_BYTES, ChecksumName
+from .io import BackendName, DirectIO
 
 Admission = Literal["all", "seen_twice"]
 WriteOn = Literal["seal", "evict"]

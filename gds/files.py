@@ -18,8 +18,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from pegaflow.gds.config import SsdConfig
-from pegaflow.gds.format import (
+from .config import SsdConfig
+from .format import (
     FILE_MAGIC,
     FORMAT_VERSION,
     STORE_ID_BYTES,
@@ -27,7 +27,7 @@ from pegaflow.gds.format import (
     FormatError,
     Superblock,
 )
-from pegaflow.gds.io import SsdError
+from .io import SsdError
 
 logger = logging.getLogger(__name__)
 GiB = float(1 << 30)

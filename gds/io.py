@@ -25,7 +25,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from pegaflow.gds.format import ALIGN
+from .format import ALIGN
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def open_backend(
     are present, POSIX elsewhere. `threads`: I/O requests the tier keeps in
     flight (kvikio sizes its own pool to it)."""
     if name in ("auto", "kvikio"):
-        from pegaflow.gds import kvikio_io
+        from . import kvikio_io
 
         why = kvikio_io.unavailable()
         if why is None:

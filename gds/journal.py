@@ -26,8 +26,8 @@ from enum import IntEnum
 import numpy as np
 from tqdm import tqdm
 
-from pegaflow.gds.format import MAX_HASH_BYTES, STORE_ID_BYTES
-from pegaflow.gds.ring import Index, Record, Ring, State
+from .format import MAX_HASH_BYTES, STORE_ID_BYTES
+from .ring import Index, Record, Ring, State
 
 logger = logging.getLogger(__name__)
 

@@ -11,16 +11,17 @@ import ctypes
 import logging
 from collections.abc import Sequence
 
-from pegaflow.gds.format import (
+from pegaflow.runs import merge_parts
+
+from .format import (
     ALIGN,
     HEADER_BYTES,
     FormatError,
     RecordHeader,
     hash_parts,
 )
-from pegaflow.gds.io import AlignedBuffer, FileIO, Part, host_view
-from pegaflow.gds.ring import Record
-from pegaflow.runs import merge_parts
+from .io import AlignedBuffer, FileIO, Part, host_view
+from .ring import Record
 
 logger = logging.getLogger(__name__)
 

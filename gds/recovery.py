@@ -12,12 +12,12 @@ from typing import Literal
 
 import numpy as np
 
-from pegaflow.gds import journal, scan
-from pegaflow.gds.config import SsdConfig
-from pegaflow.gds.files import Mismatch
-from pegaflow.gds.format import unknown_checksums
-from pegaflow.gds.io import FileIO
-from pegaflow.gds.ring import Index, Ring
+from . import journal, scan
+from .config import SsdConfig
+from .files import Mismatch
+from .format import unknown_checksums
+from .io import FileIO
+from .ring import Index, Ring
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from pegaflow.gds.format import (
+from .format import (
     ALIGN,
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -38,8 +38,8 @@ from pegaflow.gds.format import (
     FormatError,
     hasher,
 )
-from pegaflow.gds.io import AlignedBuffer, FileIO
-from pegaflow.gds.ring import Index, Record, Ring, State
+from .io import AlignedBuffer, FileIO
+from .ring import Index, Record, Ring, State
 
 logger = logging.getLogger(__name__)
 

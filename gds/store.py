@@ -17,20 +17,20 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pegaflow.gds import journal
-from pegaflow.gds.config import SsdConfig
-from pegaflow.gds.files import Layout, Mismatch, prepare, reinitialise
-from pegaflow.gds.format import SUPERBLOCK_BYTES, checksum_id, record_bytes
-from pegaflow.gds.io import AlignedBuffer, Part, SsdError, open_backend
-from pegaflow.gds.records import gather, read_pieces
-from pegaflow.gds.recovery import (
+from . import journal
+from .config import SsdConfig
+from .files import Layout, Mismatch, prepare, reinitialise
+from .format import SUPERBLOCK_BYTES, checksum_id, record_bytes
+from .io import AlignedBuffer, Part, SsdError, open_backend
+from .records import gather, read_pieces
+from .recovery import (
     Recovered,
     Recovery,
     journal_bloated,
     log_ready,
     recover,
 )
-from pegaflow.gds.ring import BlockHash, Index, NsDigest, Record, Ring, State
+from .ring import BlockHash, Index, NsDigest, Record, Ring, State
 
 logger = logging.getLogger(__name__)
 

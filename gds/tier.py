@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from pegaflow.gds.config import SsdConfig
-from pegaflow.gds.format import check_key
-from pegaflow.gds.io import AlignedBuffer
-from pegaflow.gds.ring import BlockHash, NsDigest, Record
-from pegaflow.gds.store import SsdStore
+from .config import SsdConfig
+from .format import check_key
+from .io import AlignedBuffer
+from .ring import BlockHash, NsDigest, Record
+from .store import SsdStore
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pegaflow.keys import Key
+from .keys import Key
 
 
 def layer_mask(rank: int, layers: np.ndarray, num_layers: int) -> int:

@@ -21,17 +21,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pegaflow.block_entry import BlockEntry, SaveReservation, layer_mask
-from pegaflow.deferred import Deferred
-from pegaflow.instances import Namespace
-from pegaflow.keys import BlockHash, Key, PackedHashes
-from pegaflow.policy import EvictionPolicy
-from pegaflow.pool import SlabAllocator, SlotClass
-from pegaflow.ready_index import ReadyIndex
-from pegaflow.tier_loads import TierLoads
+from .block_entry import BlockEntry, SaveReservation, layer_mask
+from .deferred import Deferred
+from .instances import Namespace
+from .keys import BlockHash, Key, PackedHashes
+from .policy import EvictionPolicy
+from .pool import SlabAllocator, SlotClass
+from .ready_index import ReadyIndex
+from .tier_loads import TierLoads
 
 if TYPE_CHECKING:
-    from pegaflow.slotlog import SlotLog
+    from .slotlog import SlotLog
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-from pegaflow.errors import InternalError, PegaflowError
+from .errors import InternalError, PegaflowError
 
 if TYPE_CHECKING:  # any object with rpc_seconds/rpc_timers (the metaserver's too)
-    from pegaflow.metrics import Metrics
+    from .metrics import Metrics
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from pegaflow import __version__, compat_flags, remote_flags
-from pegaflow.config import (
+from . import __version__, compat_flags, remote_flags
+from .config import (
     Crossover,
     CudaConfig,
     EngineConfig,
@@ -22,9 +22,9 @@ from pegaflow.config import (
     parse_duration,
     parse_size,
 )
-from pegaflow.limits import MAX_CONCURRENT_RPCS
-from pegaflow.pool import HugepagesUnavailable, PoolTooLarge
-from pegaflow.startup import StartupError
+from .limits import MAX_CONCURRENT_RPCS
+from .pool import HugepagesUnavailable, PoolTooLarge
+from .startup import StartupError
 
 if TYPE_CHECKING:
     from pegaflow.gds import SsdConfig
@@ -408,7 +408,7 @@ def crossovers(args: argparse.Namespace) -> dict[str, tuple[Crossover, ...]]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["status"]:  # a subcommand; every flag form stays the daemon's
-        from pegaflow.status_command import main as status_main
+        from .status_command import main as status_main
 
         return status_main(argv[1:])
     parser = build_parser()
@@ -433,8 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     for line in warnings:
         logging.getLogger(__name__).warning("%s", line)
     from pegaflow.gds import SsdError
-    from pegaflow.poolfile import PoolFileError
-    from pegaflow.server import serve  # grpc/numpy import after argument errors
+
+    from .poolfile import PoolFileError
+    from .server import serve  # grpc/numpy import after argument errors
 
     try:
         asyncio.run(serve(config))

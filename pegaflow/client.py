@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from pegaflow import deadlines
-from pegaflow.geometry import LayerLayout
-from pegaflow.proto import pegaflow_pb2 as pb
-from pegaflow.register_messages import allow_ptrace_from, cuda_request, host_request
-from pegaflow.results import (
+from . import deadlines
+from .geometry import LayerLayout
+from .proto import pegaflow_pb2 as pb
+from .register_messages import allow_ptrace_from, cuda_request, host_request
+from .results import (
     LoadBatchResult,
     LoadItem,
     LoadResult,
@@ -27,12 +27,12 @@ from pegaflow.results import (
     Registration,
     SaveResult,
 )
-from pegaflow.session import Session
-from pegaflow.socket_client import SocketTransport
-from pegaflow.transport import GrpcTransport, LoadCall, QueryCall, SaveCall, Transport
+from .session import Session
+from .socket_client import SocketTransport
+from .transport import GrpcTransport, LoadCall, QueryCall, SaveCall, Transport
 
 if TYPE_CHECKING:  # the client never imports CUDA code itself
-    from pegaflow.cuda_export import CudaKVMemory
+    from .cuda_export import CudaKVMemory
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,12 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from pegaflow.limits import MAX_CONCURRENT_RPCS, MAX_MESSAGE_BYTES
+from .limits import MAX_CONCURRENT_RPCS, MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:  # built by the CLI; the config module stays import-light
     from pegaflow.gds import SsdConfig
-    from pegaflow.remote.config import RemoteConfig
+
+    from .remote.config import RemoteConfig
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pegaflow.errors import CopyFailed
-from pegaflow.keys import IPC_HANDLE_BYTES
+from .errors import CopyFailed
+from .keys import IPC_HANDLE_BYTES
 
 logger = logging.getLogger(__name__)
 

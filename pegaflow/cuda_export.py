@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pegaflow import cuda_driver
-from pegaflow.geometry import LayerLayout
-from pegaflow.kv_layouts import describe
+from . import cuda_driver
+from .geometry import LayerLayout
+from .kv_layouts import describe
 
 DEFAULT_EVENTS = 4  # saves in flight at once per worker, each with its own event
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from pegaflow.errors import DeadlineExceeded, InvalidRequest
+from .errors import DeadlineExceeded, InvalidRequest
 
 # A deadline further ahead than this is not one of ours: another clock.
 MAX_AHEAD_S = 3600.0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from pegaflow.block_entry import BlockEntry
+from .block_entry import BlockEntry
 
 
 class Deferred:

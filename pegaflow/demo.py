@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pegaflow import demo_nodes
-from pegaflow.config import parse_size
-from pegaflow.spawn import spawn_server
+from . import demo_nodes
+from .config import parse_size
+from .spawn import spawn_server
 
 PAGE_SHAPE = (8, 16, 256)  # Llama-3.1-8B per layer and block: kv_heads, block, 2*head
 PAGE_BYTES = int(np.prod(PAGE_SHAPE)) * 2  # bf16
@@ -54,7 +54,7 @@ def block_hashes(tokens: np.ndarray, block_size: int) -> list[bytes]:
 
 
 def _kv(shape: Shape) -> tuple[np.ndarray, list[np.ndarray]]:
-    from pegaflow.kv_layouts import vllm_layer_views
+    from .kv_layouts import vllm_layer_views
 
     buf = np.empty(shape.layers * shape.blocks * PAGE_BYTES, np.uint8)
     buf.fill(0)  # touch it, as an engine's allocator does: no page faults mid-load
@@ -83,8 +83,8 @@ def _engine_setup(
 
 
 def engine_a(addr: str, shape: Shape, seed: int, conn: object) -> None:
-    from pegaflow.client import PegaflowClient
-    from pegaflow.kv_layouts import describe
+    from .client import PegaflowClient
+    from .kv_layouts import describe
 
     hashes, views, ids = _engine_setup(shape, seed, seed + 1)
     kv = _prefill_bytes(seed, shape)
@@ -104,8 +104,8 @@ def engine_a(addr: str, shape: Shape, seed: int, conn: object) -> None:
 
 
 def engine_b(addr: str, shape: Shape, seed: int, conn: object) -> None:
-    from pegaflow.client import PegaflowClient
-    from pegaflow.kv_layouts import describe
+    from .client import PegaflowClient
+    from .kv_layouts import describe
 
     hashes, views, ids = _engine_setup(shape, seed, seed + 2)
     mem = describe(views)

@@ -18,35 +18,36 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pegaflow import deadlines
-from pegaflow.blocks import BlockEntry, BlockStore
-from pegaflow.config import EngineConfig
-from pegaflow.copiers.base import CopyEngine, RegionKind
-from pegaflow.copiers.signals import LayerSignals, scatter_by_layer
-from pegaflow.errors import (
+from pegaflow.gds import SsdTier
+
+from . import deadlines
+from .blocks import BlockEntry, BlockStore
+from .config import EngineConfig
+from .copiers.base import CopyEngine, RegionKind
+from .copiers.signals import LayerSignals, scatter_by_layer
+from .errors import (
     DeadlineExceeded,
     InvalidRequest,
     LeaseNotFound,
 )
-from pegaflow.gds import SsdTier
-from pegaflow.geometry import Transfers, check_block_ids
-from pegaflow.identity import CallContext, Caller
-from pegaflow.instances import Registry, Worker
-from pegaflow.keys import BlockHash, LoadSpec, PackedHashes
-from pegaflow.leases import Lease, LeaseTable
-from pegaflow.limits import LargeRequestGate, RequestCaps
-from pegaflow.metrics import Metrics
-from pegaflow.misses import HitRateTracker, RecordingPolicy
-from pegaflow.namespaces import NamespaceReaper
-from pegaflow.policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
-from pegaflow.pool import HostPool
-from pegaflow.prefix_query import PrefixQueries, check_hashes
-from pegaflow.registration import RegisterSpec
-from pegaflow.results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
-from pegaflow.ssd import SsdLink
+from .geometry import Transfers, check_block_ids
+from .identity import CallContext, Caller
+from .instances import Registry, Worker
+from .keys import BlockHash, LoadSpec, PackedHashes
+from .leases import Lease, LeaseTable
+from .limits import LargeRequestGate, RequestCaps
+from .metrics import Metrics
+from .misses import HitRateTracker, RecordingPolicy
+from .namespaces import NamespaceReaper
+from .policy import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
+from .pool import HostPool
+from .prefix_query import PrefixQueries, check_hashes
+from .registration import RegisterSpec
+from .results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
+from .ssd import SsdLink
 
 if TYPE_CHECKING:
-    from pegaflow.remote.link import RemoteLink
+    from .remote.link import RemoteLink
 
 logger = logging.getLogger(__name__)
 

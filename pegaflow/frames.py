@@ -39,8 +39,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pegaflow.errors import InvalidRequest, PegaflowError
-from pegaflow.keys import LoadSpec, PackedHashes
+from .errors import InvalidRequest, PegaflowError
+from .keys import LoadSpec, PackedHashes
 
 PROTOCOL_VERSION = 2  # 1: no hello, no deadlines, no tokens, no register
 HELLO, QUERY, SAVE, LOAD, REGISTER = 0, 1, 2, 3, 4

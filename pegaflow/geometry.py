@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pegaflow.errors import InvalidRequest
+from .errors import InvalidRequest
 
 MAX_LAYERS = 4096
 MAX_SEGMENTS_PER_LAYER = 8

@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass
 from typing import Literal
 
-from pegaflow.errors import InvalidRequest, PermissionDenied
+from .errors import InvalidRequest, PermissionDenied
 
 Transport = Literal["unix", "tcp"]
 UNKNOWN = -1

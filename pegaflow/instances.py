@@ -18,23 +18,23 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pegaflow.copiers.base import (
+from .copiers.base import (
     CopyEngine,
     LoadSignals,
     OpenSignals,
     RegionKind,
 )
-from pegaflow.errors import (
+from .errors import (
     InstanceHeld,
     InvalidRequest,
     NotSupported,
     PermissionDenied,
     UnknownInstance,
 )
-from pegaflow.geometry import KVGeometry
-from pegaflow.identity import UNKNOWN, Caller, check_host_memory_owner
-from pegaflow.keys import TOKEN_BYTES
-from pegaflow.registration import RegisterSpec, validate_spec
+from .geometry import KVGeometry
+from .identity import UNKNOWN, Caller, check_host_memory_owner
+from .keys import TOKEN_BYTES
+from .registration import RegisterSpec, validate_spec
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pegaflow.hll import packed_hash64
+from .hll import packed_hash64
 
 BlockHash = bytes  # an engine's prefix-cache block hash (vLLM: chained sha256)
 NamespaceName = str  # the engine's digest of what makes KV bytes compatible

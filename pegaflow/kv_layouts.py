@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pegaflow.geometry import LayerLayout, Segment
+from .geometry import LayerLayout, Segment
 
 
 @dataclass(frozen=True, slots=True)

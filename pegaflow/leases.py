@@ -7,9 +7,9 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from pegaflow.block_entry import BlockEntry
-from pegaflow.blocks import BlockStore
-from pegaflow.errors import LeaseNotFound
+from .block_entry import BlockEntry
+from .blocks import BlockStore
+from .errors import LeaseNotFound
 
 
 @dataclass(slots=True)

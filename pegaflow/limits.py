@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from pegaflow.errors import DeadlineExceeded, InvalidRequest
+from .errors import DeadlineExceeded, InvalidRequest
 
 # 4096 layers x 4 segments, or 2048 x 8: more than any model registers (a
 # vLLM 0.33 layer is one page, an older K/V-first one two segments).

@@ -35,11 +35,11 @@ from typing import Literal
 
 import numpy as np
 
-from pegaflow.config import HitRateConfig
-from pegaflow.hll import WindowSet, WindowStats, hash64, hash64_batches, splitmix64
-from pegaflow.instances import Namespace
-from pegaflow.keys import Key, PackedHashes
-from pegaflow.policy import EvictionPolicy, Protected
+from .config import HitRateConfig
+from .hll import WindowSet, WindowStats, hash64, hash64_batches, splitmix64
+from .instances import Namespace
+from .keys import Key, PackedHashes
+from .policy import EvictionPolicy, Protected
 
 Cause = Literal["compulsory", "capacity", "admission", "pool_full", "remote"]
 CAUSES: tuple[Cause, ...] = (

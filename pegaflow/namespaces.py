@@ -25,11 +25,11 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from pegaflow.blocks import BlockStore
-from pegaflow.instances import Namespace, Registry
-from pegaflow.leases import LeaseTable
-from pegaflow.misses import HitRateTracker
-from pegaflow.ssd import SsdLink
+from .blocks import BlockStore
+from .instances import Namespace, Registry
+from .leases import LeaseTable
+from .misses import HitRateTracker
+from .ssd import SsdLink
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 
 import grpc
 
-from pegaflow.errors import PegaflowError
+from .errors import PegaflowError
 
 METADATA_KEY = "x-pegaflow-peer-token"  # gRPC metadata keys are lowercase
 ENV_VAR = "PEGAFLOW_PEER_TOKEN"  # the default source: it stays out of `ps`

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 from tqdm import tqdm
 
-from pegaflow.config import PoolConfig
+from .config import PoolConfig
 
 if TYPE_CHECKING:
-    from pegaflow.poolfile import PoolFile
-    from pegaflow.slotlog import SlotLog
+    from .poolfile import PoolFile
+    from .slotlog import SlotLog
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class HostPool:
         except Exception as exc:
             if config.pool_file is None:
                 raise
-            from pegaflow.poolfile import PoolFileError
+            from .poolfile import PoolFileError
 
             fs = _filesystem(config.pool_file)
             raise PoolFileError(
@@ -210,7 +210,7 @@ class HostPool:
     def _slabs(self) -> SlabAllocator:
         if self.file is None:
             return SlabAllocator(self.base, self.size, self.slab_bytes)
-        from pegaflow.slotlog import LoggedSlabs, SlotLog  # imports this module
+        from .slotlog import LoggedSlabs, SlotLog  # imports this module
 
         self.log = SlotLog(self.file, self.base)
         return LoggedSlabs(self.base, self.size, self.slab_bytes, self.log)
@@ -260,7 +260,7 @@ class HostPool:
 
 
 def _open_file(config: PoolConfig, size: int, slab_bytes: int, align: int) -> PoolFile:
-    from pegaflow.poolfile import Geometry, PoolFile
+    from .poolfile import Geometry, PoolFile
 
     geometry = Geometry(size, slab_bytes, align)
     path = config.pool_file or ""

@@ -9,16 +9,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pegaflow import deadlines
-from pegaflow.block_entry import BlockEntry
-from pegaflow.errors import InvalidRequest, PermissionDenied
-from pegaflow.identity import UNKNOWN, CallContext
-from pegaflow.instances import Namespace
-from pegaflow.keys import MAX_HASH_BYTES, BlockHash, PackedHashes
-from pegaflow.results import QueryResult
+from . import deadlines
+from .block_entry import BlockEntry
+from .errors import InvalidRequest, PermissionDenied
+from .identity import UNKNOWN, CallContext
+from .instances import Namespace
+from .keys import MAX_HASH_BYTES, BlockHash, PackedHashes
+from .results import QueryResult
 
 if TYPE_CHECKING:
-    from pegaflow.engine import Engine
+    from .engine import Engine
 
 
 def check_hashes(

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pegaflow.hll import hash64
-from pegaflow.keys import PackedHashes
+from .hll import hash64
+from .keys import PackedHashes
 
 if TYPE_CHECKING:
-    from pegaflow.block_entry import BlockEntry
+    from .block_entry import BlockEntry
 
 EMPTY, TOMB = -2, -1  # row values of a free slot; EMPTY ends a run
 STASHED = -2  # the slot of a row in the stash (see HashTable._stash)

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from pegaflow.blocks import BlockStore
 from pegaflow.gds import namespace_digest
-from pegaflow.instances import Namespace, Registry
-from pegaflow.pool import HostPool
-from pegaflow.poolfile import FREE, GRANULE, LANDED, SEALED, WRITING
-from pegaflow.slotlog import checksums
-from pegaflow.ssd import SsdLink
+
+from .blocks import BlockStore
+from .instances import Namespace, Registry
+from .pool import HostPool
+from .poolfile import FREE, GRANULE, LANDED, SEALED, WRITING
+from .slotlog import checksums
+from .ssd import SsdLink
 
 logger = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pegaflow.geometry import LayerLayout
-from pegaflow.proto import pegaflow_pb2 as pb
+from .geometry import LayerLayout
+from .proto import pegaflow_pb2 as pb
 
 if TYPE_CHECKING:
-    from pegaflow.cuda_export import CudaKVMemory
+    from .cuda_export import CudaKVMemory
 
 logger = logging.getLogger(__name__)
 

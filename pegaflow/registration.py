@@ -7,11 +7,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pegaflow import limits
-from pegaflow.copiers.base import CudaExport, RegionKind
-from pegaflow.errors import InvalidRequest
-from pegaflow.geometry import MAX_LAYERS, MAX_SEGMENTS_PER_LAYER, LayerLayout
-from pegaflow.keys import IPC_HANDLE_BYTES, TOKEN_BYTES, UUID_BYTES
+from . import limits
+from .copiers.base import CudaExport, RegionKind
+from .errors import InvalidRequest
+from .geometry import MAX_LAYERS, MAX_SEGMENTS_PER_LAYER, LayerLayout
+from .keys import IPC_HANDLE_BYTES, TOKEN_BYTES, UUID_BYTES
 
 MAX_ID_LEN = 256
 MAX_TP = 1024

@@ -7,7 +7,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pegaflow.remote.config import RemoteConfig
+    from .remote.config import RemoteConfig
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -100,8 +100,8 @@ def remote_config(args: argparse.Namespace) -> RemoteConfig | None:
             raise ValueError("remote_transport: --nics/--enable-rdma/--remote-"
                              "transport need --metaserver-addr")  # fmt: skip
         return None
-    from pegaflow import peer_auth
-    from pegaflow.remote.config import RemoteConfig
+    from . import peer_auth
+    from .remote.config import RemoteConfig
 
     protocol = args.remote_transport or ("rdma" if nics or args.enable_rdma else "tcp")
     token = peer_auth.read_token(

@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, TypeVar
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pegaflow.gds import namespace_digest
-from pegaflow.hll import SUB_WINDOWS
-from pegaflow.misses import CAUSES, HIT_TIERS
+
+from .hll import SUB_WINDOWS
+from .misses import CAUSES, HIT_TIERS
 
 if TYPE_CHECKING:
-    from pegaflow.engine import Engine
-    from pegaflow.recovery import RecoveryReport
+    from .engine import Engine
+    from .recovery import RecoveryReport
 
 logger = logging.getLogger(__name__)
 

@@ -16,24 +16,25 @@ from http.server import ThreadingHTTPServer
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pegaflow import cuda_driver, gcpolicy
-from pegaflow.compat_metrics import OriginalMetrics, OriginalSsdMetrics
-from pegaflow.config import CudaConfig, ServerConfig, parse_addr
-from pegaflow.copiers.base import CopyEngine, RegionKind
-from pegaflow.copiers.host import HostCopyEngine
-from pegaflow.cuda_driver import HostRegistrar
-from pegaflow.engine import Engine
 from pegaflow.gds import SsdTier
-from pegaflow.http import bind_http, serve_http
-from pegaflow.metrics import Metrics, SsdCollector
-from pegaflow.pool import HostPool
-from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
-from pegaflow.recovery import Recovered, RecoveryReport, recover
-from pegaflow.report import HitRateCollector, engine_stats, health_report, on_loop
-from pegaflow.service import ErrorInterceptor, PegaFlowServicer
-from pegaflow.socket_server import SocketServerInfo, start_socket_server
-from pegaflow.sockfile import check_path, unlink_if_ours
-from pegaflow.startup import StartupError, bind_error, bind_failed
+
+from . import cuda_driver, gcpolicy
+from .compat_metrics import OriginalMetrics, OriginalSsdMetrics
+from .config import CudaConfig, ServerConfig, parse_addr
+from .copiers.base import CopyEngine, RegionKind
+from .copiers.host import HostCopyEngine
+from .cuda_driver import HostRegistrar
+from .engine import Engine
+from .http import bind_http, serve_http
+from .metrics import Metrics, SsdCollector
+from .pool import HostPool
+from .proto import pegaflow_pb2_grpc as pb_grpc
+from .recovery import Recovered, RecoveryReport, recover
+from .report import HitRateCollector, engine_stats, health_report, on_loop
+from .service import ErrorInterceptor, PegaFlowServicer
+from .socket_server import SocketServerInfo, start_socket_server
+from .sockfile import check_path, unlink_if_ours
+from .startup import StartupError, bind_error, bind_failed
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ async def _assemble(
     ordinals = _cuda_devices(config.cuda)
     remote_host = None
     if config.remote is not None:  # before anything binds: a bad --addr fails fast
-        from pegaflow.remote import bringup
+        from .remote import bringup
 
         remote_host = bringup.preflight(config.remote, config.addr)
     socket_path = ""
@@ -256,7 +257,7 @@ def _cuda_devices(config: CudaConfig) -> list[int]:
 
 def _cuda_copier(config: CudaConfig, pool: HostPool, ordinals: list[int]) -> object:
     try:  # imports numba-cuda: GPU hosts only
-        from pegaflow.copiers.cuda import CopyPolicy, CudaCopyEngine
+        from .copiers.cuda import CopyPolicy, CudaCopyEngine
     except ImportError as exc:
         raise StartupError(f"--devices: {exc}; {cuda_driver.hint(exc)}") from exc
 

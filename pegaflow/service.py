@@ -10,18 +10,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 import numpy as np
 
-from pegaflow import deadlines
-from pegaflow.boundary import guarded
-from pegaflow.copiers.base import CudaExport
-from pegaflow.engine import Engine
-from pegaflow.errors import InvalidRequest, PegaflowError
-from pegaflow.geometry import LayerLayout, Segment
-from pegaflow.identity import CallContext, Caller, tcp_peer
-from pegaflow.instances import Worker
-from pegaflow.metrics import Metrics
-from pegaflow.proto import pegaflow_pb2 as pb
-from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
-from pegaflow.registration import RegisterSpec
+from . import deadlines
+from .boundary import guarded
+from .copiers.base import CudaExport
+from .engine import Engine
+from .errors import InvalidRequest, PegaflowError
+from .geometry import LayerLayout, Segment
+from .identity import CallContext, Caller, tcp_peer
+from .instances import Worker
+from .metrics import Metrics
+from .proto import pegaflow_pb2 as pb
+from .proto import pegaflow_pb2_grpc as pb_grpc
+from .registration import RegisterSpec
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
     async def ServerInfo(
         self, req: pb.ServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerInfoResponse:
-        from pegaflow.frames import PROTOCOL_VERSION
+        from .frames import PROTOCOL_VERSION
 
         return pb.ServerInfoResponse(
             server_pid=self._pid,

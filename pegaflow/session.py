@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import grpc
 
-from pegaflow.errors import PegaflowError, from_status
-from pegaflow.proto import pegaflow_pb2 as pb
-from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+from .errors import PegaflowError, from_status
+from .proto import pegaflow_pb2 as pb
+from .proto import pegaflow_pb2_grpc as pb_grpc
 
 
 class Session:

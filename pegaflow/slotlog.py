@@ -38,13 +38,14 @@ import numpy as np
 import xxhash
 
 from pegaflow.gds import namespace_digest
-from pegaflow.instances import Namespace
-from pegaflow.pool import SlabAllocator
-from pegaflow.poolfile import FREE, GRANULE, LANDED, META_OFFSET, SEALED, WRITING
+
+from .instances import Namespace
+from .pool import SlabAllocator
+from .poolfile import FREE, GRANULE, LANDED, META_OFFSET, SEALED, WRITING
 
 if TYPE_CHECKING:
-    from pegaflow.block_entry import BlockEntry
-    from pegaflow.poolfile import PoolFile
+    from .block_entry import BlockEntry
+    from .poolfile import PoolFile
 
 logger = logging.getLogger(__name__)
 

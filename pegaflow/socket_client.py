@@ -15,8 +15,8 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from pegaflow.errors import PegaflowError, from_status
-from pegaflow.frames import (
+from .errors import PegaflowError, from_status
+from .frames import (
     HELLO_REPLY,
     LOAD_ITEM_REPLY,
     LOAD_REPLY,
@@ -32,10 +32,10 @@ from pegaflow.frames import (
     encode_save,
     parse_load_reply,
 )
-from pegaflow.identity import unix_peer
-from pegaflow.proto import pegaflow_pb2 as pb
-from pegaflow.results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
-from pegaflow.transport import LoadCall, QueryCall, SaveCall
+from .identity import unix_peer
+from .proto import pegaflow_pb2 as pb
+from .results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
+from .transport import LoadCall, QueryCall, SaveCall
 
 logger = logging.getLogger(__name__)
 

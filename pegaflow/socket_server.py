@@ -16,15 +16,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pegaflow import deadlines
-from pegaflow.boundary import guarded, guarded_sync
-from pegaflow.errors import (
+from . import deadlines
+from .boundary import guarded, guarded_sync
+from .errors import (
     InvalidRequest,
     Overloaded,
     PegaflowError,
     ProtocolMismatch,
 )
-from pegaflow.frames import (
+from .frames import (
     HELLO_REPLY,
     LOAD,
     LOADING,
@@ -45,12 +45,12 @@ from pegaflow.frames import (
     load_reply,
     register_reply,
 )
-from pegaflow.identity import UNKNOWN, CallContext, Caller, unix_peer
-from pegaflow.results import QueryResult
-from pegaflow.sockfile import bind_private_unix, unlink_if_ours
+from .identity import UNKNOWN, CallContext, Caller, unix_peer
+from .results import QueryResult
+from .sockfile import bind_private_unix, unlink_if_ours
 
 if TYPE_CHECKING:
-    from pegaflow.engine import Engine
+    from .engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -250,8 +250,8 @@ class _SocketProtocol(asyncio.Protocol):
         return error_reply(got) if isinstance(got, PegaflowError) else _query_reply(got)
 
     def _register(self, body: bytes) -> bytes:
-        from pegaflow.proto import pegaflow_pb2 as pb
-        from pegaflow.service import register_response, spec_from_message
+        from .proto import pegaflow_pb2 as pb
+        from .service import register_response, spec_from_message
 
         request, deadline_ns = decode_register(body)
         deadlines.check(deadlines.from_wire(deadline_ns), "register")

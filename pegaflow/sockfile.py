@@ -23,7 +23,7 @@ import os
 import socket
 import stat
 
-from pegaflow.startup import StartupError
+from .startup import StartupError
 
 logger = logging.getLogger(__name__)
 

@@ -41,11 +41,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pegaflow.blocks import BlockEntry, BlockStore
 from pegaflow.gds import SsdLoadResult, SsdTier, namespace_digest
-from pegaflow.instances import Namespace, Registry
-from pegaflow.keys import BlockHash, Key
-from pegaflow.metrics import Metrics
+
+from .blocks import BlockEntry, BlockStore
+from .instances import Namespace, Registry
+from .keys import BlockHash, Key
+from .metrics import Metrics
 
 logger = logging.getLogger(__name__)
 

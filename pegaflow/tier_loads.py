@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pegaflow.block_entry import BlockEntry
-from pegaflow.instances import Namespace
-from pegaflow.keys import BlockHash
+from .block_entry import BlockEntry
+from .instances import Namespace
+from .keys import BlockHash
 
 if TYPE_CHECKING:
-    from pegaflow.blocks import BlockStore
+    from .blocks import BlockStore
 
 
 class TierLoads:

@@ -21,12 +21,12 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from pegaflow.errors import PegaflowError, from_status
-from pegaflow.keys import BlockHash, LoadSpec
-from pegaflow.proto import pegaflow_pb2 as pb
-from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
-from pegaflow.results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
-from pegaflow.session import Session
+from .errors import PegaflowError, from_status
+from .keys import BlockHash, LoadSpec
+from .proto import pegaflow_pb2 as pb
+from .proto import pegaflow_pb2_grpc as pb_grpc
+from .results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
+from .session import Session
 
 
 @dataclass(frozen=True, slots=True)

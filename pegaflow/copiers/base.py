@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from pegaflow.geometry import Transfers
+from ..geometry import Transfers
 
 RegionKind = Literal["host", "cuda"]
 

@@ -43,19 +43,19 @@ from typing import Any
 
 import numpy as np
 
-from pegaflow import cuda_driver, deadlines, kernels
-from pegaflow.copiers import dma
-from pegaflow.copiers.base import CudaExport
-from pegaflow.copiers.completion import StreamFlag
-from pegaflow.copiers.policy import (
+from .. import cuda_driver, deadlines, kernels
+from ..errors import CopyFailed, InvalidRequest
+from ..geometry import Transfers
+from . import dma
+from .base import CudaExport
+from .completion import StreamFlag
+from .policy import (
     COMPLETION,
     FLAG_MAX_BYTES,
     CopyDirection,
     CopyPath,
     CopyPolicy,
 )
-from pegaflow.errors import CopyFailed, InvalidRequest
-from pegaflow.geometry import Transfers
 
 logger = logging.getLogger(__name__)
 

@@ -30,10 +30,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pegaflow import cuda_driver
-from pegaflow.geometry import Transfers
 from pegaflow.kernels.plan import Buffer, descriptor_table
-from pegaflow.runs import merge_adjacent
+
+from .. import cuda_driver
+from ..geometry import Transfers
+from ..runs import merge_adjacent
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,10 @@ from itertools import pairwise
 
 import numpy as np
 
-from pegaflow.copiers.vm import (
+from ..errors import CopyFailed, InternalError, InvalidRequest
+from ..geometry import Transfers
+from ..runs import merge_adjacent
+from .vm import (
     IOV_MAX,
     Direction,
     exited,
@@ -31,9 +34,6 @@ from pegaflow.copiers.vm import (
     rw_spans,
     transfer,
 )
-from pegaflow.errors import CopyFailed, InternalError, InvalidRequest
-from pegaflow.geometry import Transfers
-from pegaflow.runs import merge_adjacent
 
 logger = logging.getLogger(__name__)
 

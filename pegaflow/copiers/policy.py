@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pegaflow.copiers import dma
-from pegaflow.geometry import Transfers
+from ..geometry import Transfers
+from . import dma
 
 if TYPE_CHECKING:  # values the server passes in; no import of its config
-    from pegaflow.config import CopyPathSetting, Crossover, CudaConfig
+    from ..config import CopyPathSetting, Crossover, CudaConfig
 
 CopyPath = Literal["kernel", "dma"]
 CopyDirection = dma.Direction  # save: GPU -> pool, load: pool -> GPU

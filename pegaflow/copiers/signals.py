@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pegaflow.copiers.vm import (
+from ..errors import CopyFailed, InvalidRequest
+from ..geometry import Transfers
+from .vm import (
     exited,
     first_outside,
     iovecs,
@@ -17,11 +19,9 @@ from pegaflow.copiers.vm import (
     rw_spans,
     transfer,
 )
-from pegaflow.errors import CopyFailed, InvalidRequest
-from pegaflow.geometry import Transfers
 
 if TYPE_CHECKING:
-    from pegaflow.instances import Worker
+    from ..instances import Worker
 
 if TYPE_CHECKING:
     pass

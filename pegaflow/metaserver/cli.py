@@ -7,10 +7,10 @@ import ipaddress
 import logging
 import sys
 
-from pegaflow import __version__, compat_flags, peer_auth
-from pegaflow.config import addr_arg, parse_addr
-from pegaflow.metaserver import compat_flags as original
-from pegaflow.metaserver.config import MetaConfig
+from .. import __version__, compat_flags, peer_auth
+from ..config import addr_arg, parse_addr
+from . import compat_flags as original
+from .config import MetaConfig
 
 DEFAULT_MAX_ENTRIES = 4_000_000
 
@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             "anyone who reaches it can advertise and query blocks",
             config.addr,
         )
-    from pegaflow.metaserver.server import serve  # grpc imports after arg errors
-    from pegaflow.startup import StartupError
+    from ..startup import StartupError
+    from .server import serve  # grpc imports after arg errors
 
     try:
         serve(config)

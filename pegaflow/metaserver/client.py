@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from pegaflow import peer_auth
-from pegaflow.metaserver.config import MAX_MESSAGE_BYTES
-from pegaflow.metaserver.directory import Segment
-from pegaflow.proto import metaserver_pb2 as pb
-from pegaflow.proto import metaserver_pb2_grpc as pb_grpc
+from .. import peer_auth
+from ..proto import metaserver_pb2 as pb
+from ..proto import metaserver_pb2_grpc as pb_grpc
+from .config import MAX_MESSAGE_BYTES
+from .directory import Segment
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pegaflow.metaserver.config import MetaConfig
-from pegaflow.metaserver.index import BlockHash, BlockIndex, NamespaceDigest
-from pegaflow.metaserver.nodes import Node, NodeTable, UnknownIncarnation
+from .config import MetaConfig
+from .index import BlockHash, BlockIndex, NamespaceDigest
+from .nodes import Node, NodeTable, UnknownIncarnation
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Literal
 import grpc
 import numpy as np
 
-from pegaflow.errors import PegaflowError
-from pegaflow.metaserver.config import (
+from ..errors import PegaflowError
+from .config import (
     MAX_BATCH_HASHES,
     MAX_NAMESPACES,
     MAX_NODES,

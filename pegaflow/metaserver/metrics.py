@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Histogram, disable_created_metr
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pegaflow.metaserver.directory import Directory
+from .directory import Directory
 
 disable_created_metrics()  # no `_created` series: noise on every scrape
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from pegaflow.errors import PegaflowError
-from pegaflow.metaserver.config import MAX_NODES
+from ..errors import PegaflowError
+from .config import MAX_NODES
 
 logger = logging.getLogger(__name__)
 

@@ -19,14 +19,14 @@ from http.server import ThreadingHTTPServer
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pegaflow.config import parse_addr
-from pegaflow.http import bind_http, serve_http
-from pegaflow.metaserver.config import MAX_MESSAGE_BYTES, MetaConfig
-from pegaflow.metaserver.directory import Directory
-from pegaflow.metaserver.metrics import MetaMetrics
-from pegaflow.metaserver.service import MetaInterceptor, MetaServicer
-from pegaflow.proto import metaserver_pb2_grpc as pb_grpc
-from pegaflow.startup import StartupError, bind_error, bind_failed
+from ..config import parse_addr
+from ..http import bind_http, serve_http
+from ..proto import metaserver_pb2_grpc as pb_grpc
+from ..startup import StartupError, bind_error, bind_failed
+from .config import MAX_MESSAGE_BYTES, MetaConfig
+from .directory import Directory
+from .metrics import MetaMetrics
+from .service import MetaInterceptor, MetaServicer
 
 logger = logging.getLogger(__name__)
 

@@ -8,21 +8,21 @@ from collections.abc import Callable
 
 import grpc
 
-from pegaflow import peer_auth
-from pegaflow.boundary import guarded_sync
-from pegaflow.errors import InvalidRequest, PegaflowError
-from pegaflow.keys import MAX_HASH_BYTES, PackedHashes
-from pegaflow.metaserver.config import (
+from .. import peer_auth
+from ..boundary import guarded_sync
+from ..errors import InvalidRequest, PegaflowError
+from ..keys import MAX_HASH_BYTES, PackedHashes
+from ..proto import metaserver_pb2 as pb
+from ..proto import metaserver_pb2_grpc as pb_grpc
+from .config import (
     MAX_BATCH_HASHES,
     MAX_ENDPOINT_BYTES,
     MAX_NAMESPACE_BYTES,
     MAX_NODE_ID_BYTES,
 )
-from pegaflow.metaserver.directory import Directory
-from pegaflow.metaserver.index import BlockHash, NamespaceDigest
-from pegaflow.metaserver.metrics import MetaMetrics
-from pegaflow.proto import metaserver_pb2 as pb
-from pegaflow.proto import metaserver_pb2_grpc as pb_grpc
+from .directory import Directory
+from .index import BlockHash, NamespaceDigest
+from .metrics import MetaMetrics
 
 
 class Unauthenticated(PegaflowError):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pegaflow.metaserver.client import JoinTerms, MetaClient
+from ..metaserver.client import JoinTerms, MetaClient
 
 logger = logging.getLogger(__name__)
 

@@ -12,22 +12,22 @@ import time
 import grpc
 from tqdm import tqdm
 
-from pegaflow.config import parse_addr
-from pegaflow.engine import Engine
-from pegaflow.metaserver.client import MetaClient
-from pegaflow.proto import peer_pb2_grpc
-from pegaflow.remote.advertiser import Advertiser
-from pegaflow.remote.config import RemoteConfig, check_routable
-from pegaflow.remote.link import RemoteLink
-from pegaflow.remote.metrics import AdvertiserCollector, RemoteMetrics
-from pegaflow.remote.nics import check_nics
-from pegaflow.remote.peer_service import PeerServicer
-from pegaflow.remote.transport import (
+from ..config import parse_addr
+from ..engine import Engine
+from ..metaserver.client import MetaClient
+from ..proto import peer_pb2_grpc
+from ..startup import StartupError
+from .advertiser import Advertiser
+from .config import RemoteConfig, check_routable
+from .link import RemoteLink
+from .metrics import AdvertiserCollector, RemoteMetrics
+from .nics import check_nics
+from .peer_service import PeerServicer
+from .transport import (
     MAX_REGISTER_BYTES,
     MooncakeTransport,
     TransportSettings,
 )
-from pegaflow.startup import StartupError
 
 logger = logging.getLogger(__name__)
 

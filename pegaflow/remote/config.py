@@ -8,8 +8,8 @@ import socket
 from dataclasses import dataclass
 from typing import Literal
 
-from pegaflow.config import check_int, check_seconds, parse_addr
-from pegaflow.peer_auth import check_token
+from ..config import check_int, check_seconds, parse_addr
+from ..peer_auth import check_token
 
 RemoteProtocol = Literal["tcp", "rdma"]
 

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from pegaflow.blocks import BlockEntry
-from pegaflow.instances import Namespace
-from pegaflow.keys import Key
-from pegaflow.pool import HostPool
-from pegaflow.proto import peer_pb2 as peer_pb
-from pegaflow.remote.metrics import RemoteMetrics
-from pegaflow.remote.peers import Endpoint, PeerChannels
-from pegaflow.remote.pins import checksums_of
-from pegaflow.remote.transport import RemoteTransport, TransportError
+from ..blocks import BlockEntry
+from ..instances import Namespace
+from ..keys import Key
+from ..pool import HostPool
+from ..proto import peer_pb2 as peer_pb
+from .metrics import RemoteMetrics
+from .peers import Endpoint, PeerChannels
+from .pins import checksums_of
+from .transport import RemoteTransport, TransportError
 
 logger = logging.getLogger(__name__)
 

@@ -33,28 +33,29 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from pegaflow import peer_auth
-from pegaflow.blocks import BlockEntry, BlockStore
 from pegaflow.gds import namespace_digest
-from pegaflow.instances import Namespace
-from pegaflow.keys import BlockHash, Key
-from pegaflow.metaserver.client import pack
-from pegaflow.pool import HostPool
-from pegaflow.proto import metaserver_pb2 as meta_pb
-from pegaflow.proto import metaserver_pb2_grpc as meta_grpc
-from pegaflow.remote.advertiser import Advertiser
-from pegaflow.remote.config import RemoteConfig
-from pegaflow.remote.fetch import (
+
+from .. import peer_auth
+from ..blocks import BlockEntry, BlockStore
+from ..instances import Namespace
+from ..keys import BlockHash, Key
+from ..metaserver.client import pack
+from ..pool import HostPool
+from ..proto import metaserver_pb2 as meta_pb
+from ..proto import metaserver_pb2_grpc as meta_grpc
+from .advertiser import Advertiser
+from .config import RemoteConfig
+from .fetch import (
     OwnerReads,
     PlanSegment,
     RemoteStats,
     clip_plan,
     elapsed_ms,
 )
-from pegaflow.remote.metrics import RemoteMetrics
-from pegaflow.remote.peers import Endpoint, PeerChannels
-from pegaflow.remote.pins import PinTable
-from pegaflow.remote.transport import RemoteTransport
+from .metrics import RemoteMetrics
+from .peers import Endpoint, PeerChannels
+from .pins import PinTable
+from .transport import RemoteTransport
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from dataclasses import fields
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from pegaflow.remote.advertiser import AdvertiserCounters
+from .advertiser import AdvertiserCounters
 
 # Why a block the metaserver named was not fetched (each counted in blocks).
 FAILURE_CAUSES = (

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import grpc
 
-from pegaflow import peer_auth
-from pegaflow.errors import InvalidRequest
-from pegaflow.keys import MAX_HASH_BYTES, PackedHashes
-from pegaflow.proto import peer_pb2 as pb
-from pegaflow.proto import peer_pb2_grpc as pb_grpc
-from pegaflow.remote.metrics import RemoteMetrics
-from pegaflow.remote.pins import PinTable
+from .. import peer_auth
+from ..errors import InvalidRequest
+from ..keys import MAX_HASH_BYTES, PackedHashes
+from ..proto import peer_pb2 as pb
+from ..proto import peer_pb2_grpc as pb_grpc
+from .metrics import RemoteMetrics
+from .pins import PinTable
 
 MAX_PIN_HASHES = 65536
 MAX_NAMESPACE_BYTES = 64

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from pegaflow import peer_auth
-from pegaflow.proto import peer_pb2 as pb
-from pegaflow.proto import peer_pb2_grpc as pb_grpc
+from .. import peer_auth
+from ..proto import peer_pb2 as pb
+from ..proto import peer_pb2_grpc as pb_grpc
 
 MAX_CHANNELS = 256  # owners a node keeps a channel to; the oldest goes first
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from pegaflow.blocks import BlockEntry, BlockStore
-from pegaflow.instances import Namespace
-from pegaflow.keys import Key, PackedHashes
-from pegaflow.pool import HostPool
+from ..blocks import BlockEntry, BlockStore
+from ..instances import Namespace
+from ..keys import Key, PackedHashes
+from ..pool import HostPool
 
 logger = logging.getLogger(__name__)
 
