@@ -21,6 +21,7 @@ FORBIDDEN = (
     "pegaflow.leases",
     "pegaflow.misses",
     "pegaflow.ready_index",
+    "pegaflow.hash_table",
     "pegaflow.instances",
     "pegaflow.namespaces",
     "pegaflow.ssd",
