@@ -30,6 +30,7 @@ SERVER = {
     "pegaflow.tier_loads",
     "pegaflow.deferred",
     "pegaflow.pool",
+    "pegaflow.slabs",
     "pegaflow.policy",
     "pegaflow.leases",
     "pegaflow.misses",
@@ -59,6 +60,7 @@ BOOKKEEPING = [
     "pegaflow.instances",
     "pegaflow.namespaces",
     "pegaflow.pool",
+    "pegaflow.slabs",
 ]
 COPY_OR_DRIVER = ("pegaflow.copiers.", "pegaflow.cuda_driver", "pegaflow.kernels")
 COPY_PROTOCOLS = "pegaflow.copiers.base"  # types only: allowed everywhere
