@@ -17,6 +17,7 @@ FORBIDDEN = (
     "pegaflow.block_entry",
     "pegaflow.deferred",
     "pegaflow.pool",
+    "pegaflow.slabs",
     "pegaflow.policy",
     "pegaflow.leases",
     "pegaflow.misses",
