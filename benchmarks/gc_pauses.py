@@ -27,7 +27,7 @@ from pegaflow import gcpolicy  # noqa: E402
 from pegaflow.blocks import BlockStore  # noqa: E402
 from pegaflow.instances import Namespace  # noqa: E402
 from pegaflow.policy import LRUPolicy  # noqa: E402
-from pegaflow.pool import SlabAllocator  # noqa: E402
+from pegaflow.slabs import SlabAllocator  # noqa: E402
 
 SLOT = 256
 

@@ -22,7 +22,7 @@ from pegaflow.hll import WindowSet, hash64, hash64_batches  # noqa: E402
 from pegaflow.instances import Namespace  # noqa: E402
 from pegaflow.misses import HitRateTracker, RecordingPolicy  # noqa: E402
 from pegaflow.policy import LRUPolicy  # noqa: E402
-from pegaflow.pool import SlabAllocator  # noqa: E402
+from pegaflow.slabs import SlabAllocator  # noqa: E402
 
 WINDOWS = (900.0, 3600.0, 86400.0)
 

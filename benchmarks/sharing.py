@@ -49,7 +49,7 @@ from pegaflow.misses import (  # noqa: E402
     RemoteProbe,
 )
 from pegaflow.policy import AdmissionPolicy, LRUPolicy, TinyLFU  # noqa: E402
-from pegaflow.pool import SlabAllocator  # noqa: E402
+from pegaflow.slabs import SlabAllocator  # noqa: E402
 
 SLOT = 4096  # bookkeeping only: no byte of the fake pool is touched
 BLOCK_MIB = 2.25

@@ -26,8 +26,8 @@ from .deferred import Deferred
 from .instances import Namespace
 from .keys import BlockHash, Key, PackedHashes
 from .policy import EvictionPolicy
-from .pool import SlabAllocator, SlotClass
 from .ready_index import ReadyIndex
+from .slabs import SlabAllocator, SlotClass
 from .tier_loads import TierLoads
 
 if TYPE_CHECKING:

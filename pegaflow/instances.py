@@ -54,7 +54,7 @@ class Namespace:
     num_layers: int
     slot_bytes: int
     signature: tuple[int, ...]
-    slot_skew: int = 0  # engine pages' offset modulo 4 KiB (see pool.SlabAllocator)
+    slot_skew: int = 0  # engine pages' offset modulo 4 KiB (see slabs.SlabAllocator)
 
     @property
     def slot_class(self) -> tuple[int, int]:

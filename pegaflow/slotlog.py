@@ -40,8 +40,8 @@ import xxhash
 from pegaflow.gds import namespace_digest
 
 from .instances import Namespace
-from .pool import SlabAllocator
 from .poolfile import FREE, GRANULE, LANDED, META_OFFSET, SEALED, WRITING
+from .slabs import SlabAllocator
 
 if TYPE_CHECKING:
     from .block_entry import BlockEntry

@@ -17,7 +17,7 @@ SLOTS = 256  # about: fewer when the slots take the engine pages' 4 KiB offset
 
 
 def _capacity(kv: LocalKV) -> int:
-    """Slots in the pool for kv's blocks (see pegaflow.pool.SlabAllocator)."""
+    """Slots in the pool for kv's blocks (see pegaflow.slabs.SlabAllocator)."""
     skew = kv.buf.ctypes.data % 4096
     return 16 * (((256 << 10) - skew) // (16 << 10))
 

@@ -11,8 +11,8 @@ from pegaflow.instances import Namespace
 from pegaflow.keys import PackedHashes
 from pegaflow.leases import LeaseTable
 from pegaflow.policy import AdmissionPolicy, LRUPolicy, TinyLFU
-from pegaflow.pool import SlabAllocator
 from pegaflow.ready_index import DICT_BELOW
+from pegaflow.slabs import SlabAllocator
 
 SLOT = 4096
 

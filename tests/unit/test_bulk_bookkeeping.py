@@ -7,8 +7,8 @@ import numpy as np
 
 from pegaflow.block_entry import BlockEntry
 from pegaflow.policy import LRUPolicy
-from pegaflow.pool import SlabAllocator
 from pegaflow.ready_index import ReadyIndex
+from pegaflow.slabs import SlabAllocator
 
 
 def _state(a: SlabAllocator) -> tuple:

@@ -30,10 +30,12 @@ SERVER = {
     "pegaflow.tier_loads",
     "pegaflow.deferred",
     "pegaflow.pool",
+    "pegaflow.slabs",
     "pegaflow.policy",
     "pegaflow.leases",
     "pegaflow.misses",
     "pegaflow.ready_index",
+    "pegaflow.hash_table",
     "pegaflow.instances",
     "pegaflow.namespaces",
     "pegaflow.ssd",
@@ -54,9 +56,11 @@ BOOKKEEPING = [
     "pegaflow.leases",
     "pegaflow.misses",
     "pegaflow.ready_index",
+    "pegaflow.hash_table",
     "pegaflow.instances",
     "pegaflow.namespaces",
     "pegaflow.pool",
+    "pegaflow.slabs",
 ]
 COPY_OR_DRIVER = ("pegaflow.copiers.", "pegaflow.cuda_driver", "pegaflow.kernels")
 COPY_PROTOCOLS = "pegaflow.copiers.base"  # types only: allowed everywhere

@@ -16,7 +16,7 @@ from pegaflow.instances import Namespace
 from pegaflow.keys import PackedHashes
 from pegaflow.misses import GhostTable, HitRateTracker, NamespaceStats, RecordingPolicy
 from pegaflow.policy import AdmissionPolicy, LRUPolicy, TinyLFU
-from pegaflow.pool import SlabAllocator
+from pegaflow.slabs import SlabAllocator
 
 SLOT = 4096
 

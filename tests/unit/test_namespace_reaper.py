@@ -12,7 +12,7 @@ from pegaflow.leases import LeaseTable
 from pegaflow.misses import HitRateTracker
 from pegaflow.namespaces import NamespaceReaper
 from pegaflow.policy import LRUPolicy
-from pegaflow.pool import SlabAllocator
+from pegaflow.slabs import SlabAllocator
 
 SLOT = 4096
 

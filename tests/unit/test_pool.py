@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from pegaflow.config import PoolConfig, parse_addr, parse_size
-from pegaflow.pool import HostPool, HugepagesUnavailable, SlabAllocator, _hugepages_free
+from pegaflow.pool import HostPool, HugepagesUnavailable, _hugepages_free
+from pegaflow.slabs import SlabAllocator
 
 
 def test_parse_size_units() -> None:

@@ -9,15 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pegaflow.block_entry import BlockEntry
+from pegaflow.hash_table import MAX_LOAD, MIN_CAPACITY, SPARE, HashTable
 from pegaflow.hll import hash64
-from pegaflow.ready_index import (
-    MAX_LOAD,
-    MIN_CAPACITY,
-    SPARE,
-    HashTable,
-    PackedHashes,
-    ReadyIndex,
-)
+from pegaflow.keys import PackedHashes
+from pegaflow.ready_index import ReadyIndex
 
 
 def _entry(h: bytes) -> BlockEntry:

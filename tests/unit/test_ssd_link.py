@@ -14,7 +14,7 @@ from pegaflow.gds import SsdLoadResult
 from pegaflow.instances import Namespace, Registry
 from pegaflow.metrics import Metrics
 from pegaflow.policy import LRUPolicy
-from pegaflow.pool import SlabAllocator
+from pegaflow.slabs import SlabAllocator
 from pegaflow.ssd import SsdLink
 
 SLOT = 4096
