@@ -145,3 +145,51 @@ def test_the_rules_can_fail() -> None:
     """The checker sees a real import: the engine does pull in the copiers."""
     assert "pegaflow.copiers.signals" in _closure("pegaflow.engine")
     assert "pegaflow.blocks" in _closure("pegaflow.engine")
+
+
+def _import_style_faults(folder: str, package: str) -> list[str]:
+    """Absolute imports of a sibling in the same folder tree (they must be
+    relative), and relative imports that climb out of the folder (they fail
+    when a checkout's folder is imported as a top-level package)."""
+    others = tuple(p for p in PACKAGES if p != package and p.startswith(package))
+    faults = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        if "_pb2" in path.name:
+            continue
+        depth = len(path.relative_to(ROOT / folder).parts) - 1  # packages below
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom | ast.Import):
+                continue
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+            )
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            if getattr(node, "level", 0) > depth + 1:
+                faults.append(f"{where} climbs out of {folder}/")
+            for name in names:
+                if getattr(node, "level", 0):
+                    continue
+                inside = name == package or name.startswith(package + ".")
+                elsewhere = name in others or name.startswith(
+                    tuple(o + "." for o in others)
+                )
+                if inside and not elsewhere:
+                    faults.append(f"{where} imports {name} absolutely")
+    return faults
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_one_import_style_inside_each_folder(package: str) -> None:
+    assert not _import_style_faults(PACKAGES[package], package)
+
+
+def test_the_style_check_can_fail(tmp_path, monkeypatch) -> None:
+    (tmp_path / "gds").mkdir()
+    (tmp_path / "gds" / "a.py").write_text(
+        "from pegaflow.gds.format import X\nfrom ..errors import Y\n"
+    )
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    faults = _import_style_faults("gds", "pegaflow.gds")
+    assert len(faults) == 2, faults
