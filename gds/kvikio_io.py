@@ -54,7 +54,7 @@ def check(done: int, want: int, op: str, offset: int) -> None:
         raise OSError(errno.EIO, f"kvikio short {op} at {offset}: {done}/{want}")
 
 
-def _compat(defaults: Any) -> bool:
+def compat_mode(defaults: Any) -> bool:
     """Whether kvikio will do POSIX I/O instead of cuFile (GDS). kvikio's
     default mode is AUTO, resolved at run time (no libcufile, no /run/udev, WSL:
     compat); ask kvikio for the resolved answer where it can give it."""
@@ -102,7 +102,7 @@ class KvikioIO:
         except BaseException:
             self.close()
             raise
-        compat = _compat(defaults)
+        compat = compat_mode(defaults)
         self.mode = "kvikio-compat" if compat else "kvikio-gds"
         direct = getattr(self.files[0], "is_direct_io_supported", lambda: "?")()
         logger.info(
