@@ -8,6 +8,8 @@ record is never reported loaded."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -205,3 +207,17 @@ def test_a_failed_read_loads_nothing(tmp_path: Path) -> None:
         finally:
             reads.close()
         assert not res.ok.any() and res.nbytes == 0
+
+
+def test_device_fetch_on_the_simulator() -> None:
+    """The fetch-back that checks direct reads on the GPU, on numba's simulator."""
+    script = Path(__file__).with_name("fetch_back_sim.py")
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
