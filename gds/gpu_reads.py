@@ -36,7 +36,7 @@ from pegaflow.geometry import KVGeometry
 
 from .format import ALIGN, HEADER_BYTES
 from .gpu_plan import ReadPlan, RecordSpans, plan_reads
-from .kvikio_io import check, load_kvikio
+from .kvikio_io import check, configure, load_kvikio
 from .records import verify
 from .ring import BlockHash, NsDigest, Record
 from .tier import SsdTier
@@ -86,9 +86,13 @@ def _aligned(nbytes: int) -> np.ndarray:
     return raw[skip : skip + nbytes]
 
 
-def open_cufiles(paths: Sequence[str]) -> list[Any]:
-    """kvikio CuFiles for reading, one per data file (imported lazily)."""
-    _, _, cufile = load_kvikio()
+def open_cufiles(paths: Sequence[str], threads: int = 8) -> list[Any]:
+    """kvikio CuFiles for reading, one per data file (imported lazily), with
+    kvikio's pool as deep as `threads` and O_DIRECT for aligned reads, as the
+    kvikio backend sets them (kvikio's default of one thread would serialise
+    a load's reads)."""
+    _, defaults, cufile = load_kvikio()
+    configure(defaults, threads)
     return [cufile(path, "r") for path in paths]
 
 
@@ -105,9 +109,9 @@ class DirectReads:
         """files: one object per data file with kvikio's CuFile.pread
         (buf, size, file_offset) -> future with .get(); default: kvikio."""
         self._tier = tier
-        self._files = (
-            list(files) if files is not None else open_cufiles(tier.config.paths)
-        )
+        if files is None:
+            files = open_cufiles(tier.config.paths, max(8, tier.config.read_threads))
+        self._files = list(files)
         self._hash = ThreadPoolExecutor(hash_threads, "ssd-gpu-check")
 
     def load(

@@ -65,7 +65,7 @@ def compat_mode(defaults: Any) -> bool:
     return str(getattr(mode, "name", mode)).upper() in ("ON", "TRUE", "1")
 
 
-def _configure(defaults: Any, threads: int) -> dict[str, object]:
+def configure(defaults: Any, threads: int) -> dict[str, object]:
     """O_DIRECT for kvikio's POSIX path (host buffers always take it, GDS or
     not) and a thread pool as deep as the tier's I/O threads: kvikio's default
     of one thread would serialise every request the tier has in flight.
@@ -93,7 +93,7 @@ def _configure(defaults: Any, threads: int) -> dict[str, object]:
 class KvikioIO:
     def __init__(self, paths: Sequence[str], threads: int = 8) -> None:
         kvikio, defaults, cufile = load_kvikio()
-        settings = _configure(defaults, threads)
+        settings = configure(defaults, threads)
         self.paths = list(paths)
         self.files: list[Any] = []
         try:
