@@ -16,6 +16,11 @@ Layout
     store.py     files + rings + index + journal behind one lock
     tier.py      SsdTier: the seam the server calls
     config.py    SsdConfig (moves to pegaflow/config.py when wired in)
+    gpu_plan.py  SSD -> GPU direct loads: records -> (file, offset, device, bytes)
+                 reads, merged, bounds-checked (pure numpy)
+    gpu_reads.py DirectReads: one kvikio batch per load, checksums verified
+                 on a fetch-back (pegaflow.copiers.fetch_back)
+    gpu_route.py --ssd-gpu-direct: direct route where GDS is present
 
 The seam (all of it; the server needs nothing else)
     tier = SsdTier(SsdConfig(paths=(...,), capacity_bytes=...))

@@ -54,7 +54,7 @@ def check(done: int, want: int, op: str, offset: int) -> None:
         raise OSError(errno.EIO, f"kvikio short {op} at {offset}: {done}/{want}")
 
 
-def _compat(defaults: Any) -> bool:
+def compat_mode(defaults: Any) -> bool:
     """Whether kvikio will do POSIX I/O instead of cuFile (GDS). kvikio's
     default mode is AUTO, resolved at run time (no libcufile, no /run/udev, WSL:
     compat); ask kvikio for the resolved answer where it can give it."""
@@ -65,7 +65,7 @@ def _compat(defaults: Any) -> bool:
     return str(getattr(mode, "name", mode)).upper() in ("ON", "TRUE", "1")
 
 
-def _configure(defaults: Any, threads: int) -> dict[str, object]:
+def configure(defaults: Any, threads: int) -> dict[str, object]:
     """O_DIRECT for kvikio's POSIX path (host buffers always take it, GDS or
     not) and a thread pool as deep as the tier's I/O threads: kvikio's default
     of one thread would serialise every request the tier has in flight.
@@ -93,7 +93,7 @@ def _configure(defaults: Any, threads: int) -> dict[str, object]:
 class KvikioIO:
     def __init__(self, paths: Sequence[str], threads: int = 8) -> None:
         kvikio, defaults, cufile = load_kvikio()
-        settings = _configure(defaults, threads)
+        settings = configure(defaults, threads)
         self.paths = list(paths)
         self.files: list[Any] = []
         try:
@@ -102,7 +102,7 @@ class KvikioIO:
         except BaseException:
             self.close()
             raise
-        compat = _compat(defaults)
+        compat = compat_mode(defaults)
         self.mode = "kvikio-compat" if compat else "kvikio-gds"
         direct = getattr(self.files[0], "is_direct_io_supported", lambda: "?")()
         logger.info(
