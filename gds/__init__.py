@@ -20,7 +20,7 @@ Layout
                  reads, merged, bounds-checked (pure numpy)
     gpu_reads.py DirectReads: one kvikio batch per load, checksums verified
                  on a fetch-back (pegaflow.copiers.fetch_back)
-    gpu_route.py --ssd-gpu-direct: direct route where GDS is present
+    gpu_route.py when that route would be taken (auto: where GDS is present)
 
 The seam (all of it; the server needs nothing else)
     tier = SsdTier(SsdConfig(paths=(...,), capacity_bytes=...))

@@ -2,7 +2,10 @@
 "direct" (kvikio reads into the engine's GPU blocks, gds.gpu_reads) or "l1"
 (SSD → L1 slots → the copy kernels or copy engines).
 
---ssd-gpu-direct auto takes the direct route only where GPUDirect Storage is
+Not a server flag yet: the query/load path reads every SSD hit into L1 until a
+query can lease SSD records rather than L1 slots (benchmarks/RESULTS_ssd.md,
+issue 13 item 4); benchmarks/gds_direct.py and the gpu tests use this choice.
+`auto` takes the direct route only where GPUDirect Storage is
 present (kvikio not in its POSIX compatibility mode): there the disk DMAs into
 GPU memory and the L1 hop is pure cost. In compatibility mode (no nvidia-fs, as
 on the H200 test machine) kvikio itself reads through a host bounce buffer, so

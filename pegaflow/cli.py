@@ -317,16 +317,6 @@ def _ssd_flags(p: argparse.ArgumentParser) -> None:
         "dropped and counted, never waited for (default: 64)",
     )
     p.add_argument(
-        "--ssd-gpu-direct",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="read a CUDA engine's SSD hits with kvikio straight into its GPU "
-        "blocks, skipping L1: auto where GPUDirect Storage is present (the "
-        "startup log says which route), on also in kvikio's compatibility mode "
-        "(where benchmarks/gds_direct.py measures it faster), off never "
-        "(default: auto)",
-    )
-    p.add_argument(
         "--ssd-on-mismatch",
         choices=["reinit", "refuse"],
         default="reinit",
@@ -405,7 +395,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             **crossovers(args),
         ),
         ssd=ssd_config(args),
-        ssd_gpu_direct=args.ssd_gpu_direct,
         remote=remote_flags.remote_config(args),
     )
 

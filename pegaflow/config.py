@@ -18,9 +18,6 @@ if TYPE_CHECKING:  # built by the CLI; the config module stays import-light
     from .remote.config import RemoteConfig
 
 LogLevel = Literal["debug", "info", "warning", "error"]
-# SSD hits of CUDA engines read straight into their GPU blocks (pegaflow.gds.
-# gpu_route): auto = only where GPUDirect Storage is present.
-GpuDirect = Literal["auto", "on", "off"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -324,7 +321,6 @@ class ServerConfig:
     socket: str | None = "auto"
     # The L3 SSD tier (pegaflow.gds.SsdConfig); None: off.
     ssd: SsdConfig | None = None
-    ssd_gpu_direct: GpuDirect = "auto"
     # The L2 remote tier (pegaflow.remote.config.RemoteConfig); None: off.
     remote: RemoteConfig | None = None
 
@@ -336,9 +332,5 @@ class ServerConfig:
             raise ValueError("max_concurrent_rpcs: must be >= 1")
         if self.http_addr is not None:
             parse_addr(self.http_addr)
-        if self.ssd_gpu_direct not in ("auto", "on", "off"):
-            raise ValueError(
-                f"ssd_gpu_direct: {self.ssd_gpu_direct!r}, need auto|on|off"
-            )
         # grpc takes the limit as a C int
         check_int("max_message_bytes", self.max_message_bytes, 1 << 20, (1 << 31) - 1)

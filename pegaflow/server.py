@@ -194,31 +194,7 @@ def _bring_up(
             tier.stats().capacity_bytes,
             ", ".join(config.ssd.paths),
         )
-        _log_gpu_route(config, tier)
     return engine, cuda, report
-
-
-def _log_gpu_route(config: ServerConfig, tier: SsdTier) -> None:
-    """Which route CUDA engines' SSD hits would take (pegaflow.gds.gpu_route);
-    --ssd-gpu-direct on without kvikio refuses to start."""
-    from pegaflow.gds import SsdError, gpu_route
-
-    mode = tier.mode
-    present = mode == "kvikio-gds" if mode.startswith("kvikio") else None
-    if present is None and config.ssd_gpu_direct != "off":
-        present = gpu_route.gds_present()
-    try:
-        choice = gpu_route.choose(config.ssd_gpu_direct, present)
-    except ValueError as exc:
-        raise SsdError(str(exc)) from None
-    # TODO(issue 13): the query/lease/load path does not take the direct
-    # route yet; gds.gpu_reads and benchmarks/gds_direct.py measure it.
-    logger.info(
-        "ssd -> GPU route for CUDA engines: %s (%s; direct reads not wired "
-        "into loads yet)",
-        choice.route,
-        choice.reason,
-    )
 
 
 def _bind_grpc(config: ServerConfig, metrics: Metrics) -> tuple[grpc.aio.Server, int]:

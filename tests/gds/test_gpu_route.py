@@ -1,12 +1,9 @@
-"""--ssd-gpu-direct: the route chosen for each setting and GDS answer, and the
-flag's parsing and validation."""
+"""gds.gpu_route: the route chosen for each setting and GDS answer."""
 
 from __future__ import annotations
 
 import pytest
 
-from pegaflow.cli import build_parser, config_from_args
-from pegaflow.config import ServerConfig
 from pegaflow.gds import gpu_route
 
 
@@ -40,13 +37,3 @@ def test_gds_present_is_none_without_kvikio() -> None:
         assert gpu_route.gds_present() is None
     else:
         pytest.skip("kvikio is installed here")
-
-
-def test_flag_parses_and_defaults_to_auto() -> None:
-    args = build_parser().parse_args(["--ssd-gpu-direct", "on"])
-    assert config_from_args(args).ssd_gpu_direct == "on"
-    assert config_from_args(build_parser().parse_args([])).ssd_gpu_direct == "auto"
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["--ssd-gpu-direct", "yes"])
-    with pytest.raises(ValueError, match="ssd_gpu_direct"):
-        ServerConfig(ssd_gpu_direct="yes")  # type: ignore[arg-type]
