@@ -4,6 +4,7 @@ ratios to the pinned ceiling per N and ids, auto next to kernel-only, then the
 1-block latencies of both and the goals of issue 12.
 
     OUT=/tmp/out python3 benchmarks/issue12c_summary.py
+    OUT=/tmp/out TAGS=a,b python3 benchmarks/issue12c_summary.py   # other runs
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def load(out: Path, tag: str) -> dict | None:
 
 
 def ratio_rows(runs: dict[str, dict | None]) -> list[dict[str, object]]:
+    """One row per (N, ids): each run's ratios, copy GB/s and RPC ms."""
     by: dict[tuple, dict[str, object]] = {}
     for tag, run in runs.items():
         for r in (run or {}).get("rows", []):
@@ -44,19 +46,21 @@ def ratio_rows(runs: dict[str, dict | None]) -> list[dict[str, object]]:
             row[f"{tag} save"] = r["save_ratio"]
             row[f"{tag} load"] = r["load_ratio"]
             row[f"{tag} copy GB/s s/l"] = f"{r['save_copy_GBps']}/{r['load_copy_GBps']}"
+            row[f"{tag} rpc ms s/l"] = f"{r['save_rpc_ms']}/{r['load_rpc_ms']}"
             row.setdefault("ok", True)
             row["ok"] = row["ok"] and r["bytes_ok"]
     return [by[k] for k in sorted(by)]
 
 
-def summary(out: Path) -> str:
-    runs = {tag: load(out, tag) for tag in RUNS}
+def summary(out: Path, tags: tuple[str, ...] = RUNS) -> str:
+    runs = {tag: load(out, tag) for tag in tags}
     lines = []
     rows = ratio_rows(runs)
     if rows:
         cols = ["N", "ids"]
-        for tag in RUNS:
+        for tag in tags:
             cols += [f"{tag} save", f"{tag} load", f"{tag} copy GB/s s/l"]
+            cols.append(f"{tag} rpc ms s/l")
         cols.append("ok")
         for r in rows:
             for c in cols:
@@ -68,27 +72,28 @@ def summary(out: Path) -> str:
     lat = []
     for key, label, goal in LATENCIES:
         row: dict[str, object] = {"1 block x 32 layers, ms": label}
-        for tag in RUNS:
+        for tag in tags:
             row[tag] = ((runs[tag] or {}).get("extra") or {}).get(key, "-")
         row["goal"] = "-" if goal is None else f"<= {goal}"
         lat.append(row)
     lines.append("")
-    lines.append(table(lat, ["1 block x 32 layers, ms", *RUNS, "goal"]))
-    for tag in RUNS:
+    lines.append(table(lat, ["1 block x 32 layers, ms", *tags, "goal"]))
+    for tag in tags:
         extra = (runs[tag] or {}).get("extra") or {}
         if "both_total_GBps" in extra:
             lines.append(
                 f"{tag}: save + load at once, N={extra['both_N']}: "
                 f"{extra['both_total_GBps']} GB/s"
             )
-    missing = [tag for tag in RUNS if runs[tag] is None]
+    missing = [tag for tag in tags if runs[tag] is None]
     if missing:
         lines.append(f"missing runs: {missing} (see their logs in $OUT)")
     return "\n".join(lines)
 
 
 def main() -> int:
-    print(summary(Path(os.environ.get("OUT", "/tmp/out"))))
+    tags = tuple(os.environ.get("TAGS", ",".join(RUNS)).split(","))
+    print(summary(Path(os.environ.get("OUT", "/tmp/out")), tags))
     return 0
 
 

@@ -170,7 +170,11 @@ def ceiling_gbps(pinned: torch.Tensor, dev: torch.Tensor, nbytes: int) -> float:
 
 
 def bench_shape(
-    addrs: tuple[str, str], shape: tuple[str, int, int], sizes: list[int], ceil: dict
+    addrs: tuple[str, str],
+    shape: tuple[str, int, int],
+    sizes: list[int],
+    ceil: dict,
+    min_reps: int = 3,
 ) -> tuple[list[dict], dict]:
     name, layers, page = shape
     addr, http = addrs
@@ -180,7 +184,7 @@ def bench_shape(
         for contiguous in (True, False):
             src, dst = eng.ids(n, contiguous)
             ok = eng.checked_round_trip(src, dst)
-            reps = max(3, min(30, 640 // n))
+            reps = max(min_reps, min(30, 640 // n))
             saves, loads = [], []
             before = server_sums(eng.http)
             for _ in range(reps):
@@ -305,6 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(name for name, _, _ in SHAPES),
         help="comma-separated shape names (default: all)",
     )
+    p.add_argument("--min-reps", type=int, default=3, help="timed reps per N at least")
+    p.add_argument(
+        "--profile-server",
+        default=None,
+        help="run the server under cProfile, its stats written to this file",
+    )
     p.add_argument("--copy-path", choices=interference.PATHS, default="auto")
     p.add_argument("--copy-sm-cap", type=int, default=interference.DEFAULT_CAP)
     interference.add_arguments(p)
@@ -321,14 +331,19 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-def start_server(pool: str, *extra: str) -> tuple[subprocess.Popen, str, str]:
-    """(process, gRPC address, HTTP address) of a server on GPU 0."""
+def start_server(
+    pool: str, *extra: str, profile: str | None = None
+) -> tuple[subprocess.Popen, str, str]:
+    """(process, gRPC address, HTTP address) of a server on GPU 0; with
+    `profile`, under cProfile (its event loop thread: the server's Python
+    bookkeeping, not the copy threads), stats written when it stops."""
     with socket.socket() as sock:  # a free port for /metrics
         sock.bind(("127.0.0.1", 0))
         http = f"127.0.0.1:{sock.getsockname()[1]}"
     proc, addr = spawn_server(
         "--pool-size", pool, "--devices", "0", "--no-progress",
         "--log-level", "warning", "--http-addr", http, *extra,
+        python_args=("-m", "cProfile", "-o", profile) if profile else (),
     )  # fmt: skip
     return proc, addr, http
 
@@ -361,13 +376,15 @@ def run_shapes(args: argparse.Namespace) -> dict:
     sizes = args.sizes or ([1, 16, 64] if args.quick else [1, 16, 64, 640, 2560])
     pool = "4gb" if args.quick else "16gb"
     setting = interference.Setting(args.copy_path, args.copy_sm_cap)
-    proc, addr, http = start_server(pool, *setting.server_args())
+    proc, addr, http = start_server(
+        pool, *setting.server_args(), profile=args.profile_server
+    )
     ceil = {"pinned": torch.empty(2 << 30, dtype=torch.int8, pin_memory=True)}
     rows, extra = [], {"copy_path": args.copy_path, "copy_sm_cap": args.copy_sm_cap}
     try:
         for shape in SHAPES:
             if shape[0] in args.shapes.split(","):
-                got, more = bench_shape((addr, http), shape, sizes, ceil)
+                got, more = bench_shape((addr, http), shape, sizes, ceil, args.min_reps)
                 rows += got
                 extra |= more
     finally:

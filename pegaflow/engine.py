@@ -13,7 +13,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -123,6 +123,7 @@ class Engine:
         self.remote: RemoteLink | None = None  # attach_remote
         self.queries = PrefixQueries(self)
         self._seen = dataclasses.replace(self.store.counters)
+        self._children: dict[str, tuple] = {}  # _account's labelled metrics
         self.metrics.bind_gauges(
             pool.size,
             lambda: pool.slabs.used_bytes,
@@ -350,8 +351,10 @@ class Engine:
         if not entries:
             ids = slots = np.zeros(0, np.uint64)
         else:
-            # [blocks, shards] in C, then the worker's shard (0 for MLA).
-            slots = np.array(list(map(_SLOTS, entries)), np.uint64)[:, worker.shard]
+            # Each block's slot of the worker's shard (0 for MLA), in one
+            # C-level pass: no [blocks, shards] array of Python lists first.
+            shard = map(itemgetter(worker.shard), map(_SLOTS, entries))
+            slots = np.fromiter(shard, np.uint64, len(entries))
             ids = np.concatenate([block_ids for _, _, block_ids in live])
         return worker.geometry.slots_to_engine(slots, ids)
 
@@ -389,15 +392,25 @@ class Engine:
         return time.perf_counter() - start
 
     def _account(self, direction: str, blocks: int, nbytes: int, sec: float) -> None:
-        self.metrics.bytes.labels(direction).inc(nbytes)
-        self.metrics.blocks.labels(direction).inc(blocks)
-        self.metrics.transfer_seconds.labels(direction).observe(sec)
+        children = self._children.get(direction)
+        if children is None:  # labels() costs a few us a call: once per direction
+            m = self.metrics
+            children = self._children[direction] = (
+                m.bytes.labels(direction),
+                m.blocks.labels(direction),
+                m.transfer_seconds.labels(direction),
+            )
+        children[0].inc(nbytes)
+        children[1].inc(blocks)
+        children[2].observe(sec)
         logger.debug(
             "%s %d blocks, %d B in %.3f ms", direction, blocks, nbytes, sec * 1e3
         )
 
     def _sync_counters(self) -> None:
         c, seen = self.store.counters, self._seen
+        if c == seen:  # most saves evict and refuse nothing
+            return
         self.metrics.evictions.inc(c.evictions - seen.evictions)
         rej = self.metrics.admission_rejections
         rej.labels("tinylfu").inc(c.admission_rejections - seen.admission_rejections)

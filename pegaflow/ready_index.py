@@ -58,12 +58,13 @@ class ReadyIndex:
 
     def add_many(self, entries: list[BlockEntry]) -> None:
         """add() each entry; all of one hash length (a save's blocks)."""
-        h = entries[0].key[1]
-        if any(len(e.key[1]) != len(h) for e in entries):
+        hashes = [e.key[1] for e in entries]
+        h = hashes[0]
+        if len(set(map(len, hashes))) != 1:
             for entry in entries:
                 self.add(entry)
             return
-        self._by_hash.update([(e.key[1], e) for e in entries])
+        self._by_hash.update(zip(hashes, entries, strict=True))
         table = self._tables.get(len(h))
         if table is None:
             table = self._tables[len(h)] = HashTable(len(h))

@@ -6,10 +6,14 @@ import subprocess
 import sys
 
 
-def spawn_server(*args: str, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
-    """(process, gRPC address) of a server on a free loopback port."""
+def spawn_server(
+    *args: str, timeout_s: float = 120.0, python_args: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
+    """(process, gRPC address) of a server on a free loopback port.
+    python_args go before `-m pegaflow.cli` (benchmarks: `-m cProfile -o F`)."""
+    cli = ["-m", "pegaflow.cli", "--addr", "127.0.0.1:0"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pegaflow.cli", "--addr", "127.0.0.1:0", *args],
+        [sys.executable, *python_args, *cli, *args],
         stdout=subprocess.PIPE,
     )
     # The server prints READY only after the pool is up and gRPC listens.
