@@ -3,8 +3,10 @@ block (or spill on L1 eviction), prefetch on an L1 miss. The bytes move in
 pegaflow.gds (SsdTier); this is bookkeeping on the event loop only.
 
 Write-behind (--ssd-write-on seal): BlockStore calls `sealed(entries)` with the
-blocks a save just made ready, and each is queued for the tier straight from its
-slots (a full queue drops it, counted; the save never waits). The block stays
+blocks a save just made ready, and they go to the tier as one job straight from
+their slots (SsdTier.spill_many: one lock round, one queue entry; what the
+queue has no room for is dropped, counted; the save never waits), and come
+back as one release per slice written, not one callback per block. The block stays
 ready in L1 meanwhile: its bytes do not change once ready. If L1 evicts it
 before the writer is done, its slots stay allocated until the tier's release;
 if it is already on the SSD, its slots are freed at once; one that never got
