@@ -56,6 +56,12 @@ The seam (all of it; the server needs nothing else)
         4 KiB straight from the pool (one gather pwritev, no copy), others
         through a staging copy.
 
+    tier.spill_many(ns_digest, hashes, slots, slot_bytes, release=None) -> list[int]
+        spill() of a save's blocks at once ([n, shards] slot addresses): one
+        lock round and one queue entry (gds/spill_queue.py), cut to the
+        queue's room (the rest dropped, counted). Returns the indices queued;
+        release(lo, hi) comes once per written slice of them, never per block.
+
     tier.lookup(ns_digest, hashes) -> int
         Event-loop safe, lock-free: the length of the prefix of hashes on SSD.
 
@@ -82,7 +88,7 @@ The seam (all of it; the server needs nothing else)
     namespace_digest(name, signature)     16-byte on-disk namespace key
 
 Wired into the server by pegaflow/ssd.py (SsdLink): with --ssd-write-on seal,
-BlockStore.finish_save hands each block it makes ready to spill() (write-behind);
+BlockStore.finish_save hands the blocks it makes ready to spill_many() (write-behind);
 BlockStore._remove hands evicted ready blocks not yet on SSD to spill() (slots
 freed on release, marshalled to the event loop), Engine.query answers
 `loading` and runs one load per missing prefix,

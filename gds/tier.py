@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -24,6 +23,7 @@ from .config import SsdConfig
 from .format import check_key
 from .io import AlignedBuffer
 from .ring import BlockHash, NsDigest, Record
+from .spill_queue import Job, Slice, SliceRelease, SpillQueue
 from .store import SsdStore
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ RUN_BLOCKS = 256
 # back to back on disk (as a run of spills writes them).
 READ_RUN_BYTES = 16 << 20
 READ_RUN_BLOCKS = 256
+_NONE: frozenset[BlockHash] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,7 @@ class SsdStats:
     capacity_bytes: int
     stored_bytes: int  # payload bytes of the blocks on SSD
     blocks: int
-    queue_depth: int
+    queue_depth: int  # blocks queued or being written
     queue_capacity: int
     spills_queued: int
     spills_dropped: int  # queue full
@@ -76,22 +77,13 @@ class SsdStats:
     load_seconds: float  # total over loads: divide by loads for the mean
 
 
-@dataclass(frozen=True, slots=True)
-class _Spill:
-    ns: NsDigest
-    block_hash: BlockHash
-    slots: tuple[int, ...]
-    slot_bytes: int
-    release: Release | None
-
-
 class SsdTier:
     def __init__(self, config: SsdConfig) -> None:
         self.config = config
         self.store = SsdStore(config)
-        self._queue: queue.Queue[_Spill | None] = queue.Queue(config.queue_blocks)
-        self._lock = threading.Lock()  # pending keys, ghost list, tier counters
-        self._pending: set[tuple[NsDigest, BlockHash]] = set()
+        self._lock = threading.Lock()  # queue, pending keys, ghost list, counters
+        self._queue = SpillQueue(config.queue_blocks, self._lock)
+        self._pending: dict[NsDigest, set[BlockHash]] = {}
         self._ghost: OrderedDict[tuple[NsDigest, BlockHash], None] = OrderedDict()
         self._counts = dict.fromkeys(
             ("queued", "dropped", "skipped", "not_admitted", "loads", "blocks", "hits"),
@@ -132,27 +124,75 @@ class SsdTier:
         failed): until then the caller keeps the slots from being reused. False:
         not queued (already on SSD or queued, not admitted, queue full, closed);
         `release` is not called and the slots are the caller's again at once."""
-        check_key(ns_digest, block_hash)
-        key = (ns_digest, block_hash)
-        with self._lock:
-            if self._closed or key in self._pending or self._on_ssd(key):
-                self._counts["skipped"] += 1
-                return False
-            if self.config.admission == "seen_twice" and not self._seen_before(key):
-                self._counts["not_admitted"] += 1
-                return False
-            item = _Spill(*key, tuple(int(a) for a in slots), slot_bytes, release)
-            try:
-                self._queue.put_nowait(item)
-            except queue.Full:
-                self._counts["dropped"] += 1
-                return False
-            self._pending.add(key)
-            self._counts["queued"] += 1
-        return True
+        table = np.asarray(slots, np.uint64).reshape(1, -1)
+        done = None if release is None else (lambda lo, hi: release())
+        return (
+            len(self.spill_many(ns_digest, [block_hash], table, slot_bytes, done)) == 1
+        )
 
-    def _on_ssd(self, key: tuple[NsDigest, BlockHash]) -> bool:
-        return self.store.index.get(*key) is not None
+    def spill_many(
+        self,
+        ns_digest: NsDigest,
+        hashes: list[BlockHash],
+        slots: np.ndarray,
+        slot_bytes: int,
+        release: SliceRelease | None = None,
+    ) -> list[int]:
+        """spill() of many blocks of one namespace at once (one lock round, one
+        queue entry): slots[i] holds block i's addresses ([n, shards] uint64).
+        Returns the indices queued, in order; the rest are not (as spill's
+        False). `release(lo, hi)` is then called once per written slice, from a
+        writer thread, with positions in that returned list: blocks
+        queued[lo:hi] no longer need their slots. Blocks that do not fit the
+        queue's room are dropped from the end and counted."""
+        for h in hashes:
+            check_key(ns_digest, h)
+        table = np.asarray(slots, np.uint64).reshape(len(hashes), -1)
+        with self._lock:
+            if self._closed:
+                self._counts["skipped"] += len(hashes)
+                return []
+            take = self._fresh(ns_digest, hashes)
+            if self.config.admission == "seen_twice":
+                seen = [i for i in take if self._seen_before((ns_digest, hashes[i]))]
+                self._counts["not_admitted"] += len(take) - len(seen)
+                take = seen
+            room = self._queue.room()
+            if len(take) > room:
+                self._counts["dropped"] += len(take) - room
+                del take[room:]
+            if not take:
+                return []
+            if len(take) == len(hashes):
+                job = Job(ns_digest, list(hashes), table, slot_bytes, release)
+            else:
+                picked = [hashes[i] for i in take]
+                job = Job(ns_digest, picked, table[take], slot_bytes, release)
+            self._pending.setdefault(ns_digest, set()).update(job.hashes)
+            self._queue.put(job)
+            self._counts["queued"] += len(take)
+        return take
+
+    def _fresh(self, ns: NsDigest, hashes: list[BlockHash]) -> list[int]:
+        """Indices of hashes neither queued nor on SSD (under the lock); the
+        usual case (none is) costs two C-level set checks, not a loop."""
+        pending = self._pending.get(ns, _NONE)
+        on_ssd = self.store.index.tables.get(ns, {})
+        if (
+            pending.isdisjoint(hashes)
+            and on_ssd.keys().isdisjoint(hashes)
+            and len(set(hashes)) == len(hashes)
+        ):
+            return list(range(len(hashes)))
+        out: list[int] = []
+        seen: set[BlockHash] = set()
+        for i, h in enumerate(hashes):
+            if h in pending or h in on_ssd or h in seen:
+                self._counts["skipped"] += 1
+            else:
+                seen.add(h)
+                out.append(i)
+        return out
 
     def _seen_before(self, key: tuple[NsDigest, BlockHash]) -> bool:
         if key in self._ghost:
@@ -165,72 +205,60 @@ class SsdTier:
 
     def _write_loop(self) -> None:
         buf = AlignedBuffer()
-        stop = False
         try:
-            while not stop:
-                batch, stop = self._take()
+            while (slices := self._queue.take(RUN_BYTES, RUN_BLOCKS)) is not None:
                 try:
-                    self._write_batch(batch, buf)
+                    self._write_batch(slices, buf)
                 except Exception:  # a background loop: log, count, go on
                     logger.exception("ssd spill failed")
                 finally:
                     with self._lock:
-                        for item in batch:
-                            self._pending.discard((item.ns, item.block_hash))
-                    for _ in batch:
-                        self._queue.task_done()
+                        for sl in slices:
+                            self._pending[sl.job.ns].difference_update(
+                                sl.job.hashes[sl.lo : sl.hi]
+                            )
+                        self._queue.done(sum(sl.hi - sl.lo for sl in slices))
         finally:
             buf.close()
 
-    def _take(self) -> tuple[list[_Spill], bool]:
-        """The next spill and those queued behind it, up to RUN_BYTES, to go to
-        disk as one write; and whether this writer's stop sentinel came."""
-        batch: list[_Spill] = []
-        nbytes = 0
-        item = self._queue.get()
-        while item is not None:
-            batch.append(item)
-            nbytes += len(item.slots) * item.slot_bytes
-            if nbytes >= RUN_BYTES or len(batch) >= RUN_BLOCKS:
-                return batch, False
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return batch, False
-        self._queue.task_done()  # the sentinel
-        return batch, True
-
-    def _write_batch(self, batch: list[_Spill], buf: AlignedBuffer) -> None:
-        """Reserve runs of back-to-back space for the batch (as much of it as one
-        ring takes at a time) and write each run in one request: payloads
-        straight from their slots where aligned, staged in buf otherwise. The
-        slots are released once written (or copied), before the commit."""
+    def _write_batch(self, slices: list[Slice], buf: AlignedBuffer) -> None:
+        """Reserve runs of back-to-back space for the slices' blocks (as much
+        of them as one ring takes at a time) and write each run in one request:
+        payloads straight from their slots where aligned, staged in buf
+        otherwise. The slots are released once written (or copied), before the
+        commit: one release call per slice and run, never one per block."""
+        blocks = [
+            (sl.job.ns, h, sl.job.block_bytes)
+            for sl in slices
+            for h in sl.job.hashes[sl.lo : sl.hi]
+        ]
+        parts = [
+            [
+                [(a, sl.job.slot_bytes) for a in row]
+                for row in sl.job.slots[sl.lo : sl.hi].tolist()
+            ]
+            for sl in slices
+        ]
+        payloads = [p for rows in parts for p in rows]
         released = 0
 
-        def release(items: list[_Spill]) -> None:
+        def release(upto: int) -> None:
             nonlocal released
-            for item in items:
-                released += 1
-                if item.release is not None:
-                    item.release()
+            lo, released = released, upto
+            _release_range(slices, lo, upto)
 
         try:
-            while released < len(batch):
-                rest = batch[released:]
-                run = self.store.reserve_run(
-                    [(i.ns, i.block_hash, len(i.slots) * i.slot_bytes) for i in rest]
-                )
+            while released < len(blocks):
+                run = self.store.reserve_run(blocks[released:])
                 if not run:
                     return  # counted as no_space; the finally releases the rest
-                items = rest[: len(run)]
-                payloads = [[(a, i.slot_bytes) for a in i.slots] for i in items]
+                end = released + len(run)
                 self.store.write_run(
-                    run, payloads, buf, functools.partial(release, items)
+                    run, payloads[released:end], buf, functools.partial(release, end)
                 )
         finally:
-            for item in batch[released:]:
-                if item.release is not None:
-                    item.release()
+            if released < len(blocks):
+                _release_range(slices, released, len(blocks))
 
     # -- lookup and load ---------------------------------------------------------------
     def lookup(self, ns_digest: NsDigest, hashes: list[BlockHash]) -> int:
@@ -322,15 +350,7 @@ class SsdTier:
     # -- life cycle --------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued spill is written (or failed); False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        done = self._queue.all_tasks_done
-        with done:
-            while self._queue.unfinished_tasks:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                done.wait(left)
-        return True
+        return self._queue.wait_empty(timeout)
 
     def stats(self) -> SsdStats:
         with self._lock:
@@ -342,7 +362,7 @@ class SsdTier:
             capacity_bytes=self.store.capacity_bytes,
             stored_bytes=self.store.stored_bytes,
             blocks=self.store.index.count,
-            queue_depth=self._queue.qsize(),
+            queue_depth=self._queue.unfinished,
             queue_capacity=self.config.queue_blocks,
             spills_queued=c["queued"],
             spills_dropped=c["dropped"],
@@ -361,9 +381,20 @@ class SsdTier:
             if self._closed:
                 return
             self._closed = True
-        for _ in self._writers:
-            self._queue.put(None)
+        self._queue.stop()
         for t in self._writers:
             t.join()
         self._readers.shutdown(wait=True)
         self.store.close()
+
+
+def _release_range(slices: list[Slice], lo: int, hi: int) -> None:
+    """Release blocks [lo, hi) of the slices laid end to end: one call per
+    slice they touch."""
+    at = 0
+    for sl in slices:
+        n = sl.hi - sl.lo
+        a, b = max(lo, at), min(hi, at + n)
+        if a < b and sl.job.release is not None:
+            sl.job.release(sl.lo + a - at, sl.lo + b - at)
+        at += n

@@ -164,7 +164,7 @@ _SSD_COUNTERS = {
     "load_hits": ("pegaflow_ssd_load_hit_blocks", "blocks loaded from SSD intact"),
 }
 _SSD_GAUGES = {
-    "queue_depth": ("pegaflow_ssd_queue_depth", "spills waiting for a writer"),
+    "queue_depth": ("pegaflow_ssd_queue_depth", "spills queued or being written"),
     "queue_capacity": ("pegaflow_ssd_queue_capacity", "spill queue bound"),
     "blocks": ("pegaflow_ssd_blocks", "blocks stored on SSD"),
     "stored_bytes": ("pegaflow_ssd_stored_bytes", "payload bytes stored on SSD"),

@@ -3,8 +3,10 @@ block (or spill on L1 eviction), prefetch on an L1 miss. The bytes move in
 pegaflow.gds (SsdTier); this is bookkeeping on the event loop only.
 
 Write-behind (--ssd-write-on seal): BlockStore calls `sealed(entries)` with the
-blocks a save just made ready, and each is queued for the tier straight from its
-slots (a full queue drops it, counted; the save never waits). The block stays
+blocks a save just made ready, and they go to the tier as one job straight from
+their slots (SsdTier.spill_many: one lock round, one queue entry; what the
+queue has no room for is dropped, counted; the save never waits), and come
+back as one release per slice written, not one callback per block. The block stays
 ready in L1 meanwhile: its bytes do not change once ready. If L1 evicts it
 before the writer is done, its slots stay allocated until the tier's release;
 if it is already on the SSD, its slots are freed at once; one that never got
@@ -38,6 +40,8 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
 
 import numpy as np
 
@@ -49,15 +53,19 @@ from .keys import BlockHash, Key
 from .metrics import Metrics
 
 logger = logging.getLogger(__name__)
+_KEY = attrgetter("key")
+_SLOTS = attrgetter("slots")
 
 
-@dataclass(slots=True)
-class _Writing:
-    """A sealed block the tier is writing from its L1 slots."""
+@dataclass(slots=True, eq=False)
+class _Batch:
+    """Sealed blocks of one namespace the tier is writing from their L1 slots
+    (one per SsdTier.spill_many call): keys[i]'s slots are slots[i]."""
 
-    slots: np.ndarray
-    nbytes: int
-    evicted: bool = False  # L1 let it go: free the slots at release
+    keys: list[Key]
+    slots: np.ndarray  # uint64 [n, shards]
+    block_bytes: int
+    evicted: np.ndarray  # bool [n]: L1 let it go, free its slots at release
 
 
 class SsdLink:
@@ -89,7 +97,7 @@ class SsdLink:
         # Write-behind: blocks being written from their slots; ready blocks
         # whose write was refused at the seal (not admitted, queue full), to be
         # offered again at a hit while the tier's admission is seen_twice.
-        self._writing: dict[Key, _Writing] = {}
+        self._writing: dict[Key, tuple[_Batch, int]] = {}
         self._unwritten: dict[Key, BlockEntry] = {}
         self._seen_twice = tier.config.admission == "seen_twice"
         if tier.config.write_on == "seal":
@@ -149,45 +157,78 @@ class SsdLink:
 
     # -- write-behind -----------------------------------------------------------
     def sealed(self, entries: list[BlockEntry]) -> None:
-        """A save made these blocks ready: queue each for the SSD."""
-        for entry in entries:
-            self._write(entry)
+        """A save made these blocks ready: queue them for the SSD, one tier
+        call per namespace (a save seals blocks of one namespace)."""
+        ns_id = entries[0].key[0]
+        if any(e.key[0] != ns_id for e in entries):
+            groups: dict[int, list[BlockEntry]] = {}
+            for e in entries:
+                groups.setdefault(e.key[0], []).append(e)
+            for group in groups.values():
+                self._write(group)
+            return
+        self._write(entries)
 
     def touched(self, entries: list[BlockEntry]) -> None:
         """Blocks hit in L1: a second sighting for those not yet written."""
         if not self._unwritten:
             return
-        for entry in entries:
-            if self._unwritten.get(entry.key) is entry:
-                self._write(entry)
+        again = [e for e in entries if self._unwritten.get(e.key) is e]
+        if again:
+            self.sealed(again)
 
-    def _write(self, entry: BlockEntry) -> None:
-        key = entry.key
-        digest, slot_bytes = self._namespace(key[0])
-        slots = entry.slot_array()
+    def _write(self, entries: list[BlockEntry]) -> None:
+        keys = list(map(_KEY, entries))
+        digest, slot_bytes = self._namespace(keys[0][0])
+        slots = np.array(list(map(_SLOTS, entries)), np.uint64)
+        hashes = [k[1] for k in keys]
         loop = asyncio.get_running_loop()
-        release = functools.partial(self._release, loop, self._written, key)
-        if self.tier.spill(digest, key[1], slots, slot_bytes, release):
-            self._writing[key] = _Writing(slots, slot_bytes * len(slots))
-            self._unwritten.pop(key, None)
-        elif self._seen_twice:
-            self._unwritten[key] = entry
+        batch = _Batch(keys, slots, slot_bytes * slots.shape[1], np.zeros(0, bool))
+        release = functools.partial(self._release, loop, self._written, batch)
+        took = self.tier.spill_many(digest, hashes, slots, slot_bytes, release)
+        if len(took) < len(keys):
+            if self._seen_twice:  # offered again at a hit
+                refused = np.ones(len(keys), bool)
+                refused[took] = False
+                self._unwritten.update(
+                    (keys[i], entries[i]) for i in np.flatnonzero(refused).tolist()
+                )
+            if not took:
+                return
+            batch.keys = [keys[i] for i in took]
+            batch.slots = slots[took]
+        batch.evicted = np.zeros(len(batch.keys), bool)
+        rows = zip(repeat(batch), range(len(took)))
+        self._writing.update(zip(batch.keys, rows, strict=False))
+        if self._unwritten:
+            for key in batch.keys:
+                self._unwritten.pop(key, None)
 
-    def _written(self, key: Key) -> None:
-        w = self._writing.pop(key)
-        if w.evicted:
-            self._store.slabs.free(w.slots)
-            self._held -= w.nbytes
+    def _written(self, batch: _Batch, lo: int, hi: int) -> None:
+        """Blocks batch.keys[lo:hi] are written (or failed): forget them, and
+        free the slots of those L1 evicted meanwhile."""
+        writing = self._writing
+        for key in batch.keys[lo:hi]:
+            w = writing.get(key)
+            if w is not None and w[0] is batch:  # not a newer write of the key
+                del writing[key]
+        gone = batch.evicted[lo:hi]
+        if gone.any():
+            self._store.slabs.free(batch.slots[lo:hi][gone].ravel())
+            self._held -= int(gone.sum()) * batch.block_bytes
 
     def evicted(self, key: Key, slots: np.ndarray) -> bool:
         """L1 evicts a ready block (write-behind): True when its slots are
         kept until a write from them is done, False when they are free now."""
-        self._unwritten.pop(key, None)
+        if self._unwritten:
+            self._unwritten.pop(key, None)
         w = self._writing.get(key)
-        if w is not None and not w.evicted and np.array_equal(w.slots, slots):
-            w.evicted = True  # the writer still reads them
-            self._held += w.nbytes
-            return True
+        if w is not None:
+            batch, i = w
+            if not batch.evicted[i] and np.array_equal(batch.slots[i], slots):
+                batch.evicted[i] = True  # the writer still reads them
+                self._held += batch.block_bytes
+                return True
         digest, _ = self._namespace(key[0])
         if self.tier.lookup(digest, [key[1]]):
             return False  # already on the SSD
