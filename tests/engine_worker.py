@@ -225,7 +225,7 @@ def query(hashes: list[str], wait_s: float = 0.0) -> dict:
     res = state["client"].query(state["instance"], raw)
     end, polls = time.monotonic() + wait_s, 0
     while res.loading and time.monotonic() < end:
-        time.sleep(0.001)
+        time.sleep(float(os.environ.get("POLL_S", "0.001")))
         polls += 1
         res = state["client"].query(state["instance"], raw)
     return {
