@@ -86,11 +86,10 @@ class RowTable:
         self._mult = np.array(
             [secrets.randbits(64) | 1 for _ in range(_WORDS + 3)], np.uint64
         )  # per word, then length, namespace, home slot
-        # Each row's hash, padded, word-major: a check gathers one word of many
-        # rows at a time, which numpy does several times faster than rows.
-        self._words = np.zeros((1, 0), np.uint64)
-        self._lens = np.zeros(0, np.int32)
-        self._row_ns = np.zeros(0, np.int32)
+        # A record per row: namespace << 8 | hash length, then the hash's
+        # words, zero-padded. One record is one or two cache lines, so a
+        # check costs a query's hashes about one miss each.
+        self._rec = np.zeros((0, 2), np.uint64)
         self._slot_of = np.zeros(0, np.int64)  # each filed row's slot, else -1
         self._live = self._tombs = 0
         self._window = np.arange(1, WINDOW + 1)[:, None]
@@ -98,32 +97,29 @@ class RowTable:
 
     @property
     def nbytes(self) -> int:
-        arrays = (self._slots, self._words, self._lens, self._row_ns, self._slot_of)
+        arrays = (self._slots, self._rec, self._slot_of)
         return sum(a.nbytes for a in arrays)
 
     def namespace_of(self, rows: np.ndarray) -> np.ndarray:
-        return self._row_ns[rows]
+        return (self._rec[rows, 0] >> np.uint64(8)).astype(np.int64)
 
     def grow_rows(self, size: int) -> None:
-        old = len(self._lens)
-        words = np.zeros((self._words.shape[0], size), np.uint64)
-        words[:, :old] = self._words
-        self._words = words
-        self._lens = np.concatenate([self._lens, np.zeros(size - old, np.int32)])
-        self._row_ns = np.concatenate([self._row_ns, np.zeros(size - old, np.int32)])
+        old = len(self._rec)
+        rec = np.zeros((size, self._rec.shape[1]), np.uint64)
+        rec[:old] = self._rec
+        self._rec = rec
         self._slot_of = np.concatenate([self._slot_of, np.full(size - old, -1)])
 
     # -- changes ----------------------------------------------------------------
     def add(self, ns: int, keys: Keys, rows: np.ndarray) -> None:
         """File rows as these keys: distinct, none filed yet (find() said so)."""
-        if keys.width > len(self._words):  # a longer hash than any so far
-            words = np.zeros((keys.width, len(self._lens)), np.uint64)
-            words[: len(self._words)] = self._words
-            self._words = words
-        self._words[:, rows] = 0  # a reused row may hold a longer hash's words
-        self._words[: keys.width, rows] = keys.words.T
-        self._lens[rows] = keys.lens
-        self._row_ns[rows] = ns
+        if keys.width >= self._rec.shape[1]:  # a longer hash than any so far
+            rec = np.zeros((len(self._rec), 1 + keys.width), np.uint64)
+            rec[:, : self._rec.shape[1]] = self._rec
+            self._rec = rec
+        self._rec[rows] = 0  # a reused row may hold a longer hash's words
+        self._rec[rows, 0] = _head(ns, keys.lens)
+        self._rec[rows, 1 : 1 + keys.width] = keys.words
         key = self._key(ns, keys)
         if (self._live + self._tombs + len(rows)) > self._capacity * MAX_LOAD or (
             not self._place(rows, key)
@@ -152,7 +148,7 @@ class RowTable:
         rows = got[:, 1]
         cand = np.where(got[:, 0] == key, rows, EMPTY)
         at = np.flatnonzero(cand >= 0)
-        same = self._same(cand[at], ns, keys, at)
+        same = self._same(cand[at], ns, keys, None if len(at) == keys.count else at)
         found[at[same]] = cand[at[same]]
         todo = np.flatnonzero((found < 0) & (rows != EMPTY))
         window, pos = self._window, home[todo]
@@ -173,17 +169,19 @@ class RowTable:
         return found
 
     def _same(
-        self, rows: np.ndarray, ns: int, keys: Keys, at: np.ndarray
+        self, rows: np.ndarray, ns: int, keys: Keys, at: np.ndarray | None
     ) -> np.ndarray:
-        """Whether each filed row holds the whole key at[i] of keys in ns."""
+        """Whether each filed row holds the whole key at[i] of keys in ns
+        (at None: key i)."""
+        rec = self._rec.take(rows, axis=0)  # a copy: its columns are cheap
+        every = at is None  # all at home, the usual: no gathers
+        lens = keys.lens if every else keys.lens.take(at)
+        same = rec[:, 0] == _head(ns, lens)
         # A query word past the stored width is of a hash longer than any
         # filed one: the length check rules it out.
-        every = len(at) == keys.count  # all at home, the usual: no gathers
-        same = self._row_ns.take(rows) == ns
-        same &= self._lens.take(rows) == (keys.lens if every else keys.lens.take(at))
-        for i in range(min(keys.width, len(self._words))):  # a word at a time
+        for i in range(min(keys.width, rec.shape[1] - 1)):  # a column at a time
             mine = keys.words[:, i]
-            same &= self._words[i].take(rows) == (mine if every else mine.take(at))
+            same &= rec[:, 1 + i] == (mine if every else mine.take(at))
         return same
 
     # -- layout -----------------------------------------------------------------
@@ -263,3 +261,8 @@ class RowTable:
         self._slots[slot, 1] = rows[order]
         self._slot_of[rows[order]] = slot
         self._live = len(rows)
+
+
+def _head(ns: int, lens: np.ndarray) -> np.ndarray:
+    """A record's first word: namespace << 8 | hash length (<= 64)."""
+    return lens.astype(np.uint64) | np.uint64(ns << 8)
