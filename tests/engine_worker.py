@@ -217,15 +217,16 @@ def save_async(**kwargs: object) -> dict:
     return {"started": True}
 
 
-def query(hashes: list[str], wait_s: float = 0.0) -> dict:
-    """wait_s > 0: poll while the server answers `loading` (a slower tier or a
-    peer is pulling the blocks in), as the connector does, for up to wait_s."""
+def query(hashes: list[str], wait_s: float = 0.0, poll_s: float = 0.001) -> dict:
+    """wait_s > 0: poll every poll_s while the server answers `loading` (a
+    slower tier or a peer is pulling the blocks in), as the connector does
+    once per scheduler step, for up to wait_s."""
     raw = [bytes.fromhex(h) for h in hashes]
     start = time.perf_counter()
     res = state["client"].query(state["instance"], raw)
     end, polls = time.monotonic() + wait_s, 0
     while res.loading and time.monotonic() < end:
-        time.sleep(0.001)
+        time.sleep(poll_s)
         polls += 1
         res = state["client"].query(state["instance"], raw)
     return {

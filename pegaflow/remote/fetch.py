@@ -51,7 +51,9 @@ class RemoteStats:
     fetched_bytes: int = 0
     fetch_seconds: float = 0.0  # sum over fetches
     last_fetch_s: float = 0.0
-    # the last fetch's phases, ms: metaserver plan, pin, read (+ hashing it)
+    # the last fetch's phases, ms: metaserver plan, pin, read (+ hashing it;
+    # of it: transfer, the transport's own calls, and hash, the wait for the
+    # reader's checksums after the last transfer), checksums_wait, publish
     last_phases_ms: dict[str, float] = field(default_factory=dict)
     peers_seen: set[str] = field(default_factory=set)  # owners fetched from
 
@@ -133,7 +135,7 @@ class OwnerReads:
         try:
             mine = await asyncio.to_thread(
                 self._read_and_hash, seg.endpoint.transfer, local, remote,
-                ns.slot_bytes,
+                ns.slot_bytes, phases,
             )  # fmt: skip
             phases["read"] = elapsed_ms(reading)
             if later is not None:
@@ -162,7 +164,12 @@ class OwnerReads:
         return None
 
     def _read_and_hash(
-        self, endpoint: str, local: np.ndarray, remote: np.ndarray, slot_bytes: int
+        self,
+        endpoint: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        slot_bytes: int,
+        phases: dict[str, float],
     ) -> np.ndarray:
         """On a worker thread: the read in pieces of ~_PIECE_BYTES, each piece
         hashed on a second thread while the next one is read. The checksum
@@ -173,20 +180,27 @@ class OwnerReads:
         lengths = np.full(flat_local.size, slot_bytes, np.uint64)
         before = self._transport.retried
         hashed: list[concurrent.futures.Future[np.ndarray]] = []
+        transfer = 0.0
         with concurrent.futures.ThreadPoolExecutor(1) as hasher:
             for start in range(0, len(local), per):  # per piece, not per block
                 a, b = start * shards, min(len(local), start + per) * shards
+                began = time.monotonic()
                 self._transport.read(
                     endpoint, flat_local[a:b], flat_remote[a:b], lengths[a:b]
                 )
+                transfer += time.monotonic() - began
                 piece = flat_local[a:b]
                 hashed.append(
                     hasher.submit(checksums_of, self._pool, piece, slot_bytes)
                 )
+            last = time.monotonic()
+            sums = np.concatenate([f.result() for f in hashed]).reshape(local.shape)
+        phases["transfer"] = round(transfer * 1e3, 3)
+        phases["hash"] = elapsed_ms(last)
         retried = self._transport.retried - before
         if retried:
             self._metrics.retries.inc(retried)
-        return np.concatenate([f.result() for f in hashed]).reshape(local.shape)
+        return sums
 
     def _release_soon(self, addr: str, pin_id: int) -> None:
         if not pin_id:

@@ -277,7 +277,9 @@ class RemoteLink:
         st.fetched_bytes += nbytes
         st.fetch_seconds += seconds
         st.last_fetch_s = seconds
+        publishing = time.monotonic()
         self._store.finish_load(entries, ok)
+        st.last_phases_ms["publish"] = elapsed_ms(publishing)  # after fetch_ms
         logger.debug(
             "fetched %d of %d blocks (%d B) from %d peer(s) in %.1f ms",
             good, len(entries), nbytes, len(plan), seconds * 1e3,
