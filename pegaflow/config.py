@@ -284,7 +284,8 @@ class CudaConfig:
     copy_path: CopyPathSetting = "auto"
     crossovers: tuple[Crossover, ...] = DEFAULT_CROSSOVERS
     # auto: copy engines while kernel copies run below this share of their
-    # best rate (another context computing; pegaflow.copiers.contention); 0 off
+    # best rate (another context computing; pegaflow.copiers.contention, whose
+    # DEFAULT_RATIO this is); 0 off
     contention_ratio: float = 0.65
 
     def __post_init__(self) -> None:

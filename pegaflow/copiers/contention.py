@@ -50,8 +50,10 @@ from .policy import CopyDirection, CopyPath, CopyPolicy
 if TYPE_CHECKING:
     from ..config import Crossover, CudaConfig
 
-DEFAULT_RATIO = 0.65  # contended kernels ran at ~0.45-0.55 of idle (H200)
-PROBE_S = 1.0  # a 640-block kernel probe of ~60 ms: ~6 % of the engine's time
+# Contended 640-block kernel copies ran at 0.52-0.55 of their idle GB/s on the
+# H200 (client-side rates, 2026-12-01), both directions at once at ~0.5.
+DEFAULT_RATIO = 0.65
+PROBE_S = 1.0  # a contended 640-block kernel probe (~60 ms) shares 6 % of a second
 MIN_PAGES = 64
 MIN_BYTES = 4 << 20  # ~0.1 ms of copy: launch and wake-up jitter stay small
 ALPHA = 0.5  # two contended samples in a row switch; one outlier does not

@@ -9,7 +9,12 @@ import pytest
 
 from pegaflow.cli import build_parser, config_from_args, flag_message
 from pegaflow.config import CudaConfig
-from pegaflow.copiers.contention import PROBE_S, ContendedPolicy, Contention
+from pegaflow.copiers.contention import (
+    DEFAULT_RATIO,
+    PROBE_S,
+    ContendedPolicy,
+    Contention,
+)
 from pegaflow.copiers.policy import CopyPolicy
 from pegaflow.geometry import Transfers
 from pegaflow.metrics import CopyPathCollector
@@ -189,6 +194,7 @@ def test_forced_paths_and_zero_keep_the_plain_policy(setting: str) -> None:
 
 
 def test_the_flag_and_its_bounds() -> None:
+    assert CudaConfig().contention_ratio == DEFAULT_RATIO
     args = build_parser().parse_args(["--copy-contention-ratio", "0.5"])
     assert config_from_args(args).cuda.contention_ratio == 0.5
     for bad in (1.0, -0.1, 2.0):
