@@ -8,15 +8,25 @@ GB/s next to the matmul's slowdown against the loop alone. The loop runs in its
 own process, as an engine's compute does: the server's copy kernels and the
 engine's kernels then belong to two CUDA contexts, which time-slice on one GPU
 (no MPS), while copy engines can overlap another context's kernels.
+
+`auto` (the default) moves kernel copies to copy engines while its own kernel
+copy times show the GPU shared (pegaflow.copiers.contention). Its busy window
+starts from kernels (the copies-alone window before it ran idle), so it pays
+the switch; a second row, "settled", times a window that follows another
+busy window of the same length with no pause between them: auto's steady
+choice under compute. `dma_share` is the share of the window's copy bytes the
+copy engines moved (from the server's /stats; 0 or 1 where a path is forced).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import secrets
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -32,6 +42,9 @@ READY_S = 120.0  # the worker's CUDA start-up and first matmuls
 COLUMNS = [
     "setting",
     "mode",
+    "window",
+    "dma_share",
+    "switches",
     "copy_GBps",
     "copy_alone_GBps",
     "copy_ratio",
@@ -118,18 +131,29 @@ def overlap_bytes(
     return moved
 
 
-def row(setting: Setting, mode: str, m: dict[str, float], n_matmul: int) -> dict:
+def row(
+    setting: Setting,
+    mode: str,
+    m: dict[str, float],
+    n_matmul: int,
+    window: str = "from idle",
+) -> dict:
     """One table row from one measurement: `m` holds copy_GBps (with the
     matmul running), copy_alone_GBps, ceiling_GBps (one direction's pinned
     copy; twice that for "both", which overstates what PCIe gives both ways),
-    matmul_per_s and matmul_alone_per_s."""
+    matmul_per_s and matmul_alone_per_s; for auto also dma_share and
+    switches over the busy window (from /stats, see path_counts)."""
     tflop = 2 * n_matmul**3 / 1e12
     alone, busy = m["matmul_alone_per_s"], m["matmul_per_s"]
+    forced = {"kernel": 0.0, "dma": 1.0}.get(setting.path)
     return dict(
         setting=setting.label,
         path=setting.path,
         sm_cap=setting.sm_cap,
         mode=mode,
+        window=window,
+        dma_share=forced if forced is not None else m.get("dma_share"),
+        switches=int(m.get("switches", 0)),
         copy_GBps=round(m["copy_GBps"], 1),
         copy_alone_GBps=round(m["copy_alone_GBps"], 1),
         ceiling_GBps=round(m["ceiling_GBps"], 1),
@@ -138,6 +162,25 @@ def row(setting: Setting, mode: str, m: dict[str, float], n_matmul: int) -> dict
         matmul_alone_TFLOPs=round(alone * tflop, 1),
         slowdown_pct=round(100 * (1 - busy / alone), 1) if alone > 0 else None,
     )
+
+
+def path_counts(http: str) -> dict[str, int]:
+    """GPU 0's bytes by path and switches so far, from the server's /stats
+    (zeros where the policy is a forced path: it counts nothing)."""
+    with urllib.request.urlopen(f"http://{http}/stats", timeout=10) as r:
+        doc = json.load(r)
+    gpu = (doc.get("copy_path") or {}).get("devices", {}).get("0")
+    if gpu is None:
+        return {"kernel": 0, "dma": 0, "switches": 0}
+    switches = gpu["switches_to_dma"] + gpu["switches_to_kernel"]
+    return {**gpu["bytes"], "switches": switches}
+
+
+def path_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    """dma_share (None when nothing moved) and switches between two counts."""
+    kernel, dma = (after[p] - before[p] for p in ("kernel", "dma"))
+    share = round(dma / (kernel + dma), 2) if kernel + dma else None
+    return {"dma_share": share, "switches": after["switches"] - before["switches"]}
 
 
 def _loop(conn: Any, n: int) -> None:
@@ -192,11 +235,17 @@ class Matmul:
 
 # -- the GPU run (transfer.py's Engine, imported here: transfer imports us) ----
 def copy_window(
-    eng: Any, mode: str, n: int, seconds: float, during: Any = None
+    eng: Any,
+    mode: str,
+    n: int,
+    seconds: float,
+    during: Any = None,
+    before: Any = None,
 ) -> tuple[float, Any]:
     """Saves / loads / both of n random blocks streaming from one thread each;
     over the window (`during()` when given, else `seconds`), the GB/s they
-    moved (each copy counted pro rata inside it) and what `during` returned."""
+    moved (each copy counted pro rata inside it) and what `during` returned.
+    `before()`, when given, runs while they already stream, untimed."""
     src, dst = eng.ids(n, False)
     kept = [secrets.token_bytes(32) for _ in range(n)]
     eng.save(src, kept)
@@ -225,6 +274,8 @@ def copy_window(
     for thread in threads:
         thread.start()
     started.wait()
+    if before is not None:
+        before()
     t0 = time.perf_counter()
     got = during() if during else stop.wait(seconds)
     t1 = time.perf_counter()
@@ -233,6 +284,26 @@ def copy_window(
         thread.join()
     moved = overlap_bytes(ops, nbytes, t0, t1)
     return moved / (t1 - t0) / 1e9, got
+
+
+def busy_window(
+    eng: Any, mode: str, n: int, secs: float, matmul: Any, settle: bool
+) -> dict[str, float]:
+    """Copies while the matmul runs: their GB/s, the matmul's rate, and the
+    server's dma_share and switches over the timed window. settle: after a
+    first untimed busy window (auto's steady choice)."""
+    counts: dict[str, int] = {}
+
+    def before() -> None:
+        if settle:
+            matmul.rate(secs)
+        counts.update(path_counts(eng.http))  # as the timed window opens
+
+    busy, matmul_busy = copy_window(
+        eng, mode, n, secs, lambda: matmul.rate(secs), before
+    )
+    after = path_counts(eng.http)
+    return dict(copy_GBps=busy, matmul_per_s=matmul_busy, **path_delta(counts, after))
 
 
 def measure_setting(
@@ -252,21 +323,23 @@ def measure_setting(
         if nbytes not in ceil:
             ceil[nbytes] = ceiling_gbps(ceil["pinned"], eng.buf, nbytes)
         for mode in args.interference_modes:
+            counts = path_counts(http)
             alone, _ = copy_window(eng, mode, n, secs)
+            alone_share = path_delta(counts, path_counts(http))["dma_share"]
             matmul_alone = matmul.rate(secs)
-            busy, matmul_busy = copy_window(
-                eng, mode, n, secs, lambda: matmul.rate(secs)
-            )
-            ceiling = ceil[nbytes] * (2 if mode == "both" else 1)
-            m = dict(
-                copy_GBps=busy,
-                copy_alone_GBps=alone,
-                ceiling_GBps=ceiling,
-                matmul_per_s=matmul_busy,
-                matmul_alone_per_s=matmul_alone,
-            )
-            rows.append(row(setting, mode, m, matmul.n) | {"bytes_ok": ok})
-            print(rows[-1], flush=True)
+            windows = ["from idle"] + (["settled"] if setting.path == "auto" else [])
+            for window in windows:
+                m = busy_window(eng, mode, n, secs, matmul, window == "settled")
+                m |= dict(
+                    copy_alone_GBps=alone,
+                    ceiling_GBps=ceil[nbytes] * (2 if mode == "both" else 1),
+                    matmul_alone_per_s=matmul_alone,
+                )
+                rows.append(row(setting, mode, m, matmul.n, window))
+                rows[-1] |= {"bytes_ok": ok, "alone_dma_share": alone_share}
+                print(rows[-1], flush=True)
+        # every path this setting took under load, byte-checked once more
+        rows[-1]["bytes_ok_after"] = eng.checked_round_trip(*eng.ids(n, False))
         eng.close()
     finally:
         stop_server(proc)

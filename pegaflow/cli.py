@@ -40,6 +40,7 @@ FLAG_OF = {
     "copy_threads": "--copy-threads",
     "max_ctas": "--copy-ctas",
     "copy_crossovers": "--copy-crossovers",
+    "contention_ratio": "--copy-contention-ratio",
     "event_timeout_s": "--cuda-event-timeout",
     "metric_hll_windows": "--metric-hll-windows",
     "metric_hll_bucket_bits": "--metric-hll-bucket-bits",
@@ -196,6 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="where auto takes copy engines: 'none' or e.g. 'save:1-128:65536' "
         "(direction:min_pages[-max_pages][:min_page_bytes], comma-separated; "
         "default: the table in pegaflow/config.py)",
+    )
+    p.add_argument(
+        "--copy-contention-ratio",
+        type=float,
+        default=0.65,
+        help="auto only: move a GPU's kernel copies to copy engines while they "
+        "run below this share of the best GB/s kernel copies of their size "
+        "reached there (the server times each copy: another process's kernels "
+        "time-slice with ours); one kernel probe a second switches back; 0: "
+        "off, the crossover table only (default: 0.65)",
     )
     p.add_argument(
         "--cuda-event-timeout",
@@ -392,6 +403,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_ctas=args.copy_ctas,
             event_timeout_s=args.cuda_event_timeout,
             copy_path=args.copy_path,
+            contention_ratio=args.copy_contention_ratio,
             **crossovers(args),
         ),
         ssd=ssd_config(args),

@@ -271,7 +271,8 @@ def parse_crossovers(text: str) -> tuple[Crossover, ...]:
 class CudaConfig:
     """The GPU data path: which devices, how many CTAs per copy direction, and
     whether a batch moves by kernel or copy engine (`copy_path`; "auto" picks
-    per batch from `crossovers`)."""
+    per batch from `crossovers` and, with `contention_ratio`, from how fast
+    recent kernel copies ran)."""
 
     enabled: bool = True  # False: host engines only, CUDA is never touched
     devices: tuple[int, ...] | None = None  # None: every visible GPU, if any
@@ -279,6 +280,10 @@ class CudaConfig:
     event_timeout_s: float = 10.0  # bound on a save waiting for an engine event
     copy_path: CopyPathSetting = "auto"
     crossovers: tuple[Crossover, ...] = DEFAULT_CROSSOVERS
+    # auto: copy engines while kernel copies run below this share of their
+    # best rate (another context computing; pegaflow.copiers.contention, whose
+    # DEFAULT_RATIO this is); 0 off
+    contention_ratio: float = 0.65
 
     def __post_init__(self) -> None:
         if self.devices is not None and (not self.devices or min(self.devices) < 0):
@@ -289,6 +294,9 @@ class CudaConfig:
             raise ValueError(f"copy_path: {self.copy_path!r}, need auto|kernel|dma")
         if not all(isinstance(c, Crossover) for c in self.crossovers):
             raise ValueError("copy_crossovers: need Crossover rows")
+        ratio = self.contention_ratio
+        if isinstance(ratio, bool) or not (ratio == 0 or 0 < ratio < 1):
+            raise ValueError(f"contention_ratio: {ratio!r}, need 0 (off) or 0 < r < 1")
 
 
 def parse_devices(text: str) -> CudaConfig:

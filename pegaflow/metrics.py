@@ -191,3 +191,57 @@ class SsdCollector:
             yield CounterMetricFamily(name, text, value=getattr(st, field))
         for field, (name, text) in _SSD_GAUGES.items():
             yield GaugeMetricFamily(name, text, value=getattr(st, field))
+
+
+class CopyPathCollector:
+    """The GPU copy path's choices (pegaflow.copiers.contention), read from the
+    CUDA copy policy's report() at scrape time (it takes its own lock)."""
+
+    def __init__(self, report: Callable[[], dict]) -> None:
+        self._report = report
+
+    def describe(self) -> list[Metric]:
+        return []  # registered lazily, like SsdCollector
+
+    def collect(self) -> Iterator[Metric]:
+        rep = self._report()
+        info = InfoMetricFamily("pegaflow_copy_path", "--copy-path setting")
+        info.add_metric([], {"setting": str(rep["setting"])})
+        yield info
+        dma = GaugeMetricFamily(
+            "pegaflow_copy_contended",
+            "1 while auto moves this GPU's kernel copies to copy engines "
+            "(its kernel copies ran below --copy-contention-ratio)",
+            labels=["device"],
+        )
+        ratio = GaugeMetricFamily(
+            "pegaflow_copy_kernel_ratio",
+            "recent kernel copy GB/s over the best seen at their size (EWMA)",
+            labels=["device"],
+        )
+        switches = CounterMetricFamily(
+            "pegaflow_copy_path_switches",
+            "auto's switches between kernels and copy engines, by target",
+            labels=["device", "to"],
+        )
+        probes = CounterMetricFamily(
+            "pegaflow_copy_kernel_probes",
+            "kernel batches sent while on copy engines, to see if the GPU is idle",
+            labels=["device"],
+        )
+        batches = CounterMetricFamily(
+            "pegaflow_copy_batches", "GPU copy batches by path", ["device", "path"]
+        )
+        moved = CounterMetricFamily(
+            "pegaflow_copy_path_bytes", "GPU copy bytes by path", ["device", "path"]
+        )
+        for device, gpu in rep.get("devices", {}).items():
+            dma.add_metric([device], float(gpu["choice"] == "dma"))
+            ratio.add_metric([device], gpu["kernel_ratio"])
+            switches.add_metric([device, "dma"], gpu["switches_to_dma"])
+            switches.add_metric([device, "kernel"], gpu["switches_to_kernel"])
+            probes.add_metric([device], gpu["probes"])
+            for path in ("kernel", "dma"):
+                batches.add_metric([device, path], gpu["batches"][path])
+                moved.add_metric([device, path], gpu["bytes"][path])
+        yield from (dma, ratio, switches, probes, batches, moved)

@@ -34,9 +34,14 @@ T = TypeVar("T")
 Stats = dict[str, object]
 
 
-def engine_stats(engine: Engine, started: float) -> Stats:
-    """Pool, tiers, policy, and per namespace: hits by tier, misses by cause,
-    hit rate beside its HyperLogLog ceiling per window."""
+def engine_stats(
+    engine: Engine,
+    started: float,
+    copy_path: Callable[[], dict[str, object]] | None = None,
+) -> Stats:
+    """Pool, tiers, policy, the GPU copy path (`copy_path`: the CUDA copy
+    policy's report; None without a GPU), and per namespace: hits by tier,
+    misses by cause, hit rate beside its HyperLogLog ceiling per window."""
     namespaces = [ns.to_dict() for ns in engine.hit_rates.snapshot()]
     slabs = engine.pool.slabs
     counters = engine.store.counters
@@ -73,6 +78,7 @@ def engine_stats(engine: Engine, started: float) -> Stats:
                 "pool_full": counters.pool_full_rejections,
             },
         },
+        "copy_path": copy_path() if copy_path is not None else None,
         "hll": {
             "windows": list(hr.labels),
             "bucket_bits": hr.bucket_bits,

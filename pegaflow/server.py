@@ -26,7 +26,7 @@ from .copiers.host import HostCopyEngine
 from .cuda_driver import HostRegistrar
 from .engine import Engine
 from .http import bind_http, serve_http
-from .metrics import Metrics, SsdCollector
+from .metrics import CopyPathCollector, Metrics, SsdCollector
 from .pool import HostPool
 from .proto import pegaflow_pb2_grpc as pb_grpc
 from .recovery import Recovered, RecoveryReport, recover
@@ -118,7 +118,12 @@ async def _assemble(
         )
         undo.push_async_callback(link.close)
     started = time.monotonic()
-    stats = on_loop(asyncio.get_running_loop(), lambda: engine_stats(engine, started))
+    copy_path = getattr(getattr(cuda, "policy", None), "report", None)
+    stats = on_loop(
+        asyncio.get_running_loop(), lambda: engine_stats(engine, started, copy_path)
+    )
+    if copy_path is not None:
+        metrics.registry.register(CopyPathCollector(copy_path))
     metrics.registry.register(HitRateCollector(stats))
     metrics.registry.register(OriginalMetrics(metrics, stats))  # their names
     servicer = PegaFlowServicer(engine, os.getpid(), secrets.token_bytes(16), port)
@@ -257,12 +262,13 @@ def _cuda_devices(config: CudaConfig) -> list[int]:
 
 def _cuda_copier(config: CudaConfig, pool: HostPool, ordinals: list[int]) -> object:
     try:  # imports numba-cuda: GPU hosts only
-        from .copiers.cuda import CopyPolicy, CudaCopyEngine
+        from .copiers.contention import ContendedPolicy
+        from .copiers.cuda import CudaCopyEngine
     except ImportError as exc:
         raise StartupError(f"--devices: {exc}; {cuda_driver.hint(exc)}") from exc
 
     try:
-        policy = CopyPolicy.from_config(config)
+        policy = ContendedPolicy.from_config(config)
         return CudaCopyEngine(
             pool.base, pool.size, ordinals, config.max_ctas, config.event_timeout_s,
             policy,

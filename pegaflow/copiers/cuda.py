@@ -185,6 +185,10 @@ class CudaCopyEngine:
         return flags
 
     @property
+    def policy(self) -> CopyPolicy:  # /stats and /metrics report its choices
+        return self._policy
+
+    @property
     def mapped_allocations(self) -> int:
         """Engine allocations currently IPC-mapped into the server."""
         return len(self._mappings) + len(self._closing)
@@ -298,13 +302,15 @@ class CudaCopyEngine:
         cuda_driver.set_device(dev.ordinal)
         if wait_event:
             self._wait_event(self._event(regions, wait_event))
-        path = self._policy.choose_for("save", t)
+        path = self._policy.choose_for("save", t, dev.ordinal)
+        start = time.perf_counter()  # the policy learns from each batch's time
         if path == "dma":
             self._batch("save", regions.buffer, dev.pool, t, dev)
         else:
             k, ctas = self._k, self._ctas
             k.gather(regions.buffer, dev.pool, t, stream=dev.save, max_blocks=ctas)
         self._finish(dev, "save", path, t)
+        self._policy.observe(dev.ordinal, "save", path, t, start, time.perf_counter())
 
     def event_done(self, regions: CudaRegions, wait_event: int) -> bool:
         """Whether the engine's event `wait_event` (1-based) completed: a save
@@ -329,7 +335,8 @@ class CudaCopyEngine:
         dev = regions.device
         cuda_driver.set_device(dev.ordinal)
         deadlines.check(deadline, "load")
-        path = self._policy.choose_for("load", t)
+        path = self._policy.choose_for("load", t, dev.ordinal)
+        start = time.perf_counter()  # the policy learns from each batch's time
         if path == "dma":
             self._batch("load", dev.pool, regions.buffer, t, dev)
         else:
@@ -337,6 +344,7 @@ class CudaCopyEngine:
                 dev.pool, regions.buffer, t, stream=dev.load, max_blocks=self._ctas
             )
         self._finish(dev, "load", path, t)
+        self._policy.observe(dev.ordinal, "load", path, t, start, time.perf_counter())
 
     def _finish(
         self, dev: _Device, direction: CopyDirection, path: CopyPath, t: Transfers

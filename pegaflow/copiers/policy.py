@@ -58,7 +58,18 @@ class CopyPolicy:
             return "dma"
         return "kernel"
 
-    def choose_for(self, direction: CopyDirection, t: Transfers) -> CopyPath:
-        """choose() for a descriptor table: its rows are the pages."""
+    def choose_for(
+        self, direction: CopyDirection, t: Transfers, device: int = 0
+    ) -> CopyPath:
+        """choose() for a descriptor table: its rows are the pages. `device`
+        (a CUDA ordinal) and observe() serve policies that learn per GPU
+        (pegaflow.copiers.contention); this one learns nothing."""
         pages = len(t)
         return self.choose(direction, pages, t.total_bytes // pages if pages else 0)
+
+    def observe(self, device: int, direction: CopyDirection, path: CopyPath,
+                t: Transfers, start: float, end: float) -> None:  # fmt: skip
+        """A batch finished: queued at `start`, done at `end` (perf_counter)."""
+
+    def report(self) -> dict[str, object]:
+        return {"setting": self.setting}

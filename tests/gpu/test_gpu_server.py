@@ -249,3 +249,8 @@ def test_copy_paths_move_the_same_bytes(
         expected, got = save_then_load(a, b, tokens(N))
         assert got == expected
     assert ("copy-engine batch" in srv.log.read_text()) == (path != "kernel")
+    report = json.loads(srv.get("/stats")[1])["copy_path"]  # what operators see
+    assert report["setting"] == COPY_PATHS[path][1]
+    if path == "auto-dma":  # auto counts its batches by path, per GPU
+        assert report["devices"]["0"]["batches"]["dma"] > 0
+        assert srv.metric("pegaflow_copy_batches_total", 'device="0",path="dma"') > 0

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
+from benchmarks.interference import path_counts
 from pegaflow.cli import build_parser, config_from_args
 from pegaflow.client import PegaflowClient
 from pegaflow.instances import namespace_tag
@@ -91,6 +92,11 @@ def test_miss_causes_add_up_beside_the_ceiling(
         assert ns["tag"] == tag and "name" not in ns
         assert ns["misses"]["capacity"] == 64 and ns["hits"]["ram"] == 64
         assert list(ns["windows"]) == ["1m", "1h"]
+        # host engines only: no GPU copy policy to report, and the
+        # interference benchmark's reader of /stats then counts zeros
+        assert stats["copy_path"] is None
+        assert "pegaflow_copy_path" not in server.get("/metrics")[1].decode()
+        assert path_counts(server.http) == {"kernel": 0, "dma": 0, "switches": 0}
 
 
 def test_tinylfu_refusals_show_as_admission_misses(

@@ -117,3 +117,30 @@ def test_rows_and_table_from_a_fake_result() -> None:
     payload = interference.payload(args, rows, complete=False)
     assert payload["rows"] == rows and payload["complete"] is False
     assert payload["blocks"] == 640 and payload["matmul_n"] == 8192
+
+
+def test_auto_rows_carry_the_servers_path_counts() -> None:
+    """auto's rows: the share of the window's bytes the copy engines moved
+    and the switches, from two /stats counts; forced paths print 0 or 1."""
+    before = {"kernel": 100, "dma": 0, "switches": 0}
+    after = {"kernel": 125, "dma": 75, "switches": 1}
+    delta = interference.path_delta(before, after)
+    assert delta == {"dma_share": 0.75, "switches": 1}
+    assert interference.path_delta(after, after)["dma_share"] is None
+    m = dict(
+        copy_GBps=30.0,
+        copy_alone_GBps=50.0,
+        ceiling_GBps=55.0,
+        matmul_per_s=495.0,
+        matmul_alone_per_s=500.0,
+    )
+    auto = interference.Setting("auto", 66)
+    settled = interference.row(auto, "save", m | delta, 8192, "settled")
+    assert settled["dma_share"] == 0.75 and settled["window"] == "settled"
+    assert settled["switches"] == 1 and settled["slowdown_pct"] == 1.0
+    dma = interference.row(interference.Setting("dma", 66), "both", m, 8192)
+    assert dma["dma_share"] == 1.0 and dma["window"] == "from idle"
+    kernel = interference.row(interference.Setting("kernel", 66), "load", m, 8192)
+    assert kernel["dma_share"] == 0.0 and kernel["switches"] == 0
+    lines = table([settled, dma, kernel], interference.COLUMNS).splitlines()
+    assert "settled" in lines[2] and "0.75" in lines[2]

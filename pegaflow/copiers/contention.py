@@ -1,0 +1,225 @@
+"""Whether another CUDA context computes on a GPU, read from our own copy times,
+and `--copy-path auto` moving to copy engines while it does.
+
+On the H200 (benchmarks/RESULTS.md, "Interference", 2026-12-01) copy kernels
+of the server's context and an engine's bf16 matmul in another context
+time-slice: the matmul lost 41-48 % at any CTA cap (16 to 132) and the kernels
+fell to 22-33 GB/s, while copy engines cost it 0.3-1.5 % and moved 31 / 41 / 67
+GB/s (save / load / both). On an idle GPU kernels are faster. Time-slicing
+shows in the kernels' own speed: a kernel batch that shares the GPU with
+another context's kernels runs at about half its idle rate, so that rate is
+the signal (no NVML, nothing the engine has to tell us).
+
+`Contention` (one per GPU) keeps, per direction and size class (log2 of the
+page and of the batch bytes), the best kernel GB/s seen there. Each kernel
+batch of at least `min_pages` pages and `min_bytes` that ran alone on its
+stream gives a ratio, its rate over the best rate of its class or a smaller
+one (kernels get faster with size, so a smaller class's best understates the
+reference: contention is then missed, never invented). A class's first
+sample only calibrates. An EWMA of the ratios below `ratio` switches the GPU
+to copy engines; from then on one eligible batch per `probe_s` still goes by
+kernel, and one probe at or above the midpoint between `ratio` and 1 switches
+back. The gap between the two thresholds is the hysteresis: ratios between
+them never switch either way. Batches below the size bounds follow the
+current choice and never decide it (launch latency swamps their rate).
+
+Both directions feed one decision per GPU: a context that computes slows our
+saves and loads alike, and one probe per `probe_s` (not one per direction)
+bounds what probing costs the engine. Our own saves and loads by kernel at
+once also share the GPU and look half as fast; copy engines moved more there
+on an idle GPU too (71 vs 61 GB/s, the same run), so switching is right.
+
+Known gap: a class whose every sample came while another context computed
+(a server started under load, no idle moment since) has a contended best and
+sees no contention there until a smaller class gives a higher reference.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..geometry import Transfers
+from .policy import CopyDirection, CopyPath, CopyPolicy
+
+if TYPE_CHECKING:
+    from ..config import Crossover, CudaConfig
+
+# Contended 640-block kernel copies ran at 0.52-0.55 of their idle GB/s on the
+# H200 (client-side rates, 2026-12-01), both directions at once at ~0.5.
+DEFAULT_RATIO = 0.65
+PROBE_S = 1.0  # a contended 640-block kernel probe (~60 ms) shares 6 % of a second
+MIN_PAGES = 64
+MIN_BYTES = 4 << 20  # ~0.1 ms of copy: launch and wake-up jitter stay small
+ALPHA = 0.5  # two contended samples in a row switch; one outlier does not
+CLASSES = 64  # log2 of a batch's bytes
+
+
+def check_ratio(ratio: float) -> None:
+    if not 0 < ratio < 1:
+        raise ValueError(f"contention_ratio: {ratio!r}, need 0 < ratio < 1")
+
+
+class Contention:
+    """One GPU's choice between kernels and copy engines for batches the
+    crossover table gives to kernels. Thread-safe: copy threads call
+    choose() and observe(), the HTTP thread report()."""
+
+    def __init__(
+        self,
+        ratio: float = DEFAULT_RATIO,
+        probe_s: float = PROBE_S,
+        min_pages: int = MIN_PAGES,
+        min_bytes: int = MIN_BYTES,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        check_ratio(ratio)
+        self.enter = ratio
+        self.exit = (1 + ratio) / 2
+        self.probe_s = probe_s
+        self.min_pages = min_pages
+        self.min_bytes = min_bytes
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.choice: CopyPath = "kernel"
+        self.estimate = 1.0  # EWMA of the ratios while on kernels
+        self.switches: dict[CopyPath, int] = {"kernel": 0, "dma": 0}  # to each
+        self.probes = 0
+        self.batches: dict[CopyPath, int] = {"kernel": 0, "dma": 0}
+        self.bytes: dict[CopyPath, int] = {"kernel": 0, "dma": 0}
+        self._best: dict[tuple[CopyDirection, int], np.ndarray] = {}
+        self._last_end: dict[CopyDirection, float] = {}
+        self._last_probe = -math.inf
+
+    def eligible(self, pages: int, nbytes: int) -> bool:
+        return pages >= self.min_pages and nbytes >= self.min_bytes
+
+    def choose(self, pages: int, nbytes: int) -> CopyPath:
+        """The path of a batch the crossover table gives to kernels."""
+        with self._lock:
+            if self.choice == "kernel":
+                return "kernel"
+            now = self._clock()
+            if self.eligible(pages, nbytes) and now - self._last_probe >= self.probe_s:
+                self._last_probe = now
+                self.probes += 1
+                return "kernel"
+            return "dma"
+
+    def observe(
+        self,
+        direction: CopyDirection,
+        path: CopyPath,
+        pages: int,
+        nbytes: int,
+        start: float,
+        end: float,
+    ) -> None:
+        """A batch of this GPU finished: queued at `start`, seen done at `end`
+        (perf_counter seconds). One that started before the previous batch of
+        its stream ended waited behind it: counted, not timed."""
+        with self._lock:
+            self.batches[path] += 1
+            self.bytes[path] += nbytes
+            alone = start >= self._last_end.get(direction, -math.inf)
+            self._last_end[direction] = max(end, self._last_end.get(direction, end))
+            if path != "kernel" or not alone or end <= start:
+                return
+            if not self.eligible(pages, nbytes):
+                return
+            rate = nbytes / (end - start)
+            best = self._best.setdefault(
+                (direction, (nbytes // pages).bit_length()), np.zeros(CLASSES)
+            )
+            size = min(nbytes.bit_length(), CLASSES - 1)
+            reference = float(best[: size + 1].max())
+            best[size] = max(best[size], rate)
+            if reference > 0:  # a class's first sample only calibrates
+                self._judge(min(rate / reference, 1.0))
+
+    def _judge(self, ratio: float) -> None:
+        if self.choice == "kernel":
+            self.estimate = ALPHA * ratio + (1 - ALPHA) * self.estimate
+            if self.estimate < self.enter:
+                self.choice = "dma"
+                self.switches["dma"] += 1
+                self._last_probe = self._clock()
+        elif ratio >= self.exit:  # a probe (or a kernel batch still in flight)
+            self.choice = "kernel"
+            self.switches["kernel"] += 1
+            self.estimate = ratio
+
+    def report(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "choice": self.choice,
+                "kernel_ratio": round(self.estimate, 3),
+                "switches_to_dma": self.switches["dma"],
+                "switches_to_kernel": self.switches["kernel"],
+                "probes": self.probes,
+                "batches": dict(self.batches),
+                "bytes": dict(self.bytes),
+            }
+
+
+class ContendedPolicy(CopyPolicy):
+    """CopyPolicy "auto" whose kernel batches move to copy engines on a GPU
+    where `Contention` sees another context computing."""
+
+    def __init__(
+        self,
+        crossovers: tuple[Crossover, ...] = (),
+        ratio: float = DEFAULT_RATIO,
+        probe_s: float = PROBE_S,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        super().__init__("auto", crossovers)
+        check_ratio(ratio)
+        self._make = lambda: Contention(ratio, probe_s, clock=clock)
+        self.ratio = ratio
+        self.gpus: dict[int, Contention] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: CudaConfig) -> CopyPolicy:
+        """The server's policy: this one for "auto" with a ratio, else the
+        plain table (or the forced path)."""
+        if config.copy_path != "auto" or config.contention_ratio == 0:
+            return CopyPolicy.from_config(config)
+        return cls(config.crossovers, config.contention_ratio)
+
+    def _gpu(self, device: int) -> Contention:
+        gpu = self.gpus.get(device)
+        if gpu is None:
+            with self._lock:
+                gpu = self.gpus.setdefault(device, self._make())
+        return gpu
+
+    def choose_for(
+        self, direction: CopyDirection, t: Transfers, device: int = 0
+    ) -> CopyPath:
+        path = super().choose_for(direction, t, device)
+        if path == "dma":
+            return path
+        return self._gpu(device).choose(len(t), t.total_bytes)
+
+    def observe(
+        self,
+        device: int,
+        direction: CopyDirection,
+        path: CopyPath,
+        t: Transfers,
+        start: float,
+        end: float,
+    ) -> None:
+        gpu = self._gpu(device)
+        gpu.observe(direction, path, len(t), t.total_bytes, start, end)
+
+    def report(self) -> dict[str, object]:
+        gpus = {str(d): g.report() for d, g in sorted(self.gpus.items())}
+        return {"setting": "auto", "contention_ratio": self.ratio, "devices": gpus}

@@ -1,0 +1,203 @@
+"""Contention-aware `--copy-path auto` (pegaflow.copiers.contention), fed
+synthetic copy timings: no CUDA. Rates are the H200's: kernels ~50 GB/s on an
+idle GPU, ~22 GB/s time-sliced with another context's matmul (2026-12-01)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pegaflow.cli import build_parser, config_from_args, flag_message
+from pegaflow.config import CudaConfig
+from pegaflow.copiers.contention import (
+    DEFAULT_RATIO,
+    PROBE_S,
+    ContendedPolicy,
+    Contention,
+)
+from pegaflow.copiers.policy import CopyPolicy
+from pegaflow.geometry import Transfers
+from pegaflow.metrics import CopyPathCollector
+
+PAGE = 64 << 10
+BIG = 640 * 32  # pages of a 640-block batch, 32 layers
+IDLE, BUSY = 50e9, 22e9
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Driver:
+    """Batches one after another on one GPU, each taking pages*PAGE/rate."""
+
+    def __init__(self, gpu: Contention, clock: Clock) -> None:
+        self.gpu, self.clock = gpu, clock
+
+    def batch(self, rate: float, pages: int = BIG, direction: str = "save") -> str:
+        path = self.gpu.choose(pages, pages * PAGE)
+        start = self.clock.now
+        # copy engines run at the rate DMA had under contention, whatever `rate`
+        speed = rate if path == "kernel" else 31e9
+        self.clock.now += pages * PAGE / speed
+        self.gpu.observe(direction, path, pages, pages * PAGE, start, self.clock.now)
+        return path
+
+
+def driver(**kw: float) -> Driver:
+    clock = Clock()
+    return Driver(Contention(clock=clock, **kw), clock)
+
+
+def test_contended_kernels_move_to_copy_engines() -> None:
+    """Idle batches calibrate and stay on kernels; two time-sliced batches in
+    a row switch the GPU to copy engines, where it stays under contention."""
+    d = driver()
+    assert [d.batch(IDLE) for _ in range(5)] == ["kernel"] * 5
+    assert d.batch(BUSY) == "kernel"  # one slow batch is not enough
+    assert d.batch(BUSY) == "kernel"
+    assert d.gpu.choice == "dma" and d.gpu.switches == {"kernel": 0, "dma": 1}
+    paths = [d.batch(BUSY) for _ in range(200)]
+    assert paths.count("dma") > 180  # probes only, about one a second
+    assert d.gpu.choice == "dma" and d.gpu.switches["kernel"] == 0
+    assert 0 < d.gpu.probes == paths.count("kernel")
+
+
+def test_an_idle_gpu_returns_to_kernels_on_the_next_probe() -> None:
+    d = driver()
+    for rate in [IDLE] * 3 + [BUSY] * 3:
+        d.batch(rate)
+    assert d.gpu.choice == "dma"
+    d.clock.now += PROBE_S  # the engine stopped computing
+    assert d.batch(IDLE) == "kernel"  # the probe
+    assert d.gpu.choice == "kernel" and d.gpu.switches == {"kernel": 1, "dma": 1}
+    assert [d.batch(IDLE) for _ in range(20)] == ["kernel"] * 20
+
+
+def test_no_flapping_between_the_thresholds() -> None:
+    """Ratios between enter (0.65) and exit (0.825) never switch: from kernels
+    the EWMA stays above enter, from copy engines no probe reaches exit."""
+    d = driver()
+    d.batch(IDLE)
+    for _ in range(500):
+        d.batch(0.72 * IDLE)
+    assert d.gpu.switches == {"kernel": 0, "dma": 0}
+    d = driver()
+    for rate in [IDLE] + [BUSY] * 2:
+        d.batch(rate)
+    for _ in range(500):
+        d.batch(0.72 * IDLE)
+    assert d.gpu.choice == "dma" and d.gpu.switches == {"kernel": 0, "dma": 1}
+    rng = np.random.default_rng(1)  # noisy ratios around the enter threshold
+    d = driver()
+    d.batch(IDLE)
+    for ratio in rng.uniform(0.55, 0.8, 1000):
+        d.batch(ratio * IDLE)
+    assert d.gpu.switches["kernel"] == 0 and d.gpu.switches["dma"] <= 1
+
+
+def test_a_burst_of_tiny_batches_does_not_decide() -> None:
+    """1-block saves (32 pages, 2 MiB) are launch-bound at any load: slow as
+    they are, they neither calibrate nor switch, and follow the choice."""
+    d = driver()
+    d.batch(IDLE)
+    for _ in range(1000):
+        assert d.batch(1e9, pages=32) == "kernel"
+    assert d.gpu.switches == {"kernel": 0, "dma": 0} and d.gpu.estimate == 1.0
+    assert d.gpu.batches["kernel"] == 1001
+    d.batch(BUSY), d.batch(BUSY)
+    assert d.gpu.choice == "dma"
+    d.clock.now += PROBE_S
+    assert d.batch(IDLE, pages=32) == "dma"  # never a probe: it could not tell
+
+
+def test_a_batch_queued_behind_another_is_not_timed() -> None:
+    """Two threads on one stream: the second batch's wall time includes the
+    first's, which is no sign of contention."""
+    clock = Clock()
+    gpu = Contention(clock=clock)
+    nbytes = BIG * PAGE
+    gpu.observe("save", "kernel", BIG, nbytes, 0.0, nbytes / IDLE)
+    for i in range(1, 10):  # each queued right after the previous one started
+        start, end = (i - 1) * nbytes / IDLE + 1e-3, (i + 1) * nbytes / IDLE
+        gpu.observe("save", "kernel", BIG, nbytes, start, end)
+    assert gpu.choice == "kernel" and gpu.estimate == 1.0
+    assert gpu.batches["kernel"] == 10
+
+
+def test_the_first_sample_of_a_size_only_calibrates() -> None:
+    """A GPU busy since start-up: no reference, no judgement; a smaller size
+    class seen idle gives the larger ones a (lower) reference."""
+    d = driver()
+    for _ in range(10):
+        d.batch(BUSY)
+    assert d.gpu.choice == "kernel"
+    d.batch(IDLE, pages=128)  # 8 MiB, idle
+    d.batch(BUSY), d.batch(BUSY)  # 1.3 GB at 22 GB/s: below 0.65 of 50
+    assert d.gpu.choice == "dma"
+
+
+def test_saves_and_loads_share_one_decision_per_gpu() -> None:
+    d = driver()
+    d.batch(IDLE, direction="save"), d.batch(IDLE, direction="load")
+    d.batch(BUSY, direction="load"), d.batch(BUSY, direction="load")
+    assert d.batch(IDLE, direction="save") == "dma"  # saves follow
+    d.clock.now += PROBE_S
+    assert d.batch(IDLE, direction="load") == "kernel"
+    assert d.batch(BUSY, direction="save") == "kernel"
+
+
+def _table(pages: int) -> Transfers:
+    a = np.arange(pages, dtype=np.uint64) * np.uint64(PAGE)
+    return Transfers(a, a + np.uint64(1 << 40), np.full(pages, PAGE, np.uint64))
+
+
+def test_policy_keeps_the_table_and_learns_per_gpu() -> None:
+    """Small saves stay on copy engines (the crossover table); contention on
+    GPU 0 leaves GPU 1 on kernels; /stats and /metrics see it."""
+    clock = Clock()
+    assert type(ContendedPolicy.from_config(CudaConfig())) is ContendedPolicy
+    policy = ContendedPolicy(CudaConfig().crossovers, clock=clock)
+    big = _table(BIG)
+    assert policy.choose_for("save", _table(32), 0) == "dma"
+    for rate in (IDLE, BUSY, BUSY):
+        path = policy.choose_for("load", big, 0)
+        start = clock.now
+        clock.now += big.total_bytes / rate
+        policy.observe(0, "load", path, big, start, clock.now)
+    assert policy.choose_for("load", big, 0) == "dma"
+    assert policy.choose_for("load", big, 1) == "kernel"
+    rep = policy.report()
+    assert rep["devices"]["0"]["choice"] == "dma"
+    assert rep["devices"]["0"]["switches_to_dma"] == 1
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for m in CopyPathCollector(policy.report).collect()
+        for s in m.samples
+    }
+    assert samples[("pegaflow_copy_contended", (("device", "0"),))] == 1.0
+    assert samples[("pegaflow_copy_contended", (("device", "1"),))] == 0.0
+    key = ("pegaflow_copy_path_switches_total", (("device", "0"), ("to", "dma")))
+    assert samples[key] == 1
+
+
+@pytest.mark.parametrize("setting", ["kernel", "dma"])
+def test_forced_paths_and_zero_keep_the_plain_policy(setting: str) -> None:
+    plain = ContendedPolicy.from_config(CudaConfig(copy_path=setting))
+    assert type(plain) is CopyPolicy and plain.report() == {"setting": setting}
+    off = ContendedPolicy.from_config(CudaConfig(contention_ratio=0))
+    assert type(off) is CopyPolicy
+
+
+def test_the_flag_and_its_bounds() -> None:
+    assert CudaConfig().contention_ratio == DEFAULT_RATIO
+    args = build_parser().parse_args(["--copy-contention-ratio", "0.5"])
+    assert config_from_args(args).cuda.contention_ratio == 0.5
+    for bad in (1.0, -0.1, 2.0):
+        with pytest.raises(ValueError, match="contention_ratio") as info:
+            CudaConfig(contention_ratio=bad)
+        assert "--copy-contention-ratio" in flag_message(info.value)
