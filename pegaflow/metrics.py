@@ -230,10 +230,14 @@ class CopyPathCollector:
             labels=["device"],
         )
         batches = CounterMetricFamily(
-            "pegaflow_copy_batches", "GPU copy batches by path", ["device", "path"]
+            "pegaflow_copy_batches",
+            "GPU copy batches by path",
+            labels=["device", "path"],
         )
         moved = CounterMetricFamily(
-            "pegaflow_copy_path_bytes", "GPU copy bytes by path", ["device", "path"]
+            "pegaflow_copy_path_bytes",
+            "GPU copy bytes by path",
+            labels=["device", "path"],
         )
         for device, gpu in rep.get("devices", {}).items():
             dma.add_metric([device], float(gpu["choice"] == "dma"))

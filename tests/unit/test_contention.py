@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from pegaflow.cli import build_parser, config_from_args, flag_message
 from pegaflow.config import CudaConfig
@@ -183,6 +184,13 @@ def test_policy_keeps_the_table_and_learns_per_gpu() -> None:
     assert samples[("pegaflow_copy_contended", (("device", "1"),))] == 0.0
     key = ("pegaflow_copy_path_switches_total", (("device", "0"), ("to", "dma")))
     assert samples[key] == 1
+    # what /metrics serves: every family renders (a bad family breaks the scrape)
+    registry = CollectorRegistry()
+    registry.register(CopyPathCollector(policy.report))
+    text = generate_latest(registry).decode()
+    dma_batches = float(rep["devices"]["0"]["batches"]["dma"])
+    assert f'pegaflow_copy_batches_total{{device="0",path="dma"}} {dma_batches}' in text
+    assert 'pegaflow_copy_path_bytes_total{device="0",path="kernel"}' in text
 
 
 @pytest.mark.parametrize("setting", ["kernel", "dma"])
