@@ -18,8 +18,8 @@ LINE = re.compile(r" \(([^():]*?):\d+\)$")
 def _frames(stack: str, match: str) -> list[str] | None:
     parts = stack.split(";")
     procs = [p for p in parts if p.startswith("process ")]
-    if not procs or match not in procs[-1]:
-        return None
+    if match and (not procs or match not in procs[-1]):
+        return None  # --match "": every sample (a `py-spy record --pid` file)
     frames = [p for p in parts if not p.startswith("process ")]
 
     # "fn (path/to/file.py:123)" -> "fn (file.py)": lines split one function
