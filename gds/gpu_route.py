@@ -43,22 +43,20 @@ def gds_present() -> bool | None:
 def choose(setting: GpuDirect, present: bool | None) -> RouteChoice:
     """The route for `setting` given gds_present()'s answer."""
     if setting == "off":
-        return RouteChoice("l1", "--ssd-gpu-direct off")
+        return RouteChoice("l1", "setting off")
     if present is None:
         if setting == "on":
             raise ValueError(
-                "ssd_gpu_direct: 'on' needs kvikio and a CUDA driver "
+                "gpu_direct: 'on' needs kvikio and a CUDA driver "
                 "(pip install 'pegaflow-py[gds]'); use auto or off"
             )
         return RouteChoice("l1", "kvikio not usable here")
     if present:
         return RouteChoice("direct", "GPUDirect Storage present")
     if setting == "on":
-        return RouteChoice(
-            "direct", "--ssd-gpu-direct on, in kvikio's compatibility mode"
-        )
+        return RouteChoice("direct", "setting on, in kvikio's compatibility mode")
     return RouteChoice(
         "l1",
-        "no GPUDirect Storage (kvikio compatibility mode); --ssd-gpu-direct on "
+        "no GPUDirect Storage (kvikio compatibility mode); the setting on "
         "forces the direct route",
     )

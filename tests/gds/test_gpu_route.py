@@ -25,7 +25,7 @@ def test_route_per_setting(setting: str, present: bool | None, route: str) -> No
 
 
 def test_on_without_kvikio_is_refused_naming_the_flag() -> None:
-    with pytest.raises(ValueError, match="ssd_gpu_direct: 'on' needs kvikio"):
+    with pytest.raises(ValueError, match="gpu_direct: 'on' needs kvikio"):
         gpu_route.choose("on", None)
 
 
