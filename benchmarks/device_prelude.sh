@@ -4,7 +4,12 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 START=$SECONDS
-stage() { echo; echo "=== $* (t=$((SECONDS - START)) s)"; }
+# A stage cut by `timeout` kills pytest or the benchmark, not the servers and
+# engines they started: left running, they skew the next stage (2026-12-02,
+# the 12d call's transfer rows). Each stage starts by reaping them.
+reap() { pkill -f -- "-m pegaflow.cli" 2>/dev/null; pkill -f -- "tests/engine_worker" \
+  2>/dev/null; sleep 0.2; pkill -9 -f -- "-m pegaflow.cli" 2>/dev/null; true; }
+stage() { reap; echo; echo "=== $* (t=$((SECONDS - START)) s)"; }
 
 stage install
 if compgen -G ".whl/*.whl" >/dev/null; then
