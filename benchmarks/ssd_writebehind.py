@@ -35,6 +35,9 @@ from pegaflow.client import PegaflowClient  # noqa: E402
 from pegaflow.kv_layouts import describe, vllm_layer_views  # noqa: E402
 from pegaflow.spawn import spawn_server  # noqa: E402
 
+SWITCH = Path(__file__).with_name("switch_interval.py")
+MODES = ("none", "evict", "seal")
+
 PAGE = 64 << 10
 LAYERS = 4  # one block = 4 x 64 KiB = 256 KiB
 BATCH = 64  # blocks per save
@@ -66,7 +69,9 @@ def _drained(http: str, timeout: float = 300.0) -> dict[str, float]:
     raise RuntimeError("ssd queue did not drain")
 
 
-def run_mode(mode: str, pool: str, blocks: int, folder: Path) -> dict[str, object]:
+def run_mode(
+    mode: str, pool: str, blocks: int, folder: Path, switch_ms: float | None = None
+) -> dict[str, object]:
     """Save `blocks` fresh blocks in batches of BATCH as fast as one client
     can; the tier (if any) in `folder`."""
     http = f"127.0.0.1:{_free_port()}"
@@ -77,7 +82,8 @@ def run_mode(mode: str, pool: str, blocks: int, folder: Path) -> dict[str, objec
         args += ["--ssd-cache-path", str(folder / "ssd0.bin")]
         args += ["--ssd-cache-capacity", f"{2 * blocks * LAYERS * PAGE}"]
         args += ["--ssd-write-on", mode, "--ssd-backend", "posix"]
-    proc, addr = spawn_server("--log-level", "warning", *args)
+    wrap = () if switch_ms is None else (str(SWITCH), str(switch_ms))
+    proc, addr = spawn_server("--log-level", "warning", *args, python_args=wrap)
     buf = np.empty(LAYERS * BATCH * 2 * PAGE, np.uint8)
     buf[:] = np.frombuffer(np.random.default_rng(0).bytes(buf.nbytes), np.uint8)
     views = vllm_layer_views(buf, LAYERS, BATCH * 2, (PAGE,))
@@ -122,7 +128,14 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--reps", type=int, default=None, help="rounds of the 3 modes")
     p.add_argument("--json")
+    p.add_argument(
+        "--switch-ms",
+        default="",
+        help="comma list of the server's GIL switch intervals to compare, ms "
+        "(benchmarks/switch_interval.py; default: Python's 5 ms, unwrapped)",
+    )
     args = p.parse_args()
+    switches = [float(x) for x in args.switch_ms.split(",") if x] or [None]
     pool = "128mb" if args.quick else "1gb"
     pool_blocks = (128 if args.quick else 1024) << 20 >> 18  # 256 KiB blocks
     blocks = 3 * pool_blocks // BATCH * BATCH  # 3x the pool: L1 evicts
@@ -132,16 +145,20 @@ def main() -> int:
     rows = results["rows"]
     assert isinstance(rows, list)
     for rep in range(reps):  # modes interleaved: drift hits all alike
-        for mode in ("none", "evict", "seal"):
-            rows.append({"rep": rep, **run_mode(mode, pool, blocks, Path(args.dir))})
+        for mode, sw in [(m, sw) for m in MODES for sw in switches]:
+            row = run_mode(mode, pool, blocks, Path(args.dir), sw)
+            rows.append({"rep": rep, "switch_ms": sw, **row})
             write_json(name, results, args.json)
             print(rows[-1], flush=True)
-    cols = ["rep", "mode", "GiB_saved", "stored", "save_GBps", "evictions"]
+    cols = ["rep", "mode", "switch_ms", "GiB_saved", "stored", "save_GBps"]
+    cols += ["evictions"]
     cols += ["ssd_written_GiB", "ssd_write_GBps", "dropped", "refused_held"]
     print(table(rows, cols))
-    for mode in ("none", "evict", "seal"):
-        got = [r["save_GBps"] for r in rows if r["mode"] == mode]
-        print(f"{mode}: median save {np.median(got):.3f} GB/s")
+    for mode, sw in [(m, sw) for m in MODES for sw in switches]:
+        cell = [r for r in rows if (r["mode"], r["switch_ms"]) == (mode, sw)]
+        got = [r["save_GBps"] for r in cell]
+        label = mode if sw is None else f"{mode} (switch {sw:g} ms)"
+        print(f"{label}: median save {np.median(got):.3f} GB/s")
     print(f"wrote {write_json(name, results, args.json)}")
     return 0
 
