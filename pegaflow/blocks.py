@@ -184,9 +184,6 @@ class BlockStore(TierLoads):
         the free room must win TinyLFU admission, in request order.
         """
         mask = layer_mask(rank, layers, ns.num_layers)
-        fresh = self._reserve_fresh(ns, rank, hashes, mask)
-        if fresh is not None:
-            return fresh
         tp = ns.tp_size
         entries: list[BlockEntry] = []
         positions: list[int] = []
@@ -248,53 +245,6 @@ class BlockStore(TierLoads):
             np.asarray(slots, np.uint64),
             dedup,
             rejected,
-            rank,
-            mask,
-            ((1 << ns.num_layers) - 1) << (rank * ns.num_layers),
-            (1 << (tp * ns.num_layers)) - 1,
-        )
-
-    def _reserve_fresh(
-        self, ns: Namespace, rank: int, hashes: list[BlockHash], mask: int
-    ) -> SaveReservation | None:
-        """reserve_save() when every hash is new, distinct and the pool has a
-        free slot for each (a step's fresh blocks, the common case): the same
-        entries and slots, built in C-level passes instead of one Python
-        iteration per block. None: some block needs the general loop."""
-        n = len(hashes)
-        if not n or self.slabs.free_slots(ns.slot_class) < n:
-            return None
-        keys = list(zip(repeat(ns.id), hashes))
-        table = self.entries
-        if len(dict.fromkeys(hashes)) != n or not table.keys().isdisjoint(keys):
-            return None
-        got = self.slabs.allocate(ns.slot_class, n)
-        if len(got) < n:  # free_slots() promised them: never here
-            self.slabs.free(got)
-            return None
-        tp, now = ns.tp_size, time.monotonic()
-        slots = got.tolist()
-        if tp == 1:
-            per_shard = [[slot] for slot in slots]
-        else:
-            per_shard = [[0] * tp for _ in slots]
-            for row, slot in zip(per_shard, slots, strict=True):
-                row[rank] = slot
-        entries = [
-            BlockEntry(key, row, 0, mask, False, 1, now)
-            for key, row in zip(keys, per_shard, strict=True)
-        ]
-        table.update(zip(keys, entries, strict=True))
-        self._hold(ns, n)
-        if self.log is not None:
-            self.log.writing(ns, hashes, rank, got)
-        return SaveReservation(
-            keys,
-            entries,
-            np.arange(n, dtype=np.int64),
-            got.astype(np.uint64, copy=False),
-            0,
-            0,
             rank,
             mask,
             ((1 << ns.num_layers) - 1) << (rank * ns.num_layers),

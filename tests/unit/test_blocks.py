@@ -193,34 +193,3 @@ def test_large_packed_queries_take_the_hash_table_through_evictions(
         assert hits == [] and rest.tolist() == [False] * 10 + [True] * (n - 10)
         hits, rest = store.lookup(ns, hs[10:])
         assert len(hits) == n - 10 and len(rest) == 0
-
-
-@pytest.mark.parametrize("tp, rank", [(1, 0), (2, 1)])
-def test_a_fresh_save_reserves_what_the_general_loop_does(
-    tp: int, rank: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Fresh, distinct hashes with room for all take the C-level path; the
-    reservation, the entries and the allocator must equal the per-block
-    loop's (forced by turning the fresh path off), and repeats or too little
-    room still go through the loop."""
-    ns = _ns(tp=tp, layers=3)
-    layers = np.array([0, 2])
-
-    def reserve(fresh: bool, hashes: list[bytes], slots: int = 64) -> tuple:
-        store = _store(slots)
-        if not fresh:
-            monkeypatch.setattr(store, "_reserve_fresh", lambda *a: None)
-        res = store.reserve_save(ns, rank, hashes, layers)
-        entries = [
-            (e.key, e.slots, e.landed, e.in_flight, e.ready, e.pins)
-            for e in store.entries.values()
-        ]
-        fields = (res.keys, res.positions.tolist(), res.slots.tolist())
-        counts = (res.deduplicated, res.rejected, res.mask, res.shard_mask)
-        return fields, counts, res.complete, entries, store.slabs.used_bytes
-
-    for hashes, slots in ((_h(*range(20)), 64), (_h(1, 2, 1, 3), 64)):
-        assert reserve(True, hashes, slots) == reserve(False, hashes, slots)
-    short = reserve(True, _h(*range(20)), 8)  # room for 8: the loop refuses 12
-    assert short == reserve(False, _h(*range(20)), 8)
-    assert short[1][1] == 12
