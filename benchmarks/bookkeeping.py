@@ -11,6 +11,11 @@ loaded back (the load's lease bookkeeping, pins, descriptor table).
     python benchmarks/bookkeeping.py                 # 64, 640, 2560 blocks
     python benchmarks/bookkeeping.py --reps 50 --json out.json
     python benchmarks/bookkeeping.py --profile save --blocks 640   # cProfile
+    python benchmarks/bookkeeping.py --pool full --ssd none evict seal
+
+--ssd adds a real SSD tier (posix backend, files in a temp dir, the
+server's default queue and writers) in that write mode: the rows then show
+what its hooks (seal hand-off, eviction spills) add to a save on the loop.
 
 Pages are 512 B (the smallest a registration may have) so the pool stays
 small; the Llama-3.1-8B shape's 32 layers keep the descriptor tables its size
@@ -26,6 +31,7 @@ import cProfile
 import pstats
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import table, write_json  # noqa: E402
 from pegaflow.config import EngineConfig, PoolConfig  # noqa: E402
 from pegaflow.engine import Engine  # noqa: E402
+from pegaflow.gds import SsdConfig, SsdTier  # noqa: E402
 from pegaflow.geometry import LayerLayout, Segment, Transfers  # noqa: E402
 from pegaflow.identity import CallContext, Caller  # noqa: E402
 from pegaflow.pool import HostPool  # noqa: E402
@@ -78,13 +85,27 @@ class NullCopier:
 class Bench:
     """One engine, one registered worker of N * 2 engine blocks."""
 
-    def __init__(self, n: int, pool_blocks: int, seed: int) -> None:
+    def __init__(self, n: int, pool_blocks: int, seed: int, ssd: str = "none") -> None:
         size = -(-pool_blocks * SLOT // SLAB) * SLAB
         self.pool = HostPool(
             PoolConfig(size_bytes=size, slab_bytes=SLAB, show_progress=False)
         )
+        self.tier = None
+        self._dir = None
+        if ssd != "none":
+            self._dir = tempfile.TemporaryDirectory(prefix="pegaflow-bk-")
+            self.tier = SsdTier(
+                SsdConfig(
+                    (f"{self._dir.name}/ssd.bin",),
+                    64 << 20,
+                    backend="posix",
+                    write_on=ssd,  # type: ignore[arg-type]
+                    show_progress=False,
+                )
+            )
         config = EngineConfig(inline_copy_bytes=1 << 30)
-        self.engine = Engine(config, self.pool, {"host": NullCopier()})
+        copiers = {"host": NullCopier()}
+        self.engine = Engine(config, self.pool, copiers, ssd=self.tier)
         self.n = n
         self.engine_blocks = 2 * n
         layers = tuple(
@@ -143,13 +164,18 @@ class Bench:
 
     def close(self) -> None:
         self.engine.close()
+        if self.tier is not None:
+            self.tier.close()
+            self._dir.cleanup()
         self.pool.close()
 
 
-async def _run(n: int, full: bool, reps: int, warmup: int, seed: int) -> dict:
+async def _run(
+    n: int, full: bool, reps: int, warmup: int, seed: int, ssd: str
+) -> dict:
     # Not full: room for every save of the run, so none evicts.
     pool_blocks = 4 * n if full else (reps + warmup + 2) * n
-    bench = Bench(n, pool_blocks, seed)
+    bench = Bench(n, pool_blocks, seed, ssd)
     try:
         if full:
             await bench.fill()
@@ -175,6 +201,7 @@ async def _run(n: int, full: bool, reps: int, warmup: int, seed: int) -> dict:
     return {
         "blocks": n,
         "pool": "full" if full else "room",
+        "ssd": ssd,
         "save_us": round(save, 1),
         "save_us_per_block": round(save / n, 3),
         "load_us": round(load, 1),
@@ -184,10 +211,10 @@ async def _run(n: int, full: bool, reps: int, warmup: int, seed: int) -> dict:
     }
 
 
-def _profile(n: int, full: bool, op: str, reps: int, top: int) -> None:
+def _profile(n: int, full: bool, op: str, reps: int, top: int, ssd: str) -> None:
     async def go() -> None:
         pool_blocks = 4 * n if full else (reps + 4) * n
-        bench = Bench(n, pool_blocks, 0)
+        bench = Bench(n, pool_blocks, 0, ssd)
         if full:
             await bench.fill()
         prof = cProfile.Profile()
@@ -218,18 +245,28 @@ def main() -> int:
     p.add_argument("--json", help="output path (default: print only)")
     p.add_argument("--profile", choices=["save", "load"], help="cProfile one op")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument(
+        "--ssd",
+        nargs="+",
+        choices=["none", "evict", "seal"],
+        default=["none"],
+        help="SSD tier write modes to compare (none: no tier)",
+    )
     args = p.parse_args()
     fulls = {"room": [False], "full": [True], "both": [False, True]}[args.pool]
     if args.profile:
         for n in args.blocks:
             for full in fulls:
-                print(f"\n== {args.profile} n={n} pool={'full' if full else 'room'}")
-                _profile(n, full, args.profile, args.reps, args.top)
+                for ssd in args.ssd:
+                    pool = "full" if full else "room"
+                    print(f"\n== {args.profile} n={n} pool={pool} ssd={ssd}")
+                    _profile(n, full, args.profile, args.reps, args.top, ssd)
         return 0
     rows = [
-        asyncio.run(_run(n, full, args.reps, args.warmup, args.seed))
+        asyncio.run(_run(n, full, args.reps, args.warmup, args.seed, ssd))
         for n in args.blocks
         for full in fulls
+        for ssd in args.ssd
     ]
     print(f"Engine bookkeeping, no-op copier ({LAYERS} layers, median of {args.reps})")
     print(table(rows, list(rows[0])))

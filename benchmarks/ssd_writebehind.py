@@ -129,6 +129,9 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=None, help="rounds of the 3 modes")
     p.add_argument("--json")
     p.add_argument(
+        "--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES)
+    )
+    p.add_argument(
         "--switch-ms",
         default="",
         help="comma list of the server's GIL switch intervals to compare, ms "
@@ -136,6 +139,9 @@ def main() -> int:
     )
     args = p.parse_args()
     switches = [float(x) for x in args.switch_ms.split(",") if x] or [None]
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        p.error(f"--modes: {args.modes!r}; choose from {', '.join(MODES)}")
     pool = "128mb" if args.quick else "1gb"
     pool_blocks = (128 if args.quick else 1024) << 20 >> 18  # 256 KiB blocks
     blocks = 3 * pool_blocks // BATCH * BATCH  # 3x the pool: L1 evicts
@@ -145,7 +151,7 @@ def main() -> int:
     rows = results["rows"]
     assert isinstance(rows, list)
     for rep in range(reps):  # modes interleaved: drift hits all alike
-        for mode, sw in [(m, sw) for m in MODES for sw in switches]:
+        for mode, sw in [(m, sw) for m in modes for sw in switches]:
             row = run_mode(mode, pool, blocks, Path(args.dir), sw)
             rows.append({"rep": rep, "switch_ms": sw, **row})
             write_json(name, results, args.json)
@@ -154,7 +160,7 @@ def main() -> int:
     cols += ["evictions"]
     cols += ["ssd_written_GiB", "ssd_write_GBps", "dropped", "refused_held"]
     print(table(rows, cols))
-    for mode, sw in [(m, sw) for m in MODES for sw in switches]:
+    for mode, sw in [(m, sw) for m in modes for sw in switches]:
         cell = [r for r in rows if (r["mode"], r["switch_ms"]) == (mode, sw)]
         got = [r["save_GBps"] for r in cell]
         label = mode if sw is None else f"{mode} (switch {sw:g} ms)"

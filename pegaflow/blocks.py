@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, compress, repeat
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
@@ -35,13 +35,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Eviction hook (the SSD tier): True when it took the slots; it frees them later.
-Spill = Callable[[Key, np.ndarray], bool]
+# Eviction hook (the SSD tier), once per round and namespace with the ready
+# blocks evicted: True where it took a block's slots (it frees them later).
+Spill = Callable[[list[BlockEntry]], np.ndarray]
 # Called when a namespace's last entry (ready, in flight or pinned) goes.
 Emptied = Callable[[Namespace], None]
 # Write-behind hooks (the SSD tier): blocks a save just made ready; blocks hit.
 Published = Callable[[list[BlockEntry]], None]
 _KEY = attrgetter("key")
+_SLOTS = attrgetter("slots")
 
 
 @dataclass(slots=True)
@@ -354,17 +356,21 @@ class BlockStore(TierLoads):
         freed: list[int] = []
         gone: list[Key] = []
         ready: dict[int, list[BlockEntry]] = {}
-        spill = self.spill
         for key, entry in zip(keys, entries, strict=True):
             if entry.ready:
                 gone.append(key)
                 ready.setdefault(key[0], []).append(entry)
-                # A spilled block's slots stay allocated until the tier wrote them.
-                if spill is not None and spill(key, entry.slot_array()):
-                    continue
-            freed += entry.slots
+            else:
+                freed += entry.slots
         for ns_id, out in ready.items():
             self._ready[ns_id].remove_many(out)
+            # A spilled block's slots stay allocated until the tier wrote them.
+            kept = None if self.spill is None else self.spill(out)
+            if kept is None or not kept.any():
+                freed += chain.from_iterable(map(_SLOTS, out))
+            elif not kept.all():
+                left = compress(out, (~kept).tolist())
+                freed += chain.from_iterable(map(_SLOTS, left))
         if 0 in freed:  # shards never allocated
             freed = [s for s in freed if s]
         self.slabs.free(np.asarray(freed, np.uint64))

@@ -15,14 +15,16 @@ queued (dropped, not admitted) is spilled on eviction as below. With
 again at a hit or a second save (or its eviction), and writes it then.
 
 Spill (--ssd-write-on evict, and the fallback above): BlockStore calls
-`spill(key, slots)` when it evicts a ready block. If the tier queues it, the
-slots stay allocated (out of the allocator's reach) until the tier's writer has
-written them (straight from the slots where they are 4 KiB-aligned, else through
-a copy) and its `release` callback hands them back to the loop; otherwise
-BlockStore frees them at once. A save never waits for the SSD, so an allocation
-at a full pool evicts until a victim's spill is refused (queue full): one burst
-moves up to --ssd-queue-blocks LRU blocks to SSD, and their slots come back as
-soon as the loop runs the writers' releases.
+`evicted(entries)` once per eviction round with the ready blocks it evicts,
+and those not on the SSD yet go to the tier as one job (spill_many, as a
+save's). What the tier queues keeps its slots allocated (out of the
+allocator's reach) until its writer has written them (straight from the slots
+where they are 4 KiB-aligned, else through a copy) and its release hands them
+back to the loop, once per slice written; the rest BlockStore frees at once. A
+save never waits for the SSD, so an allocation at a full pool evicts until a
+round's spill is refused (queue full): one burst moves up to
+--ssd-queue-blocks LRU blocks to SSD, and their slots come back as soon as the
+loop runs the writers' releases.
 (Spilling ahead of a low watermark, so saves find free slots at once, is
 not done: with --ssd-write-on seal most victims are on the SSD already.)
 
@@ -100,13 +102,11 @@ class SsdLink:
         self._writing: dict[Key, tuple[_Batch, int]] = {}
         self._unwritten: dict[Key, BlockEntry] = {}
         self._seen_twice = tier.config.admission == "seen_twice"
+        store.spill = self.evicted
         if tier.config.write_on == "seal":
             store.sealed = self.sealed
-            store.spill = self.evicted
             if self._seen_twice:
                 store.touched = self.touched
-        else:
-            store.spill = self.spill
 
     def _namespace(self, ns_id: int) -> tuple[bytes, int]:
         """(on-disk namespace digest, slot bytes per shard) of a namespace id."""
@@ -126,19 +126,57 @@ class SsdLink:
         on disk under the digest, found again when the name comes back."""
         self._namespaces.pop(ns_id, None)
 
-    # -- spill ------------------------------------------------------------------
-    def spill(self, key: Key, slots: np.ndarray) -> bool:
-        digest, slot_bytes = self._namespace(key[0])
-        nbytes = slot_bytes * len(slots)
-        if self._held + nbytes > self._max_held:
-            self._metrics.ssd_spills_refused.inc()
-            return False
+    # -- eviction ---------------------------------------------------------------
+    def evicted(self, entries: list[BlockEntry]) -> np.ndarray:
+        """L1 evicts these ready blocks of one namespace (one eviction round):
+        True where their slots are kept until a write from them is done, False
+        where they are free now (on the SSD already, refused, dropped)."""
+        keys = list(map(_KEY, entries))
+        kept = np.zeros(len(keys), bool)
+        if self._unwritten:
+            for key in keys:
+                self._unwritten.pop(key, None)
+        writing = self._writing
+        if writing and not writing.keys().isdisjoint(keys):
+            for i, key in enumerate(keys):  # only a round that meets a write
+                w = writing.get(key)
+                if w is None:
+                    continue
+                batch, j = w
+                if not batch.evicted[j] and batch.slots[j].tolist() == entries[i].slots:
+                    batch.evicted[j] = True  # the writer still reads them
+                    self._held += batch.block_bytes
+                    kept[i] = True
+        rest = np.flatnonzero(~kept)
+        if len(rest):
+            table = np.array(list(map(_SLOTS, entries)), np.uint64)
+            kept[rest[self._spill(keys, rest, table[rest])]] = True
+        return kept
+
+    def _spill(self, keys: list[Key], pick: np.ndarray, slots: np.ndarray) -> list[int]:
+        """Queue keys[pick] (slots [n, shards]) for the SSD as one job, as many
+        as the held-bytes bound lets; the positions in pick the tier took."""
+        digest, slot_bytes = self._namespace(keys[0][0])
+        block_bytes = slot_bytes * slots.shape[1]
+        room = max(0, self._max_held - self._held) // block_bytes
+        if room < len(pick):
+            self._metrics.ssd_spills_refused.inc(len(pick) - room)
+            pick, slots = pick[:room], slots[:room]
+        if not len(pick):
+            return []
+        picked = [keys[i] for i in pick.tolist()]
         loop = asyncio.get_running_loop()
-        release = functools.partial(self._release, loop, self._released, slots, nbytes)
-        if not self.tier.spill(digest, key[1], slots, slot_bytes, release):
-            return False
-        self._held += nbytes
-        return True
+        batch = _Batch(picked, slots, block_bytes, np.zeros(0, bool))
+        release = functools.partial(self._release, loop, self._written, batch)
+        took = self.tier.spill_many(
+            digest, [k[1] for k in picked], slots, slot_bytes, release
+        )
+        if len(took) < len(picked):  # the writer's release comes later, on the loop
+            batch.keys = [picked[i] for i in took]
+            batch.slots = slots[took]
+        batch.evicted = np.ones(len(took), bool)  # L1 let go: free at release
+        self._held += len(took) * block_bytes
+        return took
 
     @staticmethod
     def _release(
@@ -150,10 +188,6 @@ class SsdLink:
             loop.call_soon_threadsafe(then, *args)
         except RuntimeError:  # loop closed at shutdown: the pool goes with it
             logger.debug("ssd release after the loop closed")
-
-    def _released(self, slots: np.ndarray, nbytes: int) -> None:
-        self._store.slabs.free(slots)
-        self._held -= nbytes
 
     # -- write-behind -----------------------------------------------------------
     def sealed(self, entries: list[BlockEntry]) -> None:
@@ -216,23 +250,6 @@ class SsdLink:
         if gone.any():
             self._store.slabs.free(batch.slots[lo:hi][gone].ravel())
             self._held -= int(gone.sum()) * batch.block_bytes
-
-    def evicted(self, key: Key, slots: np.ndarray) -> bool:
-        """L1 evicts a ready block (write-behind): True when its slots are
-        kept until a write from them is done, False when they are free now."""
-        if self._unwritten:
-            self._unwritten.pop(key, None)
-        w = self._writing.get(key)
-        if w is not None:
-            batch, i = w
-            if not batch.evicted[i] and np.array_equal(batch.slots[i], slots):
-                batch.evicted[i] = True  # the writer still reads them
-                self._held += batch.block_bytes
-                return True
-        digest, _ = self._namespace(key[0])
-        if self.tier.lookup(digest, [key[1]]):
-            return False  # already on the SSD
-        return self.spill(key, slots)
 
     # -- prefetch ---------------------------------------------------------------
     def loading(

@@ -4,6 +4,8 @@ spill stay allocated until release, one load per missing prefix, partial loads."
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -32,14 +34,23 @@ class FakeTier:
         self.on_ssd: set[bytes] = set()
         self.queue = queue
 
-    def spill(
-        self, ns: bytes, h: bytes, slots: np.ndarray, each: int, release: object
-    ) -> bool:
-        if len(self.spills) == self.queue:
-            return False  # queue full: dropped
-        self.spills.append((h, slots, release))
-        self.on_ssd.add(h)
-        return True
+    def spill_many(
+        self,
+        ns: bytes,
+        hashes: list[bytes],
+        slots: np.ndarray,
+        each: int,
+        release: Callable[[int, int], None],
+    ) -> list[int]:
+        took = []
+        for i, h in enumerate(hashes):
+            if h in self.on_ssd or len(self.spills) == self.queue:
+                continue  # on SSD already, or queue full: dropped
+            pos = len(took)
+            self.spills.append((h, slots[i], functools.partial(release, pos, pos + 1)))
+            self.on_ssd.add(h)
+            took.append(i)
+        return took
 
     def lookup(self, ns: bytes, hashes: list[bytes]) -> int:
         n = 0
