@@ -33,6 +33,7 @@ class FakeTier:
         self.loads: list[tuple[list[bytes], np.ndarray, Future[SsdLoadResult]]] = []
         self.on_ssd: set[bytes] = set()
         self.queue = queue
+        self.calls = 0  # spill_many calls: one per eviction round, not per block
 
     def spill_many(
         self,
@@ -42,6 +43,7 @@ class FakeTier:
         each: int,
         release: Callable[[int, int], None],
     ) -> list[int]:
+        self.calls += 1
         took = []
         for i, h in enumerate(hashes):
             if h in self.on_ssd or len(self.spills) == self.queue:
@@ -107,6 +109,24 @@ async def _spill_holds_slots_until_release() -> None:
     link._max_held, tier.spills = SLOT, []
     assert _save(store, ns, _h(6, 7, 8)) == 3
     assert [h for h, _, _ in tier.spills] == _h(4)  # 5 refused, its slot freed
+
+
+async def _one_round_one_job() -> None:
+    """Regression (issue 13): a save that evicts many blocks at once handed
+    them to the tier one by one (a lookup and a spill per victim on the loop,
+    ~10 us each); now the round's victims go as one job. With the queue full,
+    those written before and those dropped alike free their slots at once."""
+    store, link, tier, ns = _setup(8)
+    assert _save(store, ns, _h(*range(1, 9))) == 8
+    tier.queue, tier.on_ssd = 0, set(_h(2, 4))
+    assert _save(store, ns, _h(*range(11, 17))) == 6  # one round of 6 victims
+    assert tier.calls == 1 and not tier.spills
+    assert store.slabs.used_bytes == 8 * SLOT and link._held == 0
+    assert len(store.longest_prefix(ns, _h(7, 8, *range(11, 17)))) == 8
+
+
+def test_one_eviction_round_is_one_tier_job() -> None:
+    asyncio.run(_one_round_one_job())
 
 
 async def _one_load_per_prefix() -> None:
