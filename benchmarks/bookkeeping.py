@@ -170,9 +170,7 @@ class Bench:
         self.pool.close()
 
 
-async def _run(
-    n: int, full: bool, reps: int, warmup: int, seed: int, ssd: str
-) -> dict:
+async def _run(n: int, full: bool, reps: int, warmup: int, seed: int, ssd: str) -> dict:
     # Not full: room for every save of the run, so none evicts.
     pool_blocks = 4 * n if full else (reps + warmup + 2) * n
     bench = Bench(n, pool_blocks, seed, ssd)

@@ -6,6 +6,8 @@
 #      `none` and a `seal` run: what is left of the write-behind cost
 #   3. metaserver.py --entries 1000000 on main (dicts) and on the numpy table
 #      (.ab/table_e07c5ef_parent.tgz, its own tree): the spread-prefix row
+#   4. remote.py over veth (64 MiB - 1 GiB): fetch vs raw TCP where 16 cores
+#      serve both nodes (the dev VM's 2 vCPU cap Mooncake at 0.72-0.81 of raw)
 # Run from the repo root with .whl and .ab carried; a short table last.
 . "$(dirname "$0")/device_prelude.sh"
 WB_DIR=${WB_DIR:-/var/tmp/pegaflow-wb-bench}
@@ -40,6 +42,23 @@ tar xzf .ab/table_e07c5ef_parent.tgz -C "$TBL"
   benchmarks/metaserver.py --entries 1000000 --json "$OUT/metaserver_table.json" \
   > "$OUT/metaserver_table.log" 2>&1)
 tail -10 "$OUT/metaserver_table.log"
+
+stage "remote tier over veth (issue 11: fetch vs raw TCP on a 16-core host)"
+# Mooncake needs libibverbs, libnuma (and libnl) at load time: the carried
+# copies in .whl/lib stand in for the ones this host lacks.
+LIBS=$(mktemp -d)
+for lib in .whl/lib/*; do
+  ldconfig -p | grep -q "$(basename "$lib")" || ln -s "$PWD/$lib" "$LIBS/"
+done
+ls "$LIBS"
+export LD_LIBRARY_PATH=$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+python3 -c "import mooncake.engine; print('mooncake ok')" 2>&1 | tail -2
+(ip netns add pfprobe && ip netns del pfprobe && echo "netns ok") 2>&1 | tail -1
+nproc
+timeout "${REMOTE_S:-200}" python3 benchmarks/remote.py --sizes-mib 64,256,1024 \
+  --repeat 3 --json "$OUT/remote.json" > "$OUT/remote.log" 2>&1
+echo "remote rc=$?"
+tail -22 "$OUT/remote.log"
 
 stage "summary"
 python3 - "$OUT" <<'PY'

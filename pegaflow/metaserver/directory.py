@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .config import MetaConfig
-from .index import BlockHash, BlockIndex, NamespaceDigest
+from .index import BlockIndex, Hashes, NamespaceDigest
 from .nodes import Node, NodeTable, UnknownIncarnation
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class Directory:
         node_id: str,
         incarnation: int,
         digest: NamespaceDigest,
-        hashes: list[BlockHash],
+        hashes: Hashes,
     ) -> tuple[int, int]:
         with self._lock:
             node = self._known(node_id, incarnation)
@@ -80,7 +80,7 @@ class Directory:
         node_id: str,
         incarnation: int,
         digest: NamespaceDigest,
-        hashes: list[BlockHash],
+        hashes: Hashes,
     ) -> int:
         with self._lock:
             node = self._known(node_id, incarnation)
@@ -96,7 +96,7 @@ class Directory:
             return removed
 
     def query(
-        self, digest: NamespaceDigest, hashes: list[BlockHash], asker: str
+        self, digest: NamespaceDigest, hashes: Hashes, asker: str
     ) -> list[Segment]:
         with self._lock:
             node = self.nodes.find(asker) if asker else None

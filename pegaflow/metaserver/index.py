@@ -1,11 +1,11 @@
 """(namespace, block hash) -> owner nodes, sized for millions of entries.
 
-A dict per namespace maps a hash (the bytes object itself, no copy) to a row;
+A numpy hash table (pegaflow.metaserver.table) maps (namespace, hash) to a row;
 numpy columns per row hold up to OWNERS_PER_BLOCK owner slots and when each
 advertised it. An entry is one (block, owner) pair: --max-entries bounds them.
-Whole-index work (dropping a node, TTL, eviction) is one vectorised pass over
-the columns; only blocks left with no owner cost a Python step (their dict
-key). Pure bookkeeping: no clock, no I/O; the caller passes `now`.
+Every operation is vectorised over its hashes or the columns, with no Python
+step per hash or block. Pure bookkeeping: no clock, no I/O; the caller
+passes `now`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ import grpc
 import numpy as np
 
 from ..errors import PegaflowError
+from ..keys import PackedHashes
 from .config import (
     MAX_BATCH_HASHES,
     MAX_NAMESPACES,
     MAX_NODES,
     OWNERS_PER_BLOCK,
 )
+from .table import Keys, RowTable
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ BlockHash = bytes
 NodeSlot = int
 Reason = Literal["ttl", "stale_node", "fenced", "left", "owner_slots", "removed"]
 Plan = list[tuple[NodeSlot, int]]  # (owner slot, blocks) in prefix order
+Hashes = PackedHashes | list[BlockHash]  # the wire's, or any list (tests)
 
 W = OWNERS_PER_BLOCK
 EMPTY = -1
@@ -67,13 +70,13 @@ class BlockIndex:
         self.node_entries = np.zeros(max_nodes, np.int64)
         self.counters = IndexCounters()
         self._ns_ids: dict[NamespaceDigest, int] = {}
-        self._maps: dict[int, dict[BlockHash, int]] = {}
+        self._ns_blocks: dict[int, int] = {}  # blocks held per live namespace
         self._digests: dict[int, NamespaceDigest] = {}
         self._next_ns = 0
         self._owners = np.full((_START_ROWS, W), EMPTY, np.int32)
         self._times = np.full((_START_ROWS, W), np.inf)
-        self._ns = np.zeros(_START_ROWS, np.int32)
-        self._hash: list[BlockHash | None] = [None] * _START_ROWS
+        self._table = RowTable()
+        self._table.grow_rows(_START_ROWS)
         self._hwm = 0  # rows [0, hwm) were used at least once
         self._free = np.empty(0, np.int64)
 
@@ -83,20 +86,16 @@ class BlockIndex:
 
     @property
     def namespaces(self) -> int:
-        return len(self._maps)
+        return len(self._ns_blocks)
 
     def insert(
-        self,
-        digest: NamespaceDigest,
-        hashes: list[BlockHash],
-        slot: NodeSlot,
-        now: float,
+        self, digest: NamespaceDigest, hashes: Hashes, slot: NodeSlot, now: float
     ) -> tuple[int, int]:
         """Advertise: `slot` holds these blocks. (new entries, refreshed)."""
-        if not hashes:
+        if not len(hashes):
             return 0, 0
-        hashes = list(dict.fromkeys(hashes))  # a repeated hash is one entry
-        rows = self._rows_creating(self._namespace(digest), hashes)
+        keys = _distinct(Keys.of(hashes))  # a repeated hash is one entry
+        rows = self._rows_creating(self._namespace(digest), keys)
         owners = self._owners[rows]
         has = owners == slot
         hit = has.any(1)
@@ -109,14 +108,12 @@ class BlockIndex:
         self.node_entries[slot] += miss.size
         self.entries += miss.size
         self.counters.inserted += miss.size
-        self.counters.refreshed += len(hashes) - miss.size
+        self.counters.refreshed += keys.count - miss.size
         if self.entries > self.max_entries:
             self._evict(self.entries - self.max_entries)
-        return int(miss.size), len(hashes) - int(miss.size)
+        return int(miss.size), keys.count - int(miss.size)
 
-    def remove(
-        self, digest: NamespaceDigest, hashes: list[BlockHash], slot: NodeSlot
-    ) -> int:
+    def remove(self, digest: NamespaceDigest, hashes: Hashes, slot: NodeSlot) -> int:
         """Withdraw: `slot` no longer holds these blocks. Entries removed."""
         rows = self._rows_found(digest, hashes)
         if rows.size == 0:
@@ -138,32 +135,29 @@ class BlockIndex:
         return self._clear(flat, "ttl") if flat.size else 0
 
     def prefix(
-        self, digest: NamespaceDigest, hashes: list[BlockHash], exclude: NodeSlot
+        self, digest: NamespaceDigest, hashes: Hashes, exclude: NodeSlot
     ) -> Plan:
         """The longest prefix that some owner other than `exclude` holds, as
         few (owner, blocks) segments as can cover it: at each segment's start
         the owner with the longest unbroken run from there."""
-        block_map = self._maps.get(self._ns_ids.get(digest, -1))
-        if block_map is None:
+        ns = self._ns_ids.get(digest)
+        if ns is None or not len(hashes):
             return []
-        get, found = block_map.get, []
-        for h in hashes:
-            row = get(h)
-            if row is None:
-                break
-            found.append(row)
-        if not found:
+        rows = self._table.find(ns, Keys.of(hashes))
+        if rows.min() < 0:
+            rows = rows[: int((rows < 0).argmax())]  # up to the first miss
+        if not len(rows):
             return []
         # Column by column, not reductions along the short owner axis: numpy
         # is several times slower at those for a 1,000-hash query.
-        owners = self._owners[np.fromiter(found, np.intp, len(found))]  # a copy
+        owners = self._owners[rows]  # a copy
         if exclude >= 0:
             owners[owners == exclude] = EMPTY
         unowned = owners[:, 0].copy()  # EMPTY is -1, every bit set: AND is
         for way in range(1, W):  # EMPTY exactly where all W ways are
             unowned &= owners[:, way]
         gaps = np.flatnonzero(unowned == EMPTY)
-        n = int(gaps[0]) if gaps.size else len(found)
+        n = int(gaps[0]) if gaps.size else len(rows)
         if n == 0:
             return []
         owners = owners[:n]
@@ -193,39 +187,31 @@ class BlockIndex:
     def _namespace(self, digest: NamespaceDigest) -> int:
         ns = self._ns_ids.get(digest)
         if ns is None:
-            if len(self._maps) >= self.max_namespaces:
+            if len(self._ns_blocks) >= self.max_namespaces:
                 raise TooManyNamespaces(
                     f"blocks.namespace: {self.max_namespaces} namespaces held, "
                     "the most this metaserver takes"
                 )
             ns, self._next_ns = self._next_ns, self._next_ns + 1
-            self._ns_ids[digest], self._digests[ns], self._maps[ns] = ns, digest, {}
+            self._ns_ids[digest], self._digests[ns] = ns, digest
+            self._ns_blocks[ns] = 0
         return ns
 
-    def _rows_found(
-        self, digest: NamespaceDigest, hashes: list[BlockHash]
-    ) -> np.ndarray:
-        block_map = self._maps.get(self._ns_ids.get(digest, -1))
-        if block_map is None:
+    def _rows_found(self, digest: NamespaceDigest, hashes: Hashes) -> np.ndarray:
+        ns = self._ns_ids.get(digest)
+        if ns is None or not len(hashes):
             return np.empty(0, np.int64)
-        get = block_map.get
-        rows = np.array([get(h, EMPTY) for h in hashes], np.int64)
+        rows = self._table.find(ns, Keys.of(hashes))
         return rows[rows >= 0]
 
-    def _rows_creating(self, ns: int, hashes: list[BlockHash]) -> np.ndarray:
-        block_map = self._maps[ns]
-        get = block_map.get
-        rows = np.array([get(h, EMPTY) for h in hashes], np.int64)
+    def _rows_creating(self, ns: int, keys: Keys) -> np.ndarray:
+        rows = self._table.find(ns, keys)
         new = np.flatnonzero(rows < 0)
         if new.size:
             fresh = self._alloc(new.size)
             rows[new] = fresh
-            new_hashes = [hashes[i] for i in new.tolist()]
-            block_map.update(zip(new_hashes, fresh.tolist(), strict=True))
-            self._ns[fresh] = ns
-            keep = self._hash
-            for row, h in zip(fresh.tolist(), new_hashes, strict=True):
-                keep[row] = h
+            self._table.add(ns, keys.take(new), fresh)
+            self._ns_blocks[ns] += new.size
         return rows
 
     def _ways_for(self, rows: np.ndarray, owners: np.ndarray) -> np.ndarray:
@@ -270,13 +256,14 @@ class BlockIndex:
         return int(gone.size)
 
     def _free_blocks(self, rows: np.ndarray) -> None:
-        keep, maps = self._hash, self._maps
-        for row, ns in zip(rows.tolist(), self._ns[rows].tolist(), strict=True):
-            block_map = maps[ns]
-            del block_map[keep[row]]
-            keep[row] = None
-            if not block_map:
-                del maps[ns], self._ns_ids[self._digests.pop(ns)]
+        if not rows.size:
+            return
+        self._table.discard(rows)
+        spaces, counts = np.unique(self._table.namespace_of(rows), return_counts=True)
+        for ns, count in zip(spaces.tolist(), counts.tolist(), strict=True):
+            self._ns_blocks[ns] -= count  # a step per namespace, not per block
+            if not self._ns_blocks[ns]:
+                del self._ns_blocks[ns], self._ns_ids[self._digests.pop(ns)]
         self._free = np.concatenate([self._free, rows.astype(np.int64)])
 
     def _alloc(self, count: int) -> np.ndarray:
@@ -285,19 +272,29 @@ class BlockIndex:
         self._free = self._free[: len(self._free) - reuse]
         grow = count - reuse
         if grow:
-            if self._hwm + grow > len(self._ns):
+            if self._hwm + grow > len(self._owners):
                 # Doubling, but never far past what --max-entries can fill.
                 ceiling = self.max_entries + MAX_BATCH_HASHES
-                self._grow(max(min(2 * len(self._ns), ceiling), self._hwm + grow))
+                self._grow(max(min(2 * len(self._owners), ceiling), self._hwm + grow))
             rows = np.concatenate([rows, np.arange(self._hwm, self._hwm + grow)])
             self._hwm += grow
         return rows
 
     def _grow(self, size: int) -> None:
-        old = len(self._ns)
+        old = len(self._owners)
         owners = np.full((size, W), EMPTY, np.int32)
         times = np.full((size, W), np.inf)
-        ns = np.zeros(size, np.int32)
-        owners[:old], times[:old], ns[:old] = self._owners, self._times, self._ns
-        self._owners, self._times, self._ns = owners, times, ns
-        self._hash.extend([None] * (size - old))
+        owners[:old], times[:old] = self._owners, self._times
+        self._owners, self._times = owners, times
+        self._table.grow_rows(size)
+
+
+def _distinct(keys: Keys) -> Keys:
+    """keys without repeats, first occurrences in order. Most batches have
+    none: one sort of the 8-byte heads says so."""
+    heads = np.sort(keys.words[:, 0])
+    if keys.count < 2 or (heads[1:] != heads[:-1]).all():
+        return keys
+    whole = np.column_stack([keys.words, keys.lens.astype(np.uint64)])
+    _, first = np.unique(whole, axis=0, return_index=True)
+    return keys.take(np.sort(first))

@@ -21,7 +21,7 @@ from .config import (
     MAX_NODE_ID_BYTES,
 )
 from .directory import Directory
-from .index import BlockHash, NamespaceDigest
+from .index import NamespaceDigest
 from .metrics import MetaMetrics
 
 
@@ -48,7 +48,7 @@ def node_ref(ref: pb.NodeRef) -> tuple[str, int]:
     return node_id, ref.incarnation
 
 
-def blocks(msg: pb.Blocks) -> tuple[NamespaceDigest, list[BlockHash]]:
+def blocks(msg: pb.Blocks) -> tuple[NamespaceDigest, PackedHashes]:
     if not 1 <= len(msg.namespace) <= MAX_NAMESPACE_BYTES:
         raise InvalidRequest(
             f"blocks.namespace: {len(msg.namespace)} bytes, "
@@ -65,7 +65,8 @@ def blocks(msg: pb.Blocks) -> tuple[NamespaceDigest, list[BlockHash]]:
         raise InvalidRequest(
             f"blocks.hashes: {size // hash_len} hashes, the most is {MAX_BATCH_HASHES}"
         )
-    return msg.namespace, PackedHashes(msg.hashes, hash_len, size // hash_len).list()
+    # As they came: the index probes the packed buffer, no object per hash.
+    return msg.namespace, PackedHashes(msg.hashes, hash_len, size // hash_len)
 
 
 class MetaServicer(pb_grpc.MetaServerServicer):
