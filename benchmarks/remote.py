@@ -86,14 +86,21 @@ else:
 """
 
 
+def _env() -> dict[str, str]:
+    """This process's environment with the checkout first on the path: where
+    Mooncake comes from a --target folder on PYTHONPATH (the H200 host), the
+    helpers find it too."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def transport_alone(net: Netns, src: int, dst: int, nbytes: int) -> float:
     """Seconds for one Mooncake batch read of nbytes (2 MiB entries, random
     order) by dst from src, with no pegaflow server around it."""
     owner = subprocess.Popen(
         net.nodes[src].argv(sys.executable, "-c", _TE, str(nbytes), "owner",
                             net.nodes[src].address),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=_env(),
     )  # fmt: skip
     try:
         endpoint, base = owner.stdout.readline().split()
@@ -102,7 +109,7 @@ def transport_alone(net: Netns, src: int, dst: int, nbytes: int) -> float:
                                 net.nodes[dst].address, endpoint.decode(),
                                 base.decode()),
             capture_output=True, check=True, cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env=_env(),
         )  # fmt: skip
         return float(out.stdout.split()[-1])
     finally:
