@@ -138,11 +138,19 @@ class SsdStore:
             for (ns, block_hash, payload), length in zip(
                 blocks[:count], lengths, strict=False
             ):
-                rec = Record(ring.file, offset, length, self._next_seq, ns)
-                rec.block_hash, rec.payload_len = block_hash, payload
-                rec.checksum_id = self._checksum_id
+                run.append(
+                    Record(
+                        ring.file,
+                        offset,
+                        length,
+                        self._next_seq,
+                        ns,
+                        block_hash,
+                        payload,
+                        checksum_id=self._checksum_id,
+                    )
+                )
                 self._next_seq += 1
-                run.append(rec)
                 offset += length
             for victim in ring.claim_run(run):
                 self.index.remove(victim)
