@@ -121,7 +121,8 @@ def main() -> int:
             k: float(np.median([r[k] for r in mine])) for k in ("writer_us", "rest_us")
         }
         print(
-            f"{kib} KiB: median writer {med['writer_us']:.1f} us/block, rest {med['rest_us']:.1f}"
+            f"{kib} KiB: median writer {med['writer_us']:.1f} us/block, "
+            f"rest {med['rest_us']:.1f}"
         )
     out = write_json("ssd_writer_cpu", {"args": vars(args), "rows": rows}, args.json)
     print(f"wrote {out}")

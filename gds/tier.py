@@ -22,9 +22,8 @@ import numpy as np
 from .config import SsdConfig
 from .format import check_key
 from .io import AlignedBuffer
-from .records import Payloads, SlotTable
 from .ring import BlockHash, NsDigest, Record
-from .spill_queue import Job, Slice, SliceRelease, SpillQueue
+from .spill_queue import Job, Slice, SliceRelease, SpillQueue, payloads_of
 from .store import SsdStore
 
 logger = logging.getLogger(__name__)
@@ -233,7 +232,7 @@ class SsdTier:
             for sl in slices
             for h in sl.job.hashes[sl.lo : sl.hi]
         ]
-        payloads = _payloads(slices)
+        payloads = payloads_of(slices)
         released = 0
 
         def release(upto: int) -> None:
@@ -380,25 +379,6 @@ class SsdTier:
             t.join()
         self._readers.shutdown(wait=True)
         self.store.close()
-
-
-def _payloads(slices: list[Slice]) -> Payloads:
-    """The slices' payloads, block by block: one SlotTable when they share a
-    geometry (shards, slot bytes), the usual case and the one written with
-    array operations; else (address, bytes) parts per block."""
-    jobs = [sl.job for sl in slices]
-    first = jobs[0]
-    tables = [sl.job.slots[sl.lo : sl.hi] for sl in slices]
-    if all(
-        j.slot_bytes == first.slot_bytes and j.slots.shape[1] == first.slots.shape[1]
-        for j in jobs
-    ):
-        return SlotTable(np.concatenate(tables), first.slot_bytes)
-    return [
-        [(a, job.slot_bytes) for a in row]
-        for job, table in zip(jobs, tables, strict=True)
-        for row in table.tolist()
-    ]
 
 
 def _release_range(slices: list[Slice], lo: int, hi: int) -> None:
