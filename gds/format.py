@@ -18,10 +18,11 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
+import numpy as np
 import xxhash
 
 ALIGN = 4096
@@ -44,6 +45,8 @@ _SUPER = struct.Struct("<8sIIIQ16sd")
 # sequence, payload length, payload checksum
 _HEADER = struct.Struct("<8sHBB16s64s16sQQQ")
 _CRC = struct.Struct("<I")
+# _HEADER and its CRC as one numpy row: header_rows fills a run's at once.
+HEADER_DTYPE = np.dtype([("body", f"V{_HEADER.size}"), ("crc", "<u4")])
 
 
 class FormatError(ValueError):
@@ -246,6 +249,44 @@ class RecordHeader:
         if not 0 < hash_len <= MAX_HASH_BYTES:
             raise FormatError(f"record hash length {hash_len}")
         return cls(ns, block_hash[:hash_len], store_id, seq, plen, csum, algo)
+
+
+class HeaderFields(Protocol):
+    """What a record header is made of (a gds.ring.Record has it)."""
+
+    ns_digest: bytes
+    block_hash: bytes
+    seq: int
+    payload_len: int
+    checksum: int
+    checksum_id: int
+
+
+def header_rows(recs: Sequence[HeaderFields], store_id: bytes) -> np.ndarray:
+    """RecordHeader.pack_into of many records at once, one HEADER_DTYPE row
+    each, byte for byte what it writes. A struct.pack and a zlib.crc32 per
+    record, mapped over the run, are the cheapest per record in CPython
+    (measured: numpy column assignments cost more than the pack); what goes
+    is the dataclass, the call chain and the page writes per record."""
+    bodies = [
+        _HEADER.pack(
+            RECORD_MAGIC,
+            FORMAT_VERSION,
+            r.checksum_id,
+            len(r.block_hash),
+            r.ns_digest,
+            r.block_hash,
+            store_id,
+            r.seq,
+            r.payload_len,
+            r.checksum,
+        )
+        for r in recs
+    ]
+    rows = np.zeros(len(bodies), HEADER_DTYPE)
+    rows["body"] = np.frombuffer(b"".join(bodies), HEADER_DTYPE["body"])
+    rows["crc"] = list(map(zlib.crc32, bodies))
+    return rows
 
 
 def check_key(ns_digest: bytes, block_hash: bytes) -> None:

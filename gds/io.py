@@ -21,6 +21,7 @@ import logging
 import mmap
 import os
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 from typing import Literal, Protocol
 
 import numpy as np
@@ -65,6 +66,40 @@ class FileIO(Protocol):
 def host_view(address: int, nbytes: int) -> memoryview:
     """A writable memoryview over raw host memory (no copy)."""
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+
+
+# host_views slices parts out of a few fixed-size windows over the address space:
+# one ctypes array type (ctypes caches a type per length, forever) and one
+# from_address per window a run touches, then a cheap memoryview slice per part,
+# rather than a ctypes array per part (~0.8 us each, twice per block on a
+# write). A window is never touched outside the parts sliced from it; a window
+# is twice the stride, so a part (< stride) that starts in one ends in it.
+_WINDOW_STRIDE = 1 << 40
+_Window = ctypes.c_ubyte * (2 * _WINDOW_STRIDE)
+
+
+def host_views(parts: Sequence[Part]) -> list[memoryview]:
+    """host_view of each (address, bytes) part, made cheaply (see _Window)."""
+    if not parts:
+        return []
+    lo, hi = min(parts)[0], max(parts)[0]  # C-level: tuples order by address
+    base = lo - lo % _WINDOW_STRIDE
+    longest = max(parts, key=itemgetter(1))[1]
+    if hi - base < _WINDOW_STRIDE and longest < _WINDOW_STRIDE:  # one window
+        window = memoryview(_Window.from_address(base)).cast("B")
+        return [window[a - base : a - base + n] for a, n in parts]
+    windows: dict[int, memoryview] = {}
+    out = []
+    for address, nbytes in parts:
+        if nbytes >= _WINDOW_STRIDE:
+            out.append(host_view(address, nbytes))
+            continue
+        base = address - address % _WINDOW_STRIDE
+        window = windows.get(base)
+        if window is None:
+            window = windows[base] = memoryview(_Window.from_address(base)).cast("B")
+        out.append(window[address - base : address - base + nbytes])
+    return out
 
 
 class AlignedBuffer:
@@ -174,8 +209,10 @@ class PosixIO:
         """preadv / pwritev of all the parts: IOV_MAX parts a call, and a call
         that comes short (a long request, a signal) resumed where it stopped; a
         read that hits the end of the file (0) is an error."""
-        views = [host_view(a, n) for a, n in parts if n]
-        want = sum(len(v) for v in views)
+        if not all(map(itemgetter(1), parts)):
+            parts = [p for p in parts if p[1]]
+        views = host_views(parts)
+        want = sum(map(itemgetter(1), parts))
         done = i = 0
         while i < len(views):
             n = call(self.fds[file], views[i : i + IOV_MAX], offset + done)

@@ -70,6 +70,10 @@ assert _DTYPE.itemsize == ENTRY_BYTES == 136
 _HEAD = struct.Struct(f"<8sI{STORE_ID_BYTES}s")  # magic, version, store id
 
 
+# An entry as body and tail, for entries() to set a run's CRCs at once.
+_ROW = np.dtype([("body", f"V{_BODY.size}"), ("crc", "<u4"), ("pad", "<u4")])
+
+
 def entry(kind: Kind, rec: Record) -> bytes:
     body = _BODY.pack(
         kind,
@@ -85,6 +89,33 @@ def entry(kind: Kind, rec: Record) -> bytes:
         rec.block_hash,
     )
     return body + _TAIL.pack(zlib.crc32(body), 0)
+
+
+def entries(kind: Kind, run: list[Record]) -> bytes:
+    """entry() of every record of a run, back to back: a struct.pack and a
+    zlib.crc32 per record mapped over the run, the CRCs set in with one
+    numpy assignment (about half the time of entry() per record; the
+    writers' Python time per block is taken from the save path's threads)."""
+    bodies = [
+        _BODY.pack(
+            kind,
+            r.checksum_id,
+            len(r.block_hash),
+            r.file,
+            r.offset,
+            r.length,
+            r.seq,
+            r.payload_len,
+            r.checksum,
+            r.ns_digest,
+            r.block_hash,
+        )
+        for r in run
+    ]
+    rows = np.zeros(len(bodies), _ROW)
+    rows["body"] = np.frombuffer(b"".join(bodies), _ROW["body"])
+    rows["crc"] = list(map(zlib.crc32, bodies))
+    return rows.tobytes()
 
 
 def head_entry(ring: Ring) -> bytes:

@@ -9,26 +9,139 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from pegaflow.runs import merge_parts
+import numpy as np
+import xxhash
+
+from pegaflow.runs import merge_adjacent, merge_parts
 
 from .format import (
     ALIGN,
+    CHECKSUM_IDS,
     HEADER_BYTES,
+    HEADER_DTYPE,
     FormatError,
     RecordHeader,
     hash_parts,
+    header_rows,
 )
-from .io import AlignedBuffer, FileIO, Part, host_view
+from .io import AlignedBuffer, FileIO, Part, host_view, host_views
 from .ring import Record
 
 logger = logging.getLogger(__name__)
 
 _ZERO_PAGE = bytes(HEADER_BYTES)
+_XXH3 = CHECKSUM_IDS["xxh3"]
+_local = threading.local()  # one reusable xxh3 hasher per writer thread
+
+
+@dataclass(frozen=True, slots=True)
+class SlotTable:
+    """Payloads of a run of one geometry: record i's payload is the `each`
+    bytes at every address of slots[i] ([records, shards] uint64), back to
+    back (its TP-shard slots). Sliced like the list of parts it stands for."""
+
+    slots: np.ndarray
+    each: int
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __getitem__(self, rows: slice) -> SlotTable:
+        return SlotTable(self.slots[rows], self.each)
+
+    def parts(self) -> list[list[Part]]:
+        return [[(a, self.each) for a in row] for row in self.slots.tolist()]
+
+
+Payloads = SlotTable | Sequence[Sequence[Part]]
 
 
 def gather(
+    run: list[Record], payloads: Payloads, buf: AlignedBuffer, store_id: bytes
+) -> tuple[list[Part], bool]:
+    """gather_parts, with payloads as a SlotTable (the tier's usual form) or
+    as (address, bytes) parts per record. When every slot is 4 KiB-aligned
+    (the pool's are) the run is built with array operations and a C call or
+    two per block (gather_in_place); else record by record."""
+    if not isinstance(payloads, SlotTable):
+        return gather_parts(run, payloads, buf, store_id)
+    slots, each = payloads.slots, payloads.each
+    want = slots.shape[1] * each
+    if [r.payload_len for r in run].count(want) != len(run):
+        raise ValueError(f"payload of {want} B per record, given other lengths")
+    if each % ALIGN == 0 and not (slots % ALIGN).any():
+        return gather_in_place(run, slots, each, buf, store_id), True
+    return gather_parts(run, payloads.parts(), buf, store_id)
+
+
+def gather_in_place(
+    run: list[Record],
+    slots: np.ndarray,
+    each: int,
+    buf: AlignedBuffer,
+    store_id: bytes,
+) -> list[Part]:
+    """Every payload written from its slots: checksums, then the run's header
+    pages (one HEADER_DTYPE row each) in buf, and the iovec (header page, the
+    record's slots; adjacent parts merged). Bytes as gather_parts writes."""
+    n, shards = slots.shape
+    buf.ensure(n * HEADER_BYTES)
+    flat = slots.ravel().tolist()
+    views = host_views([(a, each) for a in flat])
+    algo = run[0].checksum_id
+    if any(r.checksum_id != algo for r in run):
+        sums = [
+            hash_parts(r.checksum_id, views[i * shards : (i + 1) * shards])
+            for i, r in enumerate(run)
+        ]
+    elif algo == _XXH3:
+        sums = _xxh3_each(views, shards)
+    else:
+        sums = [
+            hash_parts(algo, views[i : i + shards])
+            for i in range(0, n * shards, shards)
+        ]
+    for rec, checksum in zip(run, sums, strict=True):
+        rec.checksum = checksum
+    rows = header_rows(run, store_id)
+    pages = np.frombuffer(buf.view(0, n * HEADER_BYTES), np.uint8).reshape(n, -1)
+    pages[:, HEADER_DTYPE.itemsize :] = 0  # no stale bytes from the last run
+    pages[:, : HEADER_DTYPE.itemsize] = rows.view(np.uint8).reshape(n, -1)
+    heads = buf.address + HEADER_BYTES * np.arange(n, dtype=np.uint64)
+    starts = np.concatenate([heads[:, None], slots.astype(np.uint64)], axis=1)
+    sizes = np.full(starts.shape, each, np.uint64)
+    sizes[:, 0] = HEADER_BYTES
+    (addr,), nbytes = merge_adjacent([starts.ravel()], sizes.ravel())
+    return list(zip(addr.tolist(), nbytes.tolist(), strict=True))
+
+
+def _xxh3_each(views: list[memoryview], shards: int) -> list[int]:
+    """xxh3 of each record's `shards` views back to back, with this thread's
+    one hasher reset per record: the streaming update drops the GIL (the
+    one-shot xxh3_64_intdigest does not) and no hasher object per block."""
+    h = getattr(_local, "xxh3", None)
+    if h is None:
+        h = _local.xxh3 = xxhash.xxh3_64()
+    out = []
+    if shards == 1:
+        for view in views:
+            h.reset()
+            h.update(view)
+            out.append(h.intdigest())
+        return out
+    for i in range(0, len(views), shards):
+        h.reset()
+        for view in views[i : i + shards]:
+            h.update(view)
+        out.append(h.intdigest())
+    return out
+
+
+def gather_parts(
     run: list[Record],
     payloads: Sequence[Sequence[Part]],
     buf: AlignedBuffer,

@@ -84,6 +84,18 @@ class Ring:
         self.head = offset + length
         return victims
 
+    def claim_run(self, run: list[Record]) -> list[Record]:
+        """claim() of records laid back to back from run[0].offset on, at
+        once: the same victims (those the run's span reclaims, in ring order),
+        one scan instead of one per record."""
+        start, last = run[0].offset, run[-1]
+        victims = self.victims(start, last.offset + last.length - start)
+        for _ in victims:
+            self.records.popleft().state = State.DEAD
+        self.records.extend(run)
+        self.head = last.offset + last.length
+        return victims
+
     @property
     def used_bytes(self) -> int:
         return sum(r.length for r in self.records if r.state != State.DEAD)
@@ -110,6 +122,24 @@ class Index:
         table[rec.block_hash] = rec
         self.count += 1
         self.payload_bytes += rec.payload_len
+
+    def put_run(self, run: list[Record]) -> None:
+        """put() of each record; one C-level update when they share a
+        namespace and none replaces an indexed copy (the usual run)."""
+        ns = run[0].ns_digest if run else b""
+        table = self.tables.get(ns, {})
+        keys = [r.block_hash for r in run]
+        if (
+            all(r.ns_digest == ns for r in run)
+            and table.keys().isdisjoint(keys)
+            and len(set(keys)) == len(keys)
+        ):
+            self.tables.setdefault(ns, table).update(zip(keys, run, strict=True))
+            self.count += len(run)
+            self.payload_bytes += sum(r.payload_len for r in run)
+            return
+        for rec in run:
+            self.put(rec)
 
     def remove(self, rec: Record) -> bool:
         """Drop rec if it is the indexed copy of its key."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .records import Payloads, SlotTable
 from .ring import BlockHash, NsDigest
 
 # Called once per slice of a job, from a writer thread, as soon as the slice's
@@ -127,3 +128,22 @@ class SpillQueue:
         with self._work:
             self._stopping = True
             self._work.notify_all()
+
+
+def payloads_of(slices: list[Slice]) -> Payloads:
+    """The slices' payloads, block by block: one SlotTable when they share a
+    geometry (shards, slot bytes), the usual case and the one written with
+    array operations; else (address, bytes) parts per block."""
+    jobs = [sl.job for sl in slices]
+    first = jobs[0]
+    tables = [sl.job.slots[sl.lo : sl.hi] for sl in slices]
+    if all(
+        j.slot_bytes == first.slot_bytes and j.slots.shape[1] == first.slots.shape[1]
+        for j in jobs
+    ):
+        return SlotTable(np.concatenate(tables), first.slot_bytes)
+    return [
+        [(a, job.slot_bytes) for a in row]
+        for job, table in zip(jobs, tables, strict=True)
+        for row in table.tolist()
+    ]

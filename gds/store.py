@@ -21,8 +21,8 @@ from . import journal
 from .config import SsdConfig
 from .files import Layout, Mismatch, prepare, reinitialise
 from .format import SUPERBLOCK_BYTES, checksum_id, record_bytes
-from .io import AlignedBuffer, Part, SsdError, open_backend
-from .records import gather, read_pieces
+from .io import AlignedBuffer, SsdError, open_backend
+from .records import Payloads, gather, read_pieces
 from .recovery import (
     Recovered,
     Recovery,
@@ -138,17 +138,23 @@ class SsdStore:
             for (ns, block_hash, payload), length in zip(
                 blocks[:count], lengths, strict=False
             ):
-                rec = Record(ring.file, offset, length, self._next_seq, ns)
-                rec.block_hash, rec.payload_len = block_hash, payload
-                rec.checksum_id = self._checksum_id
+                run.append(
+                    Record(
+                        ring.file,
+                        offset,
+                        length,
+                        self._next_seq,
+                        ns,
+                        block_hash,
+                        payload,
+                        checksum_id=self._checksum_id,
+                    )
+                )
                 self._next_seq += 1
-                for victim in ring.claim(offset, length, rec):
-                    self.index.remove(victim)
-                run.append(rec)
                 offset += length
-            self.journal.append(
-                b"".join(journal.entry(journal.Kind.RESERVE, r) for r in run)
-            )
+            for victim in ring.claim_run(run):
+                self.index.remove(victim)
+            self.journal.append(journal.entries(journal.Kind.RESERVE, run))
             self._claimed[ring.file] += offset - run[0].offset
             return run
 
@@ -172,7 +178,7 @@ class SsdStore:
     def write_run(
         self,
         run: list[Record],
-        payloads: Sequence[Sequence[Part]],
+        payloads: Payloads,
         buf: AlignedBuffer,
         on_copied: Callable[[], None] | None = None,
     ) -> bool:
@@ -180,9 +186,10 @@ class SsdStore:
         commit it; False when the write failed (the run is dropped, counted).
         Outside the lock.
 
-        payloads[i] is record i's payload as (address, bytes) parts laid back
-        to back: its TP-shard slots. A record whose parts are all 4 KiB-aligned
-        in address and length is written straight from them (a gather write:
+        payloads: a SlotTable of the run's slot rows (or payloads[i], record
+        i's payload as (address, bytes) parts laid back to back: its TP-shard
+        slots). A record whose parts are all 4 KiB-aligned in address and
+        length is written straight from them (a gather write:
         no copy); any other is copied into buf first, with its padding zeroed.
         Header pages are built in buf. `on_copied` is called exactly once, as
         soon as no payload byte is needed any more (after the copies when every
@@ -220,12 +227,10 @@ class SsdStore:
         with self.lock:
             for rec in run:
                 rec.state = State.LIVE
-                self.index.put(rec)
-                self.counters.bytes_written += rec.payload_len
+            self.index.put_run(run)
+            self.counters.bytes_written += sum(r.payload_len for r in run)
             self.counters.blocks_written += len(run)
-            self.journal.append(
-                b"".join(journal.entry(journal.Kind.COMMIT, r) for r in run)
-            )
+            self.journal.append(journal.entries(journal.Kind.COMMIT, run))
             self._maybe_compact()
         self._maybe_sync()
         return True

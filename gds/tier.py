@@ -23,7 +23,7 @@ from .config import SsdConfig
 from .format import check_key
 from .io import AlignedBuffer
 from .ring import BlockHash, NsDigest, Record
-from .spill_queue import Job, Slice, SliceRelease, SpillQueue
+from .spill_queue import Job, Slice, SliceRelease, SpillQueue, payloads_of
 from .store import SsdStore
 
 logger = logging.getLogger(__name__)
@@ -232,14 +232,7 @@ class SsdTier:
             for sl in slices
             for h in sl.job.hashes[sl.lo : sl.hi]
         ]
-        parts = [
-            [
-                [(a, sl.job.slot_bytes) for a in row]
-                for row in sl.job.slots[sl.lo : sl.hi].tolist()
-            ]
-            for sl in slices
-        ]
-        payloads = [p for rows in parts for p in rows]
+        payloads = payloads_of(slices)
         released = 0
 
         def release(upto: int) -> None:
