@@ -5,6 +5,7 @@
 #   2. remote.py over veth (64 MiB - 1 GiB) after fetches on 4+ cores were
 #      cut in ~4 pieces hashed behind the transfer (issue 11: >= 0.8 x raw)
 #   3. tests/gds on the kvikio backend and on posix (the writers changed)
+#   4. ssd_writer_cpu.py: the writers' CPU per block on this host
 # Run from the repo root with .whl carried; results in one $OUT/results.tgz.
 . "$(dirname "$0")/device_prelude.sh"
 WB_DIR=${WB_DIR:-/var/tmp/pegaflow-wb-bench}
@@ -37,6 +38,11 @@ for backend in kvikio posix; do
   echo "tests/gds $backend rc=$?"
   tail -2 "$RES/gds_tests_$backend.log"
 done
+
+stage "writer CPU per block"
+timeout "${CPU_S:-60}" python3 benchmarks/ssd_writer_cpu.py --reps 3 --dir "$WB_DIR" \
+  --json "$RES/writer_cpu.json" > "$RES/writer_cpu.log" 2>&1 || echo "writer cpu failed"
+tail -4 "$RES/writer_cpu.log"
 
 stage "summary"
 python3 - "$RES" <<'PY'
