@@ -43,14 +43,13 @@ from tests.remote.netns import Netns
 LAYERS, PAGE = 32, 64 << 10
 BLOCK_BYTES = LAYERS * PAGE
 SHAPE = dict(layout="LBNHC", layers=LAYERS, heads=8, block_size=16, head=128)
-RAW_PORT = 50070
-
 _RAW = """
 import socket, sys, time
 n, port, role, host = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 buf = bytearray(64 << 20)
 if role == "recv":
-    srv = socket.create_server((host, port)); print("up", flush=True)
+    srv = socket.create_server((host, port))  # port 0: the kernel picks a free one
+    print("up", srv.getsockname()[1], flush=True)
     conn, _ = srv.accept(); got = 0; view = memoryview(buf)
     start = time.perf_counter()
     while got < n:
@@ -120,13 +119,16 @@ def raw_transfer(net: Netns, src: int, dst: int, nbytes: int) -> float:
     """Seconds for nbytes over one TCP connection, src's namespace to dst's."""
     host = net.nodes[dst].address
     recv = subprocess.Popen(
-        net.nodes[dst].argv(sys.executable, "-c", _RAW, str(nbytes), str(RAW_PORT),
+        net.nodes[dst].argv(sys.executable, "-c", _RAW, str(nbytes), "0",
                             "recv", host),
         stdout=subprocess.PIPE,
     )  # fmt: skip
-    assert recv.stdout.readline().strip() == b"up"
+    # A fixed port failed on the H200 (2026-12-02: "Address already in use"
+    # at the 1 GiB row): each receiver takes a free one and says which.
+    up, port = recv.stdout.readline().split()
+    assert up == b"up", up
     subprocess.run(
-        net.nodes[src].argv(sys.executable, "-c", _RAW, str(nbytes), str(RAW_PORT),
+        net.nodes[src].argv(sys.executable, "-c", _RAW, str(nbytes), port.decode(),
                             "send", host),
         check=True,
     )  # fmt: skip

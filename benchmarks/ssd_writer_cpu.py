@@ -56,6 +56,7 @@ def measure(block_bytes: int, shards: int, total: int, where: str) -> dict[str, 
         spent.append(time.thread_time() - start)
 
     real_pwritev = os.pwritev
+    Path(where).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=where) as d:
         cfg = SsdConfig(
             (f"{d}/cache.bin",),
