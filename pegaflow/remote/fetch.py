@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,18 +30,11 @@ logger = logging.getLogger(__name__)
 
 _RELEASE_TIMEOUT_S = 2.0
 _HOLD_MARGIN_S = 2.0  # a pin is asked to outlive our fetch deadline by this
-# A fetch is read in pieces, each hashed while the next is read. Hashing
-# beside the transfer needs a core of its own: on the dev VM (2 cores, TCP) it
-# slowed the transfer, and each piece is a batch of its own (a 64 MiB fetch
-# took 100 ms in one piece, 117 ms in 32 MiB pieces, 154 ms in 16 MiB ones),
-# so with few cores a piece is large; with more, a fetch is cut in about
-# PIECES pieces of at least MIN_PIECE_BYTES, so most of its hashing hides
-# behind its transfer (H200 host, 16 cores: one 64 MiB piece spent 10 ms
-# hashing after a 26 ms transfer).
-_FEW_CORES = 4
-_FEW_CORES_PIECE_BYTES = 256 << 20
-PIECES = 4
-MIN_PIECE_BYTES = 16 << 20
+# A fetch is read in pieces this large, each hashed while the next is read.
+# Large: on the dev VM (2 cores, TCP) hashing beside the transfer slows it,
+# and each piece is a batch of its own: a 64 MiB fetch took 100 ms in one
+# piece, 117 ms in 32 MiB pieces, 154 ms in 16 MiB ones.
+_PIECE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,12 +171,11 @@ class OwnerReads:
         slot_bytes: int,
         phases: dict[str, float],
     ) -> np.ndarray:
-        """On a worker thread: the read in pieces (piece_bytes), each piece
+        """On a worker thread: the read in pieces of ~_PIECE_BYTES, each piece
         hashed on a second thread while the next one is read. The checksum
         of every slot read ([blocks, shards])."""
         shards = local.shape[1]
-        size = piece_bytes(local.size * slot_bytes, os.cpu_count() or 1)
-        per = max(1, size // (slot_bytes * shards))
+        per = max(1, _PIECE_BYTES // (slot_bytes * shards))
         flat_local, flat_remote = local.reshape(-1), remote.reshape(-1)
         lengths = np.full(flat_local.size, slot_bytes, np.uint64)
         before = self._transport.retried
@@ -230,13 +221,6 @@ class Refused(Exception):
     def __init__(self, cause: str) -> None:
         super().__init__(cause)
         self.cause = cause
-
-
-def piece_bytes(total: int, cores: int) -> int:
-    """How much of a `total`-byte fetch each read piece takes (see PIECES)."""
-    if cores < _FEW_CORES:
-        return _FEW_CORES_PIECE_BYTES
-    return max(MIN_PIECE_BYTES, -(-total // PIECES))
 
 
 def check_pin(

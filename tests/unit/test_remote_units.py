@@ -11,15 +11,7 @@ import pytest
 from pegaflow.instances import Namespace
 from pegaflow.proto import peer_pb2 as pb
 from pegaflow.remote.config import RemoteConfig, check_routable
-from pegaflow.remote.fetch import (
-    MIN_PIECE_BYTES,
-    PIECES,
-    PlanSegment,
-    Refused,
-    check_pin,
-    clip_plan,
-    piece_bytes,
-)
+from pegaflow.remote.fetch import PlanSegment, Refused, check_pin, clip_plan
 from pegaflow.remote.nics import NicError, active_devices, check_nics
 from pegaflow.remote.peers import Endpoint
 from pegaflow.remote.transport import batches
@@ -110,13 +102,3 @@ def test_plan_clipped_to_the_slots_reserved() -> None:
     plan = [PlanSegment(e, 0, 3), PlanSegment(e, 3, 4)]
     assert [(s.start, s.blocks) for s in clip_plan(plan, 5)] == [(0, 3), (3, 2)]
     assert [(s.start, s.blocks) for s in clip_plan(plan, 2)] == [(0, 2)]
-
-
-def test_fetch_pieces_follow_the_cores() -> None:
-    """Few cores: one large piece (hashing beside the transfer slowed it on
-    2 cores); more: about PIECES pieces, none under MIN_PIECE_BYTES."""
-    mib = 1 << 20
-    assert piece_bytes(64 * mib, 2) == 256 * mib
-    assert piece_bytes(64 * mib, 16) == 64 * mib // PIECES
-    assert piece_bytes(1024 * mib, 16) == 256 * mib
-    assert piece_bytes(2 * mib, 16) == MIN_PIECE_BYTES
