@@ -27,14 +27,12 @@ import numpy as np
 
 from .hll import hash64
 from .keys import PackedHashes
+from .open_addressing import EMPTY, SPARE, TOMB, WINDOW, place
 
 if TYPE_CHECKING:
     from .block_entry import BlockEntry
 
-EMPTY, TOMB = -2, -1  # row values of a free slot; EMPTY ends a run
 STASHED = -2  # the slot of a row in the stash (see HashTable._stash)
-WINDOW = 8  # slots a round reads past the home slot, for the keys not there
-SPARE = 1024  # slots past the last home slot that a run may spill into
 MAX_LOAD = 0.45  # slots in use (tombstones too) before a rebuild
 MIN_CAPACITY = 64
 
@@ -179,28 +177,14 @@ class HashTable:
         return (h64 * self._mult >> self._shift).view(np.int64)
 
     def _place(self, rows: np.ndarray, h64: np.ndarray) -> bool:
-        """Put rows (keys h64) in the first free slot of their runs; False when a
-        run would pass the spare slots (the caller rebuilds)."""
-        pos = self._home(h64)
-        todo = np.arange(len(rows))
-        slot_rows = self._slots[:, 1]
+        """Put rows (keys h64) in the first free slot of their runs; False when
+        a run would pass the spare slots (the caller rebuilds)."""
+        home = self._home(h64)
         limit = self._capacity + SPARE
-        while len(todo):
-            if pos.max() >= limit:
-                return False
-            free = slot_rows[pos] < 0
-            # One new key per free slot in a round; the others try the next slot.
-            taken, first = np.unique(pos[free], return_index=True)
-            won = todo[free][first]
-            self._tombs -= int((slot_rows[taken] == TOMB).sum())
-            self._slots[taken, 0] = h64[won].view(np.int64)
-            slot_rows[taken] = rows[won]
-            self._slot_of[rows[won]] = taken
-            self._live += len(won)
-            left = np.ones(len(todo), bool)
-            left[np.flatnonzero(free)[first]] = False
-            todo, pos = todo[left], pos[left] + 1
-        return True
+        ok, placed, reused = place(self._slots, self._slot_of, home, rows, h64, limit)
+        self._live += placed
+        self._tombs -= reused
+        return ok
 
     def _rebuild(self, live: int, rows: np.ndarray, h64: np.ndarray) -> None:
         """A fresh table, tombstones gone, holding the placed and stashed rows

@@ -27,10 +27,8 @@ import secrets
 import numpy as np
 
 from ..keys import MAX_HASH_BYTES, PackedHashes
+from ..open_addressing import EMPTY, SPARE, TOMB, WINDOW, place
 
-EMPTY, TOMB = -2, -1  # row values of a free slot; EMPTY ends a run
-WINDOW = 8  # slots a round reads past the home slot, for the keys not there
-SPARE = 1024  # slots past the last home slot that a run may spill into
 MAX_LOAD = 0.5  # slots in use (tombstones too) before a rebuild
 MIN_CAPACITY = 64
 _WORDS = -(-MAX_HASH_BYTES // 8)
@@ -211,26 +209,12 @@ class RowTable:
     def _place(self, rows: np.ndarray, key: np.ndarray) -> bool:
         """Put rows (keys key) in the first free slot of their runs; False when
         a run would pass the spare slots (the caller rebuilds)."""
-        pos = self._home(key)
-        todo = np.arange(len(rows))
-        slot_rows = self._slots[:, 1]
+        home = self._home(key)
         limit = self._capacity + SPARE
-        while len(todo):
-            if pos.max() >= limit:
-                return False
-            free = slot_rows[pos] < 0
-            # One new key per free slot in a round; the others try the next slot.
-            taken, first = np.unique(pos[free], return_index=True)
-            won = todo[free][first]
-            self._tombs -= int((slot_rows[taken] == TOMB).sum())
-            self._slots[taken, 0] = key[won].view(np.int64)
-            slot_rows[taken] = rows[won]
-            self._slot_of[rows[won]] = taken
-            self._live += len(won)
-            left = np.ones(len(todo), bool)
-            left[np.flatnonzero(free)[first]] = False
-            todo, pos = todo[left], pos[left] + 1
-        return True
+        ok, placed, reused = place(self._slots, self._slot_of, home, rows, key, limit)
+        self._live += placed
+        self._tombs -= reused
+        return ok
 
     def _rebuild(self, rows: np.ndarray, key: np.ndarray) -> None:
         """A fresh table, tombstones gone, holding the filed rows and rows (keys
