@@ -17,3 +17,22 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+
+# The H200 host lacks iproute2 and some libraries Mooncake and `ip` load
+# (libibverbs, libnuma, libbpf, libmnl ...): scripts that need them call
+# carried_tools, which puts the carried copies (.whl/lib, .whl/bin/ip) first
+# only where the host has none of its own.
+carried_tools() {
+  local libs lib
+  libs=$(mktemp -d)
+  for lib in .whl/lib/*; do
+    [ -e "$lib" ] || continue
+    ldconfig -p | grep -q "$(basename "$lib")" || ln -s "$PWD/$lib" "$libs/"
+  done
+  echo "carried libraries used: $(ls "$libs" | tr '\n' ' ')"
+  export LD_LIBRARY_PATH=$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  if ! command -v ip >/dev/null && [ -e .whl/bin/ip ]; then
+    chmod +x .whl/bin/ip
+    export PATH=$PWD/.whl/bin:$PATH
+  fi
+}

@@ -46,12 +46,7 @@ tail -10 "$OUT/metaserver_table.log"
 stage "remote tier over veth (issue 11: fetch vs raw TCP on a 16-core host)"
 # Mooncake needs libibverbs, libnuma (and libnl) at load time: the carried
 # copies in .whl/lib stand in for the ones this host lacks.
-LIBS=$(mktemp -d)
-for lib in .whl/lib/*; do
-  ldconfig -p | grep -q "$(basename "$lib")" || ln -s "$PWD/$lib" "$LIBS/"
-done
-ls "$LIBS"
-export LD_LIBRARY_PATH=$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+carried_tools
 python3 -c "import mooncake.engine; print('mooncake ok')" 2>&1 | tail -2
 (ip netns add pfprobe && ip netns del pfprobe && echo "netns ok") 2>&1 | tail -1
 nproc

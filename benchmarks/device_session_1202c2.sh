@@ -21,13 +21,7 @@ echo "writebehind rc=$?"
 tail -4 "$RES/writebehind.log"
 
 stage "remote tier over veth"
-LIBS=$(mktemp -d)
-for lib in .whl/lib/*; do
-  ldconfig -p | grep -q "$(basename "$lib")" || ln -s "$PWD/$lib" "$LIBS/"
-done
-echo "carried libraries used: $(ls "$LIBS" | tr '\n' ' ')"
-export LD_LIBRARY_PATH=$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-command -v ip >/dev/null || { chmod +x .whl/bin/ip; export PATH=$PWD/.whl/bin:$PATH; }
+carried_tools
 ip -V 2>&1 | head -1
 (ip netns add pfprobe && ip netns del pfprobe && echo "netns ok") 2>&1 | tail -1
 (ip link add pfprobe0 type bridge && ip link del pfprobe0 && echo "bridge ok") 2>&1 | tail -1
@@ -43,22 +37,6 @@ echo "tests/gpu rc=$?"
 tail -4 "$RES/gpu_tests.log"
 
 stage "summary"
-python3 - "$RES" <<'PY'
-import json, statistics, sys
-out = sys.argv[1]
-try:
-    rows = json.load(open(f"{out}/writebehind.json"))["rows"]
-    none = statistics.median(r["save_GBps"] for r in rows if r["mode"] == "none")
-    print("mode  | save GB/s (rounds)       | median | vs none | write/dd | drops")
-    for mode in ("none", "evict", "seal"):
-        rs = [r for r in rows if r["mode"] == mode]
-        med = statistics.median(r["save_GBps"] for r in rs)
-        wd = statistics.median(float(r.get("write/dd", 0)) for r in rs)
-        dr = statistics.median(r["dropped"] for r in rs)
-        each = " ".join(f"{r['save_GBps']:.2f}" for r in rs)
-        print(f"{mode:5} | {each:24} | {med:6.3f} | {med / none - 1:+6.1%} | {wd:8.2f} | {dr:5.0f}")
-except (OSError, ValueError, KeyError) as exc:
-    print(f"no write-behind JSON: {exc}")
-PY
+python3 benchmarks/writebehind_summary.py "$RES/writebehind.json"
 grep -E "^ *[0-9]+ \|" "$RES/remote.log" | tail -4
 stage done

@@ -58,12 +58,7 @@ done
 
 [ -n "${SKIP_REMOTE:-}" ] || {
 stage "remote tier over veth"
-LIBS=$(mktemp -d)
-for lib in .whl/lib/*; do
-  ldconfig -p | grep -q "$(basename "$lib")" || ln -s "$PWD/$lib" "$LIBS/"
-done
-export LD_LIBRARY_PATH=$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-command -v ip >/dev/null || { chmod +x .whl/bin/ip; export PATH=$PWD/.whl/bin:$PATH; }
+carried_tools
 timeout "${REMOTE_S:-240}" python3 benchmarks/remote.py --sizes-mib 64,256,1024 \
   --repeat 3 --json "$RES/remote.json" > "$RES/remote.log" 2>&1
 echo "remote rc=$?"
@@ -71,20 +66,5 @@ tail -12 "$RES/remote.log"
 }
 
 stage "summary"
-python3 - "$RES" <<'PY'
-import glob, json, statistics, sys
-out = sys.argv[1]
-cells = {}
-for path in sorted(glob.glob(f"{out}/wb_*.json")):
-    name = path.rsplit("/", 1)[1][3:].rsplit("_", 1)[0]
-    for r in json.load(open(path))["rows"]:
-        cells.setdefault(name, []).append(r)
-base = statistics.median(r["save_GBps"] for r in cells.get("main_none", [{"save_GBps": 0}]))
-print("variant        | save GB/s (rounds)   | median | vs none | SSD GiB written")
-for name, rows in cells.items():
-    med = statistics.median(r["save_GBps"] for r in rows)
-    each = " ".join(f"{r['save_GBps']:.2f}" for r in rows)
-    gib = statistics.median(r["ssd_written_GiB"] for r in rows)
-    print(f"{name:14} | {each:20} | {med:6.3f} | {med / base - 1:+6.1%} | {gib:.2f}")
-PY
+python3 benchmarks/writebehind_summary.py --cells "$RES"
 stage done

@@ -29,20 +29,5 @@ for rep in 1 2 3; do
 done
 
 stage "summary"
-python3 - "$RES" <<'PY'
-import glob, json, statistics, sys
-out = sys.argv[1]
-cells = {}
-for path in sorted(glob.glob(f"{out}/wb_*.json")):
-    name = path.rsplit("/", 1)[1][3:].rsplit("_", 1)[0]
-    for r in json.load(open(path))["rows"]:
-        cells.setdefault(name, []).append(r)
-base = statistics.median(r["save_GBps"] for r in cells.get("main_none", [{"save_GBps": 0}]))
-print("variant        | save GB/s (rounds)   | median | vs none | SSD GiB written")
-for name, rows in cells.items():
-    med = statistics.median(r["save_GBps"] for r in rows)
-    each = " ".join(f"{r['save_GBps']:.2f}" for r in rows)
-    gib = statistics.median(r["ssd_written_GiB"] for r in rows)
-    print(f"{name:14} | {each:20} | {med:6.3f} | {med / base - 1:+6.1%} | {gib:.2f}")
-PY
+python3 benchmarks/writebehind_summary.py --cells "$RES"
 stage done

@@ -19,12 +19,7 @@ timeout "${WB_S:-200}" python3 benchmarks/ssd_writebehind.py --reps 5 \
 echo "writebehind rc=$?"
 
 stage "remote tier over veth"
-LIBS=$(mktemp -d)
-for lib in .whl/lib/*; do
-  ldconfig -p | grep -q "$(basename "$lib")" || ln -s "$PWD/$lib" "$LIBS/"
-done
-export LD_LIBRARY_PATH=$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-command -v ip >/dev/null || { chmod +x .whl/bin/ip; export PATH=$PWD/.whl/bin:$PATH; }
+carried_tools
 timeout "${REMOTE_S:-200}" python3 benchmarks/remote.py --sizes-mib 64,256,1024 \
   --repeat 3 --json "$RES/remote.json" > "$RES/remote.log" 2>&1
 echo "remote rc=$?"
@@ -45,21 +40,5 @@ timeout "${CPU_S:-60}" python3 benchmarks/ssd_writer_cpu.py --reps 3 --dir "$WB_
 tail -4 "$RES/writer_cpu.log"
 
 stage "summary"
-python3 - "$RES" <<'PY'
-import json, statistics, sys
-out = sys.argv[1]
-try:
-    rows = json.load(open(f"{out}/writebehind.json"))["rows"]
-    none = statistics.median(r["save_GBps"] for r in rows if r["mode"] == "none")
-    print("mode  | save GB/s (rounds)       | median | vs none | write/dd | drops")
-    for mode in ("none", "evict", "seal"):
-        rs = [r for r in rows if r["mode"] == mode]
-        med = statistics.median(r["save_GBps"] for r in rs)
-        wd = statistics.median(float(r.get("write/dd", 0)) for r in rs)
-        dr = statistics.median(r["dropped"] for r in rs)
-        each = " ".join(f"{r['save_GBps']:.2f}" for r in rs)
-        print(f"{mode:5} | {each:24} | {med:6.3f} | {med / none - 1:+6.1%} | {wd:8.2f} | {dr:5.0f}")
-except (OSError, ValueError, KeyError) as exc:
-    print(f"no write-behind JSON: {exc}")
-PY
+python3 benchmarks/writebehind_summary.py "$RES/writebehind.json"
 stage done

@@ -26,18 +26,5 @@ for rep in $(seq "${ROUNDS:-3}"); do
 done
 
 stage "summary"
-python3 - "$RES" <<'PY'
-import glob, json, statistics, sys
-cells = {}
-for path in sorted(glob.glob(f"{sys.argv[1]}/wb_*.json")):
-    name = path.rsplit("/", 1)[1][3:].rsplit("_", 1)[0]
-    cells.setdefault(name, []).extend(json.load(open(path))["rows"])
-base = statistics.median(r["save_GBps"] for r in cells["main_none"])
-print("variant    | save GB/s (rounds)   | median | vs none | write/dd")
-for name, rows in sorted(cells.items()):
-    med = statistics.median(r["save_GBps"] for r in rows)
-    each = " ".join(f"{r['save_GBps']:.2f}" for r in rows)
-    wd = statistics.median(float(r.get("write/dd", 0)) for r in rows)
-    print(f"{name:10} | {each:20} | {med:6.3f} | {med / base - 1:+6.1%} | {wd:.2f}")
-PY
+python3 benchmarks/writebehind_summary.py --cells "$RES"
 stage done
