@@ -27,7 +27,7 @@ import numpy as np
 
 from .hll import hash64
 from .keys import PackedHashes
-from .open_addressing import EMPTY, SPARE, TOMB, WINDOW, place
+from .open_addressing import EMPTY, SPARE, TOMB, WINDOW, new_slots, place
 
 if TYPE_CHECKING:
     from .block_entry import BlockEntry
@@ -167,10 +167,7 @@ class HashTable:
     def _alloc(self, capacity: int) -> None:
         self._capacity = capacity
         self._shift = np.uint64(64 - (capacity.bit_length() - 1))
-        # Runs may spill SPARE slots past the last home slot; the WINDOW after
-        # those stay empty, so a run always ends inside the array.
-        self._slots = np.zeros((capacity + SPARE + WINDOW, 2), np.int64)  # key, row
-        self._slots[:, 1] = EMPTY
+        self._slots = new_slots(capacity)
         self._tombs = 0
 
     def _home(self, h64: np.ndarray) -> np.ndarray:

@@ -16,6 +16,14 @@ WINDOW = 8  # slots a round reads past the home slot, for the keys not there
 SPARE = 1024  # slots past the last home slot that a run may spill into
 
 
+def new_slots(capacity: int) -> np.ndarray:
+    """An empty table of `capacity` home slots, with room for the runs that
+    spill past the last of them and the empty WINDOW after those."""
+    slots = np.zeros((capacity + SPARE + WINDOW, 2), np.int64)  # key, row
+    slots[:, 1] = EMPTY
+    return slots
+
+
 def place(
     slots: np.ndarray,
     slot_of: np.ndarray,

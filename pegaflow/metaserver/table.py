@@ -27,7 +27,7 @@ import secrets
 import numpy as np
 
 from ..keys import MAX_HASH_BYTES, PackedHashes
-from ..open_addressing import EMPTY, SPARE, TOMB, WINDOW, place
+from ..open_addressing import EMPTY, SPARE, TOMB, WINDOW, new_slots, place
 
 MAX_LOAD = 0.5  # slots in use (tombstones too) before a rebuild
 MIN_CAPACITY = 64
@@ -200,10 +200,7 @@ class RowTable:
     def _alloc(self, capacity: int) -> None:
         self._capacity = capacity
         self._shift = np.uint64(64 - (capacity.bit_length() - 1))
-        # Runs may spill SPARE slots past the last home slot; the WINDOW after
-        # those stay empty, so a run always ends inside the array.
-        self._slots = np.zeros((capacity + SPARE + WINDOW, 2), np.int64)  # key, row
-        self._slots[:, 1] = EMPTY
+        self._slots = new_slots(capacity)
         self._tombs = 0
 
     def _place(self, rows: np.ndarray, key: np.ndarray) -> bool:
