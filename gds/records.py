@@ -121,8 +121,8 @@ def gather_in_place(
 
 def _xxh3_each(views: list[memoryview], shards: int) -> list[int]:
     """xxh3 of each record's `shards` views back to back, with this thread's
-    one hasher reset per record: the streaming update drops the GIL (the
-    one-shot xxh3_64_intdigest does not) and no hasher object per block."""
+    one hasher reset per record: the streaming update drops the GIL past
+    64 KiB, and no hasher object is made per block."""
     h = getattr(_local, "xxh3", None)
     if h is None:
         h = _local.xxh3 = xxhash.xxh3_64()
