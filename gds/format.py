@@ -283,8 +283,15 @@ def header_rows(recs: Sequence[HeaderFields], store_id: bytes) -> np.ndarray:
         )
         for r in recs
     ]
-    rows = np.zeros(len(bodies), HEADER_DTYPE)
-    rows["body"] = np.frombuffer(b"".join(bodies), HEADER_DTYPE["body"])
+    return crc_rows(bodies, HEADER_DTYPE)
+
+
+def crc_rows(bodies: list[bytes], dtype: np.dtype) -> np.ndarray:
+    """Rows of `dtype` (fields "body", "crc", any others zero): each body
+    followed by its CRC-32, the framing of record headers and journal
+    entries."""
+    rows = np.zeros(len(bodies), dtype)
+    rows["body"] = np.frombuffer(b"".join(bodies), dtype["body"])
     rows["crc"] = list(map(zlib.crc32, bodies))
     return rows
 

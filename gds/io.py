@@ -68,38 +68,25 @@ def host_view(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 
 
-# host_views slices parts out of a few fixed-size windows over the address space:
-# one ctypes array type (ctypes caches a type per length, forever) and one
-# from_address per window a run touches, then a cheap memoryview slice per part,
-# rather than a ctypes array per part (~0.8 us each, twice per block on a
-# write). A window is never touched outside the parts sliced from it; a window
-# is twice the stride, so a part (< stride) that starts in one ends in it.
-_WINDOW_STRIDE = 1 << 40
-_Window = ctypes.c_ubyte * (2 * _WINDOW_STRIDE)
+# host_views slices parts out of one window over the address space: one
+# ctypes array type (ctypes caches a type per length, forever), one
+# from_address per call, then a memoryview slice per part, rather than a
+# ctypes array per part (~0.8 us each, twice per block on a write). Only the
+# parts' own bytes are ever touched through the window.
+_WINDOW_BYTES = 1 << 41
+_Window = ctypes.c_ubyte * _WINDOW_BYTES
 
 
 def host_views(parts: Sequence[Part]) -> list[memoryview]:
-    """host_view of each (address, bytes) part, made cheaply (see _Window)."""
+    """host_view of each (address, bytes) part, made cheaply (see _Window);
+    parts spread wider than the window (not the pool's) get a view each."""
     if not parts:
         return []
     lo, hi = min(parts)[0], max(parts)[0]  # C-level: tuples order by address
-    base = lo - lo % _WINDOW_STRIDE
-    longest = max(parts, key=itemgetter(1))[1]
-    if hi - base < _WINDOW_STRIDE and longest < _WINDOW_STRIDE:  # one window
-        window = memoryview(_Window.from_address(base)).cast("B")
-        return [window[a - base : a - base + n] for a, n in parts]
-    windows: dict[int, memoryview] = {}
-    out = []
-    for address, nbytes in parts:
-        if nbytes >= _WINDOW_STRIDE:
-            out.append(host_view(address, nbytes))
-            continue
-        base = address - address % _WINDOW_STRIDE
-        window = windows.get(base)
-        if window is None:
-            window = windows[base] = memoryview(_Window.from_address(base)).cast("B")
-        out.append(window[address - base : address - base + nbytes])
-    return out
+    if hi + max(map(itemgetter(1), parts)) - lo > _WINDOW_BYTES:
+        return [host_view(a, n) for a, n in parts]
+    window = memoryview(_Window.from_address(lo)).cast("B")
+    return [window[a - lo : a - lo + n] for a, n in parts]
 
 
 class AlignedBuffer:

@@ -26,7 +26,7 @@ from enum import IntEnum
 import numpy as np
 from tqdm import tqdm
 
-from .format import MAX_HASH_BYTES, STORE_ID_BYTES
+from .format import MAX_HASH_BYTES, STORE_ID_BYTES, crc_rows
 from .ring import Index, Record, Ring, State
 
 logger = logging.getLogger(__name__)
@@ -112,10 +112,7 @@ def entries(kind: Kind, run: list[Record]) -> bytes:
         )
         for r in run
     ]
-    rows = np.zeros(len(bodies), _ROW)
-    rows["body"] = np.frombuffer(b"".join(bodies), _ROW["body"])
-    rows["crc"] = list(map(zlib.crc32, bodies))
-    return rows.tobytes()
+    return crc_rows(bodies, _ROW).tobytes()
 
 
 def head_entry(ring: Ring) -> bytes:

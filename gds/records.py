@@ -92,13 +92,8 @@ def gather_in_place(
     buf.ensure(n * HEADER_BYTES)
     flat = slots.ravel().tolist()
     views = host_views([(a, each) for a in flat])
-    algo = run[0].checksum_id
-    if any(r.checksum_id != algo for r in run):
-        sums = [
-            hash_parts(r.checksum_id, views[i * shards : (i + 1) * shards])
-            for i, r in enumerate(run)
-        ]
-    elif algo == _XXH3:
+    algo = run[0].checksum_id  # one per store: every record of a run has it
+    if algo == _XXH3:
         sums = _xxh3_each(views, shards)
     else:
         sums = [
@@ -127,12 +122,6 @@ def _xxh3_each(views: list[memoryview], shards: int) -> list[int]:
     if h is None:
         h = _local.xxh3 = xxhash.xxh3_64()
     out = []
-    if shards == 1:
-        for view in views:
-            h.reset()
-            h.update(view)
-            out.append(h.intdigest())
-        return out
     for i in range(0, len(views), shards):
         h.reset()
         for view in views[i : i + shards]:

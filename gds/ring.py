@@ -76,18 +76,17 @@ class Ring:
         return out
 
     def claim(self, offset: int, length: int, rec: Record) -> list[Record]:
-        """Reclaim the victims (returned, marked dead) and append rec at offset."""
-        victims = self.victims(offset, length)
-        for _ in victims:
-            self.records.popleft().state = State.DEAD
-        self.records.append(rec)
-        self.head = offset + length
-        return victims
+        """Reclaim the victims (returned, marked dead) and append rec, which
+        lies at offset for length bytes: claim_run of one record."""
+        if (rec.offset, rec.length) != (offset, length):
+            where = f"{rec.offset}+{rec.length}, not {offset}+{length}"
+            raise ValueError(f"record at {where}")
+        return self.claim_run([rec])
 
     def claim_run(self, run: list[Record]) -> list[Record]:
-        """claim() of records laid back to back from run[0].offset on, at
-        once: the same victims (those the run's span reclaims, in ring order),
-        one scan instead of one per record."""
+        """Reclaim the victims of the span that records laid back to back from
+        run[0].offset on take (returned in ring order, marked dead) and append
+        the records: one scan for the whole run."""
         start, last = run[0].offset, run[-1]
         victims = self.victims(start, last.offset + last.length - start)
         for _ in victims:

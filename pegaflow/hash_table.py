@@ -27,7 +27,7 @@ import numpy as np
 
 from .hll import hash64
 from .keys import PackedHashes
-from .open_addressing import EMPTY, SPARE, TOMB, WINDOW, new_slots, place
+from .open_addressing import EMPTY, SPARE, TOMB, WINDOW, ProbedSlots
 
 if TYPE_CHECKING:
     from .block_entry import BlockEntry
@@ -45,7 +45,7 @@ def _words(tails: np.ndarray) -> np.ndarray:
     return padded.view("<u8")
 
 
-class HashTable:
+class HashTable(ProbedSlots):
     """Ready entries whose hashes have one length: hash -> row -> entry."""
 
     def __init__(self, hash_len: int, capacity: int = MIN_CAPACITY) -> None:
@@ -164,24 +164,8 @@ class HashTable:
         if used > self._capacity * MAX_LOAD or not self._place(rows, q.h64):
             self._rebuild(live, rows, q.h64)
 
-    def _alloc(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._shift = np.uint64(64 - (capacity.bit_length() - 1))
-        self._slots = new_slots(capacity)
-        self._tombs = 0
-
     def _home(self, h64: np.ndarray) -> np.ndarray:
         return (h64 * self._mult >> self._shift).view(np.int64)
-
-    def _place(self, rows: np.ndarray, h64: np.ndarray) -> bool:
-        """Put rows (keys h64) in the first free slot of their runs; False when
-        a run would pass the spare slots (the caller rebuilds)."""
-        home = self._home(h64)
-        limit = self._capacity + SPARE
-        ok, placed, reused = place(self._slots, self._slot_of, home, rows, h64, limit)
-        self._live += placed
-        self._tombs -= reused
-        return ok
 
     def _rebuild(self, live: int, rows: np.ndarray, h64: np.ndarray) -> None:
         """A fresh table, tombstones gone, holding the placed and stashed rows

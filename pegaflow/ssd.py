@@ -61,13 +61,14 @@ _SLOTS = attrgetter("slots")
 
 @dataclass(slots=True, eq=False)
 class _Batch:
-    """Sealed blocks of one namespace the tier is writing from their L1 slots
-    (one per SsdTier.spill_many call): keys[i]'s slots are slots[i]."""
+    """Blocks of one namespace the tier is writing from their L1 slots (one
+    per SsdTier.spill_many call): keys[i]'s slots are slots[i]."""
 
     keys: list[Key]
     slots: np.ndarray  # uint64 [n, shards]
     block_bytes: int
     evicted: np.ndarray  # bool [n]: L1 let it go, free its slots at release
+    sealed: bool = True  # write-behind, its keys in SsdLink._writing; else spilled
 
 
 class SsdLink:
@@ -166,7 +167,7 @@ class SsdLink:
             return []
         picked = [keys[i] for i in pick.tolist()]
         loop = asyncio.get_running_loop()
-        batch = _Batch(picked, slots, block_bytes, np.zeros(0, bool))
+        batch = _Batch(picked, slots, block_bytes, np.zeros(0, bool), sealed=False)
         release = functools.partial(self._release, loop, self._written, batch)
         took = self.tier.spill_many(
             digest, [k[1] for k in picked], slots, slot_bytes, release
@@ -241,11 +242,12 @@ class SsdLink:
     def _written(self, batch: _Batch, lo: int, hi: int) -> None:
         """Blocks batch.keys[lo:hi] are written (or failed): forget them, and
         free the slots of those L1 evicted meanwhile."""
-        writing = self._writing
-        for key in batch.keys[lo:hi]:
-            w = writing.get(key)
-            if w is not None and w[0] is batch:  # not a newer write of the key
-                del writing[key]
+        if batch.sealed:
+            writing = self._writing
+            for key in batch.keys[lo:hi]:
+                w = writing.get(key)
+                if w is not None and w[0] is batch:  # not a newer write of the key
+                    del writing[key]
         gone = batch.evicted[lo:hi]
         if gone.any():
             self._store.slabs.free(batch.slots[lo:hi][gone].ravel())

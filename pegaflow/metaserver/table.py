@@ -27,7 +27,7 @@ import secrets
 import numpy as np
 
 from ..keys import MAX_HASH_BYTES, PackedHashes
-from ..open_addressing import EMPTY, SPARE, TOMB, WINDOW, new_slots, place
+from ..open_addressing import EMPTY, SPARE, TOMB, WINDOW, ProbedSlots
 
 MAX_LOAD = 0.5  # slots in use (tombstones too) before a rebuild
 MIN_CAPACITY = 64
@@ -76,7 +76,7 @@ class Keys:
         return Keys(self.words[at], self.lens[at])
 
 
-class RowTable:
+class RowTable(ProbedSlots):
     """Which row holds each (namespace, hash). The caller allocates rows;
     add() files them, discard() withdraws them, find() looks them up."""
 
@@ -196,22 +196,6 @@ class RowTable:
 
     def _home(self, key: np.ndarray) -> np.ndarray:
         return (key * self._mult[_WORDS + 2] >> self._shift).view(np.int64)
-
-    def _alloc(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._shift = np.uint64(64 - (capacity.bit_length() - 1))
-        self._slots = new_slots(capacity)
-        self._tombs = 0
-
-    def _place(self, rows: np.ndarray, key: np.ndarray) -> bool:
-        """Put rows (keys key) in the first free slot of their runs; False when
-        a run would pass the spare slots (the caller rebuilds)."""
-        home = self._home(key)
-        limit = self._capacity + SPARE
-        ok, placed, reused = place(self._slots, self._slot_of, home, rows, key, limit)
-        self._live += placed
-        self._tombs -= reused
-        return ok
 
     def _rebuild(self, rows: np.ndarray, key: np.ndarray) -> None:
         """A fresh table, tombstones gone, holding the filed rows and rows (keys
