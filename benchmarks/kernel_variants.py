@@ -285,6 +285,27 @@ def run_latency(r: Run) -> None:
                 row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
                 sync_quietly(r)
             print(line(row), flush=True)
+        if not r.sim:
+            gpu_time_row(r, op)
+
+
+def gpu_time_row(r: Run, op: str) -> None:
+    """The block kernel's own device time at N = 1, and its launch call's."""
+    from benchmarks.kernel_variants_launch import gpu_time_us
+
+    m = r.mem
+    ids, slots = r.pick(1)
+    gather = op == "gather"
+    t = m.save_t(ids, slots) if gather else m.load_t(ids, slots)
+    src, dst = (m.eng, m.pool) if gather else (m.pool, m.eng_back)
+    row: dict[str, Any] = {"op": f"gpu_{op}", "variant": "block kernel", "N": 1}
+    r.rows.append(row)
+    try:
+        row.update(gpu_time_us(r.k, src, dst, t, r.s, LAT_REPS))
+    except Exception as e:  # report, go on
+        row.update(error=f"{type(e).__name__}: {e}"[:300])
+        sync_quietly(r)
+    print(row, flush=True)
 
 
 def latency_cells(

@@ -237,7 +237,9 @@ def latency_calls(
         ("copy engines + stream sync", dma_call("sync")),
         ("copy engines + mapped flag", dma_call("flag")),
     ]
-    return out
+    from benchmarks.kernel_variants_launch import launch_cells
+
+    return out + launch_cells(k, src, dst, t, s)
 
 
 # -- results -------------------------------------------------------------------

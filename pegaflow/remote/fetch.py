@@ -23,7 +23,7 @@ from ..pool import HostPool
 from ..proto import peer_pb2 as peer_pb
 from .metrics import RemoteMetrics
 from .peers import Endpoint, PeerChannels
-from .pins import checksums_of
+from .slot_sums import SlotHasher
 from .transport import RemoteTransport, TransportError
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,9 @@ class OwnerReads:
         node_id: str,
         fail: Callable[[list[Key], str], None],
         tasks: set[asyncio.Task[None]],
+        hasher: SlotHasher,
     ) -> None:
+        self._hasher = hasher
         self._peers = peers
         self._transport = transport
         self._pool = pool
@@ -181,7 +183,7 @@ class OwnerReads:
         before = self._transport.retried
         hashed: list[concurrent.futures.Future[np.ndarray]] = []
         transfer = 0.0
-        with concurrent.futures.ThreadPoolExecutor(1) as hasher:
+        with concurrent.futures.ThreadPoolExecutor(1) as hasher:  # the pipeline
             for start in range(0, len(local), per):  # per piece, not per block
                 a, b = start * shards, min(len(local), start + per) * shards
                 began = time.monotonic()
@@ -191,7 +193,7 @@ class OwnerReads:
                 transfer += time.monotonic() - began
                 piece = flat_local[a:b]
                 hashed.append(
-                    hasher.submit(checksums_of, self._pool, piece, slot_bytes)
+                    hasher.submit(self._hasher.checksums, self._pool, piece, slot_bytes)
                 )
             last = time.monotonic()
             sums = np.concatenate([f.result() for f in hashed]).reshape(local.shape)

@@ -55,6 +55,7 @@ from .fetch import (
 from .metrics import RemoteMetrics
 from .peers import Endpoint, PeerChannels
 from .pins import PinTable
+from .slot_sums import SlotHasher
 from .transport import RemoteTransport
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,8 @@ class RemoteLink:
         self.endpoint = Endpoint(rpc_addr, transport.endpoint)
         self.namespaces: dict[bytes, Namespace] = {}  # digest -> namespace held
         self._digests: dict[int, bytes] = {}
-        self.pins = PinTable(store, pool)
+        self._hasher = SlotHasher()
+        self.pins = PinTable(store, pool, self._hasher)
         # As in pegaflow.ssd: key being fetched -> blocks of its fetch from it on.
         self._loading: dict[Key, int] = {}
         self._negative: OrderedDict[Key, float] = OrderedDict()  # key -> until
@@ -98,7 +100,7 @@ class RemoteLink:
         self._peers = PeerChannels(config.token)
         self._reads = OwnerReads(
             self._peers, transport, pool, metrics, self.stats, node_id, self._fail,
-            self._tasks,
+            self._tasks, self._hasher,
         )  # fmt: skip
         self.advertiser: Advertiser | None = None
 
@@ -360,6 +362,7 @@ class RemoteLink:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=self.config.fetch_timeout_s)
         self.pins.close()
+        await asyncio.to_thread(self._hasher.close)  # after the pins' hashing
         await self._peers.close()
         await self._meta_channel.close()
         await asyncio.to_thread(self.transport.close)

@@ -7,10 +7,10 @@ use-after-free exactly there). The hold the reader asks for covers its own
 deadline plus a margin, and the reader reads nothing after the hold it was
 granted, so the pin outlives every read of it.
 
-Checksums are xxh3-64 of each slot's bytes, computed the first time a
-block is pinned, off the loop and while the reader already reads (it asks for
-them with Checksums), and kept while the block stays ready: a ready block's
-bytes never change.
+Checksums are xxh3-64 of each slot's bytes (pegaflow.remote.slot_sums),
+computed the first time a block is pinned, off the loop and while the reader
+already reads (it asks for them with Checksums), and kept while the block
+stays ready: a ready block's bytes never change.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from ..blocks import BlockEntry, BlockStore
 from ..instances import Namespace
 from ..keys import Key, PackedHashes
 from ..pool import HostPool
+from .slot_sums import SlotHasher
 
 logger = logging.getLogger(__name__)
 
@@ -58,31 +58,13 @@ class Pinned:
 NOTHING = Pinned(0, np.zeros((0, 0), np.uint64), None, 0.0)
 
 
-def slot_checksum(data: np.ndarray) -> int:
-    """xxh3-64 of a slot: it guards against torn or stale reads (a slot reused
-    under a read, a peer dying mid-write), not against a peer that lies, which
-    no checksum it computes itself can catch. 24.6 GB/s a core on the dev VM
-    against blake3's 3.6: a 1 GiB fetch hashed on both sides costs 85 ms
-    instead of 600 (benchmarks/RESULTS.md, remote tier)."""
-    return xxhash.xxh3_64_intdigest(data)
-
-
-def checksums_of(pool: HostPool, slots: np.ndarray, slot_bytes: int) -> np.ndarray:
-    """xxh3-64 of each slot (uint64 array of any shape): a call per slot, each
-    over a whole slot (MiBs), with the GIL released inside."""
-    flat = slots.reshape(-1).tolist()
-    out = np.fromiter(
-        (slot_checksum(pool.view(a, slot_bytes)) for a in flat), np.uint64, len(flat)
-    )
-    return out.reshape(slots.shape)
-
-
 class PinTable:
     """Runs on the event loop; only checksum computation leaves it."""
 
-    def __init__(self, store: BlockStore, pool: HostPool) -> None:
+    def __init__(self, store: BlockStore, pool: HostPool, hasher: SlotHasher) -> None:
         self._store = store
         self._pool = pool
+        self._hasher = hasher
         self._pins: dict[int, Pin] = {}
         self._ids = itertools.count(1)
         self._sums: dict[Key, np.ndarray] = {}  # per ready block, its shards' sums
@@ -133,7 +115,7 @@ class PinTable:
         missing = [i for i, s in enumerate(known) if s is None]
         if missing:  # the entries are pinned meanwhile: their bytes stay
             fresh = await asyncio.to_thread(
-                checksums_of, self._pool, slots[missing], ns.slot_bytes
+                self._hasher.checksums, self._pool, slots[missing], ns.slot_bytes
             )
             for i, row in zip(missing, fresh, strict=True):
                 known[i] = row
