@@ -5,7 +5,9 @@ compiled with an explicit signature takes `CPointer` arguments as plain
 integers. The wrapper passes each buffer's device address (as uint8* and as
 uint64*) and descriptors as byte offsets from those bases, after checking every
 range against its buffer. No DeviceNDArray is built, which also skips numba's
-per-array argument marshalling (about 10 us per array per launch). Mapped
+per-array argument marshalling (about 10 us per array per launch); after the
+first launch in a context even numba's dispatch is skipped (the driver's
+cuLaunchKernel, pegaflow.kernels.driver_launch). Mapped
 pinned host memory (the pool) is reached through its device alias
 (`cuMemHostGetDevicePointer`) while descriptors keep naming it by host address.
 The simulator runs the same kernel source on numpy-backed arrays instead.
@@ -60,6 +62,7 @@ from pegaflow.cuda_driver import check  # noqa: E402 - the one status check
 from pegaflow.errors import CopyFailed, InternalError  # noqa: E402
 
 from .base import CopyKernels  # noqa: E402
+from .driver_launch import DriverLaunch  # noqa: E402
 from .plan import (  # noqa: E402
     Buffer,
     LaunchShape,
@@ -439,6 +442,24 @@ class CudaKernels(CopyKernels):
         self._tables: dict[tuple[int, int], _Table] = {}  # (stream, turn)
         self._turn: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._launchers: dict[str, Any] = {}  # kernel name -> its launch call
+
+    def _launcher(self, name: str) -> Any:
+        """(blocks, threads, stream, args) -> None for the named kernel: the
+        driver's cuLaunchKernel (pegaflow.kernels.driver_launch), numba's own
+        dispatch under the simulator."""
+        launch = self._launchers.get(name)
+        if launch is None:
+            kernel, nargs = (_kernel(), 8) if name == "block" else (_warp_kernel(), 14)
+            if SIMULATED:
+
+                def launch(blocks: int, threads: int, stream: Any, args: tuple) -> None:
+                    kernel[blocks, threads, stream](*args)
+
+            else:
+                launch = DriverLaunch(kernel, nargs)
+            self._launchers[name] = launch
+        return launch
 
     def _table(self, key: int, rows: int) -> _Table:
         """The stream's next table, once the kernel last reading it is done."""
@@ -473,7 +494,7 @@ class CudaKernels(CopyKernels):
             return
         blocks = min(n, max_blocks or _default_blocks(threads))
         key = id(stream) if SIMULATED else int(stream.handle)
-        kernel = _kernel()
+        launch = self._launcher("block")
         with self._lock:  # table choice, fill and launch: one thread at a time
             tab = self._table(key, n)
             tab.rows[:, :n] = table
@@ -482,7 +503,7 @@ class CudaKernels(CopyKernels):
             else:
                 a, b = src.device_address, dst.device_address
                 args = (a, b, a, b, tab.ptr)
-            kernel[blocks, threads, stream](*args, n, tab.cap, width)
+            launch(blocks, threads, stream, (*args, n, tab.cap, width))
             tab.done.record(stream)
         logger.debug("copy %d descriptors, %d blocks", n, blocks)
 
@@ -507,7 +528,7 @@ class CudaKernels(CopyKernels):
         parts = shape.parts or _auto_parts(both, full * per_block)
         blocks = min(full, -(-(ca + cb) * parts // per_block))
         key = id(stream) if SIMULATED else int(stream.handle)
-        kernel = _warp_kernel()
+        launch = self._launcher("warp")
         with self._lock:
             tab = self._table(key, ca + cb)
             tab.rows[:, : ca + cb] = both
@@ -519,7 +540,9 @@ class CudaKernels(CopyKernels):
                     x, y = src.device_address, dst.device_address
                     args += [x, y, x, y]
             table = tab.mem if SIMULATED else tab.ptr
-            kernel[blocks, threads, stream](*args, table, ca, cb, tab.cap, parts, width)
+            launch(
+                blocks, threads, stream, (*args, table, ca, cb, tab.cap, parts, width)
+            )
             tab.done.record(stream)
         logger.debug("warp copy %d + %d descriptors x %d parts", ca, cb, parts)
 

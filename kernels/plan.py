@@ -168,6 +168,12 @@ def split_table(table: np.ndarray, rows: int, min_piece: int) -> np.ndarray:
         return table
     piece = max(min_piece, -(-int(table[2].sum()) // rows))
     piece = -(-piece // STAGE_ALIGN) * STAGE_ALIGN
+    size = int(table[2, 0])
+    if size % piece == 0 and (table[2] == size).all():
+        # The usual small request (one block: 32 equal pages): every page cut
+        # into the same pieces by broadcasting, ~5 numpy calls instead of ~15
+        # (37 -> ~8 us on the dev VM, where a 1-block copy is ~100 us).
+        return _split_even(table, size // piece, piece)
     counts = np.maximum(1, -(-table[2] // piece))
     if (counts == 1).all():
         return table
@@ -179,6 +185,19 @@ def split_table(table: np.ndarray, rows: int, min_piece: int) -> np.ndarray:
     out[1] += skip
     out[2] = np.minimum(out[2] - skip, piece)
     return out
+
+
+def _split_even(table: np.ndarray, cuts: int, piece: int) -> np.ndarray:
+    """Each descriptor of `table` (all `cuts * piece` bytes) as `cuts` pieces
+    in order, as the general path of split_table orders them."""
+    if cuts == 1:
+        return table
+    skip = np.arange(0, cuts * piece, piece, dtype=np.int64)
+    out = np.empty((3, table.shape[1], cuts), np.int64)
+    np.add(table[0, :, None], skip, out=out[0])
+    np.add(table[1, :, None], skip, out=out[1])
+    out[2] = piece
+    return out.reshape(3, -1)
 
 
 def stage_chunks(

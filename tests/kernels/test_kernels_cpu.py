@@ -178,3 +178,31 @@ def test_split_keeps_alignment_and_bytes() -> None:
     cpu._copy_table_py(src, got, out)
     np.testing.assert_array_equal(got, want)
     assert kernels.plan.split_table(table, 3, 4096) is table  # enough rows
+
+
+def test_split_of_equal_pages_copies_the_same_bytes() -> None:
+    """Equal pages (a small request's usual table; cut by broadcasting when
+    the piece divides them): 16-byte multiples, each page's pieces together
+    and in order, copying exactly what the uncut table copies."""
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        n = int(rng.integers(1, 12))
+        size = int(rng.choice([256, 512, 4096]))
+        pages = rng.permutation(64)[:n]
+        table = np.stack([pages * size, rng.permutation(64)[:n] * size,
+                          np.full(n, size)]).astype(np.int64)  # fmt: skip
+        rows, min_piece = int(rng.integers(n + 1, 200)), int(rng.choice([16, 64]))
+        out = kernels.plan.split_table(table, rows, min_piece)
+        cuts = out.shape[1] // n
+        assert out.shape[1] == n * cuts and out[2].sum() == n * size
+        assert (out[2] % 16 == 0).all()
+        np.testing.assert_array_equal(
+            out[0] - out[1], np.repeat(table[0] - table[1], cuts)
+        )
+        first = out[:, ::cuts]
+        np.testing.assert_array_equal(first[:2], table[:2])  # each page's first piece
+        src = rng.integers(0, 256, 64 * size, dtype=np.uint8)
+        want, got = np.zeros((2, 64 * size), np.uint8)
+        cpu._copy_table_py(src, want, table)
+        cpu._copy_table_py(src, got, out)
+        np.testing.assert_array_equal(got, want)
