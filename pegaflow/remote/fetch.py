@@ -1,6 +1,6 @@
 """One owner's part of a remote fetch (pegaflow.remote.link plans it): pin
 the blocks at the owner, check its answer against our geometry, read the slots
-one-sided in pieces while hashing the piece before, compare with the owner's
+one-sided in pieces, hashing each as it lands, compare with the owner's
 checksums, release the pin. A failure marks the run's blocks, with its cause,
 through `fail`; nothing here publishes a block."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -30,11 +31,12 @@ logger = logging.getLogger(__name__)
 
 _RELEASE_TIMEOUT_S = 2.0
 _HOLD_MARGIN_S = 2.0  # a pin is asked to outlive our fetch deadline by this
-# A fetch is read in pieces this large, each hashed while the next is read.
-# Large: on the dev VM (2 cores, TCP) hashing beside the transfer slows it,
-# and each piece is a batch of its own: a 64 MiB fetch took 100 ms in one
-# piece, 117 ms in 32 MiB pieces, 154 ms in 16 MiB ones.
-_PIECE_BYTES = 256 << 20
+# A fetch is read in pieces this large, all submitted at once, each hashed
+# once it landed while the later ones travel. Read one after another (each
+# piece waited for before the next was asked), pieces cost more than they
+# hid (a 64 MiB fetch on the dev VM: 100 ms in one piece, 117 in 32 MiB
+# pieces, 154 in 16 MiB ones; the H200 host: no gain at 4 pieces).
+_PIECE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,31 +175,54 @@ class OwnerReads:
         slot_bytes: int,
         phases: dict[str, float],
     ) -> np.ndarray:
-        """On a worker thread: the read in pieces of ~_PIECE_BYTES, each piece
-        hashed on a second thread while the next one is read. The checksum
-        of every slot read ([blocks, shards])."""
+        """On a worker thread: the read submitted in pieces of ~_PIECE_BYTES
+        at once, each piece hashed (on the hasher's threads) as soon as it
+        landed while the later ones still travel. The checksum of every slot
+        read ([blocks, shards]). Returns or raises only once no byte of the
+        read is in flight: the slots may be reused after that."""
         shards = local.shape[1]
         per = max(1, _PIECE_BYTES // (slot_bytes * shards))
         flat_local, flat_remote = local.reshape(-1), remote.reshape(-1)
         lengths = np.full(flat_local.size, slot_bytes, np.uint64)
         before = self._transport.retried
+        began = time.monotonic()
+        cuts = [  # per piece, not per block
+            (a * shards, min(len(local), a + per) * shards)
+            for a in range(0, len(local), per)
+        ]
+        waits: list[Callable[[], None]] = []
+        try:
+            for a, b in cuts:
+                waits.append(
+                    self._transport.submit(
+                        endpoint, flat_local[a:b], flat_remote[a:b], lengths[a:b]
+                    )
+                )
+        except BaseException:
+            _drain(waits)  # nothing may still land once we give the slots up
+            raise
         hashed: list[concurrent.futures.Future[np.ndarray]] = []
-        transfer = 0.0
-        with concurrent.futures.ThreadPoolExecutor(1) as hasher:  # the pipeline
-            for start in range(0, len(local), per):  # per piece, not per block
-                a, b = start * shards, min(len(local), start + per) * shards
-                began = time.monotonic()
-                self._transport.read(
-                    endpoint, flat_local[a:b], flat_remote[a:b], lengths[a:b]
-                )
-                transfer += time.monotonic() - began
-                piece = flat_local[a:b]
-                hashed.append(
-                    hasher.submit(self._hasher.checksums, self._pool, piece, slot_bytes)
-                )
+        failure: TransportError | None = None
+        with concurrent.futures.ThreadPoolExecutor(1) as pipeline:
+            for i, ((a, b), wait) in enumerate(zip(cuts, waits, strict=True)):
+                try:
+                    wait()
+                except TransportError as exc:  # the rest are still waited for
+                    failure = failure or exc
+                    continue
+                except BaseException:
+                    _drain(waits[i + 1 :])
+                    raise
+                if failure is None:
+                    hashed.append(
+                        pipeline.submit(self._hasher.checksums, self._pool,
+                                        flat_local[a:b], slot_bytes)
+                    )  # fmt: skip
             last = time.monotonic()
+            phases["transfer"] = round((last - began) * 1e3, 3)
+            if failure is not None:
+                raise failure
             sums = np.concatenate([f.result() for f in hashed]).reshape(local.shape)
-        phases["transfer"] = round(transfer * 1e3, 3)
         phases["hash"] = elapsed_ms(last)
         retried = self._transport.retried - before
         if retried:
@@ -217,6 +242,12 @@ class OwnerReads:
         task = asyncio.ensure_future(release())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _drain(waits: list[Callable[[], None]]) -> None:
+    for wait in waits:
+        with contextlib.suppress(TransportError):
+            wait()
 
 
 class Refused(Exception):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,6 +42,14 @@ class RemoteTransport(Protocol):
     ) -> None:
         """Copy lengths[i] bytes from the peer's remote[i] to our local[i]
         (uint64 arrays); raises TransportError."""
+        ...
+
+    def submit(
+        self, endpoint: str, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray
+    ) -> Callable[[], None]:
+        """Start that read; the call returned waits until no byte of it is in
+        flight any more, then raises TransportError if it failed. An engine
+        without asynchronous reads may read inside that call."""
         ...
 
     @property
@@ -76,8 +85,9 @@ def _configure_environment(settings: TransportSettings) -> None:
 
 
 class MooncakeTransport:
-    """batch_transfer_sync_read over Mooncake's TCP or RDMA transport, peers
-    found by its P2P handshake (no etcd)."""
+    """Batch reads (batch_transfer_async_read, then its status) over
+    Mooncake's TCP or RDMA transport, peers found by its P2P handshake (no
+    etcd)."""
 
     def __init__(self, settings: TransportSettings) -> None:
         _configure_environment(settings)
@@ -118,25 +128,40 @@ class MooncakeTransport:
     def read(
         self, endpoint: str, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray
     ) -> None:
-        for start, stop in batches(lengths, MAX_BATCH_BYTES):
-            args = (local[start:stop], remote[start:stop], lengths[start:stop])
-            if self._read_once(endpoint, *args) == 0:
-                continue
-            # 0.3.13.post1/0.3.14: the first transfer after a few idle seconds
-            # can fail on a connection the peer dropped; once is a retry.
-            if self._read_once(endpoint, *args) != 0:
-                raise TransportError(f"read from {endpoint} failed")
-            self.retried += 1
+        self.submit(endpoint, local, remote, lengths)()
 
-    def _read_once(
+    def submit(
         self, endpoint: str, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray
-    ) -> int:
-        return self._engine.batch_transfer_sync_read(
-            endpoint,
-            np.ascontiguousarray(local, np.uint64),
-            np.ascontiguousarray(remote, np.uint64),
-            np.ascontiguousarray(lengths, np.uint64),
-        )
+    ) -> Callable[[], None]:
+        pending = []  # (batch id or 0 when refused at submission, its arrays)
+        try:
+            for start, stop in batches(lengths, MAX_BATCH_BYTES):
+                args = tuple(
+                    np.ascontiguousarray(a[start:stop], np.uint64)
+                    for a in (local, remote, lengths)
+                )
+                batch = self._engine.batch_transfer_async_read(endpoint, *args)
+                pending.append((batch, args))
+        except BaseException:  # the batches already submitted still land
+            for batch, _ in pending:
+                if batch:
+                    self._engine.get_batch_transfer_status([batch])
+            raise
+
+        def wait() -> None:
+            failed = []
+            for batch, args in pending:  # every batch waited for, failed or not
+                if batch == 0 or self._engine.get_batch_transfer_status([batch]) != 0:
+                    failed.append(args)
+            for args in failed:
+                # 0.3.13.post1/0.3.14: the first transfer after a few idle
+                # seconds can fail on a connection the peer dropped; once is
+                # a retry.
+                if self._engine.batch_transfer_sync_read(endpoint, *args) != 0:
+                    raise TransportError(f"read from {endpoint} failed")
+                self.retried += 1
+
+        return wait
 
     def close(self) -> None:
         with self._lock:
