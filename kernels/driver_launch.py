@@ -9,13 +9,14 @@ cuLaunchKernel, 51-54 us replaying a CUDA graph; benchmarks/kernel_variants.py
 passed as integers, int64 counts), so one uint64 array holds them all and a
 second holds a pointer to each.
 
-The first launch in each CUDA context goes through numba, which compiles the
-kernel and loads its module there; the driver function of that context is
-looked up after it. Where it cannot be found (another numba-cuda), numba keeps
-launching; nothing else changes. Callers serialise launches (the table lock),
-so the one parameter buffer is never filled by two threads at once; the driver
-copies the parameters at the call, so the next fill cannot reach a queued
-launch.
+The first launch on each stream goes through numba, which compiles the kernel
+and loads its module in the stream's context (the current one); the driver
+function is looked up after it (streams live as long as the copier, so a
+handle is never reused for another context meanwhile). Where the function
+cannot be found (another numba-cuda), numba keeps launching; nothing else
+changes. Callers serialise launches (the table lock), so the one parameter
+buffer is never filled by two threads at once; the driver copies the
+parameters at the call, so the next fill cannot reach a queued launch.
 """
 
 from __future__ import annotations
@@ -39,27 +40,30 @@ class DriverLaunch:
             base
         )
         self._params = int(self._pointers.ctypes.data)
-        self._functions: dict[int, Any] = {}  # context handle -> CUfunction or None
+        # stream handle -> (its CUstream, the kernel's CUfunction in the
+        # stream's context, or None: numba launches). A stream belongs to one
+        # context, so no current-context query per launch.
+        self._streams: dict[int, tuple[Any, Any]] = {}
 
     def __call__(
         self, blocks: int, threads: int, stream: Any, args: tuple[int, ...]
     ) -> None:
         from cuda.bindings import driver as d
 
-        ctx = int(check(d.cuCtxGetCurrent(), "current context"))
-        func = self._functions.get(ctx, False)
-        if func is False:  # this context's first launch: numba loads the module
+        handle = int(stream.handle)
+        known = self._streams.get(handle)
+        if known is None:  # this stream's first launch: numba loads the module
             self._kernel[blocks, threads, stream](*args)
-            self._functions[ctx] = _function(self._kernel)
+            self._streams[handle] = (d.CUstream(handle), _function(self._kernel))
             return
+        cu_stream, func = known
         if func is None:
             self._kernel[blocks, threads, stream](*args)
             return
         self._values[:] = args
         err = d.cuLaunchKernel(
-            func, blocks, 1, 1, threads, 1, 1, 0, d.CUstream(int(stream.handle)),
-            self._params, 0,
-        )  # fmt: skip
+            func, blocks, 1, 1, threads, 1, 1, 0, cu_stream, self._params, 0
+        )
         check(err, "kernel launch")
 
 

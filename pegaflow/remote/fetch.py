@@ -31,12 +31,17 @@ logger = logging.getLogger(__name__)
 
 _RELEASE_TIMEOUT_S = 2.0
 _HOLD_MARGIN_S = 2.0  # a pin is asked to outlive our fetch deadline by this
-# A fetch is read in pieces this large, all submitted at once, each hashed
-# once it landed while the later ones travel. Read one after another (each
-# piece waited for before the next was asked), pieces cost more than they
-# hid (a 64 MiB fetch on the dev VM: 100 ms in one piece, 117 in 32 MiB
-# pieces, 154 in 16 MiB ones; the H200 host: no gain at 4 pieces).
+# A fetch is read in pieces of at least this size, about _MAX_PIECES at most
+# of them, all submitted at once, each hashed once it landed while the later
+# ones travel: only the last piece's hashing is left after the transfer. Read
+# one after another (each waited for before the next was asked), pieces cost
+# more than they hid (dev VM, 64 MiB: 100 ms in one piece, 154 in 16 MiB
+# ones). Submitted at once on the H200 host (benchmarks/RESULTS.md, fourth
+# session): 256 MiB fetches 1.05-1.10 x raw TCP in 16 MiB pieces against
+# 0.94-0.98 in one, the hashing left after the transfer 2 ms against 7; a
+# 1.25 GiB fetch in 80 such pieces was no faster: hence the cap.
 _PIECE_BYTES = 16 << 20
+_MAX_PIECES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,13 +180,15 @@ class OwnerReads:
         slot_bytes: int,
         phases: dict[str, float],
     ) -> np.ndarray:
-        """On a worker thread: the read submitted in pieces of ~_PIECE_BYTES
-        at once, each piece hashed (on the hasher's threads) as soon as it
+        """On a worker thread: the read submitted in pieces at once (see
+        _PIECE_BYTES), each piece hashed (on the hasher's threads) as soon as it
         landed while the later ones still travel. The checksum of every slot
         read ([blocks, shards]). Returns or raises only once no byte of the
         read is in flight: the slots may be reused after that."""
         shards = local.shape[1]
-        per = max(1, _PIECE_BYTES // (slot_bytes * shards))
+        block_bytes = slot_bytes * shards
+        piece = max(_PIECE_BYTES, -(-len(local) * block_bytes // _MAX_PIECES))
+        per = max(1, piece // block_bytes)
         flat_local, flat_remote = local.reshape(-1), remote.reshape(-1)
         lengths = np.full(flat_local.size, slot_bytes, np.uint64)
         before = self._transport.retried

@@ -1,0 +1,91 @@
+"""A fetch's read in pieces submitted at once (pegaflow.remote.fetch): every
+slot hashed from the bytes that landed in it, in order; and when a piece
+fails, no piece is still in flight when the read gives its slots up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xxhash
+from prometheus_client import CollectorRegistry
+
+from pegaflow.pool import HostPool, PoolConfig
+from pegaflow.remote import fetch
+from pegaflow.remote.fetch import OwnerReads, RemoteStats
+from pegaflow.remote.metrics import RemoteMetrics
+from pegaflow.remote.slot_sums import SlotHasher
+from pegaflow.remote.transport import TransportError
+
+SLOT = 4096
+
+
+class PieceTransport:
+    """Each submitted piece lands (random bytes into its local slots) when
+    its wait is called; the piece `fail_at` fails there instead."""
+
+    def __init__(self, pool: HostPool, fail_at: int = -1) -> None:
+        self.pool, self.fail_at = pool, fail_at
+        self.pieces: list[dict] = []
+        self.retried = 0
+        self.rng = np.random.default_rng(5)
+
+    def submit(self, endpoint, local, remote, lengths):
+        piece = {"local": local.copy(), "waited": False}
+        index = len(self.pieces)
+        self.pieces.append(piece)
+
+        def wait() -> None:
+            piece["waited"] = True
+            if index == self.fail_at:
+                raise TransportError("piece failed")
+            for address in piece["local"].tolist():
+                self.pool.view(address, SLOT)[:] = self.rng.integers(0, 256, SLOT)
+
+        return wait
+
+
+@pytest.fixture
+def pool():
+    p = HostPool(PoolConfig(size_bytes=4 << 20, show_progress=False))
+    yield p
+    p.close()
+
+
+def reads(pool: HostPool, transport: PieceTransport, hasher: SlotHasher) -> OwnerReads:
+    metrics = RemoteMetrics(CollectorRegistry())
+    return OwnerReads(None, transport, pool, metrics, RemoteStats(), "n", None, set(),
+                      hasher)  # fmt: skip
+
+
+def slots(pool: HostPool, blocks: int, shards: int) -> np.ndarray:
+    picked = np.random.default_rng(1).choice(pool.size // SLOT, blocks * shards, False)
+    return (pool.base + picked * SLOT).astype(np.uint64).reshape(blocks, shards)
+
+
+def test_every_slot_hashed_from_what_landed(pool, monkeypatch) -> None:
+    monkeypatch.setattr(fetch, "_PIECE_BYTES", 3 * 2 * SLOT)  # 3 blocks a piece
+    transport, hasher = PieceTransport(pool), SlotHasher(3, min_share_bytes=SLOT)
+    local = slots(pool, 20, 2)
+    try:
+        sums = reads(pool, transport, hasher)._read_and_hash(
+            "peer", local, local, SLOT, {}
+        )
+    finally:
+        hasher.close()
+    assert len(transport.pieces) == 7  # 20 blocks, 3 a piece
+    want = [xxhash.xxh3_64_intdigest(pool.view(int(a), SLOT)) for a in local.ravel()]
+    assert sums.shape == (20, 2)
+    assert sums.ravel().tolist() == want
+
+
+def test_a_failed_piece_waits_for_the_others(pool, monkeypatch) -> None:
+    monkeypatch.setattr(fetch, "_PIECE_BYTES", 2 * SLOT)  # one block a piece
+    transport, hasher = PieceTransport(pool, fail_at=1), SlotHasher(1)
+    try:
+        with pytest.raises(TransportError, match="piece failed"):
+            reads(pool, transport, hasher)._read_and_hash(
+                "peer", slots(pool, 5, 2), slots(pool, 5, 2), SLOT, {}
+            )
+    finally:
+        hasher.close()
+    assert [p["waited"] for p in transport.pieces] == [True] * 5
