@@ -30,12 +30,14 @@ def _frames(stack: str, match: str) -> list[str] | None:
     return short
 
 
-def summarise(text: str, match: str, top: int) -> str:
+def summarise(text: str, match: str, top: int, within: str = "") -> str:
     own, incl, roots = Counter(), Counter(), Counter()
     total = 0
     for stack, count in RECORD.findall(text):
         frames = _frames(stack, match)
         if frames is None:
+            continue
+        if within and not any(within in f for f in frames):
             continue
         n = int(count)
         total += n
@@ -47,6 +49,8 @@ def summarise(text: str, match: str, top: int) -> str:
         for f in set(frames):
             incl[f] += n
     out = [f"samples in processes matching {match!r}: {total}"]
+    if within:
+        out[0] += f" (stacks through {within!r} only)"
     for title, counter in (("self", own), ("inclusive", incl), ("roots", roots)):
         out.append(f"\n-- {title} (top {top}) --")
         for name, n in counter.most_common(top):
@@ -59,9 +63,10 @@ def main() -> None:
     p.add_argument("raw")
     p.add_argument("--match", default="pegaflow.cli")
     p.add_argument("--top", type=int, default=45)
+    p.add_argument("--within", default="", help="only stacks through this frame")
     args = p.parse_args()
     with open(args.raw, errors="replace") as f:
-        print(summarise(f.read(), args.match, args.top))
+        print(summarise(f.read(), args.match, args.top, args.within))
 
 
 if __name__ == "__main__":

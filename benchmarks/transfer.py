@@ -175,6 +175,7 @@ def bench_shape(
     sizes: list[int],
     ceil: dict,
     min_reps: int = 3,
+    lat_reps: int = 200,
 ) -> tuple[list[dict], dict]:
     name, layers, page = shape
     addr, http = addrs
@@ -220,7 +221,7 @@ def bench_shape(
     extra = {}
     if name.startswith("llama"):
         n = 640 if max(sizes) >= 640 else max(sizes)
-        extra = latency(eng) | concurrent(addr, eng, n)
+        extra = latency(eng, lat_reps) | concurrent(addr, eng, n)
     eng.close()
     return rows, extra
 
@@ -311,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--min-reps", type=int, default=3, help="timed reps per N at least")
     p.add_argument(
+        "--lat-reps", type=int, default=200, help="1-block round trips timed per kind"
+    )
+    p.add_argument(
         "--profile-server",
         default=None,
         help="run the server under cProfile, its stats written to this file",
@@ -384,7 +388,9 @@ def run_shapes(args: argparse.Namespace) -> dict:
     try:
         for shape in SHAPES:
             if shape[0] in args.shapes.split(","):
-                got, more = bench_shape((addr, http), shape, sizes, ceil, args.min_reps)
+                got, more = bench_shape(
+                    (addr, http), shape, sizes, ceil, args.min_reps, args.lat_reps
+                )
                 rows += got
                 extra |= more
     finally:
