@@ -12,6 +12,7 @@ checking that every range lies inside its buffer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -189,15 +190,22 @@ def split_table(table: np.ndarray, rows: int, min_piece: int) -> np.ndarray:
 
 def _split_even(table: np.ndarray, cuts: int, piece: int) -> np.ndarray:
     """Each descriptor of `table` (all `cuts * piece` bytes) as `cuts` pieces
-    in order, as the general path of split_table orders them."""
+    in order, as the general path of split_table orders them: one broadcast
+    add of a cached [3, 1, cuts] step."""
     if cuts == 1:
         return table
-    skip = np.arange(0, cuts * piece, piece, dtype=np.int64)
-    out = np.empty((3, table.shape[1], cuts), np.int64)
-    np.add(table[0, :, None], skip, out=out[0])
-    np.add(table[1, :, None], skip, out=out[1])
-    out[2] = piece
-    return out.reshape(3, -1)
+    step = _even_step(cuts, piece, int(table[2, 0]))
+    return (table[:, :, None] + step).reshape(3, -1)
+
+
+@functools.lru_cache(maxsize=64)
+def _even_step(cuts: int, piece: int, size: int) -> np.ndarray:
+    """Added to a descriptor (src, dst, size): each piece's offsets and size."""
+    step = np.zeros((3, 1, cuts), np.int64)
+    step[0, 0] = step[1, 0] = np.arange(0, cuts * piece, piece)
+    step[2, 0] = piece - size
+    step.setflags(write=False)
+    return step
 
 
 def stage_chunks(

@@ -57,6 +57,10 @@ LOAD_HEADER = struct.Struct("<BBHIIQQ16s")
 LOAD_REPLY = struct.Struct("<BIQI")
 LOAD_ITEM = np.dtype([("lease_id", "<u8"), ("lease_offset", "<u4"), ("count", "<u4")])
 LOAD_ITEM_REPLY = np.dtype([("loaded", "<u4"), ("bytes", "<u8"), ("error_len", "<u4")])
+_ONE_LOAD_ITEM = struct.Struct("<QII")  # LOAD_ITEM's bytes, for one item
+_ONE_LOAD_REPLY = struct.Struct("<IQI")  # LOAD_ITEM_REPLY's
+assert _ONE_LOAD_ITEM.size == LOAD_ITEM.itemsize
+assert _ONE_LOAD_REPLY.size == LOAD_ITEM_REPLY.itemsize
 # Not a grpc.StatusCode value (those stop at 16): the query's answer is `loading`.
 LOADING = 255
 # The largest legitimate body: a save of 65536 blocks with 64-byte hashes is
@@ -225,15 +229,29 @@ def decode_load(
     ids_at = table_at + n_items * LOAD_ITEM.itemsize
     if len(body) < ids_at:
         raise InvalidRequest(f"frame: {len(body)} bytes, header promises {ids_at}+")
+    if not batch and n_items != 1:
+        raise InvalidRequest(f"items: {n_items} in a single-lease load, need 1")
+    if n_items == 1:  # the usual load: struct, not a structured array (~10 us)
+        lease, offset, count = _ONE_LOAD_ITEM.unpack_from(body, table_at)
+        _check_length(body, ids_at + 4 * count)
+        flat = np.frombuffer(body, "<u4", count, ids_at).astype(np.int64)
+        items = [(lease, offset, flat)]
+    else:
+        items = _load_items(body, n_items, table_at, ids_at)
+    ident = _ident(body, LOAD_HEADER.size, table_at)
+    return ident, rank, items, bool(batch), layer_seq, deadline_ns, token
+
+
+def _load_items(
+    body: bytes, n_items: int, table_at: int, ids_at: int
+) -> list[tuple[int, int, np.ndarray]]:
     table = np.frombuffer(body, LOAD_ITEM, n_items, table_at)
     counts = table["count"].astype(np.int64)
     _check_length(body, ids_at + 4 * int(counts.sum()))
     flat = np.frombuffer(body, "<u4", int(counts.sum()), ids_at).astype(np.int64)
-    if not batch and n_items != 1:
-        raise InvalidRequest(f"items: {n_items} in a single-lease load, need 1")
     ends = np.cumsum(counts)
     starts, ends = (ends - counts).tolist(), ends.tolist()
-    items = [
+    return [
         (lease, offset, flat[a:b])
         for lease, offset, a, b in zip(
             table["lease_id"].tolist(),
@@ -243,18 +261,20 @@ def decode_load(
             strict=True,
         )
     ]
-    ident = _ident(body, LOAD_HEADER.size, table_at)
-    return ident, rank, items, bool(batch), layer_seq, deadline_ns, token
 
 
 def load_reply(loaded: int, nbytes: int, items: Sequence) -> bytes:
     """items: LoadItemResult-like (loaded, bytes, error)."""
+    head = LOAD_REPLY.pack(0, loaded, nbytes, len(items))
+    if len(items) == 1:  # the usual load, as for its request
+        (item,) = items
+        error = item.error.encode()
+        return head + _ONE_LOAD_REPLY.pack(item.loaded, item.bytes, len(error)) + error
     table = np.zeros(len(items), LOAD_ITEM_REPLY)
     errors = [item.error.encode() for item in items]
     table["loaded"] = [item.loaded for item in items]
     table["bytes"] = [item.bytes for item in items]
     table["error_len"] = list(map(len, errors))
-    head = LOAD_REPLY.pack(0, loaded, nbytes, len(items))
     return head + table.tobytes() + b"".join(errors)
 
 

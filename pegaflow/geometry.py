@@ -114,13 +114,17 @@ class KVGeometry:
     def _transfers(
         self, block_ids: np.ndarray, slot_addrs: np.ndarray, rows: np.ndarray
     ) -> Transfers:
-        eng = (
-            self.engine_offset[rows][None, :]
-            + block_ids.astype(np.uint64)[:, None] * self.block_stride[rows][None, :]
-        )
-        slot = slot_addrs.astype(np.uint64)[:, None] + self.slot_offset[rows][None, :]
-        size = np.broadcast_to(self.seg_bytes[rows][None, :], eng.shape)
-        return Transfers(eng.ravel(), slot.ravel(), size.ravel().copy())
+        if rows is self._all_rows:  # a load: every row, no gather of the tables
+            offset, stride = self.engine_offset, self.block_stride
+            slot_offset, seg = self.slot_offset, self.seg_bytes
+        else:
+            offset, stride = self.engine_offset[rows], self.block_stride[rows]
+            slot_offset, seg = self.slot_offset[rows], self.seg_bytes[rows]
+        eng = offset[None, :] + block_ids.astype(np.uint64)[:, None] * stride[None, :]
+        slot = slot_addrs.astype(np.uint64)[:, None] + slot_offset[None, :]
+        size = np.empty(eng.shape, np.uint64)
+        size[...] = seg
+        return Transfers(eng.ravel(), slot.ravel(), size.ravel())
 
     def slots_to_engine(
         self, slot_addrs: np.ndarray, block_ids: np.ndarray

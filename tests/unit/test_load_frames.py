@@ -1,0 +1,65 @@
+"""Load frames: the one-item fast paths of decode_load and load_reply give
+what the general (structured-array) path gives, and refuse what it refuses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from pegaflow import frames
+from pegaflow.errors import InvalidRequest
+
+
+@dataclass
+class Item:
+    loaded: int
+    bytes: int
+    error: str
+
+
+def body_of(items, batch: bool) -> bytes:
+    frame = frames.encode_load("inst-é", 3, items, batch, layer_seq=7,
+                               deadline_ns=11, token=b"t" * 16)  # fmt: skip
+    assert frame is not None
+    return frame[4:]  # without the length prefix
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_one_item_decodes_as_the_general_path(batch: bool) -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        ids = rng.integers(0, 1 << 32, int(rng.integers(0, 50)))
+        lease, offset = int(rng.integers(1, 1 << 63)), int(rng.integers(0, 1 << 32))
+        body = body_of([(lease, offset, ids)], batch)
+        got = frames.decode_load(body)
+        table_at = frames.LOAD_HEADER.size + len("inst-é".encode())
+        ids_at = table_at + frames.LOAD_ITEM.itemsize
+        ((g_lease, g_off, g_ids),) = got[2]
+        ((w_lease, w_off, w_ids),) = frames._load_items(body, 1, table_at, ids_at)
+        assert (g_lease, g_off) == (w_lease, w_off) == (lease, offset)
+        assert g_ids.dtype == w_ids.dtype == np.int64
+        np.testing.assert_array_equal(g_ids, w_ids)
+        np.testing.assert_array_equal(g_ids, ids)
+        assert got[0] == "inst-é" and got[1] == 3 and got[3] is batch
+
+
+def test_one_item_with_a_wrong_length_is_refused() -> None:
+    body = body_of([(5, 0, np.arange(4))], False)
+    for cut in (body[:-1], body + b"\0\0\0\0"):
+        with pytest.raises(InvalidRequest, match="header promises"):
+            frames.decode_load(cut)
+
+
+def test_one_item_reply_is_the_tables_bytes() -> None:
+    for item in (Item(3, 6 << 20, ""), Item(0, 0, "lease 9: expired ✗")):
+        fast = frames.load_reply(item.loaded, item.bytes, [item])
+        general = frames.load_reply(item.loaded, item.bytes, [item, item])
+        head = frames.LOAD_REPLY.size
+        row = frames.LOAD_ITEM_REPLY.itemsize
+        error = item.error.encode()
+        assert fast[head:] == general[head : head + row] + error
+        assert frames.parse_load_reply(fast) == (
+            item.loaded, item.bytes, [(item.loaded, item.bytes, item.error)]
+        )  # fmt: skip
