@@ -145,7 +145,10 @@ def _check_disjoint(field: str, off: np.ndarray, nbytes: np.ndarray) -> None:
     if len(off) < 2:
         return
     if nbytes.min() == nbytes.max():  # the usual case: a plain sort will do
-        start = np.sort(off)
+        # Stable (timsort): a block's pages come as one ascending run, which it
+        # merges; 640 blocks x 32 pages 113-177 us against quicksort's ~600
+        # (dev VM; on shuffled offsets it would be 842 against 577).
+        start = np.sort(off, kind="stable")
         if not (np.diff(start) < nbytes[0]).any():
             return
     order = np.argsort(off, kind="stable")
