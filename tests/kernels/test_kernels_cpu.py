@@ -206,3 +206,28 @@ def test_split_of_equal_pages_copies_the_same_bytes() -> None:
         cpu._copy_table_py(src, want, table)
         cpu._copy_table_py(src, got, out)
         np.testing.assert_array_equal(got, want)
+
+
+def test_disjointness_check_matches_brute_force() -> None:
+    """Equal and mixed sizes, runs and shuffles: refused exactly when two
+    destination ranges overlap."""
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        n = int(rng.integers(2, 40))
+        equal = rng.random() < 0.7
+        nbytes = np.full(n, 16) if equal else rng.integers(1, 4, n) * 16
+        off = rng.choice(np.arange(0, 64 * 16, 8), n, replace=False)
+        if rng.random() < 0.5:
+            off = np.sort(off)  # one ascending run, as a block's pages come
+        ends = off + nbytes
+        clash = any(
+            off[i] < ends[j] and off[j] < ends[i]
+            for i in range(n)
+            for j in range(i + 1, n)
+        )
+        off_u, nb_u = off.astype(np.uint64), nbytes.astype(np.uint64)
+        if clash:
+            with pytest.raises(InternalError, match="overlaps"):
+                kernels.plan._check_disjoint("transfers.dst", off_u, nb_u)
+        else:
+            kernels.plan._check_disjoint("transfers.dst", off_u, nb_u)
