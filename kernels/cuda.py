@@ -6,7 +6,7 @@ integers. The wrapper passes each buffer's device address (as uint8* and as
 uint64*) and descriptors as byte offsets from those bases, after checking every
 range against its buffer. No DeviceNDArray is built, which also skips numba's
 per-array argument marshalling (about 10 us per array per launch); after the
-first launch in a context even numba's dispatch is skipped (the driver's
+first launch on a stream even numba's dispatch is skipped (the driver's
 cuLaunchKernel, pegaflow.kernels.driver_launch). Mapped
 pinned host memory (the pool) is reached through its device alias
 (`cuMemHostGetDevicePointer`) while descriptors keep naming it by host address.
