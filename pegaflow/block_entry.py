@@ -18,7 +18,9 @@ from .keys import Key
 
 def layer_mask(rank: int, layers: np.ndarray, num_layers: int) -> int:
     """Bit rank * num_layers + layer for each layer: a block's (shard, layer)
-    pieces as one Python int."""
+    pieces as one Python int. `layers` distinct and in range (Engine._layers)."""
+    if len(layers) == num_layers:  # every layer, the usual save: no arrays
+        return ((1 << num_layers) - 1) << (rank * num_layers)
     bits = np.zeros(num_layers, bool)
     bits[layers] = True
     packed = np.packbits(bits, bitorder="little").tobytes()
