@@ -11,10 +11,11 @@ second holds a pointer to each.
 
 The first launch on each stream goes through numba, which compiles the kernel
 and loads its module in the stream's context (the current one); the driver
-function is looked up after it (streams live as long as the copier, so a
-handle is never reused for another context meanwhile). Where the function
-cannot be found (another numba-cuda), numba keeps launching; nothing else
-changes. Callers serialise launches (the table lock), so the one parameter
+function is looked up after it. What is known is kept per stream object, as
+long as that object lives: a stream destroyed and another created with the
+same handle value (in another context, perhaps) starts over. Where the
+function cannot be found (another numba-cuda), numba keeps launching; nothing
+else changes. Callers serialise launches (the table lock), so the one parameter
 buffer is never filled by two threads at once; the driver copies the
 parameters at the call, so the next fill cannot reach a queued launch.
 """
@@ -22,6 +23,7 @@ parameters at the call, so the next fill cannot reach a queued launch.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import numpy as np
@@ -40,21 +42,23 @@ class DriverLaunch:
             base
         )
         self._params = int(self._pointers.ctypes.data)
-        # stream handle -> (its CUstream, the kernel's CUfunction in the
+        # numba stream -> (its CUstream, the kernel's CUfunction in the
         # stream's context, or None: numba launches). A stream belongs to one
         # context, so no current-context query per launch.
-        self._streams: dict[int, tuple[Any, Any]] = {}
+        self._streams: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def __call__(
         self, blocks: int, threads: int, stream: Any, args: tuple[int, ...]
     ) -> None:
         from cuda.bindings import driver as d
 
-        handle = int(stream.handle)
-        known = self._streams.get(handle)
+        known = self._streams.get(stream)
         if known is None:  # this stream's first launch: numba loads the module
             self._kernel[blocks, threads, stream](*args)
-            self._streams[handle] = (d.CUstream(handle), _function(self._kernel))
+            cu_stream = d.CUstream(int(stream.handle))
+            self._streams[stream] = (cu_stream, _function(self._kernel))
             return
         cu_stream, func = known
         if func is None:

@@ -51,22 +51,27 @@ def test_first_launch_numba_then_the_driver(monkeypatch, driver_calls) -> None:
     launch(4, 256, first, (1, 2**63 + 5, 9))
     assert kernel.numba_launches == [((4, 256, first), (1, 2**63 + 5, 9))]
     assert not driver_calls
-    launch(5, 128, Stream(7), (10, 20, 30))
-    launch(6, 128, Stream(7), (11, 21, 31))
+    launch(5, 128, first, (10, 20, 30))
+    launch(6, 128, first, (11, 21, 31))
     assert driver_calls == [
         (func, 5, 128, 7, [10, 20, 30]),
         (func, 6, 128, 7, [11, 21, 31]),
     ]
     launch(2, 64, Stream(8), (0, 0, 0))  # another stream: numba first again
     assert len(kernel.numba_launches) == 2 and len(driver_calls) == 2
+    del first
+    again = Stream(7)  # the handle value reused by a new stream: starts over
+    launch(3, 64, again, (1, 1, 1))
+    assert len(kernel.numba_launches) == 3 and len(driver_calls) == 2
 
 
 def test_no_driver_function_keeps_numba(monkeypatch, driver_calls) -> None:
     kernel = FakeKernel()
     monkeypatch.setattr(driver_launch, "_function", lambda k: None)
     launch = driver_launch.DriverLaunch(kernel, 3)
+    stream = Stream(9)
     for _ in range(3):
-        launch(1, 32, Stream(9), (1, 2, 3))
+        launch(1, 32, stream, (1, 2, 3))
     assert len(kernel.numba_launches) == 3 and not driver_calls
 
 
