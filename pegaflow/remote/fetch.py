@@ -25,7 +25,7 @@ from ..proto import peer_pb2 as peer_pb
 from .metrics import RemoteMetrics
 from .peers import Endpoint, PeerChannels
 from .slot_sums import SlotHasher
-from .transport import RemoteTransport, TransportError
+from .transport import RemoteTransport, TransportError, Wait
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class OwnerReads:
             (a * shards, min(len(local), a + per) * shards)
             for a in range(0, len(local), per)
         ]
-        waits: list[Callable[[], None]] = []
+        waits: list[Wait] = []
         try:
             for a, b in cuts:
                 waits.append(
@@ -213,8 +213,11 @@ class OwnerReads:
         with concurrent.futures.ThreadPoolExecutor(1) as pipeline:
             for i, ((a, b), wait) in enumerate(zip(cuts, waits, strict=True)):
                 try:
-                    wait()
-                except TransportError as exc:  # the rest are still waited for
+                    # After a failure the rest are only waited out: a retry
+                    # each (up to the transfer timeout apiece, a stopped peer)
+                    # would add up, and the fetch fails anyway.
+                    wait(retry=failure is None)
+                except TransportError as exc:
                     failure = failure or exc
                     continue
                 except BaseException:
@@ -251,10 +254,10 @@ class OwnerReads:
         task.add_done_callback(self._tasks.discard)
 
 
-def _drain(waits: list[Callable[[], None]]) -> None:
+def _drain(waits: list[Wait]) -> None:
     for wait in waits:
         with contextlib.suppress(TransportError):
-            wait()
+            wait(retry=False)
 
 
 class Refused(Exception):

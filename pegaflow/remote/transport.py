@@ -32,6 +32,9 @@ class TransportError(RuntimeError):
     """A read that did not complete: its destination bytes are undefined."""
 
 
+Wait = Callable[..., None]  # wait(retry: bool = True) -> None
+
+
 class RemoteTransport(Protocol):
     retried: int  # reads that failed once and succeeded on the retry
 
@@ -46,10 +49,11 @@ class RemoteTransport(Protocol):
 
     def submit(
         self, endpoint: str, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray
-    ) -> Callable[[], None]:
+    ) -> Wait:
         """Start that read; the call returned waits until no byte of it is in
-        flight any more, then raises TransportError if it failed. An engine
-        without asynchronous reads may read inside that call."""
+        flight any more, then raises TransportError if it failed (with
+        retry=False: without trying again first). An engine without
+        asynchronous reads may read inside that call."""
         ...
 
     @property
@@ -132,7 +136,7 @@ class MooncakeTransport:
 
     def submit(
         self, endpoint: str, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray
-    ) -> Callable[[], None]:
+    ) -> Wait:
         pending = []  # (batch id or 0 when refused at submission, its arrays)
         try:
             for start, stop in batches(lengths, MAX_BATCH_BYTES):
@@ -148,11 +152,13 @@ class MooncakeTransport:
                     self._engine.get_batch_transfer_status([batch])
             raise
 
-        def wait() -> None:
+        def wait(retry: bool = True) -> None:
             failed = []
             for batch, args in pending:  # every batch waited for, failed or not
                 if batch == 0 or self._engine.get_batch_transfer_status([batch]) != 0:
                     failed.append(args)
+            if failed and not retry:
+                raise TransportError(f"read from {endpoint} failed")
             for args in failed:
                 # 0.3.13.post1/0.3.14: the first transfer after a few idle
                 # seconds can fail on a connection the peer dropped; once is

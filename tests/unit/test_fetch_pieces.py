@@ -30,12 +30,12 @@ class PieceTransport:
         self.rng = np.random.default_rng(5)
 
     def submit(self, endpoint, local, remote, lengths):
-        piece = {"local": local.copy(), "waited": False}
+        piece = {"local": local.copy(), "waited": False, "retry": None}
         index = len(self.pieces)
         self.pieces.append(piece)
 
-        def wait() -> None:
-            piece["waited"] = True
+        def wait(retry: bool = True) -> None:
+            piece["waited"], piece["retry"] = True, retry
             if index == self.fail_at:
                 raise TransportError("piece failed")
             for address in piece["local"].tolist():
@@ -89,3 +89,5 @@ def test_a_failed_piece_waits_for_the_others(pool, monkeypatch) -> None:
     finally:
         hasher.close()
     assert [p["waited"] for p in transport.pieces] == [True] * 5
+    # Once one failed, the rest are waited out without a retry each.
+    assert [p["retry"] for p in transport.pieces] == [True, True, False, False, False]
