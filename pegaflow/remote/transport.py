@@ -1,6 +1,8 @@
 """One-sided reads of a peer's pool: the narrow interface the remote tier needs
-(register, read a batch, endpoint, close) and its Mooncake Transfer Engine
-implementation. Another engine (NIXL) stands in by implementing RemoteTransport.
+(register, read a batch or submit one and wait for it later, endpoint, close)
+and its Mooncake Transfer Engine implementation. Another engine (NIXL, whose
+transfers are posted and then polled the same way) stands in by implementing
+RemoteTransport.
 
 Mooncake serves reads of registered memory only: a read outside what the owner
 registered is refused by the owner's engine (the TCP engine thread, or the NIC's
