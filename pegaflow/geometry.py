@@ -92,6 +92,7 @@ class KVGeometry:
         self.num_layers = len(layers)
         self.layer_rows = np.repeat(np.arange(len(layers)), seg_counts)
         self._all_rows = np.arange(rows)
+        self._layer_ids = np.arange(len(layers))
 
     def engine_to_slots(
         self, block_ids: np.ndarray, slot_addrs: np.ndarray, layer_ids: np.ndarray
@@ -105,6 +106,8 @@ class KVGeometry:
         ids = np.asarray(layer_ids)
         if not ids.size:
             return np.zeros(0, np.intp)
+        if len(ids) == self.num_layers and (ids == self._layer_ids).all():
+            return self._all_rows  # every layer in order, the usual save
         if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.num_layers:
             return np.flatnonzero(np.isin(self.layer_rows, ids))  # ids outside
         wanted = np.zeros(self.num_layers, bool)
@@ -114,7 +117,7 @@ class KVGeometry:
     def _transfers(
         self, block_ids: np.ndarray, slot_addrs: np.ndarray, rows: np.ndarray
     ) -> Transfers:
-        if rows is self._all_rows:  # a load: every row, no gather of the tables
+        if rows is self._all_rows:  # every row: no gather of the tables
             offset, stride = self.engine_offset, self.block_stride
             slot_offset, seg = self.slot_offset, self.seg_bytes
         else:

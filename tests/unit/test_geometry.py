@@ -123,7 +123,9 @@ def test_layer_rows_match_isin() -> None:
     layers = tuple(LayerLayout(0, i * 65536, 8, 8192, segs) for i in range(5))
     g = KVGeometry(layers, [0x100000])
     slots = np.array([0x900000, 0x800000], np.uint64)
-    for ids in ([], [0, 1, 2, 3, 4], [3, 1], [4], [2, 9], [-1, 0], [1, 1]):
+    cases = ([], [0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [0, 1, 2, 3, 3], [3, 1], [4],
+             [2, 9], [-1, 0], [1, 1])  # fmt: skip
+    for ids in cases:  # every layer in order: the rows-as-they-are path
         layer_ids = np.array(ids, np.int64)
         got = g.engine_to_slots(np.array([3, 5]), slots, layer_ids)
         rows = np.flatnonzero(np.isin(g.layer_rows, layer_ids))
