@@ -72,6 +72,15 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         help="a peer fetch taking longer becomes a miss (default: %(default)s)",
     )
     g.add_argument(
+        "--remote-quarantine",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="local slots of a peer read that failed while bytes may still land "
+        "stay out of use this long (default: 4x the transfer engine's timeouts, "
+        "at least 60)",
+    )
+    g.add_argument(
         "--remote-query-timeout",
         type=float,
         default=0.05,
@@ -115,6 +124,7 @@ def remote_config(args: argparse.Namespace) -> RemoteConfig | None:
         node_id=args.node_id,
         query_timeout_s=args.remote_query_timeout,
         fetch_timeout_s=args.remote_fetch_timeout,
+        quarantine_s=args.remote_quarantine,
         max_advertise_queue=args.metaserver_queue_depth,
         allow_loopback=args.remote_allow_loopback,
     )

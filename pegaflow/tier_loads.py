@@ -52,20 +52,28 @@ class TierLoads:
         return entries[:whole]
 
     def finish_load(
-        self: BlockStore, entries: list[BlockEntry], ok: np.ndarray
-    ) -> None:
-        """Blocks that arrived become ready (visible, evictable); the rest go."""
+        self: BlockStore,
+        entries: list[BlockEntry],
+        ok: np.ndarray,
+        withhold: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Blocks that arrived become ready (visible, evictable); the rest go.
+        The slots of those that did not arrive and are marked in `withhold`
+        (a read may still write them) stay allocated: returned, for the caller
+        to hand back through free_withheld once nothing can write them."""
         self.apply_touches()
         lost: list[np.ndarray] = []
+        held: list[np.ndarray] = []
         published: list[BlockEntry] = []
-        for entry, good in zip(entries, ok.tolist(), strict=True):
+        keep = withhold.tolist() if withhold is not None else [False] * len(entries)
+        for entry, good, hold in zip(entries, ok.tolist(), keep, strict=True):
             entry.pins -= 1
             if good:  # in flight on every bit: those are the complete block
                 entry.landed, entry.in_flight = entry.in_flight, 0
                 published.append(entry)
             else:
                 entry.in_flight = 0
-                lost.append(entry.slot_array())
+                (held if hold else lost).append(entry.slot_array())
                 self._pop_entry(entry.key)
         if lost:
             self.slabs.free(np.concatenate(lost))
@@ -75,6 +83,12 @@ class TierLoads:
             self.log.landed(published)
         if published and self.published is not None:
             self.published(published)
+        return np.concatenate(held) if held else np.empty(0, np.uint64)
+
+    def free_withheld(self: BlockStore, slots: np.ndarray) -> None:
+        """Slots finish_load withheld, now that nothing can write them."""
+        if len(slots):
+            self.slabs.free(slots)
 
     def adopt(
         self: BlockStore, ns: Namespace, hashes: list[BlockHash], slots: np.ndarray

@@ -29,6 +29,9 @@ class RemoteConfig:
     # A failed or empty metaserver answer for a prefix is remembered this long,
     # so the engine's next poll of the same prefix is answered at once.
     negative_ttl_s: float = 2.0
+    # Slots of a read that failed with bytes possibly in flight stay out of use
+    # this long; None: from Mooncake's timeouts (transport.quarantine_s).
+    quarantine_s: float | None = None
     max_advertise_queue: int = 1 << 20  # hashes waiting for the metaserver
     # Peers on this one host only (the demo, trying it out): --addr may be
     # loopback. Never set where peers are other machines.
@@ -48,6 +51,8 @@ class RemoteConfig:
         check_seconds("remote_query_timeout_s", self.query_timeout_s, 10.0)
         check_seconds("remote_fetch_timeout_s", self.fetch_timeout_s, 120.0)
         check_seconds("remote_negative_ttl_s", self.negative_ttl_s, 3600.0, True)
+        if self.quarantine_s is not None:
+            check_seconds("remote_quarantine_s", self.quarantine_s, 3600.0)
         check_int("max_advertise_queue", self.max_advertise_queue, 1, 1 << 28)
 
     @property

@@ -63,6 +63,7 @@ class RemoteStats:
     # reader's checksums after the last transfer), checksums_wait, publish
     last_phases_ms: dict[str, float] = field(default_factory=dict)
     peers_seen: set[str] = field(default_factory=set)  # owners fetched from
+    quarantined_slots: int = 0  # ever held back after a read failed mid-flight
 
 
 class OwnerReads:
@@ -95,9 +96,12 @@ class OwnerReads:
         entries: list[BlockEntry],
         seg: PlanSegment,
         ok: np.ndarray,
+        tainted: np.ndarray,
         deadline: float,
     ) -> None:
-        """One owner's run: pin, check, read, verify, release."""
+        """One owner's run: pin, check, read, verify, release. Marks ok[i]
+        for the blocks that arrived intact and tainted[i] for those whose read
+        failed with bytes still in flight (their slots must be quarantined)."""
         run = entries[seg.start : seg.start + seg.blocks]
         keys = [e.key for e in run]
         left = deadline - time.monotonic()
@@ -152,6 +156,8 @@ class OwnerReads:
             phases["checksums_wait"] = elapsed_ms(reading) - phases["read"]
         except TransportError as exc:
             logger.info("peer %s: %s", seg.endpoint.transfer, exc)
+            if exc.in_flight:
+                tainted[seg.start : seg.start + n] = True
             return self._fail(keys[:n], "transport")
         except (grpc.RpcError, Refused) as exc:
             logger.info("peer %s: no checksums: %s", seg.endpoint.rpc, exc)
@@ -183,8 +189,9 @@ class OwnerReads:
         """On a worker thread: the read submitted in pieces at once (see
         _PIECE_BYTES), each piece hashed (on the hasher's threads) as soon as it
         landed while the later ones still travel. The checksum of every slot
-        read ([blocks, shards]). Returns or raises only once no byte of the
-        read is in flight: the slots may be reused after that."""
+        read ([blocks, shards]). Returns only once every byte of the read
+        landed; raises TransportError once the transport reported on every
+        piece, with in_flight set when bytes may still land later."""
         shards = local.shape[1]
         block_bytes = slot_bytes * shards
         piece = max(_PIECE_BYTES, -(-len(local) * block_bytes // _MAX_PIECES))
@@ -205,11 +212,11 @@ class OwnerReads:
                         endpoint, flat_local[a:b], flat_remote[a:b], lengths[a:b]
                     )
                 )
-        except BaseException:
-            _drain(waits)  # nothing may still land once we give the slots up
-            raise
+        except BaseException as exc:
+            _give_up(waits, exc)
         hashed: list[concurrent.futures.Future[np.ndarray]] = []
         failure: TransportError | None = None
+        in_flight = False
         with concurrent.futures.ThreadPoolExecutor(1) as pipeline:
             for i, ((a, b), wait) in enumerate(zip(cuts, waits, strict=True)):
                 try:
@@ -219,10 +226,10 @@ class OwnerReads:
                     wait(retry=failure is None)
                 except TransportError as exc:
                     failure = failure or exc
+                    in_flight = in_flight or exc.in_flight
                     continue
-                except BaseException:
-                    _drain(waits[i + 1 :])
-                    raise
+                except BaseException as exc:
+                    _give_up(waits[i + 1 :], exc)
                 if failure is None:
                     hashed.append(
                         pipeline.submit(self._hasher.checksums, self._pool,
@@ -231,7 +238,7 @@ class OwnerReads:
             last = time.monotonic()
             phases["transfer"] = round((last - began) * 1e3, 3)
             if failure is not None:
-                raise failure
+                raise TransportError(str(failure), in_flight) from failure
             sums = np.concatenate([f.result() for f in hashed]).reshape(local.shape)
         phases["hash"] = elapsed_ms(last)
         retried = self._transport.retried - before
@@ -254,10 +261,14 @@ class OwnerReads:
         task.add_done_callback(self._tasks.discard)
 
 
-def _drain(waits: list[Wait]) -> None:
+def _give_up(waits: list[Wait], exc: BaseException) -> None:
+    """After an unexpected error: the pieces not yet waited for are waited
+    out, and the read fails as one whose bytes may still land (what the
+    failed call left behind is unknown)."""
     for wait in waits:
         with contextlib.suppress(TransportError):
             wait(retry=False)
+    raise TransportError(f"read abandoned: {exc!r}", in_flight=True) from exc
 
 
 class Refused(Exception):
@@ -276,6 +287,8 @@ def check_pin(
         raise Refused("geometry")
     if pin.pin_id == 0 or pin.blocks == 0:
         raise Refused("peer_evicted")
+    if (pin.slot_bytes, pin.shards) != (ns.slot_bytes, ns.tp_size):
+        raise Refused("geometry")  # blocks granted with no geometry said
     want = pin.blocks * pin.shards * 8
     if pin.blocks > asked or len(pin.slot_addrs) != want:
         raise Refused("geometry")

@@ -14,6 +14,12 @@ A fetch, all on the event loop but the read itself:
 4. blocks that arrived intact are published like local saves; the rest are
    freed and counted by cause. The engine's next poll finds them ready.
 
+A read that failed while some of its bytes may still land (Mooncake cannot
+cancel the other tasks of a failed batch) leaves its slots quarantined: kept
+out of the allocator for --remote-quarantine seconds, so no later block is
+written over by a stale task. While quarantined slots hold more than
+_QUARANTINE_SHARE of the pool, fetches are not started (cause "quarantine").
+
 Failures become misses, never hangs or wrong bytes: every step has a deadline
 (--remote-fetch-timeout), and a prefix whose fetch failed, or that the
 metaserver did not know, is remembered for a moment so the engine's next poll
@@ -56,11 +62,13 @@ from .metrics import RemoteMetrics
 from .peers import Endpoint, PeerChannels
 from .pins import PinTable
 from .slot_sums import SlotHasher
-from .transport import RemoteTransport
+from .transport import RemoteTransport, quarantine_s
 
 logger = logging.getLogger(__name__)
 
 _REMEMBERED = 1 << 16  # prefixes remembered as failed or unknown, and unfetched keys
+# A peer that keeps failing mid-read must not shrink the pool by more than this.
+_QUARANTINE_SHARE = 1 / 8
 
 
 class RemoteLink:
@@ -92,6 +100,8 @@ class RemoteLink:
         self._negative: OrderedDict[Key, float] = OrderedDict()  # key -> until
         self._unfetched: OrderedDict[Key, None] = OrderedDict()  # for the miss causes
         self._tasks: set[asyncio.Task[None]] = set()
+        self._quarantine_timers: set[asyncio.TimerHandle] = set()
+        self.quarantined_bytes = 0
         self.stats = RemoteStats()
         addr = config.metaserver_host_port
         self._meta_channel = grpc.aio.insecure_channel(addr)
@@ -196,6 +206,10 @@ class RemoteLink:
         planned = plan[-1].start + plan[-1].blocks
         if first in self._store.entries:  # saved here while we asked
             return 0, False
+        if self.quarantined_bytes > self._pool.size * _QUARANTINE_SHARE:
+            self._mark_unfetched(ns, rest[:planned], "quarantine")
+            self._remember(first)
+            return 0, False
         entries = self._store.reserve_load(ns, rest[:planned])
         if not entries:
             self._mark_unfetched(ns, rest[:planned], "no_slot")
@@ -241,11 +255,14 @@ class RemoteLink:
         began: float,
     ) -> None:
         ok = np.zeros(len(entries), bool)
+        tainted = np.zeros(len(entries), bool)
         deadline = began + self.config.fetch_timeout_s
         reads = [
             asyncio.ensure_future(
-                self._reads.run(ns, self.digest(ns), entries, seg, ok, deadline)
-            )
+                self._reads.run(
+                    ns, self.digest(ns), entries, seg, ok, tainted, deadline
+                )
+            )  # fmt: skip
             for seg in plan
         ]
         done, late = await asyncio.wait(
@@ -262,7 +279,9 @@ class RemoteLink:
             self._unloading(entries)
             self._remember(entries[0].key)
             await asyncio.wait(late)
-            self._store.finish_load(entries, np.zeros(len(entries), bool))
+            lost = np.zeros(len(entries), bool)
+            held = self._store.finish_load(entries, lost, tainted)
+            self._quarantine(held, ns.slot_bytes)
             return
         self._unloading(entries)
         good = int(ok.sum())
@@ -280,7 +299,8 @@ class RemoteLink:
         st.fetch_seconds += seconds
         st.last_fetch_s = seconds
         publishing = time.monotonic()
-        self._store.finish_load(entries, ok)
+        held = self._store.finish_load(entries, ok, tainted)
+        self._quarantine(held, ns.slot_bytes)
         st.last_phases_ms["publish"] = elapsed_ms(publishing)  # after fetch_ms
         logger.debug(
             "fetched %d of %d blocks (%d B) from %d peer(s) in %.1f ms",
@@ -298,6 +318,29 @@ class RemoteLink:
         self, ns: Namespace, hashes: list[BlockHash], cause: str
     ) -> None:
         self._fail([(ns.id, h) for h in hashes], cause)
+
+    def _quarantine(self, slots: np.ndarray, slot_bytes: int) -> None:
+        """Slots a failed read may still write: back to the allocator only
+        after the quarantine."""
+        if not len(slots):
+            return
+        nbytes = len(slots) * slot_bytes
+        seconds = self.config.quarantine_s or quarantine_s()
+        self.quarantined_bytes += nbytes
+        self.metrics.quarantined.inc(len(slots))
+        self.stats.quarantined_slots += len(slots)
+        logger.warning(
+            "%d slot(s) quarantined for %.0f s: a failed read may still write them",
+            len(slots), seconds,
+        )  # fmt: skip
+
+        def release() -> None:
+            self._quarantine_timers.discard(timer)
+            self.quarantined_bytes -= nbytes
+            self._store.free_withheld(slots)
+
+        timer = asyncio.get_running_loop().call_later(seconds, release)
+        self._quarantine_timers.add(timer)
 
     def _unloading(self, entries: list[BlockEntry]) -> None:
         for e in entries:
@@ -345,6 +388,8 @@ class RemoteLink:
             "pins_held": len(self.pins),
             "pins_expired": self.pins.expired,
             "pins_refused": self.pins.refused,
+            "quarantined_slots": st.quarantined_slots,
+            "quarantined_bytes": self.quarantined_bytes,
             "advertised": adv.counters.advertised if adv else 0,
             "withdrawn": adv.counters.withdrawn if adv else 0,
             "advertise_dropped": adv.counters.dropped if adv else 0,
@@ -361,6 +406,8 @@ class RemoteLink:
             await asyncio.to_thread(self.advertiser.close)
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=self.config.fetch_timeout_s)
+        for timer in self._quarantine_timers:  # the slots go with the process
+            timer.cancel()
         self.pins.close()
         await asyncio.to_thread(self._hasher.close)  # after the pins' hashing
         await self._peers.close()

@@ -22,6 +22,7 @@ FAILURE_CAUSES = (
     "checksum",  # the bytes read did not match the peer's checksums
     "deadline",  # the fetch outlived --remote-fetch-timeout
     "no_slot",  # no local L1 slot could be freed for it
+    "quarantine",  # too many slots held back from failed reads (see link.py)
 )
 _BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
 
@@ -60,9 +61,14 @@ class RemoteMetrics:
         self.pins = Gauge(
             "pegaflow_remote_pins", "pins held here for readers on peers", registry=r
         )
+        self.quarantined = Counter(
+            "pegaflow_remote_quarantined_slots",
+            "local slots held back after a read failed with bytes in flight",
+            registry=r,
+        )
         self.retries = Counter(
             "pegaflow_remote_read_retries",
-            "one-sided reads that failed once and succeeded on the retry",
+            "one-sided reads refused at submission and read again successfully",
             registry=r,
         )
 

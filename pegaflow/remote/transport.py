@@ -31,14 +31,43 @@ MAX_REGISTER_BYTES = 4 << 30
 
 
 class TransportError(RuntimeError):
-    """A read that did not complete: its destination bytes are undefined."""
+    """A read that did not complete: its destination bytes are undefined.
+
+    in_flight: some of its bytes may still land in the local addresses, at any
+    later time. Mooncake reports a batch failed at its first failed task, and
+    stops waiting at its own timeout, while the batch's other tasks still run
+    (they cannot be cancelled, and Python sees no per-task status); so the
+    addresses must not be reused before `quarantine_s()` has passed."""
+
+    def __init__(self, message: str, in_flight: bool = False) -> None:
+        super().__init__(message)
+        self.in_flight = in_flight
 
 
 Wait = Callable[..., None]  # wait(retry: bool = True) -> None
 
+# A task of a failed batch still running this long after the failure is beyond
+# anything Mooncake's own timeouts allow (its status gives up after the batch's
+# bytes at 1 GiB/s plus MC_TRANSFER_TIMEOUT; a TCP slice without progress for
+# MC_TCP_PROGRESS_TIMEOUT_SEC fails): several times the longer of the two.
+_QUARANTINE_MIN_S = 60.0
+_QUARANTINE_TIMEOUTS = 4
+
+
+def quarantine_s() -> float:
+    """How long local addresses of a read that failed with bytes in flight are
+    kept from reuse (from Mooncake's timeouts as this process configured them)."""
+    timeouts = [5.0]  # Mooncake's floor for MC_TRANSFER_TIMEOUT
+    for name in ("MC_TRANSFER_TIMEOUT", "MC_TCP_PROGRESS_TIMEOUT_SEC"):
+        try:
+            timeouts.append(float(os.environ.get(name, "0")))
+        except ValueError:
+            continue
+    return max(_QUARANTINE_MIN_S, _QUARANTINE_TIMEOUTS * max(timeouts))
+
 
 class RemoteTransport(Protocol):
-    retried: int  # reads that failed once and succeeded on the retry
+    retried: int  # reads refused at submission, then read successfully
 
     def register(self, base: int, size: int) -> None: ...
 
@@ -52,9 +81,10 @@ class RemoteTransport(Protocol):
     def submit(
         self, endpoint: str, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray
     ) -> Wait:
-        """Start that read; the call returned waits until no byte of it is in
-        flight any more, then raises TransportError if it failed (with
-        retry=False: without trying again first). An engine without
+        """Start that read; the call returned waits until the engine reported
+        on every part of it, then raises TransportError if it failed (with
+        in_flight set when bytes may still land; with retry=False: without
+        trying again first, where retrying is safe at all). An engine without
         asynchronous reads may read inside that call."""
         ...
 
@@ -118,7 +148,7 @@ class MooncakeTransport:
         self._endpoint = _endpoint(settings.host, self._engine.get_rpc_port())
         self._registered: list[tuple[int, int]] = []
         self._lock = threading.Lock()  # register/close vs reads
-        self.retried = 0  # reads that failed once and succeeded on the retry
+        self.retried = 0  # reads refused at submission, then read successfully
 
     @property
     def endpoint(self) -> str:
@@ -148,25 +178,30 @@ class MooncakeTransport:
                 )
                 batch = self._engine.batch_transfer_async_read(endpoint, *args)
                 pending.append((batch, args))
-        except BaseException:  # the batches already submitted still land
-            for batch, _ in pending:
-                if batch:
-                    self._engine.get_batch_transfer_status([batch])
+        except BaseException as exc:  # the batches already submitted still land
+            landing = [batch for batch, _ in pending if batch]
+            if any(self._engine.get_batch_transfer_status([b]) != 0 for b in landing):
+                raise TransportError(
+                    f"read from {endpoint} failed while being submitted", True
+                ) from exc
             raise
 
         def wait(retry: bool = True) -> None:
-            failed = []
+            refused, failed = [], False
             for batch, args in pending:  # every batch waited for, failed or not
-                if batch == 0 or self._engine.get_batch_transfer_status([batch]) != 0:
-                    failed.append(args)
-            if failed and not retry:
-                raise TransportError(f"read from {endpoint} failed")
-            for args in failed:
+                if batch == 0:
+                    refused.append(args)  # nothing of it in flight
+                elif self._engine.get_batch_transfer_status([batch]) != 0:
+                    failed = True
+            if failed:  # never read again into addresses that may still change
+                raise TransportError(f"read from {endpoint} failed", in_flight=True)
+            if refused and not retry:
+                raise TransportError(f"read from {endpoint} refused at submission")
+            for args in refused:
                 # 0.3.13.post1/0.3.14: the first transfer after a few idle
-                # seconds can fail on a connection the peer dropped; once is
-                # a retry.
+                # seconds can be refused (Mooncake issue 4209); once is a retry.
                 if self._engine.batch_transfer_sync_read(endpoint, *args) != 0:
-                    raise TransportError(f"read from {endpoint} failed")
+                    raise TransportError(f"read from {endpoint} failed", True)
                 self.retried += 1
 
         return wait

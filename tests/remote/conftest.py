@@ -63,6 +63,7 @@ class Cluster:
             "--pool-size", "256mb",
             "--metaserver-addr", f"http://{self.meta_addr}",
             "--remote-fetch-timeout", "5",
+            "--remote-quarantine", "3",
             "--socket", str(self.tmp / f"node{i}.sock"),
             *extra,
             prefix=tuple(node.argv()),

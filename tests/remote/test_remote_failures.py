@@ -73,6 +73,11 @@ def test_peer_killed_mid_transfer_is_a_miss(cluster: Cluster) -> None:
     again = time.monotonic()
     assert reader.call("query", hashes=hashes, wait_s=10)["num_blocks"] == 0
     assert time.monotonic() - again < 6
+    # The failed read's slots were kept from reuse (its bytes might still
+    # land), then given back once --remote-quarantine (3 s) had passed.
+    assert cluster.remote(1)["quarantined_slots"] >= 128
+    cluster.wait_remote(1, lambda r: r["quarantined_bytes"] == 0, "the quarantine",
+                        timeout_s=10)  # fmt: skip
     cluster.start_server(2)  # a new incarnation for the tests after this one
     cluster.wait_remote(2, lambda r: r["joined"], "node 2 joining again")
 

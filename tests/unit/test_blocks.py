@@ -170,6 +170,26 @@ def test_slow_tier_reservation_takes_whole_blocks_only() -> None:
     assert _save(store, ns, _h(1), rank=1) == (0, 1, 0)  # ready: dedup
 
 
+def test_withheld_slots_of_a_failed_load_are_not_reused_until_freed() -> None:
+    """A slow-tier load whose read may still write its slots: the blocks that
+    did not arrive leave the index, but the slots of the withheld ones stay out
+    of the allocator (saves evict or are refused instead) until free_withheld."""
+    store, ns = _store(2), _ns(tp=1)
+    got = store.reserve_load(ns, _h(1, 2))
+    held = store.finish_load(got, np.array([False, True]), np.array([True, False]))
+    assert held.tolist() == got[0].slots
+    assert (1, _h(1)[0]) not in store.entries  # not loaded, not findable
+    assert store.slabs.used_bytes == 2 * SLOT
+    for h in (9, 10):  # each evicts the one ready block, never the held slot
+        assert _save(store, ns, _h(h)) == (1, 0, 0)
+        assert store.entries[(1, _h(h)[0])].slots != got[0].slots
+    assert store.counters.evictions == 2
+    store.free_withheld(held)
+    assert _save(store, ns, _h(11)) == (1, 0, 0)
+    assert store.entries[(1, _h(11)[0])].slots == got[0].slots  # free: no eviction
+    assert store.counters.evictions == 2
+
+
 def test_large_packed_queries_take_the_hash_table_through_evictions(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,6 +1,7 @@
 """A fetch's read in pieces submitted at once (pegaflow.remote.fetch): every
-slot hashed from the bytes that landed in it, in order; and when a piece
-fails, no piece is still in flight when the read gives its slots up."""
+slot hashed from the bytes that landed in it, in order; when a piece fails,
+every piece is waited out, and the read's error says whether bytes may still
+land (then its slots are quarantined, never reused at once)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ class PieceTransport:
     """Each submitted piece lands (random bytes into its local slots) when
     its wait is called; the piece `fail_at` fails there instead."""
 
-    def __init__(self, pool: HostPool, fail_at: int = -1) -> None:
+    def __init__(
+        self, pool: HostPool, fail_at: int = -1, error: BaseException | None = None
+    ) -> None:
         self.pool, self.fail_at = pool, fail_at
+        self.error = error or TransportError("piece failed")
         self.pieces: list[dict] = []
         self.retried = 0
         self.rng = np.random.default_rng(5)
@@ -37,7 +41,7 @@ class PieceTransport:
         def wait(retry: bool = True) -> None:
             piece["waited"], piece["retry"] = True, retry
             if index == self.fail_at:
-                raise TransportError("piece failed")
+                raise self.error
             for address in piece["local"].tolist():
                 self.pool.view(address, SLOT)[:] = self.rng.integers(0, 256, SLOT)
 
@@ -91,3 +95,27 @@ def test_a_failed_piece_waits_for_the_others(pool, monkeypatch) -> None:
     assert [p["waited"] for p in transport.pieces] == [True] * 5
     # Once one failed, the rest are waited out without a retry each.
     assert [p["retry"] for p in transport.pieces] == [True, True, False, False, False]
+
+
+@pytest.mark.parametrize(
+    "error, in_flight",
+    [
+        (TransportError("refused"), False),
+        (TransportError("failed", in_flight=True), True),
+        (ValueError("the engine said something unexpected"), True),
+    ],
+)
+def test_a_failed_read_says_whether_bytes_may_still_land(
+    pool, monkeypatch, error, in_flight
+) -> None:
+    monkeypatch.setattr(fetch, "_PIECE_BYTES", 2 * SLOT)  # one block a piece
+    transport, hasher = PieceTransport(pool, fail_at=2, error=error), SlotHasher(1)
+    try:
+        with pytest.raises(TransportError) as err:
+            reads(pool, transport, hasher)._read_and_hash(
+                "peer", slots(pool, 5, 2), slots(pool, 5, 2), SLOT, {}
+            )
+    finally:
+        hasher.close()
+    assert err.value.in_flight is in_flight
+    assert all(p["waited"] for p in transport.pieces)

@@ -90,8 +90,11 @@ def test_a_peers_pin_is_checked_before_any_read() -> None:
     short.slot_addrs = short.slot_addrs[:-8]
     torn = _pin(3)
     torn.checksums = torn.checksums[:8]
+    unsaid = _pin(3, shards=0, slot_bytes=0)  # blocks granted, no geometry
+    unsaid.slot_addrs = unsaid.checksums = b""
     for cause, pin in [*cases.items(), ("geometry", too_many),
-                       ("geometry", short), ("geometry", torn)]:  # fmt: skip
+                       ("geometry", short), ("geometry", torn),
+                       ("geometry", unsaid)]:  # fmt: skip
         with pytest.raises(Refused) as err:
             check_pin(pin, 4, NS)
         assert err.value.cause == cause

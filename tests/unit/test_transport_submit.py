@@ -1,6 +1,8 @@
 """MooncakeTransport.submit over a stand-in for Mooncake's engine: every
-submitted batch is waited for, a failed one is read again once (not with
-retry=False), and a submission that raises leaves nothing in flight."""
+submitted batch is waited for; a batch that failed once submitted is never
+read again into the same addresses (its other tasks may still write them: the
+error says so), while one refused at submission, with nothing in flight, is
+read again once; a submission that raises waits for the batches before it."""
 
 from __future__ import annotations
 
@@ -12,8 +14,11 @@ from pegaflow.remote.transport import MooncakeTransport, TransportError
 
 
 class Engine:
-    def __init__(self, status: int = 0, sync: int = 0, raise_at: int = -1) -> None:
+    def __init__(
+        self, status: int = 0, sync: int = 0, raise_at: int = -1, refuse: bool = False
+    ) -> None:
         self.status, self.sync, self.raise_at = status, sync, raise_at
+        self.refuse = refuse  # every submission answered 0, Mooncake's refusal
         self.submitted: list[int] = []
         self.waited: list[int] = []
         self.sync_reads = 0
@@ -22,7 +27,7 @@ class Engine:
         if len(self.submitted) == self.raise_at:
             raise TypeError("bad arguments")
         self.submitted.append(len(local))
-        return len(self.submitted)  # a batch id, never 0
+        return 0 if self.refuse else len(self.submitted)  # a batch id, never 0
 
     def get_batch_transfer_status(self, ids) -> int:
         self.waited += ids
@@ -47,23 +52,33 @@ def arrays(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     )
 
 
-def test_a_failed_batch_is_read_again_once() -> None:
+@pytest.mark.parametrize("retry", [True, False])
+def test_a_batch_failed_after_submission_is_not_read_again(retry) -> None:
     engine = Engine(status=-1)
-    t = transport(engine)
-    t.submit("peer:1", *arrays(4))()
-    assert engine.waited == [1] and engine.sync_reads == 1 and t.retried == 1
-
-
-def test_without_retry_a_failure_raises_at_once() -> None:
-    engine = Engine(status=-1)
-    with pytest.raises(TransportError):
-        transport(engine).submit("peer:1", *arrays(4))(retry=False)
+    with pytest.raises(TransportError) as err:
+        transport(engine).submit("peer:1", *arrays(4))(retry=retry)
+    assert err.value.in_flight
     assert engine.waited == [1] and engine.sync_reads == 0
 
 
-def test_a_retry_that_fails_raises() -> None:
-    with pytest.raises(TransportError, match="peer:1"):
-        transport(Engine(status=-1, sync=-1)).submit("peer:1", *arrays(4))()
+def test_a_refused_batch_is_read_again_once() -> None:
+    engine = Engine(refuse=True)
+    t = transport(engine)
+    t.submit("peer:1", *arrays(4))()
+    assert engine.waited == [] and engine.sync_reads == 1 and t.retried == 1
+
+
+def test_a_refused_batch_without_retry_left_nothing_in_flight() -> None:
+    engine = Engine(refuse=True)
+    with pytest.raises(TransportError) as err:
+        transport(engine).submit("peer:1", *arrays(4))(retry=False)
+    assert not err.value.in_flight and engine.sync_reads == 0
+
+
+def test_a_retry_that_fails_may_leave_bytes_in_flight() -> None:
+    with pytest.raises(TransportError, match="peer:1") as err:
+        transport(Engine(sync=-1, refuse=True)).submit("peer:1", *arrays(4))()
+    assert err.value.in_flight
 
 
 def test_a_submission_that_raises_waits_for_the_batches_before(monkeypatch) -> None:
@@ -72,3 +87,22 @@ def test_a_submission_that_raises_waits_for_the_batches_before(monkeypatch) -> N
     with pytest.raises(TypeError):
         transport(engine).submit("peer:1", *arrays(6))
     assert engine.submitted == [2] and engine.waited == [1]
+
+
+def test_a_submission_that_raises_after_a_failed_batch_says_in_flight(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(tr, "MAX_BATCH_BYTES", 2 << 20)
+    engine = Engine(status=-1, raise_at=1)
+    with pytest.raises(TransportError) as err:
+        transport(engine).submit("peer:1", *arrays(6))
+    assert err.value.in_flight and isinstance(err.value.__cause__, TypeError)
+
+
+def test_quarantine_outlasts_the_configured_timeouts(monkeypatch) -> None:
+    monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
+    monkeypatch.delenv("MC_TCP_PROGRESS_TIMEOUT_SEC", raising=False)
+    assert tr.quarantine_s() == 60.0
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "30")
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "not a number")
+    assert tr.quarantine_s() == 120.0
