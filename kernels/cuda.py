@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -435,12 +436,27 @@ class _Table:
         self.ptr = 0 if SIMULATED else self.mem.device_ctypes_pointer.value
 
 
+class _StreamTables:
+    """A stream's two tables, used in turn: one is filled while the kernel of
+    the other may still read it."""
+
+    __slots__ = ("tables", "turn")
+
+    def __init__(self) -> None:
+        self.tables: list[_Table | None] = [None, None]
+        self.turn = 1
+
+
 class CudaKernels(CopyKernels):
     """Hooks: one numba kernel launch per table, one cuMemcpyAsync per run."""
 
     def __init__(self) -> None:
-        self._tables: dict[tuple[int, int], _Table] = {}  # (stream, turn)
-        self._turn: dict[int, int] = {}
+        # Per stream object, not its handle: a destroyed stream's handle value
+        # may come back for a stream of another context, whose kernels could
+        # not read these tables' device pointers.
+        self._streams: weakref.WeakKeyDictionary[Any, _StreamTables] = (
+            weakref.WeakKeyDictionary()
+        )
         self._lock = threading.Lock()
         self._launchers: dict[str, Any] = {}  # kernel name -> its launch call
 
@@ -461,14 +477,17 @@ class CudaKernels(CopyKernels):
             self._launchers[name] = launch
         return launch
 
-    def _table(self, key: int, rows: int) -> _Table:
+    def _table(self, stream: Any, rows: int) -> _Table:
         """The stream's next table, once the kernel last reading it is done."""
-        turn = self._turn[key] = self._turn.get(key, 1) ^ 1
-        tab = self._tables.get((key, turn))
+        mine = self._streams.get(stream)
+        if mine is None:
+            mine = self._streams[stream] = _StreamTables()
+        mine.turn ^= 1
+        tab = mine.tables[mine.turn]
         if tab is not None:
             tab.done.synchronize()
         if tab is None or tab.cap < rows:
-            tab = self._tables[key, turn] = _Table(rows)
+            tab = mine.tables[mine.turn] = _Table(rows)
         return tab
 
     def _launch(
@@ -493,10 +512,9 @@ class CudaKernels(CopyKernels):
         if not n:
             return
         blocks = min(n, max_blocks or _default_blocks(threads))
-        key = id(stream) if SIMULATED else int(stream.handle)
         launch = self._launcher("block")
         with self._lock:  # table choice, fill and launch: one thread at a time
-            tab = self._table(key, n)
+            tab = self._table(stream, n)
             tab.rows[:, :n] = table
             if SIMULATED:
                 args = (src.data, dst.data, src.words, dst.words, tab.mem)
@@ -527,10 +545,9 @@ class CudaKernels(CopyKernels):
         both = np.concatenate([ta, tb], axis=1)
         parts = shape.parts or _auto_parts(both, full * per_block)
         blocks = min(full, -(-(ca + cb) * parts // per_block))
-        key = id(stream) if SIMULATED else int(stream.handle)
         launch = self._launcher("warp")
         with self._lock:
-            tab = self._table(key, ca + cb)
+            tab = self._table(stream, ca + cb)
             tab.rows[:, : ca + cb] = both
             args: list[Any] = []
             for src, dst, _ in (a, b):

@@ -173,7 +173,7 @@ def split_table(table: np.ndarray, rows: int, min_piece: int) -> np.ndarray:
     piece = max(min_piece, -(-int(table[2].sum()) // rows))
     piece = -(-piece // STAGE_ALIGN) * STAGE_ALIGN
     size = int(table[2, 0])
-    if size % piece == 0 and (table[2] == size).all():
+    if size > 0 and size % piece == 0 and (table[2] == size).all():
         # The usual small request (one block: 32 equal pages): every page cut
         # into the same pieces by one broadcast add instead of ~15 numpy calls
         # (37 -> ~7 us on the dev VM; a 1-block copy is ~100 us on the H200).
@@ -198,7 +198,7 @@ def _split_even(table: np.ndarray, cuts: int, piece: int) -> np.ndarray:
     if cuts == 1:
         return table
     step = _even_step(cuts, piece, int(table[2, 0]))
-    return (table[:, :, None] + step).reshape(3, -1)
+    return np.add(table[:, :, None], step, dtype=np.int64).reshape(3, -1)
 
 
 @functools.lru_cache(maxsize=64)

@@ -190,7 +190,7 @@ def host_alloc(k: ModuleType) -> Alloc:
 
 
 def prepare_case(
-    k: ModuleType, case: Case, engine: Alloc, pool: Alloc
+    k: ModuleType, case: Case, engine: Alloc, pool: Alloc, stream: Any = None
 ) -> tuple[Callable[[], None], Read]:
     """Buffers for `case` on backend `k`: (the copy, reader of the destination).
 
@@ -204,7 +204,7 @@ def prepare_case(
     base = np.array([src_buf.address, dst_buf.address, 0], np.uint64)
     abs_table = case.table + base
     t = Transfers(*(abs_table[:, c].copy() for c in range(3)))
-    stream = k.stream()
+    stream = stream if stream is not None else k.stream()
     kw: dict[str, Any] = {"stream": stream, "max_blocks": case.max_blocks}
     if case.shape is not None:
         kw["shape"] = case.shape
@@ -218,9 +218,12 @@ def prepare_case(
     return copy, read
 
 
-def run_case(k: ModuleType, case: Case, engine: Alloc, pool: Alloc) -> np.ndarray:
-    """Run `case` through backend `k` and return the destination's bytes."""
-    copy, read = prepare_case(k, case, engine, pool)
+def run_case(
+    k: ModuleType, case: Case, engine: Alloc, pool: Alloc, stream: Any = None
+) -> np.ndarray:
+    """Run `case` through backend `k` (on `stream`, or a new one) and return
+    the destination's bytes."""
+    copy, read = prepare_case(k, case, engine, pool, stream)
     copy()
     return read()
 

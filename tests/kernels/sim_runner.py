@@ -30,6 +30,7 @@ from pegaflow.errors import InternalError  # noqa: E402
 from pegaflow.geometry import Transfers  # noqa: E402
 from pegaflow.kernels.plan import LaunchShape  # noqa: E402
 from tests.kernels.kernel_cases import (  # noqa: E402
+    PAIR,
     all_cases,
     check,
     host_alloc,
@@ -66,6 +67,29 @@ def rejects_bad_requests() -> None:
             raise AssertionError("out-of-bounds source accepted")
 
 
+def tables_per_stream_object() -> None:
+    """Each stream object has its own descriptor tables, gone with the stream
+    (a later stream that reuses its handle value starts with none)."""
+    import gc
+
+    k = kernels.backend("cuda")
+    by = {c.name: c for c in all_cases()}
+    alloc = host_alloc(k)
+    streams = k._kernels._streams
+    before = len(streams)
+    first, second = k.stream(), k.stream()
+    case = by[PAIR[0]]
+    for stream in (first, second):
+        check(case, run_case(k, case, alloc, alloc, stream=stream))
+    mine = [streams[first], streams[second]]
+    assert len(streams) == before + 2 and mine[0] is not mine[1]
+    tables = [t for m in mine for t in m.tables if t is not None]
+    assert len({id(t) for t in tables}) == len(tables) >= 2  # none shared
+    del first, second, stream, mine, tables
+    gc.collect()
+    assert len(streams) == before, "a dropped stream's tables stayed"
+
+
 def pair(shape: LaunchShape) -> None:
     """A save and a load in one launch, each checked against the reference."""
     k = kernels.backend("cuda")
@@ -82,6 +106,7 @@ def main(shard: int, shards: int) -> dict[str, str]:
     jobs: list[tuple[str, Callable[[], None]]] = [
         ("shim_installed", shim_installed),
         ("rejects_bad_requests", rejects_bad_requests),
+        ("tables_per_stream_object", tables_per_stream_object),
     ]
     for name, shape in PAIR_SHAPES.items():
         jobs.append((name, lambda s=shape: pair(s)))

@@ -208,6 +208,17 @@ def test_split_of_equal_pages_copies_the_same_bytes() -> None:
         np.testing.assert_array_equal(got, want)
 
 
+def test_split_of_empty_or_unsigned_tables_keeps_them() -> None:
+    """Zero-byte descriptors are left as they are (not cut into nothing), and
+    an unsigned table is cut into int64 pieces, as the general cut gives."""
+    empty = np.array([[0, 16], [64, 80], [0, 0]], np.int64)
+    assert kernels.plan.split_table(empty, 64, 16) is empty
+    unsigned = np.array([[0], [4096], [4096]], np.uint64)
+    out = kernels.plan.split_table(unsigned, 64, 256)
+    assert out.dtype == np.int64 and out.shape == (3, 16)
+    assert out[2].sum() == 4096 and out[0, -1] == 4096 - 256
+
+
 def test_disjointness_check_matches_brute_force() -> None:
     """Equal and mixed sizes, runs and shuffles: refused exactly when two
     destination ranges overlap."""

@@ -19,7 +19,8 @@ from tests.kernels.kernel_cases import all_cases
 
 RUNNER = Path(__file__).with_name("sim_runner.py")
 SHARDS = 2
-NAMES = ["shim_installed", "rejects_bad_requests", "pair", "pair_64_threads_parts2"]
+NAMES = ["shim_installed", "rejects_bad_requests", "tables_per_stream_object"]
+NAMES += ["pair", "pair_64_threads_parts2"]
 NAMES += [c.name for c in all_cases()]
 
 
