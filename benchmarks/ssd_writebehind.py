@@ -7,6 +7,13 @@ full) under a save burst larger than the disk absorbs.
     python benchmarks/ssd_writebehind.py                 # files in /var/tmp
     python benchmarks/ssd_writebehind.py --quick         # small, a smoke check
     python benchmarks/ssd_writebehind.py --dir /mnt/nvme/x
+    python benchmarks/ssd_writebehind.py --engine-align malloc,page
+
+--engine-align: where the engine's KV buffer starts. `malloc` (the default,
+numpy's own allocation: 16 bytes past a page, as a host engine's torch or
+numpy KV cache is) gives the pool slots that offset, so the SSD writers
+stage each block through their aligned buffer; `page` (a page-aligned
+buffer, as pinned or GPU memory is) lets them write from the slots in place.
 
 JSON: benchmarks/results/ssd_writebehind[_quick].json (or --json), rewritten
 atomically after every mode.
@@ -32,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import table, write_json  # noqa: E402
 from benchmarks.ssd import dd  # noqa: E402
 from pegaflow.client import PegaflowClient  # noqa: E402
+from pegaflow.kernels.plan import aligned_empty  # noqa: E402
 from pegaflow.kv_layouts import describe, vllm_layer_views  # noqa: E402
 from pegaflow.spawn import spawn_server  # noqa: E402
 
@@ -70,7 +78,12 @@ def _drained(http: str, timeout: float = 300.0) -> dict[str, float]:
 
 
 def run_mode(
-    mode: str, pool: str, blocks: int, folder: Path, switch_ms: float | None = None
+    mode: str,
+    pool: str,
+    blocks: int,
+    folder: Path,
+    switch_ms: float | None = None,
+    engine_align: str = "malloc",
 ) -> dict[str, object]:
     """Save `blocks` fresh blocks in batches of BATCH as fast as one client
     can; the tier (if any) in `folder`."""
@@ -84,7 +97,8 @@ def run_mode(
         args += ["--ssd-write-on", mode, "--ssd-backend", "posix"]
     wrap = () if switch_ms is None else (str(SWITCH), str(switch_ms))
     proc, addr = spawn_server("--log-level", "warning", *args, python_args=wrap)
-    buf = np.empty(LAYERS * BATCH * 2 * PAGE, np.uint8)
+    size = LAYERS * BATCH * 2 * PAGE
+    buf = aligned_empty(size) if engine_align == "page" else np.empty(size, np.uint8)
     buf[:] = np.frombuffer(np.random.default_rng(0).bytes(buf.nbytes), np.uint8)
     views = vllm_layer_views(buf, LAYERS, BATCH * 2, (PAGE,))
     mem = describe(views)
@@ -106,6 +120,8 @@ def run_mode(
     written = m.get("pegaflow_ssd_written_bytes_total", 0.0)
     row: dict[str, object] = {
         "mode": mode,
+        "engine_align": engine_align,
+        "slot_skew": buf.ctypes.data % 4096,
         "GiB_saved": round(nbytes / (1 << 30), 2),
         "stored": stored,
         "save_GBps": round(nbytes / save_s / 1e9, 3),
@@ -137,8 +153,16 @@ def main() -> int:
         help="comma list of the server's GIL switch intervals to compare, ms "
         "(benchmarks/switch_interval.py; default: Python's 5 ms, unwrapped)",
     )
+    p.add_argument(
+        "--engine-align",
+        default="malloc",
+        help="comma list of malloc, page: where the engine's KV buffer starts",
+    )
     args = p.parse_args()
     switches = [float(x) for x in args.switch_ms.split(",") if x] or [None]
+    aligns = [a for a in args.engine_align.split(",") if a]
+    if not aligns or set(aligns) - {"malloc", "page"}:
+        p.error(f"--engine-align: {args.engine_align!r}; choose from malloc, page")
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         p.error(f"--modes: {args.modes!r}; choose from {', '.join(MODES)}")
@@ -151,19 +175,27 @@ def main() -> int:
     rows = results["rows"]
     assert isinstance(rows, list)
     for rep in range(reps):  # modes interleaved: drift hits all alike
-        for mode, sw in [(m, sw) for m in modes for sw in switches]:
-            row = run_mode(mode, pool, blocks, Path(args.dir), sw)
+        for mode, sw, al in [
+            (m, sw, al) for al in aligns for m in modes for sw in switches
+        ]:
+            row = run_mode(mode, pool, blocks, Path(args.dir), sw, al)
             rows.append({"rep": rep, "switch_ms": sw, **row})
             write_json(name, results, args.json)
             print(rows[-1], flush=True)
-    cols = ["rep", "mode", "switch_ms", "GiB_saved", "stored", "save_GBps"]
+    cols = ["rep", "mode", "engine_align", "switch_ms", "GiB_saved", "stored"]
+    cols += ["save_GBps"]
     cols += ["evictions"]
     cols += ["ssd_written_GiB", "ssd_write_GBps", "dropped", "refused_held"]
     print(table(rows, cols))
-    for mode, sw in [(m, sw) for m in modes for sw in switches]:
-        cell = [r for r in rows if (r["mode"], r["switch_ms"]) == (mode, sw)]
+    for mode, sw, al in [
+        (m, sw, al) for al in aligns for m in modes for sw in switches
+    ]:
+        key = (mode, sw, al)
+        cell = [
+            r for r in rows if (r["mode"], r["switch_ms"], r["engine_align"]) == key
+        ]
         got = [r["save_GBps"] for r in cell]
-        label = mode if sw is None else f"{mode} (switch {sw:g} ms)"
+        label = f"{mode}, {al}" + ("" if sw is None else f" (switch {sw:g} ms)")
         print(f"{label}: median save {np.median(got):.3f} GB/s")
     print(f"wrote {write_json(name, results, args.json)}")
     return 0

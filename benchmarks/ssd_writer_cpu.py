@@ -3,13 +3,17 @@ writer holds the GIL for (checksum excepted: xxh3's streaming update drops it),
 which the save path's threads lose while write-behind runs.
 
 One writer thread writes `--mib` of blocks spilled 64 at a time from an aligned
-pool (the common case: every slot 4 KiB-aligned); os.pwritev is replaced by a
+pool (every slot 4 KiB-aligned: a GPU engine's, written in place) or, with
+`--skew 16`, from slots 16 bytes past a page (a host engine whose KV cache
+numpy or torch allocated: its slots share that offset, so the writer stages
+them through its aligned buffer); os.pwritev is replaced by a
 stub that reports every byte written, so the time is the writer's Python and C
 work (gather, header pages, journal entries, index) plus the payload checksum,
 which is measured alone over the same blocks and reported apart.
 
     python benchmarks/ssd_writer_cpu.py                  # 64 KiB and 256 KiB
     python benchmarks/ssd_writer_cpu.py --reps 5 --shards 2
+    python benchmarks/ssd_writer_cpu.py --skew 16        # the staged path
 
 JSON: benchmarks/results/ssd_writer_cpu.json (or --json).
 """
@@ -37,14 +41,16 @@ NS = b"\x01" * 16
 SPILL_BLOCKS = 64
 
 
-def measure(block_bytes: int, shards: int, total: int, where: str) -> dict[str, object]:
+def measure(
+    block_bytes: int, shards: int, total: int, where: str, skew: int = 0
+) -> dict[str, object]:
     """One tier, one writer: CPU µs (the thread's own, so other processes on a
     shared machine do not count) of _write_batch per block, and of xxh3 alone."""
     n = max(SPILL_BLOCKS, total // block_bytes)
     each = block_bytes // shards
-    pool = AlignedBuffer(n * block_bytes)
+    pool = AlignedBuffer(n * block_bytes + 4096)
     host_view(pool.address, n * block_bytes)[:] = np.random.bytes(n * block_bytes)
-    slots = pool.address + np.arange(n * shards, dtype=np.uint64) * each
+    slots = pool.address + skew + np.arange(n * shards, dtype=np.uint64) * each
     slots = slots.reshape(n, shards)
     hashes = [os.urandom(32) for _ in range(n)]
     spent: list[float] = []
@@ -92,6 +98,7 @@ def measure(block_bytes: int, shards: int, total: int, where: str) -> dict[str, 
     return {
         "block_KiB": block_bytes >> 10,
         "shards": shards,
+        "skew": skew,
         "blocks": written,
         "writer_us": round(total_us, 2),
         "xxh3_us": round(xxh3, 2),
@@ -106,15 +113,21 @@ def main() -> int:
     p.add_argument("--mib", type=int, default=512, help="bytes spilled per size")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dir", default="/var/tmp", help="where the cache file goes")
+    p.add_argument(
+        "--skew", type=int, default=0, help="slot offset past a page, bytes (0..4095)"
+    )
     p.add_argument("--json")
     args = p.parse_args()
+    if not 0 <= args.skew < 4096:
+        p.error(f"--skew: {args.skew}, need 0..4095")
     rows = []
     for rep in range(args.reps):
         for kib in (int(s) for s in args.sizes.split(",")):
-            row = measure(kib << 10, args.shards, args.mib << 20, args.dir)
+            row = measure(kib << 10, args.shards, args.mib << 20, args.dir, args.skew)
             rows.append({"rep": rep, **row})
             print(rows[-1], flush=True)
-    cols = ["rep", "block_KiB", "shards", "blocks", "writer_us", "xxh3_us", "rest_us"]
+    cols = ["rep", "block_KiB", "shards", "skew", "blocks", "writer_us", "xxh3_us"]
+    cols += ["rest_us"]
     print(table(rows, cols))
     for kib in sorted({r["block_KiB"] for r in rows}):
         mine = [r for r in rows if r["block_KiB"] == kib]

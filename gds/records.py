@@ -28,7 +28,7 @@ from .format import (
     hash_parts,
     header_rows,
 )
-from .io import AlignedBuffer, FileIO, Part, host_view, host_views
+from .io import AlignedBuffer, FileIO, Part, copy_within, host_view, host_views
 from .ring import Record
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ def gather(
         raise ValueError(f"payload of {want} B per record, given other lengths")
     if each % ALIGN == 0 and not (slots % ALIGN).any():
         return gather_in_place(run, slots, each, buf, store_id), True
+    if len({r.length for r in run}) == 1:
+        return gather_staged(run, slots, each, buf, store_id), False
     return gather_parts(run, payloads.parts(), buf, store_id)
 
 
@@ -112,6 +114,41 @@ def gather_in_place(
     sizes[:, 0] = HEADER_BYTES
     (addr,), nbytes = merge_adjacent([starts.ravel()], sizes.ravel())
     return list(zip(addr.tolist(), nbytes.tolist(), strict=True))
+
+
+def gather_staged(
+    run: list[Record],
+    slots: np.ndarray,
+    each: int,
+    buf: AlignedBuffer,
+    store_id: bytes,
+) -> list[Part]:
+    """Every payload copied behind its header page in buf (slots off a 4 KiB
+    boundary, a host engine's, cannot be written with O_DIRECT): records of
+    one length laid out as rows of buf, the copies as one call per run
+    (copy_within), padding and header pages set by array operations; the run
+    is one part. Bytes as gather_parts writes."""
+    n, shards = slots.shape
+    length, payload = run[0].length, shards * each
+    buf.ensure(n * length)
+    rows_of = np.frombuffer(buf.view(0, n * length), np.uint8).reshape(n, length)
+    firsts = buf.address + HEADER_BYTES + length * np.arange(n, dtype=np.uint64)
+    dst = firsts[:, None] + each * np.arange(shards, dtype=np.uint64)
+    copy_within(dst.ravel(), slots.astype(np.uint64).ravel(), each)
+    rows_of[:, HEADER_BYTES + payload :] = 0
+    views = [buf.view(a, a + payload) for a in (firsts - buf.address).tolist()]
+    algo = run[0].checksum_id
+    if algo == _XXH3:
+        sums = _xxh3_each(views, 1)
+    else:
+        sums = [hash_parts(algo, [v]) for v in views]
+    for rec, checksum in zip(run, sums, strict=True):
+        rec.checksum = checksum
+    rows_of[:, HEADER_DTYPE.itemsize : HEADER_BYTES] = 0
+    rows_of[:, : HEADER_DTYPE.itemsize] = (
+        header_rows(run, store_id).view(np.uint8).reshape(n, -1)
+    )
+    return [(buf.address, n * length)]
 
 
 def _xxh3_each(views: list[memoryview], shards: int) -> list[int]:
