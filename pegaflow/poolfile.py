@@ -18,6 +18,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Literal
@@ -202,10 +203,21 @@ def _format(version: int) -> str:
 
 
 def _open_locked(path: str) -> int:
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, flags, 0o600)
     except OSError as exc:
-        raise PoolFileError(f"--pool-file: cannot open {path}: {exc}") from exc
+        why = (
+            "it is a symbolic link; name the file itself"
+            if exc.errno == errno.ELOOP
+            else exc
+        )
+        raise PoolFileError(f"--pool-file: cannot open {path}: {why}") from exc
+    try:
+        _check_private(fd, path)
+    except PoolFileError:
+        os.close(fd)
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -217,6 +229,29 @@ def _open_locked(path: str) -> int:
             "cannot share one pool file: stop it, or give this one its own file"
         ) from None
     return fd
+
+
+def _check_private(fd: int, path: str) -> None:
+    """The pool file holds every tenant's KV cache, and its rows decide what
+    a restart serves: only this server's user may read or write it."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise PoolFileError(f"--pool-file: {path} is not a regular file")
+    if st.st_uid != os.geteuid():
+        raise PoolFileError(
+            f"--pool-file: {path} belongs to uid {st.st_uid}, not this server's "
+            f"user ({os.geteuid()}); remove it, or run as its owner"
+        )
+    if st.st_mode & 0o077:
+        raise PoolFileError(
+            f"--pool-file: {path} has mode {stat.S_IMODE(st.st_mode):o}; other "
+            f"users could read or change the cache: chmod 600 {path}"
+        )
+    if st.st_nlink != 1:
+        raise PoolFileError(
+            f"--pool-file: {path} has {st.st_nlink} hard links; give the server a "
+            "file of its own"
+        )
 
 
 def _has_super(fd: int) -> bool:

@@ -147,8 +147,10 @@ def _plausible(t: np.ndarray, pool: HostPool) -> np.ndarray:
     off, n = r["offset"], r["slot_bytes"]
     slab = np.uint64(pool.slab_bytes)
     ok = (off // np.uint64(GRANULE) == idx.astype(np.uint64)) & (n >= GRANULE)
-    ok &= (off % slab) + n <= slab
-    ok &= off + n <= np.uint64(pool.size)
+    # Compared without a sum, which a huge n would wrap past the bound.
+    ok &= n <= slab - off % slab
+    size = np.uint64(pool.size)
+    ok &= (off <= size) & (n <= size - np.minimum(off, size))
     ok &= (r["hash_len"] >= 1) & (r["hash_len"] <= 64)
     ok &= (r["shards"] >= 1) & (r["shard"] < r["shards"]) & (r["num_layers"] >= 1)
     return idx[ok]

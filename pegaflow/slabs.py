@@ -126,36 +126,47 @@ class SlabAllocator:
         self.free_slabs.append(slab)
 
     def claim(self, addresses: list[int], slot_bytes: int) -> list[bool]:
-        """Take these slots as allocated (a recovered pool's, all still free):
-        True per slot taken; False where the slab holds another class or the
-        slot was taken already. Called once, before any allocation."""
-        taken: dict[int, set[int]] = {}
+        """Take these slots as allocated (a recovered pool's): True per slot
+        taken; False where the slab holds another class, lies outside the
+        pool, or the slot was taken already, by this call or an earlier one
+        (recovery claims each namespace's slots in turn, and namespaces of one
+        slot size share slabs). Before any allocation."""
+        free_in: dict[int, set[int]] = {}  # slab -> its free slots, as claimed
+        fresh: set[int] = set()  # slabs this call gave a class
         ok: list[bool] = []
         for addr in addresses:
-            off = addr - self.base
-            slab, inside = divmod(off, self.slab_bytes)
+            slab, inside = divmod(addr - self.base, self.slab_bytes)
             skew, index = inside % slot_bytes, inside // slot_bytes
             cls = (slot_bytes, skew)
-            have = self._slab_class.setdefault(slab, cls)
-            mine = taken.setdefault(slab, set())
-            good = have == cls and skew < 4096 and index not in mine
-            good = good and 0 <= slab < self.size_slabs
-            good = good and index < self.slots_per_slab(cls)
+            if not 0 <= slab < self.size_slabs or skew >= 4096:
+                ok.append(False)
+                continue
+            have = self._slab_class.get(slab)
+            if have is None:
+                self._slab_class[slab] = have = cls
+                fresh.add(slab)
+                free_in[slab] = set(range(self.slots_per_slab(cls)))
+            elif slab not in free_in:
+                free_in[slab] = set(self._free_slots.get(slab, ()))
+            free = free_in[slab]
+            good = have == cls and index in free
             if good:
-                mine.add(index)
+                free.remove(index)
                 self.used_bytes += slot_bytes
             ok.append(good)
-        for slab, mine in taken.items():
-            if not mine:
-                del self._slab_class[slab]
-                continue
+        for slab, free in free_in.items():
             cls = self._slab_class[slab]
-            free = [i for i in range(self.slots_per_slab(cls) - 1, -1, -1)]
-            self._free_slots[slab] = [i for i in free if i not in mine]
-            if self._free_slots[slab]:
-                self._partial.setdefault(cls, {})[slab] = None
-        gone = set(taken) & set(self._slab_class)
-        self.free_slabs = [s for s in self.free_slabs if s not in gone]
+            if slab in fresh and len(free) == self.slots_per_slab(cls):
+                del self._slab_class[slab]  # nothing taken: it stays a free slab
+                fresh.discard(slab)
+                continue
+            self._free_slots[slab] = sorted(free, reverse=True)
+            partial = self._partial.setdefault(cls, {})
+            if free:
+                partial[slab] = None
+            else:
+                partial.pop(slab, None)
+        self.free_slabs = [s for s in self.free_slabs if s not in fresh]
         return ok
 
     def free_slots(self, cls: SlotClass) -> int:

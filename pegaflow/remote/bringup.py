@@ -98,6 +98,12 @@ def attach(
         incarnation, rpc_addr,
     )  # fmt: skip
     engine.attach_remote(link)
+    if config.token is None and not config.allow_loopback:
+        logger.warning(
+            "peer RPCs on %s take no token (--peer-token-env/-file): anyone who "
+            "reaches that port can pin blocks and learn their addresses",
+            rpc_addr,
+        )
     servicer = PeerServicer(
         link.pins, link.namespaces, config.token, incarnation, metrics
     )

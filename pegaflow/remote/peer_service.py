@@ -60,7 +60,10 @@ class PeerServicer(pb_grpc.PeerServicer):
                 incarnation=self._incarnation,
             )  # fmt: skip
         got = await self._pins.pin(
-            ns, PackedHashes(req.hashes, req.hash_len, count), req.hold_ms / 1000
+            ns,
+            PackedHashes(req.hashes, req.hash_len, count),
+            req.hold_ms / 1000,
+            caller_host(context.peer()),
         )
         if not got.pin_id:
             return empty
@@ -82,7 +85,7 @@ class PeerServicer(pb_grpc.PeerServicer):
         self, req: pb.ChecksumsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ChecksumsResponse:
         peer_auth.require(context, self._token)
-        sums = await self._pins.checksums(req.pin_id)
+        sums = await self._pins.checksums(req.pin_id, caller_host(context.peer()))
         raw = b"" if sums is None else sums.astype("<u8").tobytes()
         return pb.ChecksumsResponse(checksums=raw)
 
@@ -90,4 +93,14 @@ class PeerServicer(pb_grpc.PeerServicer):
         self, req: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
         peer_auth.require(context, self._token)
-        return pb.ReleaseResponse(released=self._pins.release(req.pin_id))
+        released = self._pins.release(req.pin_id, caller_host(context.peer()))
+        return pb.ReleaseResponse(released=released)
+
+
+def caller_host(peer: str) -> str:
+    """grpc's name of the caller ("ipv4:10.0.0.5:43210") without its port: a
+    reader's Pin, Checksums and Release may come on different connections."""
+    scheme, _, rest = peer.partition(":")
+    if scheme in ("ipv4", "ipv6"):
+        return f"{scheme}:{rest.rpartition(':')[0]}"
+    return peer

@@ -7,6 +7,13 @@ use-after-free exactly there). The hold the reader asks for covers its own
 deadline plus a margin, and the reader reads nothing after the hold it was
 granted, so the pin outlives every read of it.
 
+A pin is named by a random 63-bit id and belongs to the host that asked for
+it: Checksums and Release from anyone else find nothing, so a peer that holds
+the cluster token still cannot guess another reader's pin, and a Release sent
+to a restarted owner cannot free a pin that a new reader holds. A request is
+pinned up to its first repeated block: one ready hash repeated 65,536 times
+must not fill the pin budget, nor be hashed once per copy.
+
 Checksums are xxh3-64 of each slot's bytes (pegaflow.remote.slot_sums),
 computed the first time a block is pinned, off the loop and while the reader
 already reads (it asks for them with Checksums), and kept while the block
@@ -16,8 +23,8 @@ stays ready: a ready block's bytes never change.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -45,6 +52,7 @@ class Pin:
     expires: float  # time.monotonic()
     checksums: asyncio.Future[np.ndarray]
     nbytes: int
+    reader: str  # the host that asked (grpc's peer, without the port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +74,6 @@ class PinTable:
         self._pool = pool
         self._hasher = hasher
         self._pins: dict[int, Pin] = {}
-        self._ids = itertools.count(1)
         self._sums: dict[Key, np.ndarray] = {}  # per ready block, its shards' sums
         self._pinned_bytes = 0
         self._max_pinned_bytes = int(pool.size * MAX_PINNED_SHARE)
@@ -76,13 +83,15 @@ class PinTable:
     def __len__(self) -> int:
         return len(self._pins)
 
-    async def pin(self, ns: Namespace, hashes: PackedHashes, hold_s: float) -> Pinned:
+    async def pin(
+        self, ns: Namespace, hashes: PackedHashes, hold_s: float, reader: str
+    ) -> Pinned:
         if len(self._pins) >= MAX_PINS:
             self.sweep()
             if len(self._pins) >= MAX_PINS:
                 self.refused += 1
                 return NOTHING
-        entries = self._store.lookup(ns, hashes)[0]  # packed: no object per hash
+        entries = _first_repeat_cut(self._store.lookup(ns, hashes)[0])
         if not entries:
             return NOTHING
         per_block = ns.slot_bytes * ns.tp_size
@@ -97,11 +106,12 @@ class PinTable:
         self._pinned_bytes += nbytes
         hold_s = min(hold_s, MAX_HOLD_S)
         self._store.pin(entries)
-        pin_id = next(self._ids)
+        pin_id = self._new_id()
         slots = np.array([e.slots for e in entries], np.uint64)
         known = [self._sums.get(e.key) for e in entries]
         sums = asyncio.ensure_future(self._checksums(entries, slots, known, ns))
-        self._pins[pin_id] = Pin(entries, time.monotonic() + hold_s, sums, nbytes)
+        expires = time.monotonic() + hold_s
+        self._pins[pin_id] = Pin(entries, expires, sums, nbytes, reader)
         ready = np.stack(known) if all(k is not None for k in known) else None
         return Pinned(pin_id, slots, ready, hold_s)
 
@@ -123,24 +133,36 @@ class PinTable:
                     self._sums[entries[i].key] = row
         return np.stack(known)
 
-    async def checksums(self, pin_id: int) -> np.ndarray | None:
-        """The pin's checksums once computed; None when the pin is gone."""
+    def _new_id(self) -> int:
+        while True:
+            pin_id = secrets.randbits(63)
+            if pin_id and pin_id not in self._pins:
+                return pin_id
+
+    async def checksums(self, pin_id: int, reader: str) -> np.ndarray | None:
+        """The pin's checksums once computed; None when the pin is gone (or
+        is not this reader's)."""
         pin = self._pins.get(pin_id)
-        if pin is None:
+        if pin is None or pin.reader != reader:
             return None
         sums = await asyncio.shield(pin.checksums)
         return sums if pin_id in self._pins else None
 
-    def release(self, pin_id: int) -> bool:
-        pin = self._pins.pop(pin_id, None)
-        if pin is None:
+    def release(self, pin_id: int, reader: str) -> bool:
+        """A reader's Release: False when it holds no such pin."""
+        pin = self._pins.get(pin_id)
+        if pin is None or pin.reader != reader:
             return False
+        self._unpin(pin_id)
+        return True
+
+    def _unpin(self, pin_id: int) -> None:
+        pin = self._pins.pop(pin_id)
         self._pinned_bytes -= pin.nbytes
         if pin.checksums.done():
             self._store.unpin(pin.entries)
         else:  # the hashing thread still reads the slots: they stay until it ends
             pin.checksums.add_done_callback(lambda _: self._store.unpin(pin.entries))
-        return True
 
     def forget(self, keys: list[Key]) -> None:
         """Blocks no longer ready here: their checksums go with them."""
@@ -151,10 +173,23 @@ class PinTable:
         now = time.monotonic() if now is None else now
         gone = [i for i, p in self._pins.items() if p.expires <= now]
         for pin_id in gone:
-            self.release(pin_id)
+            self._unpin(pin_id)
         self.expired += len(gone)
         return len(gone)
 
     def close(self) -> None:
         for pin_id in list(self._pins):
-            self.release(pin_id)
+            self._unpin(pin_id)
+
+
+def _first_repeat_cut(entries: list[BlockEntry]) -> list[BlockEntry]:
+    """The entries up to the first one seen before (a prefix has no block
+    twice: each block's hash covers every block before it)."""
+    if len(set(map(id, entries))) == len(entries):
+        return entries
+    seen: set[int] = set()
+    for i, entry in enumerate(entries):
+        if id(entry) in seen:
+            return entries[:i]
+        seen.add(id(entry))
+    return entries

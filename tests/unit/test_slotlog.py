@@ -16,10 +16,12 @@ from pegaflow.policy import LRUPolicy
 from pegaflow.pool import HostPool
 from pegaflow.poolfile import FREE, LANDED, META_OFFSET, SEALED, WRITING
 from pegaflow.recovery import Recovered, recover
+from pegaflow.slabs import SlabAllocator
 from pegaflow.slotlog import checksum, checksums
 
 SLOT = 16 << 10
 POOL = 4 << 20  # slabs of 256 KiB: 16 slots each, 256 slots in all
+SLAB = 256 << 10
 
 
 def _pool(path: Path) -> HostPool:
@@ -107,6 +109,63 @@ def test_recovered_blocks_are_counted_and_evictable(tmp_path: Path) -> None:
     states = pool.file.table["state"]
     assert ((states == LANDED) | (states == SEALED)).sum() == 256
     pool.close()
+
+
+def test_two_namespaces_sharing_slabs_keep_every_slot_across_a_restart(
+    tmp_path: Path,
+) -> None:
+    """Scenario: namespaces A and B of one slot size (two tenants of a model)
+    hold 4 blocks each in the same slab; after a restart a third namespace's
+    save gets only free slots, never one that a recovered block still holds,
+    and every recovered block keeps its bytes."""
+    path = tmp_path / "pool.bin"
+    pool = _pool(path)
+    store = BlockStore(pool.slabs, LRUPolicy())
+    spaces = [Namespace(n, i, 1, 2, SLOT, (2, SLOT // 2, SLOT // 2))
+              for i, n in enumerate("ABC", 1)]  # fmt: skip
+    for ns, fill in zip(spaces[:2], (0xAA, 0xBB), strict=True):
+        res = store.reserve_save(ns, 0, [ns.name.encode() + bytes([i]) for i in
+                                         range(4)], np.arange(2))  # fmt: skip
+        for slot in res.slots.tolist():
+            pool.view(slot, SLOT)[:] = fill
+        store.finish_save(res, True)
+    assert pool.log.drain(30)
+    pool.close()
+    pool, store, _, report = _restart(path)
+    assert report.blocks == 8 and pool.slabs.used_bytes == 8 * SLOT
+    held = {e.slots[0]: bytes(pool.view(e.slots[0], SLOT)) for e in
+            store.entries.values()}  # fmt: skip
+    assert len(held) == 8
+    res = store.reserve_save(spaces[2], 0, [b"C" + bytes([i]) for i in range(4)],
+                             np.arange(2))  # fmt: skip
+    assert not set(res.slots.tolist()) & set(held) and store.counters.evictions == 0
+    for slot in res.slots.tolist():
+        pool.view(slot, SLOT)[:] = 0xCC
+    store.finish_save(res, True)
+    assert all(bytes(pool.view(a, SLOT)) == b for a, b in held.items())
+    victims = store.reserve_save(spaces[2], 0, [b"D" + bytes([i]) for i in
+                                                range(250)], np.arange(2))  # fmt: skip
+    assert store.counters.evictions > 0  # evicting recovered blocks works
+    store.finish_save(victims, True)
+    pool.close()
+
+
+def test_claims_of_one_slab_across_calls_never_give_a_slot_twice() -> None:
+    """SlabAllocator.claim called once per namespace group: a slot an earlier
+    call took is refused, another class in the slab is refused, an empty
+    claim leaves the slab free, and a later allocation gets only free slots."""
+    slabs = SlabAllocator(1 << 30, 4 * SLAB, SLAB)
+    assert slabs.claim([1 << 30, (1 << 30) + 4096], 4096) == [True, True]
+    assert slabs.claim([(1 << 30) + 4096, (1 << 30) + 8192], 4096) == [False, True]
+    assert slabs.claim([(1 << 30) + 12288], 8192) == [False]  # another class
+    assert slabs.claim([(1 << 30) + SLAB + 100], 8192) == [True]  # skew 100
+    assert slabs.claim([(1 << 30) + 5 * SLAB, (1 << 30) - 4096], 4096) == [False] * 2
+    assert len(slabs.free_slabs) == 2 and slabs.used_bytes == 3 * 4096 + 8192
+    got = slabs.allocate((4096, 0), SLAB // 4096)
+    assert not {(1 << 30) + i * 4096 for i in range(3)} & set(got.tolist())
+    assert len(got) == SLAB // 4096  # the slab's rest, then a fresh slab
+    slabs.free(np.array([1 << 30], np.uint64))  # a claimed slot frees as any
+    assert slabs.used_bytes == 3 * 4096 + 8192 + (SLAB // 4096 - 1) * 4096
 
 
 def _sealed(path: Path, hashes: list[bytes]) -> tuple[np.ndarray, list[int]]:
