@@ -4,6 +4,7 @@ one interceptor that checks the shared token and turns errors into statuses
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import grpc
@@ -23,6 +24,8 @@ from .config import (
 from .directory import Directory
 from .index import NamespaceDigest
 from .metrics import MetaMetrics
+
+MAX_INCARNATION_AHEAD_NS = 3600 * 10**9
 
 
 class Unauthenticated(PegaflowError):
@@ -45,6 +48,13 @@ def node_ref(ref: pb.NodeRef) -> tuple[str, int]:
     node_id = check_text("node.node_id", ref.node_id, MAX_NODE_ID_BYTES)
     if ref.incarnation == 0:
         raise InvalidRequest("node.incarnation: must be > 0")
+    # Servers take their start time in ns: one far ahead of our clock would
+    # fence the node's every later incarnation (a token holder posing as it).
+    if ref.incarnation > time.time_ns() + MAX_INCARNATION_AHEAD_NS:
+        raise InvalidRequest(
+            "node.incarnation: more than an hour ahead of this metaserver's "
+            "clock (servers use their start time in ns; check the clocks)"
+        )
     return node_id, ref.incarnation
 
 

@@ -4,6 +4,8 @@ advertises: where its Peer RPCs go and where its transfer engine serves reads.""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -26,12 +28,33 @@ class Endpoint:
 
     @classmethod
     def parse(cls, text: str) -> Endpoint:
-        """ValueError on anything but rpc=...;te=... (it came from the network)."""
-        fields = dict(part.split("=", 1) for part in text.split(";") if "=" in part)
-        rpc, transfer = fields.get("rpc", ""), fields.get("te", "")
-        if not rpc or not transfer or ":" not in rpc or ":" not in transfer:
+        """ValueError on anything but rpc=HOST:PORT;te=HOST:PORT, HOST a DNS
+        name, an IPv4 address or a bracketed IPv6 one (it came from the
+        network: a grpc target such as unix:/path must never be dialled)."""
+        parts = [part.partition("=") for part in text.split(";")]
+        fields = {key: value for key, sep, value in parts if sep}
+        if len(parts) != 2 or set(fields) != {"rpc", "te"}:
             raise ValueError(f"endpoint: {text!r} is not rpc=HOST:PORT;te=HOST:PORT")
-        return cls(rpc, transfer)
+        for key in ("rpc", "te"):
+            if not _host_port(fields[key]):
+                raise ValueError(f"endpoint: {key}={fields[key]!r} is not HOST:PORT")
+        return cls(fields["rpc"], fields["te"])
+
+
+_DNS_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*")  # fmt: skip
+
+
+def _host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return False
+    try:
+        if host.startswith("[") and host.endswith("]"):
+            return ipaddress.ip_address(host[1:-1]).version == 6
+        return ipaddress.ip_address(host).version == 4
+    except ValueError:
+        return _DNS_NAME.fullmatch(host) is not None
 
 
 class PeerChannels:

@@ -36,6 +36,16 @@ MALFORMED = [
         pb.JoinRequest(node=_node(incarnation=0), endpoint="h:1"),
         "node.incarnation",
     ),
+    (
+        "Join",
+        pb.JoinRequest(node=_node(incarnation=2**64 - 1), endpoint="h:1"),
+        "node.incarnation",
+    ),
+    (
+        "Heartbeat",
+        pb.HeartbeatRequest(node=_node(incarnation=2**63)),
+        "node.incarnation",
+    ),
     ("Join", pb.JoinRequest(node=_node(), endpoint=""), "endpoint"),
     ("Join", pb.JoinRequest(node=_node(), endpoint="h:1\n"), "endpoint"),
     ("Join", pb.JoinRequest(node=_node(), endpoint="h" * 257), "endpoint"),

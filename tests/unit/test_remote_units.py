@@ -29,11 +29,19 @@ def test_batches_cut_at_the_limit_and_cover_everything() -> None:
 
 
 def test_endpoint_round_trip_and_garbage_refused() -> None:
-    e = Endpoint("10.0.0.5:50055", "10.0.0.5:15000")
-    assert Endpoint.parse(str(e)) == e
-    for bad in ("", "rpc=a", "rpc=1.2.3.4:5", "te=1:2", "rpc=x;te=y", "junk"):
+    """An endpoint comes from the metaserver, that is from any node: only
+    HOST:PORT pairs are dialled, never another grpc target (unix:, dns:)."""
+    for e in (Endpoint("10.0.0.5:50055", "10.0.0.5:15000"),
+              Endpoint("node-a.example.com:1", "[fe80::1]:65535")):  # fmt: skip
+        assert Endpoint.parse(str(e)) == e
+    bad = ["", "rpc=a", "rpc=1.2.3.4:5", "te=1:2", "rpc=x;te=y", "junk",
+           "rpc=unix:/run/x.sock;te=a:1", "rpc=unix:/x:5;te=a:1",
+           "rpc=dns:///x:1;te=a:1", "rpc=a:0;te=a:1", "rpc=a:70000;te=a:1",
+           "rpc=a:1;te=a:1;x=y", "rpc=::1:5;te=a:1", "rpc=[zz]:1;te=a:1",
+           "rpc=-a:1;te=a:1", "rpc=a b:1;te=a:1", "rpc=a:1;rpc=b:1"]  # fmt: skip
+    for text in bad:
         with pytest.raises(ValueError):
-            Endpoint.parse(bad)
+            Endpoint.parse(text)
 
 
 def test_addr_must_be_routable() -> None:
