@@ -213,8 +213,15 @@ class BlockStore(TierLoads):
                 positions.append(pos)
                 slots.append(0)
                 continue
-            if entry.ready or (entry.landed | entry.in_flight) & mask == mask:
-                dedup += 1  # also a hash repeated within this request
+            if (
+                entry.ready
+                or entry.in_flight & mask  # another save writes one of these layers
+                or (entry.landed | entry.in_flight) & mask == mask
+            ):
+                # Also a hash repeated within this request. A save sharing a
+                # layer in flight would share its bits: failing, it would clear
+                # the other save's and free the slot that one still writes.
+                dedup += 1
                 continue
             if not entry.slots[rank]:
                 slotless.append(len(entries))

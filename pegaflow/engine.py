@@ -332,6 +332,13 @@ class Engine:
                 f"{field}lease_id: lease belongs to {lease.owner!r}, "
                 f"not {worker.instance_id!r}"
             )
+        if lease.namespace_id != worker.namespace.id:
+            # The instance re-registered with another geometry since the query:
+            # the leased slots are not laid out as this worker's blocks.
+            raise InvalidRequest(
+                f"{field}lease_id: leased under another registration of "
+                f"{worker.instance_id!r}; query again"
+            )
         end = offset + len(block_ids)
         if end > len(lease.entries):
             raise InvalidRequest(

@@ -105,6 +105,10 @@ class PrefixQueries:
                 if started:
                     self._count_loading(ns, hashes, hits, rest, hash_len, n, "remote")
                 return QueryResult(n, 0, 0.0, loading=True)
+            if self._e.registry.instance(instance_id).namespace is not ns:
+                # Re-registered (another geometry, perhaps) while we awaited:
+                # nothing found under the old namespace may be leased to it.
+                return QueryResult(0, 0, 0.0)
             hits, rest = self._e.store.lookup(ns, hashes)  # and again after the await
         return self._answer(instance_id, hashes, hits, rest, hash_len)
 

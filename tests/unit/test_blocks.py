@@ -158,6 +158,38 @@ def test_a_save_bigger_than_the_free_room_evicts_just_enough_in_lru_order() -> N
     assert store.slabs.used_bytes == len(store.entries) * SLOT == 8 * SLOT
 
 
+def test_a_save_overlapping_layers_in_flight_leaves_them_to_the_first() -> None:
+    """Save A copies layer 0 of a block; save B of layers 0-1 arrives
+    meanwhile and fails: B must not have shared A's in-flight layer (clearing
+    it on failure would free the slot A still writes, and hand it to another
+    block); A lands, a later save of layer 1 completes the block in A's slot."""
+    store, ns = _store(4), _ns(layers=2)
+    first = store.reserve_save(ns, 0, _h(1), np.array([0]))
+    slot = int(first.slots[0])
+    second = store.reserve_save(ns, 0, _h(1), np.array([0, 1]))
+    assert len(second.keys) == 0 and second.deduplicated == 1
+    store.finish_save(second, False)
+    other = store.reserve_save(ns, 0, _h(2, 3, 4), np.arange(2))
+    assert slot not in other.slots.tolist()  # never handed to another block
+    store.finish_save(other, True)
+    store.finish_save(first, True)
+    assert _save(store, ns, _h(1), layers=np.array([1])) == (1, 0, 0)
+    entry = store.entries[(1, _h(1)[0])]
+    assert entry.ready and entry.slots == [slot]
+
+
+def test_saves_of_disjoint_layers_share_a_block_and_one_may_fail() -> None:
+    store, ns = _store(4), _ns(layers=2)
+    first = store.reserve_save(ns, 0, _h(1), np.array([0]))
+    second = store.reserve_save(ns, 0, _h(1), np.array([1]))
+    assert len(second.keys) == 1 and int(second.slots[0]) == int(first.slots[0])
+    store.finish_save(second, False)  # layer 0 still in flight: the slot stays
+    assert store.slabs.used_bytes == SLOT
+    store.finish_save(first, True)
+    assert _save(store, ns, _h(1), layers=np.array([1])) == (1, 0, 0)
+    assert store.entries[(1, _h(1)[0])].ready
+
+
 def test_slow_tier_reservation_takes_whole_blocks_only() -> None:
     """TP=2: a block needs two slots; with three free, one block is reserved
     and the odd slot goes back."""
