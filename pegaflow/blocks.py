@@ -407,3 +407,18 @@ class BlockStore(TierLoads):
         self._remove(stale)
         self.counters.stale_dropped += len(stale)
         return len(stale)
+
+
+def until_repeated(entries: list[BlockEntry]) -> list[BlockEntry]:
+    """The entries up to the first one seen before. A real prefix holds no
+    block twice (each block's hash covers every block before it); a request
+    repeating one cached hash must not pin it once per copy (a lease or a
+    peer's pin of 65,536 entries for the price of one block)."""
+    if len(set(map(id, entries))) == len(entries):
+        return entries
+    seen: set[int] = set()
+    for i, entry in enumerate(entries):
+        if id(entry) in seen:
+            return entries[:i]
+        seen.add(id(entry))
+    return entries

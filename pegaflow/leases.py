@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from .block_entry import BlockEntry
 from .blocks import BlockStore
-from .errors import LeaseNotFound
+from .errors import LeaseNotFound, Overloaded
 
 
 @dataclass(slots=True)
@@ -23,11 +23,24 @@ class Lease:
     loaded_by: set[int] = field(default_factory=set)
 
 
+# What one instance may hold at once. The connector releases every lease it
+# does not load, so an engine holds about one per request it schedules; a
+# client that queries without ever loading or releasing would otherwise pin
+# blocks (unevictable) and grow the table until the TTL, without bound.
+MAX_LEASES_PER_INSTANCE = 1 << 16
+MAX_LEASED_BLOCKS_PER_INSTANCE = 1 << 22
+
+
+class TooManyLeases(Overloaded):
+    pass
+
+
 class LeaseTable:
     def __init__(self, store: BlockStore, ttl_s: float) -> None:
         self._store = store
         self.ttl_s = ttl_s
         self._leases: dict[int, Lease] = {}
+        self._held: dict[str, list[int]] = {}  # owner -> [leases, leased blocks]
         self.expired = 0
 
     def __len__(self) -> int:
@@ -39,6 +52,19 @@ class LeaseTable:
     def create(
         self, owner: str, namespace_id: int, entries: list[BlockEntry], world_size: int
     ) -> Lease:
+        held = self._held.setdefault(owner, [0, 0])
+        if (
+            held[0] >= MAX_LEASES_PER_INSTANCE
+            or held[1] + len(entries) > MAX_LEASED_BLOCKS_PER_INSTANCE
+        ):
+            raise TooManyLeases(
+                f"instance_id: {owner!r} holds {held[0]} leases of {held[1]} "
+                f"blocks (at most {MAX_LEASES_PER_INSTANCE} and "
+                f"{MAX_LEASED_BLOCKS_PER_INSTANCE}); load or release them "
+                "(ReleaseLease), or let them expire"
+            )
+        held[0] += 1
+        held[1] += len(entries)
         lease_id = secrets.randbits(63) | 1  # unguessable, never 0 ("no lease")
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) | 1
@@ -74,6 +100,11 @@ class LeaseTable:
             raise LeaseNotFound(
                 f"lease_id: {lease_id} is unknown, expired or already consumed"
             )
+        held = self._held[lease.owner]
+        held[0] -= 1
+        held[1] -= len(lease.entries)
+        if not held[0]:
+            del self._held[lease.owner]
         self._store.unpin_lease(lease.id, lease.entries)
 
     def held_in(self, namespace_id: int) -> bool:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..blocks import BlockEntry, BlockStore
+from ..blocks import BlockEntry, BlockStore, until_repeated
 from ..instances import Namespace
 from ..keys import Key, PackedHashes
 from ..pool import HostPool
@@ -91,7 +91,7 @@ class PinTable:
             if len(self._pins) >= MAX_PINS:
                 self.refused += 1
                 return NOTHING
-        entries = _first_repeat_cut(self._store.lookup(ns, hashes)[0])
+        entries = until_repeated(self._store.lookup(ns, hashes)[0])
         if not entries:
             return NOTHING
         per_block = ns.slot_bytes * ns.tp_size
@@ -181,15 +181,3 @@ class PinTable:
         for pin_id in list(self._pins):
             self._unpin(pin_id)
 
-
-def _first_repeat_cut(entries: list[BlockEntry]) -> list[BlockEntry]:
-    """The entries up to the first one seen before (a prefix has no block
-    twice: each block's hash covers every block before it)."""
-    if len(set(map(id, entries))) == len(entries):
-        return entries
-    seen: set[int] = set()
-    for i, entry in enumerate(entries):
-        if id(entry) in seen:
-            return entries[:i]
-        seen.add(id(entry))
-    return entries

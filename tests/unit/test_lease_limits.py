@@ -1,0 +1,83 @@
+"""Leases a client can make pile up only so far: an instance holds at most
+so many leases and leased blocks (a query past that is refused, RESOURCE_
+EXHAUSTED, naming the instance and the fix), releasing makes room again,
+and a query repeating one cached hash leases that block once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from pegaflow import leases
+from pegaflow.blocks import BlockStore
+from pegaflow.config import EngineConfig, PoolConfig
+from pegaflow.engine import Engine
+from pegaflow.geometry import LayerLayout, Segment
+from pegaflow.identity import CallContext, Caller
+from pegaflow.instances import Namespace
+from pegaflow.leases import LeaseTable, TooManyLeases
+from pegaflow.policy import LRUPolicy
+from pegaflow.pool import HostPool
+from pegaflow.registration import RegisterSpec
+from pegaflow.slabs import SlabAllocator
+from tests.unit.test_query_reregistered import NoCopy
+
+SLOT = 4096
+
+
+def _ready_store(n: int) -> tuple[BlockStore, list]:
+    store = BlockStore(SlabAllocator(1 << 30, 64 * SLOT, SLOT), LRUPolicy())
+    ns = Namespace("m", 1, 1, 1, SLOT, (1, SLOT))
+    hashes = [bytes([i]) * 32 for i in range(n)]
+    store.finish_save(store.reserve_save(ns, 0, hashes, np.arange(1)), True)
+    return store, store.longest_prefix(ns, hashes)
+
+
+def test_an_instance_holds_a_bounded_number_of_leases(monkeypatch) -> None:
+    monkeypatch.setattr(leases, "MAX_LEASES_PER_INSTANCE", 3)
+    store, entries = _ready_store(2)
+    table = LeaseTable(store, 30.0)
+    made = [table.create("a", 1, entries, 1) for _ in range(3)]
+    with pytest.raises(TooManyLeases, match="instance_id: 'a' holds 3 leases") as err:
+        table.create("a", 1, entries, 1)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    table.create("b", 1, entries, 1)  # another instance has its own budget
+    table.release(made[0].id)
+    table.create("a", 1, entries, 1)
+    assert len(table) == 4
+
+
+def test_an_instance_holds_a_bounded_number_of_leased_blocks(monkeypatch) -> None:
+    monkeypatch.setattr(leases, "MAX_LEASED_BLOCKS_PER_INSTANCE", 5)
+    store, entries = _ready_store(2)
+    table = LeaseTable(store, 30.0)
+    first = table.create("a", 1, entries, 1)
+    table.create("a", 1, entries, 1)
+    with pytest.raises(TooManyLeases, match="of 4 blocks"):
+        table.create("a", 1, entries, 1)
+    table.release(first.id)
+    table.create("a", 1, entries[:1], 1)
+    assert table.sweep(now=1e18) == 2 and len(table) == 0
+
+
+def test_a_query_repeating_a_cached_hash_leases_it_once() -> None:
+    pool = HostPool(PoolConfig(size_bytes=4 << 20, show_progress=False))
+    engine = Engine(EngineConfig(), pool, {"host": NoCopy()})
+    layer = LayerLayout(0, 0, 8, SLOT, (Segment(0, SLOT),))
+    spec = RegisterSpec("i", "m", 0, 1, 1, "cpu", "host", 1, ((SLOT, 8 * SLOT),),
+                        (layer,))  # fmt: skip
+    caller = Caller("unix", 1, 0)
+    ctx = CallContext(caller, engine.register(spec, caller).owner_token)
+    h = b"\x07" * 32
+
+    async def scenario() -> None:
+        assert (await engine.save("i", 0, np.arange(1), [h], None, 0, ctx)).stored == 1
+
+    asyncio.run(scenario())
+    got = engine.query("i", [h] * 1000, ctx=ctx)
+    assert got.num_blocks == 1 and got.lease_id
+    assert len(engine.leases.get(got.lease_id).entries) == 1
+    pool.close()
