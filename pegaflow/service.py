@@ -3,6 +3,7 @@ interceptor; the servicer itself never builds a status."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +27,7 @@ from .registration import RegisterSpec
 logger = logging.getLogger(__name__)
 
 
+SESSION_FIRST_PING_S = 10.0
 _ENDS_CALL = (grpc.aio.AbortError,)  # a handler's own context.abort()
 
 
@@ -267,7 +269,15 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
         requests: AsyncIterator[pb.SessionPing],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.SessionPong]:
-        first = await anext(requests, None)
+        try:
+            # An idle stream holds one of --max-concurrent-rpcs until it says
+            # who it is: a client that never does must not keep it.
+            first = await asyncio.wait_for(anext(requests, None), SESSION_FIRST_PING_S)
+        except asyncio.TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"session: no first ping within {SESSION_FIRST_PING_S:g} s",
+            )
         if first is None:
             return
         try:

@@ -180,4 +180,3 @@ class PinTable:
     def close(self) -> None:
         for pin_id in list(self._pins):
             self._unpin(pin_id)
-

@@ -12,6 +12,8 @@ import json
 import os
 import signal
 import subprocess
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -482,6 +484,27 @@ def test_session_unknown_worker(env: Env, instance: str, rank: int, field: str) 
 
 def test_session_without_ping_ends_quietly(env: Env) -> None:
     assert list(env.stub.Session(iter(()), timeout=TIMEOUT_S)) == []
+
+
+def test_a_session_that_never_pings_is_ended(env: Env) -> None:
+    """An open stream that never says who it is would hold one of the
+    server's concurrent RPCs for good: the server ends it after 10 s."""
+    quiet = threading.Event()
+
+    def never() -> Iterator[pb.SessionPing]:
+        quiet.wait(30)  # until the test ends: the client never sends a ping
+        return
+        yield
+
+    started = time.monotonic()
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            list(env.stub.Session(never(), timeout=25))
+    finally:
+        quiet.set()
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "no first ping within 10 s" in info.value.details()
+    assert 9 < time.monotonic() - started < 20
 
 
 # -- undecodable bodies ---------------------------------------------------------
