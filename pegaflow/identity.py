@@ -113,21 +113,44 @@ def _proc_addr(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
 class ProcessInfo:
     tgid: int
     uid: int  # effective uid: whose rights the process holds
+    uids: tuple[int, ...] = ()  # real, effective, saved, filesystem
+    gids: tuple[int, ...] = ()
+    cap_eff: int = 0
+    proc_uid: int = -1  # owner of /proc/<pid>/status: root when not dumpable
 
 
 def process_info(pid: int, field: str) -> ProcessInfo:
     try:
         with open(f"/proc/{pid}/status") as f:
             lines = f.read().splitlines()
+            proc_uid = os.fstat(f.fileno()).st_uid
     except (FileNotFoundError, ProcessLookupError):
         raise InvalidRequest(f"{field}: process {pid} does not exist") from None
     values = dict(line.split(":", 1) for line in lines if ":" in line)
     try:
         tgid = int(values["Tgid"])
-        uid = int(values["Uid"].split()[1])
+        uids = tuple(int(x) for x in values["Uid"].split())
+        gids = tuple(int(x) for x in values["Gid"].split())
+        cap_eff = int(values["CapEff"], 16)
     except (KeyError, IndexError, ValueError):
         raise InvalidRequest(f"{field}: cannot read /proc/{pid}/status") from None
-    return ProcessInfo(tgid, uid)
+    return ProcessInfo(tgid, uids[1], uids, gids, cap_eff, proc_uid)
+
+
+def _not_plainly_the_callers(info: ProcessInfo, uid: int) -> str:
+    """Why a process named over TCP is not one the caller could ptrace itself
+    ("" when it is): the kernel's own test, which a root server bypasses. A
+    setuid or setgid transition, file capabilities or a non-dumpable process
+    must not become writable through the server."""
+    if any(u != uid for u in info.uids):
+        return f"its uids (real, effective, saved, fs) are {info.uids}"
+    if len(set(info.gids)) != 1:
+        return f"its gids (real, effective, saved, fs) differ: {info.gids}"
+    if info.cap_eff and uid != 0:
+        return f"it holds capabilities ({info.cap_eff:#x})"
+    if info.proc_uid != uid:
+        return "it is not dumpable (setuid, setgid or PR_SET_DUMPABLE)"
+    return ""
 
 
 def check_host_memory_owner(
@@ -166,6 +189,13 @@ def check_host_memory_owner(
         raise PermissionDenied(
             f"{field}: process {pid} runs as uid {info.uid}, the caller as uid "
             f"{caller.uid}: the server reads memory only with the caller's rights"
+        )
+    tcp = caller.transport == "tcp"
+    why = _not_plainly_the_callers(info, caller.uid) if tcp else ""
+    if why:
+        raise PermissionDenied(
+            f"{field}: process {pid} is not plainly uid {caller.uid}'s: {why}; "
+            "register from the engine itself over the unix socket"
         )
 
 

@@ -207,7 +207,9 @@ def test_instance_ids_cannot_be_hijacked(server) -> None:
 
 def _run_as(uid: int, code: str) -> subprocess.CompletedProcess:
     """Python code run by a process that imported our packages as root, then
-    dropped to `uid` (the interpreter itself lives under /root here)."""
+    dropped to `uid` (the interpreter itself lives under /root here), and made
+    dumpable again as a process that user started would be (the kernel marks
+    one that changed its uid not dumpable)."""
     # Everything the attack touches is imported while still root: the checkout
     # may be unreadable for the other uid (a 0700 temp dir in CI). The channel
     # object exists too, but connects only at its first call, as `uid`.
@@ -217,6 +219,7 @@ def _run_as(uid: int, code: str) -> subprocess.CompletedProcess:
         "import grpc._channel, grpc._interceptor, grpc._utilities\n"
         "_warm = grpc.insecure_channel('127.0.0.1:1'); _warm.close()\n"
         f"os.setgroups([]); os.setgid({uid}); os.setuid({uid})\n"
+        "import ctypes; ctypes.CDLL(None).prctl(4, 1)  # PR_SET_DUMPABLE\n"
     )
     return subprocess.run(
         [sys.executable, "-c", prelude + code],
