@@ -296,12 +296,13 @@ class CudaCopyEngine:
         deadline: float | None = None,
     ) -> None:
         """Save: engine pages -> pool slots, after the engine's event if named.
-        Slots only: a copy past the deadline is harmless, the engine refuses to
-        publish it."""
+        Not started past the deadline (the event may take long): the engine
+        would not publish it, and nothing is written after a deadline."""
         dev = regions.device
         cuda_driver.set_device(dev.ordinal)
         if wait_event:
             self._wait_event(self._event(regions, wait_event))
+        deadlines.check(deadline, "save")
         path = self._policy.choose_for("save", t, dev.ordinal)
         start = time.perf_counter()  # the policy learns from each batch's time
         if path == "dma":
