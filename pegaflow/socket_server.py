@@ -58,6 +58,12 @@ logger = logging.getLogger(__name__)
 # that wants more is refused. A legitimate frame arrives whole within
 # milliseconds, so this only bounds what slow or stuck senders can pin.
 RECEIVE_BUDGET = 128 << 20
+# Whole frames waiting behind a slow save or load, per connection: past this
+# the connection is not read until its queue drains to half (a client that
+# pipelines without waiting must not grow the server's memory without bound).
+QUEUED_PAUSE_BYTES = 64 << 20
+# Replies a client does not read pause its reading the same way.
+WRITE_HIGH_BYTES = 16 << 20
 MAX_CONNECTIONS = 1024
 REFUSED_LINGER_S = 2.0  # a refused connection drains this long, then closes
 
@@ -102,9 +108,13 @@ class _SocketProtocol(asyncio.Protocol):
         self._queued: deque[bytes | QueryResult] = deque()
         self._task: asyncio.Task | None = None
         self._eof = False
+        self._queued_bytes = 0
+        self._reading = True
+        self._writable = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        self._transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES)
         self._shared.connections += 1
         if self._shared.connections > MAX_CONNECTIONS:
             self._refuse(Overloaded(f"connection: more than {MAX_CONNECTIONS} open"))
@@ -184,8 +194,35 @@ class _SocketProtocol(asyncio.Protocol):
                 return
             body = reply  # it waits for the metaserver: answered in order below
         self._queued.append(body)
+        if isinstance(body, bytes):
+            self._queued_bytes += len(body)
+        self._flow()
         if self._task is None:
             self._task = asyncio.ensure_future(self._drain())
+
+    def pause_writing(self) -> None:
+        self._writable = False
+        self._flow()
+
+    def resume_writing(self) -> None:
+        self._writable = True
+        self._flow()
+
+    def _flow(self) -> None:
+        """Read while the queue is small and the peer reads its replies."""
+        if self._transport.is_closing():
+            return
+        full = self._queued_bytes > (
+            QUEUED_PAUSE_BYTES // 2 if not self._reading else QUEUED_PAUSE_BYTES
+        )
+        want = self._writable and not full
+        if want != self._reading:
+            self._reading = want
+            (
+                self._transport.resume_reading
+                if want
+                else self._transport.pause_reading
+            )()
 
     def _hello(self, body: bytes) -> None:
         try:
@@ -209,9 +246,12 @@ class _SocketProtocol(asyncio.Protocol):
         try:
             while self._queued:
                 reply = await self._answer(self._queued[0])
-                self._queued.popleft()
+                done = self._queued.popleft()
+                if isinstance(done, bytes):
+                    self._queued_bytes -= len(done)
                 if not (self._discard or self._transport.is_closing()):
                     self._transport.write(reply)
+                    self._flow()
         finally:
             self._task = None
             if self._eof:

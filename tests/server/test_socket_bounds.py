@@ -13,10 +13,17 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 import pytest
 
 from pegaflow.client import PegaflowClient
-from pegaflow.frames import HELLO_HEADER, HELLO_REPLY, MAX_BODY, encode_hello
+from pegaflow.frames import (
+    HELLO_HEADER,
+    HELLO_REPLY,
+    MAX_BODY,
+    encode_hello,
+    encode_load,
+)
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import ServerProc, start_server
 
@@ -138,3 +145,38 @@ def test_a_client_of_another_protocol_is_refused_clearly(server) -> None:
         reply = _reply(sock)
     assert reply[0] == grpc.StatusCode.FAILED_PRECONDITION.value[0]
     assert b"hello.version: 99" in reply
+
+
+def test_a_client_that_never_reads_its_replies_stops_being_read(server) -> None:
+    """Scenario: a client pipelines batch loads whose replies are large (an
+    error line per unknown lease: ~280 KiB a reply) and never reads them. Once
+    16 MiB of replies wait, the server stops reading that connection, so the
+    client's sends stall instead of the server's memory growing (before: every
+    frame was read and answered into an unbounded write buffer)."""
+    kv = LocalKV(1, 8, 4096)
+    with PegaflowClient(server.addr) as client:
+        kv.register(client, "e", "ns")
+        token = client._token("e", 0)
+    items = [(2 * i + 3, 0, np.array([0])) for i in range(4000)]  # the most: 4080
+    frame = encode_load("e", 0, items, True, token=token)
+    assert frame is not None
+    before = _rss_mib(server.pid)
+    sock = _greeted(_socket_path(server))
+    sock.settimeout(5)
+    sent = 0
+    try:
+        for _ in range(600):  # 600 x 80 KiB of frames, ~170 MiB of replies
+            try:
+                sock.sendall(frame)
+            except TimeoutError:
+                break
+            sent += 1
+        time.sleep(1)  # what it read is answered meanwhile
+        growth = _rss_mib(server.pid) - before
+    finally:
+        sock.close()
+    assert sent < 200, sent
+    assert growth < 100, growth
+    with PegaflowClient(server.addr) as client:  # and it serves others still
+        kv.register(client, "f", "ns")
+        assert client.save("f", [0, 1], hashes(2)).stored == 2
