@@ -9,6 +9,8 @@ Layout
     journal.py   append-only index journal (per-entry CRC), replay, snapshots
     scan.py      index rebuild from the record headers (journal lost or damaged)
     files.py     start-up: path checks, reuse / reinitialise / refuse, prealloc
+    private.py   the files' privacy: created 0600, opened only as private
+                 regular files of the server's user, never through a link
     io.py        FileIO interface, POSIX backend (O_DIRECT where allowed)
     kvikio_io.py kvikio backend (GDS or compat mode), imported lazily
     recovery.py  start-up: journal replay or header scan, journal reopened
@@ -25,17 +27,21 @@ Layout
 The seam (all of it; the server needs nothing else)
     tier = SsdTier(SsdConfig(paths=(...,), capacity_bytes=...))
         Opens or creates the files, rebuilds the index from the journal (tqdm bar
-        past 100k entries) or, where the journal is missing, foreign, unreadable
-        or damaged before its tail, by scanning the record headers (tqdm bar;
+        past 100k entries) or, where the journal is missing, foreign, unreadable,
+        damaged before its tail or names space the store never wrote, by
+        scanning the record headers (a chunk that fails to read is skipped; tqdm bar;
         torn and damaged records dropped), starts the writer threads and the
         reader pool. Raises
         SsdError with a clear message for a missing directory, an unwritable path,
-        too little free space, a foreign file at a path, O_DIRECT refused with
+        too little free space, a foreign file at a path, a cache file or journal
+        that other users could read or change (mode, owner, symbolic link, a
+        second hard link), a file another server holds, O_DIRECT refused with
         direct_io="on", or mismatched files with on_mismatch="refuse".
         `tier.store.recovery` says what was recovered, how (journal / scan)
         and how long it took.
-        Beside paths[0] it keeps `<path>.journal` (the index) and `<path>.lock`
-        (flock: a second server on the same files is refused). Payload checksum
+        Beside paths[0] it keeps `<path>.journal` (the index); files and journal
+        are created 0600. Each file is flock'ed while the tier runs: a second
+        server on any of them, by whatever name, is refused. Payload checksum
         (SsdConfig.checksum): "auto" = xxh3-64 (~25 GB/s a core against
         blake3's 3.6 and blake2b's 0.5); each record names its own, so files
         written with blake3 or blake2b (the defaults before) still load, and
@@ -54,7 +60,8 @@ The seam (all of it; the server needs nothing else)
         takes the spills queued behind its next one (up to 16 MiB) and writes
         them back to back in one request: page-aligned slots of a multiple of
         4 KiB straight from the pool (one gather pwritev, no copy), others
-        through a staging copy.
+        through a staging copy. A block over 1 GiB (format.MAX_PAYLOAD_BYTES, all
+        shards) is never written (counted in no_space, as one larger than a file).
 
     tier.spill_many(ns_digest, hashes, slots, slot_bytes, release=None) -> list[int]
         spill() of a save's blocks at once ([n, shards] slot addresses): one

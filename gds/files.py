@@ -6,11 +6,15 @@ store, are reused (their blocks survive the restart). Files of another version,
 capacity or file set are reinitialised with a warning saying why, or refused
 (`on_mismatch="refuse"`); so are files whose records name a checksum this
 server does not know, found later by recovery (`Mismatch`, `reinitialise`). A
-file that is not ours and holds data is never touched.
+file that is not ours and holds data is never touched; one of ours that other
+users could read or change, or that is reached through a symbolic link or a
+second hard link, is refused (private.py). Each file stays locked (flock on its
+own descriptor) while the store runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -28,6 +32,7 @@ from .format import (
     Superblock,
 )
 from .io import SsdError
+from .private import check_private, open_private
 
 logger = logging.getLogger(__name__)
 GiB = float(1 << 30)
@@ -40,7 +45,9 @@ class Layout:
     file_bytes: int
     fresh: bool  # initialised now: nothing to recover
     reason: str  # why the files were (re)initialised, "" when reused
-    lock_fd: int  # held (flock) until the store closes: one server per cache
+    # One per data file, held (flock) until the store closes: one server per
+    # cache file, whatever name or alias reaches it.
+    fds: tuple[int, ...]
 
 
 class Mismatch(Exception):
@@ -49,41 +56,77 @@ class Mismatch(Exception):
 
 
 def prepare(cfg: SsdConfig) -> Layout:
-    for path in cfg.paths:
-        _check_path(path)
-    lock_fd = _lock(f"{cfg.paths[0]}.lock")
+    fds: list[int] = []
+    created: list[str] = []
     try:
-        return _prepare(cfg, lock_fd)
+        for path in cfg.paths:
+            fd, new = _open(path)
+            fds.append(fd)
+            if new:
+                created.append(path)
+            _lock(fd, path)
+        return _prepare(cfg, tuple(fds))
     except BaseException:
-        os.close(lock_fd)
+        for fd in fds:
+            os.close(fd)
+        for path in created:  # a start that failed leaves nothing behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         raise
 
 
-def _lock(path: str) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+def _open(path: str) -> tuple[int, bool]:
+    """The data file open for reading and writing, and whether it was created
+    now. Opening it tests what access bits cannot (they do not bind root): a
+    read-only filesystem refuses."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise SsdError(f"ssd cache {path}: directory {parent} does not exist")
+    try:
+        return open_private(path, os.O_RDWR), False
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise SsdError(
+            f"ssd cache {path}: cannot open it for writing: {exc.strerror}"
+        ) from exc
+    try:
+        return open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL), True
+    except OSError as exc:
+        raise SsdError(
+            f"ssd cache {path}: cannot create files in {parent}: {exc.strerror}"
+        ) from exc
+
+
+def _lock(fd: int, path: str) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
         raise SsdError(
-            f"ssd cache {path[: -len('.lock')]}: in use by another process "
-            "(two servers cannot share cache files)"
+            f"--ssd-cache-path: {path} is in use by another process (two servers "
+            "cannot share cache files): stop it, or give this server its own files"
         ) from None
-    return fd
 
 
-def _prepare(cfg: SsdConfig, lock_fd: int) -> Layout:
-    found = [_read_superblock(path) for path in cfg.paths]
-    reason = _mismatch(cfg, found)
+def _prepare(cfg: SsdConfig, fds: tuple[int, ...]) -> Layout:
+    found = [
+        _read_superblock(fd, path) for fd, path in zip(fds, cfg.paths, strict=True)
+    ]
+    for fd, path in zip(fds, cfg.paths, strict=True):
+        # After the foreign check: a file that is not ours is named so, not
+        # given advice to chmod it.
+        check_private(fd, path)
+    sizes = [os.fstat(fd).st_size for fd in fds]
+    reason = _mismatch(cfg, found, sizes)
     if not reason:
         assert found[0] is not None
-        return Layout(found[0].store_id, cfg.file_bytes, False, "", lock_fd)
+        return Layout(found[0].store_id, cfg.file_bytes, False, "", fds)
     existing = any(sb is not None for sb in found)
-    return reinitialise(cfg, lock_fd, reason, existing)
+    return reinitialise(cfg, fds, reason, existing)
 
 
 def reinitialise(
-    cfg: SsdConfig, lock_fd: int, reason: str, existing: bool = True
+    cfg: SsdConfig, fds: tuple[int, ...], reason: str, existing: bool = True
 ) -> Layout:
     """Start the files afresh (a new store id, so nothing of theirs is read
     again), or refuse to where `on_mismatch="refuse"` and they hold a cache."""
@@ -94,45 +137,23 @@ def reinitialise(
         )
     if existing:
         logger.warning("ssd cache: reinitialising (%s); its blocks are dropped", reason)
-    _check_space(cfg)
+    _check_space(cfg, fds)
     store_id = os.urandom(STORE_ID_BYTES)
-    for i, path in enumerate(cfg.paths):
+    for i, (fd, path) in enumerate(zip(fds, cfg.paths, strict=True)):
         _create(
+            fd,
             path,
             Superblock(
                 FORMAT_VERSION, i, len(cfg.paths), cfg.file_bytes, store_id, time.time()
             ),
         )
-    return Layout(store_id, cfg.file_bytes, True, reason, lock_fd)
+    return Layout(store_id, cfg.file_bytes, True, reason, fds)
 
 
-def _check_path(path: str) -> None:
-    """Open (or create and remove) the file: access bits do not bind root, a
-    read-only filesystem does."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise SsdError(f"ssd cache {path}: directory {parent} does not exist")
-    exists = os.path.exists(path)
-    if exists and not os.path.isfile(path):
-        raise SsdError(f"ssd cache {path}: not a regular file")
-    try:
-        flags = os.O_RDWR | os.O_CLOEXEC | (0 if exists else os.O_CREAT | os.O_EXCL)
-        os.close(os.open(path, flags, 0o644))
-    except OSError as exc:
-        what = "open it for writing" if exists else f"create files in {parent}"
-        raise SsdError(f"ssd cache {path}: cannot {what}: {exc.strerror}") from exc
-    if not exists:
-        os.unlink(path)
-
-
-def _read_superblock(path: str) -> Superblock | None:
-    """The file's superblock; None for a missing, empty or all-zero start.
-    Raises SsdError for a file with foreign data."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(SUPERBLOCK_BYTES)
-    except FileNotFoundError:
-        return None
+def _read_superblock(fd: int, path: str) -> Superblock | None:
+    """The file's superblock; None for an empty or all-zero start. Raises
+    SsdError for a file with foreign data."""
+    raw = os.pread(fd, SUPERBLOCK_BYTES, 0)
     if not raw.strip(b"\0"):
         return None
     if not raw.startswith(FILE_MAGIC):
@@ -146,11 +167,11 @@ def _read_superblock(path: str) -> Superblock | None:
         return DAMAGED
 
 
-def _mismatch(cfg: SsdConfig, found: list[Superblock | None]) -> str:
+def _mismatch(cfg: SsdConfig, found: list[Superblock | None], sizes: list[int]) -> str:
     """Why the files cannot be reused as they are ("" when they can)."""
     if all(sb is None for sb in found):
         return "new files"
-    for i, (path, sb) in enumerate(zip(cfg.paths, found, strict=True)):
+    for i, (path, sb, size) in enumerate(zip(cfg.paths, found, sizes, strict=True)):
         if sb is None:
             return f"{path} is new beside existing cache files"
         if sb is DAMAGED:
@@ -165,6 +186,8 @@ def _mismatch(cfg: SsdConfig, found: list[Superblock | None]) -> str:
                 f"capacity changed: {path} holds {sb.file_bytes / GiB:.2f} GiB, the "
                 f"configuration asks for {cfg.file_bytes / GiB:.2f} GiB per file"
             )
+        if size < sb.file_bytes:  # truncated: its records past the end are gone
+            return f"{path} shrank to {size} bytes, its superblock says {sb.file_bytes}"
         if sb.file_count != len(cfg.paths) or sb.file_index != i:
             return (
                 f"file set changed: {path} was file {sb.file_index + 1} of "
@@ -175,14 +198,14 @@ def _mismatch(cfg: SsdConfig, found: list[Superblock | None]) -> str:
     return ""
 
 
-def _check_space(cfg: SsdConfig) -> None:
+def _check_space(cfg: SsdConfig, fds: tuple[int, ...]) -> None:
     """Enough free space to preallocate every file, per filesystem."""
     need: dict[int, int] = {}
     where: dict[int, str] = {}
-    for path in cfg.paths:
+    for fd, path in zip(fds, cfg.paths, strict=True):
         parent = os.path.dirname(os.path.abspath(path))
-        dev = os.stat(parent).st_dev
-        have = os.stat(path).st_blocks * 512 if os.path.exists(path) else 0
+        st = os.fstat(fd)
+        dev, have = st.st_dev, st.st_blocks * 512
         need[dev] = need.get(dev, 0) + max(0, cfg.file_bytes - have)
         where[dev] = parent
     for dev, nbytes in need.items():
@@ -196,30 +219,24 @@ def _check_space(cfg: SsdConfig) -> None:
             )
 
 
-def _create(path: str, sb: Superblock) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+def _create(fd: int, path: str, sb: Superblock) -> None:
+    # The superblock goes last: a crash while preallocating leaves a file
+    # that the next start initialises again.
+    os.pwrite(fd, b"\0" * SUPERBLOCK_BYTES, 0)
+    if os.fstat(fd).st_size > sb.file_bytes:
+        os.ftruncate(fd, sb.file_bytes)
     try:
-        # The superblock goes last: a crash while preallocating leaves a file
-        # that the next start initialises again.
-        os.pwrite(fd, b"\0" * SUPERBLOCK_BYTES, 0)
-        if os.fstat(fd).st_size > sb.file_bytes:
-            os.ftruncate(fd, sb.file_bytes)
-        try:
-            os.posix_fallocate(fd, 0, sb.file_bytes)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise SsdError(
-                    f"ssd cache {path}: preallocating failed: {exc}"
-                ) from exc
-            logger.warning(
-                "ssd cache %s: the filesystem cannot preallocate; the file is sparse "
-                "and a full disk shows up as write errors",
-                path,
-            )
-            os.ftruncate(fd, sb.file_bytes)
-        os.fsync(fd)
-        os.pwrite(fd, sb.pack().ljust(SUPERBLOCK_BYTES, b"\0"), 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        os.posix_fallocate(fd, 0, sb.file_bytes)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise SsdError(f"ssd cache {path}: preallocating failed: {exc}") from exc
+        logger.warning(
+            "ssd cache %s: the filesystem cannot preallocate; the file is sparse "
+            "and a full disk shows up as write errors",
+            path,
+        )
+        os.ftruncate(fd, sb.file_bytes)
+    os.fsync(fd)
+    os.pwrite(fd, sb.pack().ljust(SUPERBLOCK_BYTES, b"\0"), 0)
+    os.fsync(fd)
     logger.info("ssd cache %s: initialised, %.2f GiB", path, sb.file_bytes / GiB)

@@ -32,6 +32,10 @@ FORMAT_VERSION = 1
 NS_DIGEST_BYTES = 16
 MAX_HASH_BYTES = 64  # as pegaflow.engine.MAX_HASH_BYTES
 STORE_ID_BYTES = 16
+# The largest payload (a block, all its TP shards) the store writes: a header
+# or journal entry naming more is damage, and a start never reads more than
+# this for one record.
+MAX_PAYLOAD_BYTES = 1 << 30
 
 FILE_MAGIC = b"PGFLSSD\x00"
 RECORD_MAGIC = b"PGFLBLK\x00"

@@ -153,7 +153,7 @@ class PosixIO:
         logger.info("ssd backend: %s", self.mode)
 
     def _open(self, path: str, direct: DirectIO) -> int:
-        flags = os.O_RDWR | os.O_CLOEXEC
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW  # files.py checked it
         fell_back = bool(self.fds) and not self.direct
         if direct == "off" or fell_back:
             return os.open(path, flags)

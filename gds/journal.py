@@ -6,15 +6,22 @@ head, written before the data), COMMIT (the record is completely on disk, writte
 after it), DROP (a record found bad or failed to write) and HEAD (a ring's head,
 in snapshots). Replaying them through the same ring code reproduces the index; a
 RESERVE without its COMMIT is a write the crash tore, and its space is dropped. A
-torn or corrupt entry ends the replay: everything before it stands.
+torn or corrupt entry ends the replay: everything before it stands. An intact
+entry whose fields this store cannot have written (`first_invalid`: space
+outside the record area, off the grid, a length not its payload's) makes the
+whole journal untrusted, and the start rebuilds the index by a header scan.
 
 The journal is rewritten as a snapshot of the live records (written beside it,
 then renamed over it) whenever it grows past a few times the live set, and at a
-start that found a torn tail, so its size stays bounded.
+start that found a torn tail, so its size stays bounded. The journal is a
+private file (private.py), and so is the one a rewrite creates beside it, never
+opened through a link.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import struct
@@ -26,7 +33,15 @@ from enum import IntEnum
 import numpy as np
 from tqdm import tqdm
 
-from .format import MAX_HASH_BYTES, STORE_ID_BYTES, crc_rows
+from .format import (
+    ALIGN,
+    HEADER_BYTES,
+    MAX_HASH_BYTES,
+    MAX_PAYLOAD_BYTES,
+    STORE_ID_BYTES,
+    crc_rows,
+)
+from .private import check_private, open_private
 from .ring import Index, Record, Ring, State
 
 logger = logging.getLogger(__name__)
@@ -132,12 +147,15 @@ class Loaded:
 
 def load(path: str, store_id: bytes) -> Loaded | None:
     """The journal's intact entries; None when it is missing or belongs to other
-    files (another store id or version)."""
+    files (another store id or version). Raises SsdError for a journal that is
+    not a private file of this server's user."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        fd = open_private(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
+    with open(fd, "rb") as f:
+        check_private(fd, path)
+        raw = f.read()
     if raw[:ENTRY_BYTES] != _header(store_id):
         return None
     body = memoryview(raw)[ENTRY_BYTES:]
@@ -154,45 +172,155 @@ def load(path: str, store_id: bytes) -> Loaded | None:
     return Loaded(entries[:good], torn)
 
 
-class Journal:
-    """The open journal: appends are single write() calls (whole entries), so a
-    process crash leaves at most one torn entry at the tail."""
+def first_invalid(entries: np.ndarray, rings: list[Ring]) -> tuple[int, str] | None:
+    """(index, why) of the first entry this store cannot have written, or None.
 
-    def __init__(self, path: str, fd: int, entries: int) -> None:
+    A CRC only proves an entry is whole; its fields are checked here, all
+    entries at once, before a replay trusts them: a record entry must lie in
+    its ring's record area on the 4 KiB grid and be exactly as long as its
+    payload's record; a HEAD must lie in the area. Else one entry could point
+    the next write at the superblock or past the file's end."""
+    if not entries.size:
+        return None
+    kind = entries["kind"]
+    file = entries["file"].astype(np.int64)
+    offset, length = entries["offset"], entries["length"]
+    plen, hlen = entries["payload_len"], entries["hash_len"]
+    known = file < len(rings)
+    at = np.where(known, file, 0)
+    start = np.array([r.start for r in rings], np.uint64)[at]
+    end = np.array([r.end for r in rings], np.uint64)[at]
+    record = np.isin(kind, (Kind.RESERVE, Kind.COMMIT, Kind.DROP))
+    fits = plen <= MAX_PAYLOAD_BYTES
+    padded = np.where(fits, plen, 0) + (ALIGN - 1)
+    expected = HEADER_BYTES + padded // ALIGN * ALIGN
+    inside = (offset >= start) & (offset <= end)
+    rules = (
+        (~(record | (kind == Kind.HEAD)), "an unknown kind"),
+        (~known, f"a file past the {len(rings)} configured"),
+        (offset % ALIGN != 0, "an offset off the 4 KiB grid"),
+        (~inside, "an offset outside the record area"),
+        (record & ~fits, f"a payload over {MAX_PAYLOAD_BYTES} bytes"),
+        (record & (length != expected), "a length other than its payload's record"),
+        (record & inside & (length > end - offset), "a record past the file's end"),
+        (record & ((hlen == 0) | (hlen > MAX_HASH_BYTES)), "a bad hash length"),
+    )
+    worst: tuple[int, str] | None = None
+    for mask, why in rules:
+        hits = np.flatnonzero(mask)
+        if hits.size and (worst is None or hits[0] < worst[0]):
+            worst = int(hits[0]), why
+    return worst
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    """os.write until all of data is down: a write may come back short (a
+    signal, a nearly full disk), and a partial entry misaligns all after it."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.EIO, f"journal write stopped at {n}")
+        view = view[n:]
+
+
+def _write_snapshot(
+    fd: int, store_id: bytes, snapshot: Iterable[bytes]
+) -> tuple[int, int]:
+    """Write the header and the snapshot's entries, 8192 a write; returns
+    (entries, bytes) written."""
+    count = size = 0
+    chunk: list[bytes] = [_header(store_id)]
+    for item in snapshot:
+        chunk.append(item)
+        count += 1
+        if len(chunk) >= 8192:
+            size += _write_joined(fd, chunk)
+    size += _write_joined(fd, chunk)
+    return count, size
+
+
+def _write_joined(fd: int, chunk: list[bytes]) -> int:
+    data = b"".join(chunk)
+    _write_all(fd, data)
+    chunk.clear()
+    return len(data)
+
+
+def _sync_dir(path: str) -> None:
+    """fsync the folder of path, so a rename into it survives a power loss."""
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_stale(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # removes a planted link itself, never its target
+
+
+class Journal:
+    """The open journal: appends are whole entries; a process crash leaves at
+    most one torn entry at the tail, and a failed append is cut off again."""
+
+    def __init__(self, path: str, fd: int, entries: int, size: int) -> None:
         self.path = path
         self.fd = fd
         self.entries = entries
+        self.size = size  # bytes on disk: where a failed append is cut back to
 
     @classmethod
     def rewrite(cls, path: str, store_id: bytes, snapshot: Iterable[bytes]) -> Journal:
         """Write a fresh journal holding `snapshot` beside `path`, then rename it
-        over `path`, so a crash leaves either the old journal or the new one."""
+        over `path`, so a crash leaves either the old journal or the new one.
+        The file beside it is created anew (O_EXCL, never through a link): a
+        stale one, ours from a crash mid-rewrite, is removed first."""
         tmp = f"{path}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        count = 0
-        chunk: list[bytes] = [_header(store_id)]
-        for item in snapshot:
-            chunk.append(item)
-            count += 1
-            if len(chunk) >= 8192:
-                os.write(fd, b"".join(chunk))
-                chunk.clear()
-        os.write(fd, b"".join(chunk))
-        os.fsync(fd)
-        os.close(fd)
-        os.replace(tmp, path)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-        return cls(path, fd, count)
+        _unlink_stale(tmp)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        fd = os.open(tmp, flags | os.O_CLOEXEC, 0o600)
+        try:
+            count, size = _write_snapshot(fd, store_id, snapshot)
+            os.fsync(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            os.close(fd)
+            _unlink_stale(tmp)
+            raise
+        try:
+            _sync_dir(path)
+        except OSError as exc:  # renamed already: the new journal is the one
+            logger.warning("ssd journal %s: syncing its folder failed: %s", path, exc)
+        return cls(path, fd, count, size)
 
     @classmethod
     def reopen(cls, path: str, entries: int) -> Journal:
         """Append to a journal that replayed whole (no torn tail to cut off)."""
-        return cls(
-            path, os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC), entries
-        )
+        fd = open_private(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            check_private(fd, path)
+            size = os.fstat(fd).st_size
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, entries, size)
 
     def append(self, data: bytes) -> None:
-        os.write(self.fd, data)
+        """Write whole entries; on an OSError none of them stays (the next
+        append starts on an entry boundary) and the error is raised."""
+        try:
+            _write_all(self.fd, data)
+        except OSError:
+            try:
+                os.ftruncate(self.fd, self.size)
+            except OSError as exc:  # the replay then ends at the partial entry
+                logger.warning(
+                    "ssd journal %s: cutting back failed: %s", self.path, exc
+                )
+            raise
+        self.size += len(data)
         self.entries += len(data) // ENTRY_BYTES
 
     def sync(self) -> None:
@@ -200,9 +328,11 @@ class Journal:
 
     def close(self) -> None:
         if self.fd >= 0:
-            os.fsync(self.fd)
-            os.close(self.fd)
-            self.fd = -1
+            fd, self.fd = self.fd, -1
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def snapshot(rings: list[Ring]) -> Iterable[bytes]:
@@ -227,6 +357,7 @@ class Replayed:
 def replay(
     entries: np.ndarray, rings: list[Ring], index: Index, progress: bool
 ) -> Replayed:
+    """Rebuild rings and index from entries that `first_invalid` passed."""
     n = len(entries)
     cols = [
         entries[name].tolist()
@@ -247,9 +378,6 @@ def replay(
     ):
         if i & 0x3FFF == 0:
             bar.update(min(0x4000, n - i))
-        if file >= len(rings):
-            logger.warning("ssd journal: entry %d names file %d; stopping", i, file)
-            break
         ring = rings[file]
         if kind == Kind.RESERVE:
             rec = Record(file, off, length, seq)

@@ -1,8 +1,9 @@
 """Start-up of the SSD store: rebuild the rings and the index from the journal,
 or by scanning the record headers where the journal is missing, foreign,
-unreadable or damaged before its tail; then reopen the journal or rewrite it
-as a snapshot. Records naming a checksum this server does not know raise
-`files.Mismatch` (the store refuses or reinitialises the files)."""
+unreadable, damaged before its tail or naming space this store cannot have
+written; then reopen the journal or rewrite it as a snapshot. Records naming a
+checksum this server does not know raise `files.Mismatch` (the store refuses
+or reinitialises the files)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from . import journal, scan
 from .config import SsdConfig
 from .files import Mismatch
 from .format import unknown_checksums
-from .io import FileIO
+from .io import FileIO, SsdError
 from .ring import Index, Ring
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class Recovery:
     seconds: float
     reinitialised: str  # why the files were (re)initialised, "" when reused
     rebuilt_by: RebuiltBy  # "new": fresh files, nothing to rebuild
+    unreadable_bytes: int = 0  # scan: record area that failed to read, skipped
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,7 @@ class Recovered:
     torn_entries: int
     next_seq: int
     rebuilt_by: RebuiltBy
+    unreadable_bytes: int = 0
 
 
 def log_ready(rec: Recovery, files: int, file_bytes: int, mode: str) -> None:
@@ -65,16 +68,23 @@ def log_ready(rec: Recovery, files: int, file_bytes: int, mode: str) -> None:
     )
 
 
-def journal_bloated(cfg: SsdConfig, rings: list[Ring], entries: int) -> bool:
-    """Whether a journal of `entries` holds so many more than the live records
+def journal_limit(cfg: SsdConfig, rings: list[Ring]) -> int:
+    """Entries past which the journal holds so many more than the live records
     need that it is worth rewriting as a snapshot."""
     live = sum(len(r.records) for r in rings)
-    return entries > cfg.journal_slack * max(live, 4096) + 64
+    return cfg.journal_slack * max(live, 4096) + 64
 
 
-def _load(cfg: SsdConfig, store_id: bytes) -> tuple[journal.Loaded | None, int]:
+def journal_bloated(cfg: SsdConfig, rings: list[Ring], entries: int) -> bool:
+    return entries > journal_limit(cfg, rings)
+
+
+def _load(
+    cfg: SsdConfig, store_id: bytes, rings: list[Ring]
+) -> tuple[journal.Loaded | None, int]:
     """(the journal's entries, or None where it is missing, foreign, unreadable
-    or damaged before its tail; the entries found torn or corrupt in it)."""
+    or damaged before its tail or in its fields; the entries found torn or
+    corrupt in it)."""
     try:
         loaded = journal.load(cfg.journal_path, store_id)
     except OSError as exc:
@@ -87,6 +97,13 @@ def _load(cfg: SsdConfig, store_id: bytes) -> tuple[journal.Loaded | None, int]:
             "ssd journal %s: damaged %d entries before its end",
             cfg.journal_path,
             loaded.torn,
+        )
+        return None, loaded.torn
+    if bad := journal.first_invalid(loaded.entries, rings):
+        logger.warning(
+            "ssd journal %s: entry %d names %s; not written by this store",
+            cfg.journal_path,
+            *bad,
         )
         return None, loaded.torn
     return loaded, loaded.torn
@@ -102,8 +119,8 @@ def recover(
 ) -> Recovered:
     """Rebuild `rings` and `index` (journal replay, else a header scan unless
     the files are fresh) and open the journal for appending."""
-    loaded, torn_entries = (None, 0) if fresh else _load(cfg, store_id)
-    torn, next_seq = 0, 1
+    loaded, torn_entries = (None, 0) if fresh else _load(cfg, store_id, rings)
+    torn, next_seq, unreadable = 0, 1, 0
     rebuilt_by: RebuiltBy = "new"
     if loaded is not None:
         _check_checksums(loaded.entries)
@@ -123,18 +140,25 @@ def recover(
         if reason := unknown_checksums(found.checksum_ids):
             raise Mismatch(reason)
         torn, next_seq = found.dropped, max(1, found.next_seq)
+        unreadable = found.unreadable_bytes
         rebuilt_by = "scan"
-    if (
-        loaded is not None
-        and not loaded.torn
-        and not journal_bloated(cfg, rings, len(loaded.entries))
-    ):
-        log = journal.Journal.reopen(cfg.journal_path, len(loaded.entries))
-    else:
-        log = journal.Journal.rewrite(
-            cfg.journal_path, store_id, journal.snapshot(rings)
-        )
-    return Recovered(log, torn, torn_entries, next_seq, rebuilt_by)
+    try:
+        if (
+            loaded is not None
+            and not loaded.torn
+            and not journal_bloated(cfg, rings, len(loaded.entries))
+        ):
+            log = journal.Journal.reopen(cfg.journal_path, len(loaded.entries))
+        else:
+            log = journal.Journal.rewrite(
+                cfg.journal_path, store_id, journal.snapshot(rings)
+            )
+    except OSError as exc:
+        raise SsdError(
+            f"--ssd-cache-path: cannot write the journal {cfg.journal_path}: {exc}; "
+            "free space there or make its folder writable"
+        ) from exc
+    return Recovered(log, torn, torn_entries, next_seq, rebuilt_by, unreadable)
 
 
 def _check_checksums(entries: np.ndarray) -> None:

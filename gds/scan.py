@@ -15,7 +15,8 @@ newer one (higher sequence number) overwrote the older one. Each ring's head is
 the end of its newest record; a later write reclaims the records after it first,
 as it would have without the restart. The scan reads the whole record area:
 its time is the files' size over the disk's read rate, which is why the journal
-is the normal way back.
+is the normal way back. A chunk that cannot be read (a bad sector) is skipped,
+its records dropped, logged and counted: the start goes on without them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .format import (
     FORMAT_VERSION,
     HEADER_BYTES,
     MAX_HASH_BYTES,
+    MAX_PAYLOAD_BYTES,
     RECORD_MAGIC,
     FormatError,
     hasher,
@@ -80,6 +82,7 @@ class Scanned:
     next_seq: int
     bytes_read: int
     checksum_ids: frozenset[int]  # named by the intact headers of this store
+    unreadable_bytes: int  # chunks whose read failed (bad sectors): skipped
 
 
 def _payload_ok(cid: int, payload: memoryview, checksum: int) -> bool:
@@ -96,6 +99,7 @@ class _Scanner:
         self.threads = threads
         self._local = threading.local()
         self.dropped = 0
+        self.unreadable_bytes = 0
         self.checksum_ids: set[int] = set()
         self._lock = threading.Lock()
 
@@ -112,7 +116,20 @@ class _Scanner:
         """The intact record headers of [start, start + CHUNK_BYTES) of a ring."""
         nbytes = min(CHUNK_BYTES, ring.end - start)
         buf = self._buffer(nbytes)
-        self.io.pread(ring.file, buf.address, nbytes, start)
+        try:
+            self.io.pread(ring.file, buf.address, nbytes, start)
+        except OSError as exc:  # a bad sector costs its chunk, not the start
+            logger.warning(
+                "ssd scan: %d B of file %d at %d unreadable (%s); the records "
+                "there are dropped",
+                nbytes,
+                ring.file,
+                start,
+                exc,
+            )
+            with self._lock:
+                self.unreadable_bytes += nbytes
+            return np.empty(0, _FOUND)
         pages = buf.view(0, nbytes).cast("B")
         table = np.frombuffer(pages, np.uint8).reshape(-1, ALIGN)
         # header page candidates: pages that start with the record magic
@@ -136,7 +153,7 @@ class _Scanner:
             & (head["version"] == FORMAT_VERSION)
             & (head["hlen"] > 0)
             & (head["hlen"] <= MAX_HASH_BYTES)
-            & (plen < ring.end)  # no overflow below
+            & (plen <= MAX_PAYLOAD_BYTES)  # what the store writes; no overflow below
             & (offset + length <= ring.end)
         )
         found = np.empty(int(ok.sum()), _FOUND)
@@ -158,10 +175,20 @@ class _Scanner:
         return found[keep]
 
     def recheck(self, ring: Ring, row: np.void) -> bool:
-        """Read a record that crossed a chunk boundary whole and check its payload."""
+        """Read a record that crossed a chunk boundary whole and check its
+        payload; False when it does not match or cannot be read."""
         length = int(row["length"])
         buf = self._buffer(length)
-        self.io.pread(ring.file, buf.address, length, int(row["offset"]))
+        try:
+            self.io.pread(ring.file, buf.address, length, int(row["offset"]))
+        except OSError as exc:
+            logger.warning(
+                "ssd scan: record at %d of file %d unreadable (%s); dropped",
+                int(row["offset"]),
+                ring.file,
+                exc,
+            )
+            return False
         payload = buf.view(HEADER_BYTES, HEADER_BYTES + int(row["plen"]))
         return _payload_ok(int(row["cid"]), payload, int(row["csum"]))
 
@@ -268,4 +295,6 @@ def scan(
     top = max((_place(r, f, index) for r, f in zip(rings, survivors, strict=True)))
     total = sum(r.end - r.start for r in rings)
     ids = frozenset(scanner.checksum_ids)
-    return Scanned(index.count, scanner.dropped, top + 1, total, ids)
+    return Scanned(
+        index.count, scanner.dropped, top + 1, total, ids, scanner.unreadable_bytes
+    )

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from . import journal
 from .config import SsdConfig
 from .files import Layout, Mismatch, prepare, reinitialise
-from .format import SUPERBLOCK_BYTES, checksum_id, record_bytes
+from .format import MAX_PAYLOAD_BYTES, SUPERBLOCK_BYTES, checksum_id, record_bytes
 from .io import AlignedBuffer, SsdError, open_backend
 from .records import Payloads, gather, read_pieces
 from .recovery import (
     Recovered,
     Recovery,
-    journal_bloated,
+    journal_limit,
     log_ready,
     recover,
 )
@@ -35,6 +35,8 @@ from .ring import BlockHash, Index, NsDigest, Record, Ring, State
 logger = logging.getLogger(__name__)
 
 __all__ = ["Recovery", "SsdStore", "SsdStoreCounters"]
+
+_MAX_RECORD_BYTES = record_bytes(MAX_PAYLOAD_BYTES)
 
 
 @dataclass(slots=True)
@@ -48,6 +50,8 @@ class SsdStoreCounters:
     checksum_failures: int = 0  # payload does not hash to its checksum
     header_mismatches: int = 0  # header damaged, or names another block / seq
     no_space: int = 0  # spills refused: every ring's next space is busy / too small
+    # journal writes that failed (spill refused, or a restart may drop the block)
+    journal_errors: int = 0
 
 
 class SsdStore:
@@ -61,7 +65,7 @@ class SsdStore:
         self.lock = threading.Lock()
         self.counters = SsdStoreCounters()
         layout = prepare(cfg)
-        self._lock_fd = layout.lock_fd
+        self._locks = layout.fds  # flock'ed: one server per cache file
         try:
             self.io = open_backend(
                 cfg.backend,
@@ -75,9 +79,11 @@ class SsdStore:
                 self.io.close()
                 raise
         except BaseException:
-            os.close(self._lock_fd)
+            for fd in self._locks:
+                os.close(fd)
             raise
         self.journal = done.journal
+        self._compact_at = 0  # journal entries before the next snapshot try
         self._next_seq = done.next_seq
         self.rebuilt_by = done.rebuilt_by
         self._last_sync = time.monotonic()
@@ -88,6 +94,7 @@ class SsdStore:
             time.perf_counter() - start,
             layout.reason,
             done.rebuilt_by,
+            done.unreadable_bytes,
         )
         log_ready(self.recovery, len(cfg.paths), layout.file_bytes, self.io.mode)
 
@@ -97,7 +104,7 @@ class SsdStore:
         try:
             return layout, self._rebuild(layout)
         except Mismatch as exc:
-            layout = reinitialise(self.cfg, layout.lock_fd, str(exc))
+            layout = reinitialise(self.cfg, layout.fds, str(exc))
             return layout, self._rebuild(layout)
 
     def _rebuild(self, layout: Layout) -> Recovered:
@@ -125,11 +132,16 @@ class SsdStore:
         """Claim back-to-back space in one ring for the longest prefix of blocks
         (namespace, hash, payload bytes) that fits at some ring's head without
         wrapping, so the run goes to disk in one write.
-        Empty when not even the first block fits: larger than a file, or every
-        next space busy."""
+        Empty when not even the first block fits (larger than a file or
+        MAX_PAYLOAD_BYTES, or every next space busy) or the journal refused the
+        RESERVE entries; the ring is then as before."""
         lengths = [record_bytes(payload) for _, _, payload in blocks]
+        if max(lengths, default=0) > _MAX_RECORD_BYTES:
+            lengths = list(
+                itertools.takewhile(lambda n: n <= _MAX_RECORD_BYTES, lengths)
+            )
         with self.lock:
-            placed = self._place(lengths)
+            placed = self._place(lengths) if lengths else None
             if placed is None:
                 self.counters.no_space += 1
                 return []
@@ -152,9 +164,15 @@ class SsdStore:
                 )
                 self._next_seq += 1
                 offset += length
+            # Journal first: a failed append then leaves nothing claimed, and
+            # no record stuck "being written" that the ring could never reclaim.
+            try:
+                self.journal.append(journal.entries(journal.Kind.RESERVE, run))
+            except OSError as exc:
+                self._journal_failed("reserving space (spill refused)", exc)
+                return []
             for victim in ring.claim_run(run):
                 self.index.remove(victim)
-            self.journal.append(journal.entries(journal.Kind.RESERVE, run))
             self._claimed[ring.file] += offset - run[0].offset
             return run
 
@@ -214,13 +232,12 @@ class SsdStore:
                     run[-1].offset + run[-1].length - run[0].offset,
                     exc,
                 )
-                for rec in run:
-                    self._drop(rec, "write_errors")
+                self._drop(run, "write_errors")
                 return False
             copied()
         except BaseException:
-            for rec in run:
-                self.abort(rec)  # never leave its space busy
+            # never leave its space busy
+            self._drop([r for r in run if r.state == State.WRITING], "write_errors")
             raise
         finally:
             copied()  # a failure before the write: the slots are the caller's
@@ -230,7 +247,10 @@ class SsdStore:
             self.index.put_run(run)
             self.counters.bytes_written += sum(r.payload_len for r in run)
             self.counters.blocks_written += len(run)
-            self.journal.append(journal.entries(journal.Kind.COMMIT, run))
+            try:
+                self.journal.append(journal.entries(journal.Kind.COMMIT, run))
+            except OSError as exc:  # on disk and served; a restart finds it torn
+                self._journal_failed("committing a write", exc)
             self._maybe_compact()
         self._maybe_sync()
         return True
@@ -238,27 +258,51 @@ class SsdStore:
     def abort(self, rec: Record) -> None:
         """Give up a record still being written (an error before its commit)."""
         if rec.state == State.WRITING:
-            self._drop(rec, "write_errors")
+            self._drop([rec], "write_errors")
 
-    def _drop(self, rec: Record, counter: str) -> None:
+    def _drop(self, recs: list[Record], counter: str) -> None:
+        """Forget records and free their space, then journal it: best effort,
+        since a restart without the DROP finds each record torn (no COMMIT) or
+        damaged (checksum) and drops it then."""
+        if not recs:
+            return
         with self.lock:
-            self.index.remove(rec)
-            rec.state = State.DEAD
-            self.journal.append(journal.entry(journal.Kind.DROP, rec))
-            setattr(self.counters, counter, getattr(self.counters, counter) + 1)
+            for rec in recs:
+                self.index.remove(rec)
+                rec.state = State.DEAD
+            setattr(self.counters, counter, getattr(self.counters, counter) + len(recs))
+            try:
+                self.journal.append(journal.entries(journal.Kind.DROP, recs))
+            except OSError as exc:
+                self._journal_failed("dropping records", exc)
+
+    def _journal_failed(self, what: str, exc: OSError) -> None:
+        self.counters.journal_errors += 1
+        logger.warning("ssd journal %s: %s failed: %s", self.journal.path, what, exc)
 
     def _maybe_compact(self) -> None:
-        if not journal_bloated(self.cfg, self.rings, self.journal.entries):
+        if self.journal.entries < self._compact_at:
+            return
+        limit = journal_limit(self.cfg, self.rings)
+        if self.journal.entries <= limit:
             return
         old = self.journal
         try:
             self.journal = journal.Journal.rewrite(
                 old.path, self.store_id, journal.snapshot(self.rings)
             )
-        except OSError as exc:  # keep appending to the old one
-            logger.warning("ssd journal snapshot failed: %s", exc)
+        except OSError as exc:
+            # Keep appending to the old one. A retry after every run would
+            # write a whole snapshot under the lock each time the disk says no:
+            # wait until the journal has grown by as much again.
+            self._compact_at = old.entries + limit
+            self._journal_failed("snapshot", exc)
             return
-        old.close()
+        self._compact_at = 0
+        try:
+            old.close()
+        except OSError as exc:  # replaced already: nothing of it is needed
+            logger.warning("ssd journal: closing the replaced one failed: %s", exc)
 
     def _maybe_sync(self) -> None:
         now = time.monotonic()
@@ -317,7 +361,7 @@ class SsdStore:
                         self.counters.blocks_read += 1
         for rec, failure in failures:
             logger.warning("ssd record %s: %s, dropped", rec.block_hash.hex(), failure)
-            self._drop(rec, failure)
+            self._drop([rec], failure)
         return ok
 
     # -- life cycle --------------------------------------------------------------------
@@ -337,4 +381,5 @@ class SsdStore:
             self.io.sync()
             self.journal.close()
             self.io.close()
-            os.close(self._lock_fd)
+            for fd in self._locks:
+                os.close(fd)

@@ -71,6 +71,7 @@ class SsdStats:
     read_errors: int
     checksum_failures: int
     header_mismatches: int
+    journal_errors: int  # failed journal writes: spill refused, or lost at restart
     loads: int
     load_blocks: int
     load_hits: int

@@ -152,6 +152,10 @@ _SSD_COUNTERS = {
     "no_space": ("pegaflow_ssd_no_space", "spills refused: no free SSD space"),
     "write_errors": ("pegaflow_ssd_write_errors", "failed SSD writes"),
     "read_errors": ("pegaflow_ssd_read_errors", "failed SSD reads"),
+    "journal_errors": (
+        "pegaflow_ssd_journal_errors",
+        "failed journal writes (the spill refused, or the block lost at restart)",
+    ),
     "checksum_failures": (
         "pegaflow_ssd_checksum_failures",
         "blocks read back with a bad payload checksum (dropped, never loaded)",

@@ -18,12 +18,13 @@ import fcntl
 import logging
 import mmap
 import os
-import stat
 import struct
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+
+from .private_files import check_private, open_private
 
 logger = logging.getLogger(__name__)
 
@@ -197,24 +198,21 @@ class PoolFile:
         self.fd = -1
 
 
+FLAG = "--pool-file"
+
+
 def _format(version: int) -> str:
     name = FORMATS.get(version)
     return f"{version} ({name})" if name else str(version)
 
 
 def _open_locked(path: str) -> int:
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
-        fd = os.open(path, flags, 0o600)
+        fd = open_private(path, os.O_RDWR | os.O_CREAT, FLAG, PoolFileError)
     except OSError as exc:
-        why = (
-            "it is a symbolic link; name the file itself"
-            if exc.errno == errno.ELOOP
-            else exc
-        )
-        raise PoolFileError(f"--pool-file: cannot open {path}: {why}") from exc
+        raise PoolFileError(f"{FLAG}: cannot open {path}: {exc}") from exc
     try:
-        _check_private(fd, path)
+        check_private(fd, path, FLAG, PoolFileError)
     except PoolFileError:
         os.close(fd)
         raise
@@ -229,29 +227,6 @@ def _open_locked(path: str) -> int:
             "cannot share one pool file: stop it, or give this one its own file"
         ) from None
     return fd
-
-
-def _check_private(fd: int, path: str) -> None:
-    """The pool file holds every tenant's KV cache, and its rows decide what
-    a restart serves: only this server's user may read or write it."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise PoolFileError(f"--pool-file: {path} is not a regular file")
-    if st.st_uid != os.geteuid():
-        raise PoolFileError(
-            f"--pool-file: {path} belongs to uid {st.st_uid}, not this server's "
-            f"user ({os.geteuid()}); remove it, or run as its owner"
-        )
-    if st.st_mode & 0o077:
-        raise PoolFileError(
-            f"--pool-file: {path} has mode {stat.S_IMODE(st.st_mode):o}; other "
-            f"users could read or change the cache: chmod 600 {path}"
-        )
-    if st.st_nlink != 1:
-        raise PoolFileError(
-            f"--pool-file: {path} has {st.st_nlink} hard links; give the server a "
-            "file of its own"
-        )
 
 
 def _has_super(fd: int) -> bool:

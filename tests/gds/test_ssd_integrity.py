@@ -70,7 +70,8 @@ def test_torn_record_is_dropped_at_restart(tmp_path: Path) -> None:
     # the crash: no COMMIT; the kernel closes the files and drops the lock
     store.journal.close()
     store.io.close()
-    os.close(store._lock_fd)
+    for fd in store._locks:
+        os.close(fd)
     tier.close = lambda: None  # type: ignore[method-assign]
     with opened(cfg) as again:
         assert again.store.recovery.torn_records == 1
