@@ -33,11 +33,13 @@ follows its path (COMPLETION; pegaflow.copiers.completion).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -305,12 +307,13 @@ class CudaCopyEngine:
         deadlines.check(deadline, "save")
         path = self._policy.choose_for("save", t, dev.ordinal)
         start = time.perf_counter()  # the policy learns from each batch's time
-        if path == "dma":
-            self._batch("save", regions.buffer, dev.pool, t, dev)
-        else:
-            k, ctas = self._k, self._ctas
-            k.gather(regions.buffer, dev.pool, t, stream=dev.save, max_blocks=ctas)
-        self._finish(dev, "save", path, t)
+        with self._drained_on_error(dev.save):
+            if path == "dma":
+                self._batch("save", regions.buffer, dev.pool, t, dev)
+            else:
+                k, ctas = self._k, self._ctas
+                k.gather(regions.buffer, dev.pool, t, stream=dev.save, max_blocks=ctas)
+            self._finish(dev, "save", path, t)
         self._policy.observe(dev.ordinal, "save", path, t, start, time.perf_counter())
 
     def event_done(self, regions: CudaRegions, wait_event: int) -> bool:
@@ -338,14 +341,29 @@ class CudaCopyEngine:
         deadlines.check(deadline, "load")
         path = self._policy.choose_for("load", t, dev.ordinal)
         start = time.perf_counter()  # the policy learns from each batch's time
-        if path == "dma":
-            self._batch("load", dev.pool, regions.buffer, t, dev)
-        else:
-            self._k.scatter(
-                dev.pool, regions.buffer, t, stream=dev.load, max_blocks=self._ctas
-            )
-        self._finish(dev, "load", path, t)
+        with self._drained_on_error(dev.load):
+            if path == "dma":
+                self._batch("load", dev.pool, regions.buffer, t, dev)
+            else:
+                self._k.scatter(
+                    dev.pool, regions.buffer, t, stream=dev.load, max_blocks=self._ctas
+                )
+            self._finish(dev, "load", path, t)
         self._policy.observe(dev.ordinal, "load", path, t, start, time.perf_counter())
+
+    @contextlib.contextmanager
+    def _drained_on_error(self, stream: Any) -> Iterator[None]:
+        """A failure after part of a copy was queued (the second of two DMA
+        batches, the event record after a launch) must not return while that
+        part still runs: the caller frees or unpins the slots it writes."""
+        try:
+            yield
+        except BaseException:
+            try:
+                self._k.synchronize(stream)
+            except Exception as exc:  # the context is broken: nothing runs on it
+                logger.error("stream sync after a failed copy failed: %s", exc)
+            raise
 
     def _finish(
         self, dev: _Device, direction: CopyDirection, path: CopyPath, t: Transfers
