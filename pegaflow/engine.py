@@ -30,7 +30,7 @@ from .errors import (
     InvalidRequest,
     LeaseNotFound,
 )
-from .geometry import Transfers, check_block_ids
+from .geometry import Transfers, check_block_ids, check_distinct
 from .identity import CallContext, Caller
 from .instances import Registry, Worker
 from .keys import BlockHash, LoadSpec, PackedHashes
@@ -363,6 +363,7 @@ class Engine:
             shard = map(itemgetter(worker.shard), map(_SLOTS, entries))
             slots = np.fromiter(shard, np.uint64, len(entries))
             ids = np.concatenate([block_ids for _, _, block_ids in live])
+            check_distinct(ids, "block_ids")
         return worker.geometry.slots_to_engine(slots, ids)
 
     def release_lease(self, lease_id: int) -> None:

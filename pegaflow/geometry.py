@@ -154,6 +154,20 @@ class KVGeometry:
         return (self.num_layers, *self.seg_bytes.tolist())
 
 
+def check_distinct(block_ids: np.ndarray, field: str) -> None:
+    """A load writes each engine block once: two items (or one) naming the same
+    destination would race each other's bytes."""
+    if len(block_ids) < 2:
+        return
+    ordered = np.sort(block_ids, kind="stable")
+    same = np.flatnonzero(ordered[1:] == ordered[:-1])
+    if len(same):
+        raise InvalidRequest(
+            f"{field}: engine block {int(ordered[same[0]])} is loaded into more "
+            "than once in this request"
+        )
+
+
 def check_block_ids(block_ids: np.ndarray, num_blocks: int, field: str) -> None:
     """Every id must address a block the worker registered."""
     if block_ids.size and (block_ids.min() < 0 or block_ids.max() >= num_blocks):

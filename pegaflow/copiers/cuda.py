@@ -229,6 +229,11 @@ class CudaCopyEngine:
                 events.append(_opened(cuda_driver.open_ipc_event, handle, i))
             lo = min(bases)
             hi = max(b + size for b, (_, size) in zip(bases, regions, strict=True))
+            if lo % 16 or hi - lo < 16:  # the copy kernels' 16-byte path
+                raise InvalidRequest(
+                    f"regions: they start at {lo:#x} and span {hi - lo} bytes; "
+                    "the lowest must be 16-byte aligned and the span at least 16"
+                )
             buffer = self._k.wrap(lo, hi - lo)
         except BaseException:
             self._release_all(dev.ordinal, keys, events)

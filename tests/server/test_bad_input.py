@@ -419,6 +419,7 @@ def test_load_rejected_then_lease_still_loads(env: Env) -> None:
         (load(lease_offset=U32, block_ids=[0]), INVALID, "block_ids"),
         (load(block_ids=[0, 1, 2, 3, 4, 5, 6, BLOCKS]), INVALID, "block_ids"),
         (load(block_ids=[U32] * 8), INVALID, "block_ids"),
+        (load(block_ids=[0, 1, 2, 3, 4, 5, 6, 3]), INVALID, "block_ids"),  # twice
     ]
     for req, code, field in cases:
         expect(env.stub.Load, req, code, field)
