@@ -60,6 +60,10 @@ FLAG_OF = {
     "token": "--peer-token",
     "peer_token": "--peer-token",
     "peer_token_var": "$PEGAFLOW_PEER_TOKEN",
+    "max_concurrent_rpcs": "--max-concurrent-rpcs",
+    "max_idle_namespaces": "--max-idle-namespaces",
+    "socket": "--socket",
+    "remote_quarantine_s": "--remote-quarantine",
 }
 
 
@@ -358,7 +362,9 @@ def ssd_config(args: argparse.Namespace) -> SsdConfig | None:
     return SsdConfig(
         paths=compat_flags.ssd_paths(args.ssd_cache_path, args.ssd_cache_shards),
         # the original's default; the free-space check names the flag
-        capacity_bytes=args.ssd_cache_capacity or DEFAULT_SSD_CAPACITY,
+        capacity_bytes=DEFAULT_SSD_CAPACITY
+        if args.ssd_cache_capacity is None
+        else args.ssd_cache_capacity,
         backend=args.ssd_backend,
         direct_io=args.ssd_direct_io,
         admission=args.ssd_admission,

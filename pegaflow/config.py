@@ -54,7 +54,13 @@ def parse_size(text: str) -> int:
         raise ValueError(f"not a size: {text!r} (use e.g. 512mb, 8gb, 1tb)")
     number, unit = match.groups()
     scale = _UNITS[(unit or "").lower()[:1]]
-    return int(float(number) * scale)
+    try:
+        size = float(number) * scale
+    except OverflowError:  # hundreds of digits: argparse reports ValueError only
+        size = math.inf
+    if not math.isfinite(size) or size >= 1 << 64:
+        raise ValueError(f"not a size: {text!r} is beyond 2^64 bytes")
+    return int(size)
 
 
 def addr_arg(text: str) -> str:
@@ -336,8 +342,9 @@ class ServerConfig:
         parse_addr(self.addr)
         if self.max_message_bytes < 1 << 16:
             raise ValueError("max_message_bytes: must be >= 64 KiB")
-        if self.max_concurrent_rpcs < 1:
-            raise ValueError("max_concurrent_rpcs: must be >= 1")
+        check_int("max_concurrent_rpcs", self.max_concurrent_rpcs, 1, 1 << 20)
+        if self.socket is not None and not self.socket.strip():
+            raise ValueError("socket: empty; give a path, 'auto' or 'off'")
         if self.http_addr is not None:
             parse_addr(self.http_addr)
         # grpc takes the limit as a C int

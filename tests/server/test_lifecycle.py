@@ -141,6 +141,27 @@ def test_remote_flags_checked(argv: tuple[str, ...], says: str) -> None:
     assert res.returncode == 2 and says in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (("--pool-size", "9" * 400), "argument --pool-size: not a size"),
+        (("--pool-size", "1e400gb"), "argument --pool-size: not a size"),
+        (("--max-concurrent-rpcs", "99999999999"), "argument --max-concurrent-rpcs"),
+        (("--socket=",), "argument --socket: empty"),
+        (("--ssd-cache-path", "/nonexistent-dir/x.bin", "--ssd-cache-capacity", "0"),
+         "argument --ssd-cache-capacity"),
+        (("--max-idle-namespaces", "-1"), "argument --max-idle-namespaces"),
+    ],
+)  # fmt: skip
+def test_values_that_once_crashed_or_slipped_through(argv, says) -> None:
+    """Each was a traceback (an int past what float or grpc's C int holds),
+    a silent default (an SSD capacity of 0 became 512 GiB; an empty socket
+    path turned the socket off) or named a config field, not the flag."""
+    res = _cli("--no-http", "--addr", "127.0.0.1:0", *argv)
+    assert res.returncode == 2 and says in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_bad_flag_values() -> None:
     assert "not a size" in _cli("--pool-size", "lots").stderr
     assert "host:port" in _cli("--addr", "nowhere").stderr
