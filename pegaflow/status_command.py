@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the raw /stats JSON")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds (default: 5)")
     args = p.parse_args(argv)
+    if not 0 < args.timeout <= 3600:  # NaN fails this too
+        p.error(f"argument --timeout: {args.timeout!r}, need seconds in (0, 3600]")
     try:
         stats = fetch(args.http_addr, args.timeout)
     except (OSError, ValueError, http.client.HTTPException) as exc:

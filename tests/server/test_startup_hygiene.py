@@ -188,6 +188,22 @@ def test_status_pointed_at_the_grpc_port(server) -> None:
         assert len(lines) == 1 and says in lines[0] and "--http-addr" in lines[0]
 
 
+@pytest.mark.parametrize("value", ["1e400", "nan", "-1", "0"])
+def test_status_timeout_is_checked(value: str) -> None:
+    """A timeout of 1e400 was a traceback; NaN or -1 a misleading "did not
+    answer with pegaflow /stats JSON"."""
+    res = subprocess.run(
+        [sys.executable, "-m", "pegaflow", "status", "--timeout", value],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert res.returncode == 2 and "argument --timeout" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_sigterm_with_a_session_open_is_quiet(server_factory) -> None:
     """Scenario: SIGTERM while an engine holds its Session stream open; grpc
     cancelled the stream's task as the loop closed and logged a CancelledError
