@@ -194,13 +194,16 @@ def health_report(
 
     def report() -> dict[str, object]:
         slabs = engine.pool.slabs
+        instances = engine.registry.instances
         return {
             "status": "ok",
             "pool_capacity_bytes": engine.pool.size,
             "pool_used_bytes": slabs.used_bytes,
             "resident_blocks": engine.store.resident_ready,
             "namespaces": len(engine.registry.namespaces),
-            "workers": sum(len(i.workers) for i in engine.registry.instances.values()),
+            # list(): one C-level copy; the loop may register meanwhile, and a
+            # dict changing size under a Python loop would fail the probe.
+            "workers": sum(map(len, [i.workers for i in list(instances.values())])),
             "cuda_mappings": getattr(cuda, "mapped_allocations", 0),
             "ssd_mode": ssd.mode if ssd else "off",
             "ssd_capacity_bytes": ssd.config.capacity_bytes if ssd else 0,
