@@ -93,21 +93,9 @@ def gather_in_place(
     n, shards = slots.shape
     buf.ensure(n * HEADER_BYTES)
     flat = slots.ravel().tolist()
-    views = host_views([(a, each) for a in flat])
-    algo = run[0].checksum_id  # one per store: every record of a run has it
-    if algo == _XXH3:
-        sums = _xxh3_each(views, shards)
-    else:
-        sums = [
-            hash_parts(algo, views[i : i + shards])
-            for i in range(0, n * shards, shards)
-        ]
-    for rec, checksum in zip(run, sums, strict=True):
-        rec.checksum = checksum
-    rows = header_rows(run, store_id)
+    _set_checksums(run, host_views([(a, each) for a in flat]), shards)
     pages = np.frombuffer(buf.view(0, n * HEADER_BYTES), np.uint8).reshape(n, -1)
-    pages[:, HEADER_DTYPE.itemsize :] = 0  # no stale bytes from the last run
-    pages[:, : HEADER_DTYPE.itemsize] = rows.view(np.uint8).reshape(n, -1)
+    _set_header_pages(pages, run, store_id)
     heads = buf.address + HEADER_BYTES * np.arange(n, dtype=np.uint64)
     starts = np.concatenate([heads[:, None], slots.astype(np.uint64)], axis=1)
     sizes = np.full(starts.shape, each, np.uint64)
@@ -137,18 +125,32 @@ def gather_staged(
     copy_within(dst.ravel(), slots.astype(np.uint64).ravel(), each)
     rows_of[:, HEADER_BYTES + payload :] = 0
     views = [buf.view(a, a + payload) for a in (firsts - buf.address).tolist()]
-    algo = run[0].checksum_id
+    _set_checksums(run, views, 1)
+    _set_header_pages(rows_of[:, :HEADER_BYTES], run, store_id)
+    return [(buf.address, n * length)]
+
+
+def _set_checksums(run: list[Record], views: list[memoryview], shards: int) -> None:
+    """Each record's checksum over its `shards` views back to back."""
+    algo = run[0].checksum_id  # one per store: every record of a run has it
     if algo == _XXH3:
-        sums = _xxh3_each(views, 1)
+        sums = _xxh3_each(views, shards)
     else:
-        sums = [hash_parts(algo, [v]) for v in views]
+        sums = [
+            hash_parts(algo, views[i : i + shards])
+            for i in range(0, len(views), shards)
+        ]
     for rec, checksum in zip(run, sums, strict=True):
         rec.checksum = checksum
-    rows_of[:, HEADER_DTYPE.itemsize : HEADER_BYTES] = 0
-    rows_of[:, : HEADER_DTYPE.itemsize] = (
-        header_rows(run, store_id).view(np.uint8).reshape(n, -1)
+
+
+def _set_header_pages(pages: np.ndarray, run: list[Record], store_id: bytes) -> None:
+    """[records, HEADER_BYTES] uint8 rows: each record's header, zeros after it
+    (no stale bytes from the last run)."""
+    pages[:, HEADER_DTYPE.itemsize :] = 0
+    pages[:, : HEADER_DTYPE.itemsize] = (
+        header_rows(run, store_id).view(np.uint8).reshape(len(run), -1)
     )
-    return [(buf.address, n * length)]
 
 
 def _xxh3_each(views: list[memoryview], shards: int) -> list[int]:

@@ -171,18 +171,22 @@ def test_numeric_flags_are_checked(flag: str, value: str) -> None:
     assert rc == 2 and f"error: argument {flag}:" in err, err
 
 
+def _status(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pegaflow", "status", *args],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
 def test_status_pointed_at_the_grpc_port(server) -> None:
     """Scenario: `pegaflow-server status --http-addr <the gRPC port>` printed a
     traceback (http.client.BadStatusLine is no OSError)."""
     for addr, says in [(server.addr, "not with HTTP"), ("127.0.0.1:9", "refused")]:
-        res = subprocess.run(
-            [sys.executable, "-m", "pegaflow", "status", "--http-addr", addr],
-            cwd=ROOT,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        res = _status("--http-addr", addr)
         assert res.returncode == 2 and "Traceback" not in res.stderr
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and says in lines[0] and "--http-addr" in lines[0]
@@ -192,14 +196,7 @@ def test_status_pointed_at_the_grpc_port(server) -> None:
 def test_status_timeout_is_checked(value: str) -> None:
     """A timeout of 1e400 was a traceback; NaN or -1 a misleading "did not
     answer with pegaflow /stats JSON"."""
-    res = subprocess.run(
-        [sys.executable, "-m", "pegaflow", "status", "--timeout", value],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    res = _status("--timeout", value)
     assert res.returncode == 2 and "argument --timeout" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
 
