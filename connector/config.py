@@ -7,11 +7,14 @@ knows the option names, and every error names the key and what it accepts.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
+
+from pegaflow.deadlines import MAX_AHEAD_S
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +72,25 @@ class ConnectorConfig:
     tenant_secret: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
+        # NaN passes every comparison below unnoticed, and an infinite deadline
+        # or interval turns a bounded wait into a hang: finite values only.
+        for name in _SECONDS:
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"kv_connector_extra_config.{name}: expected a finite number "
+                    f"of seconds, got {value!r}"
+                )
         for name in ("timeout_s", "query_timeout_s", "retry_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"kv_connector_extra_config.{name}: must be > 0")
+        for name in ("timeout_s", "query_timeout_s"):
+            # The server refuses deadlines further ahead than this (another
+            # clock's, to it): every call would fail.
+            if getattr(self, name) > MAX_AHEAD_S:
+                raise ValueError(
+                    f"kv_connector_extra_config.{name}: must be <= {MAX_AHEAD_S:.0f}"
+                )
         if self.lease_reuse_s < 0:
             raise ValueError("kv_connector_extra_config.lease_reuse_s: must be >= 0")
         if self.mode not in ("read_write", "save_only"):
@@ -86,6 +105,8 @@ class ConnectorConfig:
 
 
 _KEYS = {f.name: f for f in fields(ConnectorConfig) if f.name != "addr"}
+# The float options, all durations in seconds.
+_SECONDS = tuple(f.name for f in fields(ConnectorConfig) if f.type == "float")
 
 
 def server_addr(env: Mapping[str, str]) -> str:
@@ -128,7 +149,13 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
             raise ValueError(
                 f"kv_connector_extra_config.{key}: expected a number, got {value!r}"
             )
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond any float
+            raise ValueError(
+                f"kv_connector_extra_config.{key}: expected a finite number, "
+                f"got {value!r}"
+            ) from None
     if not isinstance(value, str):
         raise ValueError(
             f"kv_connector_extra_config.{key}: expected a string, got {value!r}"

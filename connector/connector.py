@@ -11,6 +11,7 @@ import logging
 import os
 from typing import Any
 
+from vllm.config import CUDAGraphMode
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -41,10 +42,13 @@ class PegaWorkerMetadata(KVConnectorWorkerMetadata):
         return PegaWorkerMetadata(self.report.merge(other.report))
 
 
-def instance_id(vllm_config: Any) -> str:
-    """Same in the scheduler and its workers (vllm_config travels to both)."""
+def instance_id(vllm_config: Any, configured: str = "") -> str:
+    """Same in the scheduler and its workers (vllm_config travels to both).
+    `configured` (the instance_id option) replaces the engine id part; each
+    data-parallel replica still gets its own suffix, as the replicas share
+    one kv_transfer_config and are separate engines to the server."""
     par = vllm_config.parallel_config
-    ident = f"vllm-{vllm_config.kv_transfer_config.engine_id}"
+    ident = configured or f"vllm-{vllm_config.kv_transfer_config.engine_id}"
     if par.data_parallel_size > 1:
         ident += f"-dp{par.data_parallel_rank}"
     return ident
@@ -85,7 +89,7 @@ class PegaKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
         _check_supported(vllm_config, kv_cache_config)
-        ident = self.config.instance_id or instance_id(vllm_config)
+        ident = instance_id(vllm_config, self.config.instance_id)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
@@ -110,6 +114,12 @@ class PegaKVConnector(KVConnectorBase_V1):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # Sleep frees and remaps the KV memory the server has registered (and
+        # may still copy into); without unregister/restore vLLM must refuse.
+        return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -163,12 +173,16 @@ class PegaKVConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
-        # Attention layers call wait_for_layer_load only inside a forward that
-        # carries attention metadata; a whole-batch CUDA graph (metadata passed
-        # here as a keyword) or a step without a forward never will.
+        # Attention layers call wait_for_layer_load from Python, only inside a
+        # forward that carries attention metadata. A FULL CUDA graph replays
+        # without Python: the V1 runner says so in the forward context, the
+        # V2 runner passes the graph's metadata here as a keyword. Those steps,
+        # and steps without a forward, wait for the whole sync load here.
         layer_waits = (
             getattr(forward_context, "attn_metadata", None) is not None
             and "attn_metadata" not in kwargs
+            and getattr(forward_context, "cudagraph_runtime_mode", None)
+            != CUDAGraphMode.FULL
         )
         self._worker.start_load(self._plan(), layer_waits)
 

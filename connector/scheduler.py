@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pegaflow.client import PegaflowClient
-from pegaflow.errors import PegaflowError
+from pegaflow.errors import PegaflowError, ServerUnavailable, UnknownInstance
 
 from .config import ConnectorConfig
 from .plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stats
@@ -84,6 +84,9 @@ class SchedulerHalf:
             or (now - hit.at > self.config.lease_reuse_s)
         ):
             if hit is not None:
+                # Out of _hits before asking again: a `loading` answer stores
+                # nothing, and request_finished must not release it twice.
+                del self._hits[request.request_id]
                 self._release(hit.lease_id)
             hit = self._query(request, local, limit, now)
             if hit is None:
@@ -103,7 +106,7 @@ class SchedulerHalf:
             # One hash function per engine: every hash has the first's length.
             size = len(hashes[0]) if hashes else None
             res = self.client.query(self.instance_id, hashes, hash_len=size)
-        except PegaflowError as exc:
+        except (ServerUnavailable, UnknownInstance) as exc:
             # Server away or our workers not (re-)registered yet: misses for a
             # while rather than a failed round trip per request per step.
             self.stats["query_failures"] += 1
@@ -112,6 +115,14 @@ class SchedulerHalf:
                 "pegaflow query failed (%s); misses for %.1f s",
                 exc,
                 self.config.retry_interval_s,
+            )
+            return miss
+        except PegaflowError as exc:
+            # About this request (a prompt over the server's block limit, the
+            # lease cap reached): its miss alone, the next request asks.
+            self.stats["query_failures"] += 1
+            logger.warning(
+                "pegaflow query for %s failed (%s); a miss", request.request_id, exc
             )
             return miss
         finally:

@@ -9,9 +9,13 @@ split into kernel blocks ([blocks * r, ...]); older vLLM gives K/V-first
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import hmac
 import json
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -87,17 +91,84 @@ def namespace_digest(parts: Mapping[str, object], secret: bytes = b"") -> str:
     return "vllm-" + hashlib.sha256(text).hexdigest()[:40]
 
 
+# Keys of the effective (overridden) HF text config that change K or V of the
+# same tokens without changing the page: the rotary embedding (applied to K
+# before it is cached; theta and scaling live in rope_parameters since
+# transformers 5, in rope_theta / rope_scaling before) and the attention span.
+_KV_MATH_KEYS = (
+    "rope_parameters",
+    "rope_theta",
+    "rope_scaling",
+    "partial_rotary_factor",
+    "max_position_embeddings",  # the base length of dynamic / YaRN scaling
+    "original_max_position_embeddings",
+    "dual_chunk_attention_config",
+    "sliding_window",  # None once disable_sliding_window is set
+)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def canonical(value: Any) -> Any:
+    """`value` as plain JSON data, the same in every process: mappings with
+    string keys (json sorts them), sequences as lists, callables by qualified
+    name, never a repr with an object address in it."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, Mapping):
+        return {str(k): canonical(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [canonical(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return sorted((canonical(v) for v in value), key=repr)
+    if isinstance(value, enum.Enum):
+        return canonical(value.value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        return {f.name: canonical(getattr(value, f.name)) for f in fields}
+    if hasattr(value, "to_dict"):  # transformers' PretrainedConfig and kin
+        return canonical(value.to_dict())
+    if hasattr(value, "model_dump"):  # pydantic models
+        return canonical(value.model_dump())
+    if callable(value):  # an hf_overrides function: its code, by name
+        module = getattr(value, "__module__", None) or type(value).__module__
+        name = getattr(value, "__qualname__", None) or type(value).__qualname__
+        return f"{module}.{name}"
+    # torch.dtype and other values with a stable str; an object's default
+    # repr names its address, which differs per process.
+    return _ADDRESS.sub("", str(value))
+
+
 def namespace_parts(vllm_config: Any, kv: KVTensors, salt: str) -> dict[str, object]:
     """Everything that makes KV bytes incompatible between two engines."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     par = vllm_config.parallel_config
     mla = bool(getattr(model, "use_mla", False))
+    text_config = getattr(model, "hf_text_config", None)
+    load = getattr(vllm_config, "load_config", None)
     return {
         "model": model.model,
         "revision": getattr(model, "revision", None),
+        # Other weights, modelling code or model class for the same name.
+        "weights": getattr(model, "model_weights", "") or None,
+        "code_revision": getattr(model, "code_revision", None),
+        "model_class_overrides": canonical(getattr(model, "model_class_overrides", {})),
+        "dummy_weights": getattr(load, "load_format", None) == "dummy",
         "dtype": str(model.dtype),
+        # Quantized weights compute other activations, hence other K and V.
+        "quantization": getattr(model, "quantization", None),
+        "quantization_config": canonical(getattr(model, "quantization_config", None)),
+        # As the user gave them; their effect on the config is in kv_math.
+        "hf_overrides": canonical(getattr(model, "hf_overrides", {})),
+        "kv_math": {k: canonical(getattr(text_config, k, None)) for k in _KV_MATH_KEYS},
         "cache_dtype": str(cache.cache_dtype),
+        "cache_dtype_skip_layers": canonical(
+            getattr(cache, "kv_cache_dtype_skip_layers", [])
+        ),
         "block_size": cache.block_size,
         "hash_algo": getattr(cache, "prefix_caching_hash_algo", None),
         "layers": len(kv.tensors),

@@ -20,6 +20,7 @@ loads every block.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -28,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from typing import Any
 
-from pegaflow.client import LoadItem, PegaflowClient
+from pegaflow.client import COPY_GRACE_S, LoadItem, PegaflowClient
 from pegaflow.errors import PegaflowError, ServerUnavailable, UnknownInstance
 
 from .config import ConnectorConfig
@@ -61,7 +62,11 @@ class WorkerHalf:
         self.registrar = Registrar(
             self.client, config, instance_id, tp_rank, tp_size, self._pool
         )
-        self._saves: dict[ReqId, list[Future]] = {}  # in flight, per save job
+        # Until a Save ended, per save job: from start_load on, as vLLM may ask
+        # get_finished before wait_for_save (speculative decoding defers that
+        # past the drafter); a planned save's future ends with its Save's.
+        self._saves: dict[ReqId, list[Future]] = {}
+        self._planned: tuple[StepPlan, Future] | None = None  # not submitted yet
         self._held: set[ReqId] = set()
         # Async loads: the step's one Load future and the job's index in it.
         self._recving: dict[ReqId, tuple[LoadJob, Future, int]] = {}
@@ -69,8 +74,14 @@ class WorkerHalf:
         # forward waits for the whole load at its first layer).
         self._sync: list[tuple[list[LoadJob], Future, int]] = []
         self._layer_seq = 0
-        self._done: Future = Future()  # a rank's empty save stripe
-        self._done.set_result(None)
+        # How long a wait for a Save or Load may take before it counts as lost:
+        # never shorter than the client's own bound (its deadline plus the
+        # grace in which a started copy still writes), as vLLM reuses the
+        # blocks once we give up; twice the deadline leaves room for a call
+        # that queued behind another on the pool.
+        self._transfer_wait_s = max(
+            2 * config.timeout_s, config.timeout_s + COPY_GRACE_S
+        )
         self._errors: set[int] = set()
         self._report = WorkerReport()
 
@@ -87,10 +98,11 @@ class WorkerHalf:
         """A preempted request's blocks may be rewritten by this very step."""
         futures = [f for rid in plan.preempted for f in self._saves.get(rid, ())]
         if futures:
-            wait_all(futures, timeout=2 * self.config.timeout_s)
+            wait_all(futures, timeout=self._transfer_wait_s)
 
     def start_load(self, plan: StepPlan, layer_waits: bool) -> None:
         self.registrar.tick()
+        self._plan_saves(plan)  # before any get_finished can see plan.held
         self._held |= plan.held
         sync = [job for job in plan.loads if job.sync]
         later = [job for job in plan.loads if not job.sync]
@@ -116,7 +128,7 @@ class WorkerHalf:
             self.wait_sync_loads()  # a load without layer signals: all of it
             return
         word = self.registrar.layer_signals[layer : layer + 1]
-        deadline = time.monotonic() + 2 * self.config.timeout_s
+        deadline = time.monotonic() + self._transfer_wait_s
         for _, fut, seq in self._sync:
             spins = 0
             while word[0] < seq and not fut.done():
@@ -138,16 +150,41 @@ class WorkerHalf:
         """One Save per step for every request's completed blocks (this rank's
         stripe of them for replicated KV)."""
         self.wait_sync_loads()  # in case no layer asked (no forward this step)
-        if not plan.saves:
-            return
+        self._plan_saves(plan)  # a no-op when start_load saw this plan
+        assert self._planned is not None
+        _, planned = self._planned
+        self._planned = None
         ids, hashes = self._stripe(plan.saves)
-        if ids:
-            wait_event = self.registrar.record_compute_done()
-            fut = self._submit(self._save, ids, hashes, wait_event)
-        else:
-            fut = self._done  # still reported done, as every rank's save is
+        if not ids:  # still reported done, as every rank's save is
+            planned.set_result(None)
+            return
+        wait_event = self.registrar.record_compute_done()
+        fut = self._submit(self._save, ids, hashes, wait_event)
+        fut.add_done_callback(lambda _: planned.set_result(None))
+
+    def _plan_saves(self, plan: StepPlan) -> None:
+        """The plan's save jobs are in flight from now on: a request whose
+        blocks vLLM holds for us is never reported finished before its last
+        Save ended."""
+        if self._planned is not None:
+            if self._planned[0] is plan:
+                return
+            self._skip_planned()
+        planned: Future = Future()
         for job in plan.saves:
-            self._saves.setdefault(job.req_id, []).append(fut)
+            self._saves.setdefault(job.req_id, []).append(planned)
+        self._planned = (plan, planned)
+
+    def _skip_planned(self) -> None:
+        """A plan whose wait_for_save never came (vLLM 0.33 has no such path):
+        its saves are skipped, a future miss, rather than its requests held
+        for good."""
+        if self._planned is None:
+            return
+        plan, planned = self._planned
+        self._planned = None
+        self._count(saves_skipped=sum(len(job.block_ids) for job in plan.saves))
+        planned.set_result(None)
 
     def _stripe(self, saves: list[SaveJob]) -> tuple[list[int], list[bytes]]:
         ids = [b for job in saves for b in job.block_ids]
@@ -179,6 +216,10 @@ class WorkerHalf:
         return sending, recving
 
     def take_load_errors(self) -> set[int]:
+        # This step's sync loads first: vLLM may ask before wait_for_save (spec
+        # decoding), and a failure reported a step late is a sampled token
+        # computed from blocks that never loaded.
+        self.wait_sync_loads()
         errors, self._errors = self._errors, set()
         return errors
 
@@ -228,11 +269,17 @@ class WorkerHalf:
         return set(res.failed)
 
     def _load_failures(self, fut: Future, jobs: int) -> set[int]:
-        """Wait for a Load (up to twice its deadline); all its jobs fail when
-        it does not end in time."""
+        """Wait for a Load (at least as long as the client would); all its
+        jobs fail when it does not end in time."""
         try:
-            return fut.result(timeout=2 * self.config.timeout_s)
+            return fut.result(timeout=self._transfer_wait_s)
         except TimeoutError:
+            # A Load still queued behind other calls never starts once
+            # cancelled; one that started late may still write, and vLLM
+            # reuses the blocks once they failed: it gets its own bound.
+            if not fut.cancel():
+                with contextlib.suppress(TimeoutError):
+                    return fut.result(timeout=self.config.timeout_s + COPY_GRACE_S)
             self._failed("load", ServerUnavailable("no answer before the deadline"))
             return set(range(jobs))
 
@@ -267,10 +314,11 @@ class WorkerHalf:
             self.registrar.lost(str(exc))
 
     def shutdown(self) -> None:
+        self._skip_planned()
         pending = [f for fs in self._saves.values() for f in fs]
         pending += [f for _, f, _ in self._recving.values()]
         pending += [f for _, f, _ in self._sync]
-        wait_all(pending, timeout=2 * self.config.timeout_s)
+        wait_all(pending, timeout=self._transfer_wait_s)
         self.registrar.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()

@@ -20,6 +20,7 @@ import torch
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
+    CUDAGraphMode,
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
@@ -125,9 +126,18 @@ class Engine:
         layout: str = "LBNHC",
         num_blocks: int = 128,
         write_kv: bool = True,
+        spec_decode_order: bool = False,
+        full_cuda_graph: bool = False,
     ) -> None:
         self.config = config
         self.write_kv = write_kv  # off: scheduling only (benchmarks)
+        # As vLLM's runners with speculative decoding: transfer results are
+        # collected before wait_for_save, which waits for the drafter.
+        self.spec_decode_order = spec_decode_order
+        # As the V1 runner replaying a FULL CUDA graph: the forward context
+        # says FULL and no Python runs per layer (no wait_for_layer_load), so
+        # a sync load must have landed when start_load_kv returns (checked).
+        self.full_cuda_graph = full_cuda_graph
         config.cache_config.kv_cache_layout = layout
         hf = config.model_config.hf_config
         spec = FullAttentionSpec(
@@ -240,11 +250,18 @@ class Engine:
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
         if so.has_sync_kv_loads:  # sync loads start before the forward
-            w.start_load_kv(SimpleNamespace(attn_metadata={"attn": True}))
-        self._forward(so, tables, w)
+            mode = CUDAGraphMode.FULL if self.full_cuda_graph else CUDAGraphMode.NONE
+            context = SimpleNamespace(
+                attn_metadata={"attn": True}, cudagraph_runtime_mode=mode
+            )
+            w.start_load_kv(context)
+            if self.full_cuda_graph:
+                self.errors += self.sync_load_errors(meta.plan.loads)
+        self._forward(so, tables, None if self.full_cuda_graph else w)
         if not so.has_sync_kv_loads:
             w.start_load_kv(SimpleNamespace(attn_metadata=None))
-        w.wait_for_save()
+        if not self.spec_decode_order:
+            w.wait_for_save()
         res = w.get_transfer_results(so.finished_req_ids)
         out = KVConnectorOutput(
             finished_sending=res.finished_sending,
@@ -254,6 +271,8 @@ class Engine:
             kv_connector_stats=w.get_kv_connector_stats(),
             kv_connector_worker_meta=w.build_connector_worker_meta(),
         )
+        if self.spec_decode_order:  # after the drafter's forward
+            w.wait_for_save()
         w.clear_connector_metadata()
         return out
 
@@ -295,10 +314,23 @@ class Engine:
     # -- checks ---------------------------------------------------------------
     def page_errors(self, rid: str, table: list[int], num_tokens: int) -> list[str]:
         """Full blocks of `rid` whose bytes differ from the fake KV of its tokens."""
+        return self._block_errors(rid, table, range(num_tokens // BLOCK))
+
+    def sync_load_errors(self, loads: list[Any]) -> list[str]:
+        """Blocks of this step's sync loads whose bytes are not (yet) right."""
+        bad = []
+        for job in loads:
+            if job.sync:
+                table = self.table(job.req_id)
+                blocks = [table.index(b) for b in job.block_ids]
+                bad += self._block_errors(job.req_id, table, blocks)
+        return [f"sync load not landed before the forward: {e}" for e in bad]
+
+    def _block_errors(self, rid: str, table: list[int], blocks: Any) -> list[str]:
         seq, bad = self.seqs[rid], []
         for layer, view in enumerate(self.caches.values()):
             kv = view.view(torch.int16)
-            for k in range(num_tokens // BLOCK):
+            for k in blocks:
                 pos = range(k * BLOCK, (k + 1) * BLOCK)
                 values = torch.tensor([seq.value(p) for p in pos], dtype=torch.int64)
                 want = fake_kv_batch(values, layer, kv.shape[1], kv.shape[3])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -57,10 +58,25 @@ def test_extra_config_values() -> None:
         ({"save_decode": 1}, "save_decode: expected true/false"),
         ({"instance_id": 7}, "instance_id: expected a string"),
         ({"lease_reuse_s": -1}, "lease_reuse_s: must be >= 0"),
+        ({"timeout_s": 3601}, "timeout_s: must be <= 3600"),
+        ({"query_timeout_s": 10**400}, "query_timeout_s: expected a finite number"),
     ],
 )
 def test_bad_extra_config(extra: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
+        parse_config(extra, env={})
+
+
+@pytest.mark.parametrize(
+    "key", ["timeout_s", "query_timeout_s", "retry_interval_s", "lease_reuse_s"]
+)
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_seconds_are_refused(key: str, literal: str) -> None:
+    """Scenario: vLLM's --kv-transfer-config is JSON, whose Python parser reads
+    NaN and Infinity; NaN passed every `> 0` check and an infinite deadline
+    made bounded waits hang. Each is refused, naming the key."""
+    extra = json.loads(f'{{"{key}": {literal}}}')
+    with pytest.raises(ValueError, match=f"^kv_connector_extra_config.{key}: "):
         parse_config(extra, env={})
 
 

@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tests.connector.conftest import needs_vllm
 from tests.procs import ServerProc
 
@@ -28,13 +30,15 @@ def step_until(engine: Engine, done: Callable[[], bool], limit_s: float = 20) ->
         time.sleep(0.01)
 
 
+@pytest.mark.parametrize("spec_decode_order", [False, True], ids=["plain", "spec"])
 def test_request_finishing_before_its_save_keeps_blocks_until_saved(
-    pega_server: Callable[..., ServerProc], tiny_model: Path
+    pega_server: Callable[..., ServerProc], tiny_model: Path, spec_decode_order: bool
 ) -> None:
     """The server stalls (SIGSTOP) while requests decode: they finish with saves
-    in flight, vLLM keeps their blocks, and frees them once the saves land."""
+    in flight, vLLM keeps their blocks, and frees them once the saves land (also
+    when results are collected before wait_for_save, as with spec decoding)."""
     server = pega_server()
-    a = Engine(vllm_config(tiny_model, FAST))
+    a = Engine(vllm_config(tiny_model, FAST), spec_decode_order=spec_decode_order)
     batch = prompts(5, n=2)  # 100 and 117 tokens
     # 16 decode tokens fill one more block of each (112, 128) while the server is
     # stopped, so a save is surely pending when they finish: prefill saves alone

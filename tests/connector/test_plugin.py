@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -113,3 +114,44 @@ def test_fail_policy_warns(tiny_model: Path, caplog: pytest.LogCaptureFixture) -
         )
     conn.shutdown()
     assert any("kv_load_failure_policy is 'fail'" in r.message for r in caplog.records)
+
+
+def test_sleep_mode_is_refused_by_vllm(tiny_model: Path) -> None:
+    """Scenario: vLLM's default supports_sleep_mode is True while the connector
+    neither unregisters nor restores its KV memory: sleep freed memory the
+    server kept mapped (and could copy into). vLLM's own check now refuses."""
+    config = vllm_config(tiny_model)
+    config.model_config.enable_sleep_mode = True  # on CPU ModelConfig refuses it
+    with pytest.raises(ValueError, match="PegaKVConnector does not support sleep"):
+        config._verify_kv_transfer_compat()
+
+
+def test_each_data_parallel_replica_gets_its_own_instance(tiny_model: Path) -> None:
+    """Scenario: with data parallelism every replica reads the same extra
+    config, so an explicit instance_id named one server instance for all of
+    them; it now gets the replica's suffix, as the derived id does."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from pegaflow.connector import PegaKVConnector
+
+    engine = Engine(vllm_config(tiny_model))  # a kv_cache_config to reuse
+
+    def ident(extra: dict, dp_size: int, dp_rank: int) -> str:
+        config = vllm_config(tiny_model, extra)
+        config.parallel_config.data_parallel_size = dp_size
+        config.parallel_config.data_parallel_rank = dp_rank
+        conn = PegaKVConnector(
+            config, KVConnectorRole.SCHEDULER, engine.kv_cache_config
+        )
+        conn.shutdown()
+        return conn._scheduler.instance_id
+
+    named = {"instance_id": "shared-llama"}
+    assert ident(named, 1, 0) == "shared-llama"
+    assert [ident(named, 2, r) for r in range(2)] == [
+        "shared-llama-dp0",
+        "shared-llama-dp1",
+    ]
+    # Derived from vLLM's engine_id (random per config here): the same suffix.
+    assert re.fullmatch(r"vllm-.+-dp1", ident({}, 2, 1))
+    engine.close()

@@ -11,7 +11,12 @@ from pegaflow.client import QueryResult
 from pegaflow.connector.config import ConnectorConfig
 from pegaflow.connector.plan import WorkerReport
 from pegaflow.connector.scheduler import SchedulerHalf
-from pegaflow.errors import ServerUnavailable
+from pegaflow.errors import (
+    InvalidRequest,
+    Overloaded,
+    ServerUnavailable,
+    UnknownInstance,
+)
 
 BS = 16
 
@@ -148,3 +153,39 @@ def test_finished_delays_freeing_only_while_saves_are_pending() -> None:
     s.num_new_matched_tokens(other, 0)
     s.after_alloc(other, [4, 5, 6], 0)
     assert s.request_finished(other, [4, 5, 6]) is False  # no KV: nothing pending
+
+
+def test_stale_hit_asked_again_while_loading_is_released_once() -> None:
+    """Scenario: a fresh answer's lease was released when the request's local
+    prefix changed, and the new answer was `loading`; the stale answer stayed
+    and request_finished released its lease a second time."""
+    client = FakeClient([QueryResult(3, 21), QueryResult(0, 0, loading=True)])
+    s = half(client)
+    req = request("r", 64)
+    assert s.num_new_matched_tokens(req, 0) == (48, True)
+    assert s.num_new_matched_tokens(req, 16) == (None, False)  # ask again later
+    s.request_finished(req, [])  # aborted while the server pulls blocks in
+    s.shutdown()
+    assert client.released == [21]
+
+
+def test_a_per_request_query_error_is_that_requests_miss_alone() -> None:
+    """Scenario: one prompt over the server's block limit (INVALID_ARGUMENT)
+    or a lease cap reached (RESOURCE_EXHAUSTED) made every request a miss for
+    retry_interval_s; only an unreachable server or unregistered workers do."""
+    client = FakeClient(
+        [
+            InvalidRequest("block_hashes: 9000 blocks exceed 8192 per request"),
+            Overloaded("RESOURCE_EXHAUSTED: 4096 leases active"),
+            QueryResult(2, 7),
+            UnknownInstance("FAILED_PRECONDITION: engine is not registered"),
+        ]
+    )
+    s = half(client)
+    assert s.num_new_matched_tokens(request("long", 64), 0) == (0, False)
+    assert s.num_new_matched_tokens(request("capped", 64), 0) == (0, False)
+    assert s.num_new_matched_tokens(request("next", 64), 0) == (32, True)
+    assert s.num_new_matched_tokens(request("early", 64), 0) == (0, False)
+    assert s.num_new_matched_tokens(request("after", 64), 0) == (0, False)
+    assert client.asked == [3, 3, 3, 3]  # "after" was not asked: away
+    assert s.stats["query_failures"] == 3

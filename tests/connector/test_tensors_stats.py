@@ -3,6 +3,8 @@ statistics hooks (log line reduction, Prometheus counters)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -56,6 +58,102 @@ def test_mla_namespace_is_shared_across_tp_sizes() -> None:
     assert digest(1, True) == digest(2, True)
     assert digest(1, False) != digest(2, False)
     assert digest(2, True) != digest(2, False)
+
+
+def _rope(theta: float) -> SimpleNamespace:
+    return SimpleNamespace(
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": theta},
+        max_position_embeddings=32768,
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"quantization": "fp8"},
+        {"quantization_config": {"linear": "fp8"}},
+        {"hf_overrides": {"rope_parameters": {"rope_theta": 5e5}}},
+        {"hf_text_config": _rope(5e5)},
+        {"hf_text_config": SimpleNamespace(sliding_window=4096)},
+        {"model_weights": "/ckpt/step-2000"},
+        {"code_revision": "v2"},
+    ],
+    ids=[
+        "quantization",
+        "quantization_config",
+        "hf_overrides",
+        "rope_theta",
+        "sliding_window",
+        "model_weights",
+        "code_revision",
+    ],
+)
+def test_what_changes_k_or_v_changes_the_namespace(change: dict) -> None:
+    """Scenario: an fp8-quantized engine and a bf16 one, or two engines whose
+    RoPE theta differs (hf_overrides), cache different K for the same tokens
+    in the same page shape; they shared one namespace, so each loaded the
+    other's wrong KV. Config that differs only there now gives another
+    namespace; the same config gives the same one."""
+    kv = kv_tensors(views("NHC"), 8)
+
+    def digest(**model: object) -> str:
+        cfg = config()
+        base = {
+            "quantization": None,
+            "hf_overrides": {},
+            "hf_text_config": _rope(1e6),
+            **model,
+        }
+        vars(cfg.model_config).update(base)
+        return namespace_digest(namespace_parts(cfg, kv, ""))
+
+    assert digest() == digest()
+    assert digest(**change) != digest()
+    assert digest(**change) == digest(**change)
+
+
+def test_namespace_parts_are_the_same_in_every_process() -> None:
+    """Key order of hf_overrides, and a callable override, give the same
+    digest in every process: nothing with an object's address in it."""
+
+    def override_rope(hf_config: object) -> object:
+        return hf_config
+
+    cfg = config()
+    kv = kv_tensors(views("NHC"), 8)
+    cfg.model_config.hf_overrides = {"a": 1, "rope_parameters": {"x": 1, "y": [2]}}
+    one = namespace_parts(cfg, kv, "")
+    cfg.model_config.hf_overrides = {"rope_parameters": {"y": (2,), "x": 1}, "a": 1}
+    assert namespace_digest(namespace_parts(cfg, kv, "")) == namespace_digest(one)
+    cfg.model_config.hf_overrides = override_rope
+    parts = namespace_parts(cfg, kv, "")
+    assert parts["hf_overrides"].endswith("override_rope")
+    cfg.model_config.hf_overrides = object()
+    assert "0x" not in json.dumps(namespace_parts(cfg, kv, ""), default=str)
+
+
+def test_real_vllm_configs_differing_in_rope(tiny_model: Path) -> None:
+    """The same through vLLM's own ModelConfig: the fields read exist under
+    these names in vLLM 0.33, and an hf_overrides RoPE theta reaches them."""
+    from vllm.config import ModelConfig
+
+    kv = kv_tensors(views("NHC"), 8)
+
+    def digest(**options: object) -> str:
+        model = ModelConfig(
+            str(tiny_model), skip_tokenizer_init=True, max_model_len=512, **options
+        )
+        cfg = SimpleNamespace(
+            model_config=model,
+            cache_config=config().cache_config,
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        )
+        return namespace_digest(namespace_parts(cfg, kv, ""))
+
+    theta = {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    assert digest() == digest()
+    assert digest(hf_overrides=theta) != digest()
+    assert digest(hf_overrides=theta) == digest(hf_overrides=theta)
 
 
 def test_kernel_blocks_group_into_manager_blocks() -> None:

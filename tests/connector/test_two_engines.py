@@ -185,3 +185,55 @@ def test_preemption_keeps_bytes_right_and_leaks_nothing(
     b.assert_clean()
     a.close()
     b.close()
+
+
+def test_full_cuda_graph_step_waits_for_the_whole_sync_load(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    """Scenario: vLLM's V1 runner replays a FULL CUDA graph (a hit covering all
+    but the last token leaves a one-token, decode-like step). The replay calls
+    no wait_for_layer_load, yet the load went layer-wise: the forward read
+    layers the server had not written yet. Now start_load_kv waits for the
+    whole load first (the harness checks the pages when it returns)."""
+    pega_server()
+    extra = {**FAST, "sync_load_max_tokens": 4096}
+    batch = prompts(13)
+    a = Engine(vllm_config(tiny_model, extra))
+    serve(a, batch)
+    b = Engine(vllm_config(tiny_model, extra), full_cuda_graph=True)
+    b.step()  # an idle step: the worker tells the scheduler the query socket
+    serve(b, batch)  # pages checked when start_load_kv returned and at the end
+    counters = b.counters()
+    assert counters["hit_tokens"] == sum(hit_tokens(t, len(t)) for t in batch.values())
+    assert counters["layerwise_loads"] == 0 and counters["load_failures"] == 0
+    b.assert_clean()
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_speculative_decoding_order_saves_and_loads(
+    pega_server: Callable[..., ServerProc], tiny_model: Path, sync: bool
+) -> None:
+    """vLLM's call order with speculative decoding (transfer results before
+    wait_for_save) end to end: A saves prompt and decode blocks, B loads them
+    with pages right, and nothing is left held or in flight."""
+    server = pega_server()
+    extra = {**FAST, "sync_load_max_tokens": 4096 if sync else 0}
+    batch = prompts(14)
+    a = Engine(vllm_config(tiny_model, extra), spec_decode_order=True)
+    serve(a, batch, max_tokens=20)
+    a.assert_clean()
+    assert a.counters()["save_blocks"] == sum(
+        (len(t) + 19) // BLOCK for t in batch.values()
+    )
+    b = Engine(vllm_config(tiny_model, extra), spec_decode_order=True)
+    b.step()
+    serve(b, batch)
+    counters = b.counters()
+    assert counters["hit_tokens"] == sum(hit_tokens(t, len(t)) for t in batch.values())
+    assert counters["load_failures"] == 0
+    b.assert_clean()
+    assert server.metric("pegaflow_active_leases") == 0
+    a.close()
+    b.close()
