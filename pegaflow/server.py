@@ -23,7 +23,7 @@ from .compat_metrics import OriginalMetrics, OriginalSsdMetrics
 from .config import CudaConfig, ServerConfig, parse_addr
 from .copiers.base import CopyEngine, RegionKind
 from .copiers.host import HostCopyEngine
-from .cuda_driver import HostRegistrar
+from .cuda_driver import POOL_CHUNK_BYTES, POOL_CHUNK_THREADS, HostRegistrar
 from .engine import Engine
 from .http import bind_http, serve_http
 from .metrics import CopyPathCollector, Metrics, SsdCollector
@@ -163,9 +163,11 @@ def _bring_up(
 ) -> tuple[Engine, object, RecoveryReport | None]:
     """SSD tier, pool (pre-touched), copy engines and the engine itself, and
     what a kept pool file gave back."""
-    # 8 GiB chunks pinned from 8 threads: 64 GiB came up at 16.8 GB/s on the
-    # H200 host, against 5.9 GB/s for one cudaHostRegister call.
-    registrar = HostRegistrar(ordinals[0], 8 << 30, 8) if ordinals else None
+    registrar = (
+        HostRegistrar(ordinals[0], POOL_CHUNK_BYTES, POOL_CHUNK_THREADS)
+        if ordinals
+        else None
+    )
     # The SSD tier first: its start-up errors (SsdError) then leave no pool.
     tier = SsdTier(config.ssd) if config.ssd is not None else None
     try:

@@ -391,7 +391,8 @@ class CudaCopyEngine:
         if attrs is None:
             attrs = self._attrs[key] = dma.attributes(direction, dev.ordinal)
         stream = dev.save if direction == "save" else dev.load
-        self._dma(dma.plan(src, dst, t), attrs, int(stream.handle))
+        chunks = (dev.pool.address, cuda_driver.POOL_CHUNK_BYTES)
+        self._dma(dma.plan(src, dst, t, chunks), attrs, int(stream.handle))
 
     def _wait_event(self, event: Any) -> None:
         """Until the engine's event completed, at most event_timeout_s."""

@@ -91,16 +91,52 @@ class BatchPlan:
         return len(self.sizes)
 
 
-def plan(src: Buffer, dst: Buffer, t: Transfers) -> BatchPlan:
+def plan(
+    src: Buffer, dst: Buffer, t: Transfers, pool_chunks: tuple[int, int] | None = None
+) -> BatchPlan:
     """Check `t` against its buffers, then merge it into as few copies as the
     addresses allow (order kept; no copy of the batch depends on another, as
-    destinations are disjoint). Raises InternalError as the kernels do."""
+    destinations are disjoint). Raises InternalError as the kernels do.
+
+    pool_chunks: (the pool's base, the bytes of each cudaHostRegister chunk):
+    no copy spans two registrations (merged runs, or a slot of a slab size
+    that does not divide the chunk, are cut at the chunk edge); the pool is
+    the host side, src for a load and dst for a save."""
     descriptor_table(src, dst, t)  # every range inside its buffer, dsts disjoint
     keep = t.nbytes > 0
     srcs, dsts, sizes = t.src[keep], t.dst[keep], t.nbytes[keep]
     (dsts, srcs), sizes = merge_adjacent([dsts, srcs], sizes)
+    if pool_chunks is not None:
+        base, chunk = pool_chunks
+        pool_is_dst = dst.address <= base < dst.address + dst.nbytes
+        host, other = (dsts, srcs) if pool_is_dst else (srcs, dsts)
+        host, other, sizes = cut_at_edges(host, other, sizes, base, chunk)
+        dsts, srcs = (host, other) if pool_is_dst else (other, host)
     as_words = functools.partial(np.ascontiguousarray, dtype=np.uint64)
     return BatchPlan(as_words(dsts), as_words(srcs), as_words(sizes), len(t))
+
+
+def cut_at_edges(
+    host: np.ndarray, other: np.ndarray, sizes: np.ndarray, base: int, chunk: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Copies cut where `host` crosses base + k * chunk (both sides cut alike,
+    order kept). Vectorised: most batches cross no edge and come back as
+    they are."""
+    host, other = host.astype(np.uint64), other.astype(np.uint64)
+    sizes = sizes.astype(np.uint64)
+    c = np.uint64(chunk)
+    first = (host - np.uint64(base)) // c
+    last = (host + sizes - np.uint64(1) - np.uint64(base)) // c
+    pieces = (last - first + np.uint64(1)).astype(np.int64)
+    if (pieces == 1).all():
+        return host, other, sizes
+    row = np.repeat(np.arange(len(sizes)), pieces)
+    k = np.arange(len(row)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    edge = np.uint64(base) + (first[row] + k.astype(np.uint64)) * c  # chunk k's start
+    lo = np.maximum(host[row], edge)
+    hi = np.minimum(host[row] + sizes[row], edge + c)
+    shift = lo - host[row]
+    return lo, other[row] + shift, hi - lo
 
 
 _ARGS = (

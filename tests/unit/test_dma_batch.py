@@ -208,3 +208,42 @@ def test_a_driver_without_the_call_is_refused_clearly() -> None:
 def test_attributes_match_cuda_h() -> None:
     assert ctypes.sizeof(dma.MemcpyAttributes) == 24
     assert dma.MemcpyAttributes.flags.offset == 20
+
+
+@pytest.mark.parametrize("pool_is", ["dst", "src"])
+def test_plan_cuts_copies_at_the_pools_registration_edges(pool_is: str) -> None:
+    """The pool is pinned in chunks (cudaHostRegister per 8 GiB): no copy may
+    span two of them, whether a merged run crosses the edge or one slot does
+    (a slab size that does not divide the chunk). Here chunks of 3 pages and
+    half-page slots off the page grid; the bytes moved are the same."""
+    rng = np.random.default_rng(3)
+    pool, engine = _buffer(64 * PAGE, rng), _buffer(64 * PAGE, rng)
+    chunk = 3 * PAGE
+    ids = np.concatenate([np.arange(2, 12), [20, 30, 31]])
+    half = PAGE // 2
+    offsets = ids.astype(np.uint64) * np.uint64(PAGE) + np.uint64(half)
+    pool_side = np.uint64(pool.address) + offsets  # every slot straddles or not
+    engine_side = np.uint64(engine.address) + np.arange(
+        len(ids), dtype=np.uint64
+    ) * np.uint64(PAGE)
+    sizes = np.full(len(ids), PAGE, np.uint64)
+    if pool_is == "dst":
+        src, dst, t = engine, pool, Transfers(engine_side, pool_side, sizes)
+    else:
+        src, dst, t = pool, engine, Transfers(pool_side, engine_side, sizes)
+    p = dma.plan(src, dst, t, (pool.address, chunk))
+    host = p.dsts if pool_is == "dst" else p.srcs
+    first = (host - np.uint64(pool.address)) // np.uint64(chunk)
+    last = (host + p.sizes - np.uint64(1) - np.uint64(pool.address)) // np.uint64(chunk)
+    assert (first == last).all()  # no copy spans two chunks
+    assert int(p.sizes.sum()) == t.total_bytes and len(p) > 3
+    want = _buffer(64 * PAGE)
+    want.data[:] = dst.data
+    moved = np.uint64(want.address) - np.uint64(dst.address)
+    cpu.copy_descriptors(src, want, Transfers(t.src, t.dst + moved, sizes), stream=None)
+    lib = FakeLib()
+    lib.execute = True
+    dma.bind(lib)(p, dma.attributes("save", 0), 0x5150)
+    assert bytes(dst.data) == bytes(want.data)
+    unchunked = dma.plan(src, dst, t)
+    assert len(unchunked) < len(p)  # the runs merged across the edges before
