@@ -74,7 +74,8 @@ def test_a_copy_failing_after_queueing_waits_for_the_stream(
     log: list[str] = []
     engine = _engine(path, log)
     save, load = Stream(name="S", handle=1), Stream(name="L", handle=2)
-    dev = SimpleNamespace(ordinal=0, save=save, load=load, pool=None, flags={})
+    pool = SimpleNamespace(address=1 << 30)
+    dev = SimpleNamespace(ordinal=0, save=save, load=load, pool=pool, flags={})
     regions = SimpleNamespace(device=dev, buffer=None)
     with pytest.raises(cuda_driver.CudaError):
         if direction == "save":
