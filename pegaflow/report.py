@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
@@ -119,6 +120,25 @@ def on_loop(
         return future.result(timeout_s)
 
     return call
+
+
+class OncePerScrape:
+    """engine_stats once per /metrics scrape, though two collectors read it:
+    the first of a scrape computes it (on the event loop: a walk of every
+    namespace), the second, on the same HTTP thread right after, takes that
+    very value. Nothing is kept across scrapes, so no answer is stale."""
+
+    def __init__(self, stats: Callable[[], Stats]) -> None:
+        self._stats = stats
+        self._local = threading.local()
+
+    def first(self) -> Stats:
+        value = self._local.value = self._stats()
+        return value
+
+    def again(self) -> Stats:
+        value, self._local.value = getattr(self._local, "value", None), None
+        return value if value is not None else self._stats()
 
 
 class HitRateCollector:

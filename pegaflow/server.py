@@ -30,7 +30,13 @@ from .metrics import CopyPathCollector, Metrics, SsdCollector
 from .pool import HostPool
 from .proto import pegaflow_pb2_grpc as pb_grpc
 from .recovery import Recovered, RecoveryReport, recover
-from .report import HitRateCollector, engine_stats, health_report, on_loop
+from .report import (
+    HitRateCollector,
+    OncePerScrape,
+    engine_stats,
+    health_report,
+    on_loop,
+)
 from .service import ErrorInterceptor, PegaFlowServicer
 from .socket_server import SocketServerInfo, start_socket_server
 from .sockfile import check_path, unlink_if_ours
@@ -124,8 +130,9 @@ async def _assemble(
     )
     if copy_path is not None:
         metrics.registry.register(CopyPathCollector(copy_path))
-    metrics.registry.register(HitRateCollector(stats))
-    metrics.registry.register(OriginalMetrics(metrics, stats))  # their names
+    scrape = OncePerScrape(stats)
+    metrics.registry.register(HitRateCollector(scrape.first))
+    metrics.registry.register(OriginalMetrics(metrics, scrape.again))  # their names
     servicer = PegaFlowServicer(engine, os.getpid(), secrets.token_bytes(16), port)
     pb_grpc.add_PegaFlowServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
