@@ -3,11 +3,12 @@ the prefix query (ReadyIndex decides when it answers instead of a dict).
 
 Open addressing with linear probing over slots of (key, row). The key is the
 hash's hash64 (its first eight bytes; a shorter hash is mapped by a bijection,
-see pegaflow.hll), so the miss breakdown reuses it; the home slot is multiply-
-shift with a secret odd multiplier, so crafted hashes cannot pile onto one
-home. A row holds the entry and the bytes past the key, which a key match must
-also equal: hashes sharing their first eight bytes are each found only by
-themselves. A probe reads every key's home slot (most sit there), then WINDOW
+see pegaflow.hll) xor a secret fold of its remaining bytes
+(open_addressing.keyed_fold), so hashes a client made equal in their first
+eight bytes do not share a key; the home slot is multiply-shift with a
+secret odd multiplier, so crafted hashes cannot pile onto one home. A row
+holds the entry and the bytes past the first eight, which a key match must
+also equal: equal keys and equal tails mean equal hashes. A probe reads every key's home slot (most sit there), then WINDOW
 slots a round for the rest. Removal leaves a tombstone. Past MAX_LOAD a
 vectorised rebuild resizes and purges tombstones, laying keys out in order of
 home slot, as Robin Hood hashing would: that keeps them near home (at load 1/3,
@@ -27,7 +28,15 @@ import numpy as np
 
 from .hll import hash64
 from .keys import PackedHashes
-from .open_addressing import EMPTY, SPARE, TOMB, WINDOW, ProbedSlots
+from .open_addressing import (
+    EMPTY,
+    SPARE,
+    TOMB,
+    WINDOW,
+    ProbedSlots,
+    keyed_fold,
+    secret_multipliers,
+)
 
 if TYPE_CHECKING:
     from .block_entry import BlockEntry
@@ -54,13 +63,18 @@ class HashTable(ProbedSlots):
         # Home slots by multiply-shift with a secret odd multiplier: universal,
         # so hashes cannot be crafted to share home slots.
         self._mult = np.uint64(secrets.randbits(64) | 1)
+        # The key is the first 8 bytes xor a secret fold of the rest: equal
+        # keys and equal tails still mean equal hashes (the check below), and
+        # hashes sharing their first 8 bytes no longer share one key.
+        self._tail_mults = secret_multipliers(-(-self._tail // 8))
         self._entries = np.empty(0, object)
         self._tails = np.empty((0, -(-self._tail // 8)), np.uint64)
         self._slot_of = np.empty(0, np.int64)  # slot of each placed row, or STASHED
         self._free: list[int] = []
         self._pending: dict[int, None] = {}  # rows added since the last probe
         # Rows whose run would pass the table's end however big it grew: only
-        # hashes sharing their first 8 bytes by the hundred do that.
+        # keys equal by the hundred do that, which the secret fold makes as
+        # likely as guessing it.
         self._stash: dict[bytes, int] = {}
         self._live = 0  # placed or stashed rows
         self._tombs = 0
@@ -159,27 +173,39 @@ class HashTable(ProbedSlots):
         q = PackedHashes(hashes, self.hash_len, len(rows))
         if self._tail:
             self._tails[rows] = _words(q.matrix()[:, 8:])
+        keys = self._keys(q.h64, self._tails[rows].T)
         live = self._live + len(rows)
         used = live + self._tombs
-        if used > self._capacity * MAX_LOAD or not self._place(rows, q.h64):
-            self._rebuild(live, rows, q.h64)
+        if used > self._capacity * MAX_LOAD or not self._place(rows, keys):
+            self._rebuild(live, rows, keys)
+
+    def _keys(self, h64: np.ndarray, words: np.ndarray | None) -> np.ndarray:
+        """The table's key of each hash: its first 8 bytes (h64) xor the
+        secret fold of its tail words ((word, hash) uint64)."""
+        if words is None or not len(words):
+            return h64
+        return h64 ^ keyed_fold(list(words), self._tail_mults)
 
     def _home(self, h64: np.ndarray) -> np.ndarray:
         return (h64 * self._mult >> self._shift).view(np.int64)
 
     def _rebuild(self, live: int, rows: np.ndarray, h64: np.ndarray) -> None:
         """A fresh table, tombstones gone, holding the placed and stashed rows
-        and rows (keys h64), sized for a load of 1/6..1/3. Keys go in order of
-        home slot (as Robin Hood hashing would leave them), which keeps runs'
-        stragglers close to home: at load 1/3 none of 10**6 sits 8 slots
-        away, where inserts in arrival order leave thousands."""
+        and rows (their keys h64, as _keys made them), sized for a load of
+        1/6..1/3. Keys go in order of home slot (as Robin Hood hashing would
+        leave them), which keeps runs' stragglers close to home: at load 1/3
+        none of 10**6 sits 8 slots away, where inserts in arrival order leave
+        thousands."""
         self._slot_of[rows] = -1  # a failed _place may have put some of them
         placed = np.flatnonzero(self._slot_of >= 0)
         stashed = np.fromiter(self._stash.values(), np.int64, len(self._stash))
         keys = np.concatenate(
             [
                 self._slots[self._slot_of[placed], 0].view(np.uint64),
-                hash64(list(self._stash), self.hash_len),
+                self._keys(
+                    hash64(list(self._stash), self.hash_len),
+                    self._tails.take(stashed, axis=0).T,
+                ),
                 h64,
             ]
         )
@@ -218,9 +244,10 @@ class HashTable(ProbedSlots):
             self._flush()
         if not q.count:
             return np.empty(0, np.int64)
-        keys = q.h64.view(np.int64)
         words = self._query_words(q)
-        home = self._home(q.h64)
+        key64 = self._keys(q.h64, words)
+        keys = key64.view(np.int64)
+        home = self._home(key64)
         got = self._slots.take(home, axis=0)
         rows = got[:, 1]
         found = np.where(got[:, 0] == keys, rows, EMPTY)

@@ -10,11 +10,42 @@ stay empty, so every run ends inside the array.
 
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 
 EMPTY, TOMB = -2, -1  # row values of a free slot; EMPTY ends a run
 WINDOW = 8  # slots a round reads past the home slot, for the keys not there
 SPARE = 1024  # slots past the last home slot that a run may spill into
+
+
+_SHIFT = np.uint64(29)
+
+
+def secret_multipliers(n: int) -> np.ndarray:
+    """n random odd 64-bit multipliers, drawn per table."""
+    return np.array([secrets.randbits(64) | 1 for _ in range(n)], np.uint64)
+
+
+def keyed_fold(
+    columns: list[np.ndarray],
+    mults: np.ndarray,
+    active: list[np.ndarray] | None = None,
+) -> np.ndarray:
+    """One uint64 per row of the uint64 columns, mixed with the secret
+    multipliers (one per column): a multiply and an xor-shift per column, so
+    the fold is not linear in the columns. A linear one (a sum of words
+    times odd constants) collides without the secret: flipping the top bit
+    of any two words leaves it unchanged. Clients choose the hashes; with
+    keys they could make equal, one crowd would be a run of its own length
+    on every probe. active[i] (bool per row): where False, column i is
+    padding past the row's hash and leaves the fold as it is."""
+    acc = np.zeros(len(columns[0]) if columns else 0, np.uint64)
+    for i, (column, mult) in enumerate(zip(columns, mults, strict=False)):
+        mixed = (acc ^ column) * mult
+        mixed ^= mixed >> _SHIFT
+        acc = mixed if active is None else np.where(active[i], mixed, acc)
+    return acc
 
 
 class ProbedSlots:

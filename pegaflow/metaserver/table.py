@@ -27,7 +27,7 @@ import secrets
 import numpy as np
 
 from ..keys import MAX_HASH_BYTES, PackedHashes
-from ..open_addressing import EMPTY, SPARE, TOMB, WINDOW, ProbedSlots
+from ..open_addressing import EMPTY, SPARE, TOMB, WINDOW, ProbedSlots, keyed_fold
 
 MAX_LOAD = 0.5  # slots in use (tombstones too) before a rebuild
 MIN_CAPACITY = 64
@@ -184,15 +184,16 @@ class RowTable(ProbedSlots):
 
     # -- layout -----------------------------------------------------------------
     def _key(self, ns: int, keys: Keys) -> np.ndarray:
-        """The fold of each whole hash, its length and namespace (uint64,
-        wrapping): a zero word adds nothing, so padding does not change it."""
-        m = self._mult
-        key = keys.words[:, 0] * m[0]
-        for i in range(1, keys.width):  # a column per 8 bytes of hash, not a row
-            key += keys.words[:, i] * m[i]
-        key += keys.lens.astype(np.uint64) * m[_WORDS]
-        key += np.uint64(ns * int(m[_WORDS + 1]) & (1 << 64) - 1)
-        return key
+        """The secret fold (open_addressing.keyed_fold) of each hash's length
+        and namespace, then its words, a column per 8 bytes; words past a
+        hash's length are padding and leave it as it is."""
+        n = keys.count
+        lens = keys.lens.astype(np.uint64)
+        head = [lens, np.full(n, ns & (1 << 64) - 1, np.uint64)]
+        words = [keys.words[:, i] for i in range(keys.width)]
+        padding = [keys.lens > 8 * i for i in range(keys.width)]
+        mults = np.concatenate([self._mult[_WORDS : _WORDS + 2], self._mult[:_WORDS]])
+        return keyed_fold(head + words, mults, [np.ones(n, bool)] * 2 + padding)
 
     def _home(self, key: np.ndarray) -> np.ndarray:
         return (key * self._mult[_WORDS + 2] >> self._shift).view(np.int64)

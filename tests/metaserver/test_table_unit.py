@@ -121,3 +121,27 @@ def test_equal_keys_are_told_apart_by_the_whole_hash() -> None:
     short = Keys.of([b"\x07", b"\x07\x00", b"\x07\x00\x00"])  # words equal
     table.add(1, short.take(np.arange(2)), np.array([700, 701]))
     assert table.find(1, short).tolist() == [700, 701, -1]
+
+
+def test_hashes_differing_in_words_top_bits_get_distinct_keys() -> None:
+    """The table's key was a sum of the hash's words times secret odd
+    multipliers: flipping the top bit of any even number of words left it
+    unchanged, so anyone could make 2^(words-1) hashes (128 of 64 bytes) share
+    one key without the secret, a run of their own size on every probe, under
+    the directory's lock. The fold is no longer linear: they spread."""
+    rng = np.random.default_rng(4)
+    base = np.frombuffer(rng.bytes(64), "<u8").copy()
+    top = np.uint64(1 << 63)
+    variants = []
+    for mask in range(256):
+        if bin(mask).count("1") % 2 == 0:  # an even number of words flipped
+            words = base.copy()
+            words[[i for i in range(8) if mask >> i & 1]] ^= top
+            variants.append(words.tobytes())
+    assert len(variants) == 128
+    keys = RowTable()._key(3, Keys.of(PackedHashes.pack(variants, 64)))
+    assert len(set(keys.tolist())) == 128
+    padded = Keys.of([variants[0][:40], variants[1]])  # 40 bytes padded to 64
+    alone = Keys.of([variants[0][:40]])
+    table = RowTable()
+    assert table._key(3, padded)[0] == table._key(3, alone)[0]  # padding is inert
