@@ -8,8 +8,9 @@ see pegaflow.hll) xor a secret fold of its remaining bytes
 eight bytes do not share a key; the home slot is multiply-shift with a
 secret odd multiplier, so crafted hashes cannot pile onto one home. A row
 holds the entry and the bytes past the first eight, which a key match must
-also equal: equal keys and equal tails mean equal hashes. A probe reads every key's home slot (most sit there), then WINDOW
-slots a round for the rest. Removal leaves a tombstone. Past MAX_LOAD a
+also equal: equal keys and equal tails mean equal hashes. A probe reads
+every key's home slot (most sit there), then WINDOW slots a round for the
+rest. Removal leaves a tombstone. Past MAX_LOAD a
 vectorised rebuild resizes and purges tombstones, laying keys out in order of
 home slot, as Robin Hood hashing would: that keeps them near home (at load 1/3,
 none of 10**6 eight slots away). Probes never wrap: runs may spill into SPARE

@@ -11,9 +11,10 @@ The layout follows pegaflow.ready_index.HashTable (linear probing over slots
 of (key, row), tombstones, a rebuild in home-slot order past MAX_LOAD, runs
 spilling into SPARE slots past the end, never wrapping). Two differences: the
 rows are the index's (this class holds each row's hash, its length and its
-namespace, and the index its owners), and the key is a fold of the whole hash
-with secret odd multipliers rather than its first 8 bytes, plus its
-namespace and length. So hashes sharing their first 8 bytes (any client of a
+namespace, and the index its owners), and the key is a secret nonlinear
+fold of the whole hash, its namespace and length (open_addressing.keyed_fold;
+a linear one let anyone make hundreds of hashes share a key) rather than its
+first 8 bytes. So hashes sharing their first 8 bytes (any client of a
 server can send such) do not share a key, no crowd can pile onto one run, and
 no stash is needed. A key match is still checked against the whole stored
 hash, its length and namespace: equal keys of different hashes are each found
