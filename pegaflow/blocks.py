@@ -165,8 +165,8 @@ class BlockStore(TierLoads):
             found, rest = index.prefix(PackedHashes.pack(hashes, len(hashes[0])))
         else:
             found, rest = index.prefix_listed(hashes)
-        if found:
-            self._owed.hit(found, self.apply_touches)
+        if found:  # a block repeated in one query is one hit to the policy
+            self._owed.hit(until_repeated(found), self.apply_touches)
         return found, rest
 
     def apply_touches(self) -> None:
@@ -192,6 +192,7 @@ class BlockStore(TierLoads):
         slots: list[int] = []
         slotless: list[int] = []  # indexes into entries still needing a slot
         dedup = rejected = new = 0
+        refused: set[Key] = set()  # asked once per request, however repeated
         room = self.slabs.free_slots(ns.slot_class)
         table = self.entries
         get = table.get
@@ -202,7 +203,10 @@ class BlockStore(TierLoads):
                 if len(slotless) >= room:
                     if len(slotless) == room:
                         self._settle()  # the policy will ask for these
-                    if not self.policy.should_admit(key, self._protected):
+                    if key in refused or not self.policy.should_admit(
+                        key, self._protected
+                    ):
+                        refused.add(key)
                         self.counters.admission_rejections += 1
                         rejected += 1
                         continue

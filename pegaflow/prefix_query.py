@@ -74,7 +74,13 @@ class PrefixQueries:
         if len(rest) and (self._e.ssd is not None or self._e.remote is not None):
             listed = hashes.list() if isinstance(hashes, PackedHashes) else hashes
             if self._e.ssd is not None:
-                n, started = self._e.ssd.loading(ns, listed, len(hits))
+                # Pinned meanwhile: finding room for the SSD blocks must not
+                # evict the very hits this query is about to lease.
+                self._e.store.pin(hits)
+                try:
+                    n, started = self._e.ssd.loading(ns, listed, len(hits))
+                finally:
+                    self._e.store.unpin(hits)
                 if n:
                     if started:
                         self._count_loading(ns, hashes, hits, rest, hash_len, n, "ssd")

@@ -135,6 +135,26 @@ def test_tinylfu_keeps_hot_set_through_a_scan() -> None:
     assert run(AdmissionPolicy(LRUPolicy(), TinyLFU(64))) == 16
 
 
+def test_repeats_in_one_request_count_once_for_admission() -> None:
+    """TinyLFU counts how often a block is seen: a save naming one block 60
+    times was admitted after 50 rejections inside that one request, and a
+    query naming a cached block 65,536 times recorded each copy, aging every
+    other block's count to nothing. A repeat in one request is seen once."""
+    store, ns = _store(16, AdmissionPolicy(LRUPolicy(), TinyLFU(64))), _ns()
+    hot = _h(*range(16))
+    for _ in range(5):  # a hot set, seen five times each
+        for h in hot:
+            if not store.longest_prefix(ns, [h]):
+                _save(store, ns, [h])
+    stored, _, rejected = _save(store, ns, _h(999) * 60)
+    assert stored == 0 and rejected == 60
+    store.lookup(ns, _h(3) * 65536)  # one block, repeated: one hit
+    store.apply_touches()
+    assert sum(bool(store.longest_prefix(ns, [h])) for h in hot) == 16
+    stored, _, _ = _save(store, ns, _h(998))  # the sketch still says who is hot
+    assert stored == 0
+
+
 @pytest.mark.parametrize("tp", [1, 4])
 def test_namespaces_are_isolated(tp: int) -> None:
     store = _store(16)
