@@ -165,8 +165,10 @@ class BlockStore(TierLoads):
             found, rest = index.prefix(PackedHashes.pack(hashes, len(hashes[0])))
         else:
             found, rest = index.prefix_listed(hashes)
-        if found:  # a block repeated in one query is one hit to the policy
-            self._owed.hit(until_repeated(found), self.apply_touches)
+        if len(found) > 1:
+            found, rest = _cut_at_repeat(found, rest)
+        if found:
+            self._owed.hit(found, self.apply_touches)
         return found, rest
 
     def apply_touches(self) -> None:
@@ -413,16 +415,21 @@ class BlockStore(TierLoads):
         return len(stale)
 
 
-def until_repeated(entries: list[BlockEntry]) -> list[BlockEntry]:
-    """The entries up to the first one seen before. A real prefix holds no
-    block twice (each block's hash covers every block before it); a request
-    repeating one cached hash must not pin it once per copy (a lease or a
-    peer's pin of 65,536 entries for the price of one block)."""
-    if len(set(map(id, entries))) == len(entries):
-        return entries
+def _cut_at_repeat(
+    found: list[BlockEntry], rest: np.ndarray
+) -> tuple[list[BlockEntry], np.ndarray]:
+    """The ready prefix up to its first block seen before, and the probe past
+    it with the cut-off blocks (ready) in front. A real prefix holds no block
+    twice (each hash covers every block before it); a request repeating one
+    cached hash must not be one lease, one peer pin or one policy hit per
+    copy."""
+    if len(set(map(id, found))) == len(found):
+        return found, rest
     seen: set[int] = set()
-    for i, entry in enumerate(entries):
+    for i, entry in enumerate(found):
         if id(entry) in seen:
-            return entries[:i]
+            cut = np.ones(len(found) - i, bool)
+            cut[0] = False  # the first repeat stands as the miss
+            return found[:i], np.concatenate([cut, rest])
         seen.add(id(entry))
-    return entries
+    return found, rest

@@ -11,7 +11,6 @@ import numpy as np
 
 from . import deadlines
 from .block_entry import BlockEntry
-from .blocks import until_repeated
 from .errors import InvalidRequest, PermissionDenied
 from .identity import UNKNOWN, CallContext
 from .instances import Namespace
@@ -151,7 +150,6 @@ class PrefixQueries:
         self._e.hit_rates.query(ns, hashes, len(hits), rest, hash_len)
         self._e.metrics.hits.inc(len(hits))
         self._e.metrics.misses.inc(len(hashes) - len(hits))
-        hits = until_repeated(hits)
         if not hits:
             return QueryResult(0, 0, 0.0)
         lease = self._e.leases.create(instance_id, ns.id, hits, inst.world_size)

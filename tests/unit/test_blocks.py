@@ -148,7 +148,8 @@ def test_repeats_in_one_request_count_once_for_admission() -> None:
                 _save(store, ns, [h])
     stored, _, rejected = _save(store, ns, _h(999) * 60)
     assert stored == 0 and rejected == 60
-    store.lookup(ns, _h(3) * 65536)  # one block, repeated: one hit
+    found, rest = store.lookup(ns, _h(3) * 65536)  # one block, repeated: one hit
+    assert len(found) == 1 and len(rest) == 65535 and not rest[0] and rest[1:].all()
     store.apply_touches()
     assert sum(bool(store.longest_prefix(ns, [h])) for h in hot) == 16
     stored, _, _ = _save(store, ns, _h(998))  # the sketch still says who is hot
