@@ -36,3 +36,17 @@ carried_tools() {
     export PATH=$PWD/.whl/bin:$PATH
   fi
 }
+
+# The device tool returns a bounded number of files: a script's results go
+# under $RES and come back as one $OUT/results.tgz, whatever stage it ends in.
+bundle_results() {
+  RES=$(mktemp -d)
+  trap 'tar czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null' EXIT
+}
+
+# An A/B's base: the carried tree (`git archive REV | gzip > .ab/x.tgz`)
+# unpacked at $BASE.
+unpack_base() {
+  BASE=/tmp/base_tree
+  rm -rf "$BASE" && mkdir -p "$BASE" && tar -xzf "$1" -C "$BASE"
+}

@@ -12,11 +12,9 @@
 # Carry .whl as the earlier device scripts do (../shared/GPU.md). Results in
 # one $OUT/results.tgz; the table last.
 . "$(dirname "$0")/device_prelude.sh"
-RES=$(mktemp -d)
-trap 'tar czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null' EXIT
+bundle_results
 SITE=$PWD/.site
-BASE=/tmp/base_tree
-rm -rf "$BASE" && mkdir -p "$BASE" && tar -xzf .ab/base_6b91183.tgz -C "$BASE"
+unpack_base .ab/base_6b91183.tgz
 cp benchmarks/ssd_writebehind.py "$BASE/benchmarks/"  # --engine-align is new
 
 stage "gpu tests: kernels and server"
