@@ -31,6 +31,7 @@ def keyed_fold(
     columns: list[np.ndarray],
     mults: np.ndarray,
     active: list[np.ndarray] | None = None,
+    start: np.ndarray | int = 0,
 ) -> np.ndarray:
     """One uint64 per row of the uint64 columns, mixed with the secret
     multipliers (one per column): a multiply and an xor-shift per column, so
@@ -39,8 +40,9 @@ def keyed_fold(
     of any two words leaves it unchanged. Clients choose the hashes; with
     keys they could make equal, one crowd would be a run of its own length
     on every probe. active[i] (bool per row): where False, column i is
-    padding past the row's hash and leaves the fold as it is."""
-    acc = np.zeros(len(columns[0]) if columns else 0, np.uint64)
+    padding past the row's hash and leaves the fold as it is. start: the fold
+    so far (of columns folded before, e.g. ones equal in every row)."""
+    acc = np.full(len(columns[0]) if columns else 0, start, np.uint64)
     for i, (column, mult) in enumerate(zip(columns, mults, strict=False)):
         mixed = (acc ^ column) * mult
         mixed ^= mixed >> _SHIFT

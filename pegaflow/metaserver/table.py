@@ -189,11 +189,16 @@ class RowTable(ProbedSlots):
         and namespace, then its words, a column per 8 bytes; words past a
         hash's length are padding and leave it as it is."""
         n = keys.count
-        lens = keys.lens.astype(np.uint64)
-        head = [lens, np.full(n, ns & (1 << 64) - 1, np.uint64)]
+        head = [keys.lens.astype(np.uint64), np.full(n, ns & (1 << 64) - 1, np.uint64)]
+        mults = np.concatenate([self._mult[_WORDS : _WORDS + 2], self._mult[:_WORDS]])
+        if n and (keys.lens == keys.lens[0]).all():  # the wire's: one hash_len
+            # Length and namespace are one value for every row: folded once.
+            start = keyed_fold([h[:1] for h in head], mults)[0]
+            width = min(-(-int(keys.lens[0]) // 8), keys.width)
+            words = np.ascontiguousarray(keys.words[:, :width].T)  # rows of a word
+            return keyed_fold(list(words), mults[2:], start=start)
         words = [keys.words[:, i] for i in range(keys.width)]
         padding = [keys.lens > 8 * i for i in range(keys.width)]
-        mults = np.concatenate([self._mult[_WORDS : _WORDS + 2], self._mult[:_WORDS]])
         return keyed_fold(head + words, mults, [np.ones(n, bool)] * 2 + padding)
 
     def _home(self, key: np.ndarray) -> np.ndarray:
