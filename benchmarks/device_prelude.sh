@@ -9,6 +9,10 @@ START=$SECONDS
 # the 12d call's transfer rows). Each stage starts by reaping them.
 reap() { pkill -f -- "-m pegaflow.cli" 2>/dev/null; pkill -f -- "tests/engine_worker" \
   2>/dev/null; sleep 0.2; pkill -9 -f -- "-m pegaflow.cli" 2>/dev/null; true; }
+# A stage's timeout, cut so the whole call ends before the device tool's
+# limit (CALL_S) and the EXIT trap still bundles what came back.
+within() { local left=$((${CALL_S:-570} - (SECONDS - START))); [ "$left" -lt 5 ] && left=5
+  [ "$1" -lt "$left" ] && echo "$1" || echo "$left"; }
 stage() { reap; echo; echo "=== $* (t=$((SECONDS - START)) s)"; }
 
 stage install

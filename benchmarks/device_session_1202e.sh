@@ -18,23 +18,23 @@ unpack_base .ab/base_6b91183.tgz
 cp benchmarks/ssd_writebehind.py "$BASE/benchmarks/"  # --engine-align is new
 
 stage "gpu tests: kernels and server"
-timeout 200 python3 -m pytest -m gpu tests/kernels tests/gpu -o addopts="" \
-  -p no:cacheprovider -q -rfE --timeout 90 > "$RES/gpu_tests.log" 2>&1
+timeout $(within 200) python3 -m pytest -m gpu tests/kernels tests/gpu -o addopts="" \
+  -p no:cacheprovider -q -rfE --timeout $(within 90) > "$RES/gpu_tests.log" 2>&1
 echo "rc=$?"; tail -3 "$RES/gpu_tests.log"
 
 for round in 1 2; do
   for v in base new; do
     dir=$PWD; [ $v = base ] && dir=$BASE
     stage "write-behind round $round: $v"
-    (cd "$dir" && PYTHONPATH=$SITE:$dir timeout 150 python3 benchmarks/ssd_writebehind.py \
+    (cd "$dir" && PYTHONPATH=$SITE:$dir timeout $(within 150) python3 benchmarks/ssd_writebehind.py \
       --modes none,seal --engine-align malloc,page --reps 1 --dir /var/tmp/wb-$v \
       --json "$RES/wb-$v$round.json" > "$RES/wb-$v$round.log" 2>&1; echo "rc=$?")
   done
 done
 
 stage "tests/gds, posix"
-PEGAFLOW_TEST_SSD_BACKEND=posix timeout 150 python3 -m pytest tests/gds -o addopts="" \
-  -p no:cacheprovider -q -rfE --timeout 60 > "$RES/gds_posix.log" 2>&1
+PEGAFLOW_TEST_SSD_BACKEND=posix timeout $(within 150) python3 -m pytest tests/gds -o addopts="" \
+  -p no:cacheprovider -q -rfE --timeout $(within 60) > "$RES/gds_posix.log" 2>&1
 echo "rc=$?"; tail -2 "$RES/gds_posix.log"
 
 stage "summary"
