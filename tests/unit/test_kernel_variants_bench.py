@@ -4,6 +4,8 @@ checks run over SimMem with the CPU twin, which has the same buffer API."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -55,3 +57,20 @@ def test_ratios_and_tables() -> None:
     text = kernel_variants_paths.tables(rows, (8, 64))
     assert "45.0 (0.90)" in text and "ERROR" in text and "boom" in text
     assert "| 90 " in text or " 90 |" in text
+
+
+def test_split_cells_move_every_byte_once() -> None:
+    """The split benchmark's cells (a share by the second path, the rest by
+    the first, both directions at once) on the CPU twin: every byte checked."""
+    from benchmarks import kernel_variants_split as split
+
+    r = kernel_variants_paths.Run(cpu, SimMem(cpu), None, None, True, 2, 2, math.inf)
+    for op in ("gather", "scatter"):
+        split.run_direction(r, op, (4, 5), (0.0, 0.4, 1.0))
+    split.both_ceiling(r)
+    split.run_both(r, (0.0, 0.5))
+    moved = [x for x in r.rows if x["variant"] != kernel_variants_paths.CEILING]
+    assert len(moved) == 2 * 2 * 4 + 4
+    assert all(x["ok"] is True for x in r.rows), [x for x in r.rows if not x["ok"]]
+    kernel_variants_paths.add_ratios(r.rows)
+    assert "dma 40% + kernel" in split.tables(r.rows)
