@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-pool-gib", type=int, default=16)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--pools", default="bench pool,server pool")
+    ap.add_argument("--paths", default="", help="path names, ; between (default all)")
     args = ap.parse_args(argv)
     sizes = tuple(int(x) for x in args.sizes.split(","))
     import torch
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             reps = 300 if n == 1 else 60 if n <= 64 else 8
             for direction, by_path in calls.items():
                 for name, call in by_path.items():
+                    if args.paths and name not in args.paths.split(";"):
+                        continue
                     med = timed(call, reps)
                     ok = check(direction, call, m, server, pool_name, base, ids,
                                slots, engine_host, torch)  # fmt: skip
@@ -185,6 +188,9 @@ def path_calls(
             "asyncio.to_thread (server)": lambda fn=fn, args=args: (
                 LOOP.run_until_complete(asyncio.to_thread(fn, *args))
             ),
+            "to_thread, switch interval 0.1 ms": lambda fn=fn, args=args: fast_switch(
+                lambda: LOOP.run_until_complete(asyncio.to_thread(fn, *args))
+            ),
             "to_thread, wake 200 us early": lambda fn=fn, args=args: (
                 LOOP.run_until_complete(wake_early(fn, *args))
             ),
@@ -193,6 +199,17 @@ def path_calls(
 
 
 LOOP = asyncio.new_event_loop()
+
+
+def fast_switch(call: Callable[[], None]) -> None:
+    """A thread waiting for the GIL asks its holder to drop it after the
+    switch interval (5 ms by default): shortened here for one call."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        call()
+    finally:
+        sys.setswitchinterval(old)
 
 
 def spin(future: Any) -> None:
