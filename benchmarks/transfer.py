@@ -319,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run the server under cProfile, its stats written to this file",
     )
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="one more server flag, e.g. --server-arg=--copy-wait=thread (repeatable)",
+    )
     p.add_argument("--copy-path", choices=interference.PATHS, default="auto")
     p.add_argument("--copy-sm-cap", type=int, default=interference.DEFAULT_CAP)
     interference.add_arguments(p)
@@ -381,10 +387,11 @@ def run_shapes(args: argparse.Namespace) -> dict:
     pool = "4gb" if args.quick else "16gb"
     setting = interference.Setting(args.copy_path, args.copy_sm_cap)
     proc, addr, http = start_server(
-        pool, *setting.server_args(), profile=args.profile_server
+        pool, *setting.server_args(), *args.server_arg, profile=args.profile_server
     )
     ceil = {"pinned": torch.empty(2 << 30, dtype=torch.int8, pin_memory=True)}
-    rows, extra = [], {"copy_path": args.copy_path, "copy_sm_cap": args.copy_sm_cap}
+    rows, extra = [], {"copy_path": args.copy_path, "copy_sm_cap": args.copy_sm_cap,
+                       "server_args": args.server_arg}  # fmt: skip
     try:
         for shape in SHAPES:
             if shape[0] in args.shapes.split(","):

@@ -38,6 +38,7 @@ FLAG_OF = {
     "prefault_threads": "--prefault-threads",
     "lease_ttl_s": "--lease-ttl",
     "copy_threads": "--copy-threads",
+    "copy_wait": "--copy-wait",
     "max_ctas": "--copy-ctas",
     "copy_crossovers": "--copy-crossovers",
     "contention_ratio": "--copy-contention-ratio",
@@ -194,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="kernels, copy engines (cuMemcpyBatchAsync: no SMs), or per batch "
         "from --copy-crossovers (default: auto)",
+    )
+    p.add_argument(
+        "--copy-wait",
+        choices=("loop", "thread"),
+        default="loop",
+        help="GPU copies above one block that wait for no engine event: launched "
+        "and awaited on the server's event loop (no thread hand-off), or on a "
+        "copy thread (default: loop)",
     )
     p.add_argument(
         "--copy-crossovers",
@@ -397,6 +406,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             enable_lfu_admission=args.enable_lfu_admission,
             lease_ttl_s=args.lease_ttl,
             copy_threads=args.copy_threads,
+            copy_wait=args.copy_wait,
             allow_tcp_host_engines=args.allow_tcp_host_engines,
             max_idle_namespaces=args.max_idle_namespaces,
             hit_rate=HitRateConfig(

@@ -176,6 +176,11 @@ class EngineConfig:
     # Copies up to this size run on the event loop itself: a hop to a worker
     # thread and back costs more than moving one block (measured ~0.25 ms on VMs).
     inline_copy_bytes: int = 2 << 20
+    # Larger GPU copies that need no engine event: "loop" launches them on the
+    # event loop and waits there (pegaflow.copy_wait), "thread" on a copy
+    # thread (a thread's hand-off cost 0.24-0.7 ms of a 64-block copy on
+    # the H200, benchmarks/RESULTS.md "sixth session").
+    copy_wait: Literal["loop", "thread"] = "loop"
     max_blocks_per_request: int = 65536
     # Host-memory registration over TCP, where the kernel cannot say which
     # process asks (pegaflow.identity): off unless every local user is trusted.
@@ -194,6 +199,8 @@ class EngineConfig:
         check_seconds("lease_sweep_interval_s", self.lease_sweep_interval_s, 60.0)
         check_int("copy_threads", self.copy_threads, 1, MAX_THREADS)
         check_int("inline_copy_bytes", self.inline_copy_bytes, 0, 1 << 30)
+        if self.copy_wait not in ("loop", "thread"):
+            raise ValueError(f"copy_wait: {self.copy_wait!r}, need loop|thread")
         check_int("max_blocks_per_request", self.max_blocks_per_request, 1, 1 << 24)
         check_int("max_large_requests", self.max_large_requests, 1, 1 << 16)
         check_int("max_idle_namespaces", self.max_idle_namespaces, 0, 1 << 24)

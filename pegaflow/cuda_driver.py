@@ -203,6 +203,21 @@ def record_event(event: Any, stream: int) -> None:
     check(rt.cudaEventRecord(event, rt.cudaStream_t(stream)), "cudaEventRecord")
 
 
+def create_timing_event() -> Any:
+    """A plain event of this device that records timestamps (elapsed_s)."""
+    rt = _rt()
+    flags = rt.cudaEventDefault
+    return check(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
+
+
+def elapsed_s(begin: Any, end: Any) -> float:
+    """Seconds of GPU time between two completed timing events."""
+    return (
+        float(check(_rt().cudaEventElapsedTime(begin, end), "cudaEventElapsedTime"))
+        / 1e3
+    )
+
+
 def destroy_event(event: Any) -> None:
     check(_rt().cudaEventDestroy(event), "cudaEventDestroy")
 

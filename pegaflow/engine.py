@@ -20,7 +20,7 @@ import numpy as np
 
 from pegaflow.gds import SsdTier
 
-from . import deadlines
+from . import copy_wait, deadlines
 from .blocks import BlockEntry, BlockStore
 from .config import EngineConfig
 from .copiers.base import CopyEngine, RegionKind
@@ -210,7 +210,10 @@ class Engine:
                 inline = False
             else:
                 inline = True
-            seconds = await self._copy(worker, gather, transfers, inline, ctx.deadline)
+            seconds = await self._copy(
+                worker, gather, transfers, inline, ctx.deadline,
+                launch_as="save" if inline else None,
+            )  # fmt: skip
             if ctx.deadline is not None and time.monotonic() > ctx.deadline:
                 raise DeadlineExceeded(
                     "save: the copy ended after the request's deadline; nothing "
@@ -306,8 +309,9 @@ class Engine:
         try:
             # Layer by layer the engine waits on each signal, not on this loop.
             seconds = await self._copy(
-                worker, scatter, transfers, not layer_seq, ctx.deadline
-            )
+                worker, scatter, transfers, not layer_seq, ctx.deadline,
+                launch_as=None if layer_seq else "load",
+            )  # fmt: skip
         finally:
             self.store.unpin(entries)
         for lease in {id(p[0]): p[0] for p in live}.values():
@@ -385,19 +389,37 @@ class Engine:
         t: Transfers,
         inline: bool = True,
         deadline: float | None = None,
+        launch_as: str | None = None,
     ) -> float:
-        """deadline: time.monotonic() seconds; no copy starts after it."""
+        """deadline: time.monotonic() seconds; no copy starts after it.
+        launch_as ("save" or "load"): `fn` is that plain direction, which a
+        copier that launches (the CUDA one) may queue from here and the loop
+        wait for (pegaflow.copy_wait) instead of a copy thread."""
         worker.active_ops += 1  # before the gate: keeps the memory open meanwhile
         start = time.perf_counter()
         try:
             async with self.gate.admit(len(t), deadline):
                 if inline and t.total_bytes <= self.config.inline_copy_bytes:
                     fn(worker.handle, t)
+                elif launched := self._launch(worker, launch_as, t, deadline):
+                    await _uncancellable(copy_wait.settle(worker.copier, launched))
                 else:
                     await _uncancellable(asyncio.to_thread(fn, worker.handle, t))
         finally:
             self.registry.finish_op(worker)
         return time.perf_counter() - start
+
+    def _launch(
+        self,
+        worker: Worker,
+        launch_as: str | None,
+        t: Transfers,
+        deadline: float | None,
+    ) -> copy_wait.Launched | None:
+        if launch_as is None or self.config.copy_wait != "loop":
+            return None
+        launch = getattr(worker.copier, "launch", None)
+        return None if launch is None else launch(launch_as, worker.handle, t, deadline)
 
     def _account(self, direction: str, blocks: int, nbytes: int, sec: float) -> None:
         children = self._children.get(direction)

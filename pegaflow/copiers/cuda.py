@@ -65,6 +65,8 @@ DEFAULT_CTAS = 66  # half the H200's SMs per direction (RESULTS_kernels.md)
 SPIN_S = 1e-3  # poll an engine's event without sleeping for this long
 POLL_S = 50e-6
 CLOSE_WAIT_S = 10.0  # a re-opened allocation waits this long for its old close
+RATE_MIN_BYTES = 1 << 20  # launched batches this large teach the rate estimate
+RATE_ALPHA = 0.5  # weight of the newest batch's rate
 
 
 @dataclass(slots=True)
@@ -79,6 +81,22 @@ class _Device:
     save: Any  # numba streams
     load: Any
     flags: dict[CopyDirection, StreamFlag] = field(default_factory=dict)
+    spare_events: list[tuple[Any, Any]] = field(default_factory=list)  # timing pairs
+
+
+@dataclass(slots=True)
+class Launched:
+    """A batch queued by CudaCopyEngine.launch and not yet finished
+    (pegaflow.copy_wait settles it): timing events around it, and when the
+    direction's recent rate says it ends (None: no rate yet)."""
+
+    dev: _Device
+    direction: CopyDirection
+    path: CopyPath
+    t: Transfers
+    events: tuple[Any, Any]  # recorded before and after the batch
+    start: float  # perf_counter before the launch
+    expected_end: float | None
 
 
 @dataclass(slots=True)
@@ -121,6 +139,12 @@ class CudaCopyEngine:
         self._mappings: dict[tuple[bytes, bytes], _Mapping] = {}
         self._closing: dict[tuple[bytes, bytes], _Mapping] = {}
         self._lock = threading.Lock()
+        # Batches queued and not yet waited for, per (device, direction): the
+        # loop launches only onto an idle stream (launch).
+        self._in_flight: dict[tuple[int, CopyDirection], int] = {}
+        self._flight_lock = threading.Lock()
+        # GB/s per (device, direction, path), from launched batches' GPU time
+        self._rates: dict[tuple[int, CopyDirection, CopyPath], float] = {}
         # A daemon thread: a close that never returns must not block exit.
         self._reaper: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         threading.Thread(target=self._reap, daemon=True, name="cuda-close").start()
@@ -310,16 +334,7 @@ class CudaCopyEngine:
         if wait_event:
             self._wait_event(self._event(regions, wait_event))
         deadlines.check(deadline, "save")
-        path = self._policy.choose_for("save", t, dev.ordinal)
-        start = time.perf_counter()  # the policy learns from each batch's time
-        with self._drained_on_error(dev.save):
-            if path == "dma":
-                self._batch("save", regions.buffer, dev.pool, t, dev)
-            else:
-                k, ctas = self._k, self._ctas
-                k.gather(regions.buffer, dev.pool, t, stream=dev.save, max_blocks=ctas)
-            self._finish(dev, "save", path, t)
-        self._policy.observe(dev.ordinal, "save", path, t, start, time.perf_counter())
+        self._copy_now("save", regions, t)
 
     def event_done(self, regions: CudaRegions, wait_event: int) -> bool:
         """Whether the engine's event `wait_event` (1-based) completed: a save
@@ -344,17 +359,146 @@ class CudaCopyEngine:
         dev = regions.device
         cuda_driver.set_device(dev.ordinal)
         deadlines.check(deadline, "load")
-        path = self._policy.choose_for("load", t, dev.ordinal)
-        start = time.perf_counter()  # the policy learns from each batch's time
-        with self._drained_on_error(dev.load):
-            if path == "dma":
-                self._batch("load", dev.pool, regions.buffer, t, dev)
-            else:
-                self._k.scatter(
-                    dev.pool, regions.buffer, t, stream=dev.load, max_blocks=self._ctas
-                )
-            self._finish(dev, "load", path, t)
-        self._policy.observe(dev.ordinal, "load", path, t, start, time.perf_counter())
+        self._copy_now("load", regions, t)
+
+    def _copy_now(
+        self, direction: CopyDirection, regions: CudaRegions, t: Transfers
+    ) -> None:
+        """Queue the batch and wait for it here (a copy thread, or the loop
+        for a small one)."""
+        dev = regions.device
+        path = self._policy.choose_for(direction, t, dev.ordinal)
+        stream = dev.save if direction == "save" else dev.load
+        self._count(dev.ordinal, direction, +1)
+        try:
+            start = time.perf_counter()  # the policy learns from each batch's time
+            with self._drained_on_error(stream):
+                self._queue(direction, path, regions, t)
+                self._finish(dev, direction, path, t)
+        finally:
+            self._count(dev.ordinal, direction, -1)
+        end = time.perf_counter()
+        self._policy.observe(dev.ordinal, direction, path, t, start, end)
+
+    def _queue(
+        self,
+        direction: CopyDirection,
+        path: CopyPath,
+        regions: CudaRegions,
+        t: Transfers,
+    ) -> None:
+        """Enqueue the batch on its direction's stream, by `path`."""
+        dev = regions.device
+        if direction == "save":
+            src, dst, stream = regions.buffer, dev.pool, dev.save
+        else:
+            src, dst, stream = dev.pool, regions.buffer, dev.load
+        if path == "dma":
+            self._batch(direction, src, dst, t, dev)
+        elif direction == "save":
+            self._k.gather(src, dst, t, stream=stream, max_blocks=self._ctas)
+        else:
+            self._k.scatter(src, dst, t, stream=stream, max_blocks=self._ctas)
+
+    def _count(self, ordinal: int, direction: CopyDirection, step: int) -> None:
+        with self._flight_lock:
+            key = (ordinal, direction)
+            self._in_flight[key] = self._in_flight.get(key, 0) + step
+
+    # -- launched on the event loop (pegaflow.copy_wait) ------------------------
+    def launch(
+        self,
+        direction: CopyDirection,
+        regions: CudaRegions,
+        t: Transfers,
+        deadline: float | None = None,
+    ) -> Launched | None:
+        """Queue a save (no engine event) or a load and return at once; None
+        when the batch must go by a copy thread instead: its stream has a
+        batch in flight, or the other direction two (the kernels' table of
+        a third batch on a stream waits for the first one, under a lock
+        both directions share: the loop must never wait there)."""
+        dev = regions.device
+        other: CopyDirection = "load" if direction == "save" else "save"
+        with self._flight_lock:
+            busy = self._in_flight.get((dev.ordinal, direction), 0)
+            if busy or self._in_flight.get((dev.ordinal, other), 0) > 1:
+                return None
+            self._in_flight[(dev.ordinal, direction)] = 1
+        events: tuple[Any, Any] | None = None
+        try:
+            cuda_driver.set_device(dev.ordinal)
+            deadlines.check(deadline, direction)
+            path = self._policy.choose_for(direction, t, dev.ordinal)
+            events = self._timing_events(dev)
+            stream = dev.save if direction == "save" else dev.load
+            handle = int(stream.handle)
+            start = time.perf_counter()
+            with self._drained_on_error(stream):
+                cuda_driver.record_event(events[0], handle)
+                self._queue(direction, path, regions, t)
+                cuda_driver.record_event(events[1], handle)
+        except BaseException:
+            if events is not None:
+                dev.spare_events.append(events)
+            self._count(dev.ordinal, direction, -1)
+            raise
+        rate = self._rates.get((dev.ordinal, direction, path))
+        queued = time.perf_counter()
+        expected = None if rate is None else queued + t.total_bytes / rate
+        return Launched(dev, direction, path, t, events, start, expected)
+
+    def launched_done(self, launched: Launched) -> bool:
+        """Whether the batch finished; a fault in it raises CopyFailed."""
+        cuda_driver.set_device(launched.dev.ordinal)
+        return cuda_driver.event_done(launched.events[1])
+
+    def wait_launched(self, launched: Launched) -> None:
+        """Block until the batch finished (a copy thread calls this)."""
+        dev = launched.dev
+        cuda_driver.set_device(dev.ordinal)
+        self._k.synchronize(dev.save if launched.direction == "save" else dev.load)
+
+    def finish_launched(self, launched: Launched, failed: bool = False) -> None:
+        """After the batch is done, or after waiting for it failed (then its
+        stream is drained first: the caller frees what it writes). The rate
+        of each batch of at least RATE_MIN_BYTES feeds the next estimates."""
+        dev, direction = launched.dev, launched.direction
+        try:
+            cuda_driver.set_device(dev.ordinal)
+            if failed:
+                self._drain(dev.save if direction == "save" else dev.load)
+                return
+            seconds = cuda_driver.elapsed_s(*launched.events)
+            self._learn(launched, seconds)
+            t = launched.t
+            end = launched.start + seconds
+            self._policy.observe(
+                dev.ordinal, direction, launched.path, t, launched.start, end
+            )
+        finally:
+            dev.spare_events.append(launched.events)
+            self._count(dev.ordinal, direction, -1)
+
+    def _learn(self, launched: Launched, seconds: float) -> None:
+        nbytes = launched.t.total_bytes
+        if nbytes < RATE_MIN_BYTES or seconds <= 0:
+            return
+        key = (launched.dev.ordinal, launched.direction, launched.path)
+        rate = nbytes / seconds
+        old = self._rates.get(key)
+        self._rates[key] = (
+            rate if old is None else RATE_ALPHA * rate + (1 - RATE_ALPHA) * old
+        )
+
+    @staticmethod
+    def _timing_events(dev: _Device) -> tuple[Any, Any]:
+        """A pair from the device's spares, or a new one (list pop and append
+        are atomic: the loop and a failing thread may both return pairs)."""
+        try:
+            return dev.spare_events.pop()
+        except IndexError:
+            return cuda_driver.create_timing_event(), cuda_driver.create_timing_event()
 
     @contextlib.contextmanager
     def _drained_on_error(self, stream: Any) -> Iterator[None]:
@@ -364,11 +508,15 @@ class CudaCopyEngine:
         try:
             yield
         except BaseException:
-            try:
-                self._k.synchronize(stream)
-            except Exception as exc:  # the context is broken: nothing runs on it
-                logger.error("stream sync after a failed copy failed: %s", exc)
+            self._drain(stream)
             raise
+
+    def _drain(self, stream: Any) -> None:
+        """Wait for whatever still runs on `stream` after a failure."""
+        try:
+            self._k.synchronize(stream)
+        except Exception as exc:  # the context is broken: nothing runs on it
+            logger.error("stream sync after a failed copy failed: %s", exc)
 
     def _finish(
         self, dev: _Device, direction: CopyDirection, path: CopyPath, t: Transfers

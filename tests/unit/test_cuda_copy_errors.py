@@ -5,6 +5,7 @@ as the copier returns (run here with stand-ins for the driver and kernels)."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -60,7 +61,17 @@ def _engine(path: str, log: list[str]) -> CudaCopyEngine:
         raise cuda_driver.CudaError("cuMemcpyBatchAsync: the second call refused")
 
     engine._dma = dma
+    engine._in_flight, engine._flight_lock, engine._rates = {}, threading.Lock(), {}
     return engine
+
+
+def _device() -> tuple[SimpleNamespace, SimpleNamespace]:
+    save, load = Stream(name="S", handle=1), Stream(name="L", handle=2)
+    pool = SimpleNamespace(address=1 << 30)
+    dev = SimpleNamespace(
+        ordinal=0, save=save, load=load, pool=pool, flags={}, spare_events=[]
+    )
+    return dev, SimpleNamespace(device=dev, buffer=None)
 
 
 @pytest.mark.parametrize("path", ["kernel", "dma"])
@@ -73,13 +84,109 @@ def test_a_copy_failing_after_queueing_waits_for_the_stream(
     monkeypatch.setattr(cuda_copier.dma, "attributes", lambda d, o: None)
     log: list[str] = []
     engine = _engine(path, log)
-    save, load = Stream(name="S", handle=1), Stream(name="L", handle=2)
-    pool = SimpleNamespace(address=1 << 30)
-    dev = SimpleNamespace(ordinal=0, save=save, load=load, pool=pool, flags={})
-    regions = SimpleNamespace(device=dev, buffer=None)
+    dev, regions = _device()
     with pytest.raises(cuda_driver.CudaError):
         if direction == "save":
             engine.gather(regions, T)
         else:
             engine.scatter(regions, T)
     assert log == ["queued", f"sync {'S' if direction == 'save' else 'L'}"]
+    assert engine._in_flight == {(0, direction): 0}
+
+
+class Events:
+    """Stand-ins for the driver's timing events: records, queries, elapsed."""
+
+    def __init__(self, monkeypatch, log: list[str]) -> None:
+        self.made = 0
+        self.done = True
+        monkeypatch.setattr(cuda_driver, "set_device", lambda ordinal: None)
+        monkeypatch.setattr(cuda_driver, "create_timing_event", self.create)
+        monkeypatch.setattr(
+            cuda_driver, "record_event", lambda e, s: log.append(f"record {e} on {s}")
+        )
+        monkeypatch.setattr(cuda_driver, "event_done", lambda e: self.done)
+        monkeypatch.setattr(cuda_driver, "elapsed_s", lambda a, b: 2e-3)
+
+    def create(self) -> str:
+        self.made += 1
+        return f"e{self.made}"
+
+
+class GoodKernels(Kernels):
+    def gather(self, *a: Any, **kw: Any) -> None:
+        self.log.append("queued")
+
+    scatter = gather
+
+
+@pytest.mark.parametrize("direction", ["save", "load"])
+def test_a_launched_batch_is_timed_and_its_stream_freed(monkeypatch, direction) -> None:
+    log: list[str] = []
+    Events(monkeypatch, log)
+    engine = _engine("kernel", log)
+    engine._k = GoodKernels(log)
+    observed: list[tuple] = []
+    engine._policy.observe = lambda *a: observed.append(a)
+    dev, regions = _device()
+    big = Transfers(np.array([0], np.uint64), np.array([0], np.uint64),
+                    np.array([8 << 20], np.uint64))  # fmt: skip
+    first = engine.launch(direction, regions, big)
+    assert first is not None and first.expected_end is None  # no rate yet
+    stream = 1 if direction == "save" else 2
+    assert log == [f"record e1 on {stream}", "queued", f"record e2 on {stream}"]
+    # One batch per stream from the loop: the next goes by a copy thread.
+    assert engine.launch(direction, regions, big) is None
+    engine.finish_launched(first)
+    assert engine._in_flight[(0, direction)] == 0
+    assert dev.spare_events == [("e1", "e2")]
+    assert engine._rates[(0, direction, "kernel")] == pytest.approx((8 << 20) / 2e-3)
+    ((ordinal, d, path, t, start, end),) = observed
+    assert (ordinal, d, path) == (0, direction, "kernel")
+    assert end - start == pytest.approx(2e-3)  # GPU time, not the wait's
+    second = engine.launch(direction, regions, big)
+    assert second is not None and second.events == ("e1", "e2")  # reused
+    assert second.expected_end == pytest.approx(second.start + 2e-3, abs=1e-3)
+
+
+def test_the_loop_never_launches_beside_two_batches_of_the_other_direction(
+    monkeypatch,
+) -> None:
+    log: list[str] = []
+    Events(monkeypatch, log)
+    engine = _engine("kernel", log)
+    engine._k = GoodKernels(log)
+    _, regions = _device()
+    engine._in_flight[(0, "save")] = 2  # a thread's third save may wait in a lock
+    assert engine.launch("load", regions, T) is None
+    engine._in_flight[(0, "save")] = 1
+    assert engine.launch("load", regions, T) is not None
+
+
+@pytest.mark.parametrize("path", ["kernel", "dma"])
+def test_a_launch_failing_after_queueing_drains_and_frees_its_stream(
+    monkeypatch, path: str
+) -> None:
+    monkeypatch.setattr(cuda_copier.dma, "plan", lambda *args: None)
+    monkeypatch.setattr(cuda_copier.dma, "attributes", lambda d, o: None)
+    log: list[str] = []
+    Events(monkeypatch, log)
+    engine = _engine(path, log)
+    dev, regions = _device()
+    with pytest.raises(cuda_driver.CudaError):
+        engine.launch("load", regions, T)
+    assert log[-2:] == ["queued", "sync L"]
+    assert engine._in_flight[(0, "load")] == 0 and dev.spare_events == [("e1", "e2")]
+
+
+def test_a_failed_wait_drains_before_the_slots_go_back(monkeypatch) -> None:
+    log: list[str] = []
+    Events(monkeypatch, log)
+    engine = _engine("kernel", log)
+    engine._k = GoodKernels(log)
+    dev, regions = _device()
+    launched = engine.launch("load", regions, T)
+    assert launched is not None
+    engine.finish_launched(launched, failed=True)
+    assert log[-1] == "sync L" and engine._in_flight[(0, "load")] == 0
+    assert dev.spare_events == [("e1", "e2")] and engine._rates == {}

@@ -1,0 +1,210 @@
+"""Waiting for a launched GPU batch on the event loop (pegaflow.copy_wait), and
+the engine's choice between that and a copy thread. The GPU is a clock here:
+a batch is done once time.perf_counter() passes its end."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pegaflow import copy_wait
+from pegaflow.config import EngineConfig, PoolConfig
+from pegaflow.engine import Engine
+from pegaflow.errors import CopyFailed
+from pegaflow.geometry import LayerLayout, Segment, Transfers
+from pegaflow.identity import CallContext, Caller
+from pegaflow.pool import HostPool
+from pegaflow.registration import RegisterSpec
+
+PAGE = 4096
+
+
+class Batch:
+    def __init__(self, ends_at: float, expected_end: float | None) -> None:
+        self.ends_at = ends_at
+        self.expected_end = expected_end
+
+
+class ClockCopier:
+    """A copier whose batches finish at a wall-clock time; logs what ran."""
+
+    def __init__(
+        self, duration_s: float = 3e-3, expect_s: float | None = 3e-3,
+        refuse: bool = False, fail_poll: bool = False,
+    ) -> None:  # fmt: skip
+        self.duration_s, self.expect_s = duration_s, expect_s
+        self.refuse, self.fail_poll = refuse, fail_poll
+        self.polls = 0
+        self.log: list[tuple[str, str]] = []  # (what, thread name)
+        self.finished: list[bool] = []  # failed flags
+
+    def _note(self, what: str) -> None:
+        self.log.append((what, threading.current_thread().name))
+
+    # -- the engine's CopyEngine seam
+    def open(self, pid: int, regions: list, cuda: object = None) -> object:
+        return object()
+
+    def event_done(self, handle: object, wait_event: int) -> bool:
+        return False
+
+    def gather(self, handle: object, t: Transfers, wait_event: int = 0,
+               deadline: float | None = None) -> None:  # fmt: skip
+        self._note(f"gather wait_event={wait_event}")
+
+    def scatter(
+        self, handle: object, t: Transfers, deadline: float | None = None
+    ) -> None:
+        self._note("scatter")
+
+    def close(self, handle: object) -> None:
+        pass
+
+    # -- launching
+    def launch(self, direction: str, handle: object, t: Transfers,
+               deadline: float | None) -> Batch | None:  # fmt: skip
+        self._note(f"launch {direction}")
+        if self.refuse:
+            return None
+        now = time.perf_counter()
+        expected = None if self.expect_s is None else now + self.expect_s
+        return Batch(now + self.duration_s, expected)
+
+    def launched_done(self, launched: Batch) -> bool:
+        self.polls += 1
+        if self.fail_poll:
+            raise CopyFailed("stream: an illegal address")
+        return time.perf_counter() >= launched.ends_at
+
+    def wait_launched(self, launched: Batch) -> None:
+        self._note("wait")
+        time.sleep(max(0.0, launched.ends_at - time.perf_counter()))
+
+    def finish_launched(self, launched: Batch, failed: bool = False) -> None:
+        self.finished.append(failed)
+
+
+def _settle(copier: ClockCopier) -> tuple[float, Batch]:
+    async def run() -> tuple[float, Batch]:
+        batch = copier.launch("load", None, None, None)  # type: ignore[arg-type]
+        assert batch is not None
+        await copy_wait.settle(copier, batch)
+        return time.perf_counter(), batch
+
+    return asyncio.run(run())
+
+
+def test_a_batch_on_time_is_waited_for_on_the_loop() -> None:
+    copier = ClockCopier(duration_s=3e-3, expect_s=3e-3)
+    done_at, batch = _settle(copier)
+    assert done_at >= batch.ends_at
+    assert [w for w, _ in copier.log] == ["launch load"]  # no thread's wait
+    assert copier.finished == [False]
+    # The timer covered the whole milliseconds: a few polls, not thousands.
+    assert 1 <= copier.polls < 2000
+
+
+def test_the_loop_serves_others_while_a_batch_runs() -> None:
+    copier = ClockCopier(duration_s=6e-3, expect_s=6e-3)
+    ticks = 0
+
+    async def other() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async def run() -> None:
+        task = asyncio.ensure_future(other())
+        batch = copier.launch("save", None, None, None)  # type: ignore[arg-type]
+        assert batch is not None
+        await copy_wait.settle(copier, batch)
+        task.cancel()
+
+    asyncio.run(run())
+    assert ticks >= copier.polls > 0  # every poll let the other task run
+
+
+def test_no_estimate_waits_on_a_thread() -> None:
+    copier = ClockCopier(duration_s=1e-3, expect_s=None)
+    _settle(copier)
+    (_, launched_on), (what, waited_on) = copier.log
+    assert what == "wait" and waited_on != launched_on
+    assert copier.polls == 0 and copier.finished == [False]
+
+
+def test_a_late_batch_goes_to_a_thread_after_the_polling_bound() -> None:
+    copier = ClockCopier(duration_s=30e-3, expect_s=1e-3)  # 29 ms late
+    done_at, batch = _settle(copier)
+    assert done_at >= batch.ends_at
+    (_, launched_on), (what, waited_on) = copier.log
+    assert what == "wait" and waited_on != launched_on
+    assert copier.finished == [False]
+
+
+def test_a_fault_seen_while_polling_finishes_the_batch_as_failed() -> None:
+    copier = ClockCopier(duration_s=1e-3, expect_s=1e-3, fail_poll=True)
+    with pytest.raises(CopyFailed, match="illegal address"):
+        _settle(copier)
+    assert copier.finished == [True]
+
+
+# -- the engine's choice --------------------------------------------------------
+def _engine(copier: ClockCopier, copy_wait_setting: str = "loop") -> Engine:
+    pool = HostPool(PoolConfig(size_bytes=4 << 20, show_progress=False))
+    config = EngineConfig(inline_copy_bytes=0, copy_wait=copy_wait_setting)  # type: ignore[arg-type]
+    return Engine(config, pool, {"host": copier})
+
+
+def _save(engine: Engine, wait_event: int = 0) -> object:
+    layer = LayerLayout(0, 0, 8, PAGE, (Segment(0, PAGE),))
+    spec = RegisterSpec(
+        "i", "ns", 0, 1, 1, "cpu", "host", 1, ((PAGE, 8 * PAGE),), (layer,)
+    )
+
+    async def scenario() -> object:
+        init = Caller("unix", 1, 0)
+        ctx = CallContext(init, engine.register(spec, init).owner_token)
+        hashes = [bytes([i]) * 32 for i in range(2)]
+        return await engine.save("i", 0, np.arange(2), hashes, None, wait_event, ctx)
+
+    return asyncio.run(scenario())
+
+
+def test_the_engine_launches_a_save_on_the_loop() -> None:
+    copier = ClockCopier(duration_s=1e-3, expect_s=1e-3)
+    assert _save(_engine(copier)).stored == 2  # type: ignore[attr-defined]
+    assert copier.log == [("launch save", "MainThread")]
+    assert copier.finished == [False]
+
+
+def test_copy_wait_thread_keeps_the_copy_thread() -> None:
+    copier = ClockCopier()
+    assert _save(_engine(copier, "thread")).stored == 2  # type: ignore[attr-defined]
+    [(what, thread)] = copier.log
+    assert what == "gather wait_event=0" and thread != "MainThread"
+
+
+def test_a_refused_launch_falls_back_to_a_copy_thread() -> None:
+    copier = ClockCopier(refuse=True)
+    assert _save(_engine(copier)).stored == 2  # type: ignore[attr-defined]
+    (launch, _), (what, thread) = copier.log
+    assert launch == "launch save" and what == "gather wait_event=0"
+    assert thread != "MainThread" and copier.finished == []
+
+
+def test_a_save_waiting_for_an_engine_event_never_launches_on_the_loop() -> None:
+    copier = ClockCopier()  # its event_done says: still pending
+    engine = _engine(copier)
+    assert _save(engine, wait_event=1).stored == 2  # type: ignore[attr-defined]
+    [(what, thread)] = copier.log
+    assert what == "gather wait_event=1" and thread != "MainThread"
+
+
+def test_copy_wait_is_checked() -> None:
+    with pytest.raises(ValueError, match="copy_wait"):
+        EngineConfig(copy_wait="spin")  # type: ignore[arg-type]
