@@ -1,8 +1,9 @@
 """The server's core: registration, save, prefix query, load and leases.
 
 Metadata changes run on one thread (the asyncio loop); only byte copies leave it,
-for a worker thread, with every block they touch pinned. Between the awaits the
-bookkeeping is therefore atomic without locks.
+for a worker thread or a GPU stream the loop launched them on (pegaflow.copy_wait),
+with every block they touch pinned. Between the awaits the bookkeeping is
+therefore atomic without locks.
 """
 
 from __future__ import annotations

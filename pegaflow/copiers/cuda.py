@@ -143,8 +143,9 @@ class CudaCopyEngine:
         # loop launches only onto an idle stream (launch).
         self._in_flight: dict[tuple[int, CopyDirection], int] = {}
         self._flight_lock = threading.Lock()
-        # GB/s per (device, direction, path), from launched batches' GPU time
-        self._rates: dict[tuple[int, CopyDirection, CopyPath], float] = {}
+        # Bytes/s per (device, direction, path) and size class (log2 of the
+        # batch's bytes), from launched batches' GPU time
+        self._rates: dict[tuple[int, CopyDirection, CopyPath], dict[int, float]] = {}
         # A daemon thread: a close that never returns must not block exit.
         self._reaper: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         threading.Thread(target=self._reap, daemon=True, name="cuda-close").start()
@@ -443,10 +444,21 @@ class CudaCopyEngine:
                 dev.spare_events.append(events)
             self._count(dev.ordinal, direction, -1)
             raise
-        rate = self._rates.get((dev.ordinal, direction, path))
+        rate = self._rate(dev.ordinal, direction, path, t.total_bytes)
         queued = time.perf_counter()
         expected = None if rate is None else queued + t.total_bytes / rate
         return Launched(dev, direction, path, t, events, start, expected)
+
+    def _rate(
+        self, ordinal: int, direction: CopyDirection, path: CopyPath, nbytes: int
+    ) -> float | None:
+        """The estimate for a batch of `nbytes`: its size class's recent rate,
+        else the fastest class's (kernels speed up with size: an early wake
+        only polls longer, a late one would cost the wait it saves)."""
+        rates = self._rates.get((ordinal, direction, path))
+        if not rates:
+            return None
+        return rates.get(nbytes.bit_length()) or max(rates.values())
 
     def launched_done(self, launched: Launched) -> bool:
         """Whether the batch finished; a fault in it raises CopyFailed."""
@@ -485,9 +497,10 @@ class CudaCopyEngine:
         if nbytes < RATE_MIN_BYTES or seconds <= 0:
             return
         key = (launched.dev.ordinal, launched.direction, launched.path)
-        rate = nbytes / seconds
-        old = self._rates.get(key)
-        self._rates[key] = (
+        rates = self._rates.setdefault(key, {})
+        rate, size = nbytes / seconds, nbytes.bit_length()
+        old = rates.get(size)
+        rates[size] = (
             rate if old is None else RATE_ALPHA * rate + (1 - RATE_ALPHA) * old
         )
 

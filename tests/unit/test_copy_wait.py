@@ -129,6 +129,15 @@ def test_the_loop_serves_others_while_a_batch_runs() -> None:
     assert ticks >= copier.polls > 0  # every poll let the other task run
 
 
+def test_the_timer_sleeps_whole_ms_and_wakes_early_by_a_share_of_the_wait() -> None:
+    assert copy_wait.timer_s(100e-6) == 0  # shorter than the margin: poll at once
+    assert copy_wait.timer_s(2.7e-3) == pytest.approx(2e-3)
+    assert copy_wait.timer_s(1.1e-3) == 0  # 1.1 - 0.15 ms rounds down to none
+    # 27 ms: 3 % early (0.81 ms) leaves 26 whole ms for the timer.
+    assert copy_wait.timer_s(27e-3) == pytest.approx(26e-3)
+    assert copy_wait.timer_s(100e-3) == pytest.approx(97e-3)
+
+
 def test_no_estimate_waits_on_a_thread() -> None:
     copier = ClockCopier(duration_s=1e-3, expect_s=None)
     _settle(copier)

@@ -46,6 +46,9 @@ class Policy:
     def choose_for(self, direction: str, t: Transfers, device: int) -> str:
         return self.path
 
+    def observe(self, *args: Any) -> None:
+        pass
+
 
 def _engine(path: str, log: list[str]) -> CudaCopyEngine:
     engine = object.__new__(CudaCopyEngine)  # no GPU behind it
@@ -140,7 +143,10 @@ def test_a_launched_batch_is_timed_and_its_stream_freed(monkeypatch, direction) 
     engine.finish_launched(first)
     assert engine._in_flight[(0, direction)] == 0
     assert dev.spare_events == [("e1", "e2")]
-    assert engine._rates[(0, direction, "kernel")] == pytest.approx((8 << 20) / 2e-3)
+    size = (8 << 20).bit_length()
+    assert engine._rates[(0, direction, "kernel")] == {
+        size: pytest.approx((8 << 20) / 2e-3)
+    }
     ((ordinal, d, path, t, start, end),) = observed
     assert (ordinal, d, path) == (0, direction, "kernel")
     assert end - start == pytest.approx(2e-3)  # GPU time, not the wait's
@@ -190,3 +196,33 @@ def test_a_failed_wait_drains_before_the_slots_go_back(monkeypatch) -> None:
     engine.finish_launched(launched, failed=True)
     assert log[-1] == "sync L" and engine._in_flight[(0, "load")] == 0
     assert dev.spare_events == [("e1", "e2")] and engine._rates == {}
+
+
+def test_each_size_class_learns_its_own_rate(monkeypatch) -> None:
+    """A 640-block batch must not be timed by 64-block ones (kernels are
+    faster on larger batches: a late wake costs what the loop wait saves)."""
+    log: list[str] = []
+    events = Events(monkeypatch, log)
+    engine = _engine("kernel", log)
+    engine._k = GoodKernels(log)
+    _, regions = _device()
+
+    def batch(nbytes: int) -> Transfers:
+        one = np.array([0], np.uint64)
+        return Transfers(one, one, np.array([nbytes], np.uint64))
+
+    small, large = 128 << 20, 1280 << 20
+    monkeypatch.setattr(cuda_driver, "elapsed_s", lambda a, b: small / 40e9)
+    engine.finish_launched(engine.launch("load", regions, batch(small)))
+    # An unseen class takes the fastest known rate: 40 GB/s for now.
+    first = engine.launch("load", regions, batch(large))
+    assert first.expected_end - first.start == pytest.approx(large / 40e9, abs=2e-3)
+    monkeypatch.setattr(cuda_driver, "elapsed_s", lambda a, b: large / 50e9)
+    engine.finish_launched(first)
+    again = engine.launch("load", regions, batch(large))
+    assert again.expected_end - again.start == pytest.approx(large / 50e9, abs=2e-3)
+    engine.finish_launched(again)
+    monkeypatch.setattr(cuda_driver, "elapsed_s", lambda a, b: small / 40e9)
+    other = engine.launch("load", regions, batch(small))
+    assert other.expected_end - other.start == pytest.approx(small / 40e9, abs=1e-3)
+    assert events.made == 2  # one pair of events, reused every time
