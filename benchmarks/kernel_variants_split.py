@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # source checkout
 
 from benchmarks import kernel_variants_paths as paths  # noqa: E402
 from benchmarks.common import table, write_json  # noqa: E402
-from benchmarks.kernel_variants import measure  # noqa: E402
+from benchmarks.kernel_variants import measure, measure_both_ceiling  # noqa: E402
 from benchmarks.kernel_variants_paths import CEILING, Run  # noqa: E402
 
 SIZES, SIM_SIZES = (64, 640, 2560), (4,)
@@ -185,24 +185,7 @@ def tables(rows: list[dict]) -> str:
 
 def both_ceiling(r: Run) -> None:
     """Two contiguous copies at once, for the 'both' rows' ratio."""
-    m = r.mem
-    n = SIM_BOTH_N if r.sim else BOTH_N
-    nb = n * m.slot_bytes
-
-    def run() -> None:
-        m.ceiling("gather", nb, r.s)
-        m.ceiling("scatter", nb, r.s2, pool_at=nb)
-
-    def ok() -> bool:
-        return m.check_flat("gather", nb) and m.check_flat("scatter", nb, pool_at=nb)
-
-    def prepare() -> None:
-        m.poison_pool()
-        m.ceiling("gather", nb, r.s, pool_at=nb)
-        r.k.synchronize(r.s)
-        m.poison_back()
-
-    measure(r, "both", n, CEILING, 2 * nb, run, ok, prepare, (r.s, r.s2))
+    measure_both_ceiling(r, SIM_BOTH_N if r.sim else BOTH_N)
 
 
 def main(argv: list[str] | None = None) -> int:

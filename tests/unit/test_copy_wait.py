@@ -8,19 +8,14 @@ import asyncio
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from pegaflow import copy_wait
-from pegaflow.config import EngineConfig, PoolConfig
+from pegaflow.config import EngineConfig
 from pegaflow.engine import Engine
 from pegaflow.errors import CopyFailed
-from pegaflow.geometry import LayerLayout, Segment, Transfers
-from pegaflow.identity import CallContext, Caller
-from pegaflow.pool import HostPool
-from pegaflow.registration import RegisterSpec
-
-PAGE = 4096
+from pegaflow.geometry import Transfers
+from tests.unit.host_engine import host_engine, save_two_blocks
 
 
 class Batch:
@@ -164,24 +159,12 @@ def test_a_fault_seen_while_polling_finishes_the_batch_as_failed() -> None:
 
 # -- the engine's choice --------------------------------------------------------
 def _engine(copier: ClockCopier, copy_wait_setting: str = "loop") -> Engine:
-    pool = HostPool(PoolConfig(size_bytes=4 << 20, show_progress=False))
     config = EngineConfig(inline_copy_bytes=0, copy_wait=copy_wait_setting)  # type: ignore[arg-type]
-    return Engine(config, pool, {"host": copier})
+    return host_engine(copier, config)
 
 
 def _save(engine: Engine, wait_event: int = 0) -> object:
-    layer = LayerLayout(0, 0, 8, PAGE, (Segment(0, PAGE),))
-    spec = RegisterSpec(
-        "i", "ns", 0, 1, 1, "cpu", "host", 1, ((PAGE, 8 * PAGE),), (layer,)
-    )
-
-    async def scenario() -> object:
-        init = Caller("unix", 1, 0)
-        ctx = CallContext(init, engine.register(spec, init).owner_token)
-        hashes = [bytes([i]) * 32 for i in range(2)]
-        return await engine.save("i", 0, np.arange(2), hashes, None, wait_event, ctx)
-
-    return asyncio.run(scenario())
+    return save_two_blocks(engine, wait_event)
 
 
 def test_the_engine_launches_a_save_on_the_loop() -> None:

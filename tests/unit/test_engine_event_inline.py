@@ -3,21 +3,13 @@ the wait; one whose event is pending still waits on a copy thread."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
-import numpy as np
 import pytest
 
-from pegaflow.config import EngineConfig, PoolConfig
-from pegaflow.engine import Engine
 from pegaflow.errors import InvalidRequest
-from pegaflow.geometry import LayerLayout, Segment, Transfers
-from pegaflow.identity import CallContext, Caller
-from pegaflow.pool import HostPool
-from pegaflow.registration import RegisterSpec
-
-PAGE = 4096
+from pegaflow.geometry import Transfers
+from tests.unit.host_engine import host_engine, save_two_blocks
 
 
 class EventCopier:
@@ -55,20 +47,7 @@ class EventCopier:
 
 
 def _save(copier: EventCopier, wait_event: int) -> object:
-    pool = HostPool(PoolConfig(size_bytes=4 << 20, show_progress=False))
-    engine = Engine(EngineConfig(), pool, {"host": copier})
-    layer = LayerLayout(0, 0, 8, PAGE, (Segment(0, PAGE),))
-    spec = RegisterSpec(
-        "i", "ns", 0, 1, 1, "cpu", "host", 1, ((PAGE, 8 * PAGE),), (layer,)
-    )
-
-    async def scenario() -> object:
-        init = Caller("unix", 1, 0)
-        ctx = CallContext(init, engine.register(spec, init).owner_token)
-        hashes = [bytes([i]) * 32 for i in range(2)]
-        return await engine.save("i", 0, np.arange(2), hashes, None, wait_event, ctx)
-
-    return asyncio.run(scenario())
+    return save_two_blocks(host_engine(copier), wait_event)
 
 
 def test_a_completed_event_copies_inline_without_waiting() -> None:
