@@ -52,14 +52,16 @@ class LaunchingCopier(Protocol):
         drains its stream); its resources go back either way."""
 
 
-async def settle(copier: LaunchingCopier, launched: Launched) -> None:
-    """Until `launched` is done; finish_launched runs whatever happened."""
+async def settle(copier: LaunchingCopier, launched: Launched) -> bool:
+    """Until `launched` is done; finish_launched runs whatever happened.
+    True: it was waited for on the loop; False: a thread took the wait over."""
     try:
-        await _until_done(copier, launched)
+        on_loop = await _until_done(copier, launched)
     except BaseException:
         copier.finish_launched(launched, failed=True)
         raise
     copier.finish_launched(launched)
+    return on_loop
 
 
 def timer_s(remaining_s: float) -> float:
@@ -70,11 +72,11 @@ def timer_s(remaining_s: float) -> float:
     return max(0.0, math.floor((remaining_s - early) * 1e3) * 1e-3)
 
 
-async def _until_done(copier: LaunchingCopier, launched: Launched) -> None:
+async def _until_done(copier: LaunchingCopier, launched: Launched) -> bool:
     end = launched.expected_end
     if end is None:
         await asyncio.to_thread(copier.wait_launched, launched)
-        return
+        return False
     timer = timer_s(end - time.perf_counter())
     if timer > 0:
         await asyncio.sleep(timer)
@@ -82,5 +84,6 @@ async def _until_done(copier: LaunchingCopier, launched: Launched) -> None:
     while not copier.launched_done(launched):
         if time.perf_counter() >= give_up:
             await asyncio.to_thread(copier.wait_launched, launched)
-            return
+            return False
         await asyncio.sleep(0)  # one loop iteration: other requests go on
+    return True

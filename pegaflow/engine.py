@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -53,9 +53,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SLOTS = attrgetter("slots")
+T = TypeVar("T")
 
 
-async def _uncancellable(work: Awaitable[None]) -> None:
+async def _uncancellable(work: Awaitable[T]) -> T:
     """Await a copy thread; if the RPC is cancelled (its client died), still
     wait for the thread before re-raising. The thread keeps reading or writing
     the worker's memory and the pool slots: freeing either first (unmapping
@@ -63,7 +64,7 @@ async def _uncancellable(work: Awaitable[None]) -> None:
     that is gone or taken. Seen on the H200: an engine SIGKILLed mid-save."""
     task = asyncio.ensure_future(work)
     try:
-        await asyncio.shield(task)
+        return await asyncio.shield(task)
     except asyncio.CancelledError:
         await asyncio.wait({task})
         if not task.cancelled() and task.exception() is not None:
@@ -403,9 +404,12 @@ class Engine:
                 if inline and t.total_bytes <= self.config.inline_copy_bytes:
                     fn(worker.handle, t)
                 elif launched := self._launch(worker, launch_as, t, deadline):
-                    await _uncancellable(copy_wait.settle(worker.copier, launched))
+                    settle = copy_wait.settle(worker.copier, launched)
+                    on_loop = await _uncancellable(settle)
+                    self.metrics.copy_waits.labels("loop" if on_loop else "late").inc()
                 else:
                     await _uncancellable(asyncio.to_thread(fn, worker.handle, t))
+                    self.metrics.copy_waits.labels("thread").inc()
         finally:
             self.registry.finish_op(worker)
         return time.perf_counter() - start

@@ -89,6 +89,14 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.copy_waits = Counter(
+            "pegaflow_copy_waits",
+            "copies above inline_copy_bytes by how they were waited for: loop "
+            "(launched and awaited on the event loop), late (a thread took the "
+            "wait over past the expected end, or no estimate yet), thread",
+            ["way"],
+            registry=r,
+        )
         self.rpc_seconds = Histogram(
             "pegaflow_rpc_seconds",
             "server-side RPC time, by method, status and transport (grpc, unix)",
@@ -122,6 +130,8 @@ class Metrics:
             self.transfer_seconds.labels(direction)
         for reason in ("tinylfu", "pool_full"):
             self.admission_rejections.labels(reason)
+        for way in ("loop", "late", "thread"):
+            self.copy_waits.labels(way)
 
     def bind_gauges(
         self,

@@ -83,20 +83,28 @@ class ClockCopier:
         self.finished.append(failed)
 
 
-def _settle(copier: ClockCopier) -> tuple[float, Batch]:
-    async def run() -> tuple[float, Batch]:
+def _settle(copier: ClockCopier) -> tuple[float, Batch, bool]:
+    async def run() -> tuple[float, Batch, bool]:
         batch = copier.launch("load", None, None, None)  # type: ignore[arg-type]
         assert batch is not None
-        await copy_wait.settle(copier, batch)
-        return time.perf_counter(), batch
+        on_loop = await copy_wait.settle(copier, batch)
+        return time.perf_counter(), batch, on_loop
 
     return asyncio.run(run())
 
 
+def _waits(engine: Engine) -> dict[str, float | None]:
+    get = engine.metrics.registry.get_sample_value
+    return {
+        w: get("pegaflow_copy_waits_total", {"way": w})
+        for w in ("loop", "late", "thread")
+    }
+
+
 def test_a_batch_on_time_is_waited_for_on_the_loop() -> None:
     copier = ClockCopier(duration_s=3e-3, expect_s=3e-3)
-    done_at, batch = _settle(copier)
-    assert done_at >= batch.ends_at
+    done_at, batch, on_loop = _settle(copier)
+    assert done_at >= batch.ends_at and on_loop
     assert [w for w, _ in copier.log] == ["launch load"]  # no thread's wait
     assert copier.finished == [False]
     # The timer covered the whole milliseconds: a few polls, not thousands.
@@ -135,7 +143,7 @@ def test_the_timer_sleeps_whole_ms_and_wakes_early_by_a_share_of_the_wait() -> N
 
 def test_no_estimate_waits_on_a_thread() -> None:
     copier = ClockCopier(duration_s=1e-3, expect_s=None)
-    _settle(copier)
+    assert _settle(copier)[2] is False
     (_, launched_on), (what, waited_on) = copier.log
     assert what == "wait" and waited_on != launched_on
     assert copier.polls == 0 and copier.finished == [False]
@@ -143,8 +151,8 @@ def test_no_estimate_waits_on_a_thread() -> None:
 
 def test_a_late_batch_goes_to_a_thread_after_the_polling_bound() -> None:
     copier = ClockCopier(duration_s=30e-3, expect_s=1e-3)  # 29 ms late
-    done_at, batch = _settle(copier)
-    assert done_at >= batch.ends_at
+    done_at, batch, on_loop = _settle(copier)
+    assert done_at >= batch.ends_at and not on_loop
     (_, launched_on), (what, waited_on) = copier.log
     assert what == "wait" and waited_on != launched_on
     assert copier.finished == [False]
@@ -169,16 +177,27 @@ def _save(engine: Engine, wait_event: int = 0) -> object:
 
 def test_the_engine_launches_a_save_on_the_loop() -> None:
     copier = ClockCopier(duration_s=1e-3, expect_s=1e-3)
-    assert _save(_engine(copier)).stored == 2  # type: ignore[attr-defined]
+    engine = _engine(copier)
+    assert _save(engine).stored == 2  # type: ignore[attr-defined]
     assert copier.log == [("launch save", "MainThread")]
     assert copier.finished == [False]
+    assert _waits(engine) == {"loop": 1, "late": 0, "thread": 0}
 
 
 def test_copy_wait_thread_keeps_the_copy_thread() -> None:
     copier = ClockCopier()
-    assert _save(_engine(copier, "thread")).stored == 2  # type: ignore[attr-defined]
+    engine = _engine(copier, "thread")
+    assert _save(engine).stored == 2  # type: ignore[attr-defined]
+    assert _waits(engine) == {"loop": 0, "late": 0, "thread": 1}
     [(what, thread)] = copier.log
     assert what == "gather wait_event=0" and thread != "MainThread"
+
+
+def test_a_late_launched_save_is_counted_late() -> None:
+    copier = ClockCopier(duration_s=1e-3, expect_s=None)
+    engine = _engine(copier)
+    assert _save(engine).stored == 2  # type: ignore[attr-defined]
+    assert _waits(engine) == {"loop": 0, "late": 1, "thread": 0}
 
 
 def test_a_refused_launch_falls_back_to_a_copy_thread() -> None:
