@@ -416,14 +416,13 @@ class CudaCopyEngine:
     ) -> Launched | None:
         """Queue a save (no engine event) or a load and return at once; None
         when the batch must go by a copy thread instead: its stream has a
-        batch in flight, or the other direction two (the kernels' table of
-        a third batch on a stream waits for the first one, under a lock
-        both directions share: the loop must never wait there)."""
+        batch in flight, or any stream two (the kernels' table of a third
+        batch on a stream waits for the first one, under a lock every stream
+        shares: the loop must never wait there)."""
         dev = regions.device
-        other: CopyDirection = "load" if direction == "save" else "save"
         with self._flight_lock:
             busy = self._in_flight.get((dev.ordinal, direction), 0)
-            if busy or self._in_flight.get((dev.ordinal, other), 0) > 1:
+            if busy or max(self._in_flight.values(), default=0) > 1:
                 return None
             self._in_flight[(dev.ordinal, direction)] = 1
         events: tuple[Any, Any] | None = None

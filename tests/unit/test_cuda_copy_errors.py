@@ -155,17 +155,20 @@ def test_a_launched_batch_is_timed_and_its_stream_freed(monkeypatch, direction) 
     assert second.expected_end == pytest.approx(second.start + 2e-3, abs=1e-3)
 
 
-def test_the_loop_never_launches_beside_two_batches_of_the_other_direction(
+def test_the_loop_never_launches_beside_two_batches_on_any_stream(
     monkeypatch,
 ) -> None:
+    """A third batch on a stream waits for its table under the kernels' one
+    lock: the loop must not launch then, whichever stream or GPU it is."""
     log: list[str] = []
     Events(monkeypatch, log)
     engine = _engine("kernel", log)
     engine._k = GoodKernels(log)
     _, regions = _device()
-    engine._in_flight[(0, "save")] = 2  # a thread's third save may wait in a lock
-    assert engine.launch("load", regions, T) is None
-    engine._in_flight[(0, "save")] = 1
+    for busy in [(0, "save"), (1, "load"), (1, "save")]:
+        engine._in_flight[busy] = 2
+        assert engine.launch("load", regions, T) is None
+        engine._in_flight[busy] = 1
     assert engine.launch("load", regions, T) is not None
 
 
