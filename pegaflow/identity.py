@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .errors import InvalidRequest, PermissionDenied
+from .sock_diag import tcp_socket_uid
 
 Transport = Literal["unix", "tcp"]
 UNKNOWN = -1
@@ -68,6 +69,9 @@ def _loopback_uid(peer: str, server_port: int) -> int:
     if family not in ("ipv4", "ipv6") or not (mapped or addr).is_loopback:
         return UNKNOWN
     v4 = mapped or (addr if addr.version == 4 else None)
+    uid = _diag_uid(v4 or addr, port_no, server_port)
+    if uid is not None:
+        return uid
     # Either side may hold an IPv6 socket with a v4-mapped address (gRPC does).
     if v4 is None:
         tables = [("/proc/net/tcp6", addr)]
@@ -81,6 +85,25 @@ def _loopback_uid(peer: str, server_port: int) -> int:
         if uid != UNKNOWN:
             return uid
     return UNKNOWN
+
+
+def _diag_uid(
+    client: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int, server_port: int
+) -> int | None:
+    """The kernel's one-connection lookup (pegaflow.sock_diag) of the client's
+    socket, toward the client's own loopback address (what a client of
+    127.0.0.1 or ::1 connects from and to) or the usual one; None when that
+    finds nothing or netlink is unavailable (the caller scans /proc then).
+    An IPv4 lookup finds IPv6 sockets with v4-mapped addresses too."""
+    usual = ipaddress.ip_address("127.0.0.1" if client.version == 4 else "::1")
+    try:
+        for server in dict.fromkeys((client, usual)):
+            uid = tcp_socket_uid((client, port), (server, server_port))
+            if uid is not None:
+                return uid
+    except OSError:
+        return None
+    return None
 
 
 def _socket_uid(table: str, local: str, server_port: int) -> int:

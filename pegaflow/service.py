@@ -146,15 +146,22 @@ def register_response(
     )
 
 
+_TCP = Caller("tcp")  # a TCP caller nobody looked up
+
+
 def _grpc_context(
-    owner_token: bytes, deadline_ns: int, context: grpc.aio.ServicerContext
+    owner_token: bytes,
+    deadline_ns: int,
+    context: grpc.aio.ServicerContext,
+    caller: Caller = _TCP,
 ) -> CallContext:
-    """Over TCP the caller is unknown: its owner token is its proof. The
-    deadline is the earlier of the request's own and gRPC's."""
+    """Over TCP the caller is unknown unless looked up (a loopback peer's
+    uid): its owner token is its proof. The deadline is the earlier of the
+    request's own and gRPC's."""
     remaining = context.time_remaining()
     grpc_deadline = None if remaining is None else time.monotonic() + remaining
     deadline = deadlines.earliest(deadlines.from_wire(deadline_ns), grpc_deadline)
-    return CallContext(Caller("tcp"), owner_token, deadline)
+    return CallContext(caller, owner_token, deadline)
 
 
 class PegaFlowServicer(pb_grpc.PegaFlowServicer):
@@ -206,7 +213,12 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
     async def QueryPrefix(
         self, req: pb.QueryPrefixRequest, context: grpc.aio.ServicerContext
     ) -> pb.QueryPrefixResponse:
-        res = self._engine.query(req.instance_id, list(req.block_hashes))
+        # No owner token (vLLM's scheduler asks for its workers), but a
+        # loopback caller the kernel names must run as the instance's user,
+        # as on the unix socket: another user's queries would probe and lease
+        # (up to the instance's lease cap) what that instance has cached.
+        ctx = _grpc_context(b"", 0, context, tcp_peer(context.peer(), self.port))
+        res = self._engine.query(req.instance_id, list(req.block_hashes), None, ctx)
         if res.pending is not None:
             res = await res.pending()
         if res.loading:

@@ -314,3 +314,39 @@ def test_owner_token_of_the_registration_is_needed_over_grpc(server) -> None:
             save.owner_token = token
             assert stub.Save(save, timeout=10).stored == 1
     assert np.count_nonzero(kv.buf) > 0  # unchanged source
+
+
+@needs_root
+def test_another_user_cannot_probe_an_instance_over_grpc(server) -> None:
+    """Scenario: user nobody, over the loopback gRPC port, asked QueryPrefix
+    of root's instance which blocks it holds (a cached prompt prefix is a
+    secret) and took leases against that instance's cap. The unix socket
+    refused that user (the kernel names it), gRPC answered. Now the
+    loopback caller's uid is looked up there too."""
+    owner = EngineProc()
+    try:
+        owner.call("init", layout="LBNHC", layers=2, blocks=16, heads=2,
+                   block_size=4, head=64, seed=1)  # fmt: skip
+        owner.call("register", addr=server.addr, instance="tenant", namespace="ns")
+        hs = [h.hex() for h in hashes(4)]
+        assert owner.call("save", block_ids=[0, 1, 2, 3], hashes=hs)["stored"] == 4
+        wire = [bytes.fromhex(h) for h in hs]
+        probe = (
+            f"stub = pbg.PegaFlowStub(grpc.insecure_channel({server.addr!r}))\n"
+            "req = pb.QueryPrefixRequest(instance_id='tenant', "
+            f"block_hashes={wire!r})\n"
+            "try:\n    r = stub.QueryPrefix(req, timeout=10)\n"
+            "    print('ANSWERED', r.ready.num_blocks, r.ready.lease_id)\n"
+            "except grpc.RpcError as e:\n    print(e.code().name, e.details())\n"
+        )
+        out = _run_as(NOBODY, probe)
+        assert out.returncode == 0, out.stderr
+        assert "PERMISSION_DENIED" in out.stdout, out.stdout
+        assert f"the caller is uid {NOBODY}" in out.stdout
+        # The owner's own queries over gRPC still answer.
+        with grpc.insecure_channel(server.addr) as channel:
+            req = pb.QueryPrefixRequest(instance_id="tenant", block_hashes=wire)
+            got = pb_grpc.PegaFlowStub(channel).QueryPrefix(req, timeout=10)
+        assert got.ready.num_blocks == 4
+    finally:
+        owner.close()
