@@ -195,6 +195,7 @@ class BlockStore(TierLoads):
         slotless: list[int] = []  # indexes into entries still needing a slot
         dedup = rejected = new = 0
         refused: set[Key] = set()  # asked once per request, however repeated
+        admit: Callable[[Key], bool] | None = None  # past the room, in order
         room = self.slabs.free_slots(ns.slot_class)
         table = self.entries
         get = table.get
@@ -203,11 +204,10 @@ class BlockStore(TierLoads):
             entry = get(key)
             if entry is None:
                 if len(slotless) >= room:
-                    if len(slotless) == room:
+                    if admit is None:
                         self._settle()  # the policy will ask for these
-                    if key in refused or not self.policy.should_admit(
-                        key, self._protected
-                    ):
+                        admit = self.policy.admitter(self._protected)
+                    if key in refused or not admit(key):
                         refused.add(key)
                         self.counters.admission_rejections += 1
                         rejected += 1

@@ -135,6 +135,7 @@ class RecordingPolicy:
         self.touch_many = inner.touch_many
         self.remove = inner.remove
         self.peek_victim = inner.peek_victim
+        self.victims = inner.victims
 
     def evict(self, n: int, protected: Protected) -> list[Key] | None:
         victims = self._inner.evict(n, protected)
@@ -143,10 +144,18 @@ class RecordingPolicy:
         return victims
 
     def should_admit(self, candidate: Key, protected: Protected) -> bool:
-        admitted = self._inner.should_admit(candidate, protected)
-        if not admitted:
-            self._tracker.record(ADMISSION, candidate)
-        return admitted
+        return self.admitter(protected)(candidate)
+
+    def admitter(self, protected: Protected) -> Callable[[Key], bool]:
+        inner = self._inner.admitter(protected)
+
+        def admit(candidate: Key) -> bool:
+            admitted = inner(candidate)
+            if not admitted:
+                self._tracker.record(ADMISSION, candidate)
+            return admitted
+
+        return admit
 
     def __len__(self) -> int:
         return len(self._inner)

@@ -21,7 +21,7 @@ the same with or without admission:
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from itertools import repeat
 from typing import Protocol
 
@@ -54,6 +54,10 @@ class EvictionPolicy(Protocol):
     def evict(self, n: int, protected: Protected) -> list[Key] | None: ...
     def peek_victim(self, protected: Protected) -> Key | None: ...
     def should_admit(self, candidate: Key, protected: Protected) -> bool: ...
+    # For a request's candidates beyond the free room, in order: each one
+    # admitted displaces the next victim, so the next candidate faces that one.
+    def admitter(self, protected: Protected) -> Callable[[Key], bool]: ...
+    def victims(self, protected: Protected) -> Iterator[Key]: ...
     def __len__(self) -> int: ...
     def __contains__(self, key: object) -> bool: ...
 
@@ -117,11 +121,23 @@ class LRUPolicy:
     def should_admit(self, candidate: Key, protected: Protected) -> bool:
         return True
 
+    def admitter(self, protected: Protected) -> Callable[[Key], bool]:
+        return _admit_all
+
+    def victims(self, protected: Protected) -> Iterator[Key]:
+        """Unprotected keys from the LRU end, lazily; valid while the order
+        does not change (one request's reservation)."""
+        return (key for key in self._order if not protected(key))
+
     def __len__(self) -> int:
         return len(self._order)
 
     def __contains__(self, key: object) -> bool:
         return key in self._order
+
+
+def _admit_all(candidate: Key) -> bool:
+    return True
 
 
 def _next_pow2(x: int) -> int:
@@ -295,16 +311,32 @@ class AdmissionPolicy:
         return self._inner.peek_victim(protected)
 
     def should_admit(self, candidate: Key, protected: Protected) -> bool:
-        # A miss is an access too: without counting it, a key first seen while the
-        # pool is full could never out-count the residents.
-        self._sketch.record(candidate)
-        victim = self._inner.peek_victim(protected)
-        admitted = victim is None or self._sketch.admit(candidate, victim)
-        if admitted:
+        return self.admitter(protected)(candidate)
+
+    def admitter(self, protected: Protected) -> Callable[[Key], bool]:
+        """Each admitted candidate displaces the next victim from the LRU end:
+        comparing a whole request with the first victim only let 7 warm
+        blocks past one cold victim and evict 6 hot ones behind it."""
+        victims = self._inner.victims(protected)
+        victim = next(victims, None)
+
+        def admit(candidate: Key) -> bool:
+            nonlocal victim
+            # A miss is an access too: without counting it, a key first seen
+            # while the pool is full could never out-count the residents.
+            self._sketch.record(candidate)
+            if victim is not None and not self._sketch.admit(candidate, victim):
+                return False
             if len(self._pending) >= _MAX_PENDING:
                 self._pending.clear()
             self._pending.add(candidate)
-        return admitted
+            victim = next(victims, None)
+            return True
+
+        return admit
+
+    def victims(self, protected: Protected) -> Iterator[Key]:
+        return self._inner.victims(protected)
 
     def __len__(self) -> int:
         return len(self._inner)

@@ -266,3 +266,27 @@ def test_large_packed_queries_take_the_hash_table_through_evictions(
         assert hits == [] and rest.tolist() == [False] * 10 + [True] * (n - 10)
         hits, rest = store.lookup(ns, hs[10:])
         assert len(hits) == n - 10 and len(rest) == 0
+
+
+def test_each_admitted_block_faces_the_victim_it_displaces() -> None:
+    """Seven warm blocks against a full pool whose LRU end is one cold block
+    and then six hot ones: each was compared with the cold one, all seven
+    got in, and the six hot blocks behind it were evicted. Now each admitted
+    block displaces the next victim, which the next candidate then faces."""
+    policy = AdmissionPolicy(LRUPolicy(), TinyLFU(64))
+    store, ns = _store(8, policy), _ns()
+    cold, hot, spare = _h(100), _h(*range(1, 7)), _h(200)
+    for h in cold + hot + spare:  # LRU order: cold, hot 1..6, spare
+        _save(store, ns, [h])
+    sketch = policy._sketch
+    for h in hot + spare:
+        for _ in range(6):
+            sketch.record((ns.id, h))
+    warm = _h(*range(10, 17))
+    for h in warm:
+        for _ in range(3):
+            sketch.record((ns.id, h))
+    stored, _, rejected = _save(store, ns, warm)
+    assert (stored, rejected) == (1, 6)  # one displaced the cold block
+    assert all(store.longest_prefix(ns, [h]) for h in hot + spare)
+    assert not store.longest_prefix(ns, cold)
