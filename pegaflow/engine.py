@@ -126,6 +126,8 @@ class Engine:
         self.queries = PrefixQueries(self)
         self._seen = dataclasses.replace(self.store.counters)
         self._children: dict[str, tuple] = {}  # _account's labelled metrics
+        waits = self.metrics.copy_waits  # labels() costs a few us: once each
+        self._waits = {way: waits.labels(way) for way in ("loop", "late", "thread")}
         self.metrics.bind_gauges(
             pool.size,
             lambda: pool.slabs.used_bytes,
@@ -406,10 +408,10 @@ class Engine:
                 elif launched := self._launch(worker, launch_as, t, deadline):
                     settle = copy_wait.settle(worker.copier, launched)
                     on_loop = await _uncancellable(settle)
-                    self.metrics.copy_waits.labels("loop" if on_loop else "late").inc()
+                    self._waits["loop" if on_loop else "late"].inc()
                 else:
                     await _uncancellable(asyncio.to_thread(fn, worker.handle, t))
-                    self.metrics.copy_waits.labels("thread").inc()
+                    self._waits["thread"].inc()
         finally:
             self.registry.finish_op(worker)
         return time.perf_counter() - start
