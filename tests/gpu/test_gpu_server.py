@@ -254,3 +254,29 @@ def test_copy_paths_move_the_same_bytes(
     if path == "auto-dma":  # auto counts its batches by path, per GPU
         assert report["devices"]["0"]["batches"]["dma"] > 0
         assert srv.metric("pegaflow_copy_batches_total", 'device="0",path="dma"') > 0
+
+
+@pytest.mark.parametrize("wait", ["loop", "thread"])
+def test_copies_awaited_on_the_loop_move_the_same_bytes(
+    gpu: None,
+    server_factory: Callable[..., ServerProc],
+    engine: Callable[..., EngineProc],
+    wait: str,
+) -> None:
+    """Loads above one block are launched and awaited on the event loop with
+    --copy-wait loop (the first one by a thread: no rate yet), on copy threads
+    with thread; the bytes are the same either way, round after round."""
+    srv = server_factory("--pool-size", "2gb", "--devices", "0", "--copy-wait", wait)
+    a, b = engine(), engine()
+    setup(a, srv, "a-wait", f"ns-wait-{wait}", layout="LBNHC", seed=31, **LLAMA)
+    setup(b, srv, "b-wait", f"ns-wait-{wait}", layout="LBNHC", seed=32, **LLAMA)
+    for _ in range(4):
+        expected, got = save_then_load(a, b, tokens(N))
+        assert got == expected
+    ways = {w: srv.metric("pegaflow_copy_waits_total", f'way="{w}"')
+            for w in ("loop", "late", "thread")}  # fmt: skip
+    if wait == "loop":  # saves wait for a's event: on a thread
+        assert ways["loop"] + ways["late"] == 4 and ways["thread"] == 4
+        assert ways["late"] >= 1 and ways["loop"] >= 1  # the first taught the rate
+    else:
+        assert ways == {"loop": 0, "late": 0, "thread": 8}
