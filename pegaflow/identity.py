@@ -10,7 +10,9 @@ kernel vouches for: the caller itself on the socket; with
 
 from __future__ import annotations
 
+import functools
 import ipaddress
+import logging
 import os
 import socket
 import struct
@@ -19,6 +21,8 @@ from typing import Literal
 
 from .errors import InvalidRequest, PermissionDenied
 from .sock_diag import tcp_socket_uid
+
+logger = logging.getLogger(__name__)
 
 Transport = Literal["unix", "tcp"]
 UNKNOWN = -1
@@ -101,9 +105,21 @@ def _diag_uid(
             uid = tcp_socket_uid((client, port), (server, server_port))
             if uid is not None:
                 return uid
-    except OSError:
+    except OSError as exc:
+        _netlink_refused(str(exc))
         return None
     return None
+
+
+@functools.cache
+def _netlink_refused(reason: str) -> None:
+    """Said once per reason: each loopback gRPC caller is then looked up by
+    scanning /proc/net/tcp, milliseconds a call on the event loop."""
+    logger.warning(
+        "NETLINK_SOCK_DIAG unavailable (%s): loopback callers' uids come from "
+        "/proc/net/tcp, slower; queries over the unix socket are not affected",
+        reason,
+    )
 
 
 def _socket_uid(table: str, local: str, server_port: int) -> int:
