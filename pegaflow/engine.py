@@ -403,7 +403,8 @@ class Engine:
         start = time.perf_counter()
         try:
             async with self.gate.admit(len(t), deadline):
-                if inline and t.total_bytes <= self.config.inline_copy_bytes:
+                small = t.total_bytes <= self.config.inline_copy_bytes
+                if inline and small and not self._stream_busy(worker, launch_as):
                     fn(worker.handle, t)
                 elif launched := self._launch(worker, launch_as, t, deadline):
                     settle = copy_wait.settle(worker.copier, launched)
@@ -415,6 +416,17 @@ class Engine:
         finally:
             self.registry.finish_op(worker)
         return time.perf_counter() - start
+
+    @staticmethod
+    def _stream_busy(worker: Worker, direction: str | None) -> bool:
+        """A GPU stream with a copy in flight: an inline copy queued behind it
+        would hold the loop until both are done (a 640-block load: ~27 ms)."""
+        busy = getattr(worker.copier, "busy", None)
+        return (
+            busy is not None
+            and direction is not None
+            and busy(worker.handle, direction)
+        )
 
     def _launch(
         self,

@@ -421,8 +421,7 @@ class CudaCopyEngine:
         shares: the loop must never wait there)."""
         dev = regions.device
         with self._flight_lock:
-            busy = self._in_flight.get((dev.ordinal, direction), 0)
-            if busy or max(self._in_flight.values(), default=0) > 1:
+            if self._busy(dev.ordinal, direction):
                 return None
             self._in_flight[(dev.ordinal, direction)] = 1
         events: tuple[Any, Any] | None = None
@@ -458,6 +457,19 @@ class CudaCopyEngine:
         if not rates:
             return None
         return rates.get(nbytes.bit_length()) or max(rates.values())
+
+    def busy(self, regions: CudaRegions, direction: CopyDirection) -> bool:
+        """Whether a copy started now on the event loop could wait there: its
+        stream has a batch in flight (a small inline copy's sync would wait
+        for it too), or some stream two (the kernels' table lock). Such a copy
+        goes by a copy thread instead."""
+        with self._flight_lock:
+            return self._busy(regions.device.ordinal, direction)
+
+    def _busy(self, ordinal: int, direction: CopyDirection) -> bool:
+        if self._in_flight.get((ordinal, direction), 0):
+            return True
+        return max(self._in_flight.values(), default=0) > 1
 
     def launched_done(self, launched: Launched) -> bool:
         """Whether the batch finished; a fault in it raises CopyFailed."""

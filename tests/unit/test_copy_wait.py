@@ -33,6 +33,7 @@ class ClockCopier:
     ) -> None:  # fmt: skip
         self.duration_s, self.expect_s = duration_s, expect_s
         self.refuse, self.fail_poll = refuse, fail_poll
+        self.stream_busy = False
         self.polls = 0
         self.log: list[tuple[str, str]] = []  # (what, thread name)
         self.finished: list[bool] = []  # failed flags
@@ -58,6 +59,9 @@ class ClockCopier:
 
     def close(self, handle: object) -> None:
         pass
+
+    def busy(self, handle: object, direction: str) -> bool:
+        return self.stream_busy
 
     # -- launching
     def launch(self, direction: str, handle: object, t: Transfers,
@@ -219,3 +223,19 @@ def test_a_save_waiting_for_an_engine_event_never_launches_on_the_loop() -> None
 def test_copy_wait_is_checked() -> None:
     with pytest.raises(ValueError, match="copy_wait"):
         EngineConfig(copy_wait="spin")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_small_copy_leaves_the_loop_when_its_stream_is_busy(busy: bool) -> None:
+    """A one-block copy runs on the loop; behind a large copy on its stream
+    its sync would hold the loop for the large one too: a thread waits."""
+    copier = ClockCopier(refuse=busy)  # a busy stream refuses launches too
+    copier.stream_busy = busy
+    engine = host_engine(copier)  # inline_copy_bytes 2 MiB: these are small
+    assert _save(engine).stored == 2  # type: ignore[attr-defined]
+    if busy:
+        (launch, _), (what, thread) = copier.log
+        assert launch == "launch save" and what == "gather wait_event=0"
+        assert thread != "MainThread"
+    else:
+        assert copier.log == [("gather wait_event=0", "MainThread")]

@@ -167,9 +167,15 @@ def test_the_loop_never_launches_beside_two_batches_on_any_stream(
     _, regions = _device()
     for busy in [(0, "save"), (1, "load"), (1, "save")]:
         engine._in_flight[busy] = 2
+        assert engine.busy(regions, "load")
         assert engine.launch("load", regions, T) is None
         engine._in_flight[busy] = 1
-    assert engine.launch("load", regions, T) is not None
+    assert engine.busy(regions, "save")  # its own stream has one in flight
+    assert not engine.busy(regions, "load")
+    launched = engine.launch("load", regions, T)
+    assert launched is not None and engine.busy(regions, "load")
+    engine.finish_launched(launched)
+    assert not engine.busy(regions, "load")
 
 
 @pytest.mark.parametrize("path", ["kernel", "dma"])
