@@ -71,6 +71,33 @@ def driver_status(code: int) -> Any:
         return code
 
 
+# Faults after which a CUDA context stays broken until the process exits: CUDA
+# returns the same error from every later call (its "sticky" errors), runtime
+# and driver names both (numba's messages carry the driver's).
+STICKY = tuple(
+    name
+    for base in (
+        "IllegalAddress:ILLEGAL_ADDRESS",
+        "LaunchFailure:LAUNCH_FAILED",
+        "IllegalInstruction:ILLEGAL_INSTRUCTION",
+        "MisalignedAddress:MISALIGNED_ADDRESS",
+        "InvalidAddressSpace:INVALID_ADDRESS_SPACE",
+        "InvalidPc:INVALID_PC",
+        "HardwareStackError:HARDWARE_STACK_ERROR",
+        "Assert:ASSERT",
+        "ECCUncorrectable:ECC_UNCORRECTABLE",
+        "LaunchTimeout:LAUNCH_TIMEOUT",
+    )  # fmt: skip
+    for name in (f"cudaError{base.split(':')[0]}", f"CUDA_ERROR_{base.split(':')[1]}")
+)
+
+
+def sticky_error(exc: BaseException) -> str | None:
+    """The sticky CUDA error an exception's message names, if any."""
+    text = str(exc)
+    return next((name for name in STICKY if name in text), None)
+
+
 def check(result: Any, what: str) -> Any:
     """The one place a CUDA status (runtime or driver) becomes an exception.
 

@@ -54,6 +54,13 @@ class CopyFailed(PegaflowError):
     code = grpc.StatusCode.INTERNAL
 
 
+class DeviceBroken(CopyFailed):
+    """A GPU's CUDA context took a fault that CUDA never clears ("sticky"):
+    every later call on it fails, until the server process restarts."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class InternalError(PegaflowError):
     """A bug of ours (an invariant the server itself should have kept), never
     the client's mistake: logged with its context, answered as INTERNAL."""

@@ -215,8 +215,12 @@ def health_report(
     def report() -> dict[str, object]:
         slabs = engine.pool.slabs
         instances = engine.registry.instances
+        # A GPU whose CUDA context a sticky fault broke fails every copy until
+        # a restart: degraded (HTTP 503) so an orchestrator restarts us.
+        faults = dict(getattr(cuda, "faults", {}))
         return {
-            "status": "ok",
+            "status": "degraded" if faults else "ok",
+            "cuda_faults": {str(ordinal): why for ordinal, why in faults.items()},
             "pool_capacity_bytes": engine.pool.size,
             "pool_used_bytes": slabs.used_bytes,
             "resident_blocks": engine.store.resident_ready,

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from .. import cuda_driver, deadlines, kernels
-from ..errors import CopyFailed, InvalidRequest
+from ..errors import CopyFailed, DeviceBroken, InvalidRequest
 from ..geometry import Transfers
 from . import dma
 from .base import CudaExport
@@ -143,6 +143,8 @@ class CudaCopyEngine:
         # loop launches only onto an idle stream (launch).
         self._in_flight: dict[tuple[int, CopyDirection], int] = {}
         self._flight_lock = threading.Lock()
+        # GPU ordinal -> the sticky fault that broke its context (/health)
+        self.faults: dict[int, str] = {}
         # Bytes/s per (device, direction, path) and size class (log2 of the
         # batch's bytes), from launched batches' GPU time
         self._rates: dict[tuple[int, CopyDirection, CopyPath], dict[int, float]] = {}
@@ -233,6 +235,7 @@ class CudaCopyEngine:
                 f"regions.cuda.device_uuid: GPU {cuda.device_uuid.hex()} is not "
                 "served by this server (see --devices)"
             )
+        self._usable(dev)
         cuda_driver.set_device(dev.ordinal)
         keys: list[tuple[bytes, bytes]] = []
         events: list[Any] = []
@@ -331,9 +334,11 @@ class CudaCopyEngine:
         Not started past the deadline (the event may take long): the engine
         would not publish it, and nothing is written after a deadline."""
         dev = regions.device
+        self._usable(dev)
         cuda_driver.set_device(dev.ordinal)
         if wait_event:
-            self._wait_event(self._event(regions, wait_event))
+            with self._faults_noted(dev):
+                self._wait_event(self._event(regions, wait_event))
         deadlines.check(deadline, "save")
         self._copy_now("save", regions, t)
 
@@ -341,7 +346,8 @@ class CudaCopyEngine:
         """Whether the engine's event `wait_event` (1-based) completed: a save
         gated on it may then start at once, without waiting (and inline)."""
         cuda_driver.set_device(regions.device.ordinal)
-        return cuda_driver.event_done(self._event(regions, wait_event))
+        with self._faults_noted(regions.device):
+            return cuda_driver.event_done(self._event(regions, wait_event))
 
     @staticmethod
     def _event(regions: CudaRegions, wait_event: int) -> Any:
@@ -368,12 +374,13 @@ class CudaCopyEngine:
         """Queue the batch and wait for it here (a copy thread, or the loop
         for a small one)."""
         dev = regions.device
+        self._usable(dev)
         path = self._policy.choose_for(direction, t, dev.ordinal)
         stream = dev.save if direction == "save" else dev.load
         self._count(dev.ordinal, direction, +1)
         try:
             start = time.perf_counter()  # the policy learns from each batch's time
-            with self._drained_on_error(stream):
+            with self._faults_noted(dev), self._drained_on_error(stream):
                 self._queue(direction, path, regions, t)
                 self._finish(dev, direction, path, t)
         finally:
@@ -420,6 +427,7 @@ class CudaCopyEngine:
         batch on a stream waits for the first one, under a lock every stream
         shares: the loop must never wait there)."""
         dev = regions.device
+        self._usable(dev)
         with self._flight_lock:
             if self._busy(dev.ordinal, direction):
                 return None
@@ -433,7 +441,7 @@ class CudaCopyEngine:
             stream = dev.save if direction == "save" else dev.load
             handle = int(stream.handle)
             start = time.perf_counter()
-            with self._drained_on_error(stream):
+            with self._faults_noted(dev), self._drained_on_error(stream):
                 cuda_driver.record_event(events[0], handle)
                 self._queue(direction, path, regions, t)
                 cuda_driver.record_event(events[1], handle)
@@ -474,13 +482,15 @@ class CudaCopyEngine:
     def launched_done(self, launched: Launched) -> bool:
         """Whether the batch finished; a fault in it raises CopyFailed."""
         cuda_driver.set_device(launched.dev.ordinal)
-        return cuda_driver.event_done(launched.events[1])
+        with self._faults_noted(launched.dev):
+            return cuda_driver.event_done(launched.events[1])
 
     def wait_launched(self, launched: Launched) -> None:
         """Block until the batch finished (a copy thread calls this)."""
         dev = launched.dev
         cuda_driver.set_device(dev.ordinal)
-        self._k.synchronize(dev.save if launched.direction == "save" else dev.load)
+        with self._faults_noted(dev):
+            self._k.synchronize(dev.save if launched.direction == "save" else dev.load)
 
     def finish_launched(self, launched: Launched, failed: bool = False) -> None:
         """After the batch is done, or after waiting for it failed (then its
@@ -492,7 +502,8 @@ class CudaCopyEngine:
             if failed:
                 self._drain(dev.save if direction == "save" else dev.load)
                 return
-            seconds = cuda_driver.elapsed_s(*launched.events)
+            with self._faults_noted(dev):
+                seconds = cuda_driver.elapsed_s(*launched.events)
             self._learn(launched, seconds)
             t = launched.t
             end = launched.start + seconds
@@ -523,6 +534,35 @@ class CudaCopyEngine:
             return dev.spare_events.pop()
         except IndexError:
             return cuda_driver.create_timing_event(), cuda_driver.create_timing_event()
+
+    def _usable(self, dev: _Device) -> None:
+        """Refuse at once on a GPU whose context a sticky fault broke."""
+        fault = self.faults.get(dev.ordinal)
+        if fault is not None:
+            raise DeviceBroken(
+                f"device {dev.ordinal}: its CUDA context is broken since {fault}; "
+                "every copy on it fails until the server restarts (with "
+                "--pool-file its cache survives the restart)"
+            )
+
+    def _note_fault(self, dev: _Device, exc: BaseException) -> None:
+        if cuda_driver.sticky_error(exc) is None or dev.ordinal in self.faults:
+            return
+        self.faults[dev.ordinal] = str(exc)[:200]
+        logger.error(
+            "GPU %d: CUDA context broken (%s); its copies fail from now on and "
+            "/health says degraded: restart the server",
+            dev.ordinal,
+            exc,
+        )
+
+    @contextlib.contextmanager
+    def _faults_noted(self, dev: _Device) -> Iterator[None]:
+        try:
+            yield
+        except BaseException as exc:
+            self._note_fault(dev, exc)
+            raise
 
     @contextlib.contextmanager
     def _drained_on_error(self, stream: Any) -> Iterator[None]:

@@ -15,6 +15,7 @@ import pytest
 from pegaflow import cuda_driver
 from pegaflow.copiers import cuda as cuda_copier
 from pegaflow.copiers.cuda import CudaCopyEngine
+from pegaflow.errors import CopyFailed, DeviceBroken
 from pegaflow.geometry import Transfers
 
 T = Transfers(*(np.array([0], np.uint64),) * 2, np.array([64], np.uint64))
@@ -65,6 +66,7 @@ def _engine(path: str, log: list[str]) -> CudaCopyEngine:
 
     engine._dma = dma
     engine._in_flight, engine._flight_lock, engine._rates = {}, threading.Lock(), {}
+    engine.faults = {}
     return engine
 
 
@@ -235,3 +237,64 @@ def test_each_size_class_learns_its_own_rate(monkeypatch) -> None:
     other = engine.launch("load", regions, batch(small))
     assert other.expected_end - other.start == pytest.approx(small / 40e9, abs=1e-3)
     assert events.made == 2  # one pair of events, reused every time
+
+
+class FaultingKernels(GoodKernels):
+    """A launch that works and a stream sync that reports `error`."""
+
+    def __init__(self, log: list[str], error: str) -> None:
+        super().__init__(log)
+        self.error = error
+
+    def synchronize(self, stream: Any) -> None:
+        self.log.append(f"sync {stream}")
+        raise CopyFailed(
+            f"stream: [700] Call to cuStreamSynchronize results in {self.error}"
+        )
+
+
+def test_a_sticky_fault_breaks_the_device_until_restart(monkeypatch) -> None:
+    """After an illegal address CUDA fails every call on that context: the
+    first copy reports the fault, later ones are refused at once, naming it
+    and the fix, and /health sees it (report.health_report)."""
+    monkeypatch.setattr(cuda_driver, "set_device", lambda ordinal: None)
+    log: list[str] = []
+    engine = _engine("kernel", log)
+    engine._k = FaultingKernels(log, "CUDA_ERROR_ILLEGAL_ADDRESS")
+    _, regions = _device()
+    with pytest.raises(CopyFailed, match="ILLEGAL_ADDRESS"):
+        engine.scatter(regions, T)
+    assert list(engine.faults) == [0] and "ILLEGAL_ADDRESS" in engine.faults[0]
+    log.clear()
+    for call in (engine.scatter, engine.gather):
+        with pytest.raises(DeviceBroken, match="device 0: its CUDA context is broken"):
+            call(regions, T)
+    with pytest.raises(DeviceBroken, match="--pool-file"):
+        engine.launch("load", regions, T)
+    assert log == []  # nothing reached the GPU
+    assert engine._in_flight == {(0, "load"): 0}
+
+
+def test_an_ordinary_copy_error_leaves_the_device_usable(monkeypatch) -> None:
+    monkeypatch.setattr(cuda_driver, "set_device", lambda ordinal: None)
+    log: list[str] = []
+    engine = _engine("kernel", log)
+    engine._k = FaultingKernels(log, "CUDA_ERROR_INVALID_VALUE")
+    _, regions = _device()
+    with pytest.raises(CopyFailed, match="INVALID_VALUE"):
+        engine.scatter(regions, T)
+    assert engine.faults == {}
+
+
+def test_health_says_degraded_while_a_gpu_is_broken() -> None:
+    from pegaflow.report import health_report
+    from tests.unit.host_engine import host_engine
+
+    engine = host_engine(object())
+    cuda = SimpleNamespace(faults={}, mapped_allocations=0)
+    report = health_report(engine, cuda, None)
+    assert report()["status"] == "ok" and report()["cuda_faults"] == {}
+    cuda.faults[1] = "stream: CUDA_ERROR_ILLEGAL_ADDRESS"
+    got = report()
+    assert got["status"] == "degraded"
+    assert got["cuda_faults"] == {"1": "stream: CUDA_ERROR_ILLEGAL_ADDRESS"}
