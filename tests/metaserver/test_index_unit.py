@@ -27,6 +27,23 @@ def _min_segments(holders: list[set[int]]) -> int:
     return best[n]
 
 
+def _check_plan(
+    index: BlockIndex, model: dict[bytes, set[int]], keys: list[bytes], exclude: int
+) -> None:
+    """The plan covers exactly the longest prefix some owner but `exclude`
+    holds, each segment's node holds its blocks, in the fewest segments."""
+    holders = [model[k] - {exclude} for k in keys]
+    covered = next((i for i, h in enumerate(holders) if not h), len(keys))
+    plan = index.prefix(NS, keys, exclude)
+    assert sum(count for _, count in plan) == covered
+    at = 0
+    for node, count in plan:
+        assert node != exclude and count > 0
+        assert all(node in model[k] for k in keys[at : at + count])
+        at += count
+    assert len(plan) == _min_segments(holders[:covered])
+
+
 def test_plans_match_a_reference_model() -> None:
     """Random inserts and removes by 4 nodes (every owner fits) over 60
     blocks, checked against a dict of owner sets: every plan covers exactly
@@ -49,16 +66,7 @@ def test_plans_match_a_reference_model() -> None:
                     model[k].discard(node)
         assert index.entries == sum(map(len, model.values()))
         for exclude in (-1, 0, 3):
-            holders = [model[k] - {exclude} for k in keys]
-            covered = next((i for i, h in enumerate(holders) if not h), len(keys))
-            plan = index.prefix(NS, keys, exclude)
-            assert sum(count for _, count in plan) == covered
-            at = 0
-            for node, count in plan:
-                assert node != exclude and count > 0
-                assert all(node in model[k] for k in keys[at : at + count])
-                at += count
-            assert len(plan) == _min_segments(holders[:covered])
+            _check_plan(index, model, keys, exclude)
 
 
 def test_fifth_owner_replaces_the_oldest_owner() -> None:
@@ -92,3 +100,54 @@ def test_drop_expire_evict_free_their_rows() -> None:
     newest = index.prefix(NS, [b"d%d" % i for i in range(10)], -1)
     assert newest == [(3, 10)]
     assert int(np.sum(index.node_entries)) == index.entries
+
+
+def test_plans_over_many_nodes_match_the_reference_model(monkeypatch) -> None:
+    """As above with 24 nodes (past DENSE_PLAN_NODES: the plan walks the held
+    entries, not a [nodes, blocks] matrix): the same plans, minimal."""
+    from pegaflow.metaserver import index as index_module
+
+    by_entry = []
+    walk = index_module._plan_by_entry
+    monkeypatch.setattr(
+        index_module, "_plan_by_entry", lambda o: by_entry.append(1) or walk(o)
+    )
+    rng = random.Random(11)
+    keys = [i.to_bytes(2, "big") * 4 for i in range(80)]
+    for _ in range(20):
+        index, model = BlockIndex(10_000), {k: set() for k in keys}
+        for _ in range(60):
+            node = rng.randrange(24)
+            start = rng.randrange(len(keys))
+            run = keys[start : start + rng.randrange(1, 25)]
+            # every owner fits (the index keeps OWNERS_PER_BLOCK per block)
+            chosen = [k for k in run if len(model[k] | {node}) <= OWNERS_PER_BLOCK]
+            if not chosen:
+                continue
+            index.insert(NS, chosen, node, rng.random())
+            for k in chosen:
+                model[k].add(node)
+        nodes = {o for h in model.values() for o in h}
+        assert len(nodes) > index_module.DENSE_PLAN_NODES
+        for exclude in (-1, 5):
+            _check_plan(index, model, keys, exclude)
+    assert len(by_entry) > 10  # most plans took the entry walk
+
+
+def test_a_plan_over_many_nodes_takes_memory_for_its_blocks_only() -> None:
+    """65,536 hashes held by 512 nodes (runs of 128 each, two owners a block):
+    the [nodes, blocks] way took 807 MiB and 4 s for one such query."""
+    import tracemalloc
+
+    index = BlockIndex(1 << 20)
+    keys = [i.to_bytes(4, "big") * 2 for i in range(65536)]
+    for node in range(512):
+        index.insert(NS, keys[node * 128 : (node + 1) * 128], node, 1.0)
+        index.insert(NS, keys[((node + 1) % 512) * 128 : ((node + 1) % 512) * 128 + 64],
+                     node, 1.0)  # fmt: skip
+    tracemalloc.start()
+    plan = index.prefix(NS, keys, -1)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert sum(count for _, count in plan) == 65536
+    assert peak < 64 << 20, f"{peak >> 20} MiB"
