@@ -173,3 +173,54 @@ def check_block_ids(block_ids: np.ndarray, num_blocks: int, field: str) -> None:
     if block_ids.size and (block_ids.min() < 0 or block_ids.max() >= num_blocks):
         bad = block_ids[(block_ids < 0) | (block_ids >= num_blocks)][0]
         raise InvalidRequest(f"{field}: block id {int(bad)} outside [0, {num_blocks})")
+
+
+# Pairs of page series compared at registration: 1,024 series (64 layers x
+# 16 segments, past any real layout) are half a million pairs, a few ms.
+MAX_OVERLAP_SERIES = 1024
+
+
+def first_overlap(layers: tuple[LayerLayout, ...]) -> str | None:
+    """Where two pages of a layout share memory, or None.
+
+    Each (layer, segment) is a series of pages, one per block, `block_stride`
+    apart. Two series of one region and one stride S overlap exactly when
+    some block distance m (|m| < blocks) gives d - w_i < m*S < d + w_j (d the
+    offset between their first pages, w their sizes): one vectorised test per
+    pair, however many blocks. Series of different strides, or more than
+    MAX_OVERLAP_SERIES of them, are not compared (no real layout has them)."""
+    rows = [
+        (lay.region_index, lay.block_stride, lay.offset + seg.offset, seg.size, i, s)
+        for i, lay in enumerate(layers)
+        for s, seg in enumerate(lay.segments)
+    ]
+    if not rows or len(rows) > MAX_OVERLAP_SERIES:
+        return None
+    blocks = layers[0].num_blocks
+    table = np.array(rows, np.int64)
+    region, stride, start, size = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
+    i, j = np.triu_indices(len(rows), 1)
+    same = (region[i] == region[j]) & ((stride[i] == stride[j]) | (blocks == 1))
+    i, j = i[same], j[same]
+    d, wi, wj, s = start[j] - start[i], size[i], size[j], stride[i]
+    if blocks == 1:
+        m = np.zeros(len(d), np.int64)
+    else:  # the least m with m*S > d - wi, no less than -(blocks - 1)
+        m = np.maximum(np.floor_divide(d - wi, s) + 1, -(blocks - 1))
+    clash = (m <= blocks - 1) & (d - wi < m * s) & (m * s < d + wj)
+    if clash.any():
+        k = int(np.flatnonzero(clash)[0])
+        a, b, gap = rows[int(i[k])], rows[int(j[k])], int(m[k])
+        ka, kb = (gap, 0) if gap >= 0 else (0, -gap)
+        return (
+            f"layers[{b[4]}].segments[{b[5]}]: block {kb} shares memory with "
+            f"block {ka} of layers[{a[4]}].segments[{a[5]}]"
+        )
+    inner = (stride < size) & (blocks > 1)  # a series' own pages overlap
+    if inner.any():
+        a = rows[int(np.flatnonzero(inner)[0])]
+        return (
+            f"layers[{a[4]}].segments[{a[5]}]: {a[3]}-byte pages "
+            f"{a[1]} bytes apart overlap"
+        )
+    return None

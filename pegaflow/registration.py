@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from . import limits
 from .copiers.base import CudaExport, RegionKind
 from .errors import InvalidRequest
-from .geometry import MAX_LAYERS, MAX_SEGMENTS_PER_LAYER, LayerLayout
+from .geometry import MAX_LAYERS, MAX_SEGMENTS_PER_LAYER, LayerLayout, first_overlap
 from .keys import IPC_HANDLE_BYTES, TOKEN_BYTES, UUID_BYTES
 
 MAX_ID_LEN = 256
@@ -137,5 +137,8 @@ def validate_layers(layers: tuple[LayerLayout, ...], region_sizes: list[int]) ->
                 f"{field}: pages reach byte {end} but region "
                 f"{layer.region_index} is {size} bytes"
             )
+    where = first_overlap(layers)
+    if where is not None:  # a load would write that memory twice, racing itself
+        raise InvalidRequest(f"{where}; every page needs memory of its own")
     counts = [len(layer.segments) for layer in layers]
     limits.check_block_geometry(counts, [layer.page_bytes for layer in layers])

@@ -251,6 +251,10 @@ REGISTER_CASES: list[tuple[str, Rq, Code, str]] = [
     ("segment-past", lambda e: reg(e, layers=layers(segments=[SEG(offset=1,
      size=PAGE)])), INVALID, "layers[3]"),
     ("offset-huge", lambda e: reg(e, layers=layers(offset=U64)), INVALID, "layers[3]"),
+    # Fixed: pages sharing memory were accepted; every load of them failed as
+    # INTERNAL (the copy's own overlap check).
+    ("pages-overlap", lambda e: reg(e, layers=layers(offset=BLOCKS * PAGE // 2)),
+     INVALID, "layers[3].segments[0]"),
     # Fixed: a block larger than a pool slot made every Save fail INTERNAL.
     ("block-over-slot", lambda e: reg(
         e, instance_id="big", namespace="ns-big", layers=one_page(5 << 20),

@@ -12,6 +12,7 @@ from pegaflow.geometry import (
     LayerLayout,
     Segment,
     check_block_ids,
+    first_overlap,
 )
 from pegaflow.kv_layouts import describe, vllm_layer_views
 from pegaflow.registration import validate_layers
@@ -136,3 +137,59 @@ def test_layer_rows_match_isin() -> None:
     back = g.slots_to_engine(slots, np.array([3, 5]))
     full = g.engine_to_slots(np.array([3, 5]), slots, np.arange(5))
     assert back.src.tolist() == full.dst.tolist() and len(back) == 20
+
+
+def _overlaps_by_brute_force(layers: tuple[LayerLayout, ...]) -> bool:
+    pages = sorted(
+        (lay.region_index, lay.offset + b * lay.block_stride + seg.offset, seg.size)
+        for lay in layers
+        for b in range(lay.num_blocks)
+        for seg in lay.segments
+    )
+    return any(
+        r1 == r2 and s1 + w1 > s2
+        for (r1, s1, w1), (r2, s2, _) in zip(pages, pages[1:], strict=False)
+    )
+
+
+def test_first_overlap_agrees_with_every_page_compared() -> None:
+    """Random same-stride layouts of 1-4 layers x 1-3 segments: the per-pair
+    test says overlap exactly when some two pages share a byte."""
+    rng = np.random.default_rng(5)
+    seen = {True: 0, False: 0}
+    for _ in range(3000):
+        blocks, stride = int(rng.integers(1, 6)), int(rng.integers(1, 40))
+        layers = tuple(
+            LayerLayout(
+                int(rng.integers(0, 2)),
+                int(rng.integers(0, 120)),
+                blocks,
+                stride,
+                tuple(
+                    Segment(int(rng.integers(0, 30)), int(rng.integers(1, 12)))
+                    for _ in range(int(rng.integers(1, 4)))
+                ),
+            )
+            for _ in range(int(rng.integers(1, 5)))
+        )
+        want = _overlaps_by_brute_force(layers)
+        assert (first_overlap(layers) is not None) == want, layers
+        seen[want] += 1
+    assert min(seen.values()) > 300  # both answers well represented
+
+
+def test_real_layouts_have_no_overlap() -> None:
+    """vLLM's layer-major (LBNHC), block-major and K/V-first pages."""
+    page = 4096
+    lbnhc = tuple(LayerLayout(0, i * 64 * page, 64, page, (Segment(0, page),))
+                  for i in range(32))  # fmt: skip
+    block_major = tuple(LayerLayout(0, i * page, 64, 32 * page, (Segment(0, page),))
+                        for i in range(32))  # fmt: skip
+    kv_first = tuple(
+        LayerLayout(
+            0, i * 128 * page, 64, page, (Segment(0, page), Segment(64 * page, page))
+        )
+        for i in range(32)
+    )
+    for layers in (lbnhc, block_major, kv_first):
+        assert first_overlap(layers) is None
