@@ -24,21 +24,5 @@ for round in 1 2; do
 done
 
 stage "summary"
-python3 - "$RES" <<'PY'
-import json, pathlib, sys
-res = pathlib.Path(sys.argv[1])
-print("run     | N   | save ratio | load ratio | save copy GB/s | load copy GB/s | lat load P50 ms | lat save ev P50 ms")
-for tag in ["loop1", "thread1", "loop2", "thread2"]:
-    f = res / f"transfer-{tag}.json"
-    if not f.exists():
-        print(tag, "missing"); continue
-    d = json.loads(f.read_text())
-    extra = d.get("extra", d)
-    for r in d.get("rows", []):
-        if r.get("ids") != "random":
-            continue
-        print(f"{tag:7} | {r['N']:3} | {r['save_ratio']:10} | {r['load_ratio']:10} | "
-              f"{r['save_copy_GBps']:14} | {r['load_copy_GBps']:14} | "
-              f"{extra.get('lat_load_p50_ms', '-'):15} | {extra.get('lat_save_event_p50_ms', '-')}")
-PY
+python3 benchmarks/transfer_ab_summary.py "$RES" loop1 thread1 loop2 thread2
 stage done
