@@ -211,8 +211,14 @@ class CopyPathCollector:
     """The GPU copy path's choices (pegaflow.copiers.contention), read from the
     CUDA copy policy's report() at scrape time (it takes its own lock)."""
 
-    def __init__(self, report: Callable[[], dict]) -> None:
+    def __init__(
+        self,
+        report: Callable[[], dict],
+        faults: Callable[[], dict[int, bool]] | None = None,
+    ) -> None:
+        """faults: GPU ordinal -> whether a sticky CUDA fault broke it."""
         self._report = report
+        self._faults = faults
 
     def describe(self) -> list[Metric]:
         return []  # registered lazily, like SsdCollector
@@ -263,3 +269,13 @@ class CopyPathCollector:
                 batches.add_metric([device, path], gpu["batches"][path])
                 moved.add_metric([device, path], gpu["bytes"][path])
         yield from (dma, ratio, switches, probes, batches, moved)
+        if self._faults is not None:
+            broken = GaugeMetricFamily(
+                "pegaflow_cuda_faulted",
+                "1 once a sticky CUDA fault broke this GPU's context: its copies "
+                "fail until the server restarts (/health says degraded)",
+                labels=["device"],
+            )
+            for device, faulted in sorted(self._faults().items()):
+                broken.add_metric([str(device)], float(faulted))
+            yield broken

@@ -129,7 +129,8 @@ async def _assemble(
         asyncio.get_running_loop(), lambda: engine_stats(engine, started, copy_path)
     )
     if copy_path is not None:
-        metrics.registry.register(CopyPathCollector(copy_path))
+        faulted = getattr(cuda, "faulted", None)
+        metrics.registry.register(CopyPathCollector(copy_path, faulted))
     scrape = OncePerScrape(stats)
     metrics.registry.register(HitRateCollector(scrape.first))
     metrics.registry.register(OriginalMetrics(metrics, scrape.again))  # their names

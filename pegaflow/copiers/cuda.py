@@ -213,6 +213,10 @@ class CudaCopyEngine:
             return {}
         return flags
 
+    def faulted(self) -> dict[int, bool]:
+        """GPU ordinal -> whether a sticky fault broke it (/metrics)."""
+        return {d.ordinal: d.ordinal in self.faults for d in self._devices.values()}
+
     @property
     def policy(self) -> CopyPolicy:  # /stats and /metrics report its choices
         return self._policy

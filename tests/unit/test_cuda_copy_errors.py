@@ -298,3 +298,25 @@ def test_health_says_degraded_while_a_gpu_is_broken() -> None:
     got = report()
     assert got["status"] == "degraded"
     assert got["cuda_faults"] == {"1": "stream: CUDA_ERROR_ILLEGAL_ADDRESS"}
+
+
+def test_metrics_show_which_gpu_a_sticky_fault_broke(monkeypatch) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pegaflow.metrics import CopyPathCollector
+
+    monkeypatch.setattr(cuda_driver, "set_device", lambda ordinal: None)
+    log: list[str] = []
+    engine = _engine("kernel", log)
+    engine._k = FaultingKernels(log, "CUDA_ERROR_LAUNCH_FAILED")
+    dev, regions = _device()
+    other = SimpleNamespace(ordinal=1)
+    engine._devices = {b"gpu0": dev, b"gpu1": other}
+    registry = CollectorRegistry()
+    registry.register(CopyPathCollector(lambda: {"setting": "kernel"}, engine.faulted))
+    assert 'pegaflow_cuda_faulted{device="0"} 0.0' in generate_latest(registry).decode()
+    with pytest.raises(CopyFailed):
+        engine.gather(regions, T)
+    text = generate_latest(registry).decode()
+    assert 'pegaflow_cuda_faulted{device="0"} 1.0' in text
+    assert 'pegaflow_cuda_faulted{device="1"} 0.0' in text
