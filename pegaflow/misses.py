@@ -134,7 +134,6 @@ class RecordingPolicy:
         self.touch = inner.touch
         self.touch_many = inner.touch_many
         self.remove = inner.remove
-        self.peek_victim = inner.peek_victim
         self.victims = inner.victims
 
     def evict(self, n: int, protected: Protected) -> list[Key] | None:
@@ -142,9 +141,6 @@ class RecordingPolicy:
         if victims:
             self._tracker.record_many(CAPACITY, victims)
         return victims
-
-    def should_admit(self, candidate: Key, protected: Protected) -> bool:
-        return self.admitter(protected)(candidate)
 
     def admitter(self, protected: Protected) -> Callable[[Key], bool]:
         inner = self._inner.admitter(protected)

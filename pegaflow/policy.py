@@ -5,17 +5,18 @@ victims. `evict(n, protected)` is atomic: exactly n victims, or `None` and nothi
 changed. `protected(key)` lets the pool veto leased or in-flight keys without the
 policy knowing about leases.
 
-Admission is a wrapper, not a flag. Every policy answers
-`should_admit(candidate, protected)`: `LRUPolicy` always says yes, and
-`AdmissionPolicy(LRUPolicy(), TinyLFU(capacity))` says yes only when the candidate
-was seen more often than the victim it would displace. So the pool's miss path is
-the same with or without admission:
+Admission is a wrapper, not a flag. Every policy hands out an `admitter(protected)`
+for one request's candidates past the free room: `LRUPolicy`'s always says yes,
+and `AdmissionPolicy(LRUPolicy(), TinyLFU(capacity))`'s says yes only when the
+candidate was seen more often than the victim it would displace (each admitted
+candidate displaces the next one). So the pool's miss path is the same with or
+without admission:
 
-    if pool_full:
-        if not policy.should_admit(key, protected):
-            return  # keep what we have; the miss is still counted
-        victims = policy.evict(1, protected)
-    policy.insert(key)
+    admit = policy.admitter(protected)
+    for key in past_the_room:
+        if not admit(key):
+            continue  # keep what we have; the miss is still counted
+        ...  # later: policy.evict(admitted, protected); policy.insert(key)
 """
 
 from __future__ import annotations
@@ -52,8 +53,6 @@ class EvictionPolicy(Protocol):
     def touch_many(self, keys: Sequence[Key]) -> None: ...  # all resident, in order
     def remove(self, key: Key) -> None: ...
     def evict(self, n: int, protected: Protected) -> list[Key] | None: ...
-    def peek_victim(self, protected: Protected) -> Key | None: ...
-    def should_admit(self, candidate: Key, protected: Protected) -> bool: ...
     # For a request's candidates beyond the free room, in order: each one
     # admitted displaces the next victim, so the next candidate faces that one.
     def admitter(self, protected: Protected) -> Callable[[Key], bool]: ...
@@ -114,12 +113,6 @@ class LRUPolicy:
         for key in victims:
             del self._order[key]
         return victims
-
-    def peek_victim(self, protected: Protected) -> Key | None:
-        return next((key for key in self._order if not protected(key)), None)
-
-    def should_admit(self, candidate: Key, protected: Protected) -> bool:
-        return True
 
     def admitter(self, protected: Protected) -> Callable[[Key], bool]:
         return _admit_all
@@ -267,7 +260,7 @@ class AdmissionPolicy:
     def __init__(self, inner: EvictionPolicy, sketch: TinyLFU) -> None:
         self._inner = inner
         self._sketch = sketch
-        # Keys whose current access should_admit already recorded; their insert
+        # Keys whose current access an admitter already recorded; their insert
         # must not count it twice.
         self._pending: set[Key] = set()
 
@@ -306,12 +299,6 @@ class AdmissionPolicy:
 
     def evict(self, n: int, protected: Protected) -> list[Key] | None:
         return self._inner.evict(n, protected)
-
-    def peek_victim(self, protected: Protected) -> Key | None:
-        return self._inner.peek_victim(protected)
-
-    def should_admit(self, candidate: Key, protected: Protected) -> bool:
-        return self.admitter(protected)(candidate)
 
     def admitter(self, protected: Protected) -> Callable[[Key], bool]:
         """Each admitted candidate displaces the next victim from the LRU end:

@@ -12,12 +12,18 @@ from pegaflow.policy import (
     EvictionPolicy,
     Key,
     LRUPolicy,
+    Protected,
     TinyLFU,
 )
 
 
 def unprotected(key: Key) -> bool:
     return False
+
+
+def admit_one(policy: EvictionPolicy, key: Key, protected: Protected) -> bool:
+    """One candidate's admission: a request of one past the free room."""
+    return policy.admitter(protected)(key)
 
 
 def lru_with(*keys: Key) -> LRUPolicy:
@@ -34,7 +40,7 @@ def test_lru_evicts_least_recent_first() -> None:
     policy = lru_with("a", "b", "c", "d")
     policy.touch("a")
     policy.insert("b")  # re-insert counts as most recent
-    assert policy.peek_victim(unprotected) == "c"
+    assert next(policy.victims(unprotected), None) == "c"
     assert policy.evict(2, unprotected) == ["c", "d"]
     assert policy.evict(2, unprotected) == ["a", "b"]
     assert len(policy) == 0
@@ -43,7 +49,7 @@ def test_lru_evicts_least_recent_first() -> None:
 def test_lru_skips_protected_keys() -> None:
     policy = lru_with("a", "b", "c", "d")
     leased = {"a", "c"}
-    assert policy.peek_victim(leased.__contains__) == "b"
+    assert next(policy.victims(leased.__contains__), None) == "b"
     assert policy.evict(2, leased.__contains__) == ["b", "d"]
     assert list(policy._order) == ["a", "c"]
 
@@ -53,7 +59,7 @@ def test_lru_evict_is_atomic() -> None:
     assert policy.evict(3, {"b"}.__contains__) is None
     assert len(policy) == 3 and all(k in policy for k in "abc")
     assert policy.evict(1, unprotected) == ["a"]  # order untouched by the failure
-    assert policy.peek_victim(lambda key: True) is None
+    assert next(policy.victims(lambda key: True), None) is None
     assert LRUPolicy().evict(1, unprotected) is None
 
 
@@ -66,7 +72,7 @@ def test_lru_edge_cases() -> None:
     policy.remove("zz")
     policy.remove("a")
     assert "a" not in policy and "zz" not in policy and len(policy) == 1
-    assert policy.should_admit("new", unprotected)
+    assert admit_one(policy, "new", unprotected)
 
 
 # ---- TinyLFU ---------------------------------------------------------------
@@ -135,7 +141,7 @@ def admission(capacity: int) -> AdmissionPolicy:
 
 def test_admitted_miss_is_counted_once() -> None:
     policy = admission(100)
-    assert policy.should_admit("k", unprotected)  # no victim: always yes
+    assert admit_one(policy, "k", unprotected)  # no victim: always yes
     policy.insert("k")
     assert policy._sketch.estimate("k") == 1
     policy.touch("k")
@@ -149,7 +155,7 @@ def test_recurring_newcomer_gets_in() -> None:
     policy = admission(100)
     for i in range(100):
         policy.insert(i)
-    decisions = [policy.should_admit("new", unprotected) for _ in range(3)]
+    decisions = [admit_one(policy, "new", unprotected) for _ in range(3)]
     assert decisions == [False, True, True]
 
 
@@ -169,7 +175,7 @@ def hot_hit_rate(policy: EvictionPolicy, capacity: int) -> float:
                 policy.touch(key)
             elif len(policy) < capacity:
                 policy.insert(key)
-            elif policy.should_admit(key, unprotected):
+            elif admit_one(policy, key, unprotected):
                 assert policy.evict(1, unprotected) is not None
                 policy.insert(key)
             if round_ >= 20 and key[0] == "hot":
