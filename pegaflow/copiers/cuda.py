@@ -46,11 +46,12 @@ from typing import Any
 import numpy as np
 
 from .. import cuda_driver, deadlines, kernels
-from ..errors import CopyFailed, DeviceBroken, InvalidRequest
+from ..errors import CopyFailed, InvalidRequest
 from ..geometry import Transfers
 from . import dma
 from .base import CudaExport
 from .completion import StreamFlag
+from .gpu_state import Faults, InFlight, Rates
 from .policy import (
     COMPLETION,
     FLAG_MAX_BYTES,
@@ -65,8 +66,6 @@ DEFAULT_CTAS = 66  # half the H200's SMs per direction (RESULTS_kernels.md)
 SPIN_S = 1e-3  # poll an engine's event without sleeping for this long
 POLL_S = 50e-6
 CLOSE_WAIT_S = 10.0  # a re-opened allocation waits this long for its old close
-RATE_MIN_BYTES = 1 << 20  # launched batches this large teach the rate estimate
-RATE_ALPHA = 0.5  # weight of the newest batch's rate
 
 
 @dataclass(slots=True)
@@ -82,6 +81,9 @@ class _Device:
     load: Any
     flags: dict[CopyDirection, StreamFlag] = field(default_factory=dict)
     spare_events: list[tuple[Any, Any]] = field(default_factory=list)  # timing pairs
+
+    def stream(self, direction: CopyDirection) -> Any:
+        return self.save if direction == "save" else self.load
 
 
 @dataclass(slots=True)
@@ -139,15 +141,9 @@ class CudaCopyEngine:
         self._mappings: dict[tuple[bytes, bytes], _Mapping] = {}
         self._closing: dict[tuple[bytes, bytes], _Mapping] = {}
         self._lock = threading.Lock()
-        # Batches queued and not yet waited for, per (device, direction): the
-        # loop launches only onto an idle stream (launch).
-        self._in_flight: dict[tuple[int, CopyDirection], int] = {}
-        self._flight_lock = threading.Lock()
-        # GPU ordinal -> the sticky fault that broke its context (/health)
-        self.faults: dict[int, str] = {}
-        # Bytes/s per (device, direction, path) and size class (log2 of the
-        # batch's bytes), from launched batches' GPU time
-        self._rates: dict[tuple[int, CopyDirection, CopyPath], dict[int, float]] = {}
+        self._flights = InFlight()  # per (device, direction): launch, busy
+        self._rates = Rates()  # per (device, direction, path): launch's estimate
+        self._faults = Faults()
         # A daemon thread: a close that never returns must not block exit.
         self._reaper: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         threading.Thread(target=self._reap, daemon=True, name="cuda-close").start()
@@ -213,9 +209,15 @@ class CudaCopyEngine:
             return {}
         return flags
 
+    @property
+    def faults(self) -> dict[int, str]:
+        """GPU ordinal -> the sticky fault that broke its context (/health)."""
+        return dict(self._faults.reasons)
+
     def faulted(self) -> dict[int, bool]:
         """GPU ordinal -> whether a sticky fault broke it (/metrics)."""
-        return {d.ordinal: d.ordinal in self.faults for d in self._devices.values()}
+        broken = self._faults.reasons
+        return {d.ordinal: d.ordinal in broken for d in self._devices.values()}
 
     @property
     def policy(self) -> CopyPolicy:  # /stats and /metrics report its choices
@@ -239,7 +241,7 @@ class CudaCopyEngine:
                 f"regions.cuda.device_uuid: GPU {cuda.device_uuid.hex()} is not "
                 "served by this server (see --devices)"
             )
-        self._usable(dev)
+        self._faults.check(dev.ordinal)
         cuda_driver.set_device(dev.ordinal)
         keys: list[tuple[bytes, bytes]] = []
         events: list[Any] = []
@@ -338,10 +340,10 @@ class CudaCopyEngine:
         Not started past the deadline (the event may take long): the engine
         would not publish it, and nothing is written after a deadline."""
         dev = regions.device
-        self._usable(dev)
+        self._faults.check(dev.ordinal)  # before waiting for the event
         cuda_driver.set_device(dev.ordinal)
         if wait_event:
-            with self._faults_noted(dev):
+            with self._faults.noted(dev.ordinal):
                 self._wait_event(self._event(regions, wait_event))
         deadlines.check(deadline, "save")
         self._copy_now("save", regions, t)
@@ -350,7 +352,7 @@ class CudaCopyEngine:
         """Whether the engine's event `wait_event` (1-based) completed: a save
         gated on it may then start at once, without waiting (and inline)."""
         cuda_driver.set_device(regions.device.ordinal)
-        with self._faults_noted(regions.device):
+        with self._faults.noted(regions.device.ordinal):
             return cuda_driver.event_done(self._event(regions, wait_event))
 
     @staticmethod
@@ -378,17 +380,17 @@ class CudaCopyEngine:
         """Queue the batch and wait for it here (a copy thread, or the loop
         for a small one)."""
         dev = regions.device
-        self._usable(dev)
+        self._faults.check(dev.ordinal)
         path = self._policy.choose_for(direction, t, dev.ordinal)
-        stream = dev.save if direction == "save" else dev.load
-        self._count(dev.ordinal, direction, +1)
+        key = (dev.ordinal, direction)
+        self._flights.add(key, +1)
         try:
             start = time.perf_counter()  # the policy learns from each batch's time
-            with self._faults_noted(dev), self._drained_on_error(stream):
+            with self._drained_on_error(dev, dev.stream(direction)):
                 self._queue(direction, path, regions, t)
                 self._finish(dev, direction, path, t)
         finally:
-            self._count(dev.ordinal, direction, -1)
+            self._flights.add(key, -1)
         end = time.perf_counter()
         self._policy.observe(dev.ordinal, direction, path, t, start, end)
 
@@ -401,21 +403,17 @@ class CudaCopyEngine:
     ) -> None:
         """Enqueue the batch on its direction's stream, by `path`."""
         dev = regions.device
+        stream = dev.stream(direction)
         if direction == "save":
-            src, dst, stream = regions.buffer, dev.pool, dev.save
+            src, dst = regions.buffer, dev.pool
         else:
-            src, dst, stream = dev.pool, regions.buffer, dev.load
+            src, dst = dev.pool, regions.buffer
         if path == "dma":
             self._batch(direction, src, dst, t, dev)
         elif direction == "save":
             self._k.gather(src, dst, t, stream=stream, max_blocks=self._ctas)
         else:
             self._k.scatter(src, dst, t, stream=stream, max_blocks=self._ctas)
-
-    def _count(self, ordinal: int, direction: CopyDirection, step: int) -> None:
-        with self._flight_lock:
-            key = (ordinal, direction)
-            self._in_flight[key] = self._in_flight.get(key, 0) + step
 
     # -- launched on the event loop (pegaflow.copy_wait) ------------------------
     def launch(
@@ -431,104 +429,71 @@ class CudaCopyEngine:
         batch on a stream waits for the first one, under a lock every stream
         shares: the loop must never wait there)."""
         dev = regions.device
-        self._usable(dev)
-        with self._flight_lock:
-            if self._busy(dev.ordinal, direction):
-                return None
-            self._in_flight[(dev.ordinal, direction)] = 1
+        self._faults.check(dev.ordinal)
+        if not self._flights.claim((dev.ordinal, direction)):
+            return None
         events: tuple[Any, Any] | None = None
         try:
             cuda_driver.set_device(dev.ordinal)
             deadlines.check(deadline, direction)
             path = self._policy.choose_for(direction, t, dev.ordinal)
             events = self._timing_events(dev)
-            stream = dev.save if direction == "save" else dev.load
+            stream = dev.stream(direction)
             handle = int(stream.handle)
             start = time.perf_counter()
-            with self._faults_noted(dev), self._drained_on_error(stream):
+            with self._drained_on_error(dev, stream):
                 cuda_driver.record_event(events[0], handle)
                 self._queue(direction, path, regions, t)
                 cuda_driver.record_event(events[1], handle)
         except BaseException:
             if events is not None:
                 dev.spare_events.append(events)
-            self._count(dev.ordinal, direction, -1)
+            self._flights.add((dev.ordinal, direction), -1)
             raise
-        rate = self._rate(dev.ordinal, direction, path, t.total_bytes)
+        rate = self._rates.rate((dev.ordinal, direction, path), t.total_bytes)
         queued = time.perf_counter()
         expected = None if rate is None else queued + t.total_bytes / rate
         return Launched(dev, direction, path, t, events, start, expected)
 
-    def _rate(
-        self, ordinal: int, direction: CopyDirection, path: CopyPath, nbytes: int
-    ) -> float | None:
-        """The estimate for a batch of `nbytes`: its size class's recent rate,
-        else the fastest class's (kernels speed up with size: an early wake
-        only polls longer, a late one would cost the wait it saves)."""
-        rates = self._rates.get((ordinal, direction, path))
-        if not rates:
-            return None
-        return rates.get(nbytes.bit_length()) or max(rates.values())
-
     def busy(self, regions: CudaRegions, direction: CopyDirection) -> bool:
-        """Whether a copy started now on the event loop could wait there: its
-        stream has a batch in flight (a small inline copy's sync would wait
-        for it too), or some stream two (the kernels' table lock). Such a copy
-        goes by a copy thread instead."""
-        with self._flight_lock:
-            return self._busy(regions.device.ordinal, direction)
-
-    def _busy(self, ordinal: int, direction: CopyDirection) -> bool:
-        if self._in_flight.get((ordinal, direction), 0):
-            return True
-        return max(self._in_flight.values(), default=0) > 1
+        """Whether a copy started now on the event loop could wait there
+        (gpu_state.InFlight.busy): such a copy goes by a copy thread."""
+        return self._flights.busy((regions.device.ordinal, direction))
 
     def launched_done(self, launched: Launched) -> bool:
         """Whether the batch finished; a fault in it raises CopyFailed."""
         cuda_driver.set_device(launched.dev.ordinal)
-        with self._faults_noted(launched.dev):
+        with self._faults.noted(launched.dev.ordinal):
             return cuda_driver.event_done(launched.events[1])
 
     def wait_launched(self, launched: Launched) -> None:
         """Block until the batch finished (a copy thread calls this)."""
         dev = launched.dev
         cuda_driver.set_device(dev.ordinal)
-        with self._faults_noted(dev):
-            self._k.synchronize(dev.save if launched.direction == "save" else dev.load)
+        with self._faults.noted(dev.ordinal):
+            self._k.synchronize(dev.stream(launched.direction))
 
     def finish_launched(self, launched: Launched, failed: bool = False) -> None:
         """After the batch is done, or after waiting for it failed (then its
-        stream is drained first: the caller frees what it writes). The rate
-        of each batch of at least RATE_MIN_BYTES feeds the next estimates."""
-        dev, direction = launched.dev, launched.direction
+        stream is drained first: the caller frees what it writes). Its GPU
+        time feeds the next estimates (gpu_state.Rates)."""
+        dev, direction, t = launched.dev, launched.direction, launched.t
         try:
             cuda_driver.set_device(dev.ordinal)
             if failed:
-                self._drain(dev.save if direction == "save" else dev.load)
+                self._drain(dev.stream(direction))
                 return
-            with self._faults_noted(dev):
+            with self._faults.noted(dev.ordinal):
                 seconds = cuda_driver.elapsed_s(*launched.events)
-            self._learn(launched, seconds)
-            t = launched.t
+            key = (dev.ordinal, direction, launched.path)
+            self._rates.learn(key, t.total_bytes, seconds)
             end = launched.start + seconds
             self._policy.observe(
                 dev.ordinal, direction, launched.path, t, launched.start, end
             )
         finally:
             dev.spare_events.append(launched.events)
-            self._count(dev.ordinal, direction, -1)
-
-    def _learn(self, launched: Launched, seconds: float) -> None:
-        nbytes = launched.t.total_bytes
-        if nbytes < RATE_MIN_BYTES or seconds <= 0:
-            return
-        key = (launched.dev.ordinal, launched.direction, launched.path)
-        rates = self._rates.setdefault(key, {})
-        rate, size = nbytes / seconds, nbytes.bit_length()
-        old = rates.get(size)
-        rates[size] = (
-            rate if old is None else RATE_ALPHA * rate + (1 - RATE_ALPHA) * old
-        )
+            self._flights.add((dev.ordinal, direction), -1)
 
     @staticmethod
     def _timing_events(dev: _Device) -> tuple[Any, Any]:
@@ -539,44 +504,17 @@ class CudaCopyEngine:
         except IndexError:
             return cuda_driver.create_timing_event(), cuda_driver.create_timing_event()
 
-    def _usable(self, dev: _Device) -> None:
-        """Refuse at once on a GPU whose context a sticky fault broke."""
-        fault = self.faults.get(dev.ordinal)
-        if fault is not None:
-            raise DeviceBroken(
-                f"device {dev.ordinal}: its CUDA context is broken since {fault}; "
-                "every copy on it fails until the server restarts (with "
-                "--pool-file its cache survives the restart)"
-            )
-
-    def _note_fault(self, dev: _Device, exc: BaseException) -> None:
-        if cuda_driver.sticky_error(exc) is None or dev.ordinal in self.faults:
-            return
-        self.faults[dev.ordinal] = str(exc)[:200]
-        logger.error(
-            "GPU %d: CUDA context broken (%s); its copies fail from now on and "
-            "/health says degraded: restart the server",
-            dev.ordinal,
-            exc,
-        )
-
     @contextlib.contextmanager
-    def _faults_noted(self, dev: _Device) -> Iterator[None]:
+    def _drained_on_error(self, dev: _Device, stream: Any) -> Iterator[None]:
+        """A failure after part of a copy was queued (the second of two DMA
+        batches, the event record after a launch) must not return while that
+        part still runs: the caller frees or unpins the slots it writes. A
+        sticky fault among them marks the GPU broken (gpu_state.Faults)."""
         try:
             yield
         except BaseException as exc:
-            self._note_fault(dev, exc)
-            raise
-
-    @contextlib.contextmanager
-    def _drained_on_error(self, stream: Any) -> Iterator[None]:
-        """A failure after part of a copy was queued (the second of two DMA
-        batches, the event record after a launch) must not return while that
-        part still runs: the caller frees or unpins the slots it writes."""
-        try:
-            yield
-        except BaseException:
             self._drain(stream)
+            self._faults.note(dev.ordinal, exc)
             raise
 
     def _drain(self, stream: Any) -> None:
@@ -590,7 +528,7 @@ class CudaCopyEngine:
         self, dev: _Device, direction: CopyDirection, path: CopyPath, t: Transfers
     ) -> None:
         """Wait for the batch just queued: COMPLETION's way for its path."""
-        stream = dev.save if direction == "save" else dev.load
+        stream = dev.stream(direction)
         flag = dev.flags.get(direction)
         if flag is None or COMPLETION[path] != "flag" or t.total_bytes > FLAG_MAX_BYTES:
             self._k.synchronize(stream)
@@ -606,7 +544,7 @@ class CudaCopyEngine:
         attrs = self._attrs.get(key)
         if attrs is None:
             attrs = self._attrs[key] = dma.attributes(direction, dev.ordinal)
-        stream = dev.save if direction == "save" else dev.load
+        stream = dev.stream(direction)
         chunks = (dev.pool.address, cuda_driver.POOL_CHUNK_BYTES)
         self._dma(dma.plan(src, dst, t, chunks), attrs, int(stream.handle))
 

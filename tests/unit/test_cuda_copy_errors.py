@@ -5,7 +5,6 @@ as the copier returns (run here with stand-ins for the driver and kernels)."""
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 from pegaflow import cuda_driver
 from pegaflow.copiers import cuda as cuda_copier
 from pegaflow.copiers.cuda import CudaCopyEngine
+from pegaflow.copiers.gpu_state import Faults, InFlight, Rates
 from pegaflow.errors import CopyFailed, DeviceBroken
 from pegaflow.geometry import Transfers
 
@@ -65,17 +65,14 @@ def _engine(path: str, log: list[str]) -> CudaCopyEngine:
         raise cuda_driver.CudaError("cuMemcpyBatchAsync: the second call refused")
 
     engine._dma = dma
-    engine._in_flight, engine._flight_lock, engine._rates = {}, threading.Lock(), {}
-    engine.faults = {}
+    engine._flights, engine._rates, engine._faults = InFlight(), Rates(), Faults()
     return engine
 
 
-def _device() -> tuple[SimpleNamespace, SimpleNamespace]:
+def _device() -> tuple[Any, SimpleNamespace]:
     save, load = Stream(name="S", handle=1), Stream(name="L", handle=2)
     pool = SimpleNamespace(address=1 << 30)
-    dev = SimpleNamespace(
-        ordinal=0, save=save, load=load, pool=pool, flags={}, spare_events=[]
-    )
+    dev = cuda_copier._Device(0, b"gpu0", pool, save, load)
     return dev, SimpleNamespace(device=dev, buffer=None)
 
 
@@ -96,7 +93,7 @@ def test_a_copy_failing_after_queueing_waits_for_the_stream(
         else:
             engine.scatter(regions, T)
     assert log == ["queued", f"sync {'S' if direction == 'save' else 'L'}"]
-    assert engine._in_flight == {(0, direction): 0}
+    assert engine._flights.counts() == {(0, direction): 0}
 
 
 class Events:
@@ -143,10 +140,10 @@ def test_a_launched_batch_is_timed_and_its_stream_freed(monkeypatch, direction) 
     # One batch per stream from the loop: the next goes by a copy thread.
     assert engine.launch(direction, regions, big) is None
     engine.finish_launched(first)
-    assert engine._in_flight[(0, direction)] == 0
+    assert engine._flights.counts()[(0, direction)] == 0
     assert dev.spare_events == [("e1", "e2")]
     size = (8 << 20).bit_length()
-    assert engine._rates[(0, direction, "kernel")] == {
+    assert engine._rates.by_size((0, direction, "kernel")) == {
         size: pytest.approx((8 << 20) / 2e-3)
     }
     ((ordinal, d, path, t, start, end),) = observed
@@ -168,10 +165,10 @@ def test_the_loop_never_launches_beside_two_batches_on_any_stream(
     engine._k = GoodKernels(log)
     _, regions = _device()
     for busy in [(0, "save"), (1, "load"), (1, "save")]:
-        engine._in_flight[busy] = 2
+        engine._flights.add(busy, 2)
         assert engine.busy(regions, "load")
         assert engine.launch("load", regions, T) is None
-        engine._in_flight[busy] = 1
+        engine._flights.add(busy, -1)
     assert engine.busy(regions, "save")  # its own stream has one in flight
     assert not engine.busy(regions, "load")
     launched = engine.launch("load", regions, T)
@@ -193,7 +190,8 @@ def test_a_launch_failing_after_queueing_drains_and_frees_its_stream(
     with pytest.raises(cuda_driver.CudaError):
         engine.launch("load", regions, T)
     assert log[-2:] == ["queued", "sync L"]
-    assert engine._in_flight[(0, "load")] == 0 and dev.spare_events == [("e1", "e2")]
+    assert engine._flights.counts()[(0, "load")] == 0
+    assert dev.spare_events == [("e1", "e2")]
 
 
 def test_a_failed_wait_drains_before_the_slots_go_back(monkeypatch) -> None:
@@ -205,8 +203,9 @@ def test_a_failed_wait_drains_before_the_slots_go_back(monkeypatch) -> None:
     launched = engine.launch("load", regions, T)
     assert launched is not None
     engine.finish_launched(launched, failed=True)
-    assert log[-1] == "sync L" and engine._in_flight[(0, "load")] == 0
-    assert dev.spare_events == [("e1", "e2")] and engine._rates == {}
+    assert log[-1] == "sync L" and engine._flights.counts()[(0, "load")] == 0
+    assert dev.spare_events == [("e1", "e2")]
+    assert engine._rates.rate((0, "load", "kernel"), 1 << 30) is None
 
 
 def test_each_size_class_learns_its_own_rate(monkeypatch) -> None:
@@ -272,7 +271,7 @@ def test_a_sticky_fault_breaks_the_device_until_restart(monkeypatch) -> None:
     with pytest.raises(DeviceBroken, match="--pool-file"):
         engine.launch("load", regions, T)
     assert log == []  # nothing reached the GPU
-    assert engine._in_flight == {(0, "load"): 0}
+    assert engine._flights.counts() == {(0, "load"): 0}
 
 
 def test_an_ordinary_copy_error_leaves_the_device_usable(monkeypatch) -> None:
