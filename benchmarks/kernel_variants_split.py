@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # source checkout
 
 from benchmarks import kernel_variants_paths as paths  # noqa: E402
-from benchmarks.common import table, write_json  # noqa: E402
+from benchmarks.common import write_json  # noqa: E402
 from benchmarks.kernel_variants import measure, measure_both_ceiling  # noqa: E402
 from benchmarks.kernel_variants_paths import CEILING, Run  # noqa: E402
 
@@ -163,26 +163,6 @@ def run_both(r: Run, shares: tuple[float, ...]) -> None:
             lambda: (a(), b()), ok, prepare, streams)  # fmt: skip
 
 
-def tables(rows: list[dict]) -> str:
-    out = []
-    for op in ("gather", "scatter", "both"):
-        mine = [x for x in rows if x["op"] == op]
-        sizes = list(dict.fromkeys(x["N"] for x in mine))
-        if not mine:
-            continue
-        of = " of 2 copies" if op == "both" else ""
-        out.append(f"\n{op}: GB/s (ratio to the ceiling{of})")
-        lines = []
-        for name in dict.fromkeys(x["variant"] for x in mine):
-            line: dict[str, object] = {"variant": name}
-            for n in sizes:
-                hit = [x for x in mine if x["variant"] == name and x["N"] == n]
-                line[f"N={n}"] = paths._cell(hit[0] if hit else None)
-            lines.append(line)
-        out.append(table(lines, ["variant", *(f"N={n}" for n in sizes)]))
-    return "\n".join(out)
-
-
 def both_ceiling(r: Run) -> None:
     """Two contiguous copies at once, for the 'both' rows' ratio."""
     measure_both_ceiling(r, SIM_BOTH_N if r.sim else BOTH_N)
@@ -210,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(
             "kernel_variants_split", {"meta": meta, "rows": r.rows}, str(args.json)
         )
-    print(tables(r.rows))
+    print(paths.tables(r.rows, sizes))
     bad = [x for x in r.rows if x.get("ok") is False]
     print(
         f"FAILED or errored: {len(bad)} cells"

@@ -74,21 +74,22 @@ def driver_status(code: int) -> Any:
 # Faults after which a CUDA context stays broken until the process exits: CUDA
 # returns the same error from every later call (its "sticky" errors), runtime
 # and driver names both (numba's messages carry the driver's).
+_STICKY_PAIRS = (  # (runtime name after cudaError, driver name after CUDA_ERROR_)
+    ("IllegalAddress", "ILLEGAL_ADDRESS"),
+    ("LaunchFailure", "LAUNCH_FAILED"),
+    ("IllegalInstruction", "ILLEGAL_INSTRUCTION"),
+    ("MisalignedAddress", "MISALIGNED_ADDRESS"),
+    ("InvalidAddressSpace", "INVALID_ADDRESS_SPACE"),
+    ("InvalidPc", "INVALID_PC"),
+    ("HardwareStackError", "HARDWARE_STACK_ERROR"),
+    ("Assert", "ASSERT"),
+    ("ECCUncorrectable", "ECC_UNCORRECTABLE"),
+    ("LaunchTimeout", "LAUNCH_TIMEOUT"),
+)
 STICKY = tuple(
     name
-    for base in (
-        "IllegalAddress:ILLEGAL_ADDRESS",
-        "LaunchFailure:LAUNCH_FAILED",
-        "IllegalInstruction:ILLEGAL_INSTRUCTION",
-        "MisalignedAddress:MISALIGNED_ADDRESS",
-        "InvalidAddressSpace:INVALID_ADDRESS_SPACE",
-        "InvalidPc:INVALID_PC",
-        "HardwareStackError:HARDWARE_STACK_ERROR",
-        "Assert:ASSERT",
-        "ECCUncorrectable:ECC_UNCORRECTABLE",
-        "LaunchTimeout:LAUNCH_TIMEOUT",
-    )  # fmt: skip
-    for name in (f"cudaError{base.split(':')[0]}", f"CUDA_ERROR_{base.split(':')[1]}")
+    for runtime, drv in _STICKY_PAIRS
+    for name in (f"cudaError{runtime}", f"CUDA_ERROR_{drv}")
 )
 
 

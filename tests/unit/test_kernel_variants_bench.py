@@ -73,4 +73,5 @@ def test_split_cells_move_every_byte_once() -> None:
     assert len(moved) == 2 * 2 * 4 + 4
     assert all(x["ok"] is True for x in r.rows), [x for x in r.rows if not x["ok"]]
     kernel_variants_paths.add_ratios(r.rows)
-    assert "dma 40% + kernel" in split.tables(r.rows)
+    text = kernel_variants_paths.tables(r.rows, (4, 5))
+    assert "dma 40% + kernel" in text and "save + load at once, N=3" in text
