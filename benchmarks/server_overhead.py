@@ -5,7 +5,7 @@ decode, validation, slot reservation, descriptor table, completion,
 publication, reply) that the GPU path runs too.
 
     python benchmarks/server_overhead.py [--sizes 1,64,640] [--reps 200]
-        [--page 512] [--profile FILE.prof] [--json FILE]
+        [--page 512] [--profile FILE.prof | --trace FILE.json] [--json FILE]
 
 Per N: client-side P50 of save and load, and from the server's /metrics the
 mean RPC time and the mean copy time (pegaflow_transfer_seconds) of the same
@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import phase_trace  # noqa: E402
 from benchmarks.common import table, write_json  # noqa: E402
 from benchmarks.transfer import server_sums  # noqa: E402
 from pegaflow.client import PegaflowClient  # noqa: E402
@@ -38,11 +39,13 @@ from pegaflow.kv_layouts import describe, vllm_layer_views  # noqa: E402
 LAYERS = 32
 
 
-def start(pool: str, profile: str | None) -> tuple[subprocess.Popen, str, str]:
+def start(
+    pool: str, profile: str | None, trace: str | None = None
+) -> tuple[subprocess.Popen, str, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         http = f"127.0.0.1:{sock.getsockname()[1]}"
-    pre = ["-m", "cProfile", "-o", profile] if profile else []
+    pre = phase_trace.python_args(profile, trace)
     cmd = [sys.executable, *pre, "-m", "pegaflow.cli", "--addr", "127.0.0.1:0"]
     cmd += ["--pool-size", pool, "--http-addr", http, "--log-level", "warning"]
     cmd += ["--no-progress", "--devices", "none"]
@@ -116,10 +119,11 @@ def main() -> int:
     p.add_argument("--page", type=int, default=512, help="bytes per layer page")
     p.add_argument("--pool", default="1gb")
     p.add_argument("--profile", help="cProfile the server into this file")
+    p.add_argument("--trace", help="phase_trace.py's JSON of the server, to this file")
     p.add_argument("--json", help="output path (default: print only)")
     args = p.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
-    proc, addr, http = start(args.pool, args.profile)
+    proc, addr, http = start(args.pool, args.profile, args.trace)
     try:
         rows = bench(addr, http, sizes, args.reps, args.page)
     finally:

@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import interference  # noqa: E402
+from benchmarks import interference, phase_trace  # noqa: E402
 from benchmarks.common import table, write_json  # noqa: E402
 from pegaflow.client import PegaflowClient  # noqa: E402
 from pegaflow.cuda_export import IpcEvents, export_kv  # noqa: E402
@@ -320,6 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the server under cProfile, its stats written to this file",
     )
     p.add_argument(
+        "--trace-server",
+        default=None,
+        help="time the server's request path (benchmarks/phase_trace.py), "
+        "its JSON written to this file when the server stops",
+    )
+    p.add_argument(
         "--server-arg",
         action="append",
         default=[],
@@ -342,18 +348,19 @@ def _sizes(text: str) -> list[int]:
 
 
 def start_server(
-    pool: str, *extra: str, profile: str | None = None
+    pool: str, *extra: str, profile: str | None = None, trace: str | None = None
 ) -> tuple[subprocess.Popen, str, str]:
     """(process, gRPC address, HTTP address) of a server on GPU 0; with
     `profile`, under cProfile (its event loop thread: the server's Python
-    bookkeeping, not the copy threads), stats written when it stops."""
+    bookkeeping, not the copy threads), stats written when it stops; with
+    `trace`, under benchmarks/phase_trace.py (durations of named calls)."""
     with socket.socket() as sock:  # a free port for /metrics
         sock.bind(("127.0.0.1", 0))
         http = f"127.0.0.1:{sock.getsockname()[1]}"
     proc, addr = spawn_server(
         "--pool-size", pool, "--devices", "0", "--no-progress",
         "--log-level", "warning", "--http-addr", http, *extra,
-        python_args=("-m", "cProfile", "-o", profile) if profile else (),
+        python_args=phase_trace.python_args(profile, trace),
     )  # fmt: skip
     return proc, addr, http
 
@@ -387,7 +394,11 @@ def run_shapes(args: argparse.Namespace) -> dict:
     pool = "4gb" if args.quick else "16gb"
     setting = interference.Setting(args.copy_path, args.copy_sm_cap)
     proc, addr, http = start_server(
-        pool, *setting.server_args(), *args.server_arg, profile=args.profile_server
+        pool,
+        *setting.server_args(),
+        *args.server_arg,
+        profile=args.profile_server,
+        trace=args.trace_server,
     )
     ceil = {"pinned": torch.empty(2 << 30, dtype=torch.int8, pin_memory=True)}
     rows, extra = [], {"copy_path": args.copy_path, "copy_sm_cap": args.copy_sm_cap,

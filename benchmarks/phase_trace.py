@@ -1,0 +1,180 @@
+"""Run the server with named functions timed, for where a request's time goes
+(issue 12: the 1-block load's server-side copy took 0.26-0.36 ms on the H200
+while the same copier alone took 0.13).
+
+Wraps each target ("module:Class.method" or "module:function", sync or async)
+with two perf_counter reads, runs `-m pegaflow.cli ARGS` in this process and,
+when it exits, writes per-target call counts and duration percentiles (µs) as
+JSON. Each wrapper costs ~1 µs a call, so only nesting of 10 µs and more is
+told apart. transfer.py runs its server under it with `--trace-server FILE`.
+
+    python3 benchmarks/phase_trace.py --out trace.json [--target T ...] \
+        -m pegaflow.cli --pool-size 4gb ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import functools
+import importlib
+import inspect
+import json
+import runpy
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # source checkout
+
+# The unix-socket load and save, from the reply down to the copy's wait.
+TARGETS = (
+    "pegaflow.socket_server:_SocketProtocol._answer",
+    "pegaflow.socket_server:_SocketProtocol._load",
+    "pegaflow.socket_server:_SocketProtocol._save",
+    "pegaflow.engine:Engine.load",
+    "pegaflow.engine:Engine.save",
+    "pegaflow.engine:Engine._copy",
+    "pegaflow.engine:Engine._load_transfers",
+    "pegaflow.engine:Engine._account",
+    "pegaflow.copiers.cuda:CudaCopyEngine.scatter",
+    "pegaflow.copiers.cuda:CudaCopyEngine.gather",
+    "pegaflow.copiers.cuda:CudaCopyEngine._queue",
+    "pegaflow.copiers.cuda:CudaCopyEngine._finish",
+    "pegaflow.copiers.cuda:CudaCopyEngine.event_done",
+    "pegaflow.cuda_driver:set_device",
+    "pegaflow.copiers.completion:StreamFlag.wait",
+    "pegaflow.copiers.dma:plan",
+    "kernels.cuda:scatter",
+    "kernels.cuda:gather",
+    "kernels.cuda:synchronize",
+    "kernels.cuda:CudaKernels._table",
+    "kernels.driver_launch:DriverLaunch.__call__",
+)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.seconds: dict[str, list[float]] = {}
+        self.threads: dict[str, set[str]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds.setdefault(name, []).append(seconds)
+            self.threads.setdefault(name, set()).add(threading.current_thread().name)
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name, values in self.seconds.items():
+            us = np.asarray(values) * 1e6
+            out[name] = {
+                "calls": len(us),
+                "p50_us": round(float(np.median(us)), 1),
+                "p90_us": round(float(np.percentile(us, 90)), 1),
+                "mean_us": round(float(us.mean()), 1),
+                "min_us": round(float(us.min()), 1),
+                "threads": sorted(self.threads[name]),
+            }
+        return out
+
+
+def timed(fn: Callable[..., Any], name: str, rec: Recorder) -> Callable[..., Any]:
+    clock = time.perf_counter
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def run_async(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                rec.add(name, clock() - start)
+
+        return run_async
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        start = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            rec.add(name, clock() - start)
+
+    return run
+
+
+def install(targets: list[str], rec: Recorder) -> None:
+    for target in targets:
+        module_name, _, path = target.partition(":")
+        owner: Any = importlib.import_module(module_name)
+        *parents, attr = path.split(".")
+        for part in parents:
+            owner = getattr(owner, part)
+        original = inspect.getattr_static(owner, attr)
+        if isinstance(original, staticmethod):
+            setattr(owner, attr, staticmethod(timed(original.__func__, target, rec)))
+        else:
+            setattr(owner, attr, timed(original, target, rec))
+
+
+def show(paths: list[Path]) -> None:
+    """One table per trace: the targets by call count, then p50."""
+    from benchmarks.common import table
+
+    for path in paths:
+        got = json.loads(path.read_text())
+        rows = [
+            {"target": name.split(":", 1)[1], **{k: v for k, v in r.items()}}
+            for name, r in sorted(got.items(), key=lambda kv: -kv[1]["p50_us"])
+        ]
+        for row in rows:
+            row["threads"] = ",".join(row["threads"])
+        print(f"\n{path.name}")
+        print(table(rows, list(rows[0])) if rows else "(no calls)")
+
+
+def python_args(profile: str | None, trace: str | None) -> tuple[str, ...]:
+    """What goes before `-m pegaflow.cli` for a benchmark's server: cProfile
+    into `profile`, or this tracer into `trace`, or nothing."""
+    if profile and trace:
+        raise SystemExit("profile and trace the server: choose one")
+    if profile:
+        return ("-m", "cProfile", "-o", profile)
+    if trace:
+        return (str(Path(__file__).resolve()), "--out", trace)
+    return ()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--target", action="append", default=None)
+    ap.add_argument("-m", dest="module")
+    ap.add_argument("--show", type=Path, nargs="+", help="print these traces, exit")
+    args, rest = ap.parse_known_args()
+    if args.show:
+        show(args.show)
+        return
+    if args.out is None or args.module is None:
+        ap.error("--out FILE and -m MODULE are needed to trace a run")
+    rec = Recorder()
+    install(args.target or list(TARGETS), rec)
+
+    def write() -> None:
+        args.out.write_text(json.dumps(rec.summary(), indent=1, sort_keys=True))
+
+    atexit.register(write)
+    sys.argv = [args.module, *rest]
+    runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
