@@ -50,11 +50,11 @@ TARGETS = (
     "pegaflow.cuda_driver:set_device",
     "pegaflow.copiers.completion:StreamFlag.wait",
     "pegaflow.copiers.dma:plan",
-    "kernels.cuda:scatter",
-    "kernels.cuda:gather",
-    "kernels.cuda:synchronize",
-    "kernels.cuda:CudaKernels._table",
-    "kernels.driver_launch:DriverLaunch.__call__",
+    "pegaflow.kernels.cuda:scatter",
+    "pegaflow.kernels.cuda:gather",
+    "pegaflow.kernels.cuda:synchronize",
+    "pegaflow.kernels.cuda:CudaKernels._table",
+    "pegaflow.kernels.driver_launch:DriverLaunch.__call__",
 )
 
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import cuda_driver, deadlines, kernels
+from .. import copy_wait, cuda_driver, deadlines, kernels
 from ..errors import CopyFailed, InvalidRequest
 from ..geometry import Transfers
 from . import dma
@@ -427,16 +427,20 @@ class CudaCopyEngine:
         when the batch must go by a copy thread instead: its stream has a
         batch in flight, or any stream two (the kernels' table of a third
         batch on a stream waits for the first one, under a lock every stream
-        shares: the loop must never wait there)."""
+        shares: the loop must never wait there), or its size class's rate
+        says it runs longer than copy_wait.LOOP_MAX_S."""
         dev = regions.device
         self._faults.check(dev.ordinal)
+        path = self._policy.choose_for(direction, t, dev.ordinal)
+        rate = self._rates.rate((dev.ordinal, direction, path), t.total_bytes)
+        if rate is not None and t.total_bytes / rate > copy_wait.LOOP_MAX_S:
+            return None
         if not self._flights.claim((dev.ordinal, direction)):
             return None
         events: tuple[Any, Any] | None = None
         try:
             cuda_driver.set_device(dev.ordinal)
             deadlines.check(deadline, direction)
-            path = self._policy.choose_for(direction, t, dev.ordinal)
             events = self._timing_events(dev)
             stream = dev.stream(direction)
             handle = int(stream.handle)
@@ -450,7 +454,6 @@ class CudaCopyEngine:
                 dev.spare_events.append(events)
             self._flights.add((dev.ordinal, direction), -1)
             raise
-        rate = self._rates.rate((dev.ordinal, direction, path), t.total_bytes)
         queued = time.perf_counter()
         expected = None if rate is None else queued + t.total_bytes / rate
         return Launched(dev, direction, path, t, events, start, expected)

@@ -275,8 +275,8 @@ def test_copies_awaited_on_the_loop_move_the_same_bytes(
         assert got == expected
     ways = {w: srv.metric("pegaflow_copy_waits_total", f'way="{w}"')
             for w in ("loop", "late", "thread")}  # fmt: skip
-    if wait == "loop":  # saves wait for a's event: on a thread
-        assert ways["loop"] + ways["late"] == 4 and ways["thread"] == 4
+    if wait == "loop":  # every load; a save whose event already completed too
+        assert sum(ways.values()) == 8 and ways["loop"] + ways["late"] >= 4
         assert ways["late"] >= 1 and ways["loop"] >= 1  # the first taught the rate
     else:
         assert ways == {"loop": 0, "late": 0, "thread": 8}
