@@ -104,7 +104,7 @@ def check_launch(width: int, max_blocks: int | None) -> None:
 
 def descriptor_table(src: Buffer, dst: Buffer, t: Transfers) -> np.ndarray:
     """int64 [3, n]: rows src offset, dst offset, nbytes; every range checked."""
-    _check_arrays(t)
+    check_arrays(t)
     table = np.empty((3, len(t)), np.uint64)
     np.subtract(t.src, np.uint64(src.address), out=table[0])  # wraps below base:
     np.subtract(t.dst, np.uint64(dst.address), out=table[1])  # caught as too big
@@ -115,7 +115,7 @@ def descriptor_table(src: Buffer, dst: Buffer, t: Transfers) -> np.ndarray:
     return table.view(np.int64)  # offsets < 2**63 once inside a buffer
 
 
-def _check_arrays(t: Transfers) -> None:
+def check_arrays(t: Transfers) -> None:
     if not isinstance(t, Transfers):
         raise InternalError(f"transfers: expected Transfers, got {type(t).__name__}")
     n = None

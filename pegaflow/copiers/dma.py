@@ -3,10 +3,11 @@
 The copy engines use no SMs, so a batch they move leaves the engine's kernels
 alone; which batches go here is pegaflow.copiers.cuda's CopyPolicy. Two parts:
 
-- `plan`: pure numpy. Checks the table against its buffers (the kernels' own
-  checks, pegaflow.kernels.plan), drops empty rows and merges pages contiguous
-  on both sides (pegaflow.runs.merge_adjacent) into the three uint64 arrays
-  the driver takes. No Python object per page.
+- `plan`: one compiled pass (pegaflow.kernels.table_jit): the kernels' own
+  checks of the table against its buffers, then empty rows dropped, pages
+  contiguous on both sides merged and copies cut at the pool's registration
+  edges, into the three uint64 arrays the driver takes. No Python object per
+  page; ~20 numpy calls took ~110 µs of a 1-block save on the H200.
 - `MemcpyBatch`: the driver entry point called through ctypes with those
   arrays' addresses. cuda-python's binding wants a list of CUdeviceptr objects,
   about 0.5 us per page to build (7 ms for 20,480 pages on the H200).
@@ -30,11 +31,12 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pegaflow.kernels.plan import Buffer, descriptor_table
+from pegaflow.kernels import table_jit
+from pegaflow.kernels.plan import Buffer, check_arrays, descriptor_table
 
 from .. import cuda_driver
+from ..errors import InternalError
 from ..geometry import Transfers
-from ..runs import merge_adjacent
 
 logger = logging.getLogger(__name__)
 
@@ -102,41 +104,14 @@ def plan(
     no copy spans two registrations (merged runs, or a slot of a slab size
     that does not divide the chunk, are cut at the chunk edge); the pool is
     the host side, src for a load and dst for a save."""
-    descriptor_table(src, dst, t)  # every range inside its buffer, dsts disjoint
-    keep = t.nbytes > 0
-    srcs, dsts, sizes = t.src[keep], t.dst[keep], t.nbytes[keep]
-    (dsts, srcs), sizes = merge_adjacent([dsts, srcs], sizes)
-    if pool_chunks is not None:
-        base, chunk = pool_chunks
-        pool_is_dst = dst.address <= base < dst.address + dst.nbytes
-        host, other = (dsts, srcs) if pool_is_dst else (srcs, dsts)
-        host, other, sizes = cut_at_edges(host, other, sizes, base, chunk)
-        dsts, srcs = (host, other) if pool_is_dst else (other, host)
-    as_words = functools.partial(np.ascontiguousarray, dtype=np.uint64)
-    return BatchPlan(as_words(dsts), as_words(srcs), as_words(sizes), len(t))
-
-
-def cut_at_edges(
-    host: np.ndarray, other: np.ndarray, sizes: np.ndarray, base: int, chunk: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Copies cut where `host` crosses base + k * chunk (both sides cut alike,
-    order kept). Vectorised: most batches cross no edge and come back as
-    they are."""
-    host, other = host.astype(np.uint64), other.astype(np.uint64)
-    sizes = sizes.astype(np.uint64)
-    c = np.uint64(chunk)
-    first = (host - np.uint64(base)) // c
-    last = (host + sizes - np.uint64(1) - np.uint64(base)) // c
-    pieces = (last - first + np.uint64(1)).astype(np.int64)
-    if (pieces == 1).all():
-        return host, other, sizes
-    row = np.repeat(np.arange(len(sizes)), pieces)
-    k = np.arange(len(row)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-    edge = np.uint64(base) + (first[row] + k.astype(np.uint64)) * c  # chunk k's start
-    lo = np.maximum(host[row], edge)
-    hi = np.minimum(host[row] + sizes[row], edge + c)
-    shift = lo - host[row]
-    return lo, other[row] + shift, hi - lo
+    check_arrays(t)
+    if not table_jit.checked(src, dst, t):
+        descriptor_table(src, dst, t)  # raises, naming the field
+        raise InternalError("transfers: refused by the compiled check only")
+    base, chunk = pool_chunks if pool_chunks is not None else (0, 0)
+    pool_is_dst = dst.address <= base < dst.address + dst.nbytes
+    dsts, srcs, sizes = table_jit.merge_cut(t, pool_is_dst, base, chunk)
+    return BatchPlan(dsts, srcs, sizes, len(t))
 
 
 _ARGS = (
