@@ -261,8 +261,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-tcp-host-engines",
         action="store_true",
         help="accept host-memory registrations over TCP from processes of the "
-        "caller's own uid (loopback only). Off: over TCP the kernel cannot say "
-        "which process asks, so host engines register over the unix socket",
+        "caller's own uid (connections from this host only). Off: over TCP the "
+        "kernel cannot say which process asks, so host engines register over "
+        "the unix socket",
+    )
+    p.add_argument(
+        "--allow-remote-engines",
+        action="store_true",
+        help="accept engine RPCs (register, query, save, load, session) over "
+        "gRPC from other hosts or network namespaces. Off: with a routable "
+        "--addr (peers on) they are refused, or any host could probe and lease "
+        "what an instance has cached; engines use the unix socket or loopback",
     )
     _ssd_flags(p)
     p.add_argument(
@@ -401,6 +410,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         socket=None if args.socket == "off" else args.socket,
         log_level=args.log_level,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
+        allow_remote_engines=args.allow_remote_engines,
         pool=PoolConfig(**pool_kwargs),
         engine=EngineConfig(
             enable_lfu_admission=args.enable_lfu_admission,

@@ -337,6 +337,10 @@ class ServerConfig:
     # Bounds checked by grpc before a message is parsed (pegaflow.limits).
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS
+    # Engine RPCs over gRPC from callers the kernel cannot place on this host
+    # (other hosts, other network namespaces): refused unless set
+    # (pegaflow.service.LocalEngines).
+    allow_remote_engines: bool = False
     # Unix socket for fast prefix queries: a path, "auto" (a per-server path in
     # the temp directory) or None (off).
     socket: str | None = "auto"

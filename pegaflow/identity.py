@@ -1,11 +1,14 @@
 """Who is asking: the kernel's word, never the request's.
 
 On the unix socket, SO_PEERCRED names the connecting process and its uid. On
-loopback TCP the kernel still knows the uid that owns the client's socket
-(/proc/net/tcp), but not which process holds it. A registration that lets the
-server read or write a process's host memory is accepted only for a process the
-kernel vouches for: the caller itself on the socket; with
---allow-tcp-host-engines, a process of the caller's uid over loopback TCP.
+TCP from this host (loopback, or one of the host's own addresses) the kernel
+still knows the uid that owns the client's socket (NETLINK_SOCK_DIAG, or
+/proc/net/tcp), but not which process holds it; a socket of another host or
+network namespace it does not know at all (`Caller.local` is False). A
+registration that lets the server read or write a process's host memory is
+accepted only for a process the kernel vouches for: the caller itself on the
+socket; with --allow-tcp-host-engines, a process of the caller's uid over TCP
+from this host.
 """
 
 from __future__ import annotations
@@ -40,7 +43,13 @@ class Caller:
 
     transport: Transport
     pid: int = UNKNOWN  # known on the unix socket only
-    uid: int = UNKNOWN  # unix socket; loopback TCP when looked up
+    uid: int = UNKNOWN  # unix socket; TCP from this host when looked up
+    on_host: bool = False  # TCP: loopback, or a socket of this network namespace
+
+    @property
+    def local(self) -> bool:
+        """Whether the kernel places the caller on this host."""
+        return self.transport == "unix" or self.on_host
 
     @property
     def label(self) -> str:
@@ -57,23 +66,54 @@ def unix_peer(sock: socket.socket) -> Caller:
 
 def tcp_peer(peer: str, server_port: int) -> Caller:
     """A gRPC peer string ('ipv4:127.0.0.1:5432', 'ipv6:[::1]:5432'), with the
-    uid owning its socket when it is a loopback connection of this host."""
-    return Caller("tcp", UNKNOWN, _loopback_uid(peer, server_port))
+    uid owning its socket when the connection comes from this host: over
+    loopback, or from one of the host's own addresses (a client of the
+    server's routable --addr on the same host)."""
+    parsed = _peer_address(peer)
+    if parsed is None:
+        return Caller("tcp")
+    addr, port = parsed
+    if not addr.is_loopback:
+        uid = _diag_uid(addr, port, server_port, loopback_too=False)
+        return Caller("tcp", UNKNOWN, uid, True) if uid is not None else Caller("tcp")
+    return Caller("tcp", UNKNOWN, _loopback_uid(addr, port, server_port), True)
 
 
-def _loopback_uid(peer: str, server_port: int) -> int:
+def peer_on_host(peer: str, server_port: int) -> bool:
+    """Whether the kernel places a gRPC peer on this host: a loopback address
+    (no lookup needed), or a socket of this network namespace connected to
+    the server from one of its own addresses."""
+    parsed = _peer_address(peer)
+    if parsed is None:
+        return False
+    addr, port = parsed
+    if addr.is_loopback:
+        return True
+    return _diag_uid(addr, port, server_port, loopback_too=False) is not None
+
+
+def _peer_address(
+    peer: str,
+) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int] | None:
+    """A TCP peer's address (an IPv4 one where a dual-stack listener shows it
+    v4-mapped) and port; None for anything else."""
     family, _, rest = peer.partition(":")
     host, _, port = rest.rpartition(":")
+    if family not in ("ipv4", "ipv6"):
+        return None
     try:
         addr = ipaddress.ip_address(host.strip("[]"))
         port_no = int(port)
     except ValueError:
-        return UNKNOWN
-    mapped = getattr(addr, "ipv4_mapped", None)  # a dual-stack listener's view
-    if family not in ("ipv4", "ipv6") or not (mapped or addr).is_loopback:
-        return UNKNOWN
-    v4 = mapped or (addr if addr.version == 4 else None)
-    uid = _diag_uid(v4 or addr, port_no, server_port)
+        return None
+    return getattr(addr, "ipv4_mapped", None) or addr, port_no
+
+
+def _loopback_uid(
+    addr: ipaddress.IPv4Address | ipaddress.IPv6Address, port_no: int, server_port: int
+) -> int:
+    v4 = addr if addr.version == 4 else None
+    uid = _diag_uid(addr, port_no, server_port)
     if uid is not None:
         return uid
     # Either side may hold an IPv6 socket with a v4-mapped address (gRPC does).
@@ -92,16 +132,22 @@ def _loopback_uid(peer: str, server_port: int) -> int:
 
 
 def _diag_uid(
-    client: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int, server_port: int
+    client: ipaddress.IPv4Address | ipaddress.IPv6Address,
+    port: int,
+    server_port: int,
+    loopback_too: bool = True,
 ) -> int | None:
     """The kernel's one-connection lookup (pegaflow.sock_diag) of the client's
-    socket, toward the client's own loopback address (what a client of
-    127.0.0.1 or ::1 connects from and to) or the usual one; None when that
-    finds nothing or netlink is unavailable (the caller scans /proc then).
-    An IPv4 lookup finds IPv6 sockets with v4-mapped addresses too."""
+    socket, toward the client's own address (what a client of 127.0.0.1, ::1
+    or this host's own address connects from and to) or the usual loopback
+    one; None when that finds nothing (a socket of another host or network
+    namespace is not in this one's table) or netlink is unavailable (the
+    caller scans /proc then, for loopback peers). An IPv4 lookup finds IPv6
+    sockets with v4-mapped addresses too."""
     usual = ipaddress.ip_address("127.0.0.1" if client.version == 4 else "::1")
+    servers = (client, usual) if loopback_too else (client,)
     try:
-        for server in dict.fromkeys((client, usual)):
+        for server in dict.fromkeys(servers):
             uid = tcp_socket_uid((client, port), (server, server_port))
             if uid is not None:
                 return uid
@@ -222,7 +268,7 @@ def check_host_memory_owner(
     if caller.uid == UNKNOWN:
         raise PermissionDenied(
             f"{field}: the server cannot tell which user is asking (not a "
-            f"loopback connection of this host); {_TCP_HINT}"
+            f"connection from this host); {_TCP_HINT}"
         )
     if info.uid != caller.uid:
         raise PermissionDenied(

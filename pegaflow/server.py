@@ -37,7 +37,7 @@ from .report import (
     health_report,
     on_loop,
 )
-from .service import ErrorInterceptor, PegaFlowServicer
+from .service import ErrorInterceptor, LocalEngines, PegaFlowServicer
 from .socket_server import SocketServerInfo, start_socket_server
 from .sockfile import check_path, unlink_if_ours
 from .startup import StartupError, bind_error, bind_failed
@@ -218,8 +218,9 @@ def _bind_grpc(config: ServerConfig, metrics: Metrics) -> tuple[grpc.aio.Server,
     # A probe first: grpc's own failure is a bare 0 and a log line from its core.
     if (error := bind_error("--addr", config.addr, host, port)) is not None:
         raise error
+    gate = LocalEngines(config.allow_remote_engines)
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor(metrics)],
+        interceptors=[ErrorInterceptor(metrics), gate],
         # Beyond it gRPC answers RESOURCE_EXHAUSTED itself. Every engine worker
         # holds one Session stream open, so it sits well above the workers.
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
@@ -236,6 +237,7 @@ def _bind_grpc(config: ServerConfig, metrics: Metrics) -> tuple[grpc.aio.Server,
         bound = 0
     if bound == 0:  # taken between the probe and now
         raise StartupError(f"--addr: cannot listen on {config.addr}; try again")
+    gate.port = bound  # finds callers' sockets by their connection to it
     return server, bound
 
 

@@ -15,9 +15,9 @@ from . import deadlines
 from .boundary import guarded
 from .copiers.base import CudaExport
 from .engine import Engine
-from .errors import InvalidRequest, PegaflowError
+from .errors import InvalidRequest, PegaflowError, PermissionDenied
 from .geometry import LayerLayout, Segment
-from .identity import CallContext, Caller, tcp_peer
+from .identity import CallContext, Caller, peer_on_host, tcp_peer
 from .instances import Worker
 from .metrics import Metrics
 from .proto import pegaflow_pb2 as pb
@@ -64,6 +64,83 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+ENGINE_METHODS = f"/{pb.DESCRIPTOR.services_by_name['PegaFlow'].full_name}/"
+OPEN_METHODS = frozenset({"ServerInfo"})  # what any host may ask
+
+
+class LocalEngines(grpc.aio.ServerInterceptor):
+    """Engine RPCs only from callers the kernel places on this host (loopback,
+    or a socket of this network namespace from one of its own addresses),
+    unless allow_remote. With a routable --addr (peers on) any host could
+    otherwise query an instance's cache (a cached prompt is a secret) and
+    take leases up to its cap, or hold Session streams open. An engine's
+    memory is reachable from its own host only (CUDA IPC, process_vm_*), so
+    a remote engine has nothing to register anyway. `port` is the bound one."""
+
+    def __init__(self, allow_remote: bool) -> None:
+        self.allow_remote = allow_remote
+        self.port = 0
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]
+        ],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method = details.method.rsplit("/", 1)[-1]
+        if (
+            handler is None
+            or self.allow_remote
+            or not details.method.startswith(ENGINE_METHODS)
+            or method in OPEN_METHODS
+        ):
+            return handler
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def checked(
+                request: object, context: grpc.aio.ServicerContext
+            ) -> object:
+                self._check(method, context.peer())
+                return await inner(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                checked,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            inner_stream = handler.stream_stream
+
+            async def checked_stream(
+                requests: AsyncIterator[object], context: grpc.aio.ServicerContext
+            ) -> AsyncIterator[object]:
+                try:
+                    self._check(method, context.peer())
+                except PermissionDenied as exc:
+                    await context.abort(exc.code, str(exc))
+                async for reply in inner_stream(requests, context):
+                    yield reply
+
+            return grpc.stream_stream_rpc_method_handler(
+                checked_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    def _check(self, method: str, peer: str) -> None:
+        if not peer_on_host(peer, self.port):
+            raise PermissionDenied(
+                f"{method}: refused for {peer}: engine RPCs are served to "
+                "processes of this host only (the unix socket, loopback, or "
+                "this host's own address); start the server with "
+                "--allow-remote-engines to accept other hosts"
+            )
 
 
 def _ids(values: object, field: str) -> np.ndarray:

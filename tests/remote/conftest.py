@@ -65,6 +65,9 @@ class Cluster:
             "--remote-fetch-timeout", "5",
             "--remote-quarantine", "3",
             "--socket", str(self.tmp / f"node{i}.sock"),
+            # The vLLM engines of test_remote_connector run in this process,
+            # the root namespace: to a node's server, another host.
+            "--allow-remote-engines",
             *extra,
             prefix=tuple(node.argv()),
             env={"PEGAFLOW_PEER_TOKEN": token},
