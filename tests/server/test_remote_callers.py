@@ -11,19 +11,17 @@ another user's query passed the uid check that loopback callers face."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
-import grpc
 import pytest
 
-from pegaflow.proto import pegaflow_pb2 as pb
-from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
-from tests.kvbuf import hashes
-from tests.procs import ROOT, EngineProc, ServerProc, _env, start_server
+from tests.procs import ROOT, ServerProc, _env, start_server
 from tests.remote.netns import Netns, NetnsUnavailable, Node
-from tests.server.test_trust import NOBODY, _run_as, needs_root
+from tests.server.test_trust import assert_only_the_owner_queries, needs_root, tenant
 
 PROBE = (
     "import grpc\n"
@@ -60,17 +58,6 @@ def net() -> Iterator[tuple[Netns, Node]]:
         ns.close()
 
 
-def _tenant(server: ServerProc) -> tuple[EngineProc, list[bytes]]:
-    """root's instance 'tenant' holding four blocks; their hashes."""
-    owner = EngineProc()
-    owner.call("init", layout="LBNHC", layers=2, blocks=16, heads=2,
-               block_size=4, head=64, seed=1)  # fmt: skip
-    owner.call("register", addr=server.addr, instance="tenant", namespace="ns")
-    hs = [h.hex() for h in hashes(4)]
-    assert owner.call("save", block_ids=[0, 1, 2, 3], hashes=hs)["stored"] == 4
-    return owner, [bytes.fromhex(h) for h in hs]
-
-
 def _probe(node: Node | None, addr: str, wire: list[bytes]) -> dict[str, str]:
     code = PROBE.format(addr=addr, wire=wire)
     argv = [sys.executable, "-c", code]
@@ -82,14 +69,21 @@ def _probe(node: Node | None, addr: str, wire: list[bytes]) -> dict[str, str]:
     return dict(line.split(" ", 1) for line in out.stdout.splitlines())
 
 
+@contextlib.contextmanager
+def routable_server(ns: Netns, tmp_path: Path, *args: str) -> Iterator[ServerProc]:
+    """A server on the bridge's address: routable, not loopback."""
+    server = start_server(
+        tmp_path, "--pool-size", "16mb", "--addr", f"{ns.host_address}:0", *args
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def test_another_host_gets_server_info_and_nothing_else(net, tmp_path) -> None:
     ns, node = net
-    server = start_server(
-        tmp_path, "--pool-size", "16mb", "--addr", f"{ns.host_address}:0"
-    )
-    owner = None
-    try:
-        owner, wire = _tenant(server)
+    with routable_server(ns, tmp_path) as server, tenant(server) as wire:
         got = _probe(node, server.addr, wire)
         assert got["info"].startswith("OK")
         for call in ("query", "release", "session"):
@@ -100,29 +94,17 @@ def test_another_host_gets_server_info_and_nothing_else(net, tmp_path) -> None:
         # is not needed, the kernel finds their sockets in its table.
         here = _probe(None, server.addr, wire)
         assert here["query"] == "OK 4", here
-        for call in ("release", "session"):  # past the gate, to the engine's own checks
+        for call in ("release", "session"):  # past the gate, to the engine's checks
             assert "--allow-remote-engines" not in here[call], here
-    finally:
-        if owner is not None:
-            owner.close()
-        server.stop()
 
 
 def test_allow_remote_engines_lets_another_host_query(net, tmp_path) -> None:
     ns, node = net
-    server = start_server(
-        tmp_path, "--pool-size", "16mb", "--addr", f"{ns.host_address}:0",
-        "--allow-remote-engines",
-    )  # fmt: skip
-    owner = None
-    try:
-        owner, wire = _tenant(server)
-        got = _probe(node, server.addr, wire)
-        assert got["query"] == "OK 4", got  # the operator said so
-    finally:
-        if owner is not None:
-            owner.close()
-        server.stop()
+    with (
+        routable_server(ns, tmp_path, "--allow-remote-engines") as server,
+        tenant(server) as wire,
+    ):
+        assert _probe(node, server.addr, wire)["query"] == "OK 4"  # the operator's call
 
 
 @needs_root
@@ -132,29 +114,5 @@ def test_another_user_of_this_host_is_looked_up_on_its_routable_address(
     """The sixth session's uid check, reached around through the host's own
     routable address instead of loopback: looked up there too now."""
     ns, _ = net
-    server = start_server(
-        tmp_path, "--pool-size", "16mb", "--addr", f"{ns.host_address}:0"
-    )
-    owner = None
-    try:
-        owner, wire = _tenant(server)
-        probe = (
-            f"stub = pbg.PegaFlowStub(grpc.insecure_channel({server.addr!r}))\n"
-            "req = pb.QueryPrefixRequest(instance_id='tenant', "
-            f"block_hashes={wire!r})\n"
-            "try:\n    r = stub.QueryPrefix(req, timeout=10)\n"
-            "    print('ANSWERED', r.ready.num_blocks)\n"
-            "except grpc.RpcError as e:\n    print(e.code().name, e.details())\n"
-        )
-        out = _run_as(NOBODY, probe)
-        assert out.returncode == 0, out.stderr
-        assert "PERMISSION_DENIED" in out.stdout, out.stdout
-        assert f"the caller is uid {NOBODY}" in out.stdout
-        with grpc.insecure_channel(server.addr) as channel:
-            req = pb.QueryPrefixRequest(instance_id="tenant", block_hashes=wire)
-            got = pb_grpc.PegaFlowStub(channel).QueryPrefix(req, timeout=10)
-        assert got.ready.num_blocks == 4
-    finally:
-        if owner is not None:
-            owner.close()
-        server.stop()
+    with routable_server(ns, tmp_path) as server, tenant(server) as wire:
+        assert_only_the_owner_queries(server.addr, wire)

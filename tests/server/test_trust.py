@@ -8,6 +8,7 @@ processes whose memory must stay untouched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -323,6 +324,14 @@ def test_another_user_cannot_probe_an_instance_over_grpc(server) -> None:
     secret) and took leases against that instance's cap. The unix socket
     refused that user (the kernel names it), gRPC answered. Now the
     loopback caller's uid is looked up there too."""
+    with tenant(server) as wire:
+        assert_only_the_owner_queries(server.addr, wire)
+
+
+@contextlib.contextmanager
+def tenant(server: ServerProc) -> Iterator[list[bytes]]:
+    """root's instance 'tenant' holding four blocks: their hashes, while it
+    stays registered."""
     owner = EngineProc()
     try:
         owner.call("init", layout="LBNHC", layers=2, blocks=16, heads=2,
@@ -330,23 +339,27 @@ def test_another_user_cannot_probe_an_instance_over_grpc(server) -> None:
         owner.call("register", addr=server.addr, instance="tenant", namespace="ns")
         hs = [h.hex() for h in hashes(4)]
         assert owner.call("save", block_ids=[0, 1, 2, 3], hashes=hs)["stored"] == 4
-        wire = [bytes.fromhex(h) for h in hs]
-        probe = (
-            f"stub = pbg.PegaFlowStub(grpc.insecure_channel({server.addr!r}))\n"
-            "req = pb.QueryPrefixRequest(instance_id='tenant', "
-            f"block_hashes={wire!r})\n"
-            "try:\n    r = stub.QueryPrefix(req, timeout=10)\n"
-            "    print('ANSWERED', r.ready.num_blocks, r.ready.lease_id)\n"
-            "except grpc.RpcError as e:\n    print(e.code().name, e.details())\n"
-        )
-        out = _run_as(NOBODY, probe)
-        assert out.returncode == 0, out.stderr
-        assert "PERMISSION_DENIED" in out.stdout, out.stdout
-        assert f"the caller is uid {NOBODY}" in out.stdout
-        # The owner's own queries over gRPC still answer.
-        with grpc.insecure_channel(server.addr) as channel:
-            req = pb.QueryPrefixRequest(instance_id="tenant", block_hashes=wire)
-            got = pb_grpc.PegaFlowStub(channel).QueryPrefix(req, timeout=10)
-        assert got.ready.num_blocks == 4
+        yield [bytes.fromhex(h) for h in hs]
     finally:
         owner.close()
+
+
+def assert_only_the_owner_queries(addr: str, wire: list[bytes]) -> None:
+    """User nobody's QueryPrefix of 'tenant' over gRPC at `addr` is refused
+    naming its uid; root's own answers."""
+    probe = (
+        f"stub = pbg.PegaFlowStub(grpc.insecure_channel({addr!r}))\n"
+        "req = pb.QueryPrefixRequest(instance_id='tenant', "
+        f"block_hashes={wire!r})\n"
+        "try:\n    r = stub.QueryPrefix(req, timeout=10)\n"
+        "    print('ANSWERED', r.ready.num_blocks, r.ready.lease_id)\n"
+        "except grpc.RpcError as e:\n    print(e.code().name, e.details())\n"
+    )
+    out = _run_as(NOBODY, probe)
+    assert out.returncode == 0, out.stderr
+    assert "PERMISSION_DENIED" in out.stdout, out.stdout
+    assert f"the caller is uid {NOBODY}" in out.stdout
+    with grpc.insecure_channel(addr) as channel:
+        req = pb.QueryPrefixRequest(instance_id="tenant", block_hashes=wire)
+        got = pb_grpc.PegaFlowStub(channel).QueryPrefix(req, timeout=10)
+    assert got.ready.num_blocks == 4
