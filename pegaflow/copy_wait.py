@@ -34,11 +34,6 @@ POLL_S = 1e-3  # polling past the expected end before handing to a thread
 # (~3 ms) and lost 2-7 % on 640- and 2560-block loads (27 / 110 ms), where a
 # thread's hand-off is ~1 % of the copy.
 LOOP_MAX_S = 8e-3
-# How long the loop polls an engine's event before an event-ordered save goes
-# to a copy thread's wait (whose hand-off costs ~0.2-0.5 ms on the H200): an
-# engine's event recorded just before its save completes within tens of µs
-# when its stream is idle or about to be.
-EVENT_POLL_S = 100e-6
 
 
 class Launched(Protocol):
@@ -97,16 +92,3 @@ async def _until_done(copier: LaunchingCopier, launched: Launched) -> bool:
             return False
         await asyncio.sleep(0)  # one loop iteration: other requests go on
     return True
-
-
-async def completes_soon(done: Any, within_s: float = EVENT_POLL_S) -> bool:
-    """Whether `done()`, false when called, turns true within `within_s`,
-    asked between loop iterations (other requests go on meanwhile): an
-    event-ordered save whose event completes that soon is copied from the
-    loop, not a thread."""
-    give_up = time.perf_counter() + within_s
-    while time.perf_counter() < give_up:
-        await asyncio.sleep(0)
-        if done():
-            return True
-    return False

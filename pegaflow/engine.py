@@ -206,10 +206,10 @@ class Engine:
         ok = False
         try:
             # An event-gated copy waits for the engine's compute: never on the
-            # loop, unless the event completed already or within a few loop
-            # iterations (then it needs no wait; a hop to a thread costs more
-            # than a small copy). Host copiers refuse any event, here.
-            if wait_event and not await self._event_soon(worker, wait_event):
+            # loop, unless the event already completed (then it needs no wait;
+            # a hop to a thread costs more than a small copy). Host copiers
+            # refuse any event, here.
+            if wait_event and not worker.copier.event_done(worker.handle, wait_event):
                 gather = functools.partial(gather, wait_event=wait_event)
                 inline = False
             else:
@@ -228,18 +228,6 @@ class Engine:
             self.store.finish_save(res, ok)
         self._account("save", len(res.keys), transfers.total_bytes, seconds)
         return SaveResult(len(res.keys), res.deduplicated, res.rejected)
-
-    async def _event_soon(self, worker: Worker, wait_event: int) -> bool:
-        """Whether the worker's event completes within copy_wait.EVENT_POLL_S;
-        its memory stays open meanwhile (an unregister waits for the op)."""
-        done = functools.partial(worker.copier.event_done, worker.handle, wait_event)
-        if done():  # no wait at all, the usual case once the engine's step ended
-            return True
-        worker.active_ops += 1
-        try:
-            return await copy_wait.completes_soon(done)
-        finally:
-            self.registry.finish_op(worker)
 
     @staticmethod
     def _layers(layer_ids: np.ndarray | None, num_layers: int) -> np.ndarray:
