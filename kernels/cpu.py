@@ -21,6 +21,7 @@ import numpy as np
 from pegaflow.errors import InternalError
 
 from .base import CopyKernels
+from .jit import njit
 from .plan import Buffer, LaunchShape, aligned_empty, check_buffer
 
 logger = logging.getLogger(__name__)
@@ -49,11 +50,11 @@ def _copy_table_py(src: np.ndarray, dst: np.ndarray, table: np.ndarray) -> None:
 @functools.cache
 def _copy_table() -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
     try:
-        import numba
+        import numba  # noqa: F401 - only whether it is there
     except ImportError:
         logger.info("numba missing: CPU copies loop in Python")
         return _copy_table_py
-    return numba.njit(cache=True, nogil=True)(_copy_table_py)
+    return njit(_copy_table_py, nogil=True)
 
 
 def wrap(

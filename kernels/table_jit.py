@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .jit import njit
 from .plan import STAGE_ALIGN
 
 OK, OUT_OF_RANGE, OVERLAP = 0, -1, -2
@@ -159,14 +160,13 @@ def _merge_cut(
 def compiled() -> tuple[Callable[..., Any], ...]:
     """(check_into, split_count, split_into, merge_cut), numba-compiled (cached on disk;
     the first call of a process compiles or loads them)."""
-    import numba
 
     # Explicit signatures: compiled (or loaded from the cache) here, at the
     # server's start, never on a first copy; any array layout is accepted.
     def jit(signature: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         # Bounds checked: a wrong index is an IndexError, never a write
         # outside a table (the cost is not measurable at these sizes).
-        return numba.njit(signature, cache=True, nogil=True, boundscheck=True)(fn)
+        return njit(fn, signature, nogil=True, boundscheck=True)
 
     return (
         jit(
