@@ -4,7 +4,7 @@ On the unix socket, SO_PEERCRED names the connecting process and its uid. On
 TCP from this host (loopback, or one of the host's own addresses) the kernel
 still knows the uid that owns the client's socket (NETLINK_SOCK_DIAG, or
 /proc/net/tcp), but not which process holds it; a socket of another host or
-network namespace it does not know at all (`Caller.local` is False). A
+network namespace it does not know at all (`peer_on_host` is False). A
 registration that lets the server read or write a process's host memory is
 accepted only for a process the kernel vouches for: the caller itself on the
 socket; with --allow-tcp-host-engines, a process of the caller's uid over TCP
@@ -44,12 +44,6 @@ class Caller:
     transport: Transport
     pid: int = UNKNOWN  # known on the unix socket only
     uid: int = UNKNOWN  # unix socket; TCP from this host when looked up
-    on_host: bool = False  # TCP: loopback, or a socket of this network namespace
-
-    @property
-    def local(self) -> bool:
-        """Whether the kernel places the caller on this host."""
-        return self.transport == "unix" or self.on_host
 
     @property
     def label(self) -> str:
@@ -75,8 +69,8 @@ def tcp_peer(peer: str, server_port: int) -> Caller:
     addr, port = parsed
     if not addr.is_loopback:
         uid = _diag_uid(addr, port, server_port, loopback_too=False)
-        return Caller("tcp", UNKNOWN, uid, True) if uid is not None else Caller("tcp")
-    return Caller("tcp", UNKNOWN, _loopback_uid(addr, port, server_port), True)
+        return Caller("tcp", UNKNOWN, UNKNOWN if uid is None else uid)
+    return Caller("tcp", UNKNOWN, _loopback_uid(addr, port, server_port))
 
 
 def peer_on_host(peer: str, server_port: int) -> bool:
