@@ -82,6 +82,7 @@ class LocalEngines(grpc.aio.ServerInterceptor):
     def __init__(self, allow_remote: bool) -> None:
         self.allow_remote = allow_remote
         self.port = 0
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}  # one per method
 
     async def intercept_service(
         self,
@@ -99,6 +100,14 @@ class LocalEngines(grpc.aio.ServerInterceptor):
             or method in OPEN_METHODS
         ):
             return handler
+        wrapped = self._wrapped.get(details.method)
+        if wrapped is None:
+            wrapped = self._wrapped[details.method] = self._wrap(method, handler)
+        return wrapped
+
+    def _wrap(
+        self, method: str, handler: grpc.RpcMethodHandler
+    ) -> grpc.RpcMethodHandler:
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
