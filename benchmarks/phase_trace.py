@@ -15,14 +15,12 @@ told apart. transfer.py runs its server under it with `--trace-server FILE`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import atexit
 import functools
 import importlib
 import inspect
 import json
 import runpy
-import selectors
 import sys
 import threading
 import time
@@ -141,70 +139,15 @@ def show(paths: list[Path]) -> None:
         print(table(rows, list(rows[0])) if rows else "(no calls)")
 
 
-class BusyPollSelector(selectors.EpollSelector):
-    """An experiment for issue 12 (not a server setting): after any event the
-    loop polls without sleeping for up to `spin_s`, so a request arriving
-    within that window finds its core awake (benchmarks/idle_gap.py: the same
-    work ran ~2x slower right after the thread slept). The switch interval is
-    cut while spinning: a copy thread waiting for the GIL takes it within
-    50 µs instead of 5 ms."""
-
-    def __init__(self, spin_s: float) -> None:
-        super().__init__()
-        self._spin_s = spin_s
-        self._last_event = 0.0
-
-    def select(self, timeout: float | None = None) -> list[Any]:
-        ready = super().select(0)
-        now = time.perf_counter()
-        if ready or timeout == 0:
-            if ready:
-                self._last_event = now
-            return ready
-        until = self._last_event + self._spin_s
-        if timeout is not None:
-            until = min(until, now + timeout)
-        if now < until:
-            interval = sys.getswitchinterval()
-            sys.setswitchinterval(50e-6)
-            try:
-                while time.perf_counter() < until:
-                    ready = super().select(0)
-                    if ready:
-                        self._last_event = time.perf_counter()
-                        return ready
-            finally:
-                sys.setswitchinterval(interval)
-            if timeout is not None:
-                timeout = max(0.0, timeout - (time.perf_counter() - now))
-        ready = super().select(timeout)
-        if ready:
-            self._last_event = time.perf_counter()
-        return ready
-
-
-class BusyPollPolicy(asyncio.DefaultEventLoopPolicy):
-    def __init__(self, spin_s: float) -> None:
-        super().__init__()
-        self._spin_s = spin_s
-
-    def new_event_loop(self) -> asyncio.AbstractEventLoop:
-        return asyncio.SelectorEventLoop(BusyPollSelector(self._spin_s))
-
-
-def python_args(
-    profile: str | None, trace: str | None, busy_poll_us: float = 0.0
-) -> tuple[str, ...]:
+def python_args(profile: str | None, trace: str | None) -> tuple[str, ...]:
     """What goes before `-m pegaflow.cli` for a benchmark's server: cProfile
-    into `profile`, or this tracer into `trace` (its loop busy-polling
-    `busy_poll_us` after each event), or nothing."""
+    into `profile`, or this tracer into `trace`, or nothing."""
     if profile and trace:
         raise SystemExit("profile and trace the server: choose one")
     if profile:
         return ("-m", "cProfile", "-o", profile)
     if trace:
-        me = str(Path(__file__).resolve())
-        return (me, "--out", trace, "--busy-poll-us", str(busy_poll_us))
+        return (str(Path(__file__).resolve()), "--out", trace)
     return ()
 
 
@@ -216,7 +159,6 @@ def main() -> None:
     ap.add_argument("--target", action="append", default=None)
     ap.add_argument("-m", dest="module")
     ap.add_argument("--show", type=Path, nargs="+", help="print these traces, exit")
-    ap.add_argument("--busy-poll-us", type=float, default=0.0)
     args, rest = ap.parse_known_args()
     if args.show:
         show(args.show)
@@ -230,8 +172,6 @@ def main() -> None:
         args.out.write_text(json.dumps(rec.summary(), indent=1, sort_keys=True))
 
     atexit.register(write)
-    if args.busy_poll_us > 0:
-        asyncio.set_event_loop_policy(BusyPollPolicy(args.busy_poll_us * 1e-6))
     sys.argv = [args.module, *rest]
     runpy.run_module(args.module, run_name="__main__", alter_sys=True)
 

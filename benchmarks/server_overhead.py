@@ -5,7 +5,8 @@ decode, validation, slot reservation, descriptor table, completion,
 publication, reply) that the GPU path runs too.
 
     python benchmarks/server_overhead.py [--sizes 1,64,640] [--reps 200]
-        [--page 512] [--profile FILE.prof | --trace FILE.json] [--json FILE]
+        [--page 512] [--profile FILE.prof | --trace FILE.json] [--gap-ms 0,10]
+        [--json FILE]
 
 Per N: client-side P50 of save and load, and from the server's /metrics the
 mean RPC time and the mean copy time (pegaflow_transfer_seconds) of the same
@@ -17,6 +18,7 @@ stops).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import secrets
 import socket
@@ -57,7 +59,14 @@ def start(
     return proc, line.split()[1].split("=", 1)[1], http
 
 
-def bench(addr: str, http: str, sizes: list[int], reps: int, page: int) -> list:
+def bench(
+    addr: str, http: str, sizes: list[int], reps: int, page: int,
+    gap_s: float = 0.0, spin: bool = False,
+) -> list:  # fmt: skip
+    """gap_s: time before each timed save and load (an engine asks once a
+    decode step, not back to back; benchmarks/idle_gap.py), asleep or, with
+    `spin`, busy (as an engine's thread is, in its CUDA work)."""
+    pause = functools.partial(_spin if spin else time.sleep, gap_s)
     blocks = 2 * max(sizes) + 2
     buf = np.frombuffer(
         np.random.default_rng(0).bytes(LAYERS * blocks * page), np.uint8
@@ -76,11 +85,13 @@ def bench(addr: str, http: str, sizes: list[int], reps: int, page: int) -> list:
                 perm = rng.permutation(blocks)
                 src, dst = perm[:n], perm[n : 2 * n]
                 hashes = [secrets.token_bytes(32) for _ in range(n)]
+                pause()
                 t = time.perf_counter()
                 res = client.save("ovh", src, hashes)
                 saves.append(time.perf_counter() - t)
                 assert res.stored == n, res
                 hit = client.query("ovh", hashes)
+                pause()
                 t = time.perf_counter()
                 got = client.load("ovh", hit.lease_id, dst)
                 loads.append(time.perf_counter() - t)
@@ -92,6 +103,8 @@ def bench(addr: str, http: str, sizes: list[int], reps: int, page: int) -> list:
             rows.append(
                 dict(
                     N=n,
+                    gap_ms=round(gap_s * 1e3, 1),
+                    gap="spin" if spin else "sleep",
                     reps=r,
                     save_p50_us=round(1e6 * statistics.median(saves)),
                     save_rpc_us=round(srv["save_rpc"]),
@@ -108,6 +121,12 @@ def bench(addr: str, http: str, sizes: list[int], reps: int, page: int) -> list:
     return rows
 
 
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def _delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: b[k] - a[k] for k in a}
 
@@ -120,12 +139,22 @@ def main() -> int:
     p.add_argument("--pool", default="1gb")
     p.add_argument("--profile", help="cProfile the server into this file")
     p.add_argument("--trace", help="phase_trace.py's JSON of the server, to this file")
+    p.add_argument(
+        "--gap-ms",
+        default="0",
+        help="idle time before each timed call, comma-separated: one pass each "
+        "(an engine's step cadence instead of back to back)",
+    )
+    p.add_argument("--gap-spin", action="store_true", help="busy, not asleep, in gaps")
     p.add_argument("--json", help="output path (default: print only)")
     args = p.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
+    gaps = [float(x) * 1e-3 for x in args.gap_ms.split(",")]
     proc, addr, http = start(args.pool, args.profile, args.trace)
     try:
-        rows = bench(addr, http, sizes, args.reps, args.page)
+        rows = []
+        for gap_s in gaps:
+            rows += bench(addr, http, sizes, args.reps, args.page, gap_s, args.gap_spin)
     finally:
         proc.terminate()
         proc.wait(60)

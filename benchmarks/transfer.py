@@ -326,20 +326,6 @@ def build_parser() -> argparse.ArgumentParser:
         "its JSON written to this file when the server stops",
     )
     p.add_argument(
-        "--busy-poll-us",
-        type=float,
-        default=0.0,
-        help="with --trace-server: the server's loop polls this long after "
-        "each event before sleeping (an experiment, phase_trace.py)",
-    )
-    p.add_argument(
-        "--client-spin-us",
-        type=float,
-        default=0.0,
-        help="the engine's socket client polls its reply this long before "
-        "blocking (an experiment: the waking thread's cost)",
-    )
-    p.add_argument(
         "--server-arg",
         action="append",
         default=[],
@@ -366,7 +352,6 @@ def start_server(
     *extra: str,
     profile: str | None = None,
     trace: str | None = None,
-    busy_poll_us: float = 0.0,
 ) -> tuple[subprocess.Popen, str, str]:
     """(process, gRPC address, HTTP address) of a server on GPU 0; with
     `profile`, under cProfile (its event loop thread: the server's Python
@@ -378,32 +363,9 @@ def start_server(
     proc, addr = spawn_server(
         "--pool-size", pool, "--devices", "0", "--no-progress",
         "--log-level", "warning", "--http-addr", http, *extra,
-        python_args=phase_trace.python_args(profile, trace, busy_poll_us),
+        python_args=phase_trace.python_args(profile, trace),
     )  # fmt: skip
     return proc, addr, http
-
-
-def spin_client_replies(spin_s: float) -> None:
-    """An experiment: the socket client polls for its reply (non-blocking
-    recv) for up to spin_s before it blocks, so no wake-up sits between the
-    server's reply and the engine seeing it."""
-    from pegaflow.socket_client import SocketClient
-
-    blocking_recv = SocketClient._recv
-
-    def recv(sock: socket.socket, n: int, buf: bytearray) -> bytearray:
-        end = time.perf_counter() + spin_s
-        while len(buf) < n and time.perf_counter() < end:
-            try:
-                chunk = sock.recv(max(n - len(buf), 4096), socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                continue
-            if not chunk:
-                raise ConnectionError("fast-path socket closed by the server")
-            buf += chunk
-        return blocking_recv(sock, n, buf)
-
-    SocketClient._recv = staticmethod(recv)
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -440,10 +402,8 @@ def run_shapes(args: argparse.Namespace) -> dict:
         *args.server_arg,
         profile=args.profile_server,
         trace=args.trace_server,
-        busy_poll_us=args.busy_poll_us,
     )
-    if args.client_spin_us:
-        spin_client_replies(args.client_spin_us * 1e-6)
+
     ceil = {"pinned": torch.empty(2 << 30, dtype=torch.int8, pin_memory=True)}
     rows, extra = [], {"copy_path": args.copy_path, "copy_sm_cap": args.copy_sm_cap,
                        "server_args": args.server_arg}  # fmt: skip
