@@ -10,8 +10,8 @@ into the launch's table.
 
 Same results as plan.descriptor_table + plan.split_table by construction of
 the tests (tests/kernels/test_table_jit.py compares them on random tables);
-on any failed check the caller reruns the numpy path, which raises the error
-naming the field and index.
+on any failed check the numpy check runs again and raises the error naming
+the field and index (check_or_raise).
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from pegaflow.errors import InternalError
+
 from .jit import njit
-from .plan import STAGE_ALIGN
+from .plan import STAGE_ALIGN, descriptor_table
 
 OK, OUT_OF_RANGE, OVERLAP = 0, -1, -2
 
@@ -198,6 +200,14 @@ def checked(src: Any, dst: Any, t: Any, table: np.ndarray | None = None) -> bool
     return status == OK
 
 
+def check_or_raise(src: Any, dst: Any, t: Any, table: np.ndarray | None = None) -> None:
+    """checked(), or the numpy check's InternalError naming the field and
+    index (descriptor_table words it; the two checks agree)."""
+    if not checked(src, dst, t, table):
+        descriptor_table(src, dst, t)
+        raise InternalError("transfers: refused by the compiled check only")
+
+
 def merge_cut(
     t: Any, pool_is_dst: bool, base: int, chunk: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -216,13 +226,14 @@ class TablePlanner:
         _, self._count, self._split, _ = compiled()
         self._scratch = np.empty((3, 64), np.int64)
 
-    def check(self, src: Any, dst: Any, t: Any) -> np.ndarray | None:
+    def check(self, src: Any, dst: Any, t: Any) -> np.ndarray:
         """The checked [3, n] table (a view of scratch space: use it before
-        the next call), or None where a check failed."""
+        the next call); InternalError naming the field where a check fails."""
         n = len(t.src)
         if self._scratch.shape[1] < n:
             self._scratch = np.empty((3, 1 << (n - 1).bit_length()), np.int64)
-        return self._scratch[:, :n] if checked(src, dst, t, self._scratch) else None
+        check_or_raise(src, dst, t, self._scratch)
+        return self._scratch[:, :n]
 
     def split_rows(
         self, table: np.ndarray, rows: int, min_piece: int

@@ -32,10 +32,9 @@ from typing import Any, Literal
 import numpy as np
 
 from pegaflow.kernels import table_jit
-from pegaflow.kernels.plan import Buffer, check_arrays, descriptor_table
+from pegaflow.kernels.plan import Buffer, check_arrays
 
 from .. import cuda_driver
-from ..errors import InternalError
 from ..geometry import Transfers
 
 logger = logging.getLogger(__name__)
@@ -105,9 +104,7 @@ def plan(
     that does not divide the chunk, are cut at the chunk edge); the pool is
     the host side, src for a load and dst for a save."""
     check_arrays(t)
-    if not table_jit.checked(src, dst, t):
-        descriptor_table(src, dst, t)  # raises, naming the field
-        raise InternalError("transfers: refused by the compiled check only")
+    table_jit.check_or_raise(src, dst, t)
     base, chunk = pool_chunks if pool_chunks is not None else (0, 0)
     pool_is_dst = dst.address <= base < dst.address + dst.nbytes
     dsts, srcs, sizes = table_jit.merge_cut(t, pool_is_dst, base, chunk)
