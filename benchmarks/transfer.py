@@ -123,9 +123,10 @@ class Engine:
         assert res.stored == len(src), res
         return time.perf_counter() - t
 
-    def load(self, dst: np.ndarray, hashes: list[bytes]) -> float:
+    def load(self, dst: np.ndarray, hashes: list[bytes], gap_s: float = 0.0) -> float:
         hit = self.client.query(self.name, hashes)
         assert hit.num_blocks == len(hashes), hit
+        time.sleep(gap_s)  # between the query and the load, as between steps
         t = time.perf_counter()
         res = self.client.load(self.name, hit.lease_id, dst)
         assert res.loaded == len(dst), res
@@ -176,6 +177,7 @@ def bench_shape(
     ceil: dict,
     min_reps: int = 3,
     lat_reps: int = 200,
+    lat_gap_s: float = 0.0,
 ) -> tuple[list[dict], dict]:
     name, layers, page = shape
     addr, http = addrs
@@ -221,23 +223,26 @@ def bench_shape(
     extra = {}
     if name.startswith("llama"):
         n = 640 if max(sizes) >= 640 else max(sizes)
-        extra = latency(eng, lat_reps) | concurrent(addr, eng, n)
+        extra = latency(eng, lat_reps, lat_gap_s) | concurrent(addr, eng, n)
     eng.close()
     return rows, extra
 
 
-def latency(eng: Engine, reps: int = 200) -> dict:
-    """1 block x all layers, RPC + copy + completion seen here, ms."""
+def latency(eng: Engine, reps: int = 200, gap_s: float = 0.0) -> dict:
+    """1 block x all layers, RPC + copy + completion seen here, ms. gap_s:
+    idle time before each timed call (an engine asks once a decode step;
+    back to back understates it, RESULTS.md "seventh session")."""
     import torch
 
     src, dst = np.array([3]), np.array([eng.blocks - 1])
-    out = {}
+    out = {"lat_gap_ms": round(gap_s * 1e3, 3)}
     for label, event in (("save_event", True), ("save_synced", False)):
         times = []
         before = server_sums(eng.http)
         for _ in range(reps):
             if not event:  # the engine orders by syncing itself: inline copy
                 torch.cuda.synchronize()
+            time.sleep(gap_s)
             times.append(eng.save(src, [secrets.token_bytes(32)], event=event))
         out[f"lat_{label}_p50_ms"] = round(1e3 * statistics.median(times), 3)
         out[f"lat_{label}_p90_ms"] = round(1e3 * np.percentile(times, 90), 3)
@@ -247,7 +252,7 @@ def latency(eng: Engine, reps: int = 200) -> dict:
     hashes = [secrets.token_bytes(32)]
     eng.save(src, hashes)
     before = server_sums(eng.http)
-    times = [eng.load(dst, hashes) for _ in range(reps)]
+    times = [eng.load(dst, hashes, gap_s) for _ in range(reps)]
     srv = _delta(before, server_sums(eng.http))
     out["lat_load_server_rpc_mean_ms"] = round(1e3 * srv["load_rpc"] / reps, 3)
     out["lat_load_copy_mean_ms"] = round(1e3 * srv["load_copy"] / reps, 3)
@@ -318,6 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile-server",
         default=None,
         help="run the server under cProfile, its stats written to this file",
+    )
+    p.add_argument(
+        "--lat-gap-ms",
+        type=float,
+        default=0.0,
+        help="idle time before each timed 1-block round trip (an engine's step "
+        "cadence, e.g. 10; default 0: back to back)",
     )
     p.add_argument(
         "--trace-server",
@@ -411,8 +423,9 @@ def run_shapes(args: argparse.Namespace) -> dict:
         for shape in SHAPES:
             if shape[0] in args.shapes.split(","):
                 got, more = bench_shape(
-                    (addr, http), shape, sizes, ceil, args.min_reps, args.lat_reps
-                )
+                    (addr, http), shape, sizes, ceil, args.min_reps, args.lat_reps,
+                    args.lat_gap_ms * 1e-3,
+                )  # fmt: skip
                 rows += got
                 extra |= more
     finally:
