@@ -105,11 +105,39 @@ def query_overhead(hashes: int = 2560, queries: int = 400) -> dict[str, float]:
     return out
 
 
+def scrape_cost(namespaces: int = 200, batch: int = 256) -> dict[str, float]:
+    """What one /metrics scrape spends in the windows' stats (on the event
+    loop), every namespace having seen one batch a minute ago: the first
+    scrape, the next one (nothing new), and the next one recomputing (as
+    before the stats were kept, 2026-12-02 seventh session). ms."""
+    sets = [WindowSet(WINDOWS, HitRateConfig().bucket_bits) for _ in range(namespaces)]
+    rng = np.random.default_rng(0)
+    for ws in sets:
+        ws.add(rng.integers(0, 2**64, batch, np.uint64), 0, now=1000.0)
+
+    def scrape(forget: bool = False) -> float:
+        t = time.perf_counter()
+        for ws in sets:
+            if forget:
+                for w in ws.windows:
+                    w._memo = None
+            ws.stats(1060.0)
+        return round((time.perf_counter() - t) * 1e3, 2)
+
+    return {
+        "namespaces": namespaces,
+        "first_ms": scrape(),
+        "again_ms": scrape(),
+        "recomputed_ms": scrape(forget=True),
+    }
+
+
 def measure(error_runs: int = 1) -> dict[str, object]:
     return {
         "update": update_cost(),
         "error_10M_hashes": error(error_runs),
         "query_2560": query_overhead(),
+        "scrape_200_namespaces": scrape_cost(),
     }
 
 
