@@ -5,8 +5,8 @@ host side of a 1-block load's launch took ~100 µs in the server, the GPU copy
 ~43: about twenty small numpy calls (descriptor_table's range and overlap
 checks, split_table, the fill of the mapped table), each a few µs once the
 core comes back from idle. Here the same work is one numba-compiled loop over
-the descriptors (nopython, no allocation on the fast path), written straight
-into the launch's table.
+the descriptors (nopython; the overlap check's sort order is its one array),
+written straight into the launch's table.
 
 Same results as plan.descriptor_table + plan.split_table by construction of
 the tests (tests/kernels/test_table_jit.py compares them on random tables);
