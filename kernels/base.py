@@ -59,6 +59,12 @@ class CopyKernels:
     def _dma(self, src: Buffer, dst: Buffer, runs: np.ndarray, stream: Any) -> None:
         raise NotImplementedError
 
+    def _checked(self, src: Buffer, dst: Buffer, t: Transfers) -> np.ndarray:
+        """plan.descriptor_table: every range inside its buffer, destinations
+        disjoint, or InternalError naming the field (a backend may do the same
+        checks faster, in the same words)."""
+        return descriptor_table(src, dst, t)
+
     def copy_descriptors(
         self,
         src: Buffer,
@@ -79,7 +85,7 @@ class CopyKernels:
         `shape` picks the kernel and how it cuts the work (plan.LaunchShape).
         """
         check_launch(width, max_blocks)
-        table = descriptor_table(src, dst, t)
+        table = self._checked(src, dst, t)
         self._launch(src, dst, table, stream, max_blocks, width, shape)
 
     def gather(
@@ -131,7 +137,7 @@ class CopyKernels:
         Work larger than `staging` goes in rounds, ordered on `stream`.
         """
         check_launch(width, max_blocks)
-        table = descriptor_table(src, dst, t)
+        table = self._checked(src, dst, t)
         for chunk in stage_chunks(table, staging.nbytes, "gather"):
             self._launch(src, staging, chunk.table, stream, max_blocks, width, shape)
             self._dma(staging, dst, chunk.runs, stream)
@@ -150,7 +156,7 @@ class CopyKernels:
     ) -> None:
         """Load via device `staging`: DMA each host run there, then unpack."""
         check_launch(width, max_blocks)
-        table = descriptor_table(src, dst, t)
+        table = self._checked(src, dst, t)
         for chunk in stage_chunks(table, staging.nbytes, "scatter"):
             self._dma(src, staging, chunk.runs, stream)
             self._launch(staging, dst, chunk.table, stream, max_blocks, width, shape)
@@ -172,8 +178,8 @@ class CopyKernels:
         must not overlap each other either: nothing orders one against the other.
         """
         check_launch(width, max_blocks)
-        ta = descriptor_table(*a)
-        tb = descriptor_table(*b)
+        ta = self._checked(*a)
+        tb = self._checked(*b)
         self._launch_pair(
             (a[0], a[1], ta), (b[0], b[1], tb), stream, max_blocks, width, shape
         )

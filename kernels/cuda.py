@@ -16,9 +16,9 @@ The descriptor table lives in mapped pinned memory that the kernel reads
 directly (three words per descriptor, one thread each), so a launch needs no
 upload: numba's copy_to_device plus slicing cost ~190 us per call, more than
 the kernel for a one-block save. Two tables per stream are used in turn; an
-event after each launch guards its table's reuse. The block kernel's table is
-checked, split and written there by one compiled call
-(pegaflow.kernels.table_jit), not by numpy calls.
+event after each launch guards its table's reuse. Tables are checked, split
+and written there by numba-compiled loops (pegaflow.kernels.table_jit), not
+by numpy calls.
 
 Kernel: each CUDA block takes one descriptor (grid-stride over the table);
 small requests are cut into 16-byte-multiple pieces first so they still cover
@@ -65,18 +65,15 @@ from pegaflow.cuda_driver import check  # noqa: E402 - the one status check
 from pegaflow.errors import CopyFailed, InternalError  # noqa: E402
 from pegaflow.geometry import Transfers  # noqa: E402
 
-from .base import DEFAULT_SHAPE, CopyKernels  # noqa: E402
+from . import table_jit  # noqa: E402
+from .base import CopyKernels  # noqa: E402
 from .driver_launch import DriverLaunch  # noqa: E402
 from .plan import (  # noqa: E402
     Buffer,
     LaunchShape,
-    Width,
     aligned_empty,
-    check_arrays,
     check_buffer,
-    check_launch,
 )
-from .table_jit import TablePlanner  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -466,7 +463,7 @@ class CudaKernels(CopyKernels):
         )
         self._lock = threading.Lock()
         self._launchers: dict[str, Any] = {}  # kernel name -> its launch call
-        self._planner = TablePlanner()  # used under self._lock
+        table_jit.compiled()  # compiled or loaded now, not on the first copy
 
     def _launcher(self, name: str) -> Any:
         """(blocks, threads, stream, args) -> None for the named kernel: the
@@ -513,63 +510,29 @@ class CudaKernels(CopyKernels):
             pair = (src, dst, table), (src, dst, none)
             self._launch_pair(*pair, stream, max_blocks, width, shape)
             return
-        with self._lock:  # table choice, fill and launch: one thread at a time
-            self._launch_block(src, dst, table, stream, max_blocks, width, shape)
-
-    def copy_descriptors(
-        self,
-        src: Buffer,
-        dst: Buffer,
-        t: Transfers,
-        *,
-        stream: Any,
-        max_blocks: int | None = None,
-        width: Width = 16,
-        shape: LaunchShape = DEFAULT_SHAPE,
-    ) -> None:
-        """As CopyKernels.copy_descriptors; the block kernel's table is checked,
-        split and written by one compiled call (pegaflow.kernels.table_jit)."""
-        if shape.kernel != "block":
-            super().copy_descriptors(
-                src, dst, t, stream=stream, max_blocks=max_blocks, width=width,
-                shape=shape,
-            )  # fmt: skip
-            return
-        check_launch(width, max_blocks)
-        check_arrays(t)
-        with self._lock:  # the planner's scratch table, then the launch
-            table = self._planner.check(src, dst, t)
-            self._launch_block(src, dst, table, stream, max_blocks, width, shape)
-
-    def _launch_block(
-        self,
-        src: Buffer,
-        dst: Buffer,
-        table: np.ndarray,
-        stream: Any,
-        max_blocks: int | None,
-        width: int,
-        shape: LaunchShape,
-    ) -> None:
-        """The block kernel over a checked table, split to fill the GPU; the
-        caller holds the launch lock."""
         threads = shape.threads or THREADS
         rows = SIM_SPLIT_ROWS if SIMULATED else _default_blocks(threads)
-        n, piece = self._planner.split_rows(table, rows, MIN_PIECE)
+        n, piece = table_jit.split_rows(table, rows, MIN_PIECE)
         if not n:
             return
         blocks = min(n, max_blocks or _default_blocks(threads))
         launch = self._launcher("block")
-        tab = self._table(stream, n)
-        self._planner.write(table, piece, tab.rows)
-        if SIMULATED:
-            args = (src.data, dst.data, src.words, dst.words, tab.mem)
-        else:
-            a, b = src.device_address, dst.device_address
-            args = (a, b, a, b, tab.ptr)
-        launch(blocks, threads, stream, (*args, n, tab.cap, width))
-        tab.done.record(stream)
+        with self._lock:  # table choice, fill and launch: one thread at a time
+            tab = self._table(stream, n)
+            table_jit.write_split(table, piece, tab.rows)
+            if SIMULATED:
+                args = (src.data, dst.data, src.words, dst.words, tab.mem)
+            else:
+                a, b = src.device_address, dst.device_address
+                args = (a, b, a, b, tab.ptr)
+            launch(blocks, threads, stream, (*args, n, tab.cap, width))
+            tab.done.record(stream)
         logger.debug("copy %d descriptors, %d blocks", n, blocks)
+
+    def _checked(self, src: Buffer, dst: Buffer, t: Transfers) -> np.ndarray:
+        """The numpy checks as one compiled call (pegaflow.kernels.table_jit):
+        ~20 numpy calls were ~100 µs of a 1-block copy on the H200."""
+        return table_jit.checked_table(src, dst, t)
 
     def _launch_pair(
         self,

@@ -11,7 +11,7 @@ written straight into the launch's table.
 Same results as plan.descriptor_table + plan.split_table by construction of
 the tests (tests/kernels/test_table_jit.py compares them on random tables);
 on any failed check the numpy check runs again and raises the error naming
-the field and index (check_or_raise).
+the field and index (checked_table).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from pegaflow.errors import InternalError
 
 from .jit import njit
-from .plan import STAGE_ALIGN, descriptor_table
+from .plan import STAGE_ALIGN, check_arrays, descriptor_table
 
 OK, OUT_OF_RANGE, OVERLAP = 0, -1, -2
 
@@ -186,26 +186,35 @@ def compiled() -> tuple[Callable[..., Any], ...]:
     )
 
 
-def checked(src: Any, dst: Any, t: Any, table: np.ndarray | None = None) -> bool:
-    """Whether every range of `t` lies inside its buffer and no destinations
-    overlap (descriptor_table's checks; t's arrays checked by the caller),
-    the offsets written to `table` ([3, >= n] int64; scratch if None)."""
-    if table is None:
-        table = np.empty((3, len(t.src)), np.int64)
+def checked_table(src: Any, dst: Any, t: Any) -> np.ndarray:
+    """descriptor_table's int64 [3, n] (src offset, dst offset, nbytes), every
+    range checked, by one compiled call; InternalError naming the field and
+    index where a check fails, in descriptor_table's words (the numpy check
+    runs again to say it; the two agree)."""
+    check_arrays(t)
+    table = np.empty((3, len(t.src)), np.int64)
     status = compiled()[0](
         np.uint64(src.address), np.uint64(src.nbytes),
         np.uint64(dst.address), np.uint64(dst.nbytes),
         t.src, t.dst, t.nbytes, table,
     )  # fmt: skip
-    return status == OK
-
-
-def check_or_raise(src: Any, dst: Any, t: Any, table: np.ndarray | None = None) -> None:
-    """checked(), or the numpy check's InternalError naming the field and
-    index (descriptor_table words it; the two checks agree)."""
-    if not checked(src, dst, t, table):
+    if status != OK:
         descriptor_table(src, dst, t)
         raise InternalError("transfers: refused by the compiled check only")
+    return table
+
+
+def split_rows(table: np.ndarray, rows: int, min_piece: int) -> tuple[int, int]:
+    """(rows after splitting, piece bytes; 0: no split), as split_table."""
+    return compiled()[1](table, table.shape[1], rows, min_piece)
+
+
+def write_split(table: np.ndarray, piece: int, out: np.ndarray) -> None:
+    """`table` split by `piece` (0: as it is) into out[:, :rows]."""
+    if piece == 0:
+        out[:, : table.shape[1]] = table
+    else:
+        compiled()[2](table, table.shape[1], piece, out)
 
 
 def merge_cut(
@@ -215,35 +224,3 @@ def merge_cut(
     return compiled()[3](
         t.dst, t.src, t.nbytes, pool_is_dst, np.uint64(base), np.uint64(chunk)
     )
-
-
-class TablePlanner:
-    """Checks and splits transfers into a caller's table. Holds the scratch
-    table the unsplit descriptors go to first; one thread at a time (the
-    CUDA kernels call it under their launch lock)."""
-
-    def __init__(self) -> None:
-        _, self._count, self._split, _ = compiled()
-        self._scratch = np.empty((3, 64), np.int64)
-
-    def check(self, src: Any, dst: Any, t: Any) -> np.ndarray:
-        """The checked [3, n] table (a view of scratch space: use it before
-        the next call); InternalError naming the field where a check fails."""
-        n = len(t.src)
-        if self._scratch.shape[1] < n:
-            self._scratch = np.empty((3, 1 << (n - 1).bit_length()), np.int64)
-        check_or_raise(src, dst, t, self._scratch)
-        return self._scratch[:, :n]
-
-    def split_rows(
-        self, table: np.ndarray, rows: int, min_piece: int
-    ) -> tuple[int, int]:
-        return self._count(table, table.shape[1], rows, min_piece)
-
-    def write(self, table: np.ndarray, piece: int, out: np.ndarray) -> None:
-        """`table` split by `piece` (0: as it is) into out[:, :rows]."""
-        n = table.shape[1]
-        if piece == 0:
-            out[:, :n] = table
-        else:
-            self._split(table, n, piece, out)

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 
 from pegaflow.kernels import table_jit
-from pegaflow.kernels.plan import Buffer, check_arrays
+from pegaflow.kernels.plan import Buffer
 
 from .. import cuda_driver
 from ..geometry import Transfers
@@ -103,8 +103,7 @@ def plan(
     no copy spans two registrations (merged runs, or a slot of a slab size
     that does not divide the chunk, are cut at the chunk edge); the pool is
     the host side, src for a load and dst for a save."""
-    check_arrays(t)
-    table_jit.check_or_raise(src, dst, t)
+    table_jit.checked_table(src, dst, t)  # the kernels' checks, or their error
     base, chunk = pool_chunks if pool_chunks is not None else (0, 0)
     pool_is_dst = dst.address <= base < dst.address + dst.nbytes
     dsts, srcs, sizes = table_jit.merge_cut(t, pool_is_dst, base, chunk)

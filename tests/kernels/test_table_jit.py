@@ -14,8 +14,8 @@ import pytest
 from pegaflow.copiers import dma
 from pegaflow.errors import InternalError
 from pegaflow.geometry import Transfers
+from pegaflow.kernels import table_jit
 from pegaflow.kernels.plan import Buffer, descriptor_table, split_table
-from pegaflow.kernels.table_jit import TablePlanner
 from pegaflow.runs import merge_adjacent
 
 SPAN = 64 << 20
@@ -76,7 +76,6 @@ def _random_transfers(rng: np.random.Generator, src: Buffer, dst: Buffer) -> Tra
 
 def test_block_tables_match_descriptor_table_and_split_table() -> None:
     rng = np.random.default_rng(7)
-    planner = TablePlanner()
     src = Buffer(1 << 24, 1 << 24, SPAN * 2, None, None)
     dst = Buffer(1 << 40, 1 << 40, SPAN * 2, None, None)
     refused = 0
@@ -88,22 +87,22 @@ def test_block_tables_match_descriptor_table_and_split_table() -> None:
             expected = None
         if expected is None:  # the compiled check refuses, in the same words
             with pytest.raises(InternalError) as got_error:
-                planner.check(src, dst, t)
+                table_jit.checked_table(src, dst, t)
             with pytest.raises(InternalError) as want_error:
                 descriptor_table(src, dst, t)
             assert str(got_error.value) == str(want_error.value)
             refused += 1
             continue
-        got = planner.check(src, dst, t)
+        got = table_jit.checked_table(src, dst, t)
         assert np.array_equal(got, expected)
         rows, min_piece = (
             int(rng.choice([1, 8, 100, 1056])),
             int(rng.choice([16, 4096])),
         )
         split = split_table(expected, rows, min_piece)
-        n, piece = planner.split_rows(got, rows, min_piece)
+        n, piece = table_jit.split_rows(got, rows, min_piece)
         out = np.full((3, n + 5), -1, np.int64)
-        planner.write(got, piece, out)
+        table_jit.write_split(got, piece, out)
         assert n == split.shape[1]
         assert np.array_equal(out[:, :n], split) and (out[:, n:] == -1).all()
     assert 100 < refused < 1500  # both outcomes were exercised
