@@ -34,12 +34,29 @@ system_libs() {
   fi
 }
 
+# A fresh .venv with vLLM takes ~4.5 GiB, and pip unpacks wheels in the temp
+# directory first: a full disk would stop pip midway with a bare ENOSPC.
+NEED_MIB=6144
+free_space() {
+  local dir avail
+  for dir in . "${TMPDIR:-/tmp}"; do
+    avail=$(df -Pm "$dir" | awk 'NR == 2 {print $4}')
+    if [ "${avail:-0}" -lt "$NEED_MIB" ]; then
+      echo "error: $(cd "$dir" && pwd) has ${avail} MiB free; a fresh .venv needs" \
+        "~${NEED_MIB} MiB there. Free disk space (old clones, /tmp/pytest-of-*)" \
+        "or point TMPDIR at a larger disk." >&2
+      exit 1
+    fi
+  done
+}
+
 base() {
   local stamp=.venv/.pegaflow-setup want
   want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x .venv/bin/python ]; then
     return 0
   fi
+  free_space
   [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
   echo "setting up .venv (first run takes a minute or two)" >&2
   pip install --upgrade pip
@@ -78,6 +95,7 @@ lean_vllm() {
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return 0
   fi
+  free_space
   echo "installing vLLM 0.33 (lean CPU install, a few minutes the first time)" >&2
   pip install --no-deps "vllm==0.33.0"
   pip install -r requirements/vllm-0.33-lean.txt
