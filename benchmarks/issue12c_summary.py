@@ -1,4 +1,4 @@
-"""The short table of benchmarks/device_session_issue12c.sh, from the JSON of
+"""The short table of benchmarks/device/device_session_issue12c.sh, from the JSON of
 its two transfer.py runs in $OUT (transfer-auto.json, transfer-kernel.json):
 ratios to the pinned ceiling per N and ids, auto next to kernel-only, then the
 1-block latencies of both and the goals of issue 12.

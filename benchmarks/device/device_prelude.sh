@@ -1,4 +1,4 @@
-# Sourced by the benchmarks/device_session_*.sh scripts: $OUT, stage(), and the
+# Sourced by the benchmarks/device/device_session_*.sh scripts: $OUT, stage(), and the
 # carried wheels (.whl) installed into .site for the H200 machine's python3.
 set -u
 OUT=${OUT:-/tmp/out}

@@ -3,7 +3,7 @@
 # call of the device tool (~5 min, at most ~6: stage limits 170 + 110 + 60 s),
 # from the repo root, with the wheels of .whl carried:
 #
-#   bash benchmarks/device_session_issue12c.sh
+#   bash benchmarks/device/device_session_issue12c.sh
 #
 # Stages, each under its own time limit so a hang costs one stage:
 #   1. the gpu-marked tests of tests/kernels and tests/gpu (server CUDA path:

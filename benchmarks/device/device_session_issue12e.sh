@@ -3,7 +3,7 @@
 # machine in ONE call of the device tool (about 2 min, at most ~2.5: the stage
 # limit is 140 s), from the repo root, with the wheels of .whl carried:
 #
-#   bash benchmarks/device_session_issue12e.sh
+#   bash benchmarks/device/device_session_issue12e.sh
 #
 # transfer.py --interference: a bf16 matmul loop (8192^3) in a second process
 # while 640-block saves, loads or both stream (32 layers x 64 KiB pages, random

@@ -2,7 +2,7 @@
 # Issue 12, kernel variants, on the H200 test machine in ONE call of the device
 # tool (~5 min, at most ~8), from the repo root, with the wheels of .whl carried:
 #
-#   bash benchmarks/device_session_issue12b.sh
+#   bash benchmarks/device/device_session_issue12b.sh
 #
 # Stages, each under its own time limit so a hang costs one stage:
 #   1. the gpu-marked tests of tests/kernels (block and warp kernels, one-launch

@@ -2,8 +2,8 @@
 # Everything the open issues need from the H200 machine, in two calls of the
 # device tool (each < 10 min), run from the repo root with `.whl` carried:
 #
-#   PART=1 bash benchmarks/device_session.sh   # gpu tests + queries + transfer
-#   PART=2 bash benchmarks/device_session.sh   # SSD: kvikio tests + ssd benches
+#   PART=1 bash benchmarks/device/device_session.sh   # gpu tests + queries + transfer
+#   PART=2 bash benchmarks/device/device_session.sh   # SSD: kvikio tests + ssd benches
 #
 # PART 1 (issues 2, 3, 4): every `gpu` test (server CUDA path, kernels, the
 # connector's TP=2 worker test, kvikio round trips are in part 2), the query
@@ -16,7 +16,7 @@ START=$SECONDS
 stage() { echo; echo "=== $* (t=$((SECONDS - START)) s)"; }
 
 if [ "${PART:-1}" = 2 ]; then
-  exec bash benchmarks/ssd_device.sh
+  exec bash benchmarks/device/ssd_device.sh
 fi
 
 stage install

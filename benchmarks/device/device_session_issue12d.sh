@@ -3,7 +3,7 @@
 # on the H200 test machine in ONE call of the device tool (~4 min; stage limits
 # 110 + 90 + 45 s), from the repo root, with the wheels of .whl carried:
 #
-#   bash benchmarks/device_session_issue12d.sh
+#   bash benchmarks/device/device_session_issue12d.sh
 #
 #   1. the gpu-marked tests of tests/gpu (the server's CUDA path; 16 passed in
 #      ~100 s on 2026-12-02)

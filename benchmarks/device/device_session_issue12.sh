@@ -3,7 +3,7 @@
 # from the repo root, with the wheels of .whl carried (grpcio-health-checking
 # 1.84.0, to match the grpcio of the image):
 #
-#   bash benchmarks/device_session_issue12.sh
+#   bash benchmarks/device/device_session_issue12.sh
 #
 # Stages, each under its own time limit so a hang costs one stage:
 #   1. every gpu test (server CUDA path incl. the copy-engine path, kernels,

@@ -4,9 +4,16 @@
 # back and at an engine's step cadence (a request every 3 and 10 ms: on the
 # dev VM the same round trip took 2.5x as long at 10 ms), alternated twice,
 # the server traced; then the metaserver benchmark (issue 11's last figure).
-export CALL_S=${CALL_S:-400}
+# First the gpu-marked tests: f11e7e6 (the compiled checks behind
+# CopyKernels._checked) has not run on a GPU (~2 minutes).
+export CALL_S=${CALL_S:-560}
 . "$(dirname "$0")/device_prelude.sh"
 bundle_results
+
+stage "gpu-marked tests"
+timeout $(within 200) python3 -m pytest -q -m gpu tests/kernels tests/gpu \
+  -p no:cacheprovider > "$RES/gpu_tests.log" 2>&1
+echo "rc=$?"; tail -3 "$RES/gpu_tests.log"
 
 for round in 1 2; do
   for gap in 0 3 10; do
