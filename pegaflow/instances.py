@@ -34,6 +34,7 @@ from .errors import (
 from .geometry import KVGeometry
 from .identity import UNKNOWN, Caller, check_host_memory_owner
 from .keys import TOKEN_BYTES
+from .pidfds import PidsHeld
 from .registration import RegisterSpec, validate_spec
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,10 @@ class Registry:
 
     def register(self, spec: RegisterSpec, caller: Caller) -> Worker:
         validate_spec(spec)
+        with PidsHeld(_named_pids(spec)) as held:
+            return self._register(spec, caller, held)
+
+    def _register(self, spec: RegisterSpec, caller: Caller, held: PidsHeld) -> Worker:
         self._check_caller(spec, caller)
         copier = self._copiers.get(spec.region_kind)
         if copier is None:
@@ -160,6 +165,7 @@ class Registry:
                 if self._open_signals is None:
                     raise NotSupported("layer_signals: this server has no signals")
                 signals = self._open_signals(*spec.layer_signals, geometry.num_layers)
+            held.check()  # the owner checked above is the process opened here
             ns = self._namespace_for(spec, geometry)
             instance = self._instance_for(spec, ns)
         except BaseException:
@@ -361,3 +367,13 @@ def _close(worker: Worker) -> None:
 def _base(handle: object, index: int, regions: tuple[tuple[int, int], ...]) -> int:
     bases = getattr(handle, "bases", None)
     return int(bases[index]) if bases is not None else regions[index][0]
+
+
+def _named_pids(spec: RegisterSpec) -> list[tuple[int, str]]:
+    """The processes whose memory a registration would open: the host
+    regions' and the layer signals' (a CUDA export names no process to copy
+    through)."""
+    pids = [(spec.pid, "regions.host.pid")] if spec.region_kind == "host" else []
+    if spec.layer_signals is not None:
+        pids.append((spec.layer_signals[0], "layer_signals.pid"))
+    return pids

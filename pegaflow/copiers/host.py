@@ -22,15 +22,14 @@ import numpy as np
 
 from ..errors import CopyFailed, InternalError, InvalidRequest
 from ..geometry import Transfers
+from ..pidfds import exited, pidfd_open
 from ..runs import merge_adjacent
 from .vm import (
     IOV_MAX,
     Direction,
-    exited,
     first_outside,
     iovecs,
     merge_spans,
-    pidfd_open,
     rw_spans,
     transfer,
 )
@@ -96,6 +95,20 @@ class HostCopyEngine:
         if pid == os.getpid():
             # Loads would write into the server's own memory, pool slots included.
             raise InvalidRequest(f"pid: {pid} is the server itself, not an engine")
+        # Opened before the checks: if it still lives after them, every check
+        # below looked at the process this pidfd names, not a successor that
+        # took over its pid meanwhile.
+        pidfd = pidfd_open(pid)
+        try:
+            return self._open_checked(pid, regions, pidfd)
+        except BaseException:
+            if pidfd >= 0:
+                os.close(pidfd)
+            raise
+
+    def _open_checked(
+        self, pid: int, regions: list[tuple[int, int]], pidfd: int
+    ) -> HostRegions:
         if not regions:
             raise InvalidRequest("regions: at least one (address, size) is required")
         for i, (addr, size) in enumerate(regions):  # a handful, once per engine
@@ -121,14 +134,13 @@ class HostCopyEngine:
             transfer("gather", pid, local, iovecs(addr[:1], one))
         except CopyFailed as e:
             raise InvalidRequest(f"pid: {e}") from None
+        if exited(pidfd):
+            raise InvalidRequest(f"pid: process {pid} exited while registering")
         logger.debug(
             "open pid=%d: %d region(s), %d bytes", pid, len(regions), size.sum()
         )
         return HostRegions(
-            pid,
-            tuple(a for a, _ in regions),
-            tuple(s for _, s in regions),
-            pidfd_open(pid),
+            pid, tuple(a for a, _ in regions), tuple(s for _, s in regions), pidfd
         )
 
     def gather(
@@ -197,14 +209,19 @@ class HostCopyEngine:
         if self._pool is None or len(parts) == 1:
             for part in parts:
                 transfer(op, regions.pid, liov[part], riov[part], deadline)
-            return
-        futures = [
-            self._pool.submit(transfer, op, regions.pid, liov[p], riov[p], deadline)
-            for p in parts
-        ]
-        wait(futures)  # never return while a chunk still writes
-        for f in futures:
-            f.result()
+        else:
+            futures = [
+                self._pool.submit(transfer, op, regions.pid, liov[p], riov[p], deadline)
+                for p in parts
+            ]
+            wait(futures)  # never return while a chunk still writes
+            for f in futures:
+                f.result()
+        # The calls name the process by its pid. An engine that exited during
+        # them may have handed that pid on, so what a save read may be another
+        # process's memory: never published (and a load's failure is reported).
+        if exited(regions.pidfd):
+            raise CopyFailed(f"{op}: engine process {regions.pid} exited mid-copy")
 
     @staticmethod
     def _check_bounds(

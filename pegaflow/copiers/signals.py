@@ -11,11 +11,10 @@ import numpy as np
 
 from ..errors import CopyFailed, InvalidRequest
 from ..geometry import Transfers
+from ..pidfds import exited, pidfd_open
 from .vm import (
-    exited,
     first_outside,
     iovecs,
-    pidfd_open,
     rw_spans,
     transfer,
 )
@@ -43,6 +42,16 @@ class LayerSignals:
             raise InvalidRequest(
                 f"layer_signals.address: {address:#x} is not an 8-byte aligned address"
             )
+        pidfd = pidfd_open(pid, "layer_signals.pid")  # before the checks
+        try:
+            self._check(pid, address, num_layers, pidfd)
+        except BaseException:
+            if pidfd >= 0:
+                os.close(pidfd)
+            raise
+        self._pidfd = pidfd
+
+    def _check(self, pid: int, address: int, num_layers: int, pidfd: int) -> None:
         size = 8 * num_layers
         bad = first_outside(
             *rw_spans(pid),
@@ -61,7 +70,8 @@ class LayerSignals:
             transfer("gather", pid, self._local, self._remote(0))
         except CopyFailed as e:
             raise InvalidRequest(f"layer_signals.pid: {e}") from None
-        self._pidfd = pidfd_open(pid)
+        if exited(pidfd):
+            raise InvalidRequest(f"layer_signals.pid: process {pid} exited meanwhile")
 
     def _remote(self, layer: int) -> np.ndarray:
         return iovecs(np.array([self.address + 8 * layer], np.uint64), _EIGHT)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import select
 from collections.abc import Callable
 from typing import Literal
 
@@ -151,17 +150,3 @@ def rw_spans(pid: int) -> tuple[np.ndarray, np.ndarray]:
     starts = np.array([int(s, 16) for s, _ in rw], np.uint64)
     ends = np.array([int(e, 16) for _, e in rw], np.uint64)
     return merge_spans(starts, ends)
-
-
-def pidfd_open(pid: int) -> int:
-    try:
-        return os.pidfd_open(pid)
-    except (OSError, AttributeError):  # kernel < 5.3: fall back to the bare pid
-        return -1
-
-
-def exited(pidfd: int) -> bool:
-    """A pidfd polls readable once its process has exited."""
-    if pidfd < 0:
-        return False
-    return bool(select.select([pidfd], [], [], 0)[0])
