@@ -27,9 +27,11 @@ from ..runs import merge_adjacent
 from .vm import (
     IOV_MAX,
     Direction,
+    file_backed,
     first_outside,
     iovecs,
     merge_spans,
+    read_maps,
     rw_spans,
     transfer,
 )
@@ -118,12 +120,21 @@ class HostCopyEngine:
                 )
         addr = np.array([a for a, _ in regions], np.uint64)
         size = np.array([s for _, s in regions], np.uint64)
-        bad = first_outside(*rw_spans(pid), addr, size)
+        maps = read_maps(pid)
+        bad = first_outside(*rw_spans(pid, maps), addr, size)
         if bad >= 0:
             a, s = regions[bad]
             raise InvalidRequest(
                 f"regions[{bad}]: [{a:#x}, {a + s:#x}) is not mapped read-write "
                 f"in process {pid}"
+            )
+        if (found := file_backed(pid, maps, addr, size)) is not None:
+            bad, what = found
+            a, s = regions[bad]
+            raise InvalidRequest(
+                f"regions[{bad}]: [{a:#x}, {a + s:#x}) maps {what}; the server "
+                "copies host KV only from anonymous, shared (tmpfs, memfd) or "
+                "hugetlbfs memory: a file's pages can stall the copy on I/O"
             )
         # Registration is the place to learn about ptrace permission, not the
         # first save: read one byte.

@@ -13,8 +13,10 @@ from ..errors import CopyFailed, InvalidRequest
 from ..geometry import Transfers
 from ..pidfds import exited, pidfd_open
 from .vm import (
+    file_backed,
     first_outside,
     iovecs,
+    read_maps,
     rw_spans,
     transfer,
 )
@@ -53,15 +55,17 @@ class LayerSignals:
 
     def _check(self, pid: int, address: int, num_layers: int, pidfd: int) -> None:
         size = 8 * num_layers
-        bad = first_outside(
-            *rw_spans(pid),
-            np.array([address], np.uint64),
-            np.array([size], np.uint64),
-        )
-        if bad >= 0:
+        maps = read_maps(pid, "layer_signals.pid")
+        addr, nbytes = np.array([address], np.uint64), np.array([size], np.uint64)
+        if first_outside(*rw_spans(pid, maps), addr, nbytes) >= 0:
             raise InvalidRequest(
                 f"layer_signals.address: [{address:#x}, {address + size:#x}) is not "
                 f"mapped read-write in process {pid}"
+            )
+        if (found := file_backed(pid, maps, addr, nbytes)) is not None:
+            raise InvalidRequest(
+                f"layer_signals.address: [{address:#x}, {address + size:#x}) maps "
+                f"{found[1]}; signal words must be anonymous or shared memory"
             )
         self.pid, self.address, self.num_layers = pid, address, num_layers
         self._word = np.zeros(1, np.uint64)

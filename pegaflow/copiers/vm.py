@@ -132,21 +132,82 @@ def transfer(
         liov, riov = advance(liov, riov, got)
 
 
-def rw_spans(pid: int) -> tuple[np.ndarray, np.ndarray]:
-    """Read-write mappings of `pid`, merged where adjacent."""
+# Filesystems whose pages are memory: a copy from them never waits on I/O.
+# Mappings of files elsewhere (FUSE above all, whose daemon may be the engine
+# itself, or NFS) can hold a copy, and the loop or copy thread doing it,
+# for as long as that filesystem likes.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "hugetlbfs", "ramfs", "devtmpfs"})
+
+
+def read_maps(pid: int, field: str = "pid") -> list[str]:
     try:
         with open(f"/proc/{pid}/maps") as f:
             lines = f.read().splitlines()
     except FileNotFoundError:
-        raise InvalidRequest(f"pid: process {pid} does not exist") from None
+        raise InvalidRequest(f"{field}: process {pid} does not exist") from None
     except PermissionError:
         raise InvalidRequest(
-            f"pid: cannot read /proc/{pid}/maps; {PTRACE_HINT}"
+            f"{field}: cannot read /proc/{pid}/maps; {PTRACE_HINT}"
         ) from None
     if not lines:  # a zombie: killed but not yet reaped by its parent
-        raise InvalidRequest(f"pid: process {pid} has exited")
+        raise InvalidRequest(f"{field}: process {pid} has exited")
+    return lines
+
+
+def rw_spans(pid: int, lines: list[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Read-write mappings of `pid`, merged where adjacent."""
+    if lines is None:
+        lines = read_maps(pid)
     ranges = [ln.split(maxsplit=2)[:2] for ln in lines]
     rw = [r.split("-") for r, perms in ranges if perms.startswith("rw")]
     starts = np.array([int(s, 16) for s, _ in rw], np.uint64)
     ends = np.array([int(e, 16) for _, e in rw], np.uint64)
     return merge_spans(starts, ends)
+
+
+def file_backed(
+    pid: int, lines: list[str], addr: np.ndarray, size: np.ndarray
+) -> tuple[int, str] | None:
+    """(i, what) for the first range [addr[i], addr[i] + size[i]) that overlaps
+    a mapping of a file outside MEMORY_FILESYSTEMS; None when every page is
+    anonymous or memory. A device number the engine's mount table lacks is
+    the kernel's own (memfd, SysV shm, shared anonymous memory): memory."""
+    files = []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) >= 5 and parts[4] != "0":
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            major, minor = (int(x, 16) for x in parts[3].split(":"))
+            files.append(
+                (lo, hi, f"{major}:{minor}", parts[5] if len(parts) > 5 else "")
+            )
+    if not files:
+        return None
+    fstypes = _fstypes(pid)
+    for i, (a, n) in enumerate(zip(addr.tolist(), size.tolist(), strict=True)):
+        for lo, hi, dev, path in files:
+            if not (lo < a + n and a < hi):
+                continue
+            if fstypes is None:
+                return i, f"{path or 'a file'} (its mount table is unreadable)"
+            fstype = fstypes.get(dev)
+            if fstype is not None and fstype not in MEMORY_FILESYSTEMS:
+                return i, f"{path or 'a file'} on {fstype}"
+    return None
+
+
+def _fstypes(pid: int) -> dict[str, str] | None:
+    """Device number ("major:minor", decimal) -> filesystem type, as the
+    process's own mount namespace sees them; None if that is unreadable."""
+    try:
+        with open(f"/proc/{pid}/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out = {}
+    for line in lines:
+        head, sep, tail = line.partition(" - ")
+        fields = head.split()
+        if sep and len(fields) > 2 and tail:
+            out[fields[2]] = tail.split()[0]
+    return out

@@ -1,0 +1,142 @@
+"""Which host memory an engine may register: anonymous and shared memory are
+copied, byte-checked; a region mapping a file on a disk or network filesystem
+is refused at registration (its pages can hold a copy, and the loop or thread
+doing it, on I/O: a FUSE daemon need never answer)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pegaflow.copiers import vm
+from pegaflow.copiers.host import HostCopyEngine
+from pegaflow.copiers.signals import LayerSignals
+from pegaflow.errors import InvalidRequest
+from pegaflow.geometry import Transfers
+
+SIZE = 1 << 16
+
+# Maps SIZE bytes of the asked kind, fills them with a seeded pattern, prints
+# pid and address, then waits for stdin to close.
+CHILD = r"""
+import mmap, os, sys
+import numpy as np
+kind, arg, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+size = int(sys.argv[4])
+if kind == "anon":
+    mm = mmap.mmap(-1, size)
+elif kind == "anon-shared":
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+elif kind == "memfd":
+    fd = os.memfd_create("kv")
+    os.ftruncate(fd, size)
+    mm = mmap.mmap(fd, size)
+else:  # "file": a file at arg, shared mapping
+    fd = os.open(arg, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, size)
+    mm = mmap.mmap(fd, size)
+buf = np.frombuffer(mm, np.uint8)
+buf[:] = np.frombuffer(np.random.default_rng(seed).bytes(size), np.uint8)
+print(os.getpid(), buf.ctypes.data, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def spawn() -> Iterator:
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(kind: str, arg: str = "-", seed: int = 1) -> tuple[int, int]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, kind, arg, str(seed), str(SIZE)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        pid, addr = map(int, proc.stdout.readline().split())
+        return pid, addr
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _fstype(path: Path) -> str | None:
+    st = os.stat(path)
+    types = vm._fstypes(os.getpid()) or {}
+    return types.get(f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+
+
+def _disk_dir(tmp_path: Path) -> Path:
+    """A directory on a filesystem that is not memory (the repo's, else the
+    test's temp dir), or skip."""
+    for d in (Path(__file__).resolve().parent, tmp_path, Path("/var/tmp")):
+        probe = d / f".mapping-probe-{os.getpid()}"
+        try:
+            probe.touch()
+        except OSError:
+            continue
+        try:
+            fstype = _fstype(probe)
+        finally:
+            probe.unlink()
+        if fstype is not None and fstype not in vm.MEMORY_FILESYSTEMS:
+            return d
+    pytest.skip("no writable directory on a disk filesystem here")
+
+
+@pytest.mark.parametrize("kind", ["anon", "anon-shared", "memfd", "shm"])
+def test_memory_regions_register_and_copy(spawn, kind: str) -> None:
+    arg = "-"
+    if kind == "shm":
+        if _fstype(Path("/dev/shm")) != "tmpfs":
+            pytest.skip("/dev/shm is not tmpfs here")
+        kind, arg = "file", f"/dev/shm/pegaflow-test-{os.getpid()}"
+    try:
+        pid, addr = spawn(kind, arg, seed=5)
+        engine = HostCopyEngine(threads=1)
+        regions = engine.open(pid, [(addr, SIZE)])
+        got = np.zeros(SIZE, np.uint8)
+        one = np.array([SIZE], np.uint64)
+        engine.gather(
+            regions,
+            Transfers(
+                np.array([addr], np.uint64), np.array([got.ctypes.data], np.uint64), one
+            ),
+        )
+        want = np.frombuffer(np.random.default_rng(5).bytes(SIZE), np.uint8)
+        assert np.array_equal(got, want)
+        engine.close(regions)
+    finally:
+        if arg != "-":
+            Path(arg).unlink(missing_ok=True)
+
+
+def test_file_backed_region_is_refused_naming_it(spawn, tmp_path: Path) -> None:
+    path = _disk_dir(tmp_path) / f".pegaflow-kv-{os.getpid()}"
+    try:
+        pid, addr = spawn("file", str(path))
+        fstype = _fstype(path)
+        engine = HostCopyEngine(threads=1)
+        with pytest.raises(InvalidRequest) as err:
+            engine.open(pid, [(addr, SIZE)])
+        msg = str(err.value)
+        assert msg.startswith("regions[0]: ")
+        assert f"maps {path} on {fstype}" in msg and "stall" in msg
+        # A region beside it is fine: only the overlap counts.
+        other_pid, other = spawn("anon")
+        engine.close(engine.open(other_pid, [(other, SIZE)]))
+        # Layer signal words are checked the same way.
+        with pytest.raises(InvalidRequest, match=r"^layer_signals\.address: .* maps "):
+            LayerSignals(pid, addr, 4)
+    finally:
+        path.unlink(missing_ok=True)
