@@ -20,9 +20,18 @@ from pathlib import Path
 
 import pytest
 
+UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]
+
+
+def _can_unshare() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run([*UNSHARE, "true"], capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
 pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("unshare") is None,
-    reason="needs root and unshare(1) for a private pid namespace",
+    not _can_unshare(), reason="needs root and unshare(1) for a private pid namespace"
 )
 
 SCENARIO = textwrap.dedent(
@@ -122,7 +131,7 @@ def test_pid_reused_during_registration_or_copy_is_caught(tmp_path: Path) -> Non
     script.write_text(SCENARIO)
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
-        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(script)],
+        [*UNSHARE, sys.executable, str(script)],
         capture_output=True,
         text=True,
         timeout=120,
