@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 PARALLEL_MIN_BYTES = 4 << 20
 
 
+_NO_SPANS = np.zeros(0, np.uint64)
+
+
 @dataclass(frozen=True, slots=True)
 class HostRegions:
     """Memory of one engine process that the server may copy to and from."""
@@ -51,6 +54,20 @@ class HostRegions:
     # A pidfd names the process itself, not its number: once it exits, a new
     # process that reuses the pid can never receive this engine's copies.
     pidfd: int = -1
+    # The regions merged into sorted spans, for every copy's bounds check.
+    spans: tuple[np.ndarray, np.ndarray] = (_NO_SPANS, _NO_SPANS)
+
+    @staticmethod
+    def make(pid: int, regions: list[tuple[int, int]], pidfd: int = -1) -> HostRegions:
+        bases = np.array([a for a, _ in regions], np.uint64)
+        sizes = np.array([s for _, s in regions], np.uint64)
+        return HostRegions(
+            pid,
+            tuple(a for a, _ in regions),
+            tuple(s for _, s in regions),
+            pidfd,
+            merge_spans(bases, bases + sizes),
+        )
 
 
 def _coalesce(
@@ -63,6 +80,8 @@ def _coalesce(
 
 def _split(count: int, total_bytes: int, threads: int) -> list[slice]:
     """Even slices of at most IOV_MAX iovecs; at least `threads` if large."""
+    if count <= IOV_MAX and total_bytes < PARALLEL_MIN_BYTES:
+        return [slice(0, count)]
     parts = -(-count // IOV_MAX)
     if total_bytes >= PARALLEL_MIN_BYTES:
         parts = max(parts, min(threads, count))
@@ -150,9 +169,7 @@ class HostCopyEngine:
         logger.debug(
             "open pid=%d: %d region(s), %d bytes", pid, len(regions), size.sum()
         )
-        return HostRegions(
-            pid, tuple(a for a, _ in regions), tuple(s for _, s in regions), pidfd
-        )
+        return HostRegions.make(pid, regions, pidfd)
 
     def gather(
         self,
@@ -205,8 +222,9 @@ class HostCopyEngine:
             )
         local, remote, n = (np.asarray(a, np.uint64) for a in (local, remote, nbytes))
         self._check_bounds(op, regions, remote, n)
-        keep = n > 0  # empty iovecs would only complicate resuming
-        local, remote, n = local[keep], remote[keep], n[keep]
+        if not n.all():  # empty iovecs would only complicate resuming
+            keep = n > 0
+            local, remote, n = local[keep], remote[keep], n[keep]
         if not n.size:
             return
         if exited(regions.pidfd):
@@ -215,8 +233,9 @@ class HostCopyEngine:
         liov, riov = iovecs(local, n), iovecs(remote, n)
         total = int(n.sum())
         parts = _split(len(n), total, self._threads)
-        msg = "%s pid=%d: %d descriptors -> %d iovecs, %d call(s), %d bytes"
-        logger.debug(msg, op, regions.pid, len(keep), len(n), len(parts), total)
+        if logger.isEnabledFor(logging.DEBUG):
+            msg = "%s pid=%d: %d iovecs, %d call(s), %d bytes"
+            logger.debug(msg, op, regions.pid, len(n), len(parts), total)
         if self._pool is None or len(parts) == 1:
             for part in parts:
                 transfer(op, regions.pid, liov[part], riov[part], deadline)
@@ -238,9 +257,7 @@ class HostCopyEngine:
     def _check_bounds(
         op: Direction, regions: HostRegions, remote: np.ndarray, n: np.ndarray
     ) -> None:
-        bases = np.array(regions.bases, np.uint64)
-        starts, ends = merge_spans(bases, bases + np.array(regions.sizes, np.uint64))
-        bad = first_outside(starts, ends, remote, n)
+        bad = first_outside(*regions.spans, remote, n)
         if bad >= 0:
             field = "src" if op == "gather" else "dst"
             a, s = int(remote[bad]), int(n[bad])

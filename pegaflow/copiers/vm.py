@@ -70,7 +70,10 @@ def first_outside(
 
 def iovecs(addr: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     """(n, 2) uint64 rows, laid out as C `struct iovec {base, len}`."""
-    return np.ascontiguousarray(np.stack((addr, nbytes), axis=1), np.uint64)
+    out = np.empty((len(addr), 2), np.uint64)
+    out[:, 0] = addr
+    out[:, 1] = nbytes
+    return out
 
 
 def advance(
