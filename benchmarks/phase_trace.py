@@ -61,12 +61,15 @@ TARGETS = (
 class Recorder:
     def __init__(self) -> None:
         self.seconds: dict[str, list[float]] = {}
+        self.offcpu: dict[str, list[float]] = {}
         self.threads: dict[str, set[str]] = {}
         self._lock = threading.Lock()
 
-    def add(self, name: str, seconds: float) -> None:
+    def add(self, name: str, seconds: float, cpu: float | None = None) -> None:
         with self._lock:
             self.seconds.setdefault(name, []).append(seconds)
+            if cpu is not None:
+                self.offcpu.setdefault(name, []).append(max(0.0, seconds - cpu))
             self.threads.setdefault(name, set()).add(threading.current_thread().name)
 
     def summary(self) -> dict[str, dict[str, Any]]:
@@ -81,6 +84,13 @@ class Recorder:
                 "min_us": round(float(us.min()), 1),
                 "threads": sorted(self.threads[name]),
             }
+            if name in self.offcpu:  # sync targets: wall minus the thread's CPU
+                off = np.asarray(self.offcpu[name]) * 1e6
+                out[name] |= {
+                    "offcpu_p50_us": round(float(np.median(off)), 1),
+                    "offcpu_p90_us": round(float(np.percentile(off, 90)), 1),
+                    "offcpu_share": round(float(off.sum() / max(us.sum(), 1e-9)), 3),
+                }
         return out
 
 
@@ -98,13 +108,18 @@ def timed(fn: Callable[..., Any], name: str, rec: Recorder) -> Callable[..., Any
 
         return run_async
 
+    # A sync call's time off the CPU (wall minus the calling thread's CPU time,
+    # system time included): blocking in the kernel, waiting for a core, or
+    # waiting to take the GIL back after a call that dropped it.
+    cpu = time.thread_time
+
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        start = clock()
+        start, start_cpu = clock(), cpu()
         try:
             return fn(*args, **kwargs)
         finally:
-            rec.add(name, clock() - start)
+            rec.add(name, clock() - start, cpu() - start_cpu)
 
     return run
 
@@ -139,15 +154,24 @@ def show(paths: list[Path]) -> None:
         print(table(rows, list(rows[0])) if rows else "(no calls)")
 
 
-def python_args(profile: str | None, trace: str | None) -> tuple[str, ...]:
+def python_args(
+    profile: str | None,
+    trace: str | None,
+    targets: tuple[str, ...] = (),
+    switch_ms: float | None = None,
+) -> tuple[str, ...]:
     """What goes before `-m pegaflow.cli` for a benchmark's server: cProfile
-    into `profile`, or this tracer into `trace`, or nothing."""
+    into `profile`, or this tracer into `trace` (of `targets`, default
+    TARGETS; with the GIL switch interval `switch_ms`), or nothing."""
     if profile and trace:
         raise SystemExit("profile and trace the server: choose one")
     if profile:
         return ("-m", "cProfile", "-o", profile)
     if trace:
-        return (str(Path(__file__).resolve()), "--out", trace)
+        extra = [a for t in targets for a in ("--target", t)]
+        if switch_ms is not None:
+            extra += ["--switch-ms", str(switch_ms)]
+        return (str(Path(__file__).resolve()), "--out", trace, *extra)
     return ()
 
 
@@ -158,6 +182,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--target", action="append", default=None)
     ap.add_argument("-m", dest="module")
+    ap.add_argument("--switch-ms", type=float, help="the GIL switch interval, ms")
     ap.add_argument("--show", type=Path, nargs="+", help="print these traces, exit")
     args, rest = ap.parse_known_args()
     if args.show:
@@ -165,6 +190,8 @@ def main() -> None:
         return
     if args.out is None or args.module is None:
         ap.error("--out FILE and -m MODULE are needed to trace a run")
+    if args.switch_ms is not None:
+        sys.setswitchinterval(args.switch_ms / 1e3)
     rec = Recorder()
     install(args.target or list(TARGETS), rec)
 

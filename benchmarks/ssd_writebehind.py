@@ -36,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import phase_trace  # noqa: E402
 from benchmarks.common import table, write_json  # noqa: E402
 from benchmarks.ssd import dd  # noqa: E402
 from pegaflow.client import PegaflowClient  # noqa: E402
@@ -44,6 +45,15 @@ from pegaflow.kv_layouts import describe, vllm_layer_views  # noqa: E402
 from pegaflow.spawn import spawn_server  # noqa: E402
 
 SWITCH = Path(__file__).with_name("switch_interval.py")
+# Where a save's copy and the SSD writers spend their time, and how much of it
+# off the CPU: a copy thread's process_vm_readv that returns and then waits
+# for the GIL (held by a writer's Python) shows as off-CPU time of `transfer`.
+TRACE_TARGETS = (
+    "pegaflow.copiers.host:transfer",
+    "pegaflow.copiers.host:HostCopyEngine._copy",
+    "pegaflow.engine:Engine.save",
+    "gds.tier:SsdTier._write_batch",
+)
 MODES = ("none", "evict", "seal")
 
 PAGE = 64 << 10
@@ -84,9 +94,11 @@ def run_mode(
     folder: Path,
     switch_ms: float | None = None,
     engine_align: str = "malloc",
+    trace: str | None = None,
 ) -> dict[str, object]:
     """Save `blocks` fresh blocks in batches of BATCH as fast as one client
-    can; the tier (if any) in `folder`."""
+    can; the tier (if any) in `folder`. trace: run the server under
+    phase_trace.py into this file (TRACE_TARGETS, their time off the CPU)."""
     http = f"127.0.0.1:{_free_port()}"
     args = ["--pool-size", pool, "--no-progress", "--http-addr", http]
     if mode != "none":
@@ -95,7 +107,10 @@ def run_mode(
         args += ["--ssd-cache-path", str(folder / "ssd0.bin")]
         args += ["--ssd-cache-capacity", f"{2 * blocks * LAYERS * PAGE}"]
         args += ["--ssd-write-on", mode, "--ssd-backend", "posix"]
-    wrap = () if switch_ms is None else (str(SWITCH), str(switch_ms))
+    if trace:
+        wrap = phase_trace.python_args(None, trace, TRACE_TARGETS, switch_ms)
+    else:
+        wrap = () if switch_ms is None else (str(SWITCH), str(switch_ms))
     proc, addr = spawn_server("--log-level", "warning", *args, python_args=wrap)
     size = LAYERS * BATCH * 2 * PAGE
     buf = aligned_empty(size) if engine_align == "page" else np.empty(size, np.uint8)
@@ -154,6 +169,11 @@ def main() -> int:
         "(benchmarks/switch_interval.py; default: Python's 5 ms, unwrapped)",
     )
     p.add_argument(
+        "--trace-dir",
+        help="run each server under benchmarks/phase_trace.py, a trace per run "
+        "here (the copy calls' and SSD writers' time, and its share off the CPU)",
+    )
+    p.add_argument(
         "--engine-align",
         default="malloc",
         help="comma list of malloc, page: where the engine's KV buffer starts",
@@ -178,7 +198,12 @@ def main() -> int:
         for mode, sw, al in [
             (m, sw, al) for al in aligns for m in modes for sw in switches
         ]:
-            row = run_mode(mode, pool, blocks, Path(args.dir), sw, al)
+            trace = None
+            if args.trace_dir:
+                Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+                sw_tag = "" if sw is None else f"_sw{sw:g}"
+                trace = f"{args.trace_dir}/trace_{mode}_{al}{sw_tag}_{rep}.json"
+            row = run_mode(mode, pool, blocks, Path(args.dir), sw, al, trace)
             rows.append({"rep": rep, "switch_ms": sw, **row})
             write_json(name, results, args.json)
             print(rows[-1], flush=True)

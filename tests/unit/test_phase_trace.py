@@ -11,13 +11,17 @@ from pegaflow.spawn import spawn_server
 from tests.kvbuf import hashes
 from tests.procs import EngineProc
 
+TRANSFER = "pegaflow.copiers.host:transfer"  # the copy syscalls, a sync call
+
 
 def test_a_traced_server_counts_each_request(tmp_path) -> None:
     out = tmp_path / "trace.json"
     proc, addr = spawn_server(
         "--pool-size", "16mb", "--devices", "none", "--no-progress",
         "--log-level", "warning", "--no-http",
-        python_args=phase_trace.python_args(None, str(out)),
+        python_args=phase_trace.python_args(
+            None, str(out), (*phase_trace.TARGETS, TRANSFER), switch_ms=1.0
+        ),
     )  # fmt: skip
     engine = EngineProc()
     try:
@@ -40,3 +44,8 @@ def test_a_traced_server_counts_each_request(tmp_path) -> None:
     assert 0 < save["min_us"] <= save["p50_us"] <= save["p90_us"]
     assert got["pegaflow.engine:Engine._copy"]["calls"] == 3
     assert "pegaflow.engine:Engine.load" not in got  # only what ran is listed
+    # Sync calls also carry their time off the CPU; coroutines cannot.
+    copy = got[TRANSFER]
+    assert copy["calls"] >= 3 and 0.0 <= copy["offcpu_share"] <= 1.0
+    assert 0.0 <= copy["offcpu_p50_us"] <= copy["offcpu_p90_us"]
+    assert "offcpu_share" not in save
