@@ -148,10 +148,15 @@ def show(paths: list[Path]) -> None:
             {"target": name.split(":", 1)[1], **{k: v for k, v in r.items()}}
             for name, r in sorted(got.items(), key=lambda kv: -kv[1]["p50_us"])
         ]
+        cols: list[str] = []
         for row in rows:
             row["threads"] = ",".join(row["threads"])
+            cols += [c for c in row if c not in cols]
+        for row in rows:  # coroutines have no off-CPU figures
+            for c in cols:
+                row.setdefault(c, "")
         print(f"\n{path.name}")
-        print(table(rows, list(rows[0])) if rows else "(no calls)")
+        print(table(rows, cols) if rows else "(no calls)")
 
 
 def python_args(

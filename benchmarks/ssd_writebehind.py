@@ -52,7 +52,7 @@ TRACE_TARGETS = (
     "pegaflow.copiers.host:transfer",
     "pegaflow.copiers.host:HostCopyEngine._copy",
     "pegaflow.engine:Engine.save",
-    "gds.tier:SsdTier._write_batch",
+    "pegaflow.gds.tier:SsdTier._write_batch",
 )
 MODES = ("none", "evict", "seal")
 
