@@ -148,10 +148,11 @@ def show(paths: list[Path]) -> None:
             {"target": name.split(":", 1)[1], **{k: v for k, v in r.items()}}
             for name, r in sorted(got.items(), key=lambda kv: -kv[1]["p50_us"])
         ]
-        cols: list[str] = []
+        order = ["target", "calls", "mean_us", "min_us", "p50_us", "p90_us"]
+        order += ["offcpu_p50_us", "offcpu_p90_us", "offcpu_share", "threads"]
+        cols = [c for c in order if any(c in row for row in rows)]
         for row in rows:
             row["threads"] = ",".join(row["threads"])
-            cols += [c for c in row if c not in cols]
         for row in rows:  # coroutines have no off-CPU figures
             for c in cols:
                 row.setdefault(c, "")
