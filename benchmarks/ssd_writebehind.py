@@ -48,10 +48,17 @@ SWITCH = Path(__file__).with_name("switch_interval.py")
 # Where a save's copy and the SSD writers spend their time, and how much of it
 # off the CPU: a copy thread's process_vm_readv that returns and then waits
 # for the GIL (held by a writer's Python) shows as off-CPU time of `transfer`.
+# The loop's own share shows in Engine.save beside _copy: reserve_save,
+# finish_save (which hands sealed blocks to the tier: SsdLink.sealed) and the
+# hand-back from the copy thread, which waits for the GIL like any thread.
 TRACE_TARGETS = (
     "pegaflow.copiers.host:transfer",
     "pegaflow.copiers.host:HostCopyEngine._copy",
     "pegaflow.engine:Engine.save",
+    "pegaflow.engine:Engine._copy",
+    "pegaflow.blocks:BlockStore.reserve_save",
+    "pegaflow.blocks:BlockStore.finish_save",
+    "pegaflow.ssd:SsdLink.sealed",
     "pegaflow.gds.tier:SsdTier._write_batch",
 )
 MODES = ("none", "evict", "seal")

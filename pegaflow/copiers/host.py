@@ -240,11 +240,18 @@ class HostCopyEngine:
             for part in parts:
                 transfer(op, regions.pid, liov[part], riov[part], deadline)
         else:
+            # The calling thread copies the last part itself: one hand-off to
+            # a pool thread and back fewer (each needs the GIL on its way,
+            # which an SSD writer may hold), and no thread idle meanwhile.
             futures = [
                 self._pool.submit(transfer, op, regions.pid, liov[p], riov[p], deadline)
-                for p in parts
+                for p in parts[:-1]
             ]
-            wait(futures)  # never return while a chunk still writes
+            try:
+                last = parts[-1]
+                transfer(op, regions.pid, liov[last], riov[last], deadline)
+            finally:
+                wait(futures)  # never return while a chunk still writes
             for f in futures:
                 f.result()
         # The calls name the process by its pid. An engine that exited during
