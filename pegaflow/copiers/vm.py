@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 from collections.abc import Callable
 from typing import Literal
@@ -172,9 +173,11 @@ def file_backed(
     pid: int, lines: list[str], addr: np.ndarray, size: np.ndarray
 ) -> tuple[int, str] | None:
     """(i, what) for the first range [addr[i], addr[i] + size[i]) that overlaps
-    a mapping of a file outside MEMORY_FILESYSTEMS; None when every page is
-    anonymous or memory. A device number the engine's mount table lacks is
-    the kernel's own (memfd, SysV shm, shared anonymous memory): memory."""
+    a mapping of a file that is not memory; None when every page is anonymous
+    or memory. Memory: the kernel's own shmem and hugetlbfs (memfd, SysV shm,
+    shared anonymous memory), or a filesystem the engine's mount table lists
+    as one of MEMORY_FILESYSTEMS. A device that table does not list (a FUSE
+    mount of another namespace, its file passed in) is not memory."""
     files = []
     for line in lines:
         parts = line.split(maxsplit=5)
@@ -187,16 +190,39 @@ def file_backed(
     if not files:
         return None
     fstypes = _fstypes(pid)
+    kernel = kernel_memory_devices()
     for i, (a, n) in enumerate(zip(addr.tolist(), size.tolist(), strict=True)):
         for lo, hi, dev, path in files:
-            if not (lo < a + n and a < hi):
+            if not (lo < a + n and a < hi) or dev in kernel:
                 continue
+            name = path or "a file"
             if fstypes is None:
-                return i, f"{path or 'a file'} (its mount table is unreadable)"
+                return i, f"{name} (the engine's mount table is unreadable)"
             fstype = fstypes.get(dev)
-            if fstype is not None and fstype not in MEMORY_FILESYSTEMS:
-                return i, f"{path or 'a file'} on {fstype}"
+            if fstype is None:
+                return i, f"{name} on device {dev}, which the engine's mounts lack"
+            if fstype not in MEMORY_FILESYSTEMS:
+                return i, f"{name} on {fstype}"
     return None
+
+
+@functools.cache
+def kernel_memory_devices() -> frozenset[str]:
+    """Devices ("major:minor") of the kernel's internal shmem and hugetlbfs
+    mounts, which no mount table lists: those of memfds made here."""
+    devices = set()
+    hugetlb = getattr(os, "MFD_HUGETLB", 0)
+    for flags in (0, hugetlb, hugetlb | getattr(os, "MFD_HUGE_1GB", 0)):
+        try:
+            fd = os.memfd_create("pegaflow-probe", flags)
+        except (OSError, AttributeError):  # no hugetlbfs of that size here
+            continue
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        devices.add(f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    return frozenset(devices)
 
 
 def _fstypes(pid: int) -> dict[str, str] | None:

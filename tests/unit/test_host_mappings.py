@@ -140,3 +140,27 @@ def test_file_backed_region_is_refused_naming_it(spawn, tmp_path: Path) -> None:
             LayerSignals(pid, addr, 4)
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_a_device_the_engine_mounts_lack_is_not_memory(monkeypatch) -> None:
+    """A file of a mount the engine's namespace does not list (a FUSE mount
+    of another namespace whose file was handed in) is refused; the kernel's
+    own shmem device (memfd, shared anonymous memory) never is."""
+    (shmem,) = sorted(vm.kernel_memory_devices())[:1]
+    major, minor = (int(x) for x in shmem.split(":"))
+    lines = [
+        f"7f0000000000-7f0000010000 rw-s 00000000 {major:02x}:{minor:02x} 42"
+        "    /memfd:kv (deleted)",
+        "7f0000010000-7f0000020000 rw-s 00000000 fe:07 43    /mnt/x/kv.bin",
+        "7f0000020000-7f0000030000 rw-p 00000000 00:00 0",
+    ]
+    monkeypatch.setattr(vm, "_fstypes", lambda pid: {"254:0": "ext4"})
+    one = np.array([1 << 16], np.uint64)
+    memfd, foreign, anon = (np.array([a], np.uint64) for a in (
+        0x7F0000000000, 0x7F0000010000, 0x7F0000020000))  # fmt: skip
+    assert vm.file_backed(1, lines, memfd, one) is None
+    assert vm.file_backed(1, lines, anon, one) is None
+    got = vm.file_backed(1, lines, foreign, one)
+    assert got == (0, "/mnt/x/kv.bin on device 254:7, which the engine's mounts lack")
+    both = np.array([0x7F0000000000, 0x7F000000F000], np.uint64)
+    assert vm.file_backed(1, lines, both, np.array([4096, 8192], np.uint64))[0] == 1
