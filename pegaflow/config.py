@@ -121,7 +121,7 @@ class HitRateConfig:
 
     windows_s: tuple[float, ...] = (900.0, 3600.0, 86400.0)
     # 16 bits: 0.41 % standard error, and a window's 15 sub-window register sets
-    # stay under 1 MiB (pegaflow.hll.SUB_WINDOWS).
+    # and its kept merge take ~1 MiB (pegaflow.hll.SUB_WINDOWS).
     bucket_bits: int = 16
 
     def __post_init__(self) -> None:

@@ -141,3 +141,32 @@ def test_window_stats_are_kept_until_a_batch_or_a_sub_window_changes() -> None:
     win.add(*hll.index_rank(h[:10], 10), hits=10, now=now + 1.0)
     assert win.stats(now + 1.0).requests == first.requests + 10  # a batch: anew
     assert win.stats(now + 150.0 + 20.0).requests == 0  # aged out
+
+
+def test_a_kept_merge_is_raised_by_new_batches_and_dropped_with_its_epochs() -> None:
+    """Between scrapes an active namespace's batches land in the current
+    sub-window: stats() raises the kept merge by that sub-window alone
+    (cheaper than merging all fifteen and recounting) and answers what a
+    recomputation would. A sub-window reused for a new epoch as its old one
+    leaves keeps the same live mask: the kept merge must go then, since the
+    reused sub-window's registers were cleared (a mask-only check missed it)."""
+    win = hll.RollingWindow(150.0, bits=10)  # 10 s sub-windows
+    win.add(*hll.index_rank(_random(3000, seed=1), 10), hits=0, now=5.0)
+    win.add(*hll.index_rank(_random(3000, seed=2), 10), hits=0, now=15.0)
+    win.stats(16.0)
+    kept = win._memo
+    win.add(*hll.index_rank(_random(200, seed=3), 10), hits=1, now=17.0)
+    got = win.stats(18.0)
+    assert win._memo is kept  # raised in place
+    win._memo = None
+    assert win.stats(18.0) == got
+    # [0, 10) ages out as its slot is reused for [150, 160): live are the
+    # same two slots as at t=18, one of them now of another epoch.
+    kept = win._memo
+    assert kept is not None
+    win.add(*hll.index_rank(_random(20, seed=4), 10), hits=0, now=151.0)
+    got = win.stats(151.0)
+    assert win._memo is not kept
+    win._memo = None
+    assert win.stats(151.0) == got
+    assert got.requests == 3000 + 200 + 20
