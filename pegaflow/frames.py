@@ -201,19 +201,25 @@ def encode_load(
             deadline_ns,
             token,
         )
-        table = np.zeros(len(items), LOAD_ITEM)
         ids = [np.asarray(block_ids, np.int64).reshape(-1) for _, _, block_ids in items]
-        table["lease_id"] = [lease for lease, _, _ in items]
-        table["lease_offset"] = [offset for _, offset, _ in items]
-        table["count"] = list(map(len, ids))
+        if len(items) == 1:  # the usual load: struct, not a structured array
+            ((lease, offset, _),) = items
+            table = _ONE_LOAD_ITEM.pack(lease, offset, len(ids[0]))
+            flat = ids[0]
+        else:
+            rows = np.zeros(len(items), LOAD_ITEM)
+            rows["lease_id"] = [lease for lease, _, _ in items]
+            rows["lease_offset"] = [offset for _, offset, _ in items]
+            rows["count"] = list(map(len, ids))
+            table = rows.tobytes()
+            flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     except (struct.error, OverflowError, ValueError, TypeError):
         return None
-    flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     if len(ident) > 65535 or (
         len(flat) and (flat.min() < 0 or flat.max() > 0xFFFFFFFF)
     ):
         return None
-    return _framed(head + ident + table.tobytes() + flat.astype("<u4").tobytes())
+    return _framed(head + ident + table + flat.astype("<u4").tobytes())
 
 
 def decode_load(
@@ -276,6 +282,18 @@ def load_reply(loaded: int, nbytes: int, items: Sequence) -> bytes:
     table["bytes"] = [item.bytes for item in items]
     table["error_len"] = list(map(len, errors))
     return head + table.tobytes() + b"".join(errors)
+
+
+def load_reply_size(reply: bytearray) -> int:
+    """The whole load reply's length, as far as its first bytes tell."""
+    _, _, _, n_items = LOAD_REPLY.unpack_from(reply)
+    size = LOAD_REPLY.size + n_items * LOAD_ITEM_REPLY.itemsize
+    if len(reply) < size:
+        return size
+    if n_items == 1:  # the usual load: struct, not a structured array
+        return size + _ONE_LOAD_REPLY.unpack_from(reply, LOAD_REPLY.size)[2]
+    table = np.frombuffer(bytes(reply), LOAD_ITEM_REPLY, n_items, LOAD_REPLY.size)
+    return size + int(table["error_len"].sum())
 
 
 def parse_load_reply(

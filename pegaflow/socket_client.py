@@ -13,12 +13,10 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
-import numpy as np
 
 from .errors import PegaflowError, from_status
 from .frames import (
     HELLO_REPLY,
-    LOAD_ITEM_REPLY,
     LOAD_REPLY,
     LOADING,
     PROTOCOL_VERSION,
@@ -30,6 +28,7 @@ from .frames import (
     encode_query,
     encode_register,
     encode_save,
+    load_reply_size,
     parse_load_reply,
 )
 from .identity import unix_peer
@@ -112,7 +111,7 @@ class SocketClient:
         self, frame: bytes, wait_s: float
     ) -> tuple[int, int, list[tuple[int, int, str]]]:
         """(loaded, bytes, [(loaded, bytes, error)] per item)."""
-        _, reply = self._exchange(frame, wait_s, LOAD_REPLY.size, _load_reply_size)
+        _, reply = self._exchange(frame, wait_s, LOAD_REPLY.size, load_reply_size)
         return parse_load_reply(bytes(reply))
 
     def register(self, frame: bytes, wait_s: float) -> bytes:
@@ -183,16 +182,6 @@ class SocketClient:
 
 def _register_size(reply: bytearray) -> int:
     return REGISTER_REPLY.size + REGISTER_REPLY.unpack_from(reply)[1]
-
-
-def _load_reply_size(reply: bytearray) -> int:
-    """The whole load reply's length, as far as its first bytes tell."""
-    _, _, _, n_items = LOAD_REPLY.unpack_from(reply)
-    size = LOAD_REPLY.size + n_items * LOAD_ITEM_REPLY.itemsize
-    if len(reply) < size:
-        return size
-    table = np.frombuffer(bytes(reply), LOAD_ITEM_REPLY, n_items, LOAD_REPLY.size)
-    return size + int(table["error_len"].sum())
 
 
 class SocketTransport:

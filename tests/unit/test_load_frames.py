@@ -63,3 +63,32 @@ def test_one_item_reply_is_the_tables_bytes() -> None:
         assert frames.parse_load_reply(fast) == (
             item.loaded, item.bytes, [(item.loaded, item.bytes, item.error)]
         )  # fmt: skip
+
+
+def test_one_item_encodes_as_the_general_path() -> None:
+    """encode_load's one-item struct gives the structured array's bytes, and
+    refuses (None: gRPC carries it and names the field) what that refuses."""
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        ids = rng.integers(0, 1 << 32, int(rng.integers(0, 50)))
+        lease, offset = int(rng.integers(1, 1 << 63)), int(rng.integers(0, 1 << 32))
+        body = body_of([(lease, offset, ids)], True)
+        table_at = frames.LOAD_HEADER.size + len("inst-é".encode())
+        want = np.zeros(1, frames.LOAD_ITEM)
+        want["lease_id"], want["lease_offset"], want["count"] = lease, offset, len(ids)
+        end = table_at + frames.LOAD_ITEM.itemsize
+        assert body[table_at:end] == want.tobytes()
+        assert body[end:] == ids.astype("<u4").tobytes()
+    for bad in [(-1, 0, [1]), (1 << 64, 0, [1]), (1, 1 << 32, [1]), (1, -1, [1])]:
+        assert frames.encode_load("i", 0, [bad], True) is None
+        assert frames.encode_load("i", 0, [bad, (2, 0, [3])], True) is None
+
+
+def test_one_item_reply_size_is_the_general_one() -> None:
+    for error in ("", "lease 9: expired ✗"):
+        item = Item(0 if error else 3, 0 if error else 6 << 20, error)
+        for items in ([item], [item, item]):
+            reply = bytearray(frames.load_reply(item.loaded, item.bytes, items))
+            assert frames.load_reply_size(reply) == len(reply)
+            head = frames.LOAD_REPLY.size + len(items) * frames.LOAD_ITEM_REPLY.itemsize
+            assert frames.load_reply_size(reply[: head - 1]) == head  # ask for more
