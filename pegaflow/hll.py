@@ -198,7 +198,6 @@ class _Merged:
 
     live: bytes  # which sub-windows were live
     epochs: bytes  # of which epochs
-    version: int  # the window's write count when stats were last taken
     slot_versions: np.ndarray  # each sub-window's write count merged in
     registers: np.ndarray  # their elementwise max
     counts: np.ndarray  # rank_counts(registers)
@@ -237,7 +236,6 @@ class RollingWindow:
         # on the event loop. The merge is kept while the same sub-windows are
         # live (for a 15-minute window, a minute; an idle namespace's answer
         # as is), and raised by only the sub-windows that grew since.
-        self._version = 0
         self._slot_versions = np.zeros(SUB_WINDOWS, np.int64)
         self._newest = -1  # the newest epoch written
         self._memo: _Merged | None = None
@@ -257,8 +255,7 @@ class RollingWindow:
             self._requests[slot] = self._hits[slot] = 0
             self._epochs[slot] = epoch
             self._newest = max(self._newest, epoch)
-        self._version += 1  # the caller adds to it next
-        self._slot_versions[slot] += 1
+        self._slot_versions[slot] += 1  # the caller writes to it next
         return slot
 
     def add(self, idx: np.ndarray, rank: np.ndarray, hits: int, now: float) -> None:
@@ -286,23 +283,21 @@ class RollingWindow:
         live_b, epochs_b = live.tobytes(), self._epochs.tobytes()
         memo = self._memo
         if memo is not None and memo.live == live_b and memo.epochs == epochs_b:
-            if memo.version == self._version:
+            written = self._slot_versions != memo.slot_versions
+            if not written.any():
                 return memo.stats
             # The same sub-windows: only written ones changed, and registers
             # only rise within an epoch.
-            for slot in np.flatnonzero(
-                live & (self._slot_versions != memo.slot_versions)
-            ):
+            for slot in np.flatnonzero(live & written):
                 memo.raise_to(self.registers[slot])
         elif not live.any():
             return WindowStats(0, 0, 0.0)
         else:
             merged = np.maximum.reduce(self.registers[live], axis=0)
             memo = self._memo = _Merged(
-                live_b, epochs_b, 0, self._slot_versions.copy(), merged,
+                live_b, epochs_b, self._slot_versions.copy(), merged,
                 rank_counts(merged), _EMPTY,
             )  # fmt: skip
-        memo.version = self._version
         memo.slot_versions = self._slot_versions.copy()
         memo.stats = WindowStats(
             int(self._requests[live].sum()),

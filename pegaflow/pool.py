@@ -23,6 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .config import PoolConfig
+from .mounts import filesystem_of
 from .slabs import SlabAllocator
 
 if TYPE_CHECKING:
@@ -115,22 +116,6 @@ def _map_region(size: int, hugepages: bool) -> mmap.mmap:
         raise HugepagesUnavailable(f"--use-hugepages: mmap failed: {exc}") from exc
 
 
-def _filesystem(path: str) -> str:
-    """The type of the filesystem holding path, as /proc/mounts names it."""
-    try:
-        best, kind = "", "an unknown filesystem"
-        real = os.path.realpath(path)
-        with open("/proc/mounts") as mounts:
-            for line in mounts:
-                parts = line.split()
-                inside = len(parts) > 2 and real.startswith(parts[1].rstrip("/") + "/")
-                if inside and len(parts[1]) > len(best):
-                    best, kind = parts[1], f"{parts[2]} ({parts[1]})"
-        return kind
-    except OSError:
-        return "an unknown filesystem"
-
-
 def _hugepages_free() -> int:
     return _meminfo("HugePages_Free", scale=1) or 0
 
@@ -201,7 +186,7 @@ class HostPool:
                 raise
             from .poolfile import PoolFileError
 
-            fs = _filesystem(config.pool_file)
+            fs = filesystem_of(config.pool_file)
             raise PoolFileError(
                 f"--pool-file: CUDA cannot pin the pages of {config.pool_file} "
                 f"({exc}; it lies on {fs}); put it on /dev/shm or a hugetlbfs "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 import numpy as np
@@ -41,9 +41,6 @@ logger = logging.getLogger(__name__)
 PARALLEL_MIN_BYTES = 4 << 20
 
 
-_NO_SPANS = np.zeros(0, np.uint64)
-
-
 @dataclass(frozen=True, slots=True)
 class HostRegions:
     """Memory of one engine process that the server may copy to and from."""
@@ -55,19 +52,12 @@ class HostRegions:
     # process that reuses the pid can never receive this engine's copies.
     pidfd: int = -1
     # The regions merged into sorted spans, for every copy's bounds check.
-    spans: tuple[np.ndarray, np.ndarray] = (_NO_SPANS, _NO_SPANS)
+    spans: tuple[np.ndarray, np.ndarray] = field(init=False)
 
-    @staticmethod
-    def make(pid: int, regions: list[tuple[int, int]], pidfd: int = -1) -> HostRegions:
-        bases = np.array([a for a, _ in regions], np.uint64)
-        sizes = np.array([s for _, s in regions], np.uint64)
-        return HostRegions(
-            pid,
-            tuple(a for a, _ in regions),
-            tuple(s for _, s in regions),
-            pidfd,
-            merge_spans(bases, bases + sizes),
-        )
+    def __post_init__(self) -> None:
+        bases = np.array(self.bases, np.uint64)
+        ends = bases + np.array(self.sizes, np.uint64)
+        object.__setattr__(self, "spans", merge_spans(bases, ends))
 
 
 def _coalesce(
@@ -169,7 +159,9 @@ class HostCopyEngine:
         logger.debug(
             "open pid=%d: %d region(s), %d bytes", pid, len(regions), size.sum()
         )
-        return HostRegions.make(pid, regions, pidfd)
+        return HostRegions(
+            pid, tuple(a for a, _ in regions), tuple(s for _, s in regions), pidfd
+        )
 
     def gather(
         self,

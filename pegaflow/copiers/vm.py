@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import os
 from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
 
-from .. import deadlines
+from .. import deadlines, mounts
 from ..errors import CopyFailed, InvalidRequest
 
 IOV_MAX = 1024  # the kernel's UIO_MAXIOV; more iovecs on one side is EINVAL
@@ -136,13 +135,6 @@ def transfer(
         liov, riov = advance(liov, riov, got)
 
 
-# Filesystems whose pages are memory: a copy from them never waits on I/O.
-# Mappings of files elsewhere (FUSE above all, whose daemon may be the engine
-# itself, or NFS) can hold a copy, and the loop or copy thread doing it,
-# for as long as that filesystem likes.
-MEMORY_FILESYSTEMS = frozenset({"tmpfs", "hugetlbfs", "ramfs", "devtmpfs"})
-
-
 def read_maps(pid: int, field: str = "pid") -> list[str]:
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -176,8 +168,8 @@ def file_backed(
     a mapping of a file that is not memory; None when every page is anonymous
     or memory. Memory: the kernel's own shmem and hugetlbfs (memfd, SysV shm,
     shared anonymous memory), or a filesystem the engine's mount table lists
-    as one of MEMORY_FILESYSTEMS. A device that table does not list (a FUSE
-    mount of another namespace, its file passed in) is not memory."""
+    as one of mounts.MEMORY_FILESYSTEMS. A device that table does not list
+    (a FUSE mount of another namespace, its file passed in) is not memory."""
     files = []
     for line in lines:
         parts = line.split(maxsplit=5)
@@ -189,54 +181,18 @@ def file_backed(
             )
     if not files:
         return None
-    fstypes = _fstypes(pid)
-    kernel = kernel_memory_devices()
+    table = mounts.mount_table(pid)
+    kernel = mounts.kernel_memory_devices()
     for i, (a, n) in enumerate(zip(addr.tolist(), size.tolist(), strict=True)):
         for lo, hi, dev, path in files:
             if not (lo < a + n and a < hi) or dev in kernel:
                 continue
             name = path or "a file"
-            if fstypes is None:
+            if table is None:
                 return i, f"{name} (the engine's mount table is unreadable)"
-            fstype = fstypes.get(dev)
-            if fstype is None:
+            if dev not in table:
                 return i, f"{name} on device {dev}, which the engine's mounts lack"
-            if fstype not in MEMORY_FILESYSTEMS:
+            fstype = table[dev][0]
+            if fstype not in mounts.MEMORY_FILESYSTEMS:
                 return i, f"{name} on {fstype}"
     return None
-
-
-@functools.cache
-def kernel_memory_devices() -> frozenset[str]:
-    """Devices ("major:minor") of the kernel's internal shmem and hugetlbfs
-    mounts, which no mount table lists: those of memfds made here."""
-    devices = set()
-    hugetlb = getattr(os, "MFD_HUGETLB", 0)
-    for flags in (0, hugetlb, hugetlb | getattr(os, "MFD_HUGE_1GB", 0)):
-        try:
-            fd = os.memfd_create("pegaflow-probe", flags)
-        except (OSError, AttributeError):  # no hugetlbfs of that size here
-            continue
-        try:
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
-        devices.add(f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
-    return frozenset(devices)
-
-
-def _fstypes(pid: int) -> dict[str, str] | None:
-    """Device number ("major:minor", decimal) -> filesystem type, as the
-    process's own mount namespace sees them; None if that is unreadable."""
-    try:
-        with open(f"/proc/{pid}/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    out = {}
-    for line in lines:
-        head, sep, tail = line.partition(" - ")
-        fields = head.split()
-        if sep and len(fields) > 2 and tail:
-            out[fields[2]] = tail.split()[0]
-    return out

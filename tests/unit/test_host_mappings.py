@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pegaflow import mounts
 from pegaflow.copiers import vm
 from pegaflow.copiers.host import HostCopyEngine
 from pegaflow.copiers.signals import LayerSignals
@@ -71,9 +72,8 @@ def spawn() -> Iterator:
 
 
 def _fstype(path: Path) -> str | None:
-    st = os.stat(path)
-    types = vm._fstypes(os.getpid()) or {}
-    return types.get(f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    got = (mounts.mount_table() or {}).get(mounts.device_name(os.stat(path).st_dev))
+    return None if got is None else got[0]
 
 
 def _disk_dir(tmp_path: Path) -> Path:
@@ -89,7 +89,7 @@ def _disk_dir(tmp_path: Path) -> Path:
             fstype = _fstype(probe)
         finally:
             probe.unlink()
-        if fstype is not None and fstype not in vm.MEMORY_FILESYSTEMS:
+        if fstype is not None and fstype not in mounts.MEMORY_FILESYSTEMS:
             return d
     pytest.skip("no writable directory on a disk filesystem here")
 
@@ -146,7 +146,7 @@ def test_a_device_the_engine_mounts_lack_is_not_memory(monkeypatch) -> None:
     """A file of a mount the engine's namespace does not list (a FUSE mount
     of another namespace whose file was handed in) is refused; the kernel's
     own shmem device (memfd, shared anonymous memory) never is."""
-    (shmem,) = sorted(vm.kernel_memory_devices())[:1]
+    (shmem,) = sorted(mounts.kernel_memory_devices())[:1]
     major, minor = (int(x) for x in shmem.split(":"))
     lines = [
         f"7f0000000000-7f0000010000 rw-s 00000000 {major:02x}:{minor:02x} 42"
@@ -154,7 +154,7 @@ def test_a_device_the_engine_mounts_lack_is_not_memory(monkeypatch) -> None:
         "7f0000010000-7f0000020000 rw-s 00000000 fe:07 43    /mnt/x/kv.bin",
         "7f0000020000-7f0000030000 rw-p 00000000 00:00 0",
     ]
-    monkeypatch.setattr(vm, "_fstypes", lambda pid: {"254:0": "ext4"})
+    monkeypatch.setattr(mounts, "mount_table", lambda pid: {"254:0": ("ext4", "/")})
     one = np.array([1 << 16], np.uint64)
     memfd, foreign, anon = (np.array([a], np.uint64) for a in (
         0x7F0000000000, 0x7F0000010000, 0x7F0000020000))  # fmt: skip
