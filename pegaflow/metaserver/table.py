@@ -29,6 +29,7 @@ import numpy as np
 
 from ..keys import MAX_HASH_BYTES, PackedHashes
 from ..open_addressing import EMPTY, SPARE, TOMB, WINDOW, ProbedSlots, keyed_fold
+from . import table_jit
 
 MAX_LOAD = 0.5  # slots in use (tombstones too) before a rebuild
 MIN_CAPACITY = 64
@@ -38,12 +39,16 @@ _WORDS = -(-MAX_HASH_BYTES // 8)
 class Keys:
     """Hashes as (n, words) little-endian uint64, zero-padded, and their
     lengths: the wire's packed hashes without a copy when hash_len is a
-    multiple of 8."""
+    multiple of 8. `length`: the one length of all of them (the wire's
+    hash_len), None when they differ."""
 
-    __slots__ = ("words", "lens", "count")
+    __slots__ = ("words", "lens", "count", "length")
 
-    def __init__(self, words: np.ndarray, lens: np.ndarray) -> None:
+    def __init__(
+        self, words: np.ndarray, lens: np.ndarray, length: int | None = None
+    ) -> None:
         self.words, self.lens, self.count = words, lens, len(lens)
+        self.length = length
 
     @classmethod
     def of(cls, hashes: PackedHashes | list[bytes]) -> Keys:
@@ -64,24 +69,25 @@ class Keys:
         lens = np.full(n, size, np.int32)
         if size % 8 == 0:  # a strided view of the request's buffer
             words = np.ndarray((n, size // 8), "<u8", q.buf, q.offset, (size, 8))
-            return cls(words, lens)
+            return cls(words, lens, size)
         padded = np.zeros((n, -(-size // 8) * 8), np.uint8)
         padded[:, :size] = q.matrix()
-        return cls(padded.view("<u8"), lens)
+        return cls(padded.view("<u8"), lens, size)
 
     @property
     def width(self) -> int:
         return self.words.shape[1]
 
     def take(self, at: np.ndarray) -> Keys:
-        return Keys(self.words[at], self.lens[at])
+        return Keys(self.words[at], self.lens[at], self.length)
 
 
 class RowTable(ProbedSlots):
     """Which row holds each (namespace, hash). The caller allocates rows;
     add() files them, discard() withdraws them, find() looks them up."""
 
-    def __init__(self) -> None:
+    def __init__(self, compiled: bool = True) -> None:
+        """compiled: find() by table_jit's loop where numba is installed."""
         self._mult = np.array(
             [secrets.randbits(64) | 1 for _ in range(_WORDS + 3)], np.uint64
         )  # per word, then length, namespace, home slot
@@ -93,6 +99,7 @@ class RowTable(ProbedSlots):
         self._live = self._tombs = 0
         self._window = np.arange(1, WINDOW + 1)[:, None]
         self._alloc(MIN_CAPACITY)
+        self._compiled_find = table_jit.compiled() if compiled else None
 
     @property
     def nbytes(self) -> int:
@@ -136,10 +143,27 @@ class RowTable(ProbedSlots):
     # -- the query --------------------------------------------------------------
     def find(self, ns: int, keys: Keys) -> np.ndarray:
         """The row of every key in namespace ns, -1 where it is not filed.
-        A first round reads every key's home slot (most sit there), then a
-        window past it a round, twice as wide each round, for the rest."""
+        Hashes of one length (the wire's) go by table_jit's compiled loop
+        where numba is installed. Here, in numpy: a first round reads every
+        key's home slot (most sit there), then a window past it a round,
+        twice as wide each round, for the rest."""
         found = np.full(keys.count, -1, np.int64)
         if not keys.count or not self._live:
+            return found
+        if self._compiled_find is not None and keys.length is not None:
+            self._compiled_find(
+                self._slots,
+                self._rec,
+                keys.words,
+                np.uint64(keys.length),
+                np.uint64(ns),
+                self._mult[:_WORDS],
+                self._mult[_WORDS],
+                self._mult[_WORDS + 1],
+                self._mult[_WORDS + 2],
+                self._shift,
+                found,
+            )
             return found
         key = self._key(ns, keys).view(np.int64)
         home = self._home(key.view(np.uint64))

@@ -1,0 +1,140 @@
+"""RowTable.find as one compiled loop (numba), where numba is installed.
+
+On the dev VM a 1,000-hash lookup over a 2M-entry index took ~150 µs in
+RowTable.find's numpy rounds (the fold, the home-slot gathers, the record
+check and the window rounds: about thirty array calls and their temporaries),
+most of a QueryPrefix's own work; on the H200 host, where the same Python is
+slower after an idle gap, that work is what stood between the metaserver and
+a 1 ms P50 (benchmarks/RESULTS.md, issue 11). This is the same lookup, key by
+key: the fold of open_addressing.keyed_fold, the home slot, a linear probe to
+the first EMPTY slot, and each key match checked against the whole record.
+A first loop computes every key's home, so the probes' cache misses are
+independent loads the CPU can overlap.
+
+numba is an optional dependency (the `cuda` extra): without it `compiled()`
+is None and the numpy rounds run. tests/unit/test_metaserver_table_jit.py
+compares both on random tables with tombstones, long runs and colliding
+namespaces.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..open_addressing import EMPTY
+
+logger = logging.getLogger(__name__)
+
+_SHIFT = 29  # open_addressing._SHIFT
+
+
+def _find_into(
+    slots: np.ndarray,
+    rec: np.ndarray,
+    words: np.ndarray,
+    length: np.uint64,
+    namespace: np.uint64,
+    word_mults: np.ndarray,
+    length_mult: np.uint64,
+    namespace_mult: np.uint64,
+    home_mult: np.uint64,
+    home_shift: np.uint64,
+    found: np.ndarray,
+) -> None:
+    """found[i]: the row filed for hash i (words[i], `length` bytes) in
+    `namespace`, else -1."""
+    n = words.shape[0]
+    shift = np.uint64(_SHIFT)
+    width = min((length + np.uint64(7)) // np.uint64(8), np.uint64(words.shape[1]))
+    start = length * length_mult
+    start ^= start >> shift
+    start = (start ^ namespace) * namespace_mult
+    start ^= start >> shift
+    keys = np.empty(n, np.uint64)
+    homes = np.empty(n, np.int64)
+    for i in range(n):
+        acc = start
+        for j in range(width):
+            acc = (acc ^ words[i, j]) * word_mults[j]
+            acc ^= acc >> shift
+        keys[i] = acc
+        homes[i] = np.int64((acc * home_mult) >> home_shift)
+    signed = keys.view(np.int64)
+    # Most keys sit in their home slot: its row, then that row's record head,
+    # each read for every key before any is used, so the misses overlap.
+    # home_rows: the row where the slot's key is the key's, EMPTY where the
+    # slot is (the key is not filed), else -1 (probe on).
+    home_rows = np.empty(n, np.int64)
+    for i in range(n):
+        row = slots[homes[i], 1]
+        if row >= 0 and slots[homes[i], 0] != signed[i]:
+            row = -1
+        home_rows[i] = max(row, np.int64(EMPTY))
+    heads = np.zeros(n, np.uint64)
+    for i in range(n):
+        if home_rows[i] >= 0:
+            heads[i] = rec[home_rows[i], 0]
+    head = length | (namespace << np.uint64(8))
+    compared = min(words.shape[1], rec.shape[1] - 1)
+    end = slots.shape[0]
+    for i in range(n):
+        found[i] = -1
+        row, row_head, pos = home_rows[i], heads[i], homes[i]
+        if row == EMPTY:
+            continue
+        while True:
+            if row >= 0 and row_head == head:  # the key's: is it the whole hash?
+                same = True
+                for j in range(compared):
+                    if rec[row, 1 + j] != words[i, j]:
+                        same = False
+                        break
+                if same:
+                    found[i] = row
+                    break
+            pos += 1
+            if pos == end:  # never: the last slots stay empty
+                break
+            row = slots[pos, 1]
+            if row == EMPTY:  # the run ends: not filed
+                break
+            if row >= 0 and slots[pos, 0] == signed[i]:
+                row_head = rec[row, 0]
+            else:
+                row = -1
+
+
+@functools.cache
+def compiled() -> Callable[..., Any] | None:
+    """_find_into compiled (or loaded from numba's cache), None without numba."""
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        logger.info("numba is not installed: the metaserver's lookups run in numpy")
+        return None
+    from numba import types
+
+    from pegaflow.kernels.jit import njit
+
+    u64 = types.uint64
+    # The words are a view of the request's bytes: read-only, any strides.
+    words = types.Array(u64, 2, "A", readonly=True)
+    signature = types.void(
+        types.int64[:, :],  # slots
+        u64[:, :],  # records
+        words,
+        u64,  # length
+        u64,  # namespace
+        u64[:],  # the words' multipliers
+        u64,  # the length's
+        u64,  # the namespace's
+        u64,  # the home slot's
+        u64,  # the home shift
+        types.int64[:],  # found (out)
+    )
+    return njit(_find_into, signature, nogil=True)
