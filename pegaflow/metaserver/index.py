@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import PegaflowError
 from ..keys import PackedHashes
+from . import compiled as compiled_loops
 from .config import (
     MAX_BATCH_HASHES,
     MAX_NAMESPACES,
@@ -68,7 +69,10 @@ class BlockIndex:
         max_entries: int,
         max_nodes: int = MAX_NODES,
         max_namespaces: int = MAX_NAMESPACES,
+        compiled: bool = True,
     ) -> None:
+        """compiled: lookups and plans by metaserver.compiled's loops where
+        numba is installed (the numpy code is their reference)."""
         self.max_entries = max_entries
         self.max_namespaces = max_namespaces
         self.entries = 0
@@ -80,8 +84,9 @@ class BlockIndex:
         self._next_ns = 0
         self._owners = np.full((_START_ROWS, W), EMPTY, np.int32)
         self._times = np.full((_START_ROWS, W), np.inf)
-        self._table = RowTable()
+        self._table = RowTable(compiled)
         self._table.grow_rows(_START_ROWS)
+        self._compiled_plan = compiled_loops.plan() if compiled else None
         self._hwm = 0  # rows [0, hwm) were used at least once
         self._free = np.empty(0, np.int64)
 
@@ -149,6 +154,11 @@ class BlockIndex:
         if ns is None or not len(hashes):
             return []
         rows = self._table.find(ns, Keys.of(hashes))
+        if self._compiled_plan is not None:
+            nodes, blocks = np.empty((2, len(rows)), np.int64)
+            count = self._compiled_plan(rows, self._owners, exclude, nodes, blocks)
+            segments = nodes[:count].tolist(), blocks[:count].tolist()
+            return list(zip(*segments, strict=True))
         if rows.min() < 0:
             rows = rows[: int((rows < 0).argmax())]  # up to the first miss
         if not len(rows):

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..keys import MAX_HASH_BYTES, PackedHashes
 from ..open_addressing import EMPTY, SPARE, TOMB, WINDOW, ProbedSlots, keyed_fold
-from . import table_jit
+from . import compiled as compiled_loops
 
 MAX_LOAD = 0.5  # slots in use (tombstones too) before a rebuild
 MIN_CAPACITY = 64
@@ -87,7 +87,7 @@ class RowTable(ProbedSlots):
     add() files them, discard() withdraws them, find() looks them up."""
 
     def __init__(self, compiled: bool = True) -> None:
-        """compiled: find() by table_jit's loop where numba is installed."""
+        """compiled: find() by the compiled loop where numba is installed."""
         self._mult = np.array(
             [secrets.randbits(64) | 1 for _ in range(_WORDS + 3)], np.uint64
         )  # per word, then length, namespace, home slot
@@ -99,7 +99,7 @@ class RowTable(ProbedSlots):
         self._live = self._tombs = 0
         self._window = np.arange(1, WINDOW + 1)[:, None]
         self._alloc(MIN_CAPACITY)
-        self._compiled_find = table_jit.compiled() if compiled else None
+        self._compiled_find = compiled_loops.find() if compiled else None
 
     @property
     def nbytes(self) -> int:
@@ -143,7 +143,7 @@ class RowTable(ProbedSlots):
     # -- the query --------------------------------------------------------------
     def find(self, ns: int, keys: Keys) -> np.ndarray:
         """The row of every key in namespace ns, -1 where it is not filed.
-        Hashes of one length (the wire's) go by table_jit's compiled loop
+        Hashes of one length (the wire's) go by a compiled loop (metaserver.compiled)
         where numba is installed. Here, in numpy: a first round reads every
         key's home slot (most sit there), then a window past it a round,
         twice as wide each round, for the rest."""

@@ -6,11 +6,26 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
+from pegaflow.metaserver import compiled as compiled_loops
 from pegaflow.metaserver.config import OWNERS_PER_BLOCK
 from pegaflow.metaserver.index import BlockIndex
 
 NS = b"ns"
+# The numpy plans, and the compiled loop's where numba is installed.
+PLANNERS = pytest.mark.parametrize(
+    "compiled",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                compiled_loops.plan() is None, reason="numba is not installed"
+            ),
+        ),
+    ],
+)
 
 
 def _min_segments(holders: list[set[int]]) -> int:
@@ -44,7 +59,8 @@ def _check_plan(
     assert len(plan) == _min_segments(holders[:covered])
 
 
-def test_plans_match_a_reference_model() -> None:
+@PLANNERS
+def test_plans_match_a_reference_model(compiled: bool) -> None:
     """Random inserts and removes by 4 nodes (every owner fits) over 60
     blocks, checked against a dict of owner sets: every plan covers exactly
     the longest prefix some non-excluded owner holds, each segment's node
@@ -52,7 +68,7 @@ def test_plans_match_a_reference_model() -> None:
     rng = random.Random(7)
     keys = [bytes([i]) * 8 for i in range(60)]
     for _ in range(30):
-        index, model = BlockIndex(10_000), {k: set() for k in keys}
+        index, model = BlockIndex(10_000, compiled=compiled), {k: set() for k in keys}
         for _ in range(40):
             node = rng.randrange(OWNERS_PER_BLOCK)
             chosen = rng.sample(keys, rng.randrange(1, 30))
@@ -102,7 +118,10 @@ def test_drop_expire_evict_free_their_rows() -> None:
     assert int(np.sum(index.node_entries)) == index.entries
 
 
-def test_plans_over_many_nodes_match_the_reference_model(monkeypatch) -> None:
+@PLANNERS
+def test_plans_over_many_nodes_match_the_reference_model(
+    monkeypatch, compiled: bool
+) -> None:
     """As above with 24 nodes (past DENSE_PLAN_NODES: the plan walks the held
     entries, not a [nodes, blocks] matrix): the same plans, minimal."""
     from pegaflow.metaserver import index as index_module
@@ -115,7 +134,7 @@ def test_plans_over_many_nodes_match_the_reference_model(monkeypatch) -> None:
     rng = random.Random(11)
     keys = [i.to_bytes(2, "big") * 4 for i in range(80)]
     for _ in range(20):
-        index, model = BlockIndex(10_000), {k: set() for k in keys}
+        index, model = BlockIndex(10_000, compiled=compiled), {k: set() for k in keys}
         for _ in range(60):
             node = rng.randrange(24)
             start = rng.randrange(len(keys))
@@ -131,15 +150,18 @@ def test_plans_over_many_nodes_match_the_reference_model(monkeypatch) -> None:
         assert len(nodes) > index_module.DENSE_PLAN_NODES
         for exclude in (-1, 5):
             _check_plan(index, model, keys, exclude)
-    assert len(by_entry) > 10  # most plans took the entry walk
+    assert compiled or len(by_entry) > 10  # most numpy plans took the entry walk
 
 
-def test_a_plan_over_many_nodes_takes_memory_for_its_blocks_only() -> None:
+@PLANNERS
+def test_a_plan_over_many_nodes_takes_memory_for_its_blocks_only(
+    compiled: bool,
+) -> None:
     """65,536 hashes held by 512 nodes (runs of 128 each, two owners a block):
     the [nodes, blocks] way took 807 MiB and 4 s for one such query."""
     import tracemalloc
 
-    index = BlockIndex(1 << 20)
+    index = BlockIndex(1 << 20, compiled=compiled)
     keys = [i.to_bytes(4, "big") * 2 for i in range(65536)]
     for node in range(512):
         index.insert(NS, keys[node * 128 : (node + 1) * 128], node, 1.0)

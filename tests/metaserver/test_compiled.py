@@ -1,4 +1,4 @@
-"""The metaserver table's compiled lookup (pegaflow.metaserver.table_jit)
+"""The metaserver's compiled loops (pegaflow.metaserver.compiled): the lookup
 against its numpy rounds, on the same tables: random hashes of several
 lengths (padded ones among them) in several namespaces, tombstones, rebuilds,
 keys that all share one run, and queries mixing filed and unknown hashes."""
@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from pegaflow.keys import PackedHashes
-from pegaflow.metaserver import table_jit
+from pegaflow.metaserver import compiled
+from pegaflow.metaserver.index import BlockIndex
 from pegaflow.metaserver.table import _WORDS, Keys, RowTable
 
 pytestmark = pytest.mark.skipif(
-    table_jit.compiled() is None, reason="numba is not installed"
+    compiled.find() is None, reason="numba is not installed"
 )
 
 
@@ -78,3 +79,32 @@ def test_compiled_find_takes_the_wire_view_and_padded_words() -> None:
         assert not keys.words.flags.writeable or size % 8
         assert (table.find(5, keys) == rows).all()
         assert (table.find(5, keys) == numpy_find(table, 5, keys)).all()
+
+
+def test_compiled_plans_match_the_numpy_plans() -> None:
+    """Two indexes fed the same inserts and removes, one planning with the
+    compiled loop and one in numpy: every prefix query plans the same,
+    whichever node asks (its own entries are left out)."""
+    rng = np.random.default_rng(12)
+    fast, reference = BlockIndex(50_000), BlockIndex(50_000, compiled=False)
+    assert fast._compiled_plan is not None and reference._compiled_plan is None
+    chain = [bytes(h) for h in rng.integers(0, 256, (600, 32), np.uint8)]
+    nodes = 7  # more than the ways a row holds: older owners are pushed out
+    for step in range(400):
+        start = int(rng.integers(0, 590))
+        span = chain[start : start + int(rng.integers(1, 120))]
+        node = int(rng.integers(0, nodes))
+        insert = rng.random() < 0.8 or step < 50
+        for index in (fast, reference):
+            if insert:
+                index.insert(b"ns", span, node, float(step))
+            else:
+                index.remove(b"ns", span, node)
+        if step % 10 == 0:
+            for asker in (-1, *range(nodes)):
+                begin = int(rng.integers(0, 300))
+                query = PackedHashes.pack(chain[begin : begin + 300], 32)
+                got = fast.prefix(b"ns", query, asker)
+                assert got == reference.prefix(b"ns", query, asker), (step, asker)
+    whole = fast.prefix(b"ns", PackedHashes.pack(chain, 32), -1)
+    assert len(whole) > 1  # the chain is split between owners: several segments

@@ -1,4 +1,5 @@
-"""RowTable.find as one compiled loop (numba), where numba is installed.
+"""The metaserver's two hot loops compiled (numba), where numba is installed:
+RowTable.find and BlockIndex.prefix's plan.
 
 On the dev VM a 1,000-hash lookup over a 2M-entry index took ~150 µs in
 RowTable.find's numpy rounds (the fold, the home-slot gathers, the record
@@ -11,10 +12,16 @@ the first EMPTY slot, and each key match checked against the whole record.
 A first loop computes every key's home, so the probes' cache misses are
 independent loads the CPU can overlap.
 
-numba is an optional dependency (the `cuda` extra): without it `compiled()`
-is None and the numpy rounds run. tests/unit/test_metaserver_table_jit.py
+The plan (_plan_into) is BlockIndex.prefix's after the lookup: the rows up
+to the first unknown hash or the first one no owner but the asker holds,
+then at each segment's start the owner with the longest unbroken run (ties
+to the lowest node slot), as _plan_by_node and _plan_by_entry compute it
+with a few dozen array calls.
+
+numba is an optional dependency (the `cuda` extra): without it `find()` and
+`plan()` are None and the numpy code runs. tests/metaserver/test_compiled.py
 compares both on random tables with tombstones, long runs and colliding
-namespaces.
+namespaces, and on random owner matrices.
 """
 
 from __future__ import annotations
@@ -109,13 +116,91 @@ def _find_into(
                 row = -1
 
 
-@functools.cache
-def compiled() -> Callable[..., Any] | None:
-    """_find_into compiled (or loaded from numba's cache), None without numba."""
+def _plan_into(
+    found: np.ndarray,
+    owners: np.ndarray,
+    exclude: int,
+    seg_nodes: np.ndarray,
+    seg_blocks: np.ndarray,
+) -> int:
+    """The plan's segments into seg_nodes / seg_blocks; returns their count.
+    found: the query's rows (-1: unknown); owners: [rows, ways] node slots,
+    negative where a way is empty."""
+    ways = owners.shape[1]
+    n = 0
+    while n < found.shape[0]:
+        row = found[n]
+        if row < 0:
+            break
+        held = False
+        for w in range(ways):
+            node = owners[row, w]
+            if node >= 0 and node != exclude:
+                held = True
+                break
+        if not held:
+            break
+        n += 1
+    segments = 0
+    i = 0
+    while i < n:
+        best_node, best_run = -1, 0
+        row = found[i]
+        for w in range(ways):
+            node = owners[row, w]
+            if node < 0 or node == exclude:
+                continue
+            k = i + 1
+            while k < n:
+                held = False
+                for v in range(ways):
+                    if owners[found[k], v] == node:
+                        held = True
+                        break
+                if not held:
+                    break
+                k += 1
+            if k - i > best_run or (k - i == best_run and node < best_node):
+                best_node, best_run = node, k - i
+        seg_nodes[segments] = best_node
+        seg_blocks[segments] = best_run
+        segments += 1
+        i += best_run
+    return segments
+
+
+def _numba() -> bool:
     try:
         import numba  # noqa: F401
     except ImportError:
         logger.info("numba is not installed: the metaserver's lookups run in numpy")
+        return False
+    return True
+
+
+@functools.cache
+def plan() -> Callable[..., Any] | None:
+    """_plan_into compiled (or loaded from numba's cache), None without numba."""
+    if not _numba():
+        return None
+    from numba import types
+
+    from pegaflow.kernels.jit import njit
+
+    signature = types.int64(
+        types.int64[:],  # found
+        types.int32[:, :],  # owners
+        types.int64,  # exclude
+        types.int64[:],  # segments' nodes (out)
+        types.int64[:],  # segments' blocks (out)
+    )
+    return njit(_plan_into, signature, nogil=True)
+
+
+@functools.cache
+def find() -> Callable[..., Any] | None:
+    """_find_into compiled (or loaded from numba's cache), None without numba."""
+    if not _numba():
         return None
     from numba import types
 
