@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from . import __version__, compat_flags, remote_flags, timer_slack
+from . import __version__, compat_flags, remote_flags
 from .config import (
     Crossover,
     CudaConfig,
@@ -470,7 +470,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     for line in warnings:
         logging.getLogger(__name__).warning("%s", line)
-    timer_slack.tighten()  # before any import or serve starts a thread
     from pegaflow.gds import SsdError
 
     from .poolfile import PoolFileError

@@ -11,10 +11,16 @@ Two ways, chosen per batch with its copy path (pegaflow.copiers.cuda.COMPLETION)
   with a stream synchronize): the driver's blocking wait wakes the thread
   later than a poll sees the word.
 
-A flag wait polls at most `spin_s`, yielding the GIL between reads (a copy
-thread must not starve the event loop), then falls back to the stream
-synchronize: a stalled or failed stream never writes the word, and its error
-surfaces in that synchronize. Several threads may share a stream: sequence
+A flag wait reads the word without a syscall for its first HOT_S (a 1-block
+batch ends within it), then polls up to `spin_s`, yielding the GIL between
+reads (a copy thread must not starve the event loop), then falls back to the
+stream synchronize. Those yields are `time.sleep(0)`, which sleeps the
+kernel's timer slack (50 us) each: with them from the first read a 1-block
+save's flag wait was 70 us P50 on the H200, 49 of them asleep; read hot, 34
+(benchmarks/RESULTS.md, "ninth session"; a 1 us timer slack instead did as
+well for the wait, and slowed the rest of the save). The synchronize is the
+end because a stalled or failed stream never writes the word, and its error
+surfaces there. Several threads may share a stream: sequence
 numbers are taken and their writes queued under one lock, so the word only
 grows in stream order and a waiter is done once it reached its own number.
 """
@@ -29,6 +35,9 @@ from collections.abc import Callable
 import numpy as np
 
 SPIN_S = 2e-3  # ~10x a small batch; longer waits block in the synchronize
+# Read without a syscall first: a 1-block batch ends in ~35 us. It holds the
+# GIL that long at most, a fiftieth of the switch interval.
+HOT_S = 100e-6
 MASK = 0xFFFFFFFF
 HALF = 1 << 31
 
@@ -65,10 +74,13 @@ class StreamFlag:
             seq = self._seq = (self._seq + 1) & MASK
             self._write(stream, self._device, seq)
         word = self._word
-        give_up = time.perf_counter() + self._spin
+        now = time.perf_counter()
+        hot_until, give_up = now + HOT_S, now + self._spin
         while not reached(int(word[0]), seq):
-            if time.perf_counter() > give_up:
+            now = time.perf_counter()
+            if now > give_up:
                 synchronize()
                 return False
-            time.sleep(0)  # lets other threads take the GIL between reads
+            if now > hot_until:
+                time.sleep(0)  # lets other threads take the GIL between reads
         return True

@@ -137,3 +137,33 @@ def test_the_cuda_copier_waits_by_flag_for_small_dma_batches_only() -> None:
     finally:
         stream.stop()
     assert engine._k.synced == [save, save, load] and stream.written == [1]
+
+
+def test_the_first_reads_of_a_wait_make_no_syscall(monkeypatch) -> None:
+    """A 1-block batch ends ~35 us after it is queued (the H200); each
+    sleep(0) between reads slept the kernel's 50 us timer slack (a save's
+    flag wait 70 us P50, 49 of them asleep). So for HOT_S the word is read
+    without a sleep; after that the reads yield the GIL again. A fake clock
+    that advances 5 us per read, and a "GPU" that writes the word at a given
+    time, make the test exact."""
+    from pegaflow.copiers import completion
+
+    mem, address = _word()
+    now = [0.0]
+    lands_at = [0.0]
+    sleeps: list[float] = []
+
+    def clock() -> float:
+        now[0] += 5e-6
+        if now[0] >= lands_at[0]:
+            mem[0] = flag._seq  # the stream's write, needing no GIL
+        return now[0]
+
+    monkeypatch.setattr(completion.time, "perf_counter", clock)
+    monkeypatch.setattr(completion.time, "sleep", sleeps.append)
+    flag = StreamFlag(address, address, lambda s, a, v: None, spin_s=5e-3)
+    for landing_after, slept in ((40e-6, False), (3 * completion.HOT_S, True)):
+        lands_at[0] = now[0] + landing_after
+        sleeps.clear()
+        assert flag.wait(7, lambda: None)
+        assert bool(sleeps) == slept, (landing_after, len(sleeps))
