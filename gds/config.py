@@ -16,6 +16,7 @@ from .format import ALIGN, SUPERBLOCK_BYTES, ChecksumName
 from .io import BackendName, DirectIO
 
 Admission = Literal["all", "seen_twice"]
+GpuDirect = Literal["auto", "on", "off"]  # gds.gpu_route
 WriteOn = Literal["seal", "evict"]
 OnMismatch = Literal["reinit", "refuse"]
 MIN_FILE_BYTES = 1 << 20
@@ -56,6 +57,9 @@ class SsdConfig:
     # "evict": a block goes to the SSD only when L1 evicts it. With
     # "seen_twice", "seal" writes a block the second time it is saved or hit.
     write_on: WriteOn = "seal"  # measured: benchmarks/RESULTS_ssd.md (H200 host)
+    # SSD hits of CUDA engines read by kvikio straight into their GPU blocks
+    # ("direct") or through L1: gds.gpu_route chooses from this at start.
+    gpu_direct: GpuDirect = "auto"
     # Data files and the journal are fdatasync'ed at most this often. A process
     # crash loses nothing either way; after a power loss, blocks not yet synced
     # read back as checksum misses.
@@ -80,6 +84,10 @@ class SsdConfig:
             check_int(f"ssd_{name}", getattr(self, name), lo, hi)
         if self.write_on not in ("seal", "evict"):
             raise ValueError(f"ssd_write_on: {self.write_on!r} is not seal or evict")
+        if self.gpu_direct not in get_args(GpuDirect):
+            raise ValueError(
+                f"ssd_gpu_direct: {self.gpu_direct!r} is not auto, on or off"
+            )
         if self.checksum not in get_args(ChecksumName):
             raise ValueError(
                 f"ssd_checksum: {self.checksum!r} is not one of "

@@ -11,10 +11,9 @@ payload, which no GPU kernel here computes. So the landed bytes are fetched
 back into host memory (`FetchBack`: the server's copy kernels or copy engines,
 ~50 GB/s on the H200, against ~1.5 GB/s from the disk) and hashed there, on a
 few threads (xxh3 drops the GIL). A record whose header or checksum does not
-match is reported not loaded (its engine block holds garbage until the L1
-route or the engine's recompute overwrites it); it is not dropped here: the
-L1 route's read (SsdTier.load) re-reads it, drops it if the disk is at fault,
-and loads it if the fault was a passing one.
+match is reported not loaded (its engine block holds garbage until the
+engine's recompute overwrites it) and dropped from the store, as the L1
+route's read (SsdTier.load) drops one: a query must not lease it again.
 
 Records stay pinned in the store (`SsdStore.pin`) from planning until their
 bytes are checked, so the ring never reuses their space under a read.
@@ -166,18 +165,15 @@ class DirectReads:
         back = fetch(plan.back, plan.back_bytes, k * slot)
         store_id = self._tier.store.store_id
 
-        def check_one(i: int) -> bool:
+        def check_one(i: int) -> str:
             page = memoryview(heads[i * HEADER_BYTES : (i + 1) * HEADER_BYTES])
-            failure = verify(recs[i], store_id, page, [back[i * slot : (i + 1) * slot]])
-            if failure:
-                logger.warning(
-                    "ssd record %s read to the GPU: %s; not loaded",
-                    recs[i].block_hash.hex(),
-                    failure,
-                )
-            return not failure
+            return verify(recs[i], store_id, page, [back[i * slot : (i + 1) * slot]])
 
-        good = np.fromiter(self._hash.map(check_one, range(k)), bool, k)
+        failures = list(self._hash.map(check_one, range(k)))
+        for rec, failure in zip(recs, failures, strict=True):
+            if failure:  # as the L1 route's read does: it would fail there too
+                self._tier.store.drop_damaged(rec, failure)
+        good = np.array([not f for f in failures], bool)
         return good, mid - start, time.perf_counter() - mid
 
     def _read_all(self, recs: list[Record], plan: ReadPlan, heads: np.ndarray) -> bool:

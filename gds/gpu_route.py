@@ -2,12 +2,11 @@
 "direct" (kvikio reads into the engine's GPU blocks, gds.gpu_reads) or "l1"
 (SSD → L1 slots → the copy kernels or copy engines).
 
-Not a server flag yet: the query/load path reads every SSD hit into L1 until a
-query can lease SSD records rather than L1 slots (benchmarks/RESULTS_ssd.md,
-issue 13 item 4); benchmarks/gds_direct.py and the gpu tests use this choice.
-`auto` takes the direct route only where GPUDirect Storage is
-present (kvikio not in its POSIX compatibility mode): there the disk DMAs into
-GPU memory and the L1 hop is pure cost. In compatibility mode (no nvidia-fs, as
+The server's `--ssd-gpu-direct` (SsdConfig.gpu_direct); pegaflow.ssd_direct
+takes the direct route where this chooses it. `auto` takes the direct route
+only where GPUDirect Storage is present (kvikio not in its POSIX
+compatibility mode): there the disk DMAs into GPU memory and the L1 hop is
+pure cost. In compatibility mode (no nvidia-fs, as
 on the H200 test machine) kvikio itself reads through a host bounce buffer, so
 the direct route is SSD → bounce → GPU plus a fetch-back for the checksum,
 against SSD → L1 (hashed in place) → GPU: `on` forces it where a measurement
@@ -19,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-GpuDirect = Literal["auto", "on", "off"]
+from .config import GpuDirect
+
 Route = Literal["direct", "l1"]
 
 

@@ -260,6 +260,11 @@ class SsdStore:
         if rec.state == State.WRITING:
             self._drop([rec], "write_errors")
 
+    def drop_damaged(self, rec: Record, failure: str) -> None:
+        """A record a reader found damaged (`failure`: verify's counter)."""
+        logger.warning("ssd record %s: %s, dropped", rec.block_hash.hex(), failure)
+        self._drop([rec], failure)
+
     def _drop(self, recs: list[Record], counter: str) -> None:
         """Forget records and free their space, then journal it: best effort,
         since a restart without the DROP finds each record torn (no COMMIT) or
@@ -360,8 +365,7 @@ class SsdStore:
                         self.counters.bytes_read += rec.payload_len
                         self.counters.blocks_read += 1
         for rec, failure in failures:
-            logger.warning("ssd record %s: %s, dropped", rec.block_hash.hex(), failure)
-            self._drop([rec], failure)
+            self.drop_damaged(rec, failure)
         return ok
 
     # -- life cycle --------------------------------------------------------------------

@@ -343,6 +343,15 @@ def _ssd_flags(p: argparse.ArgumentParser) -> None:
         "only when L1 evicts it (default: seal; see the README)",
     )
     p.add_argument(
+        "--ssd-gpu-direct",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="read a CUDA engine's SSD hits with kvikio straight into its GPU "
+        "blocks, skipping L1 (TP 1 or MLA): auto where GPUDirect Storage is "
+        "present; on also in kvikio's compatibility mode, where it measured "
+        "slower (default: auto)",
+    )
+    p.add_argument(
         "--ssd-queue-blocks",
         type=int,
         default=None,
@@ -387,6 +396,7 @@ def ssd_config(args: argparse.Namespace) -> SsdConfig | None:
         direct_io=args.ssd_direct_io,
         admission=args.ssd_admission,
         write_on=args.ssd_write_on,
+        gpu_direct=args.ssd_gpu_direct,
         queue_blocks=compat_flags.ssd_queue_blocks(args),
         on_mismatch=args.ssd_on_mismatch,
         show_progress=show_progress(args),

@@ -27,6 +27,7 @@ from .config import EngineConfig
 from .copiers.base import CopyEngine, RegionKind
 from .copiers.signals import LayerSignals, scatter_by_layer
 from .errors import (
+    CopyFailed,
     DeadlineExceeded,
     InvalidRequest,
     LeaseNotFound,
@@ -48,12 +49,27 @@ from .results import LoadBatchResult, LoadItemResult, QueryResult, SaveResult
 from .ssd import SsdLink
 
 if TYPE_CHECKING:
+    from pegaflow.gds.gpu_route import RouteChoice
+
     from .remote.link import RemoteLink
+    from .ssd_direct import SsdDirect
 
 logger = logging.getLogger(__name__)
 
 _SLOTS = attrgetter("slots")
 T = TypeVar("T")
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class LoadItem:
+    """One item of a Load: its leased L1 blocks into block_ids, then the
+    leased SSD blocks (Lease.direct) it names into direct_ids."""
+
+    lease: Lease
+    entries: list[BlockEntry]
+    block_ids: np.ndarray
+    direct: list[BlockHash]
+    direct_ids: np.ndarray
 
 
 async def _uncancellable(work: Awaitable[T]) -> T:
@@ -123,6 +139,10 @@ class Engine:
             config.max_idle_namespaces,
         )
         self.remote: RemoteLink | None = None  # attach_remote
+        # Set at start-up: how a CUDA engine's SSD hits reach its GPU blocks
+        # (--ssd-gpu-direct), and the direct reader where that is "direct".
+        self.ssd_route: RouteChoice | None = None
+        self.ssd_direct: SsdDirect | None = None
         self.queries = PrefixQueries(self)
         self._seen = dataclasses.replace(self.store.counters)
         self._children: dict[str, tuple] = {}  # _account's labelled metrics
@@ -286,7 +306,7 @@ class Engine:
             raise InvalidRequest(
                 f"items: {len(items)} exceeds {self.config.max_blocks_per_request}"
             )
-        plans: list[tuple[Lease, list[BlockEntry], np.ndarray] | None] = []
+        plans: list[LoadItem | None] = []
         errors: list[str] = []
         for i, (lease_id, offset, block_ids) in enumerate(items):  # per request
             field = f"items[{i}]." if batch else ""
@@ -298,43 +318,57 @@ class Engine:
                 plans.append(None)
                 errors.append(f"{field}{exc}")
                 continue
-            entries = self._load_entries(worker, lease, offset, block_ids, field)
-            plans.append((lease, entries, block_ids))
+            plans.append(self._load_item(worker, lease, offset, block_ids, field))
             errors.append("")
         live = [p for p in plans if p is not None]
-        entries = [e for _, item_entries, _ in live for e in item_entries]
+        entries = [e for p in live for e in p.entries]
         transfers = self._load_transfers(worker, live, entries)
+        landed = await self._load_direct(worker, live, ctx.deadline)
         scatter = functools.partial(worker.copier.scatter, deadline=ctx.deadline)
         if layer_seq:
             scatter = functools.partial(
                 scatter_by_layer, worker, layer_seq, ctx.deadline
             )
+        seconds = 0.0
         self.store.pin(entries)  # a lease may expire while we copy
         try:
             # Layer by layer the engine waits on each signal, not on this loop.
-            seconds = await self._copy(
-                worker, scatter, transfers, not layer_seq, ctx.deadline,
-                launch_as=None if layer_seq else "load",
-            )  # fmt: skip
+            if entries or layer_seq:  # (the signals go out even with no copy)
+                seconds = await self._copy(
+                    worker, scatter, transfers, not layer_seq, ctx.deadline,
+                    launch_as=None if layer_seq else "load",
+                )  # fmt: skip
         finally:
             self.store.unpin(entries)
-        for lease in {id(p[0]): p[0] for p in live}.values():
+        for lease in {id(p.lease): p.lease for p in live}.values():
             if lease.id in self.leases:
                 self.leases.consumed(lease, tp_rank)
         self._account("load", len(entries), transfers.total_bytes, seconds)
         slot = worker.geometry.slot_bytes
-        results = tuple(
-            LoadItemResult(0, 0, err)
-            if p is None
-            else LoadItemResult(len(p[1]), len(p[1]) * slot)
-            for p, err in zip(plans, errors, strict=True)
-        )
-        return LoadBatchResult(len(entries), transfers.total_bytes, results)
+        results = []
+        for i, (p, err) in enumerate(zip(plans, errors, strict=True)):
+            if p is None:
+                results.append(LoadItemResult(0, 0, err))
+                continue
+            direct = landed.get(id(p), 0)
+            if direct < len(p.direct):
+                err = (
+                    f"{f'items[{i}].' if batch else ''}block_ids: "
+                    f"{len(p.direct) - direct} of the blocks read from the SSD did "
+                    "not load (dropped from it meanwhile, or damaged); the engine "
+                    "blocks may hold anything: recompute them"
+                )
+                if not batch:
+                    raise CopyFailed(err)
+            got = len(p.entries) + direct
+            results.append(LoadItemResult(got, got * slot, err))
+        loaded = sum(r.loaded for r in results)
+        return LoadBatchResult(loaded, sum(r.bytes for r in results), tuple(results))
 
     @staticmethod
-    def _load_entries(
+    def _load_item(
         worker: Worker, lease: Lease, offset: int, block_ids: np.ndarray, field: str
-    ) -> list[BlockEntry]:
+    ) -> LoadItem:
         if lease.owner != worker.instance_id:
             raise InvalidRequest(
                 f"{field}lease_id: lease belongs to {lease.owner!r}, "
@@ -348,21 +382,53 @@ class Engine:
                 f"{worker.instance_id!r}; query again"
             )
         end = offset + len(block_ids)
-        if end > len(lease.entries):
+        if end > lease.blocks:
             raise InvalidRequest(
                 f"{field}block_ids: lease_offset {offset} + {len(block_ids)} blocks "
-                f"exceeds the {len(lease.entries)} leased blocks"
+                f"exceeds the {lease.blocks} leased blocks"
             )
         check_block_ids(block_ids, worker.geometry.num_blocks, f"{field}block_ids")
-        return lease.entries[offset:end]
+        in_l1 = len(lease.entries)
+        cut = max(0, min(len(block_ids), in_l1 - offset))
+        return LoadItem(
+            lease,
+            lease.entries[offset : offset + cut],
+            block_ids[:cut],
+            lease.direct[max(0, offset - in_l1) : max(0, end - in_l1)],
+            block_ids[cut:],
+        )
+
+    async def _load_direct(
+        self, worker: Worker, live: list[LoadItem], deadline: float | None
+    ) -> dict[int, int]:
+        """The items' SSD blocks read into the engine's GPU blocks (before
+        any L1 copy: a layer's signal must cover all its blocks); how many
+        landed, by id() of each item that has any."""
+        wanted = [p for p in live if p.direct]
+        if not wanted:
+            return {}
+        assert self.ssd_direct is not None  # only it leases SSD blocks
+        hashes = [h for p in wanted for h in p.direct]
+        ids = np.concatenate([p.direct_ids for p in wanted])
+        worker.active_ops += 1  # its memory stays mapped until the reads end
+        try:
+            ok = await _uncancellable(
+                self.ssd_direct.load(worker, hashes, ids, deadline)
+            )
+        finally:
+            self.registry.finish_op(worker)
+        parts = np.split(ok, np.cumsum([len(p.direct) for p in wanted])[:-1])
+        return {id(p): int(part.sum()) for p, part in zip(wanted, parts, strict=True)}
 
     @staticmethod
     def _load_transfers(
-        worker: Worker,
-        live: list[tuple[Lease, list[BlockEntry], np.ndarray]],
-        entries: list[BlockEntry],
+        worker: Worker, live: list[LoadItem], entries: list[BlockEntry]
     ) -> Transfers:
-        """One descriptor table for every item: one copy, one kernel launch."""
+        """One descriptor table for every item's L1 blocks: one copy, one
+        kernel launch."""
+        every = [p.block_ids for p in live] + [p.direct_ids for p in live if p.direct]
+        if every:
+            check_distinct(np.concatenate(every), "block_ids")
         if not entries:
             ids = slots = np.zeros(0, np.uint64)
         else:
@@ -370,8 +436,7 @@ class Engine:
             # C-level pass: no [blocks, shards] array of Python lists first.
             shard = map(itemgetter(worker.shard), map(_SLOTS, entries))
             slots = np.fromiter(shard, np.uint64, len(entries))
-            ids = np.concatenate([block_ids for _, _, block_ids in live])
-            check_distinct(ids, "block_ids")
+            ids = np.concatenate([p.block_ids for p in live])
         return worker.geometry.slots_to_engine(slots, ids)
 
     def release_lease(self, lease_id: int) -> None:
@@ -467,4 +532,6 @@ class Engine:
         self._seen = dataclasses.replace(c)
 
     def close(self) -> None:
+        if self.ssd_direct is not None:
+            self.ssd_direct.close()
         self.registry.close()

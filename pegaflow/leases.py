@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from .block_entry import BlockEntry
 from .blocks import BlockStore
 from .errors import LeaseNotFound, Overloaded
+from .keys import BlockHash
 
 
 @dataclass(slots=True)
@@ -21,6 +22,13 @@ class Lease:
     world_size: int
     expires: float
     loaded_by: set[int] = field(default_factory=set)
+    # Blocks after the L1 entries that the SSD holds, for a direct read into
+    # the engine's GPU blocks at load (pegaflow.ssd_direct); nothing pinned.
+    direct: list[BlockHash] = field(default_factory=list)
+
+    @property
+    def blocks(self) -> int:
+        return len(self.entries) + len(self.direct)
 
 
 # What one instance may hold at once. The connector releases every lease it
@@ -50,7 +58,12 @@ class LeaseTable:
         return lease_id in self._leases
 
     def create(
-        self, owner: str, namespace_id: int, entries: list[BlockEntry], world_size: int
+        self,
+        owner: str,
+        namespace_id: int,
+        entries: list[BlockEntry],
+        world_size: int,
+        direct: list[BlockHash] | None = None,
     ) -> Lease:
         held = self._held.setdefault(owner, [0, 0])
         if (
@@ -75,6 +88,7 @@ class LeaseTable:
             entries,
             world_size,
             time.monotonic() + self.ttl_s,
+            direct=direct or [],
         )
         self._leases[lease.id] = lease
         self._store.pin_lease(lease.id, entries)

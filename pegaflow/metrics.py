@@ -109,7 +109,22 @@ class Metrics:
 
         self.ssd_hits = Counter(
             "pegaflow_ssd_hit_blocks",
-            "blocks a query missed in L1 and found on SSD (loaded into L1)",
+            "blocks a query missed in L1 and found on SSD (loaded into L1, or "
+            "leased for a direct read into the engine's GPU blocks)",
+            registry=r,
+        )
+        self.ssd_direct_blocks = Counter(
+            "pegaflow_ssd_direct_blocks",
+            "blocks a load read from SSD straight into the engine's GPU blocks "
+            "(--ssd-gpu-direct), by result: loaded, or failed (gone from the "
+            "SSD, damaged, past the deadline: the engine recomputes them)",
+            ["result"],
+            registry=r,
+        )
+        self.ssd_direct_seconds = Histogram(
+            "pegaflow_ssd_direct_seconds",
+            "time of one load's direct SSD reads, issue to the last check",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.ssd_spills_refused = Counter(
@@ -132,6 +147,8 @@ class Metrics:
             self.admission_rejections.labels(reason)
         for way in ("loop", "late", "thread"):
             self.copy_waits.labels(way)
+        for result in ("loaded", "failed"):
+            self.ssd_direct_blocks.labels(result)
 
     def bind_gauges(
         self,

@@ -72,6 +72,11 @@ class PrefixQueries:
         hits, rest = self._e.store.lookup(ns, hashes)
         if len(rest) and (self._e.ssd is not None or self._e.remote is not None):
             listed = hashes.list() if isinstance(hashes, PackedHashes) else hashes
+            direct = self._e.ssd_direct
+            if direct is not None and direct.serves(inst):
+                tail = direct.tail(ns, listed, len(hits))
+                if tail:  # read into the engine's blocks at its load
+                    return self._answer(instance_id, hashes, hits, rest, hash_len, tail)
             if self._e.ssd is not None:
                 # Pinned meanwhile: finding room for the SSD blocks must not
                 # evict the very hits this query is about to lease.
@@ -144,13 +149,19 @@ class PrefixQueries:
         hits: list[BlockEntry],
         rest: np.ndarray,
         hash_len: int | None,
+        direct: list[BlockHash] | None = None,
     ) -> QueryResult:
+        """direct: the SSD blocks after the hits, leased for a direct read
+        (pegaflow.ssd_direct)."""
         inst = self._e.registry.instance(instance_id)
         ns = inst.namespace
-        self._e.hit_rates.query(ns, hashes, len(hits), rest, hash_len)
+        n = len(direct) if direct else 0
+        self._e.hit_rates.query(ns, hashes, len(hits) + n, rest[n:], hash_len, ssd=n)
         self._e.metrics.hits.inc(len(hits))
-        self._e.metrics.misses.inc(len(hashes) - len(hits))
-        if not hits:
+        if n:
+            self._e.metrics.ssd_hits.inc(n)
+        self._e.metrics.misses.inc(len(hashes) - len(hits) - n)
+        if not hits and not n:
             return QueryResult(0, 0, 0.0)
-        lease = self._e.leases.create(instance_id, ns.id, hits, inst.world_size)
-        return QueryResult(len(hits), lease.id, self._e.leases.ttl_s)
+        lease = self._e.leases.create(instance_id, ns.id, hits, inst.world_size, direct)
+        return QueryResult(len(hits) + n, lease.id, self._e.leases.ttl_s)

@@ -211,6 +211,7 @@ def health_report(
     """/health's document, read from the HTTP thread: counts only, no
     bookkeeping walk (that is /stats, built on the loop)."""
     ssd = engine.ssd.tier if engine.ssd is not None else None
+    route = engine.ssd_route
 
     def report() -> dict[str, object]:
         slabs = engine.pool.slabs
@@ -231,6 +232,8 @@ def health_report(
             "cuda_mappings": getattr(cuda, "mapped_allocations", 0),
             "ssd_mode": ssd.mode if ssd else "off",
             "ssd_capacity_bytes": ssd.config.capacity_bytes if ssd else 0,
+            "ssd_gpu_route": route.route if route else "off",
+            "ssd_gpu_route_reason": route.reason if route else "",
             "pool_file": engine.pool.file is not None,
             "pool_recovered": dataclasses.asdict(recovery) if recovery else None,
         }

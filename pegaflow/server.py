@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pegaflow.gds import SsdTier
 
-from . import cuda_driver, gcpolicy
+from . import cuda_driver, gcpolicy, ssd_direct
 from .compat_metrics import OriginalMetrics, OriginalSsdMetrics
 from .config import CudaConfig, ServerConfig, parse_addr
 from .copiers.base import CopyEngine, RegionKind
@@ -178,6 +178,13 @@ def _bring_up(
     )
     # The SSD tier first: its start-up errors (SsdError) then leave no pool.
     tier = SsdTier(config.ssd) if config.ssd is not None else None
+    route = None
+    if config.ssd is not None:
+        try:
+            route = ssd_direct.choose_route(config.ssd.gpu_direct, bool(ordinals))
+        except BaseException:
+            tier.close()
+            raise
     try:
         pool = HostPool(config.pool, registrar)
     except BaseException:
@@ -200,7 +207,14 @@ def _bring_up(
         recovered = Recovered(engine.registry, engine.ssd)
         engine.registry.adopt = recovered.adopt
         report = recover(pool, engine.store, recovered, config.pool.show_progress)
+    if route is not None and route.route == "direct":
+        engine.ssd_direct = ssd_direct.SsdDirect(engine.ssd, cuda, route, metrics)
+    engine.ssd_route = route
     if tier is not None:
+        assert route is not None
+        logger.info(
+            "ssd hits of cuda engines: the %s route (%s)", route.route, route.reason
+        )
         metrics.registry.register(SsdCollector(tier.stats))
         metrics.registry.register(OriginalSsdMetrics(tier.stats))
         logger.info(

@@ -118,6 +118,15 @@ class SsdLink:
             self._namespaces[ns_id] = got
         return got
 
+    def on_ssd(self, ns: Namespace, hashes: list[BlockHash], start: int) -> int:
+        """How many of hashes[start:] the SSD holds, from the first (a hint:
+        the tier may drop one before it is read)."""
+        return self.tier.lookup(self._namespace(ns.id)[0], hashes[start:])
+
+    def digest(self, ns_id: int) -> bytes:
+        """The namespace's on-disk digest."""
+        return self._namespace(ns_id)[0]
+
     def known(self, ns_id: int, digest: bytes, slot_bytes: int) -> None:
         """A namespace known by digest only (pegaflow.recovery)."""
         self._namespaces[ns_id] = (digest, slot_bytes)

@@ -115,6 +115,7 @@ class CudaRegions:
     device: _Device
     keys: tuple[tuple[bytes, bytes], ...]  # (device uuid, ipc handle) per region
     bases: tuple[int, ...]  # server-side device address of each region
+    sizes: tuple[int, ...]  # and its bytes
     buffer: Any  # kernels Buffer spanning every region
     events: tuple[Any, ...]  # opened interprocess events
 
@@ -272,7 +273,8 @@ class CudaCopyEngine:
         except BaseException:
             self._release_all(dev.ordinal, keys, events)
             raise
-        return CudaRegions(dev, tuple(keys), tuple(bases), buffer, tuple(events))
+        sizes = tuple(size for _, size in regions)
+        return CudaRegions(dev, tuple(keys), tuple(bases), sizes, buffer, tuple(events))
 
     def _acquire(self, key: tuple[bytes, bytes], index: int) -> _Mapping:
         deadline = time.monotonic() + CLOSE_WAIT_S

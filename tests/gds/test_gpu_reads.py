@@ -129,7 +129,8 @@ def test_direct_load_lands_every_byte(tmp_path: Path, kind: str) -> None:
 
 def test_corrupted_records_are_not_loaded_and_the_rest_are(tmp_path: Path) -> None:
     """A flipped payload byte (checksum) and a flipped header byte: both False
-    straight from the GPU route; the L1 route then reads and drops them."""
+    straight from the GPU route, and dropped from the store (a query must not
+    lease them again), as the L1 route drops them."""
     cfg = config(tmp_path)
     ids = list(range(6))
     with opened(cfg) as tier:
@@ -155,12 +156,10 @@ def test_corrupted_records_are_not_loaded_and_the_rest_are(tmp_path: Path) -> No
             np.testing.assert_array_equal(
                 engine_block(kv, geo, i), block(i, 1, SLOT)[0]
             )
-        # The fallback (SSD -> L1) finds them damaged too, and drops them.
-        slots = np.zeros((2, SLOT), np.uint8)
-        table = np.array([[slots[0].ctypes.data], [slots[1].ctypes.data]], np.uint64)
-        back = tier.load(NS, [key(2), key(4)], table, SLOT).result(timeout=30)
-        assert not back.ok.any()
         assert tier.lookup(NS, [key(2)]) == tier.lookup(NS, [key(4)]) == 0
+        assert tier.lookup(NS, [key(i) for i in (0, 1)]) == 2  # the good stay
+        counts = tier.store.counters
+        assert counts.checksum_failures == 1 and counts.header_mismatches == 1
 
 
 def test_destination_outside_registered_memory_reads_nothing(tmp_path: Path) -> None:

@@ -207,6 +207,10 @@ def test_ssd_flag_errors_are_clear(tmp_path: Path) -> None:
     assert res.returncode == 2 and "--ssd-cache-capacity" in res.stderr
     res = cli(*_flags(tmp_path / "missing-dir")[2:], "--pool-size", "1mb")
     assert res.returncode == 2 and "missing-dir" in res.stderr, res.stderr
+    # A direct SSD -> GPU route asked of a server with no GPU to copy to.
+    res = cli(*_flags(tmp_path, "--ssd-gpu-direct", "on"))
+    assert res.returncode == 2, res.stderr
+    assert "--ssd-gpu-direct on: this server copies to no GPU" in res.stderr
 
 
 def test_start_server_with_ssd_reports_mode(tmp_path: Path) -> None:
@@ -214,5 +218,7 @@ def test_start_server_with_ssd_reports_mode(tmp_path: Path) -> None:
     try:
         health = json.loads(server.get("/health")[1])
         assert health["ssd_mode"] == "posix-buffered"
+        assert health["ssd_gpu_route"] == "l1"
+        assert health["ssd_gpu_route_reason"] == "no CUDA devices"
     finally:
         assert server.stop() == 0
