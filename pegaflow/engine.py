@@ -323,15 +323,16 @@ class Engine:
         live = [p for p in plans if p is not None]
         entries = [e for p in live for e in p.entries]
         transfers = self._load_transfers(worker, live, entries)
-        landed = await self._load_direct(worker, live, ctx.deadline)
         scatter = functools.partial(worker.copier.scatter, deadline=ctx.deadline)
         if layer_seq:
             scatter = functools.partial(
                 scatter_by_layer, worker, layer_seq, ctx.deadline
             )
         seconds = 0.0
-        self.store.pin(entries)  # a lease may expire while we copy
+        # A lease may expire while we read from the SSD or copy.
+        self.store.pin(entries)
         try:
+            landed = await self._load_direct(worker, live, ctx.deadline)
             # Layer by layer the engine waits on each signal, not on this loop.
             if entries or layer_seq:  # (the signals go out even with no copy)
                 seconds = await self._copy(

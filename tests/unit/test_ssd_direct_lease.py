@@ -77,9 +77,12 @@ class Reader(SsdDirect):
         route = RouteChoice("direct", "test")
         super().__init__(engine.ssd, copier, route, engine.metrics, reads=self)
         self.log, self.fails = log, set()
+        self.watched: list = []  # L1 entries whose pins a read records
+        self.pins_seen: list[int] = []
 
     def _read(self, worker, digest, hashes, block_ids, deadline) -> np.ndarray:
         self.log.append(("direct", list(hashes), block_ids.tolist()))
+        self.pins_seen = [e.pins for e in self.watched]
         return np.array([h not in self.fails for h in hashes], bool)
 
     def close(self) -> None:  # no kvikio files to close
@@ -141,6 +144,17 @@ def test_a_load_reads_the_tail_first_then_copies_the_l1_part(setup) -> None:
     loaded = sample(engine, "pegaflow_ssd_direct_blocks_total", result="loaded")
     assert loaded == 5
     assert lease not in engine.leases  # consumed by the one worker
+
+
+def test_the_l1_part_stays_pinned_while_the_ssd_part_is_read(setup) -> None:
+    """The lease may expire during the read (a slow disk): the load's own
+    pins must hold the L1 blocks from before it, or they could be evicted
+    and their slots reused before the copy reads them."""
+    engine, ctx, _ = setup
+    lease = engine.leases.get(engine.query("i", HASHES, ctx=ctx).lease_id)
+    engine.ssd_direct.watched = lease.entries
+    load(engine, ctx, [(lease.id, 0, np.arange(20, 29))])
+    assert engine.ssd_direct.pins_seen and min(engine.ssd_direct.pins_seen) >= 1
 
 
 def test_items_split_at_the_end_of_the_l1_part(setup) -> None:
