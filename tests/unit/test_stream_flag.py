@@ -7,6 +7,7 @@ import ctypes
 import queue
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -159,8 +160,9 @@ def test_the_first_reads_of_a_wait_make_no_syscall(monkeypatch) -> None:
             mem[0] = flag._seq  # the stream's write, needing no GIL
         return now[0]
 
-    monkeypatch.setattr(completion.time, "perf_counter", clock)
-    monkeypatch.setattr(completion.time, "sleep", sleeps.append)
+    # The module's own clock and sleep only: other threads keep the real ones.
+    fake = SimpleNamespace(perf_counter=clock, sleep=sleeps.append)
+    monkeypatch.setattr(completion, "time", fake)
     flag = StreamFlag(address, address, lambda s, a, v: None, spin_s=5e-3)
     for landing_after, slept in ((40e-6, False), (3 * completion.HOT_S, True)):
         lands_at[0] = now[0] + landing_after
