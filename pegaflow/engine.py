@@ -427,17 +427,15 @@ class Engine:
     ) -> Transfers:
         """One descriptor table for every item's L1 blocks: one copy, one
         kernel launch."""
-        every = [p.block_ids for p in live] + [p.direct_ids for p in live if p.direct]
-        if every:
-            check_distinct(np.concatenate(every), "block_ids")
-        if not entries:
-            ids = slots = np.zeros(0, np.uint64)
-        else:
-            # Each block's slot of the worker's shard (0 for MLA), in one
-            # C-level pass: no [blocks, shards] array of Python lists first.
-            shard = map(itemgetter(worker.shard), map(_SLOTS, entries))
-            slots = np.fromiter(shard, np.uint64, len(entries))
-            ids = np.concatenate([p.block_ids for p in live])
+        if not live:
+            return worker.geometry.slots_to_engine(*[np.zeros(0, np.uint64)] * 2)
+        ids = np.concatenate([p.block_ids for p in live])
+        direct = [p.direct_ids for p in live if p.direct]
+        check_distinct(np.concatenate([ids, *direct]) if direct else ids, "block_ids")
+        # Each block's slot of the worker's shard (0 for MLA), in one
+        # C-level pass: no [blocks, shards] array of Python lists first.
+        shard = map(itemgetter(worker.shard), map(_SLOTS, entries))
+        slots = np.fromiter(shard, np.uint64, len(entries))
         return worker.geometry.slots_to_engine(slots, ids)
 
     def release_lease(self, lease_id: int) -> None:

@@ -19,7 +19,7 @@ WINDOW = 8  # slots a round reads past the home slot, for the keys not there
 SPARE = 1024  # slots past the last home slot that a run may spill into
 
 
-_SHIFT = np.uint64(29)
+FOLD_SHIFT = np.uint64(29)  # keyed_fold's xor-shift (metaserver.compiled too)
 
 
 def secret_multipliers(n: int) -> np.ndarray:
@@ -45,7 +45,7 @@ def keyed_fold(
     acc = np.full(len(columns[0]) if columns else 0, start, np.uint64)
     for i, (column, mult) in enumerate(zip(columns, mults, strict=False)):
         mixed = (acc ^ column) * mult
-        mixed ^= mixed >> _SHIFT
+        mixed ^= mixed >> FOLD_SHIFT
         acc = mixed if active is None else np.where(active[i], mixed, acc)
     return acc
 

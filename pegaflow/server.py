@@ -207,14 +207,14 @@ def _bring_up(
         recovered = Recovered(engine.registry, engine.ssd)
         engine.registry.adopt = recovered.adopt
         report = recover(pool, engine.store, recovered, config.pool.show_progress)
-    if route is not None and route.route == "direct":
-        engine.ssd_direct = ssd_direct.SsdDirect(engine.ssd, cuda, route, metrics)
     engine.ssd_route = route
-    if tier is not None:
-        assert route is not None
+    if route is not None:
         logger.info(
             "ssd hits of cuda engines: the %s route (%s)", route.route, route.reason
         )
+        if route.route == "direct":
+            engine.ssd_direct = ssd_direct.SsdDirect(engine.ssd, cuda, metrics)
+    if tier is not None:
         metrics.registry.register(SsdCollector(tier.stats))
         metrics.registry.register(OriginalSsdMetrics(tier.stats))
         logger.info(

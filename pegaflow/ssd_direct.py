@@ -72,7 +72,6 @@ class SsdDirect:
         self,
         link: SsdLink,
         cuda_copier: object,
-        route: RouteChoice,
         metrics: Metrics,
         reads: DirectReads | None = None,
     ) -> None:
@@ -84,7 +83,6 @@ class SsdDirect:
             from pegaflow.gds.gpu_reads import DirectReads
 
             reads = DirectReads(link.tier)
-        self.route = route
         self._link = link
         self._cuda = cuda_copier
         self._metrics = metrics

@@ -33,11 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from ..open_addressing import EMPTY
+from ..open_addressing import EMPTY, FOLD_SHIFT
 
 logger = logging.getLogger(__name__)
-
-_SHIFT = 29  # open_addressing._SHIFT
 
 
 def _find_into(
@@ -56,7 +54,7 @@ def _find_into(
     """found[i]: the row filed for hash i (words[i], `length` bytes) in
     `namespace`, else -1."""
     n = words.shape[0]
-    shift = np.uint64(_SHIFT)
+    shift = np.uint64(FOLD_SHIFT)
     width = min((length + np.uint64(7)) // np.uint64(8), np.uint64(words.shape[1]))
     start = length * length_mult
     start ^= start >> shift

@@ -18,7 +18,6 @@ import pytest
 from pegaflow.config import EngineConfig, PoolConfig
 from pegaflow.engine import Engine
 from pegaflow.errors import CopyFailed, InvalidRequest
-from pegaflow.gds.gpu_route import RouteChoice
 from pegaflow.geometry import LayerLayout, Segment, Transfers
 from pegaflow.identity import CallContext, Caller
 from pegaflow.pool import HostPool
@@ -74,8 +73,7 @@ class Reader(SsdDirect):
     every block but those in `fails`."""
 
     def __init__(self, engine: Engine, copier: Copier, log: list) -> None:
-        route = RouteChoice("direct", "test")
-        super().__init__(engine.ssd, copier, route, engine.metrics, reads=self)
+        super().__init__(engine.ssd, copier, engine.metrics, reads=self)
         self.log, self.fails = log, set()
         self.watched: list = []  # L1 entries whose pins a read records
         self.pins_seen: list[int] = []
@@ -155,6 +153,14 @@ def test_the_l1_part_stays_pinned_while_the_ssd_part_is_read(setup) -> None:
     engine.ssd_direct.watched = lease.entries
     load(engine, ctx, [(lease.id, 0, np.arange(20, 29))])
     assert engine.ssd_direct.pins_seen and min(engine.ssd_direct.pins_seen) >= 1
+
+
+def test_a_load_of_the_ssd_part_alone_copies_nothing(setup) -> None:
+    engine, ctx, log = setup
+    lease = engine.query("i", HASHES, ctx=ctx).lease_id
+    got = load(engine, ctx, [(lease, 4, np.arange(30, 35))])
+    assert got.loaded == 5 and not got.items[0].error
+    assert log == [("direct", ON_SSD, list(range(30, 35)))]
 
 
 def test_items_split_at_the_end_of_the_l1_part(setup) -> None:
