@@ -13,7 +13,7 @@ from __future__ import annotations
 import mmap
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -182,8 +182,27 @@ class SimMem(Mem):
             self._back[:nbytes] = self._pool[at]
 
 
+PoolKind = Literal["plain", "thp", "hugetlb"]
+
+
+def pool_memory(size: int, kind: PoolKind) -> mmap.mmap:
+    """The pool's pages: 4 KiB ("plain"), transparent 2 MiB pages where the
+    kernel gives them ("thp", as pegaflow's pool asks), or hugetlbfs pages
+    ("hugetlb", --use-hugepages; needs vm.nr_hugepages)."""
+    if kind == "hugetlb":
+        return mmap.mmap(
+            -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_HUGETLB
+        )
+    region = mmap.mmap(-1, size)
+    if kind == "thp":
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return region
+
+
 class GpuMem(Mem):
-    def __init__(self, k: ModuleType, shape: Shape = LLAMA) -> None:
+    def __init__(
+        self, k: ModuleType, shape: Shape = LLAMA, pool: PoolKind = "plain"
+    ) -> None:
         import torch
         from cuda.bindings import driver, runtime
 
@@ -192,7 +211,7 @@ class GpuMem(Mem):
         self.engine = torch.randint(-128, 128, (n,), dtype=torch.int8, device="cuda")
         self.back = torch.empty_like(self.engine)
         size = shape.slots * shape.layers * shape.page
-        self._mmap = mmap.mmap(-1, size)
+        self._mmap = pool_memory(size, pool)
         host = np.frombuffer(self._mmap, np.uint8)
         host[::4096] = 0  # fault every page in before registering
         flags = runtime.cudaHostRegisterMapped | runtime.cudaHostRegisterPortable

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import table
-from benchmarks.kernel_variants_mem import GpuMem, SimMem
+from benchmarks.kernel_variants_mem import GpuMem, PoolKind, SimMem
 from pegaflow.cuda_driver import check
 from pegaflow.kernels import plan
 from pegaflow.kernels.plan import LaunchShape
@@ -54,7 +54,7 @@ class Run:
         return ids, self.rng.choice(shape.slots, n, replace=False)
 
 
-def open_run(sim: bool, deadline: float) -> Run:
+def open_run(sim: bool, deadline: float, pool: PoolKind = "plain") -> Run:
     from pegaflow import kernels
 
     k = kernels.backend("cuda")
@@ -63,7 +63,7 @@ def open_run(sim: bool, deadline: float) -> Run:
         return Run(k, SimMem(k), k.stream(), k.stream(), True, 2, SIM_CAP, deadline)
     import torch
 
-    mem = GpuMem(k)
+    mem = GpuMem(k, pool=pool)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return Run(k, mem, k.stream(), k.stream(), False, sms, CAP, deadline)
 

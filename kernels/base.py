@@ -11,6 +11,7 @@ same by construction and the CPU twin is a faithful reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,12 +20,18 @@ from pegaflow.geometry import Transfers
 
 from .plan import (
     Buffer,
+    Direction,
     LaunchShape,
+    StageRounds,
     Width,
     check_launch,
     descriptor_table,
-    stage_chunks,
+    stage_rounds,
 )
+
+# (src, dst, runs, stream): copy each run [3, k] (src offset, dst offset,
+# nbytes) between the buffers on the stream, e.g. one batched driver call.
+Dma = Callable[[Buffer, Buffer, np.ndarray, Any], None]
 
 DEFAULT_SHAPE = LaunchShape()
 PAIR_SHAPE = LaunchShape("warp")
@@ -120,6 +127,14 @@ class CopyKernels:
             src, dst, t, stream=stream, max_blocks=max_blocks, width=width, shape=shape
         )
 
+    def _record(self, stream: Any) -> Any:
+        """Mark `stream`'s work so far; another stream may then wait for it
+        (None where copies are synchronous: nothing needs ordering)."""
+        return None
+
+    def _wait(self, stream: Any, mark: Any) -> None:
+        """Order `stream`'s later work after `mark` (a _record's result)."""
+
     def gather_staged(
         self,
         src: Buffer,
@@ -128,19 +143,39 @@ class CopyKernels:
         staging: Buffer,
         *,
         stream: Any,
+        copy_stream: Any = None,
+        dma: Dma | None = None,
+        parts: int = 1,
+        round_bytes: int | None = None,
         max_blocks: int | None = None,
         width: Width = 16,
         shape: LaunchShape = DEFAULT_SHAPE,
     ) -> None:
         """Save via device `staging`: pack pages there, then DMA each host run.
 
-        Work larger than `staging` goes in rounds, ordered on `stream`.
+        Work larger than a round goes in rounds. With `copy_stream` the runs
+        of a round move there while the next round packs on `stream` (the
+        staging split into `parts` in turn); everything is done once `stream`
+        is. `dma` replaces the backend's per-run copy (a batched driver call).
         """
         check_launch(width, max_blocks)
-        table = self._checked(src, dst, t)
-        for chunk in stage_chunks(table, staging.nbytes, "gather"):
+        rounds = self._rounds(src, dst, t, staging, "gather", parts, round_bytes)
+        copy = dma or self._dma
+        pipelined = copy_stream is not None and copy_stream is not stream
+        lane = copy_stream if pipelined else stream
+        free: list[Any] = [None] * len(rounds.bases)
+        for i, chunk in enumerate(rounds.chunks):
+            part = i % len(rounds.bases)
+            if free[part] is not None:  # the runs that last read this part left
+                self._wait(stream, free[part])
             self._launch(src, staging, chunk.table, stream, max_blocks, width, shape)
-            self._dma(staging, dst, chunk.runs, stream)
+            if pipelined:
+                self._wait(lane, self._record(stream))
+            copy(staging, dst, chunk.runs, lane)
+            if pipelined:
+                free[part] = self._record(lane)
+        if pipelined and rounds.chunks:
+            self._wait(stream, self._record(lane))
 
     def scatter_staged(
         self,
@@ -150,16 +185,48 @@ class CopyKernels:
         staging: Buffer,
         *,
         stream: Any,
+        copy_stream: Any = None,
+        dma: Dma | None = None,
+        parts: int = 1,
+        round_bytes: int | None = None,
         max_blocks: int | None = None,
         width: Width = 16,
         shape: LaunchShape = DEFAULT_SHAPE,
     ) -> None:
-        """Load via device `staging`: DMA each host run there, then unpack."""
+        """Load via device `staging`: DMA each host run there, then unpack;
+        rounds, `copy_stream` and `dma` as in gather_staged (the next round's
+        runs land while this one unpacks)."""
         check_launch(width, max_blocks)
-        table = self._checked(src, dst, t)
-        for chunk in stage_chunks(table, staging.nbytes, "scatter"):
-            self._dma(src, staging, chunk.runs, stream)
+        rounds = self._rounds(src, dst, t, staging, "scatter", parts, round_bytes)
+        copy = dma or self._dma
+        pipelined = copy_stream is not None and copy_stream is not stream
+        lane = copy_stream if pipelined else stream
+        free: list[Any] = [None] * len(rounds.bases)
+        for i, chunk in enumerate(rounds.chunks):
+            part = i % len(rounds.bases)
+            if free[part] is not None:  # the unpack that last read this part ran
+                self._wait(lane, free[part])
+            copy(src, staging, chunk.runs, lane)
+            if pipelined:
+                self._wait(stream, self._record(lane))
             self._launch(staging, dst, chunk.table, stream, max_blocks, width, shape)
+            if pipelined:
+                free[part] = self._record(stream)
+
+    def _rounds(
+        self,
+        src: Buffer,
+        dst: Buffer,
+        t: Transfers,
+        staging: Buffer,
+        direction: Direction,
+        parts: int,
+        round_bytes: int | None,
+    ) -> StageRounds:
+        """The checked table packed into rounds, each placed in its part of
+        `staging` (round i in part i % parts)."""
+        table = self._checked(src, dst, t)
+        return stage_rounds(table, staging.nbytes, direction, parts, round_bytes)
 
     def copy_pair(
         self,

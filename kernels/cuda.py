@@ -69,6 +69,7 @@ from . import table_jit  # noqa: E402
 from .base import CopyKernels  # noqa: E402
 from .driver_launch import DriverLaunch  # noqa: E402
 from .plan import (  # noqa: E402
+    MAX_PARTS,
     Buffer,
     LaunchShape,
     aligned_empty,
@@ -92,6 +93,9 @@ SIM_BLOCKS = 4
 MIN_PIECE = 64 if SIMULATED else 4096
 SIM_SPLIT_ROWS = 8
 TABLE_MIN_ROWS = 1024
+# Events a thread rotates through to order a staged call's two streams: two
+# records a round, each waited on within MAX_PARTS rounds.
+MARKS = 2 * MAX_PARTS + 4
 
 __all__ = [
     "copy_descriptors",
@@ -442,13 +446,33 @@ class _Table:
 
 class _StreamTables:
     """A stream's two tables, used in turn: one is filled while the kernel of
-    the other may still read it."""
+    the other may still read it. `lock` orders launches on this stream only:
+    a launch waiting for its table (a staged round behind its DMA) must not
+    hold up another stream's launches."""
 
-    __slots__ = ("tables", "turn")
+    __slots__ = ("lock", "tables", "turn")
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()
         self.tables: list[_Table | None] = [None, None]
         self.turn = 1
+
+
+class _Marks(threading.local):
+    """A thread's events for ordering one stream after another, used in
+    rotation: an event may be recorded again once every wait on its last
+    record was queued, which a staged call does within MAX_PARTS rounds."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self.next = 0
+
+    def take(self) -> Any:
+        if len(self.events) < MARKS:
+            self.events.append(cuda.event(timing=False))
+            return self.events[-1]
+        self.next = (self.next + 1) % MARKS
+        return self.events[self.next]
 
 
 class CudaKernels(CopyKernels):
@@ -461,7 +485,8 @@ class CudaKernels(CopyKernels):
         self._streams: weakref.WeakKeyDictionary[Any, _StreamTables] = (
             weakref.WeakKeyDictionary()
         )
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the dict of streams only
+        self._marks = _Marks()
         self._launchers: dict[str, Any] = {}  # kernel name -> its launch call
         table_jit.compiled()  # compiled or loaded now, not on the first copy
 
@@ -482,11 +507,16 @@ class CudaKernels(CopyKernels):
             self._launchers[name] = launch
         return launch
 
-    def _table(self, stream: Any, rows: int) -> _Table:
-        """The stream's next table, once the kernel last reading it is done."""
-        mine = self._streams.get(stream)
-        if mine is None:
-            mine = self._streams[stream] = _StreamTables()
+    def _tables(self, stream: Any) -> _StreamTables:
+        with self._lock:
+            mine = self._streams.get(stream)
+            if mine is None:
+                mine = self._streams[stream] = _StreamTables()
+            return mine
+
+    def _table(self, mine: _StreamTables, rows: int) -> _Table:
+        """The stream's next table, once the kernel last reading it is done
+        (called under mine.lock)."""
         mine.turn ^= 1
         tab = mine.tables[mine.turn]
         if tab is not None:
@@ -517,8 +547,9 @@ class CudaKernels(CopyKernels):
             return
         blocks = min(n, max_blocks or _default_blocks(threads))
         launch = self._launcher("block")
-        with self._lock:  # table choice, fill and launch: one thread at a time
-            tab = self._table(stream, n)
+        mine = self._tables(stream)
+        with mine.lock:  # table choice, fill and launch: one thread at a time
+            tab = self._table(mine, n)
             table_jit.write_split(table, piece, tab.rows)
             if SIMULATED:
                 args = (src.data, dst.data, src.words, dst.words, tab.mem)
@@ -555,8 +586,9 @@ class CudaKernels(CopyKernels):
         parts = shape.parts or _auto_parts(both, full * per_block)
         blocks = min(full, -(-(ca + cb) * parts // per_block))
         launch = self._launcher("warp")
-        with self._lock:
-            tab = self._table(stream, ca + cb)
+        mine = self._tables(stream)
+        with mine.lock:
+            tab = self._table(mine, ca + cb)
             tab.rows[:, : ca + cb] = both
             args: list[Any] = []
             for src, dst, _ in (a, b):
@@ -571,6 +603,17 @@ class CudaKernels(CopyKernels):
             )
             tab.done.record(stream)
         logger.debug("warp copy %d + %d descriptors x %d parts", ca, cb, parts)
+
+    def _record(self, stream: Any) -> Any:
+        if SIMULATED:  # the simulator runs each launch to its end
+            return None
+        mark = self._marks.take()
+        mark.record(stream)
+        return mark
+
+    def _wait(self, stream: Any, mark: Any) -> None:
+        if mark is not None:
+            mark.wait(stream)  # cuStreamWaitEvent: the host does not wait
 
     def _dma(self, src: Buffer, dst: Buffer, runs: np.ndarray, stream: Any) -> None:
         if SIMULATED:

@@ -29,6 +29,7 @@ WIDTHS = (1, 8, 16)
 MAX_THREADS = 1024  # CUDA's limit on threads per block
 ALIGN = 16  # buffer bases must allow the widest store
 STAGE_ALIGN = 16
+MAX_PARTS = 16  # staging parts in turn (the CUDA backend's event rotation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +253,45 @@ def stage_chunks(
         chunks.append(StageChunk(kernel, runs))
         start = stop
     return chunks
+
+
+@dataclass(frozen=True, slots=True)
+class StageRounds:
+    """stage_chunks' rounds placed in a staging buffer cut into parts: round
+    i's staging offsets already point into part i % len(bases), which starts
+    at bases[i % len(bases)]."""
+
+    chunks: list[StageChunk]
+    bases: tuple[int, ...]
+
+
+def stage_rounds(
+    table: np.ndarray,
+    capacity: int,
+    direction: Direction,
+    parts: int = 1,
+    round_bytes: int | None = None,
+) -> StageRounds:
+    """stage_chunks over `parts` equal, 16-byte aligned parts of a `capacity`
+    byte staging buffer, rounds of at most `round_bytes` (a part's size when
+    None): while one part's runs cross PCIe the next part packs or unpacks."""
+    if not 1 <= parts <= MAX_PARTS:
+        raise InternalError(f"parts: {parts}, need 1..{MAX_PARTS}")
+    part = capacity // parts // STAGE_ALIGN * STAGE_ALIGN
+    if round_bytes is not None:
+        if round_bytes < STAGE_ALIGN:
+            raise InternalError(f"round_bytes: {round_bytes}, need >= {STAGE_ALIGN}")
+        part = min(part, round_bytes // STAGE_ALIGN * STAGE_ALIGN)
+    chunks = stage_chunks(table, part, direction)
+    bases = tuple(i * part for i in range(min(parts, max(1, len(chunks)))))
+    stage_row = 1 if direction == "gather" else 0  # the kernel's staging side
+    run_row = 0 if direction == "gather" else 1  # the runs' staging side
+    for i, chunk in enumerate(chunks):
+        base = bases[i % len(bases)]
+        if base:
+            chunk.table[stage_row] += base
+            chunk.runs[run_row] += base
+    return StageRounds(chunks, bases)
 
 
 def _runs(host: np.ndarray, stage: np.ndarray, nbytes: np.ndarray) -> np.ndarray:

@@ -36,6 +36,9 @@ class Case:
     width: int = 16
     max_blocks: int | None = None
     staging: int = 0  # staging capacity for the staged ops
+    parts: int = 1  # staged: parts of the staging used in turn
+    round_bytes: int | None = None  # staged: bytes a round at most
+    pipelined: bool = False  # staged: runs on a second stream, rounds overlap
     shape: LaunchShape | None = None  # None: the backend's default kernel
 
 
@@ -139,6 +142,19 @@ def all_cases() -> list[Case]:
         replace(cases[8], name="scatter_staged", op="scatter_staged", staging=300),
         replace(cases[4], name="odd_staged", op="gather_staged", staging=128),
     ]
+    # Rounds on two streams over a staging cut into parts: more rounds than
+    # parts, so every part is reused behind the copy that last read it.
+    staged = dict(pipelined=True)
+    cases += [
+        replace(base, name="gather_rounds", op="gather_staged", staging=256,
+                parts=2, **staged),
+        replace(cases[8], name="scatter_rounds", op="scatter_staged", staging=300,
+                parts=3, **staged),
+        replace(cases[4], name="odd_rounds", op="gather_staged", staging=512,
+                parts=4, round_bytes=64, **staged),
+        replace(cases[8], name="scatter_rounds_one_part", op="scatter_staged",
+                staging=200, round_bytes=100, **staged),
+    ]  # fmt: skip
     return cases + warp_cases(cases)
 
 
@@ -210,6 +226,9 @@ def prepare_case(
         kw["shape"] = case.shape
     if case.staging:
         kw["staging"] = k.staging_buffer(case.staging)
+        kw.update(parts=case.parts, round_bytes=case.round_bytes)
+        if case.pipelined:
+            kw["copy_stream"] = k.stream()
 
     def copy() -> None:
         getattr(k, case.op)(src_buf, dst_buf, t, width=case.width, **kw)

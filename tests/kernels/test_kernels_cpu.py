@@ -165,6 +165,30 @@ def test_staging_keeps_device_alignment_and_rejects_huge_pages() -> None:
         kernels.plan.stage_chunks(table, 16, "gather")
 
 
+def test_staging_rounds_take_the_parts_in_turn() -> None:
+    """Round i lives in part i % parts: its kernel table and its runs name
+    the same staging bytes there, and no round outgrows its part."""
+    case = from_geometry("plan", lbnhc(4, 8, 64), [5, 2, 7], [0, 1, 2], 1)
+    table = np.ascontiguousarray(case.table.T.astype(np.int64))
+    rounds = kernels.plan.stage_rounds(table, 1000, "gather", parts=3)
+    part = 1000 // 3 // 16 * 16
+    assert rounds.bases == (0, part, 2 * part)
+    for i, chunk in enumerate(rounds.chunks):
+        lo = rounds.bases[i % 3]
+        assert (chunk.table[1] >= lo).all()
+        assert (chunk.table[1] + chunk.table[2] <= lo + part).all()
+        assert chunk.runs[0].min() == chunk.table[1].min()  # runs read them
+        assert chunk.runs[2].sum() == chunk.table[2].sum()
+    assert len(rounds.chunks) == -(-12 * 64 // (part // 64 * 64))
+    small = kernels.plan.stage_rounds(table, 1000, "scatter", 2, round_bytes=128)
+    assert all(c.table[2].sum() <= 128 for c in small.chunks)
+    assert small.chunks[1].runs[1].min() == small.bases[1]  # scatter runs write it
+    with pytest.raises(InternalError, match="parts"):
+        kernels.plan.stage_rounds(table, 1000, "gather", parts=0)
+    with pytest.raises(InternalError, match="round_bytes"):
+        kernels.plan.stage_rounds(table, 1000, "gather", round_bytes=8)
+
+
 def test_split_keeps_alignment_and_bytes() -> None:
     """Small requests are cut into 16-byte multiples that copy the same bytes."""
     table = np.array([[16, 4096, 65536], [40, 8, 100], [0, 70000, 0]]).T
