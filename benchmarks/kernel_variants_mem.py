@@ -183,6 +183,7 @@ class SimMem(Mem):
 
 
 PoolKind = Literal["plain", "thp", "hugetlb"]
+MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)  # Python < 3.13 lacks it
 
 
 def pool_memory(size: int, kind: PoolKind) -> mmap.mmap:
@@ -190,9 +191,8 @@ def pool_memory(size: int, kind: PoolKind) -> mmap.mmap:
     kernel gives them ("thp", as pegaflow's pool asks), or hugetlbfs pages
     ("hugetlb", --use-hugepages; needs vm.nr_hugepages)."""
     if kind == "hugetlb":
-        return mmap.mmap(
-            -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_HUGETLB
-        )
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_HUGETLB
+        return mmap.mmap(-1, size, flags=flags)
     region = mmap.mmap(-1, size)
     if kind == "thp":
         region.madvise(mmap.MADV_HUGEPAGE)

@@ -42,6 +42,7 @@ class Run:
     deadline: float  # time.monotonic(): cells after it are skipped
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     rows: list[dict] = field(default_factory=list)
+    contiguous_slots: bool = False
 
     def reps(self, nbytes: int) -> int:
         if self.sim:
@@ -49,8 +50,13 @@ class Run:
         return 5 if nbytes > 1 << 30 else 10 if nbytes > 100 << 20 else 30
 
     def pick(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """n random engine blocks and n random pool slots (a run of adjacent
+        slots from a random start with contiguous_slots)."""
         shape = self.mem.shape
         ids = self.rng.choice(shape.blocks, n, replace=False)
+        if self.contiguous_slots:
+            start = int(self.rng.integers(0, shape.slots - n + 1))
+            return ids, np.arange(start, start + n)
         return ids, self.rng.choice(shape.slots, n, replace=False)
 
 

@@ -149,6 +149,8 @@ def both_cells(r: Run, save: Staged, load: Staged) -> tuple[list, Callable, Call
     ia, ic = perm[:n], perm[n : 2 * n]
     ib = r.rng.choice(m.shape.blocks, n, replace=False)
     ps = r.rng.permutation(m.shape.slots)
+    if r.contiguous_slots:
+        ps = np.arange(m.shape.slots)
     sa, sb = ps[:n], ps[n : 2 * n]
     ta, tb = m.save_t(ia, sa), m.load_t(ib, sb)
     fill = m.save_t(ic, sb)
@@ -305,12 +307,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="gather,scatter,both,interference")
     ap.add_argument("--pool", default="plain", choices=("plain", "thp", "hugetlb"))
     ap.add_argument("--sizes", default=None, help="comma list of N")
+    ap.add_argument(
+        "--slots",
+        default="random",
+        choices=("random", "contiguous"),
+        help="pool slots of a batch: random, or adjacent (engine blocks random)",
+    )
     args = ap.parse_args(argv)
     if args.simulate:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
     only = set(args.only.split(","))
     t0 = time.monotonic()
     r = paths.open_run(args.simulate, t0 + args.budget_s, args.pool)
+    r.contiguous_slots = args.slots == "contiguous"
     sizes = SIM_SIZES if r.sim else SIZES
     if args.sizes:
         sizes = tuple(int(x) for x in args.sizes.split(","))
@@ -325,7 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     if "interference" in only and not r.sim:
         inter = run_interference(r, save, load)
     paths.add_ratios(r.rows)
-    meta = {**paths.versions(r.sim), "pool": args.pool, "meminfo": huge_meminfo()}
+    meta = {
+        **paths.versions(r.sim),
+        "pool": args.pool,
+        "slots": args.slots,
+        "meminfo": huge_meminfo(),
+    }
     meta["seconds"] = time.monotonic() - t0
     if args.json:
         out = {"meta": meta, "rows": r.rows, "interference": inter}
