@@ -90,6 +90,51 @@ def tables_per_stream_object() -> None:
     assert len(streams) == before, "a dropped stream's tables stayed"
 
 
+def a_waiting_stream_holds_no_other() -> None:
+    """A launch waiting for its stream's table (a staged round behind its
+    copy) must not hold up a launch on another stream: the save and load
+    streams go on while either waits. Fails with one lock for all streams."""
+    import threading
+
+    k = kernels.backend("cuda")
+    case = {c.name: c for c in all_cases()}[PAIR[0]]
+    alloc = host_alloc(k)
+    busy, free = k.stream(), k.stream()
+    for _ in range(2):  # both of busy's tables in use once
+        check(case, run_case(k, case, alloc, alloc, stream=busy))
+    release = threading.Event()
+
+    class Pending:  # the event after the launch that last read the table
+        def synchronize(self) -> None:
+            assert release.wait(60), "never released"
+
+        def record(self, stream: object) -> None:
+            pass
+
+    mine = k._kernels._streams[busy]
+    mine.tables[mine.turn ^ 1].done = Pending()
+    got: dict[str, np.ndarray] = {}
+
+    def run(name: str, stream: object) -> None:
+        try:
+            got[name] = run_case(k, case, alloc, alloc, stream=stream)
+        except Exception as e:  # reported below, by name
+            got[name] = e  # type: ignore[assignment]
+
+    waiting = threading.Thread(target=run, args=("busy", busy))
+    waiting.start()
+    other = threading.Thread(target=run, args=("free", free))
+    other.start()
+    other.join(20)  # a simulated launch of this case takes well under a second
+    finished_first = not other.is_alive()
+    release.set()
+    waiting.join(60)
+    other.join(60)
+    assert finished_first, "a launch on another stream waited for the busy one"
+    check(case, got["busy"])
+    check(case, got["free"])
+
+
 def pair(shape: LaunchShape) -> None:
     """A save and a load in one launch, each checked against the reference."""
     k = kernels.backend("cuda")
@@ -107,6 +152,7 @@ def main(shard: int, shards: int) -> dict[str, str]:
         ("shim_installed", shim_installed),
         ("rejects_bad_requests", rejects_bad_requests),
         ("tables_per_stream_object", tables_per_stream_object),
+        ("a_waiting_stream_holds_no_other", a_waiting_stream_holds_no_other),
     ]
     for name, shape in PAIR_SHAPES.items():
         jobs.append((name, lambda s=shape: pair(s)))
