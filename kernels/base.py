@@ -156,7 +156,9 @@ class CopyKernels:
         Work larger than a round goes in rounds. With `copy_stream` the runs
         of a round move there while the next round packs on `stream` (the
         staging split into `parts` in turn); everything is done once `stream`
-        is. `dma` replaces the backend's per-run copy (a batched driver call).
+        is, and work queued on `stream` before runs first. `dma` replaces the
+        backend's per-run copy (a batched driver call). Calls sharing a
+        staging buffer must come from one thread at a time.
         """
         check_launch(width, max_blocks)
         rounds = self._rounds(src, dst, t, staging, "gather", parts, round_bytes)
@@ -202,6 +204,8 @@ class CopyKernels:
         pipelined = copy_stream is not None and copy_stream is not stream
         lane = copy_stream if pipelined else stream
         free: list[Any] = [None] * len(rounds.bases)
+        if pipelined and rounds.chunks:  # the last call's unpacks read staging
+            self._wait(lane, self._record(stream))
         for i, chunk in enumerate(rounds.chunks):
             part = i % len(rounds.bases)
             if free[part] is not None:  # the unpack that last read this part ran
