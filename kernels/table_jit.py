@@ -28,6 +28,10 @@ from .jit import njit
 from .plan import STAGE_ALIGN, check_arrays, descriptor_table
 
 OK, OUT_OF_RANGE, OVERLAP = 0, -1, -2
+# The overlap check's map of seen pages: at most this many cells, or this
+# many per descriptor (an engine buffer of 8 GiB in 64 KiB pages: 131,072).
+SEEN_MIN_CELLS = 1 << 18
+SEEN_CELLS_PER_ROW = 64
 
 
 def _check_into(
@@ -41,8 +45,18 @@ def _check_into(
     table: np.ndarray,
 ) -> int:
     """table[:, :n] = (src offset, dst offset, nbytes); OK, or OUT_OF_RANGE /
-    OVERLAP as descriptor_table would refuse the same transfers."""
+    OVERLAP as descriptor_table would refuse the same transfers.
+
+    The overlap check takes the cheapest way the table allows: one pass when
+    the destinations come in rising order (a save's slots), a map of seen
+    pages when all descriptors have one size and destinations one offset
+    modulo it (a load's engine pages: two such ranges overlap only when they
+    start at the same byte), a sort otherwise. A sort of 20,480 pages took
+    ~0.8-2 ms on the dev VM, before the launch, with the GPU idle."""
     n = t_src.shape[0]
+    rising = True
+    same = n > 0 and t_nbytes[0] > 0  # one size, one offset modulo it
+    size = max(np.int64(1), np.int64(t_nbytes[0])) if n > 0 else np.int64(1)
     for k in range(n):
         so = t_src[k] - src_base  # uint64: below the base wraps to huge
         do = t_dst[k] - dst_base
@@ -54,7 +68,26 @@ def _check_into(
         table[0, k] = np.int64(so)
         table[1, k] = np.int64(do)
         table[2, k] = np.int64(nb)
+        if k > 0:
+            rising = rising and table[1, k] >= table[1, k - 1]
+            same = (
+                same and nb == t_nbytes[0] and (table[1, k] - table[1, 0]) % size == 0
+            )
     if n < 2:
+        return OK
+    if rising:
+        for k in range(n - 1):
+            if table[1, k] + table[2, k] > table[1, k + 1]:
+                return OVERLAP
+        return OK
+    cells = np.int64(dst_size) // size + 1
+    if same and cells <= max(SEEN_MIN_CELLS, SEEN_CELLS_PER_ROW * n):
+        seen = np.zeros(cells, np.uint8)
+        for k in range(n):
+            c = table[1, k] // size
+            if seen[c]:
+                return OVERLAP
+            seen[c] = 1
         return OK
     order = np.argsort(table[1, :n], kind="mergesort")
     for j in range(n - 1):

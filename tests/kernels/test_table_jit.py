@@ -129,3 +129,57 @@ def test_copy_engine_batches_match_the_numpy_merge_and_cut(chunk: int | None) ->
         assert p.pages == len(t)
         cuts += len(p) > len(merge_adjacent([t.dst, t.src], t.nbytes)[1])
     assert chunk is None or cuts > 10  # edges were crossed
+
+
+def _pages(starts: list[int], size: int, base: int) -> Transfers:
+    n = len(starts)
+    src = np.arange(n, dtype=np.uint64) * np.uint64(size) + np.uint64(1 << 24)
+    dst = np.array(starts, np.uint64) + np.uint64(base)
+    return Transfers(src, dst, np.full(n, size, np.uint64))
+
+
+@pytest.mark.parametrize(
+    ("case", "starts", "size", "dst_bytes"),
+    [
+        ("rising, apart", [0, 64, 256, 512], 64, SPAN),
+        ("rising, one overlaps the next", [0, 64, 100, 512], 64, SPAN),
+        ("rising, one start twice", [0, 64, 64, 512], 64, SPAN),
+        ("unsorted pages, apart (the map)", [512, 0, 256, 64], 64, 4096),
+        ("unsorted pages, one twice (the map)", [512, 0, 256, 0], 64, 4096),
+        ("unsorted, other offsets mod the size", [512, 16, 256, 48], 64, 4096),
+        ("unsorted, apart, other offsets", [512, 16, 256, 96], 64, 4096),
+        ("unsorted, buffer too large for the map", [512, 0, 256, 0], 16, SPAN),
+        ("unsorted, too large, apart", [512, 0, 256, 64], 16, SPAN),
+    ],
+)
+def test_every_overlap_check_agrees_with_the_numpy_one(
+    case: str, starts: list[int], size: int, dst_bytes: int
+) -> None:
+    """Each way the compiled check takes (one pass over rising destinations,
+    the map of seen pages, the sort) refuses exactly what descriptor_table
+    refuses: the map sees one start twice, the sort a partial overlap."""
+    src = Buffer(1 << 24, 1 << 24, SPAN, None, None)
+    dst = Buffer(1 << 40, 1 << 40, dst_bytes, None, None)
+    t = _pages(starts, size, dst.address)
+    try:
+        want = descriptor_table(src, dst, t)
+    except InternalError as e:
+        with pytest.raises(InternalError, match=re.escape(str(e))):
+            table_jit.checked_table(src, dst, t)
+        return
+    assert np.array_equal(table_jit.checked_table(src, dst, t), want), case
+
+
+def test_a_load_of_many_pages_takes_the_map() -> None:
+    """20,480 engine pages in a random block order (a 640-block load) pass,
+    and the same with one block named twice is refused."""
+    blocks, layers, page = 4096, 32, 65536
+    dst = Buffer(1 << 40, 1 << 40, blocks * layers * page, None, None)
+    src = Buffer(1 << 24, 1 << 24, 640 * layers * page, None, None)
+    ids = np.random.default_rng(3).permutation(blocks)[:640]
+    starts = (np.arange(layers)[None, :] * blocks + ids[:, None]) * page
+    t = _pages(starts.ravel().tolist(), page, dst.address)
+    assert table_jit.checked_table(src, dst, t).shape == (3, 640 * layers)
+    t.dst[5 * layers] = t.dst[0]  # block 5's first page onto block 0's
+    with pytest.raises(InternalError, match="overlaps"):
+        table_jit.checked_table(src, dst, t)
