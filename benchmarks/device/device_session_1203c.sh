@@ -39,6 +39,6 @@ for v in A B; do
   (cd "$dir" && PYTHONPATH=$SITE:$dir timeout $(within 100) python3 benchmarks/transfer.py \
     --shapes llama-3.1-8b --sizes 1,64,640 --min-reps 5 --lat-reps 200 --bringup-gib 0 \
     --tag "$v" --out "$RES" > "$RES/transfer_$v.log" 2>&1; echo "rc=$?")
-  grep -E "^ *[0-9a-z-]+ \| +(64|640) |^(lat_load_p50|lat_save_event_p50|both)" "$RES/transfer_$v.log" | cut -c1-200
+  grep -E "llama-3.1-8b \| +(64|640) |^(lat_load_p50|lat_save_event_p50|both_total)" "$RES/transfer_$v.log" | cut -c1-200
 done
 stage done
