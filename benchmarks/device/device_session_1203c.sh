@@ -11,7 +11,7 @@
 #    one-size destinations.
 # 3. transfer.py A/B, the session's start (a7fb6d2, carried as
 #    .ab/base_a7fb6d2.tgz) against this tree, sizes 1, 64, 640.
-export CALL_S=${CALL_S:-560}
+export CALL_S=${CALL_S:-500}
 . "$(dirname "$0")/device_prelude.sh"
 bundle_results
 SITE=$PWD/.site
@@ -20,8 +20,8 @@ echo 3300 > /proc/sys/vm/nr_hugepages; grep -i hugepages_ /proc/meminfo
 for run in "hugetlb random" "plain contiguous"; do
   set -- $run
   stage "staged rounds, pool $1, slots $2"
-  timeout $(within 100) python3 benchmarks/staged_rounds.py --pool $1 --slots $2 \
-    --sizes 64,640 --only gather,scatter,both --budget-s 60 \
+  timeout $(within 70) python3 benchmarks/staged_rounds.py --pool $1 --slots $2 \
+    --sizes 640 --only gather,scatter,both --budget-s 45 \
     --json "$RES/staged_$1_$2.json" 2>&1 \
     | tee "$RES/staged_$1_$2.log" | grep -v "^[a-z]* *N=" | tail -32
 done
@@ -36,7 +36,7 @@ rm -rf /tmp/treeA && mkdir -p /tmp/treeA && tar -xzf .ab/base_a7fb6d2.tgz -C /tm
 for v in A B; do
   dir=/tmp/treeA; [ $v = B ] && dir=$PWD
   stage "transfer $v"
-  (cd "$dir" && PYTHONPATH=$SITE:$dir timeout $(within 100) python3 benchmarks/transfer.py \
+  (cd "$dir" && PYTHONPATH=$SITE:$dir timeout $(within 90) python3 benchmarks/transfer.py \
     --shapes llama-3.1-8b --sizes 1,64,640 --min-reps 5 --lat-reps 200 --bringup-gib 0 \
     --tag "$v" --out "$RES" > "$RES/transfer_$v.log" 2>&1; echo "rc=$?")
   grep -E "llama-3.1-8b \| +(64|640) |^(lat_load_p50|lat_save_event_p50|both_total)" "$RES/transfer_$v.log" | cut -c1-200
