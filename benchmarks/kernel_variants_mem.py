@@ -187,15 +187,17 @@ MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)  # Python < 3.13 lacks it
 
 
 def pool_memory(size: int, kind: PoolKind) -> mmap.mmap:
-    """The pool's pages: 4 KiB ("plain"), transparent 2 MiB pages where the
-    kernel gives them ("thp", as pegaflow's pool asks), or hugetlbfs pages
-    ("hugetlb", --use-hugepages; needs vm.nr_hugepages)."""
+    """The pool's pages, private anonymous memory as pegaflow's pool maps it:
+    4 KiB ("plain"), transparent 2 MiB pages where the kernel gives them
+    ("thp", what pegaflow's pool asks for), or hugetlbfs pages ("hugetlb",
+    --use-hugepages; needs vm.nr_hugepages). Python's default mmap is shared
+    memory, whose THP obeys shmem_enabled instead (2026-12-03, call 2: every
+    run of that call had 4 KiB pages for this reason)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     if kind == "hugetlb":
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_HUGETLB
-        return mmap.mmap(-1, size, flags=flags)
-    region = mmap.mmap(-1, size)
-    if kind == "thp":
-        region.madvise(mmap.MADV_HUGEPAGE)
+        return mmap.mmap(-1, size, flags=flags | MAP_HUGETLB)
+    region = mmap.mmap(-1, size, flags=flags)
+    region.madvise(mmap.MADV_HUGEPAGE if kind == "thp" else mmap.MADV_NOHUGEPAGE)
     return region
 
 

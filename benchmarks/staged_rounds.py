@@ -292,11 +292,17 @@ def window(r: Run, fn: Callable, streams: tuple, mm: Any) -> Any:
     return per_s if mm is None else (per_s, rate)
 
 
-def huge_meminfo() -> dict[str, str]:
-    """/proc/meminfo's hugepage lines while the pool is mapped (did THP take?)."""
+def huge_meminfo(r: Run) -> dict[str, object]:
+    """/proc/meminfo's hugepage lines while the pool is mapped, and the pool's
+    own share of 2 MiB pages (did THP take?)."""
+    from pegaflow.hugepages import huge_share
+
     with open("/proc/meminfo") as f:
         rows = [line.split(":") for line in f if "Huge" in line]
-    return {k: v.strip() for k, v in rows}
+    out: dict[str, object] = {k: v.strip() for k, v in rows}
+    if not r.sim:
+        out["pool_huge_share"] = huge_share(r.mem.pool.address, r.mem.pool.nbytes)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         **paths.versions(r.sim),
         "pool": args.pool,
         "slots": args.slots,
-        "meminfo": huge_meminfo(),
+        "meminfo": huge_meminfo(r),
     }
     meta["seconds"] = time.monotonic() - t0
     if args.json:
@@ -350,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table([x for x in inter if "mode" in x], cols))
     bad = [x for x in r.rows if x.get("ok") is False]
     bad += [x for x in inter if x.get("ok") is False]
+    print(f"pool: {args.pool}, {meta['meminfo'].get('pool_huge_share')} on 2 MiB pages")
     print("bytes ok" if not bad else f"FAILED: {len(bad)} cells")
     return 1 if bad else 0
 

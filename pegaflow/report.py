@@ -235,6 +235,7 @@ def health_report(
             "ssd_gpu_route": route.route if route else "off",
             "ssd_gpu_route_reason": route.reason if route else "",
             "pool_file": engine.pool.file is not None,
+            "pool_hugepage_share": engine.pool.huge_share,
             "pool_recovered": dataclasses.asdict(recovery) if recovery else None,
         }
 

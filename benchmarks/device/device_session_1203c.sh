@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Tenth session (2026-12-03), call 3, ~8 minutes.
-# 1. Call 2: THP never took on this host (AnonHugePages 0 kB with
-#    MADV_HUGEPAGE), the hugetlbfs run died (Python 3.12 mmap has no
-#    MAP_HUGETLB), and no path passed ~0.87 of the ceiling on scattered
-#    slots one way or ~68 GB/s both ways, where contiguous copies reach 1.0
-#    and 101. Is it the host side's scatter? hugetlbfs pages with random
-#    slots, and adjacent slots on 4 KiB pages.
+# 1. Call 2's pools were all 4 KiB pages: Python's mmap maps shared memory,
+#    whose THP follows shmem_enabled ([never]), not MADV_HUGEPAGE; and the
+#    hugetlbfs run died (Python 3.12 mmap has no MAP_HUGETLB). No path passed
+#    ~0.87 of the ceiling on scattered slots one way or ~68 GB/s both ways,
+#    where contiguous copies reach 1.0 and 101. Do 2 MiB pages change that?
+#    Private THP pages (as pegaflow's pool maps them) and hugetlbfs pages.
 # 2. The gpu-marked server tests (tests/gpu): the kernels' launch lock is now
 #    one per stream, and the overlap check takes no sort for rising or
 #    one-size destinations.
@@ -17,7 +17,7 @@ bundle_results
 SITE=$PWD/.site
 echo 3300 > /proc/sys/vm/nr_hugepages; grep -i hugepages_ /proc/meminfo
 
-for run in "hugetlb random" "plain contiguous"; do
+for run in "thp random" "hugetlb random"; do
   set -- $run
   stage "staged rounds, pool $1, slots $2"
   timeout $(within 70) python3 benchmarks/staged_rounds.py --pool $1 --slots $2 \

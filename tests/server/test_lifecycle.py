@@ -79,6 +79,7 @@ def test_health_and_metrics_endpoints(server) -> None:
     report = json.loads(body)
     assert status == 200 and report["status"] == "ok"
     assert report["pool_capacity_bytes"] == 64 << 20
+    assert 0.0 <= report["pool_hugepage_share"] <= 1.0  # read from smaps
     status, body = server.get("/metrics")
     text = body.decode()
     for name in (
