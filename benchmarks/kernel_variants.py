@@ -191,11 +191,7 @@ def run_both(r: Run) -> None:
     copies on two streams."""
     k, m = r.k, r.mem
     n = SIM_BOTH_N if r.sim else BOTH_N
-    perm = r.rng.permutation(m.shape.blocks)
-    ia, ic = perm[:n], perm[n : 2 * n]  # saved blocks; source of the load's slots
-    ib = r.rng.choice(m.shape.blocks, n, replace=False)  # loaded into (back)
-    ps = r.rng.permutation(m.shape.slots)
-    sa, sb = ps[:n], ps[n : 2 * n]
+    ia, ic, ib, sa, sb = paths.both_picks(r, n)
     ta, tb = m.save_t(ia, sa), m.load_t(ib, sb)
     fill = m.save_t(ic, sb)
     nb = n * m.slot_bytes

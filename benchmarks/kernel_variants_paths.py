@@ -60,6 +60,20 @@ class Run:
         return ids, self.rng.choice(shape.slots, n, replace=False)
 
 
+def both_picks(r: Run, n: int) -> tuple[np.ndarray, ...]:
+    """A save and a load of n blocks each at once: (saved blocks, blocks whose
+    bytes fill the load's slots first, blocks loaded into, the save's slots,
+    the load's slots); disjoint slots, adjacent with r.contiguous_slots."""
+    m = r.mem
+    perm = r.rng.permutation(m.shape.blocks)
+    ia, ic = perm[:n], perm[n : 2 * n]
+    ib = r.rng.choice(m.shape.blocks, n, replace=False)
+    ps = np.arange(m.shape.slots)
+    if not r.contiguous_slots:
+        ps = r.rng.permutation(ps)
+    return ia, ic, ib, ps[:n], ps[n : 2 * n]
+
+
 def open_run(sim: bool, deadline: float, pool: PoolKind = "plain") -> Run:
     from pegaflow import kernels
 

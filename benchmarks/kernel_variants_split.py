@@ -126,11 +126,7 @@ def run_both(r: Run, shares: tuple[float, ...]) -> None:
     kernel capped (as in the server) with its own copy-engine share."""
     k, m = r.k, r.mem
     n = SIM_BOTH_N if r.sim else BOTH_N
-    perm = r.rng.permutation(m.shape.blocks)
-    ia, ic = perm[:n], perm[n : 2 * n]
-    ib = r.rng.choice(m.shape.blocks, n, replace=False)
-    ps = r.rng.permutation(m.shape.slots)
-    sa, sb = ps[:n], ps[n : 2 * n]
+    ia, ic, ib, sa, sb = paths.both_picks(r, n)
     fill = m.save_t(ic, sb)
     nb = n * m.slot_bytes
     s3, s4 = k.stream(), k.stream()

@@ -145,13 +145,7 @@ def both_cells(r: Run, save: Staged, load: Staged) -> tuple[list, Callable, Call
     """A save and a load of N blocks at once, by each pairing of paths."""
     k, m = r.k, r.mem
     n = SIM_BOTH_N if r.sim else BOTH_N
-    perm = r.rng.permutation(m.shape.blocks)
-    ia, ic = perm[:n], perm[n : 2 * n]
-    ib = r.rng.choice(m.shape.blocks, n, replace=False)
-    ps = r.rng.permutation(m.shape.slots)
-    if r.contiguous_slots:
-        ps = np.arange(m.shape.slots)
-    sa, sb = ps[:n], ps[n : 2 * n]
+    ia, ic, ib, sa, sb = paths.both_picks(r, n)
     ta, tb = m.save_t(ia, sa), m.load_t(ib, sb)
     fill = m.save_t(ic, sb)
 
