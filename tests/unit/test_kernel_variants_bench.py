@@ -75,3 +75,15 @@ def test_split_cells_move_every_byte_once() -> None:
     kernel_variants_paths.add_ratios(r.rows)
     text = kernel_variants_paths.tables(r.rows, (4, 5))
     assert "dma 40% + kernel" in text and "save + load at once, N=3" in text
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_a_save_and_a_load_at_once_use_disjoint_slots(contiguous: bool) -> None:
+    m = SimMem(cpu)
+    r = kernel_variants_paths.Run(cpu, m, None, None, True, 2, 2, math.inf)
+    r.contiguous_slots = contiguous
+    ia, ic, ib, sa, sb = kernel_variants_paths.both_picks(r, 3)
+    assert not set(ia) & set(ic) and len(set(ib)) == 3
+    assert not set(sa.tolist()) & set(sb.tolist())
+    if contiguous:  # one run of adjacent slots each
+        assert (np.diff(sa) == 1).all() and sb[0] == sa[-1] + 1
