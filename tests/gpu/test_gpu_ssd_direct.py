@@ -12,6 +12,7 @@ nvidia-fs), which `on` takes all the same:
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,7 +22,15 @@ from tests.gpu.test_gpu_server import LLAMA, N, health, setup, tokens, wait_for
 from tests.procs import EngineProc, ServerProc, start_server
 from tests.server.test_ssd_tier import _flip_payload
 
-pytestmark = pytest.mark.gpu
+# The route needs kvikio in the server: without it `on` is refused at start
+# (its own test, tests/server/test_ssd_tier.py), so there is nothing to run.
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        importlib.util.find_spec("kvikio") is None,
+        reason="kvikio is not installed (pip install 'pegaflow-py[gds]')",
+    ),
+]
 
 NS = "ns-ssd-direct"
 KV = dict(layout="LBNHC", dtype="bfloat16", **LLAMA)
