@@ -55,6 +55,10 @@ TARGETS = (
     "pegaflow.kernels.cuda:synchronize",
     "pegaflow.kernels.cuda:CudaKernels._table",
     "pegaflow.kernels.driver_launch:DriverLaunch.__call__",
+    "pegaflow.kernels.table_jit:checked_table",
+    "pegaflow.blocks:BlockStore.reserve_save",
+    "pegaflow.blocks:BlockStore.finish_save",
+    "pegaflow.geometry:KVGeometry.engine_to_slots",
 )
 
 
