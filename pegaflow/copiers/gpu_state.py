@@ -34,8 +34,11 @@ class InFlight:
     def busy(self, key: Hashable) -> bool:
         """Whether a copy started now on the event loop could wait there: its
         stream has a batch in flight (a sync would wait for that one too), or
-        some stream two (the kernels' table of a third batch on a stream waits
-        for the first one, under a lock every stream shares)."""
+        some stream two. The second rule dates from one launch lock for all
+        streams, under which a third batch's table wait held every launch;
+        the kernels now lock per stream, so it no longer guards the loop.
+        TODO(issue 12): drop it once an H200 A/B of both directions at once
+        says the loop path is no slower there."""
         with self._lock:
             return self._busy(key)
 

@@ -157,8 +157,9 @@ def test_a_launched_batch_is_timed_and_its_stream_freed(monkeypatch, direction) 
 def test_the_loop_never_launches_beside_two_batches_on_any_stream(
     monkeypatch,
 ) -> None:
-    """A third batch on a stream waits for its table under the kernels' one
-    lock: the loop must not launch then, whichever stream or GPU it is."""
+    """The loop does not launch beside two batches on any stream, whichever
+    stream or GPU (gpu_state.InFlight.busy: kept until measured, though the
+    kernels' launch locks are now per stream)."""
     log: list[str] = []
     Events(monkeypatch, log)
     engine = _engine("kernel", log)
