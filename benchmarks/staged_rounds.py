@@ -63,6 +63,29 @@ SIM_ROUNDS = (
 WINDOW_S = 2.0
 
 
+class RunCopies:
+    """A staged round's copy (pegaflow.kernels.base.Dma): its runs, staging <->
+    pool, [3, k] offsets into the two buffers, as one cuMemcpyBatchAsync
+    through pegaflow.copiers.dma (a round's runs are whole 2 MiB slots)."""
+
+    def __init__(self, direction: str, ordinal: int = 0) -> None:
+        from pegaflow.copiers import dma
+
+        self.dma = dma
+        self.batch = dma.driver()
+        self.attrs = dma.attributes(direction, ordinal)  # type: ignore[arg-type]
+
+    def __call__(self, src: Any, dst: Any, runs: np.ndarray, stream: Any) -> None:
+        from pegaflow.geometry import Transfers
+
+        t = Transfers(
+            runs[0].astype(np.uint64) + np.uint64(src.address),
+            runs[1].astype(np.uint64) + np.uint64(dst.address),
+            runs[2].astype(np.uint64),
+        )
+        self.batch(self.dma.plan(src, dst, t), self.attrs, int(stream.handle))
+
+
 class Staged:
     """One direction's staged call: its staging, second stream and batch DMA
     (a per-run copy under the simulator, which has no copy engines)."""
@@ -73,10 +96,7 @@ class Staged:
         self.lane = r.k.stream()
         self.dma = None
         if not r.sim:
-            from pegaflow.copiers import dma
-
-            direction = "save" if op == "gather" else "load"
-            self.dma = dma.RunCopies(dma.driver(), direction, 0)
+            self.dma = RunCopies("save" if op == "gather" else "load")
 
     def call(self, src: Any, dst: Any, t: Any, stream: Any, spec: tuple) -> Callable:
         _, parts, round_bytes, cap, how = spec

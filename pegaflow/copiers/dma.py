@@ -183,31 +183,3 @@ def driver() -> MemcpyBatch:
     except OSError as exc:
         raise cuda_driver.CudaError(f"{LIBCUDA}: {exc}") from exc
     return bind(lib)
-
-
-class RunCopies:
-    """The staged path's copy of a round (pegaflow.kernels.base.Dma): its runs,
-    staging <-> pool, [3, k] offsets into the two buffers, as one batch call.
-    A round's runs are whole slots (2 MiB for a 32-layer block of 64 KiB
-    pages), which the copy engines move at the link's speed where 64 KiB
-    pages alone do not (RESULTS.md, staged rounds)."""
-
-    def __init__(
-        self,
-        batch: MemcpyBatch,
-        direction: Direction,
-        ordinal: int,
-        pool_chunks: tuple[int, int] | None = None,
-    ) -> None:
-        self._batch = batch
-        self._attrs = attributes(direction, ordinal)
-        self._chunks = pool_chunks
-
-    def __call__(self, src: Buffer, dst: Buffer, runs: np.ndarray, stream: Any) -> None:
-        sizes = runs[2].astype(np.uint64)
-        t = Transfers(
-            runs[0].astype(np.uint64) + np.uint64(src.address),
-            runs[1].astype(np.uint64) + np.uint64(dst.address),
-            sizes,
-        )
-        self._batch(plan(src, dst, t, self._chunks), self._attrs, int(stream.handle))
