@@ -177,3 +177,42 @@ def test_staged_load_from_a_fresh_thread(k: ModuleType, torch: ModuleType) -> No
     worker.join()
     assert not errors, errors
     check(case, read())
+
+
+def test_pipelined_staged_rounds_back_to_back(
+    k: ModuleType, torch: ModuleType, registered: np.ndarray
+) -> None:
+    """Staged rounds on two streams (a 4 MiB staging in 1 MiB rounds, parts in
+    turn): a save, then two loads back to back through the same staging into
+    different blocks, synchronizing only the copy's stream at the end. The
+    second load's first copy must wait for the first load's last unpack,
+    which still reads that staging; every byte is checked."""
+    layers, blocks, page = 8, 32, 64 << 10
+    engine = torch.randint(-128, 128, (layers * blocks * page,), dtype=torch.int8)
+    engine = engine.cuda()
+    back = torch.full_like(engine, -85)  # 0xAB
+    geo = KVGeometry(lbnhc(layers, blocks, page), [engine.data_ptr()])
+    geo_back = KVGeometry(lbnhc(layers, blocks, page), [back.data_ptr()])
+    rng = np.random.default_rng(5)
+    ids = rng.choice(blocks, 24, replace=False)
+    slots = rng.choice(len(registered) // geo.slot_bytes, 24, replace=False)
+    pool = k.wrap(registered.ctypes.data, len(registered), mapped=True)
+    addrs = pool.address + slots * geo.slot_bytes
+    stream, lane = k.stream(), k.stream()
+    kw: dict[str, Any] = dict(
+        staging=k.staging_buffer(4 << 20), stream=stream, copy_stream=lane,
+        parts=4, round_bytes=1 << 20,
+    )  # fmt: skip
+    k.gather_staged(
+        k.wrap_array(engine), pool, geo.engine_to_slots(ids, addrs, np.arange(8)), **kw
+    )
+    targets = rng.permutation(blocks)[:24]  # where the loads land, 12 each
+    for half in (slice(0, 12), slice(12, 24)):
+        load = geo_back.slots_to_engine(addrs[half], targets[half])
+        k.scatter_staged(pool, k.wrap_array(back), load, **kw)
+    k.synchronize(stream)  # everything is done once the copy's stream is
+    src = engine.cpu().numpy().view(np.uint8).reshape(layers, blocks, page)
+    got = back.cpu().numpy().view(np.uint8).reshape(layers, blocks, page)
+    np.testing.assert_array_equal(got[:, targets], src[:, ids])
+    others = np.setdiff1d(np.arange(blocks), targets)
+    assert (got[:, others] == 0xAB).all()
