@@ -49,6 +49,7 @@ class PlanSegment:
     endpoint: Endpoint
     start: int  # index into the fetched run
     blocks: int
+    incarnation: int = 0  # the owner's, as the metaserver knows it
 
 
 @dataclass(slots=True)
@@ -116,7 +117,9 @@ class OwnerReads:
         )
         pinned = time.monotonic()
         try:
-            pin = await self._peers.pin(seg.endpoint.rpc, request, max(left, 0.001))
+            pin = await self._peers.pin(
+                seg.endpoint.rpc, request, max(left, 0.001), seg.incarnation
+            )
         except grpc.RpcError as exc:
             logger.info("peer %s: pin failed: %s", seg.endpoint.rpc, exc.code())
             return self._fail(keys, "peer_unreachable")
@@ -318,5 +321,5 @@ def clip_plan(plan: list[PlanSegment], n: int) -> list[PlanSegment]:
         if seg.start >= n:
             break
         blocks = min(seg.blocks, n - seg.start)
-        out.append(PlanSegment(seg.endpoint, seg.start, blocks))
+        out.append(PlanSegment(seg.endpoint, seg.start, blocks, seg.incarnation))
     return out

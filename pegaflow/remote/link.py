@@ -240,7 +240,8 @@ class RemoteLink:
         for seg in reply.segments:
             if seg.node_id == self.node_id or seg.blocks == 0:
                 break  # never read from ourselves; a lying plan stops here
-            plan.append(PlanSegment(Endpoint.parse(seg.endpoint), at, seg.blocks))
+            endpoint = Endpoint.parse(seg.endpoint)
+            plan.append(PlanSegment(endpoint, at, seg.blocks, seg.incarnation))
             at += seg.blocks
         if at > len(hashes):
             raise ValueError(f"metaserver plan covers {at} of {len(hashes)} blocks")

@@ -16,6 +16,18 @@ from ..proto import peer_pb2 as pb
 from ..proto import peer_pb2_grpc as pb_grpc
 
 MAX_CHANNELS = 256  # owners a node keeps a channel to; the oldest goes first
+CLOSE_GRACE_S = 5.0  # calls in flight on a replaced channel may end meanwhile
+
+
+@dataclass(slots=True)
+class _Channel:
+    channel: grpc.aio.Channel
+    stub: pb_grpc.PeerStub
+    incarnation: int  # of the owner it was made for (0: unknown)
+
+
+def _close_soon(channel: grpc.aio.Channel) -> None:
+    asyncio.ensure_future(channel.close(CLOSE_GRACE_S))
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,33 +70,47 @@ def _host_port(text: str) -> bool:
 
 
 class PeerChannels:
-    """grpc.aio stubs by owner address, on the event loop."""
+    """grpc.aio stubs by owner address, on the event loop. A channel serves
+    one incarnation of its owner: an owner that restarted (a new incarnation
+    in the metaserver's plan) gets a new channel, since the old one may sit
+    in gRPC's reconnect backoff after the old process died, failing every
+    call at once for up to minutes while the new process serves."""
 
     def __init__(self, token: str | None) -> None:
         self._metadata = peer_auth.metadata(token)
-        self._stubs: OrderedDict[str, tuple[grpc.aio.Channel, pb_grpc.PeerStub]] = (
-            OrderedDict()
-        )
+        self._stubs: OrderedDict[str, _Channel] = OrderedDict()
 
-    def _stub(self, addr: str) -> pb_grpc.PeerStub:
+    def _stub(self, addr: str, incarnation: int | None = None) -> pb_grpc.PeerStub:
+        """The owner's stub; with `incarnation`, a new channel when the one
+        held was made for another."""
         got = self._stubs.get(addr)
+        if got is not None and incarnation not in (None, got.incarnation):
+            del self._stubs[addr]
+            _close_soon(got.channel)
+            got = None
         if got is not None:
             self._stubs.move_to_end(addr)
-            return got[1]
+            return got.stub
         if len(self._stubs) >= MAX_CHANNELS:
-            _, (old, _) = self._stubs.popitem(last=False)
-            asyncio.ensure_future(old.close())  # its calls in flight end with it
+            _, old = self._stubs.popitem(last=False)
+            _close_soon(old.channel)
         channel = grpc.aio.insecure_channel(
             addr, options=[("grpc.max_receive_message_length", 64 << 20)]
         )
-        stub = pb_grpc.PeerStub(channel)
-        self._stubs[addr] = (channel, stub)
-        return stub
+        held = _Channel(channel, pb_grpc.PeerStub(channel), incarnation or 0)
+        self._stubs[addr] = held
+        return held.stub
 
     async def pin(
-        self, addr: str, request: pb.PinRequest, timeout_s: float
+        self,
+        addr: str,
+        request: pb.PinRequest,
+        timeout_s: float,
+        incarnation: int | None = None,
     ) -> pb.PinResponse:
-        return await self._stub(addr).Pin(
+        """A fetch's first call to the owner: `incarnation` (the plan's)
+        picks the channel."""
+        return await self._stub(addr, incarnation).Pin(
             request, timeout=timeout_s, metadata=self._metadata
         )
 
@@ -102,6 +128,6 @@ class PeerChannels:
         return got.released
 
     async def close(self) -> None:
-        for channel, _ in self._stubs.values():
-            await channel.close()
+        for held in self._stubs.values():
+            await held.channel.close()
         self._stubs.clear()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from pegaflow.proto import peer_pb2 as pb
 from pegaflow.remote.config import RemoteConfig, check_routable
 from pegaflow.remote.fetch import PlanSegment, Refused, check_pin, clip_plan
 from pegaflow.remote.nics import NicError, active_devices, check_nics
-from pegaflow.remote.peers import Endpoint
+from pegaflow.remote.peers import Endpoint, PeerChannels
 from pegaflow.remote.transport import batches
 
 
@@ -110,6 +111,30 @@ def test_a_peers_pin_is_checked_before_any_read() -> None:
 
 def test_plan_clipped_to_the_slots_reserved() -> None:
     e = Endpoint("a:1", "a:2")
-    plan = [PlanSegment(e, 0, 3), PlanSegment(e, 3, 4)]
+    plan = [PlanSegment(e, 0, 3, 7), PlanSegment(e, 3, 4, 7)]
     assert [(s.start, s.blocks) for s in clip_plan(plan, 5)] == [(0, 3), (3, 2)]
     assert [(s.start, s.blocks) for s in clip_plan(plan, 2)] == [(0, 2)]
+    assert {s.incarnation for s in clip_plan(plan, 5)} == {7}  # kept
+
+
+def test_a_restarted_owner_gets_a_new_channel() -> None:
+    """Scenario: an owner was SIGKILLed and restarted (a new incarnation in
+    the plan). The channel to its old process may sit in gRPC's reconnect
+    backoff, failing every Pin at once while the new process serves (the
+    netns test of a stopped peer saw its query end in 4 ms, peer_unreachable,
+    now and then): a new incarnation gets a new channel; the same one, and
+    calls that name none (checksums, release), keep the channel held."""
+
+    async def run() -> None:
+        peers = PeerChannels(None)
+        first = peers._stub("10.0.0.2:50055", 5)
+        assert peers._stub("10.0.0.2:50055", 5) is first
+        assert peers._stub("10.0.0.2:50055") is first  # checksums, release
+        second = peers._stub("10.0.0.2:50055", 6)  # the owner restarted
+        assert second is not first
+        assert peers._stub("10.0.0.2:50055") is second
+        assert peers._stub("10.0.0.3:50055", 6) is not second  # another owner
+        await asyncio.sleep(0)  # the replaced channel closes meanwhile
+        await peers.close()
+
+    asyncio.run(run())
