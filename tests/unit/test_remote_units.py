@@ -121,8 +121,9 @@ def test_a_restarted_owner_gets_a_new_channel() -> None:
     """Scenario: an owner was SIGKILLed and restarted (a new incarnation in
     the plan). The channel to its old process may sit in gRPC's reconnect
     backoff, failing every Pin at once while the new process serves (the
-    netns test of a stopped peer saw its query end in 4 ms, peer_unreachable,
-    now and then): a new incarnation gets a new channel; the same one, and
+    netns test of a stopped peer, right after such a restart, saw its query
+    end in 4 ms now and then, and 8 blocks counted peer_unreachable in runs
+    that passed): a new incarnation gets a new channel; the same one, and
     calls that name none (checksums, release), keep the channel held."""
 
     async def run() -> None:
