@@ -68,8 +68,8 @@ from pegaflow.geometry import Transfers  # noqa: E402
 from . import table_jit  # noqa: E402
 from .base import CopyKernels  # noqa: E402
 from .driver_launch import DriverLaunch  # noqa: E402
+from .launch_state import EventRotation, StreamTables  # noqa: E402
 from .plan import (  # noqa: E402
-    MAX_PARTS,
     Buffer,
     LaunchShape,
     aligned_empty,
@@ -93,9 +93,6 @@ SIM_BLOCKS = 4
 MIN_PIECE = 64 if SIMULATED else 4096
 SIM_SPLIT_ROWS = 8
 TABLE_MIN_ROWS = 1024
-# Events a thread rotates through to order a staged call's two streams: two
-# records a round, each waited on within MAX_PARTS rounds.
-MARKS = 2 * MAX_PARTS + 4
 
 __all__ = [
     "copy_descriptors",
@@ -444,37 +441,6 @@ class _Table:
         self.ptr = 0 if SIMULATED else self.mem.device_ctypes_pointer.value
 
 
-class _StreamTables:
-    """A stream's two tables, used in turn: one is filled while the kernel of
-    the other may still read it. `lock` orders launches on this stream only:
-    a launch waiting for its table (a staged round behind its DMA) must not
-    hold up another stream's launches."""
-
-    __slots__ = ("lock", "tables", "turn")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.tables: list[_Table | None] = [None, None]
-        self.turn = 1
-
-
-class _Marks(threading.local):
-    """A thread's events for ordering one stream after another, used in
-    rotation: an event may be recorded again once every wait on its last
-    record was queued, which a staged call does within MAX_PARTS rounds."""
-
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-        self.next = 0
-
-    def take(self) -> Any:
-        if len(self.events) < MARKS:
-            self.events.append(cuda.event(timing=False))
-            return self.events[-1]
-        self.next = (self.next + 1) % MARKS
-        return self.events[self.next]
-
-
 class CudaKernels(CopyKernels):
     """Hooks: one numba kernel launch per table, one cuMemcpyAsync per run."""
 
@@ -482,11 +448,11 @@ class CudaKernels(CopyKernels):
         # Per stream object, not its handle: a destroyed stream's handle value
         # may come back for a stream of another context, whose kernels could
         # not read these tables' device pointers.
-        self._streams: weakref.WeakKeyDictionary[Any, _StreamTables] = (
+        self._streams: weakref.WeakKeyDictionary[Any, StreamTables] = (
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()  # guards the dict of streams only
-        self._marks = _Marks()
+        self._marks = EventRotation(lambda: cuda.event(timing=False))
         self._launchers: dict[str, Any] = {}  # kernel name -> its launch call
         table_jit.compiled()  # compiled or loaded now, not on the first copy
 
@@ -507,23 +473,12 @@ class CudaKernels(CopyKernels):
             self._launchers[name] = launch
         return launch
 
-    def _tables(self, stream: Any) -> _StreamTables:
+    def _tables(self, stream: Any) -> StreamTables:
         with self._lock:
             mine = self._streams.get(stream)
             if mine is None:
-                mine = self._streams[stream] = _StreamTables()
+                mine = self._streams[stream] = StreamTables()
             return mine
-
-    def _table(self, mine: _StreamTables, rows: int) -> _Table:
-        """The stream's next table, once the kernel last reading it is done
-        (called under mine.lock)."""
-        mine.turn ^= 1
-        tab = mine.tables[mine.turn]
-        if tab is not None:
-            tab.done.synchronize()
-        if tab is None or tab.cap < rows:
-            tab = mine.tables[mine.turn] = _Table(rows)
-        return tab
 
     def _launch(
         self,
@@ -549,7 +504,7 @@ class CudaKernels(CopyKernels):
         launch = self._launcher("block")
         mine = self._tables(stream)
         with mine.lock:  # table choice, fill and launch: one thread at a time
-            tab = self._table(mine, n)
+            tab = mine.next(n, _Table)
             table_jit.write_split(table, piece, tab.rows)
             if SIMULATED:
                 args = (src.data, dst.data, src.words, dst.words, tab.mem)
@@ -588,7 +543,7 @@ class CudaKernels(CopyKernels):
         launch = self._launcher("warp")
         mine = self._tables(stream)
         with mine.lock:
-            tab = self._table(mine, ca + cb)
+            tab = mine.next(ca + cb, _Table)
             tab.rows[:, : ca + cb] = both
             args: list[Any] = []
             for src, dst, _ in (a, b):
