@@ -36,9 +36,9 @@ class InFlight:
         stream has a batch in flight (a sync would wait for that one too), or
         some stream two. The second rule dates from one launch lock for all
         streams, under which a third batch's table wait held every launch;
-        the kernels now lock per stream, so it no longer guards the loop.
-        TODO(issue 12): drop it once an H200 A/B of both directions at once
-        says the loop path is no slower there."""
+        the kernels now lock per stream, so it no longer guards the loop. It
+        stays until an H200 A/B of saves and loads at once (with and without
+        it) shows the loop path no slower there: not measured yet."""
         with self._lock:
             return self._busy(key)
 
