@@ -63,27 +63,21 @@ SIM_ROUNDS = (
 WINDOW_S = 2.0
 
 
-class RunCopies:
-    """A staged round's copy (pegaflow.kernels.base.Dma): its runs, staging <->
-    pool, [3, k] offsets into the two buffers, as one cuMemcpyBatchAsync
-    through pegaflow.copiers.dma (a round's runs are whole 2 MiB slots)."""
+def run_copies(op: str, lane: Any) -> Callable:
+    """A staged round's copy (pegaflow.kernels.base.Dma) on `lane`: its runs,
+    staging <-> pool offsets, as one cuMemcpyBatchAsync (paths.DmaPath; a
+    round's runs are whole 2 MiB slots)."""
+    from pegaflow.geometry import Transfers
 
-    def __init__(self, direction: str, ordinal: int = 0) -> None:
-        from pegaflow.copiers import dma
+    batch = paths.DmaPath(op, lane)
 
-        self.dma = dma
-        self.batch = dma.driver()
-        self.attrs = dma.attributes(direction, ordinal)  # type: ignore[arg-type]
+    def copy(src: Any, dst: Any, runs: np.ndarray, stream: Any) -> None:
+        assert stream is lane, "a staged round's runs move on its copy stream"
+        rows = runs.astype(np.uint64)
+        at = np.array([[src.address], [dst.address], [0]], np.uint64)
+        batch(src, dst, Transfers(*(rows + at)))
 
-    def __call__(self, src: Any, dst: Any, runs: np.ndarray, stream: Any) -> None:
-        from pegaflow.geometry import Transfers
-
-        t = Transfers(
-            runs[0].astype(np.uint64) + np.uint64(src.address),
-            runs[1].astype(np.uint64) + np.uint64(dst.address),
-            runs[2].astype(np.uint64),
-        )
-        self.batch(self.dma.plan(src, dst, t), self.attrs, int(stream.handle))
+    return copy
 
 
 class Staged:
@@ -96,7 +90,7 @@ class Staged:
         self.lane = r.k.stream()
         self.dma = None
         if not r.sim:
-            self.dma = RunCopies("save" if op == "gather" else "load")
+            self.dma = run_copies(op, self.lane)
 
     def call(self, src: Any, dst: Any, t: Any, stream: Any, spec: tuple) -> Callable:
         _, parts, round_bytes, cap, how = spec
