@@ -53,7 +53,7 @@ TARGETS = (
     "pegaflow.kernels.cuda:scatter",
     "pegaflow.kernels.cuda:gather",
     "pegaflow.kernels.cuda:synchronize",
-    "pegaflow.kernels.cuda:CudaKernels._table",
+    "pegaflow.kernels.launch_state:StreamTables.next",
     "pegaflow.kernels.driver_launch:DriverLaunch.__call__",
     "pegaflow.kernels.table_jit:checked_table",
     "pegaflow.blocks:BlockStore.reserve_save",
