@@ -78,6 +78,26 @@ def server_sums(http: str) -> dict[str, float]:
     return got
 
 
+# With an SSD tier (--server-arg=--ssd-cache-path=...): what the writers did
+# meanwhile, for the write-behind cost on the GPU path (issue 13).
+SSD_COUNTS = {
+    "ssd_written_GiB": "pegaflow_ssd_written_bytes_total",
+    "ssd_blocks_written": "pegaflow_ssd_written_blocks_total",
+    "ssd_writes_dropped": "pegaflow_ssd_spills_dropped_total",
+}
+
+
+def ssd_counts(http: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    values = dict(
+        line.rsplit(" ", 1) for line in lines if line.startswith("pegaflow_ssd")
+    )
+    got = {key: float(values.get(name, 0.0)) for key, name in SSD_COUNTS.items()}
+    got["ssd_written_GiB"] = round(got["ssd_written_GiB"] / 2**30, 3)
+    return got
+
+
 def _delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: b[k] - a[k] for k in a}
 
@@ -428,6 +448,8 @@ def run_shapes(args: argparse.Namespace) -> dict:
                 )  # fmt: skip
                 rows += got
                 extra |= more
+        if any("--ssd-cache-path" in arg for arg in args.server_arg):
+            extra |= ssd_counts(http)
     finally:
         stop_server(proc)
     del ceil
