@@ -427,8 +427,8 @@ class CudaCopyEngine:
     ) -> Launched | None:
         """Queue a save (no engine event) or a load and return at once; None
         when the batch must go by a copy thread instead: its stream has a
-        batch in flight, or any stream two (gpu_state.InFlight.busy), or its
-        size class's rate says it runs longer than copy_wait.LOOP_MAX_S."""
+        batch in flight (gpu_state.InFlight.busy), or its size class's rate
+        says it runs longer than copy_wait.LOOP_MAX_S."""
         dev = regions.device
         self._faults.check(dev.ordinal)
         path = self._policy.choose_for(direction, t, dev.ordinal)

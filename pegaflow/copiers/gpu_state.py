@@ -33,12 +33,12 @@ class InFlight:
 
     def busy(self, key: Hashable) -> bool:
         """Whether a copy started now on the event loop could wait there: its
-        stream has a batch in flight (a sync would wait for that one too), or
-        some stream two. The second rule dates from one launch lock for all
-        streams, under which a third batch's table wait held every launch;
-        the kernels now lock per stream, so it no longer guards the loop. It
-        stays until an H200 A/B of saves and loads at once (with and without
-        it) shows the loop path no slower there: not measured yet."""
+        stream has a batch in flight (a sync would wait for that one too).
+        Other streams' batches do not count: the kernels lock launches per
+        stream. (A rule "or any stream two" dated from one launch lock for all
+        streams; an H200 A/B without it, 2026-12-04, was no slower in any row
+        and faster both ways at once: benchmarks/RESULTS.md, "eleventh
+        session".)"""
         with self._lock:
             return self._busy(key)
 
@@ -55,7 +55,7 @@ class InFlight:
             return dict(self._counts)
 
     def _busy(self, key: Hashable) -> bool:
-        return bool(self._counts.get(key)) or max(self._counts.values(), default=0) > 1
+        return bool(self._counts.get(key))
 
 
 class Rates:

@@ -154,23 +154,25 @@ def test_a_launched_batch_is_timed_and_its_stream_freed(monkeypatch, direction) 
     assert second.expected_end == pytest.approx(second.start + 2e-3, abs=1e-3)
 
 
-def test_the_loop_never_launches_beside_two_batches_on_any_stream(
+def test_the_loop_launches_beside_other_streams_batches_not_its_own(
     monkeypatch,
 ) -> None:
-    """The loop does not launch beside two batches on any stream, whichever
-    stream or GPU (gpu_state.InFlight.busy: kept until measured, though the
-    kernels' launch locks are now per stream)."""
+    """The loop does not launch on a stream with a batch in flight (a sync
+    would wait for that one too), and does beside other streams' batches,
+    however many (launch locks are per stream; the old rule "not beside two
+    on any stream" measured no faster on the H200 and was taken out)."""
     log: list[str] = []
     Events(monkeypatch, log)
     engine = _engine("kernel", log)
     engine._k = GoodKernels(log)
     _, regions = _device()
-    for busy in [(0, "save"), (1, "load"), (1, "save")]:
-        engine._flights.add(busy, 2)
-        assert engine.busy(regions, "load")
-        assert engine.launch("load", regions, T) is None
-        engine._flights.add(busy, -1)
-    assert engine.busy(regions, "save")  # its own stream has one in flight
+    engine._flights.add((0, "load"), 1)
+    assert engine.busy(regions, "load")
+    assert engine.launch("load", regions, T) is None
+    engine._flights.add((0, "load"), -1)
+    for other in [(0, "save"), (1, "load"), (1, "save")]:
+        engine._flights.add(other, 2)
+    assert engine.busy(regions, "save")  # its own stream has two in flight
     assert not engine.busy(regions, "load")
     launched = engine.launch("load", regions, T)
     assert launched is not None and engine.busy(regions, "load")
