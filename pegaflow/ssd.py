@@ -42,7 +42,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter
 
 import numpy as np
@@ -69,6 +69,13 @@ class _Batch:
     block_bytes: int
     evicted: np.ndarray  # bool [n]: L1 let it go, free its slots at release
     sealed: bool = True  # write-behind, its keys in SsdLink._writing; else spilled
+
+
+def _slot_table(entries: list[BlockEntry]) -> np.ndarray:
+    """The entries' slot addresses as [n, shards] uint64, without a list per row."""
+    shards = len(entries[0].slots)
+    flat = chain.from_iterable(map(_SLOTS, entries))
+    return np.fromiter(flat, np.uint64, len(entries) * shards).reshape(-1, shards)
 
 
 class SsdLink:
@@ -159,28 +166,35 @@ class SsdLink:
                     kept[i] = True
         rest = np.flatnonzero(~kept)
         if len(rest):
-            table = np.array(list(map(_SLOTS, entries)), np.uint64)
-            kept[rest[self._spill(keys, rest, table[rest])]] = True
+            kept[rest[self._spill(keys, rest, entries)]] = True
         return kept
 
-    def _spill(self, keys: list[Key], pick: np.ndarray, slots: np.ndarray) -> list[int]:
-        """Queue keys[pick] (slots [n, shards]) for the SSD as one job, as many
+    def _spill(
+        self, keys: list[Key], pick: np.ndarray, entries: list[BlockEntry]
+    ) -> list[int]:
+        """Queue keys[pick] for the SSD as one job from their slots, as many
         as the held-bytes bound lets; the positions in pick the tier took."""
         digest, slot_bytes = self._namespace(keys[0][0])
-        block_bytes = slot_bytes * slots.shape[1]
+        block_bytes = slot_bytes * len(entries[0].slots)
         room = max(0, self._max_held - self._held) // block_bytes
         if room < len(pick):
             self._metrics.ssd_spills_refused.inc(len(pick) - room)
-            pick, slots = pick[:room], slots[:room]
+            pick = pick[:room]
         if not len(pick):
             return []
+        fits = self.tier.queue_room()
+        if fits < len(pick):  # no slot table for what the queue would drop
+            self.tier.refuse_many(digest, [keys[i][1] for i in pick[fits:].tolist()])
+            pick = pick[:fits]
+            if not fits:
+                return []
         picked = [keys[i] for i in pick.tolist()]
+        hashes = [k[1] for k in picked]
+        slots = _slot_table([entries[i] for i in pick.tolist()])
         loop = asyncio.get_running_loop()
         batch = _Batch(picked, slots, block_bytes, np.zeros(0, bool), sealed=False)
         release = functools.partial(self._release, loop, self._written, batch)
-        took = self.tier.spill_many(
-            digest, [k[1] for k in picked], slots, slot_bytes, release
-        )
+        took = self.tier.spill_many(digest, hashes, slots, slot_bytes, release)
         if len(took) < len(picked):  # the writer's release comes later, on the loop
             batch.keys = [picked[i] for i in took]
             batch.slots = slots[took]
@@ -224,8 +238,16 @@ class SsdLink:
     def _write(self, entries: list[BlockEntry]) -> None:
         keys = list(map(_KEY, entries))
         digest, slot_bytes = self._namespace(keys[0][0])
-        slots = np.array(list(map(_SLOTS, entries)), np.uint64)
+        fits = self.tier.queue_room()
+        if fits < len(keys):  # a burst the disk cannot absorb: no slot table
+            self.tier.refuse_many(digest, [k[1] for k in keys[fits:]])
+            if self._seen_twice:  # offered again at a hit
+                self._unwritten.update(zip(keys[fits:], entries[fits:], strict=True))
+            keys, entries = keys[:fits], entries[:fits]
+            if not keys:
+                return
         hashes = [k[1] for k in keys]
+        slots = _slot_table(entries)
         loop = asyncio.get_running_loop()
         batch = _Batch(keys, slots, slot_bytes * slots.shape[1], np.zeros(0, bool))
         release = functools.partial(self._release, loop, self._written, batch)

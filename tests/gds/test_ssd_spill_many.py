@@ -5,6 +5,8 @@ handoffs were what the tier's presence cost saves)."""
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -55,3 +57,55 @@ def test_one_job_is_cut_to_the_room_left_and_released_per_slice(
         written = list(range(8)) + [20 + i - 8 for i in second]
         ok = load(tier, list(range(24)), shards=2, slot_bytes=8192)
         assert np.flatnonzero(ok).tolist() == written
+
+
+def test_a_full_queue_refuses_with_the_counts_a_spill_would_give(
+    tmp_path: Path,
+) -> None:
+    """Scenario: a queue of 4 blocks; the writer takes blocks 0..3 and is held
+    in their release, and blocks 4..7 fill the queue. queue_room() says 0, and
+    refuse_many of 2 queued and 3 fresh blocks counts what spill_many would
+    have (2 skipped, 3 dropped) without a slot table and queues nothing."""
+    gate = threading.Event()
+    data = [page_aligned(block(i, 1, 8192)) for i in range(8)]
+    table = np.array([addresses(d) for d in data], np.uint64)
+    hashes = [key(i) for i in range(8)]
+    with opened(config(tmp_path, queue_blocks=4, write_threads=1)) as tier:
+        assert tier.spill_many(
+            NS, hashes[:4], table[:4], 8192, lambda a, b: gate.wait(10)
+        )
+        _until(lambda: tier.queue_room() == 4)  # the writer took them
+        assert tier.spill_many(NS, hashes[4:], table[4:], 8192) == [0, 1, 2, 3]
+        assert tier.queue_room() == 0
+        before = tier.stats()
+        tier.refuse_many(NS, [hashes[1], hashes[5], key(20), key(21), key(22)])
+        after = tier.stats()
+        assert after.spills_skipped - before.spills_skipped == 2
+        assert after.spills_dropped - before.spills_dropped == 3
+        assert after.spills_queued == before.spills_queued == 8
+        gate.set()
+        assert tier.flush(timeout=10)
+        ok = load(tier, [*range(8), 20], shards=1, slot_bytes=8192)
+        assert ok.tolist() == [True] * 8 + [False]
+
+
+def test_a_refused_first_sighting_counts_for_seen_twice(tmp_path: Path) -> None:
+    """Under seen_twice admission, a block refused at a full queue was still
+    seen: offered again, it is admitted and written (as after spill_many)."""
+    data = [page_aligned(block(i, 1, 8192)) for i in range(2)]
+    table = np.array([addresses(d) for d in data], np.uint64)
+    hashes = [key(i) for i in range(2)]
+    with opened(config(tmp_path, admission="seen_twice")) as tier:
+        tier.refuse_many(NS, hashes)
+        assert tier.stats().spills_not_admitted == 2
+        assert tier.stats().spills_dropped == 0
+        assert tier.spill_many(NS, hashes, table, 8192) == [0, 1]
+        assert tier.flush(timeout=10)
+        assert load(tier, [0, 1], shards=1, slot_bytes=8192).all()
+
+
+def _until(done: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)

@@ -37,6 +37,12 @@ class Tier:
     def spill_many(self, *args) -> list[int]:
         return []
 
+    def queue_room(self) -> int:
+        return 1 << 20
+
+    def refuse_many(self, *args) -> None:
+        pass
+
     def lookup(self, digest, hashes) -> int:
         n = 0
         while n < len(hashes) and hashes[n] in ON_SSD:

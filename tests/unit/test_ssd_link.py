@@ -33,7 +33,8 @@ class FakeTier:
         self.loads: list[tuple[list[bytes], np.ndarray, Future[SsdLoadResult]]] = []
         self.on_ssd: set[bytes] = set()
         self.queue = queue
-        self.calls = 0  # spill_many calls: one per eviction round, not per block
+        self.calls = 0  # tier calls: one per eviction round, not per block
+        self.refused: list[bytes] = []  # offered while the queue was full
 
     def spill_many(
         self,
@@ -53,6 +54,13 @@ class FakeTier:
             self.on_ssd.add(h)
             took.append(i)
         return took
+
+    def queue_room(self) -> int:
+        return self.queue - len(self.spills)
+
+    def refuse_many(self, ns: bytes, hashes: list[bytes]) -> None:
+        self.calls += 1
+        self.refused += hashes
 
     def lookup(self, ns: bytes, hashes: list[bytes]) -> int:
         n = 0
@@ -115,12 +123,15 @@ async def _one_round_one_job() -> None:
     """Regression (issue 13): a save that evicts many blocks at once handed
     them to the tier one by one (a lookup and a spill per victim on the loop,
     ~10 us each); now the round's victims go as one job. With the queue full,
-    those written before and those dropped alike free their slots at once."""
+    they are refused in one call that needs no slot table (a save burst the
+    disk cannot absorb), and those written before and those dropped alike
+    free their slots at once."""
     store, link, tier, ns = _setup(8)
     assert _save(store, ns, _h(*range(1, 9))) == 8
     tier.queue, tier.on_ssd = 0, set(_h(2, 4))
     assert _save(store, ns, _h(*range(11, 17))) == 6  # one round of 6 victims
     assert tier.calls == 1 and not tier.spills
+    assert tier.refused == _h(*range(1, 7))
     assert store.slabs.used_bytes == 8 * SLOT and link._held == 0
     assert len(store.longest_prefix(ns, _h(7, 8, *range(11, 17)))) == 8
 
@@ -156,3 +167,36 @@ def test_spill_holds_slots_until_release() -> None:
 
 def test_one_load_per_prefix_and_partial_results() -> None:
     asyncio.run(_one_load_per_prefix())
+
+
+async def _seal_at_a_full_queue() -> None:
+    """Write-behind when the queue is full (a save burst the disk cannot
+    absorb): the sealed blocks past the queue's room are refused in one call,
+    with no slot table, and under seen_twice admission they are offered again
+    at their next hit, where the queue has room."""
+    store = BlockStore(SlabAllocator(1 << 30, 8 * SLOT, SLOT), LRUPolicy())
+    ns = Namespace("ns", 1, 1, 2, SLOT, (2, SLOT))
+    registry = Registry({})
+    registry.namespaces["ns"] = ns
+    tier = FakeTier(queue=0)
+    tier.config = SimpleNamespace(write_on="seal", admission="seen_twice")
+    link = SsdLink(tier, store, registry, Metrics(), max_held_bytes=1 << 30)
+    assert _save(store, ns, _h(1, 2, 3)) == 3
+    assert tier.refused == _h(1, 2, 3) and tier.calls == 1 and not tier.spills
+    assert set(link._unwritten) == {(ns.id, h) for h in _h(1, 2, 3)}
+    tier.queue = 8
+    hits, _ = store.lookup(ns, _h(1, 2))
+    store.apply_touches()
+    assert len(hits) == 2
+    assert [h for h, _, _ in tier.spills] == _h(1, 2)
+    assert set(link._unwritten) == {(ns.id, _h(3)[0])}
+    assert list(link._writing) == [(ns.id, h) for h in _h(1, 2)]
+    # Room for one more: the first sealed block is queued, the rest refused.
+    tier.queue, tier.refused = len(tier.spills) + 1, []
+    assert _save(store, ns, _h(4, 5, 6)) == 3
+    assert [h for h, _, _ in tier.spills] == _h(1, 2, 4)
+    assert tier.refused == _h(5, 6)
+
+
+def test_seal_at_a_full_queue_refuses_then_offers_again_at_a_hit() -> None:
+    asyncio.run(_seal_at_a_full_queue())
