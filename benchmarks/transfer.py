@@ -358,6 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
         "its JSON written to this file when the server stops",
     )
     p.add_argument(
+        "--trace-target",
+        action="append",
+        default=[],
+        help="another 'module:Class.method' for --trace-server to time",
+    )
+    p.add_argument(
         "--server-arg",
         action="append",
         default=[],
@@ -384,18 +390,22 @@ def start_server(
     *extra: str,
     profile: str | None = None,
     trace: str | None = None,
+    targets: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen, str, str]:
     """(process, gRPC address, HTTP address) of a server on GPU 0; with
     `profile`, under cProfile (its event loop thread: the server's Python
     bookkeeping, not the copy threads), stats written when it stops; with
-    `trace`, under benchmarks/phase_trace.py (durations of named calls)."""
+    `trace`, under benchmarks/phase_trace.py (durations of named calls: its
+    TARGETS and `targets`)."""
     with socket.socket() as sock:  # a free port for /metrics
         sock.bind(("127.0.0.1", 0))
         http = f"127.0.0.1:{sock.getsockname()[1]}"
     proc, addr = spawn_server(
         "--pool-size", pool, "--devices", "0", "--no-progress",
         "--log-level", "warning", "--http-addr", http, *extra,
-        python_args=phase_trace.python_args(profile, trace),
+        python_args=phase_trace.python_args(
+            profile, trace, phase_trace.TARGETS + targets
+        ),
     )  # fmt: skip
     return proc, addr, http
 
@@ -434,6 +444,7 @@ def run_shapes(args: argparse.Namespace) -> dict:
         *args.server_arg,
         profile=args.profile_server,
         trace=args.trace_server,
+        targets=tuple(args.trace_target),
     )
 
     ceil = {"pinned": torch.empty(2 << 30, dtype=torch.int8, pin_memory=True)}

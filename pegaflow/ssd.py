@@ -43,7 +43,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain, repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 import numpy as np
 
@@ -217,8 +217,7 @@ class SsdLink:
     def sealed(self, entries: list[BlockEntry]) -> None:
         """A save made these blocks ready: queue them for the SSD, one tier
         call per namespace (a save seals blocks of one namespace)."""
-        ns_id = entries[0].key[0]
-        if any(e.key[0] != ns_id for e in entries):
+        if len(set(map(itemgetter(0), map(_KEY, entries)))) > 1:  # C-level passes
             groups: dict[int, list[BlockEntry]] = {}
             for e in entries:
                 groups.setdefault(e.key[0], []).append(e)
