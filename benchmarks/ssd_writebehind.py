@@ -102,10 +102,15 @@ def run_mode(
     switch_ms: float | None = None,
     engine_align: str = "malloc",
     trace: str | None = None,
+    engine_blocks: int = 2 * BATCH,
 ) -> dict[str, object]:
     """Save `blocks` fresh blocks in batches of BATCH as fast as one client
     can; the tier (if any) in `folder`. trace: run the server under
-    phase_trace.py into this file (TRACE_TARGETS, their time off the CPU)."""
+    phase_trace.py into this file (TRACE_TARGETS, their time off the CPU).
+    engine_blocks: the engine's KV buffer in blocks; the saves walk through
+    it, so past the CPU's caches (4,096 blocks: 1 GiB) each save reads cold
+    memory, as an engine's does, where 128 (the first version's) saves the
+    same 16 MiB every time, hot in the L3 unless the writers evict it."""
     http = f"127.0.0.1:{_free_port()}"
     args = ["--pool-size", pool, "--no-progress", "--http-addr", http]
     if mode != "none":
@@ -119,19 +124,21 @@ def run_mode(
     else:
         wrap = () if switch_ms is None else (str(SWITCH), str(switch_ms))
     proc, addr = spawn_server("--log-level", "warning", *args, python_args=wrap)
-    size = LAYERS * BATCH * 2 * PAGE
+    size = LAYERS * engine_blocks * PAGE
     buf = aligned_empty(size) if engine_align == "page" else np.empty(size, np.uint8)
     buf[:] = np.frombuffer(np.random.default_rng(0).bytes(buf.nbytes), np.uint8)
-    views = vllm_layer_views(buf, LAYERS, BATCH * 2, (PAGE,))
+    views = vllm_layer_views(buf, LAYERS, engine_blocks, (PAGE,))
     mem = describe(views)
     try:
         with PegaflowClient(addr, timeout_s=120) as client:
             client.register_host("b", "bench-wb", os.getpid(), mem.regions, mem.layers)
             stored = 0
             t0 = time.perf_counter()
-            for _ in range(blocks // BATCH):
+            for i in range(blocks // BATCH):
                 hs = [secrets.token_bytes(32) for _ in range(BATCH)]
-                stored += client.save("b", np.arange(BATCH), hs).stored
+                first = i * BATCH % (engine_blocks - BATCH + 1)
+                ids = np.arange(first, first + BATCH)
+                stored += client.save("b", ids, hs).stored
             save_s = time.perf_counter() - t0
             m = _drained(http) if mode != "none" else _metrics(http)
             drain_s = time.perf_counter() - t0
@@ -143,6 +150,7 @@ def run_mode(
     row: dict[str, object] = {
         "mode": mode,
         "engine_align": engine_align,
+        "engine_MiB": size >> 20,
         "slot_skew": buf.ctypes.data % 4096,
         "GiB_saved": round(nbytes / (1 << 30), 2),
         "stored": stored,
@@ -185,11 +193,20 @@ def main() -> int:
         default="malloc",
         help="comma list of malloc, page: where the engine's KV buffer starts",
     )
+    p.add_argument(
+        "--engine-blocks",
+        default="128",
+        help="comma list of the engine buffer's sizes in blocks (256 KiB each): "
+        "128 saves the same 16 MiB every time (hot in cache); 4096 walks 1 GiB",
+    )
     args = p.parse_args()
     switches = [float(x) for x in args.switch_ms.split(",") if x] or [None]
     aligns = [a for a in args.engine_align.split(",") if a]
     if not aligns or set(aligns) - {"malloc", "page"}:
         p.error(f"--engine-align: {args.engine_align!r}; choose from malloc, page")
+    sizes = [int(x) for x in args.engine_blocks.split(",") if x]
+    if not sizes or min(sizes) < BATCH:
+        p.error(f"--engine-blocks: {args.engine_blocks!r}; each at least {BATCH}")
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         p.error(f"--modes: {args.modes!r}; choose from {', '.join(MODES)}")
@@ -201,34 +218,47 @@ def main() -> int:
     results: dict[str, object] = {"command": " ".join(sys.argv), "rows": []}
     rows = results["rows"]
     assert isinstance(rows, list)
+    combos = [
+        (m, sw, al, eb)
+        for eb in sizes
+        for al in aligns
+        for m in modes
+        for sw in switches
+    ]
     for rep in range(reps):  # modes interleaved: drift hits all alike
-        for mode, sw, al in [
-            (m, sw, al) for al in aligns for m in modes for sw in switches
-        ]:
+        for mode, sw, al, eb in combos:
             trace = None
             if args.trace_dir:
                 Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
                 sw_tag = "" if sw is None else f"_sw{sw:g}"
-                trace = f"{args.trace_dir}/trace_{mode}_{al}{sw_tag}_{rep}.json"
-            row = run_mode(mode, pool, blocks, Path(args.dir), sw, al, trace)
+                trace = f"{args.trace_dir}/trace_{mode}_{al}_{eb}{sw_tag}_{rep}.json"
+            row = run_mode(mode, pool, blocks, Path(args.dir), sw, al, trace, eb)
             rows.append({"rep": rep, "switch_ms": sw, **row})
             write_json(name, results, args.json)
             print(rows[-1], flush=True)
-    cols = ["rep", "mode", "engine_align", "switch_ms", "GiB_saved", "stored"]
+    cols = ["rep", "mode", "engine_align", "engine_MiB", "switch_ms", "GiB_saved"]
+    cols += ["stored"]
     cols += ["save_GBps"]
     cols += ["evictions"]
     cols += ["ssd_written_GiB", "ssd_write_GBps", "dropped", "refused_held"]
     print(table(rows, cols))
-    for mode, sw, al in [
-        (m, sw, al) for al in aligns for m in modes for sw in switches
-    ]:
-        key = (mode, sw, al)
-        cell = [
-            r for r in rows if (r["mode"], r["switch_ms"], r["engine_align"]) == key
-        ]
-        got = [r["save_GBps"] for r in cell]
-        label = f"{mode}, {al}" + ("" if sw is None else f" (switch {sw:g} ms)")
-        print(f"{label}: median save {np.median(got):.3f} GB/s")
+
+    def cell(mode: str, sw: float | None, al: str, eb: int) -> list[float]:
+        key = (mode, sw, al, eb * LAYERS * PAGE >> 20)
+        fields = ("mode", "switch_ms", "engine_align", "engine_MiB")
+        return [r["save_GBps"] for r in rows if tuple(r[f] for f in fields) == key]
+
+    for mode, sw, al, eb in combos:
+        label = f"{mode}, {al}, {eb} engine blocks"
+        label += "" if sw is None else f" (switch {sw:g} ms)"
+        got = cell(mode, sw, al, eb)
+        line = f"{label}: median save {np.median(got):.3f} GB/s"
+        base = cell("none", sw, al, eb)
+        if mode != "none" and len(base) == len(got):  # each round's own pair
+            losses = [1 - g / b for g, b in zip(got, base, strict=True)]
+            line += f", loss against none: median {np.median(losses):.1%}"
+            line += " (rounds: " + ", ".join(f"{x:.1%}" for x in losses) + ")"
+        print(line)
     print(f"wrote {write_json(name, results, args.json)}")
     return 0
 
