@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Eleventh session, call 4 (2026-12-04), ~6 minutes, on the session's final
+# code: the gpu-marked tests (the copy-wait rule is gone); two more rounds of
+# the GPU path's write-behind cost (call 3 put the evicting row at -5.0 %);
+# the host path's write-behind cost with an engine buffer past the CPU
+# caches (4,096 blocks: each save reads cold memory, as an engine's does)
+# beside the first version's 128 (the same 16 MiB each save, hot in the L3
+# unless the writers evict it): is the host path's loss partly that?
+export CALL_S=${CALL_S:-570}
+. "$(dirname "$0")/device_prelude.sh"
+bundle_results
+SSD=/var/tmp/pf-wb-gpu
+T="--shapes llama-3.1-8b --sizes 64,640 --min-reps 10 --lat-reps 50 --bringup-gib 0"
+rows() { grep -E "llama-3.1-8b \| +(64|640) |p50|both|ssd_" "$1" | cut -c1-170; }
+
+stage "gpu-marked tests"
+timeout $(within 230) python3 -m pytest -q -m gpu tests/kernels tests/gpu \
+  -p no:cacheprovider -rfE > "$RES/gpu_tests.log" 2>&1
+echo "rc=$?"; tail -3 "$RES/gpu_tests.log"
+
+stage "host path write-behind, hot and cold engine buffers"
+timeout $(within 170) python3 benchmarks/ssd_writebehind.py --reps 4 \
+  --modes none,seal --engine-align page --engine-blocks 128,4096 \
+  --dir /var/tmp/pegaflow-wb-bench --json "$RES/writebehind_cold.json" \
+  > "$RES/writebehind_cold.log" 2>&1
+echo "rc=$?"; tail -5 "$RES/writebehind_cold.log"
+rm -rf /var/tmp/pegaflow-wb-bench
+
+for round in 4 5; do
+  for tier in none seal; do
+    stage "GPU path, SSD tier $tier, round $round"
+    rm -rf "$SSD"; mkdir -p "$SSD"
+    extra=()
+    [ "$tier" = seal ] && extra=(--server-arg=--ssd-cache-path=$SSD/ssd0.bin
+      --server-arg=--ssd-cache-capacity=16gb --server-arg=--ssd-write-on=seal)
+    timeout $(within 60) python3 benchmarks/transfer.py $T "${extra[@]}" \
+      --tag "wb_${tier}_$round" --out "$RES" > "$RES/wb_${tier}_$round.log" 2>&1
+    echo "rc=$?"; rows "$RES/wb_${tier}_$round.log"
+  done
+done
+rm -rf "$SSD"
+stage done
