@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import numpy as np
-import xxhash
+
+from pegaflow.checksums import xxh3_64, xxh3_64_parts
 
 ALIGN = 4096
 HEADER_BYTES = ALIGN
@@ -70,9 +71,10 @@ def record_bytes(payload_len: int) -> int:
 # adversary (whoever can write the files can write a matching checksum), so a
 # fast non-cryptographic hash does: xxh3-64 hashes ~25 GB/s a core on the dev
 # VM, blake3 3.6, blake2b 0.5, and the writers share cores with the save path.
-# All three drop the GIL for large buffers, so I/O threads hash in parallel.
+# All three drop the GIL for large buffers (xxh3 in the streaming form of
+# pegaflow.checksums), so I/O threads hash in parallel.
 def _xxh3(data: memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(data)
+    return xxh3_64(data)  # not xxhash's one-shot: see pegaflow.checksums
 
 
 def _blake2b(data: memoryview) -> int:
@@ -86,10 +88,7 @@ def _blake3(data: memoryview) -> int:
 
 
 def _xxh3_parts(parts: Iterable[memoryview]) -> int:
-    h = xxhash.xxh3_64()
-    for part in parts:
-        h.update(part)
-    return h.intdigest()
+    return xxh3_64_parts(parts)
 
 
 def _blake2b_parts(parts: Iterable[memoryview]) -> int:

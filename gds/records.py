@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
+from pegaflow.checksums import xxh3_64_parts
 from pegaflow.runs import merge_adjacent, merge_parts
 
 from .format import (
@@ -35,7 +34,6 @@ logger = logging.getLogger(__name__)
 
 _ZERO_PAGE = bytes(HEADER_BYTES)
 _XXH3 = CHECKSUM_IDS["xxh3"]
-_local = threading.local()  # one reusable xxh3 hasher per writer thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,19 +152,9 @@ def _set_header_pages(pages: np.ndarray, run: list[Record], store_id: bytes) -> 
 
 
 def _xxh3_each(views: list[memoryview], shards: int) -> list[int]:
-    """xxh3 of each record's `shards` views back to back, with this thread's
-    one hasher reset per record: the streaming update drops the GIL past
-    64 KiB, and no hasher object is made per block."""
-    h = getattr(_local, "xxh3", None)
-    if h is None:
-        h = _local.xxh3 = xxhash.xxh3_64()
-    out = []
-    for i in range(0, len(views), shards):
-        h.reset()
-        for view in views[i : i + shards]:
-            h.update(view)
-        out.append(h.intdigest())
-    return out
+    """xxh3 of each record's `shards` views back to back (GIL dropped while
+    hashing: pegaflow.checksums)."""
+    return [xxh3_64_parts(views[i : i + shards]) for i in range(0, len(views), shards)]
 
 
 def gather_parts(

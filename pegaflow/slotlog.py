@@ -35,10 +35,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-import xxhash
 
 from pegaflow.gds import namespace_digest
 
+from .checksums import xxh3_64_parts
 from .instances import Namespace
 from .poolfile import FREE, GRANULE, LANDED, META_OFFSET, SEALED, WRITING
 from .slabs import SlabAllocator
@@ -54,9 +54,7 @@ _STOP = None
 
 def checksum(meta: bytes | np.ndarray, data: np.ndarray) -> int:
     """xxh3-64 over a row's meta bytes and its slot's bytes."""
-    h = xxhash.xxh3_64(meta)
-    h.update(data)  # drops the GIL past 64 KiB (python-xxhash's threshold)
-    return h.intdigest()
+    return xxh3_64_parts((meta, data))  # GIL dropped while hashing the slot
 
 
 def checksums(table: np.ndarray, data: np.ndarray, idx: np.ndarray) -> np.ndarray:

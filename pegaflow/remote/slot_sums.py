@@ -20,8 +20,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import xxhash
 
+from ..checksums import xxh3_64
 from ..pool import HostPool
 
 # Below this many bytes a share is not worth a thread hop (~20-50 us).
@@ -32,7 +32,7 @@ MAX_THREADS = 8
 
 
 def slot_checksum(data: np.ndarray) -> int:
-    return xxhash.xxh3_64_intdigest(data)
+    return xxh3_64(data)  # drops the GIL: the threads below hash in parallel
 
 
 def default_threads() -> int:
