@@ -4,12 +4,12 @@
 # every byte they write? This tree against a copy whose writers skip the
 # xxh3 pass (.ab/nohash.tgz: records written with checksum 0, for this A/B
 # only), `ssd_writebehind.py --modes none,seal`, page-aligned engine
-# buffer, alternated three times.
+# buffer, alternated four times.
 export CALL_S=${CALL_S:-300}
 . "$(dirname "$0")/device_prelude.sh"
 bundle_results
 ROOT=$PWD; unpack_base .ab/nohash.tgz
-for round in 1 2 3; do
+for round in 1 2 3 4; do
   for tree in hash nohash; do
     stage "host path write-behind, $tree, round $round"
     dir=$ROOT; [ "$tree" = nohash ] && dir=$BASE
