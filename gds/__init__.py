@@ -69,6 +69,15 @@ The seam (all of it; the server needs nothing else)
         queue's room (the rest dropped, counted). Returns the indices queued;
         release(lo, hi) comes once per written slice of them, never per block.
 
+    tier.queue_room() -> int
+        Lock-free hint: blocks the queue could take now (only the writers
+        make room, so it can only be low). A caller offers spill_many no more
+        than that and hands the rest to
+    tier.refuse_many(ns_digest, hashes) -> None
+        the counts a full queue gives (skipped, not admitted, dropped),
+        queueing nothing: under a save burst the disk cannot absorb, no slot
+        table is built for blocks the queue would drop.
+
     tier.lookup(ns_digest, hashes) -> int
         Event-loop safe, lock-free: the length of the prefix of hashes on SSD.
 
