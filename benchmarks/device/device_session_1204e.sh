@@ -6,12 +6,12 @@
 # a copy whose writers sleep for as long as the disk would take (1.4 GB/s)
 # instead of writing (.ab/sleepio.tgz; nothing reaches the disk: an A/B
 # only), alternated four times.
-export CALL_S=${CALL_S:-300}
+export CALL_S=${CALL_S:-200}
 . "$(dirname "$0")/device_prelude.sh"
 bundle_results
 ROOT=$PWD; unpack_base .ab/sleepio.tgz
 for round in 1 2 3 4; do
-  for tree in hash sleepio; do
+  for tree in main sleepio; do
     stage "host path write-behind, $tree, round $round"
     dir=$ROOT; [ "$tree" = sleepio ] && dir=$BASE
     (cd "$dir" && PYTHONPATH=$ROOT/.site:$PWD timeout $(within 80) python3 \
