@@ -182,13 +182,11 @@ class SsdLink:
             pick = pick[:room]
         if not len(pick):
             return []
-        fits = self.tier.queue_room()
-        if fits < len(pick):  # no slot table for what the queue would drop
-            self.tier.refuse_many(digest, [keys[i][1] for i in pick[fits:].tolist()])
-            pick = pick[:fits]
-            if not fits:
-                return []
         picked = [keys[i] for i in pick.tolist()]
+        fits = self._within_room(digest, picked)
+        if not fits:
+            return []
+        pick, picked = pick[:fits], picked[:fits]
         hashes = [k[1] for k in picked]
         slots = _slot_table([entries[i] for i in pick.tolist()])
         loop = asyncio.get_running_loop()
@@ -201,6 +199,16 @@ class SsdLink:
         batch.evicted = np.ones(len(took), bool)  # L1 let go: free at release
         self._held += len(took) * block_bytes
         return took
+
+    def _within_room(self, digest: bytes, keys: list[Key]) -> int:
+        """How many of keys, from the first, to offer the tier: as many as its
+        queue has room for. The rest are refused in one call (counted as a
+        full queue counts them) before any slot table is built for them: under
+        a save burst the disk cannot absorb, that is most of them."""
+        fits = min(self.tier.queue_room(), len(keys))
+        if fits < len(keys):
+            self.tier.refuse_many(digest, [k[1] for k in keys[fits:]])
+        return fits
 
     @staticmethod
     def _release(
@@ -237,9 +245,8 @@ class SsdLink:
     def _write(self, entries: list[BlockEntry]) -> None:
         keys = list(map(_KEY, entries))
         digest, slot_bytes = self._namespace(keys[0][0])
-        fits = self.tier.queue_room()
-        if fits < len(keys):  # a burst the disk cannot absorb: no slot table
-            self.tier.refuse_many(digest, [k[1] for k in keys[fits:]])
+        fits = self._within_room(digest, keys)
+        if fits < len(keys):
             if self._seen_twice:  # offered again at a hit
                 self._unwritten.update(zip(keys[fits:], entries[fits:], strict=True))
             keys, entries = keys[:fits], entries[:fits]
