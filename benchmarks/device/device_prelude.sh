@@ -54,3 +54,22 @@ unpack_base() {
   BASE=/tmp/base_tree
   rm -rf "$BASE" && mkdir -p "$BASE" && tar -xzf "$1" -C "$BASE"
 }
+
+# transfer.py's Llama rows, latencies, both-at-once and SSD counters from a log.
+transfer_rows() { grep -E "llama-3.1-8b \| +(64|640) |p50|both|ssd_" "$1" | cut -c1-170; }
+
+# One transfer.py run on the Llama shape (64 and 640 blocks) with no SSD tier
+# or one written behind on seal ($1: none|seal), tagged wb_$1_$2; further
+# transfer.py arguments after those. The write-behind cost on the GPU path.
+gpu_wb_round() {
+  local tier=$1 tag=$2 ssd=/var/tmp/pf-wb-gpu; shift 2
+  local extra=()
+  rm -rf "$ssd"; mkdir -p "$ssd"
+  [ "$tier" = seal ] && extra=(--server-arg=--ssd-cache-path=$ssd/ssd0.bin
+    --server-arg=--ssd-cache-capacity=16gb --server-arg=--ssd-write-on=seal)
+  timeout $(within 70) python3 benchmarks/transfer.py --shapes llama-3.1-8b \
+    --sizes 64,640 --min-reps 10 --lat-reps 50 --bringup-gib 0 "${extra[@]}" "$@" \
+    --tag "wb_${tier}_$tag" --out "$RES" > "$RES/wb_${tier}_$tag.log" 2>&1
+  echo "rc=$?"; transfer_rows "$RES/wb_${tier}_$tag.log"
+  rm -rf "$ssd"
+}

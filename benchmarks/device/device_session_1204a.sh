@@ -13,23 +13,14 @@
 export CALL_S=${CALL_S:-570}
 . "$(dirname "$0")/device_prelude.sh"
 bundle_results
-SSD=/var/tmp/pf-wb-gpu
 T="--shapes llama-3.1-8b --sizes 64,640 --min-reps 10 --lat-reps 50 --bringup-gib 0"
-rows() { grep -E "llama-3.1-8b \| +(64|640) |p50|both|ssd_" "$1" | cut -c1-170; }
 
 for round in 1 2 3; do
   for tier in none seal; do
     stage "GPU path, SSD tier $tier, round $round"
-    rm -rf "$SSD"; mkdir -p "$SSD"
-    extra=()
-    [ "$tier" = seal ] && extra=(--server-arg=--ssd-cache-path=$SSD/ssd0.bin
-      --server-arg=--ssd-cache-capacity=16gb --server-arg=--ssd-write-on=seal)
-    timeout $(within 60) python3 benchmarks/transfer.py $T "${extra[@]}" \
-      --tag "wb_${tier}_$round" --out "$RES" > "$RES/wb_${tier}_$round.log" 2>&1
-    echo "rc=$?"; rows "$RES/wb_${tier}_$round.log"
+    gpu_wb_round $tier $round
   done
 done
-rm -rf "$SSD"
 
 ROOT=$PWD; unpack_base .ab/norule.tgz
 for round in 1 2; do
@@ -39,7 +30,7 @@ for round in 1 2; do
     (cd "$dir" && PYTHONPATH=$ROOT/.site:$PWD timeout $(within 60) python3 \
       benchmarks/transfer.py $T --tag "${tree}_$round" --out "$RES") \
       > "$RES/${tree}_$round.log" 2>&1
-    echo "rc=$?"; rows "$RES/${tree}_$round.log"
+    echo "rc=$?"; transfer_rows "$RES/${tree}_$round.log"
   done
 done
 

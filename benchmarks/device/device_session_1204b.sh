@@ -10,39 +10,24 @@
 export CALL_S=${CALL_S:-570}
 . "$(dirname "$0")/device_prelude.sh"
 bundle_results
-SSD=/var/tmp/pf-wb-gpu
-T="--shapes llama-3.1-8b --sizes 64,640 --min-reps 10 --lat-reps 50 --bringup-gib 0"
-rows() { grep -E "llama-3.1-8b \| +(64|640) |p50|both|ssd_" "$1" | cut -c1-170; }
 TRACED=(pegaflow.ssd:SsdLink.sealed pegaflow.ssd:SsdLink.evicted
   pegaflow.ssd:SsdLink._written pegaflow.gds.tier:SsdTier.spill_many
   pegaflow.gds.tier:SsdTier.refuse_many pegaflow.blocks:BlockStore._allocate
   pegaflow.blocks:BlockStore._remove pegaflow.gds.tier:SsdTier._write_batch
   pegaflow.gds.store:SsdStore.write_run pegaflow.gds.store:gather)
 
-run_tier() {  # tier round [extra transfer.py args]
-  local tier=$1 round=$2; shift 2
-  rm -rf "$SSD"; mkdir -p "$SSD"
-  local extra=()
-  [ "$tier" = seal ] && extra=(--server-arg=--ssd-cache-path=$SSD/ssd0.bin
-    --server-arg=--ssd-cache-capacity=16gb --server-arg=--ssd-write-on=seal)
-  timeout $(within 70) python3 benchmarks/transfer.py $T "${extra[@]}" "$@" \
-    --tag "wb_${tier}_$round" --out "$RES" > "$RES/wb_${tier}_$round.log" 2>&1
-  echo "rc=$?"; rows "$RES/wb_${tier}_$round.log"
-}
-
 for round in 1 2 3; do
   for tier in none seal; do
     stage "GPU path, SSD tier $tier, round $round"
-    run_tier $tier $round
+    gpu_wb_round $tier $round
   done
 done
 targets=(); for t in "${TRACED[@]}"; do targets+=(--trace-target "$t"); done
 for tier in none seal; do
   stage "GPU path, SSD tier $tier, traced"
-  run_tier $tier traced --trace-server "$RES/trace_$tier.json" "${targets[@]}"
+  gpu_wb_round $tier traced --trace-server "$RES/trace_$tier.json" "${targets[@]}"
   python3 benchmarks/phase_trace.py --show "$RES/trace_$tier.json" 2>&1 | cut -c1-150
 done
-rm -rf "$SSD"
 
 stage "host path write-behind, page-aligned engine buffer"
 timeout $(within 150) python3 benchmarks/ssd_writebehind.py --reps 2 \
