@@ -73,3 +73,15 @@ gpu_wb_round() {
   echo "rc=$?"; transfer_rows "$RES/wb_${tier}_$tag.log"
   rm -rf "$ssd"
 }
+
+# ssd_writebehind.py, no tier against seal, page-aligned engine buffer:
+# $1 rounds, $2 the stage's seconds at most, $3 the JSON's name; more
+# ssd_writebehind.py arguments after. The write-behind cost on the host path.
+host_wb() {
+  local reps=$1 limit=$2 name=$3; shift 3
+  timeout $(within "$limit") python3 benchmarks/ssd_writebehind.py --reps "$reps" \
+    --modes none,seal --engine-align page "$@" --dir /var/tmp/pegaflow-wb-bench \
+    --json "$RES/$name.json" > "$RES/$name.log" 2>&1
+  echo "rc=$?"; tail -9 "$RES/$name.log"
+  rm -rf /var/tmp/pegaflow-wb-bench
+}

@@ -35,9 +35,5 @@ for round in 1 2; do
 done
 
 stage "host path write-behind, page-aligned engine buffer"
-timeout $(within 200) python3 benchmarks/ssd_writebehind.py --reps 3 \
-  --modes none,seal --engine-align page --dir /var/tmp/pegaflow-wb-bench \
-  --json "$RES/writebehind_page.json" > "$RES/writebehind_page.log" 2>&1
-echo "rc=$?"; tail -9 "$RES/writebehind_page.log"
-rm -rf /var/tmp/pegaflow-wb-bench
+host_wb 3 200 writebehind_page
 stage done

@@ -30,9 +30,5 @@ for tier in none seal; do
 done
 
 stage "host path write-behind, page-aligned engine buffer"
-timeout $(within 150) python3 benchmarks/ssd_writebehind.py --reps 2 \
-  --modes none,seal --engine-align page --dir /var/tmp/pegaflow-wb-bench \
-  --json "$RES/writebehind_page.json" > "$RES/writebehind_page.log" 2>&1
-echo "rc=$?"; tail -8 "$RES/writebehind_page.log"
-rm -rf /var/tmp/pegaflow-wb-bench
+host_wb 2 150 writebehind_page
 stage done

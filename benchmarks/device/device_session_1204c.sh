@@ -16,12 +16,7 @@ timeout $(within 230) python3 -m pytest -q -m gpu tests/kernels tests/gpu \
 echo "rc=$?"; tail -3 "$RES/gpu_tests.log"
 
 stage "host path write-behind, hot and cold engine buffers"
-timeout $(within 170) python3 benchmarks/ssd_writebehind.py --reps 4 \
-  --modes none,seal --engine-align page --engine-blocks 128,4096 \
-  --dir /var/tmp/pegaflow-wb-bench --json "$RES/writebehind_cold.json" \
-  > "$RES/writebehind_cold.log" 2>&1
-echo "rc=$?"; tail -5 "$RES/writebehind_cold.log"
-rm -rf /var/tmp/pegaflow-wb-bench
+host_wb 4 170 writebehind_cold --engine-blocks 128,4096
 
 for round in 4 5; do
   for tier in none seal; do
