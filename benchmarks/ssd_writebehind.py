@@ -8,6 +8,11 @@ full) under a save burst larger than the disk absorbs.
     python benchmarks/ssd_writebehind.py --quick         # small, a smoke check
     python benchmarks/ssd_writebehind.py --dir /mnt/nvme/x
     python benchmarks/ssd_writebehind.py --engine-align malloc,page
+    python benchmarks/ssd_writebehind.py --layers 32     # 2 MiB blocks
+
+--layers: 64 KiB pages per block. The default 4 (256 KiB blocks) is the
+writers' worst case, as their bookkeeping is per block; 32 (2 MiB) is the
+geometry of transfer.py's GPU rows, a Llama-8B-class model's block.
 
 --engine-align: where the engine's KV buffer starts. `malloc` (the default,
 numpy's own allocation: 16 bytes past a page, as a host engine's torch or
@@ -64,7 +69,7 @@ TRACE_TARGETS = (
 MODES = ("none", "evict", "seal")
 
 PAGE = 64 << 10
-LAYERS = 4  # one block = 4 x 64 KiB = 256 KiB
+LAYERS = 4  # the default: one block = 4 x 64 KiB = 256 KiB
 BATCH = 64  # blocks per save
 
 
@@ -103,6 +108,7 @@ def run_mode(
     engine_align: str = "malloc",
     trace: str | None = None,
     engine_blocks: int = 2 * BATCH,
+    layers: int = LAYERS,
 ) -> dict[str, object]:
     """Save `blocks` fresh blocks in batches of BATCH as fast as one client
     can; the tier (if any) in `folder`. trace: run the server under
@@ -117,17 +123,17 @@ def run_mode(
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         args += ["--ssd-cache-path", str(folder / "ssd0.bin")]
-        args += ["--ssd-cache-capacity", f"{2 * blocks * LAYERS * PAGE}"]
+        args += ["--ssd-cache-capacity", f"{2 * blocks * layers * PAGE}"]
         args += ["--ssd-write-on", mode, "--ssd-backend", "posix"]
     if trace:
         wrap = phase_trace.python_args(None, trace, TRACE_TARGETS, switch_ms)
     else:
         wrap = () if switch_ms is None else (str(SWITCH), str(switch_ms))
     proc, addr = spawn_server("--log-level", "warning", *args, python_args=wrap)
-    size = LAYERS * engine_blocks * PAGE
+    size = layers * engine_blocks * PAGE
     buf = aligned_empty(size) if engine_align == "page" else np.empty(size, np.uint8)
     buf[:] = np.frombuffer(np.random.default_rng(0).bytes(buf.nbytes), np.uint8)
-    views = vllm_layer_views(buf, LAYERS, engine_blocks, (PAGE,))
+    views = vllm_layer_views(buf, layers, engine_blocks, (PAGE,))
     mem = describe(views)
     try:
         with PegaflowClient(addr, timeout_s=120) as client:
@@ -145,11 +151,12 @@ def run_mode(
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-    nbytes = blocks * LAYERS * PAGE
+    nbytes = blocks * layers * PAGE
     written = m.get("pegaflow_ssd_written_bytes_total", 0.0)
     row: dict[str, object] = {
         "mode": mode,
         "engine_align": engine_align,
+        "block_KiB": layers * PAGE >> 10,
         "engine_MiB": size >> 20,
         "slot_skew": buf.ctypes.data % 4096,
         "GiB_saved": round(nbytes / (1 << 30), 2),
@@ -196,8 +203,16 @@ def main() -> int:
     p.add_argument(
         "--engine-blocks",
         default="128",
-        help="comma list of the engine buffer's sizes in blocks (256 KiB each): "
-        "128 saves the same 16 MiB every time (hot in cache); 4096 walks 1 GiB",
+        help="comma list of the engine buffer's sizes in blocks: at 256 KiB "
+        "blocks, 128 saves the same 16 MiB every time (hot in cache); 4096 walks "
+        "1 GiB",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=LAYERS,
+        help="64 KiB pages per block (default 4: 256 KiB blocks, the writers' "
+        "worst case; 32: 2 MiB, transfer.py's geometry)",
     )
     args = p.parse_args()
     switches = [float(x) for x in args.switch_ms.split(",") if x] or [None]
@@ -210,8 +225,10 @@ def main() -> int:
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         p.error(f"--modes: {args.modes!r}; choose from {', '.join(MODES)}")
+    if not 1 <= args.layers <= 256:
+        p.error(f"--layers: {args.layers}; need 1..256")
     pool = "128mb" if args.quick else "1gb"
-    pool_blocks = (128 if args.quick else 1024) << 20 >> 18  # 256 KiB blocks
+    pool_blocks = ((128 if args.quick else 1024) << 20) // (args.layers * PAGE)
     blocks = 3 * pool_blocks // BATCH * BATCH  # 3x the pool: L1 evicts
     reps = args.reps or (1 if args.quick else 3)
     name = "ssd_writebehind" + ("_quick" if args.quick else "")
@@ -232,11 +249,14 @@ def main() -> int:
                 Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
                 sw_tag = "" if sw is None else f"_sw{sw:g}"
                 trace = f"{args.trace_dir}/trace_{mode}_{al}_{eb}{sw_tag}_{rep}.json"
-            row = run_mode(mode, pool, blocks, Path(args.dir), sw, al, trace, eb)
+            row = run_mode(
+                mode, pool, blocks, Path(args.dir), sw, al, trace, eb, args.layers
+            )
             rows.append({"rep": rep, "switch_ms": sw, **row})
             write_json(name, results, args.json)
             print(rows[-1], flush=True)
-    cols = ["rep", "mode", "engine_align", "engine_MiB", "switch_ms", "GiB_saved"]
+    cols = ["rep", "mode", "block_KiB", "engine_align", "engine_MiB", "switch_ms"]
+    cols += ["GiB_saved"]
     cols += ["stored"]
     cols += ["save_GBps"]
     cols += ["evictions"]
@@ -244,7 +264,7 @@ def main() -> int:
     print(table(rows, cols))
 
     def cell(mode: str, sw: float | None, al: str, eb: int) -> list[float]:
-        key = (mode, sw, al, eb * LAYERS * PAGE >> 20)
+        key = (mode, sw, al, eb * args.layers * PAGE >> 20)
         fields = ("mode", "switch_ms", "engine_align", "engine_MiB")
         return [r["save_GBps"] for r in rows if tuple(r[f] for f in fields) == key]
 
