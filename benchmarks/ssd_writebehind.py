@@ -99,6 +99,20 @@ def _drained(http: str, timeout: float = 300.0) -> dict[str, float]:
     raise RuntimeError("ssd queue did not drain")
 
 
+def _burst(
+    client: PegaflowClient, blocks: int, engine_blocks: int
+) -> tuple[float, int]:
+    """Save `blocks` fresh blocks, BATCH a call, walking the engine's buffer:
+    (seconds, blocks stored)."""
+    stored = 0
+    start = time.perf_counter()
+    for i in range(blocks // BATCH):
+        hs = [secrets.token_bytes(32) for _ in range(BATCH)]
+        first = i * BATCH % (engine_blocks - BATCH + 1)
+        stored += client.save("b", np.arange(first, first + BATCH), hs).stored
+    return time.perf_counter() - start, stored
+
+
 def run_mode(
     mode: str,
     pool: str,
@@ -109,9 +123,14 @@ def run_mode(
     trace: str | None = None,
     engine_blocks: int = 2 * BATCH,
     layers: int = LAYERS,
+    bursts: int = 1,
 ) -> dict[str, object]:
     """Save `blocks` fresh blocks in batches of BATCH as fast as one client
-    can; the tier (if any) in `folder`. trace: run the server under
+    can; the tier (if any) in `folder`. bursts > 1: as many more bursts of
+    `blocks` fresh blocks, each once the SSD queue has drained, on a pool
+    full from their first save; save_GBps is then their median (the first
+    burst's figure stays in first_GBps), which leaves a server instance's
+    passing stalls out of the figure. trace: run the server under
     phase_trace.py into this file (TRACE_TARGETS, their time off the CPU).
     engine_blocks: the engine's KV buffer in blocks; the saves walk through
     it, so past the CPU's caches (4,096 blocks: 1 GiB) each save reads cold
@@ -138,16 +157,17 @@ def run_mode(
     try:
         with PegaflowClient(addr, timeout_s=120) as client:
             client.register_host("b", "bench-wb", os.getpid(), mem.regions, mem.layers)
-            stored = 0
             t0 = time.perf_counter()
-            for i in range(blocks // BATCH):
-                hs = [secrets.token_bytes(32) for _ in range(BATCH)]
-                first = i * BATCH % (engine_blocks - BATCH + 1)
-                ids = np.arange(first, first + BATCH)
-                stored += client.save("b", ids, hs).stored
-            save_s = time.perf_counter() - t0
+            save_s, stored = _burst(client, blocks, engine_blocks)
             m = _drained(http) if mode != "none" else _metrics(http)
             drain_s = time.perf_counter() - t0
+            more = []
+            for _ in range(bursts - 1):
+                took, got = _burst(client, blocks, engine_blocks)
+                more.append(took)
+                stored += got
+                if mode != "none":
+                    _drained(http)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
@@ -161,7 +181,9 @@ def run_mode(
         "slot_skew": buf.ctypes.data % 4096,
         "GiB_saved": round(nbytes / (1 << 30), 2),
         "stored": stored,
-        "save_GBps": round(nbytes / save_s / 1e9, 3),
+        "save_GBps": round(nbytes / float(np.median(more or [save_s])) / 1e9, 3),
+        "first_GBps": round(nbytes / save_s / 1e9, 3),
+        "burst_GBps": [round(nbytes / t / 1e9, 3) for t in more],
         "evictions": int(m.get("pegaflow_evictions_total", 0)),
         "ssd_written_GiB": round(written / (1 << 30), 3),
         "ssd_write_GBps": round(written / drain_s / 1e9, 3) if written else 0.0,
@@ -208,6 +230,14 @@ def main() -> int:
         "1 GiB",
     )
     p.add_argument(
+        "--bursts",
+        type=int,
+        default=1,
+        help="save bursts per server (default 1); past 1, a row's save GB/s is "
+        "the median of the bursts after the first (pool full, queue drained "
+        "before each)",
+    )
+    p.add_argument(
         "--layers",
         type=int,
         default=LAYERS,
@@ -225,6 +255,8 @@ def main() -> int:
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         p.error(f"--modes: {args.modes!r}; choose from {', '.join(MODES)}")
+    if args.bursts < 1:
+        p.error(f"--bursts: {args.bursts}; need at least 1")
     if not 1 <= args.layers <= 256:
         p.error(f"--layers: {args.layers}; need 1..256")
     pool = "128mb" if args.quick else "1gb"
@@ -250,7 +282,16 @@ def main() -> int:
                 sw_tag = "" if sw is None else f"_sw{sw:g}"
                 trace = f"{args.trace_dir}/trace_{mode}_{al}_{eb}{sw_tag}_{rep}.json"
             row = run_mode(
-                mode, pool, blocks, Path(args.dir), sw, al, trace, eb, args.layers
+                mode,
+                pool,
+                blocks,
+                Path(args.dir),
+                sw,
+                al,
+                trace,
+                eb,
+                args.layers,
+                args.bursts,
             )
             rows.append({"rep": rep, "switch_ms": sw, **row})
             write_json(name, results, args.json)
@@ -258,7 +299,7 @@ def main() -> int:
     cols = ["rep", "mode", "block_KiB", "engine_align", "engine_MiB", "switch_ms"]
     cols += ["GiB_saved"]
     cols += ["stored"]
-    cols += ["save_GBps"]
+    cols += ["save_GBps", "first_GBps"]
     cols += ["evictions"]
     cols += ["ssd_written_GiB", "ssd_write_GBps", "dropped", "refused_held"]
     print(table(rows, cols))
