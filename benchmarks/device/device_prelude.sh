@@ -85,3 +85,27 @@ host_wb() {
   echo "rc=$?"; tail -9 "$RES/$name.log"
   rm -rf /var/tmp/pegaflow-wb-bench
 }
+
+# Variant trees for an A/B, carried as .ab/NAME.tgz: unpacked at /tmp/tree_NAME.
+unpack_variants() {
+  local v
+  for v in "$@"; do
+    rm -rf "/tmp/tree_$v" && mkdir -p "/tmp/tree_$v" && tar -xzf ".ab/$v.tgz" -C "/tmp/tree_$v"
+  done
+}
+
+# One round of the host path's write-behind cost: ssd_writebehind.py, no
+# tier and then seal, page-aligned engine buffer, in tree $1 (main: this
+# one; else /tmp/tree_$1), its JSON and log as $RES/$2.*; more
+# ssd_writebehind.py arguments after those; the stage takes at most
+# WB_STAGE_S seconds (default 75).
+wb_round() {
+  local tree=$1 name=$2 root=$PWD dir=$PWD; shift 2
+  [ "$tree" = main ] || dir=/tmp/tree_$tree
+  (cd "$dir" && PYTHONPATH=$root/.site:$PWD timeout $(within "${WB_STAGE_S:-75}") \
+    python3 benchmarks/ssd_writebehind.py --reps 1 --modes none,seal \
+    --engine-align page --dir /var/tmp/pegaflow-wb-bench --json "$RES/$name.json" "$@") \
+    > "$RES/$name.log" 2>&1
+  echo "rc=$?"; grep -E "median save" "$RES/$name.log"
+  rm -rf /var/tmp/pegaflow-wb-bench
+}

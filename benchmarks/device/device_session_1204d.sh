@@ -15,20 +15,10 @@
 export CALL_S=${CALL_S:-560}
 . "$(dirname "$0")/device_prelude.sh"
 bundle_results
-ROOT=$PWD
-for v in bare refuse; do
-  rm -rf "/tmp/tree_$v" && mkdir -p "/tmp/tree_$v" && tar -xzf ".ab/$v.tgz" -C "/tmp/tree_$v"
-done
+unpack_variants bare refuse
 one() {  # tree layers round
-  local tree=$1 layers=$2 round=$3 dir=$ROOT name="wb_$1_L$2_$3"
-  [ "$tree" = main ] || dir=/tmp/tree_$tree
-  stage "host path write-behind, $tree, $layers layers, round $round"
-  (cd "$dir" && PYTHONPATH=$ROOT/.site:$PWD timeout $(within 60) python3 \
-    benchmarks/ssd_writebehind.py --reps 1 --modes none,seal --engine-align page \
-    --layers "$layers" --dir /var/tmp/pegaflow-wb-bench --json "$RES/$name.json") \
-    > "$RES/$name.log" 2>&1
-  echo "rc=$?"; grep -E "median save" "$RES/$name.log"
-  rm -rf /var/tmp/pegaflow-wb-bench
+  stage "host path write-behind, $1, $2 layers, round $3"
+  WB_STAGE_S=60 wb_round "$1" "wb_$1_L$2_$3" --layers "$2"
 }
 for round in 1 2 3 4; do
   one main 4 $round; one bare 4 $round; one refuse 4 $round

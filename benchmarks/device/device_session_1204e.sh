@@ -16,21 +16,11 @@
 export CALL_S=${CALL_S:-570}
 . "$(dirname "$0")/device_prelude.sh"
 bundle_results
-ROOT=$PWD
 lscpu > "$RES/lscpu.txt" 2>&1; grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|NUMA)" "$RES/lscpu.txt"
-for v in nohash sleepio bare; do
-  rm -rf "/tmp/tree_$v" && mkdir -p "/tmp/tree_$v" && tar -xzf ".ab/$v.tgz" -C "/tmp/tree_$v"
-done
+unpack_variants nohash sleepio bare
 one() {  # tree layers round
-  local tree=$1 layers=$2 round=$3 dir=$ROOT name="wb_$1_L$2_$3"
-  [ "$tree" = main ] || dir=/tmp/tree_$tree
-  stage "host path write-behind, $tree, $layers layers, round $round"
-  (cd "$dir" && PYTHONPATH=$ROOT/.site:$PWD timeout $(within 75) python3 \
-    benchmarks/ssd_writebehind.py --reps 1 --modes none,seal --engine-align page \
-    --bursts 4 --layers "$layers" --dir /var/tmp/pegaflow-wb-bench \
-    --json "$RES/$name.json") > "$RES/$name.log" 2>&1
-  echo "rc=$?"; grep -E "median save" "$RES/$name.log"
-  rm -rf /var/tmp/pegaflow-wb-bench
+  stage "host path write-behind, $1, $2 layers, round $3"
+  wb_round "$1" "wb_$1_L$2_$3" --bursts 4 --layers "$2"
 }
 for round in 1 2 3 4 5; do
   for tree in main nohash sleepio bare; do one $tree 4 $round; done

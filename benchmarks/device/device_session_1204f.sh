@@ -11,19 +11,10 @@
 export CALL_S=${CALL_S:-570}
 . "$(dirname "$0")/device_prelude.sh"
 bundle_results
-ROOT=$PWD
-rm -rf /tmp/tree_run16 && mkdir -p /tmp/tree_run16 && tar -xzf .ab/run16.tgz -C /tmp/tree_run16
+unpack_variants run16
 one() {  # tree layers round
-  local tree=$1 layers=$2 round=$3 dir=$ROOT name="wb_$1_L$2_$3"
-  [ "$tree" = main ] || dir=/tmp/tree_$tree
-  stage "host path write-behind, $tree, $layers layers, round $round"
-  (cd "$dir" && PYTHONPATH=$ROOT/.site:$PWD timeout $(within 75) python3 \
-    benchmarks/ssd_writebehind.py --reps 1 --modes none,seal --engine-align page \
-    --bursts 4 --layers "$layers" --dir /var/tmp/pegaflow-wb-bench \
-    --json "$RES/$name.json") > "$RES/$name.log" 2>&1
-  echo "rc=$?"; grep -E "median save" "$RES/$name.log"
-  grep -E "^ +[0-9]+ \| seal" "$RES/$name.log" | cut -c1-200
-  rm -rf /var/tmp/pegaflow-wb-bench
+  stage "host path write-behind, $1, $2 layers, round $3"
+  wb_round "$1" "wb_$1_L$2_$3" --bursts 4 --layers "$2"
 }
 for round in 1 2 3 4 5 6; do one main 4 $round; one run16 4 $round; done
 for round in 1 2 3; do one main 32 $round; one run16 32 $round; done

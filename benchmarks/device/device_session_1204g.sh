@@ -13,20 +13,10 @@
 export CALL_S=${CALL_S:-420}
 . "$(dirname "$0")/device_prelude.sh"
 bundle_results
-ROOT=$PWD
-for v in bare spin gilspin; do
-  rm -rf "/tmp/tree_$v" && mkdir -p "/tmp/tree_$v" && tar -xzf ".ab/$v.tgz" -C "/tmp/tree_$v"
-done
+unpack_variants bare spin gilspin
 one() {  # tree round
-  local tree=$1 round=$2 dir=$ROOT name="wb_$1_$2"
-  [ "$tree" = main ] || dir=/tmp/tree_$tree
-  stage "host path write-behind, $tree, round $round"
-  (cd "$dir" && PYTHONPATH=$ROOT/.site:$PWD timeout $(within 60) python3 \
-    benchmarks/ssd_writebehind.py --reps 1 --modes none,seal --engine-align page \
-    --bursts 4 --dir /var/tmp/pegaflow-wb-bench --json "$RES/$name.json") \
-    > "$RES/$name.log" 2>&1
-  echo "rc=$?"; grep -E "median save" "$RES/$name.log"
-  rm -rf /var/tmp/pegaflow-wb-bench
+  stage "host path write-behind, $1, round $2"
+  WB_STAGE_S=60 wb_round "$1" "wb_$1_$2" --bursts 4
 }
 for round in 1 2 3 4; do
   for tree in main bare spin gilspin; do one $tree $round; done

@@ -12,17 +12,11 @@ export CALL_S=${CALL_S:-200}
 VARIANT=${1:?the variant tree: .ab/NAME.tgz} LABEL=${2:?a label for it}
 . "$(dirname "$0")/device_prelude.sh"
 bundle_results
-ROOT=$PWD; unpack_base "$VARIANT"
+rm -rf "/tmp/tree_$LABEL" && mkdir -p "/tmp/tree_$LABEL" && tar -xzf "$VARIANT" -C "/tmp/tree_$LABEL"
 for round in 1 2 3 4; do
   for tree in main "$LABEL"; do
     stage "host path write-behind, $tree, round $round"
-    dir=$ROOT; [ "$tree" = main ] || dir=$BASE
-    (cd "$dir" && PYTHONPATH=$ROOT/.site:$PWD timeout $(within 80) python3 \
-      benchmarks/ssd_writebehind.py --reps 1 --modes none,seal --engine-align page \
-      --dir /var/tmp/pegaflow-wb-bench --json "$RES/wb_${tree}_$round.json") \
-      > "$RES/wb_${tree}_$round.log" 2>&1
-    echo "rc=$?"; grep -E "median save" "$RES/wb_${tree}_$round.log"
-    rm -rf /var/tmp/pegaflow-wb-bench
+    WB_STAGE_S=80 wb_round "$tree" "wb_${tree}_$round"
   done
 done
 stage done
