@@ -9,6 +9,7 @@ full) under a save burst larger than the disk absorbs.
     python benchmarks/ssd_writebehind.py --dir /mnt/nvme/x
     python benchmarks/ssd_writebehind.py --engine-align malloc,page
     python benchmarks/ssd_writebehind.py --layers 32     # 2 MiB blocks
+    python benchmarks/ssd_writebehind.py --bursts 4      # steadier rows
 
 --layers: 64 KiB pages per block. The default 4 (256 KiB blocks) is the
 writers' worst case, as their bookkeeping is per block; 32 (2 MiB) is the
