@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 from pegaflow.spawn import spawn_server
@@ -16,6 +17,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def start_server(*args: str) -> tuple[subprocess.Popen, str]:
     return spawn_server("--no-http", "--log-level", "warning", *args)
+
+
+def metric_lines(http: str, timeout: float = 10) -> list[str]:
+    """The sample lines of a server's /metrics (no comments)."""
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=timeout) as r:
+        body = r.read().decode()
+    return [line for line in body.splitlines() if line and not line.startswith("#")]
+
+
+def metric_totals(http: str) -> dict[str, float]:
+    """Each metric of /metrics summed over its labels, by name."""
+    out: dict[str, float] = {}
+    for line in metric_lines(http):
+        name, value = line.rsplit(" ", 1)
+        name = name.split("{")[0]
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
 
 
 def machine() -> dict[str, object]:

@@ -35,7 +35,6 @@ import signal
 import socket
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import phase_trace  # noqa: E402
-from benchmarks.common import table, write_json  # noqa: E402
+from benchmarks.common import metric_totals, table, write_json  # noqa: E402
 from benchmarks.ssd import dd  # noqa: E402
 from pegaflow.client import PegaflowClient  # noqa: E402
 from pegaflow.kernels.plan import aligned_empty  # noqa: E402
@@ -80,20 +79,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _metrics(http: str) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read()
-    out: dict[str, float] = {}
-    for line in body.decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(value)
-    return out
-
-
 def _drained(http: str, timeout: float = 300.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        m = _metrics(http)
+        m = metric_totals(http)
         if m.get("pegaflow_ssd_queue_depth", 0) == 0:
             return m
         time.sleep(0.02)
@@ -160,7 +149,7 @@ def run_mode(
             client.register_host("b", "bench-wb", os.getpid(), mem.regions, mem.layers)
             t0 = time.perf_counter()
             save_s, stored = _burst(client, blocks, engine_blocks)
-            m = _drained(http) if mode != "none" else _metrics(http)
+            m = _drained(http) if mode != "none" else metric_totals(http)
             drain_s = time.perf_counter() - t0
             more = []
             for _ in range(bursts - 1):

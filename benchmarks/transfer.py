@@ -28,7 +28,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import interference, phase_trace  # noqa: E402
-from benchmarks.common import table, write_json  # noqa: E402
+from benchmarks.common import metric_lines, metric_totals, table, write_json  # noqa: E402
 from pegaflow.client import PegaflowClient  # noqa: E402
 from pegaflow.cuda_export import IpcEvents, export_kv  # noqa: E402
 from pegaflow.kv_layouts import vllm_layer_views  # noqa: E402
@@ -67,8 +66,7 @@ SUMS = {
 
 
 def server_sums(http: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
-        lines = r.read().decode().splitlines()
+    lines = metric_lines(http)
     prefixes = {p + " ": key for key, names in SUMS.items() for p in names}
     got = {key: 0.0 for key in SUMS}
     for line in lines:
@@ -88,12 +86,8 @@ SSD_COUNTS = {
 
 
 def ssd_counts(http: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    values = dict(
-        line.rsplit(" ", 1) for line in lines if line.startswith("pegaflow_ssd")
-    )
-    got = {key: float(values.get(name, 0.0)) for key, name in SSD_COUNTS.items()}
+    values = metric_totals(http)
+    got = {key: values.get(name, 0.0) for key, name in SSD_COUNTS.items()}
     got["ssd_written_GiB"] = round(got["ssd_written_GiB"] / 2**30, 3)
     return got
 
