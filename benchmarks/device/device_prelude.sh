@@ -74,6 +74,18 @@ gpu_wb_round() {
   rm -rf "$ssd"
 }
 
+# gpu_wb_round for each round label given, no tier then seal in each: the
+# GPU path's write-behind cost, alternated so drift hits both alike.
+gpu_wb_rounds() {
+  local round tier
+  for round in "$@"; do
+    for tier in none seal; do
+      stage "GPU path, SSD tier $tier, round $round"
+      gpu_wb_round $tier $round
+    done
+  done
+}
+
 # ssd_writebehind.py, no tier against seal, page-aligned engine buffer:
 # $1 rounds, $2 the stage's seconds at most, $3 the JSON's name; more
 # ssd_writebehind.py arguments after. The write-behind cost on the host path.

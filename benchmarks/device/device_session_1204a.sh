@@ -15,12 +15,7 @@ export CALL_S=${CALL_S:-570}
 bundle_results
 T="--shapes llama-3.1-8b --sizes 64,640 --min-reps 10 --lat-reps 50 --bringup-gib 0"
 
-for round in 1 2 3; do
-  for tier in none seal; do
-    stage "GPU path, SSD tier $tier, round $round"
-    gpu_wb_round $tier $round
-  done
-done
+gpu_wb_rounds 1 2 3
 
 ROOT=$PWD; unpack_base .ab/norule.tgz
 for round in 1 2; do

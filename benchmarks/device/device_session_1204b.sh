@@ -16,12 +16,7 @@ TRACED=(pegaflow.ssd:SsdLink.sealed pegaflow.ssd:SsdLink.evicted
   pegaflow.blocks:BlockStore._remove pegaflow.gds.tier:SsdTier._write_batch
   pegaflow.gds.store:SsdStore.write_run pegaflow.gds.store:gather)
 
-for round in 1 2 3; do
-  for tier in none seal; do
-    stage "GPU path, SSD tier $tier, round $round"
-    gpu_wb_round $tier $round
-  done
-done
+gpu_wb_rounds 1 2 3
 targets=(); for t in "${TRACED[@]}"; do targets+=(--trace-target "$t"); done
 for tier in none seal; do
   stage "GPU path, SSD tier $tier, traced"

@@ -18,10 +18,5 @@ echo "rc=$?"; tail -3 "$RES/gpu_tests.log"
 stage "host path write-behind, hot and cold engine buffers"
 host_wb 4 170 writebehind_cold --engine-blocks 128,4096
 
-for round in 4 5; do
-  for tier in none seal; do
-    stage "GPU path, SSD tier $tier, round $round"
-    gpu_wb_round $tier $round
-  done
-done
+gpu_wb_rounds 4 5
 stage done
