@@ -102,11 +102,12 @@ def a_waiting_stream_holds_no_other() -> None:
     busy, free = k.stream(), k.stream()
     for _ in range(2):  # both of busy's tables in use once
         check(case, run_case(k, case, alloc, alloc, stream=busy))
-    release = threading.Event()
+    parked, release = threading.Event(), threading.Event()
 
     class Pending:  # the event after the launch that last read the table
         def synchronize(self) -> None:
-            assert release.wait(60), "never released"
+            parked.set()
+            assert release.wait(180), "never released"
 
         def record(self, stream: object) -> None:
             pass
@@ -123,14 +124,23 @@ def a_waiting_stream_holds_no_other() -> None:
 
     waiting = threading.Thread(target=run, args=("busy", busy))
     waiting.start()
+    # The simulator swaps this module's `cuda` global for its fake while a
+    # kernel runs: the other launch starts only once busy is parked, so no
+    # thread touches numba.cuda during a simulated launch.
+    assert parked.wait(120), "the busy launch never reached its table"
     other = threading.Thread(target=run, args=("free", free))
     other.start()
-    other.join(20)  # a simulated launch of this case takes well under a second
+    # Busy waits until released, so a launch that finishes at all got past it;
+    # the bound only ends a wait that would never end (one lock for all).
+    other.join(120)
     finished_first = not other.is_alive()
     release.set()
-    waiting.join(60)
-    other.join(60)
+    waiting.join(120)
+    other.join(120)
     assert finished_first, "a launch on another stream waited for the busy one"
+    for result in got.values():
+        if isinstance(result, Exception):
+            raise result
     check(case, got["busy"])
     check(case, got["free"])
 
