@@ -10,6 +10,7 @@ full) under a save burst larger than the disk absorbs.
     python benchmarks/ssd_writebehind.py --engine-align malloc,page
     python benchmarks/ssd_writebehind.py --layers 32     # 2 MiB blocks
     python benchmarks/ssd_writebehind.py --bursts 4      # steadier rows
+    python benchmarks/ssd_writebehind.py --tier-arg=--ssd-write-inflight=1
 
 --layers: 64 KiB pages per block. The default 4 (256 KiB blocks) is the
 writers' worst case, as their bookkeeping is per block; 32 (2 MiB) is the
@@ -114,6 +115,7 @@ def run_mode(
     engine_blocks: int = 2 * BATCH,
     layers: int = LAYERS,
     bursts: int = 1,
+    tier_args: tuple[str, ...] = (),
 ) -> dict[str, object]:
     """Save `blocks` fresh blocks in batches of BATCH as fast as one client
     can; the tier (if any) in `folder`. bursts > 1: as many more bursts of
@@ -125,7 +127,8 @@ def run_mode(
     engine_blocks: the engine's KV buffer in blocks; the saves walk through
     it, so past the CPU's caches (4,096 blocks: 1 GiB) each save reads cold
     memory, as an engine's does, where 128 (the first version's) saves the
-    same 16 MiB every time, hot in the L3 unless the writers evict it."""
+    same 16 MiB every time, hot in the L3 unless the writers evict it.
+    tier_args: more server flags for the modes with a tier."""
     http = f"127.0.0.1:{_free_port()}"
     args = ["--pool-size", pool, "--no-progress", "--http-addr", http]
     if mode != "none":
@@ -133,7 +136,7 @@ def run_mode(
         folder.mkdir(parents=True)
         args += ["--ssd-cache-path", str(folder / "ssd0.bin")]
         args += ["--ssd-cache-capacity", f"{2 * blocks * layers * PAGE}"]
-        args += ["--ssd-write-on", mode, "--ssd-backend", "posix"]
+        args += ["--ssd-write-on", mode, "--ssd-backend", "posix", *tier_args]
     if trace:
         wrap = phase_trace.python_args(None, trace, TRACE_TARGETS, switch_ms)
     else:
@@ -165,6 +168,7 @@ def run_mode(
     written = m.get("pegaflow_ssd_written_bytes_total", 0.0)
     row: dict[str, object] = {
         "mode": mode,
+        "tier_args": " ".join(tier_args) if mode != "none" else "",
         "engine_align": engine_align,
         "block_KiB": layers * PAGE >> 10,
         "engine_MiB": size >> 20,
@@ -234,6 +238,13 @@ def main() -> int:
         help="64 KiB pages per block (default 4: 256 KiB blocks, the writers' "
         "worst case; 32: 2 MiB, transfer.py's geometry)",
     )
+    p.add_argument(
+        "--tier-arg",
+        action="append",
+        default=[],
+        help="a server flag for the modes with an SSD tier, as one word "
+        "(--tier-arg=--ssd-write-inflight=1); repeatable",
+    )
     args = p.parse_args()
     switches = [float(x) for x in args.switch_ms.split(",") if x] or [None]
     aligns = [a for a in args.engine_align.split(",") if a]
@@ -282,6 +293,7 @@ def main() -> int:
                 eb,
                 args.layers,
                 args.bursts,
+                tuple(args.tier_arg),
             )
             rows.append({"rep": rep, "switch_ms": sw, **row})
             write_json(name, results, args.json)

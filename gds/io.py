@@ -213,10 +213,14 @@ class PosixIO:
         want = sum(map(itemgetter(1), parts))
         done = i = 0
         while i < len(views):
-            n = call(self.fds[file], views[i : i + IOV_MAX], offset + done)
+            batch = views[i : i + IOV_MAX]
+            n = call(self.fds[file], batch, offset + done)
             if n <= 0:
                 raise _short(op, done, want, file, offset)
             done += n
+            if n == sum(map(len, batch)):  # the usual whole call: no walk per part
+                i += len(batch)
+                continue
             while n:
                 if n >= len(views[i]):
                     n -= len(views[i])
