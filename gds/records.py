@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pegaflow.checksums import xxh3_64_parts
+from pegaflow import checksum_rows
 from pegaflow.runs import merge_adjacent, merge_parts
 
 from .format import (
@@ -90,8 +90,7 @@ def gather_in_place(
     record's slots; adjacent parts merged). Bytes as gather_parts writes."""
     n, shards = slots.shape
     buf.ensure(n * HEADER_BYTES)
-    flat = slots.ravel().tolist()
-    _set_checksums(run, host_views([(a, each) for a in flat]), shards)
+    _set_row_checksums(run, slots, each)
     pages = np.frombuffer(buf.view(0, n * HEADER_BYTES), np.uint8).reshape(n, -1)
     _set_header_pages(pages, run, store_id)
     heads = buf.address + HEADER_BYTES * np.arange(n, dtype=np.uint64)
@@ -122,22 +121,22 @@ def gather_staged(
     dst = firsts[:, None] + each * np.arange(shards, dtype=np.uint64)
     copy_within(dst.ravel(), slots.astype(np.uint64).ravel(), each)
     rows_of[:, HEADER_BYTES + payload :] = 0
-    views = [buf.view(a, a + payload) for a in (firsts - buf.address).tolist()]
-    _set_checksums(run, views, 1)
+    _set_row_checksums(run, firsts[:, None], payload)
     _set_header_pages(rows_of[:, :HEADER_BYTES], run, store_id)
     return [(buf.address, n * length)]
 
 
-def _set_checksums(run: list[Record], views: list[memoryview], shards: int) -> None:
-    """Each record's checksum over its `shards` views back to back."""
+def _set_row_checksums(run: list[Record], slots: np.ndarray, each: int) -> None:
+    """Each record's checksum over its row of `slots` (`each` bytes at every
+    address, back to back). xxh3, the default, for the whole run in one call
+    without the GIL (pegaflow.checksum_rows); other algorithms per record."""
     algo = run[0].checksum_id  # one per store: every record of a run has it
     if algo == _XXH3:
-        sums = _xxh3_each(views, shards)
+        sums = checksum_rows.rows(slots, each).tolist()
     else:
-        sums = [
-            hash_parts(algo, views[i : i + shards])
-            for i in range(0, len(views), shards)
-        ]
+        views = host_views([(a, each) for a in slots.ravel().tolist()])
+        k = slots.shape[1]
+        sums = [hash_parts(algo, views[i : i + k]) for i in range(0, len(views), k)]
     for rec, checksum in zip(run, sums, strict=True):
         rec.checksum = checksum
 
@@ -149,12 +148,6 @@ def _set_header_pages(pages: np.ndarray, run: list[Record], store_id: bytes) -> 
     pages[:, : HEADER_DTYPE.itemsize] = (
         header_rows(run, store_id).view(np.uint8).reshape(len(run), -1)
     )
-
-
-def _xxh3_each(views: list[memoryview], shards: int) -> list[int]:
-    """xxh3 of each record's `shards` views back to back (GIL dropped while
-    hashing: pegaflow.checksums)."""
-    return [xxh3_64_parts(views[i : i + shards]) for i in range(0, len(views), shards)]
 
 
 def gather_parts(

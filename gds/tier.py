@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from pegaflow import checksum_rows
+
 from .config import SsdConfig
 from .format import check_key
 from .io import AlignedBuffer
@@ -93,6 +95,7 @@ class SsdTier:
         self._load_seconds = 0.0
         self._closed = False
         self._local = threading.local()
+        checksum_rows.warm()  # compiled now, not in a writer's first run
         self._writers = [
             threading.Thread(
                 target=self._write_loop, name=f"ssd-write-{i}", daemon=True

@@ -1,0 +1,144 @@
+"""xxh3-64 of many slot rows in one compiled call that runs without the GIL.
+
+The SSD writers checksum every record they write. One python-xxhash call per
+record drops the GIL while it hashes and takes it back after: a turn at the
+GIL per record (64 a run of 256 KiB blocks), each one a chance to hold up the
+save path's threads while the writer's Python runs again. Here one
+numba-compiled loop (nogil) calls the xxh3 functions of the very library
+python-xxhash is built on (its extension exports XXH3_64bits_reset, _update
+and _digest) for every row, so the whole run hashes in one stretch without
+the GIL, bytes as `pegaflow.checksums.xxh3_64_parts` gives.
+
+Where that library lacks the symbols (another build of python-xxhash) or
+numba is absent, rows() falls back to one xxh3_64_parts call per row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from .checksums import xxh3_64_parts
+
+logger = logging.getLogger(__name__)
+
+_SYMBOLS = (
+    "XXH3_createState",
+    "XXH3_freeState",
+    "XXH3_64bits_reset",
+    "XXH3_64bits_update",
+    "XXH3_64bits_digest",
+)
+
+
+class _State:
+    """One thread's XXH3_state_t (reset per row), freed with the thread."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._free = lib.XXH3_freeState
+        self.address = int(lib.XXH3_createState() or 0)
+        if not self.address:
+            raise MemoryError("XXH3_createState")
+
+    def __del__(self) -> None:
+        if self.address:
+            self._free(self.address)
+
+
+@functools.cache
+def _native() -> tuple[ctypes.CDLL, Callable[..., None]] | None:
+    """(the library, the compiled loop), or None where either is missing."""
+    try:
+        import xxhash._xxhash as ext
+
+        lib = ctypes.CDLL(ext.__file__)
+        if not all(hasattr(lib, name) for name in _SYMBOLS):
+            raise OSError("python-xxhash's extension exports no XXH3 state API")
+        import numba
+    except (ImportError, OSError) as exc:
+        logger.info("xxh3 per row through python-xxhash (%s)", exc)
+        return None
+    # Pointers as 64-bit integers: the same registers on x86-64 and aarch64,
+    # and numba passes uint64 array items to them without a cast.
+    u64 = ctypes.c_uint64
+    lib.XXH3_createState.restype, lib.XXH3_createState.argtypes = u64, []
+    lib.XXH3_freeState.restype, lib.XXH3_freeState.argtypes = ctypes.c_int, [u64]
+    # python-xxhash >= 4 builds xxHash's x86 dispatch (AVX2 where the CPU has
+    # it) and hashes through it; the plain symbol is the SSE2 build there.
+    update = getattr(lib, "XXH3_64bits_update_dispatch", lib.XXH3_64bits_update)
+    reset, digest = lib.XXH3_64bits_reset, lib.XXH3_64bits_digest
+    reset.restype, reset.argtypes = ctypes.c_int, [u64]
+    update.restype, update.argtypes = ctypes.c_int, [u64, u64, ctypes.c_size_t]
+    digest.restype, digest.argtypes = u64, [u64]
+
+    def rows_into(state: int, slots: np.ndarray, each: int, out: np.ndarray) -> None:
+        for i in range(slots.shape[0]):
+            reset(state)
+            for j in range(slots.shape[1]):
+                update(state, slots[i, j], each)
+            out[i] = digest(state)
+
+    # Not cached on disk: the code holds this process's addresses of the
+    # library's functions. Compiling takes ~0.2 s, once (warm()).
+    rows_into = numba.njit(nogil=True, cache=False)(rows_into)
+    try:
+        _self_check(lib, rows_into)
+    except Exception as exc:  # an optional speed-up: fall back, never fail
+        logger.warning("xxh3 per row through python-xxhash: %s", exc)
+        return None
+    return lib, rows_into
+
+
+def _self_check(lib: ctypes.CDLL, rows_into: Callable[..., None]) -> None:
+    """Compile the loop and compare it with python-xxhash on rows of two
+    parts, short of xxh3's 240-byte mark and past its 1 KiB stripes: a
+    library whose functions do not do what this module calls them for gives
+    other values, and is not used."""
+    data = np.random.default_rng(0).integers(0, 256, 8192, np.uint8)
+    for each in (100, 3000):
+        slots = data.ctypes.data + np.array([[0, each]], np.uint64)
+        got = np.zeros(1, np.uint64)
+        rows_into(_state(lib), slots, each, got)
+        want = xxh3_64_parts([data[: 2 * each]])
+        if int(got[0]) != want:
+            raise ValueError(f"compiled xxh3 gave {int(got[0]):#x}, want {want:#x}")
+
+
+_local = threading.local()
+
+
+def _state(lib: ctypes.CDLL) -> int:
+    state = getattr(_local, "state", None)
+    if state is None:
+        state = _local.state = _State(lib)
+    return state.address
+
+
+def rows(slots: np.ndarray, each: int) -> np.ndarray:
+    """xxh3-64 of each row of `slots` ([rows, parts] uint64 addresses of this
+    process, each part `each` bytes, read back to back): uint64 [rows]."""
+    slots = np.ascontiguousarray(slots, np.uint64)
+    if slots.ndim != 2:
+        raise ValueError(f"slots: need [rows, parts], got shape {slots.shape}")
+    out = np.empty(len(slots), np.uint64)
+    native = _native()
+    if native is not None:
+        lib, rows_into = native
+        rows_into(_state(lib), slots, each, out)
+        return out
+    view = ctypes.c_ubyte * each
+    flat = [memoryview(view.from_address(a)) for a in slots.ravel().tolist()]
+    k = slots.shape[1]
+    out[:] = [xxh3_64_parts(flat[i : i + k]) for i in range(0, len(flat), k)]
+    return out
+
+
+def warm() -> bool:
+    """Compile and check the loop now, not in a writer's first run: whether
+    the compiled loop is what rows() uses."""
+    return _native() is not None

@@ -1,0 +1,152 @@
+"""pegaflow.checksum_rows: one compiled call (GIL dropped) gives each slot
+row's xxh3-64, the value pegaflow.checksums gives for the row's parts."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pegaflow import checksum_rows
+from pegaflow.checksums import xxh3_64_parts
+
+
+@pytest.fixture(params=["native", "fallback"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "fallback":
+        monkeypatch.setattr(checksum_rows, "_native", lambda: None)
+    elif checksum_rows._native() is None:
+        pytest.skip("no numba or no XXH3 state API in python-xxhash here")
+    return str(request.param)
+
+
+def _rows(
+    rng: np.random.Generator, rows: int, parts: int, each: int
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(slot addresses [rows, parts] in shuffled order, the pool, the want)."""
+    pool = rng.integers(0, 256, max(1, rows * parts * each), np.uint8)
+    order = rng.permutation(rows * parts).reshape(rows, parts)
+    slots = pool.ctypes.data + order.astype(np.uint64) * np.uint64(each)
+    want = [
+        xxh3_64_parts([pool[i * each : (i + 1) * each] for i in row])
+        for row in order.tolist()
+    ]
+    return slots, pool, want
+
+
+@pytest.mark.parametrize(
+    "rows,parts,each",
+    [(1, 1, 0), (3, 1, 1), (5, 2, 239), (4, 3, 241), (7, 2, 4095), (2, 4, 1 << 18)],
+)
+def test_each_row_is_xxh3_of_its_parts_back_to_back(
+    path: str, rows: int, parts: int, each: int
+) -> None:
+    rng = np.random.default_rng(rows * 1000 + parts * 10 + each)
+    slots, pool, want = _rows(rng, rows, parts, each)
+    got = checksum_rows.rows(slots, each)
+    assert got.dtype == np.uint64 and got.tolist() == want
+    del pool
+
+
+def test_no_rows_and_bad_shapes(path: str) -> None:
+    assert checksum_rows.rows(np.empty((0, 2), np.uint64), 64).size == 0
+    with pytest.raises(ValueError, match=r"slots: need \[rows, parts\]"):
+        checksum_rows.rows(np.zeros(3, np.uint64), 64)
+
+
+def test_threads_hash_at_once_each_with_its_own_state(path: str) -> None:
+    """Writer threads hash runs at the same time: each keeps its own xxh3
+    state, so no run's checksums mix with another's."""
+    jobs = [_rows(np.random.default_rng(s), 16, 2, 8192) for s in range(4)]
+    got: dict[int, list[int]] = {}
+
+    def run(k: int) -> None:
+        slots = jobs[k][0]
+        for _ in range(20):
+            got[k] = checksum_rows.rows(slots, 8192).tolist()
+            if got[k] != jobs[k][2]:
+                return
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(got[k] == jobs[k][2] for k in range(4))
+
+
+def test_the_native_loop_is_used_where_it_can_be() -> None:
+    """With numba and python-xxhash's exported XXH3 functions (every wheel
+    seen: 3.6.0 and 4.1.0), the writers never fall back to a call per row."""
+    if importlib.util.find_spec("numba") is None:
+        pytest.skip("numba is not installed here")
+    assert checksum_rows._native() is not None
+
+
+def test_a_whole_run_lets_other_threads_run() -> None:
+    """The compiled loop runs without the GIL for all its rows: with the
+    switch interval raised past the test, a loop that held it would leave
+    this thread no turn until the run is hashed. (The fallback's GIL
+    release is test_checksums' subject.)"""
+    if checksum_rows._native() is None:
+        pytest.skip("no numba or no XXH3 state API in python-xxhash here")
+    pool = np.ones(256 << 20, np.uint8)
+    slots = pool.ctypes.data + np.arange(1024, dtype=np.uint64)[:, None] * (256 << 10)
+    checksum_rows.warm()
+    done, started = threading.Event(), threading.Event()
+
+    def hash_twice() -> None:
+        started.set()
+        for _ in range(2):
+            checksum_rows.rows(slots, 256 << 10)
+        done.set()
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        worker = threading.Thread(target=hash_twice)
+        worker.start()
+        started.wait()
+        turns = 0
+        while not done.is_set():
+            turns += 1
+            time.sleep(0)  # gives the GIL back each turn
+        worker.join()
+    finally:
+        sys.setswitchinterval(before)
+    assert turns >= 10, f"{turns} turns while 512 MiB were hashed"
+
+
+def test_a_library_that_hashes_otherwise_is_not_used(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The compiled loop is checked against python-xxhash before its first
+    use; one that gives other values (a library whose XXH3 functions mean
+    something else) leaves rows() on python-xxhash, with a warning."""
+    if checksum_rows._native() is None:
+        pytest.skip("no numba or no XXH3 state API in python-xxhash here")
+
+    def off_by_one(state: int, slots: np.ndarray, each: int, out: np.ndarray) -> None:
+        out[:] = 1
+
+    with pytest.raises(ValueError, match="compiled xxh3 gave 0x1"):
+        checksum_rows._self_check(checksum_rows._native()[0], off_by_one)
+
+    def refuse(lib: object, rows_into: object) -> None:
+        raise ValueError("compiled xxh3 gave 0x1, want 0x2")
+
+    monkeypatch.setattr(checksum_rows, "_self_check", refuse)
+    checksum_rows._native.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="pegaflow.checksum_rows"):
+            assert checksum_rows._native() is None
+        assert "through python-xxhash: compiled xxh3 gave" in caplog.text
+        rng = np.random.default_rng(9)
+        slots, pool, want = _rows(rng, 3, 2, 5000)
+        assert checksum_rows.rows(slots, 5000).tolist() == want
+    finally:
+        checksum_rows._native.cache_clear()
