@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -91,13 +92,60 @@ def host_views(parts: Sequence[Part]) -> list[memoryview]:
 
 def copy_within(dst: np.ndarray, src: np.ndarray, nbytes: int) -> None:
     """Copy nbytes from each src[i] to dst[i] (uint64 addresses of this
-    process): a memmove apiece, the GIL dropped for each. Measured against
-    one call for them all (benchmarks/RESULTS_ssd.md, "the staged path"):
-    process_vm_readv of this process and numba's nogil copy loop both cost
-    the writer more CPU per block than the memmoves do."""
-    move = ctypes.memmove
-    for d, s in zip(dst.tolist(), src.tolist(), strict=True):
-        move(d, s, nbytes)
+    process). All in one compiled call that runs without the GIL, libc's
+    memmove apiece: a ctypes memmove per row drops the GIL and takes it back
+    for each, a turn per staged block in which a save-path thread can be
+    made to wait (benchmarks/RESULTS.md, thirteenth session: the host path's
+    write-behind loss 45 -> 41 % on the dev VM). Without numba, or where the
+    compiled copy fails its check, a ctypes memmove per row."""
+    copy = _compiled_copy()
+    if copy is None:
+        move = ctypes.memmove
+        for d, s in zip(dst.tolist(), src.tolist(), strict=True):
+            move(d, s, nbytes)
+        return
+    copy(
+        np.ascontiguousarray(dst, np.uint64),
+        np.ascontiguousarray(src, np.uint64),
+        nbytes,
+    )
+
+
+@functools.cache
+def _compiled_copy() -> Callable[[np.ndarray, np.ndarray, int], None] | None:
+    """The compiled loop, checked on a few rows; None without numba or when
+    it copies otherwise than it should (warned)."""
+    try:
+        import numba
+    except ImportError:
+        return None
+    memmove = ctypes.CDLL(None).memmove  # this process's C library
+    memmove.restype = ctypes.c_uint64
+    memmove.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t]
+
+    def copy_rows(dst: np.ndarray, src: np.ndarray, nbytes: int) -> None:
+        for i in range(dst.shape[0]):
+            memmove(dst[i], src[i], nbytes)
+
+    # Not cached on disk: the code holds this process's address of memmove.
+    copy = numba.njit(nogil=True, cache=False)(copy_rows)
+    data = np.random.default_rng(0).integers(0, 256, 2 * 3000, np.uint8)
+    out = np.zeros_like(data)
+    rows = np.array([3000, 0], np.uint64)
+    try:
+        copy(out.ctypes.data + rows[::-1], data.ctypes.data + rows, 3000)
+        if not np.array_equal(out, np.roll(data, 3000)):
+            raise ValueError("the compiled copy moved other bytes")
+    except Exception as exc:  # an optional speed-up: fall back, never fail
+        logger.warning("staged copies by ctypes, one call a row: %s", exc)
+        return None
+    return copy
+
+
+def warm_copies() -> bool:
+    """Compile and check the copy loop now, not in a writer's first run:
+    whether copy_within uses it."""
+    return _compiled_copy() is not None
 
 
 class AlignedBuffer:

@@ -23,7 +23,7 @@ from pegaflow import checksum_rows
 
 from .config import SsdConfig
 from .format import check_key
-from .io import AlignedBuffer
+from .io import AlignedBuffer, warm_copies
 from .ring import BlockHash, NsDigest, Record
 from .spill_queue import Job, Slice, SliceRelease, SpillQueue, payloads_of
 from .store import SsdStore
@@ -95,7 +95,9 @@ class SsdTier:
         self._load_seconds = 0.0
         self._closed = False
         self._local = threading.local()
-        checksum_rows.warm()  # compiled now, not in a writer's first run
+        # compiled now, not in a writer's first run
+        checksum_rows.warm()
+        warm_copies()
         self._writers = [
             threading.Thread(
                 target=self._write_loop, name=f"ssd-write-{i}", daemon=True

@@ -4,15 +4,14 @@ row's xxh3-64, the value pegaflow.checksums gives for the row's parts."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from pegaflow import checksum_rows
 from pegaflow.checksums import xxh3_64_parts
+from tests.gil import turns_while
 
 
 @pytest.fixture(params=["native", "fallback"])
@@ -97,27 +96,12 @@ def test_a_whole_run_lets_other_threads_run() -> None:
     pool = np.ones(256 << 20, np.uint8)
     slots = pool.ctypes.data + np.arange(1024, dtype=np.uint64)[:, None] * (256 << 10)
     checksum_rows.warm()
-    done, started = threading.Event(), threading.Event()
 
     def hash_twice() -> None:
-        started.set()
         for _ in range(2):
             checksum_rows.rows(slots, 256 << 10)
-        done.set()
 
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(30.0)
-    try:
-        worker = threading.Thread(target=hash_twice)
-        worker.start()
-        started.wait()
-        turns = 0
-        while not done.is_set():
-            turns += 1
-            time.sleep(0)  # gives the GIL back each turn
-        worker.join()
-    finally:
-        sys.setswitchinterval(before)
+    turns = turns_while(hash_twice)
     assert turns >= 10, f"{turns} turns while 512 MiB were hashed"
 
 

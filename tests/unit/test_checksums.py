@@ -3,15 +3,12 @@ threads run (python-xxhash's one-shot functions hold the GIL before 4.0)."""
 
 from __future__ import annotations
 
-import sys
-import threading
-import time
-
 import numpy as np
 import pytest
 import xxhash
 
 from pegaflow.checksums import xxh3_64, xxh3_64_parts
+from tests.gil import turns_while
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 64 << 10, (1 << 20) + 17])
@@ -36,26 +33,10 @@ def test_hashing_lets_other_threads_run() -> None:
     the switch interval raised past the test, a thread that holds the GIL
     while hashing leaves this one no turn at all until it is done."""
     data = np.ones(128 << 20, np.uint8)
-    done = threading.Event()
-    started = threading.Event()
 
     def hash_four_times() -> None:
-        started.set()
         for _ in range(4):
             xxh3_64(data)
-        done.set()
 
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(30.0)
-    try:
-        worker = threading.Thread(target=hash_four_times)
-        worker.start()
-        started.wait()
-        turns = 0
-        while not done.is_set():
-            turns += 1
-            time.sleep(0)  # gives the GIL back each turn
-        worker.join()
-    finally:
-        sys.setswitchinterval(before)
+    turns = turns_while(hash_four_times)
     assert turns >= 10, f"{turns} turns while 512 MiB were hashed"
