@@ -98,6 +98,8 @@ def copy_within(dst: np.ndarray, src: np.ndarray, nbytes: int) -> None:
     made to wait (benchmarks/RESULTS.md, thirteenth session: the host path's
     write-behind loss 45 -> 41 % on the dev VM). Without numba, or where the
     compiled copy fails its check, a ctypes memmove per row."""
+    if dst.shape != src.shape:
+        raise ValueError(f"copy_within: {dst.shape} destinations, {src.shape} sources")
     copy = _compiled_copy()
     if copy is None:
         move = ctypes.memmove

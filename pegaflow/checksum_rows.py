@@ -9,8 +9,9 @@ python-xxhash is built on (its extension exports XXH3_64bits_reset, _update
 and _digest) for every row, so the whole run hashes in one stretch without
 the GIL, bytes as `pegaflow.checksums.xxh3_64_parts` gives.
 
-Where that library lacks the symbols (another build of python-xxhash) or
-numba is absent, rows() falls back to one xxh3_64_parts call per row.
+The loop is compared with python-xxhash once, when compiled. Where that
+library lacks the symbols (another build of python-xxhash), numba is absent
+or the comparison fails (warned), rows() makes one xxh3_64_parts call per row.
 """
 
 from __future__ import annotations

@@ -88,3 +88,15 @@ def test_a_copy_that_moves_other_bytes_is_not_used(
     finally:
         monkeypatch.undo()
         gds_io._compiled_copy.cache_clear()
+
+
+def test_rows_that_do_not_pair_up_are_refused(path: str) -> None:
+    """A destination per source, or nothing is copied (the compiled loop
+    would read past the shorter array)."""
+    buf = np.zeros(64, np.uint8)
+    with pytest.raises(ValueError, match=r"copy_within: \(2,\) destinations"):
+        gds_io.copy_within(
+            np.full(2, buf.ctypes.data, np.uint64),
+            np.full(1, buf.ctypes.data, np.uint64),
+            8,
+        )
