@@ -4,6 +4,7 @@ interceptor; the servicer itself never builds a status."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -70,6 +71,32 @@ ENGINE_METHODS = f"/{pb.DESCRIPTOR.services_by_name['PegaFlow'].full_name}/"
 OPEN_METHODS = frozenset({"ServerInfo"})  # what any host may ask
 
 
+# How long, and for how many messages, a refused stream is read before the
+# refusal is sent.
+REFUSED_STREAM_DRAIN_S = 1.0
+REFUSED_STREAM_DRAIN_MESSAGES = 8
+
+
+async def _drain(requests: AsyncIterator[object]) -> None:
+    """Read what a refused stream's client sends first, until it half-closes
+    or the bounds above end it. Refused before its ping was read, the stream
+    ended while the client was still sending; ~7 % of such refusals reached
+    a client as INTERNAL ("Internal error from Core") instead of
+    PERMISSION_DENIED (tests/server/test_remote_callers.py), and a sync
+    client's refused Session once hung past its deadline in CI."""
+
+    async def read() -> None:
+        count = 0
+        async for _ in requests:
+            count += 1
+            if count >= REFUSED_STREAM_DRAIN_MESSAGES:
+                return
+
+    # A client that keeps its stream open, or one gone already: refused now.
+    with contextlib.suppress(asyncio.TimeoutError, grpc.RpcError):
+        await asyncio.wait_for(read(), REFUSED_STREAM_DRAIN_S)
+
+
 class LocalEngines(grpc.aio.ServerInterceptor):
     """Engine RPCs only from callers the kernel places on this host (loopback,
     or a socket of this network namespace from one of its own addresses),
@@ -131,6 +158,7 @@ class LocalEngines(grpc.aio.ServerInterceptor):
                 try:
                     self._check(method, context.peer())
                 except PermissionDenied as exc:
+                    await _drain(requests)
                     await context.abort(exc.code, str(exc))
                 async for reply in inner_stream(requests, context):
                     yield reply

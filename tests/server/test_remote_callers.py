@@ -45,6 +45,36 @@ PROBE = (
     "    print('session', e.code().name, e.details())\n"
 )
 
+# Many refused Session streams from another host, each after a refused unary
+# call, with grpc's asyncio client (its own bound over each call): prints
+# how many ended other than PERMISSION_DENIED, and the first few.
+REFUSED_SESSIONS = (
+    "import asyncio, grpc, sys\n"
+    "from pegaflow.proto import pegaflow_pb2 as pb, pegaflow_pb2_grpc as pbg\n"
+    "async def session(stub):\n"
+    "    call = stub.Session(iter([pb.SessionPing(instance_id='tenant')]), "
+    "timeout=10)\n"
+    "    try:\n"
+    "        return 'OK %d' % len([r async for r in call])\n"
+    "    except grpc.RpcError as e:\n"
+    "        return f'{{e.code().name}} {{e.details()}}'\n"
+    "async def main(n):\n"
+    "    other = []\n"
+    "    async with grpc.aio.insecure_channel({addr!r}) as channel:\n"
+    "        stub = pbg.PegaFlowStub(channel)\n"
+    "        for _ in range(n):\n"
+    "            try:\n"
+    "                await stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=1), "
+    "timeout=10)\n"
+    "            except grpc.RpcError:\n"
+    "                pass\n"
+    "            got = await asyncio.wait_for(session(stub), 15)\n"
+    "            if not got.startswith('PERMISSION_DENIED'):\n"
+    "                other.append(got)\n"
+    "    print(len(other), other[:3])\n"
+    "asyncio.run(main(int(sys.argv[1])))\n"
+)
+
 
 @pytest.fixture(scope="module")
 def net() -> Iterator[tuple[Netns, Node]]:
@@ -96,6 +126,25 @@ def test_another_host_gets_server_info_and_nothing_else(net, tmp_path) -> None:
         assert here["query"] == "OK 4", here
         for call in ("release", "session"):  # past the gate, to the engine's checks
             assert "--allow-remote-engines" not in here[call], here
+
+
+def test_refused_session_streams_end_with_permission_denied(net, tmp_path) -> None:
+    """Regression (2026-12-04, a CI run): the gate refused another host's
+    Session stream before reading it, so the stream ended while the client
+    was still sending its ping; ~7 % of 2,000 such refusals reached the
+    client as INTERNAL ("Internal error from Core"), and a sync client's
+    refused Session hung past its 10 s deadline once. The gate now reads
+    what the client sends first (bounded): 500 refusals in a row, every one
+    PERMISSION_DENIED."""
+    ns, node = net
+    with routable_server(ns, tmp_path) as server, tenant(server):
+        code = REFUSED_SESSIONS.format(addr=server.addr)
+        out = subprocess.run(
+            node.argv(sys.executable, "-c", code, "500"),
+            capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120,
+        )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("0 []"), out.stdout
 
 
 def test_allow_remote_engines_lets_another_host_query(net, tmp_path) -> None:
