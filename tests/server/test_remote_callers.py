@@ -24,7 +24,9 @@ from tests.remote.netns import Netns, NetnsUnavailable, Node
 from tests.server.test_trust import assert_only_the_owner_queries, needs_root, tenant
 
 PROBE = (
-    "import grpc\n"
+    "import faulthandler, grpc\n"
+    # A hang shows where: every thread's stack on stderr, then exit 1.
+    "faulthandler.dump_traceback_later(45, exit=True)\n"
     "from pegaflow.proto import pegaflow_pb2 as pb, pegaflow_pb2_grpc as pbg\n"
     "stub = pbg.PegaFlowStub(grpc.insecure_channel({addr!r}))\n"
     "for name, call, req in [\n"
