@@ -119,7 +119,8 @@ def _compiled_copy() -> Callable[[np.ndarray, np.ndarray, int], None] | None:
     it copies otherwise than it should (warned)."""
     try:
         import numba
-    except ImportError:
+    except ImportError as exc:
+        logger.info("staged copies by ctypes, one call a row (%s)", exc)
         return None
     memmove = ctypes.CDLL(None).memmove  # this process's C library
     memmove.restype = ctypes.c_uint64
