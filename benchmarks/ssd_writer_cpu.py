@@ -1,6 +1,7 @@
 """The SSD writer threads' CPU per block, the write syscall stubbed: what a
-writer holds the GIL for (checksum excepted: xxh3's streaming update drops it),
-which the save path's threads lose while write-behind runs.
+writer holds the GIL for (checksum excepted: it runs a run at a time in one
+compiled call without the GIL, pegaflow.checksum_rows), which the save path's
+threads lose while write-behind runs.
 
 One writer thread writes `--mib` of blocks spilled 64 at a time from an aligned
 pool (every slot 4 KiB-aligned: a GPU engine's, written in place) or, with
@@ -9,7 +10,9 @@ numpy or torch allocated: its slots share that offset, so the writer stages
 them through its aligned buffer); os.pwritev is replaced by a
 stub that reports every byte written, so the time is the writer's Python and C
 work (gather, header pages, journal entries, index) plus the payload checksum,
-which is measured alone over the same blocks and reported apart.
+which is measured alone over the same blocks, the same way, and reported
+apart (before 2026-12-04 it was one python-xxhash call per block, on both
+sides).
 
     python benchmarks/ssd_writer_cpu.py                  # 64 KiB and 256 KiB
     python benchmarks/ssd_writer_cpu.py --reps 5 --shards 2
@@ -28,11 +31,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import table, write_json  # noqa: E402
+from pegaflow import checksum_rows  # noqa: E402
 from pegaflow.gds import SsdConfig, SsdTier  # noqa: E402
 from pegaflow.gds import tier as tier_module  # noqa: E402
 from pegaflow.gds.io import AlignedBuffer, host_view  # noqa: E402
@@ -86,12 +89,12 @@ def measure(
             tier_module.SsdTier._write_batch = real_batch  # type: ignore[method-assign]
             tier.close()
     written = tier.stats().blocks_written
+    # The checksum alone, as the writers compute it: a run's rows in one
+    # call (pegaflow.checksum_rows), SPILL_BLOCKS rows a call.
+    checksum_rows.warm()
     start = time.thread_time()
-    for i in range(n):
-        h = xxhash.xxh3_64()
-        for a in slots[i].tolist():
-            h.update(host_view(a, each))
-        h.intdigest()
+    for i in range(0, n, SPILL_BLOCKS):
+        checksum_rows.rows(slots[i : i + SPILL_BLOCKS], each)
     xxh3 = (time.thread_time() - start) / n * 1e6
     pool.close()
     total_us = sum(spent) / written * 1e6
