@@ -239,7 +239,7 @@ def test_plan_cuts_copies_at_the_pools_registration_edges(pool_is: str) -> None:
     assert int(p.sizes.sum()) == t.total_bytes and len(p) > 3
     want = _buffer(64 * PAGE)
     want.data[:] = dst.data
-    moved = np.uint64(want.address) - np.uint64(dst.address)
+    moved = np.uint64((want.address - dst.address) % (1 << 64))  # wraps, as uint64
     cpu.copy_descriptors(src, want, Transfers(t.src, t.dst + moved, sizes), stream=None)
     lib = FakeLib()
     lib.execute = True
