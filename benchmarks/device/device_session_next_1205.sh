@@ -11,6 +11,8 @@
 # `ssd_writebehind.py --bursts 4`, none then seal, the two trees alternated:
 # four rounds each of 256 KiB blocks from a page-aligned and a malloc'd
 # engine buffer, then 2 MiB rounds while time is left.
+# Run: the device tool with carry [".whl", ".ab"], command
+#   CALL_S=560 bash benchmarks/device/device_session_next_1205.sh
 # Summary: python3 benchmarks/writebehind_summary.py --paired <results dir>
 export CALL_S=${CALL_S:-560}
 . "$(dirname "$0")/device_prelude.sh"
