@@ -116,12 +116,9 @@ def copy_within(dst: np.ndarray, src: np.ndarray, nbytes: int) -> None:
 @functools.cache
 def _compiled_copy() -> Callable[[np.ndarray, np.ndarray, int], None] | None:
     """The compiled loop, checked on a few rows; None without numba or when
-    it copies otherwise than it should (warned)."""
-    try:
-        import numba
-    except ImportError as exc:
-        logger.info("staged copies by ctypes, one call a row (%s)", exc)
-        return None
+    it copies otherwise than it should (said in the log)."""
+    from pegaflow.kernels.jit import checked_nogil
+
     memmove = ctypes.CDLL(None).memmove  # this process's C library
     memmove.restype = ctypes.c_uint64
     memmove.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t]
@@ -130,19 +127,19 @@ def _compiled_copy() -> Callable[[np.ndarray, np.ndarray, int], None] | None:
         for i in range(dst.shape[0]):
             memmove(dst[i], src[i], nbytes)
 
-    # Not cached on disk: the code holds this process's address of memmove.
-    copy = numba.njit(nogil=True, cache=False)(copy_rows)
+    return checked_nogil(
+        copy_rows, _check_copy, "staged copies by ctypes, one call a row", logger
+    )
+
+
+def _check_copy(copy: Callable[[np.ndarray, np.ndarray, int], None]) -> None:
+    """Two rows copied crosswise must land crosswise."""
     data = np.random.default_rng(0).integers(0, 256, 2 * 3000, np.uint8)
     out = np.zeros_like(data)
     rows = np.array([3000, 0], np.uint64)
-    try:
-        copy(out.ctypes.data + rows[::-1], data.ctypes.data + rows, 3000)
-        if not np.array_equal(out, np.roll(data, 3000)):
-            raise ValueError("the compiled copy moved other bytes")
-    except Exception as exc:  # an optional speed-up: fall back, never fail
-        logger.warning("staged copies by ctypes, one call a row: %s", exc)
-        return None
-    return copy
+    copy(out.ctypes.data + rows[::-1], data.ctypes.data + rows, 3000)
+    if not np.array_equal(out, np.roll(data, 3000)):
+        raise ValueError("the compiled copy moved other bytes")
 
 
 def warm_copies() -> bool:

@@ -32,3 +32,28 @@ def njit(fn: Callable[..., Any], signature: str | None = None, **options: Any) -
             "numba cannot cache %s (%s): compiled at each start", fn.__name__, exc
         )
         return numba.njit(*args, cache=False, **options)(fn)
+
+
+def checked_nogil(
+    fn: Callable[..., Any],
+    check: Callable[[Callable[..., Any]], None],
+    fallback: str,
+    log: logging.Logger,
+) -> Callable[..., Any] | None:
+    """numba.njit(nogil=True)(fn) once check(compiled) has passed; None,
+    saying `fallback` (what the caller does instead) and why, without numba
+    (info) or when the compile or the check fails (warning). For loops that
+    call C functions through ctypes: never cached on disk, as the compiled
+    code holds this process's addresses of those functions."""
+    try:
+        import numba
+    except ImportError as exc:
+        log.info("%s (%s)", fallback, exc)
+        return None
+    compiled = numba.njit(nogil=True, cache=False)(fn)
+    try:
+        check(compiled)  # compiles it, too
+    except Exception as exc:  # an optional speed-up: fall back, never fail
+        log.warning("%s: %s", fallback, exc)
+        return None
+    return compiled

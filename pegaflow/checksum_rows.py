@@ -28,6 +28,7 @@ from .checksums import xxh3_64_parts
 
 logger = logging.getLogger(__name__)
 
+_FALLBACK = "xxh3 per row through python-xxhash"
 _SYMBOLS = (
     "XXH3_createState",
     "XXH3_freeState",
@@ -60,9 +61,8 @@ def _native() -> tuple[ctypes.CDLL, Callable[..., None]] | None:
         lib = ctypes.CDLL(ext.__file__)
         if not all(hasattr(lib, name) for name in _SYMBOLS):
             raise OSError("python-xxhash's extension exports no XXH3 state API")
-        import numba
     except (ImportError, OSError) as exc:
-        logger.info("xxh3 per row through python-xxhash (%s)", exc)
+        logger.info("%s (%s)", _FALLBACK, exc)
         return None
     # Pointers as 64-bit integers: the same registers on x86-64 and aarch64,
     # and numba passes uint64 array items to them without a cast.
@@ -84,15 +84,12 @@ def _native() -> tuple[ctypes.CDLL, Callable[..., None]] | None:
                 update(state, slots[i, j], each)
             out[i] = digest(state)
 
-    # Not cached on disk: the code holds this process's addresses of the
-    # library's functions. Compiling takes ~0.2 s, once (warm()).
-    rows_into = numba.njit(nogil=True, cache=False)(rows_into)
-    try:
-        _self_check(lib, rows_into)
-    except Exception as exc:  # an optional speed-up: fall back, never fail
-        logger.warning("xxh3 per row through python-xxhash: %s", exc)
-        return None
-    return lib, rows_into
+    from pegaflow.kernels.jit import checked_nogil
+
+    compiled = checked_nogil(
+        rows_into, lambda loop: _self_check(lib, loop), _FALLBACK, logger
+    )
+    return None if compiled is None else (lib, compiled)
 
 
 def _self_check(lib: ctypes.CDLL, rows_into: Callable[..., None]) -> None:
