@@ -1,13 +1,15 @@
 """xxh3-64 of many slot rows in one compiled call that runs without the GIL.
 
-The SSD writers checksum every record they write. One python-xxhash call per
-record drops the GIL while it hashes and takes it back after: a turn at the
-GIL per record (64 a run of 256 KiB blocks), each one a chance to hold up the
-save path's threads while the writer's Python runs again. Here one
-numba-compiled loop (nogil) calls the xxh3 functions of the very library
-python-xxhash is built on (its extension exports XXH3_64bits_reset, _update
-and _digest) for every row, so the whole run hashes in one stretch without
-the GIL, bytes as `pegaflow.checksums.xxh3_64_parts` gives.
+The SSD writers checksum every record they write, the SSD readers every
+record they read, the pool-file sealer every slot it seals. One
+python-xxhash call per record drops the GIL while it hashes and takes it
+back after: a turn at the GIL per record (64 a run of 256 KiB blocks), each
+one a chance to hold up the save path's threads while the hashing thread's
+Python runs again. Here one numba-compiled loop (nogil) calls the xxh3
+functions of the very library python-xxhash is built on (its extension
+exports XXH3_64bits_reset, _update and _digest) for every row, so a whole
+run hashes in one stretch without the GIL, bytes as
+`pegaflow.checksums.xxh3_64_parts` gives.
 
 The loop is compared with python-xxhash once, when compiled. Where that
 library lacks the symbols (another build of python-xxhash), numba is absent
@@ -77,11 +79,13 @@ def _native() -> tuple[ctypes.CDLL, Callable[..., None]] | None:
     update.restype, update.argtypes = ctypes.c_int, [u64, u64, ctypes.c_size_t]
     digest.restype, digest.argtypes = u64, [u64]
 
-    def rows_into(state: int, slots: np.ndarray, each: int, out: np.ndarray) -> None:
-        for i in range(slots.shape[0]):
+    def rows_into(
+        state: int, addrs: np.ndarray, lengths: np.ndarray, out: np.ndarray
+    ) -> None:
+        for i in range(addrs.shape[0]):
             reset(state)
-            for j in range(slots.shape[1]):
-                update(state, slots[i, j], each)
+            for j in range(addrs.shape[1]):
+                update(state, addrs[i, j], lengths[i, j])
             out[i] = digest(state)
 
     from pegaflow.kernels.jit import checked_nogil
@@ -94,15 +98,17 @@ def _native() -> tuple[ctypes.CDLL, Callable[..., None]] | None:
 
 def _self_check(lib: ctypes.CDLL, rows_into: Callable[..., None]) -> None:
     """Compile the loop and compare it with python-xxhash on rows of two
-    parts, short of xxh3's 240-byte mark and past its 1 KiB stripes: a
+    parts of unequal lengths, short of xxh3's 240-byte mark and past its
+    1 KiB stripes: a
     library whose functions do not do what this module calls them for gives
     other values, and is not used."""
     data = np.random.default_rng(0).integers(0, 256, 8192, np.uint8)
-    for each in (100, 3000):
-        slots = data.ctypes.data + np.array([[0, each]], np.uint64)
+    for first, second in ((100, 60), (3000, 1700)):
+        addrs = data.ctypes.data + np.array([[0, first]], np.uint64)
+        lengths = np.array([[first, second]], np.uint64)
         got = np.zeros(1, np.uint64)
-        rows_into(_state(lib), slots, each, got)
-        want = xxh3_64_parts([data[: 2 * each]])
+        rows_into(_state(lib), addrs, lengths, got)
+        want = xxh3_64_parts([data[: first + second]])
         if int(got[0]) != want:
             raise ValueError(f"compiled xxh3 gave {int(got[0]):#x}, want {want:#x}")
 
@@ -117,21 +123,34 @@ def _state(lib: ctypes.CDLL) -> int:
     return state.address
 
 
-def rows(slots: np.ndarray, each: int) -> np.ndarray:
-    """xxh3-64 of each row of `slots` ([rows, parts] uint64 addresses of this
-    process, each part `each` bytes, read back to back): uint64 [rows]."""
-    slots = np.ascontiguousarray(slots, np.uint64)
-    if slots.ndim != 2:
-        raise ValueError(f"slots: need [rows, parts], got shape {slots.shape}")
-    out = np.empty(len(slots), np.uint64)
+def rows(addrs: np.ndarray, lengths: int | np.ndarray) -> np.ndarray:
+    """xxh3-64 of each row of `addrs` ([rows, parts] uint64 addresses of this
+    process, read back to back): uint64 [rows]. `lengths` is every part's
+    byte count, or one per part ([rows, parts]). The caller vouches that
+    every part lies in memory it owns: nothing here can check an address."""
+    addrs = np.ascontiguousarray(addrs, np.uint64)
+    if addrs.ndim != 2:
+        raise ValueError(f"addrs: need [rows, parts], got shape {addrs.shape}")
+    sizes = np.asarray(lengths)
+    if sizes.ndim not in (0, 2) or (sizes.ndim == 2 and sizes.shape != addrs.shape):
+        raise ValueError(
+            f"lengths: need one count or one per part {addrs.shape}, "
+            f"got shape {sizes.shape}"
+        )
+    if sizes.size and (sizes.dtype.kind not in "iu" or sizes.min() < 0):
+        raise ValueError("lengths: need byte counts (integers, none negative)")
+    sizes = np.ascontiguousarray(np.broadcast_to(sizes, addrs.shape), np.uint64)
+    out = np.empty(len(addrs), np.uint64)
     native = _native()
     if native is not None:
         lib, rows_into = native
-        rows_into(_state(lib), slots, each, out)
+        rows_into(_state(lib), addrs, sizes, out)
         return out
-    view = ctypes.c_ubyte * each
-    flat = [memoryview(view.from_address(a)) for a in slots.ravel().tolist()]
-    k = slots.shape[1]
+    flat = [
+        memoryview((ctypes.c_ubyte * n).from_address(a))
+        for a, n in zip(addrs.ravel().tolist(), sizes.ravel().tolist(), strict=True)
+    ]
+    k = addrs.shape[1]
     out[:] = [xxh3_64_parts(flat[i : i + k]) for i in range(0, len(flat), k)]
     return out
 

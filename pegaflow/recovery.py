@@ -34,8 +34,9 @@ from .ssd import SsdLink
 logger = logging.getLogger(__name__)
 
 _CHECK_THREADS = 8
-# rows per task: xxh3 drops the GIL inside each slot past 64 KiB (a vLLM block's
-# shard is MiBs); smaller slots hash under it, as fast as their Python per row
+# rows per task: a task hashes its rows in one call without the GIL
+# (pegaflow.checksum_rows), so the threads hash at once whatever the slot size;
+# the task's size is the progress bar's step
 _CHECK_BATCH = 256
 
 

@@ -38,6 +38,7 @@ import numpy as np
 
 from pegaflow.gds import namespace_digest
 
+from . import checksum_rows
 from .checksums import xxh3_64_parts
 from .instances import Namespace
 from .poolfile import FREE, GRANULE, LANDED, META_OFFSET, SEALED, WRITING
@@ -59,21 +60,35 @@ def checksum(meta: bytes | np.ndarray, data: np.ndarray) -> int:
 
 def checksums(table: np.ndarray, data: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """The checksums rows `idx` of `table` describe, over their slots in
-    `data`: the rows' fields read at once, then one hash per slot."""
+    `data`: the rows' fields read at once, then every row's meta bytes and
+    slot hashed in one call without the GIL (pegaflow.checksum_rows), as
+    checksum() gives them one by one. A row whose slot is not inside `data`
+    is refused (ValueError) before anything is read: its offset and size
+    are the file's claim."""
+    if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
+        raise ValueError("data: need the pool's bytes as one contiguous uint8 array")
+    idx = np.asarray(idx, np.intp)
     # Copies (a row changed meanwhile is caught by its gen), the meta bytes
     # through a plain byte view: a structured copy (table[idx]) would leave
     # the rows' padding bytes uninitialised, and the checksum covers them.
     raw = table.view(np.uint8).reshape(len(table), table.itemsize)
-    meta = raw[idx, META_OFFSET:]
-    offs, sizes = table["offset"][idx].tolist(), table["slot_bytes"][idx].tolist()
-    return np.fromiter(
-        (
-            checksum(meta[i], data[off : off + n])
-            for i, (off, n) in enumerate(zip(offs, sizes, strict=True))
-        ),
-        np.uint64,
-        len(idx),
-    )
+    meta = np.ascontiguousarray(raw[idx, META_OFFSET:])
+    offs = table["offset"][idx].astype(np.uint64)
+    sizes = table["slot_bytes"][idx].astype(np.uint64)
+    end = np.uint64(data.nbytes)
+    # Compared without a sum, which a huge size would wrap past the bound.
+    outside = (offs > end) | (sizes > end - np.minimum(offs, end))
+    if outside.any():
+        row = int(idx[np.argmax(outside)])
+        raise ValueError(f"pool row {row}: its slot lies outside the pool's data")
+    addrs = np.empty((len(idx), 2), np.uint64)
+    lengths = np.empty((len(idx), 2), np.uint64)
+    addrs[:, 0] = np.uint64(meta.ctypes.data) + np.arange(
+        len(idx), dtype=np.uint64
+    ) * np.uint64(meta.shape[1])
+    addrs[:, 1] = np.uint64(data.ctypes.data) + offs
+    lengths[:, 0], lengths[:, 1] = meta.shape[1], sizes
+    return checksum_rows.rows(addrs, lengths)
 
 
 class SlotLog:

@@ -53,8 +53,31 @@ def test_each_row_is_xxh3_of_its_parts_back_to_back(
 
 def test_no_rows_and_bad_shapes(path: str) -> None:
     assert checksum_rows.rows(np.empty((0, 2), np.uint64), 64).size == 0
-    with pytest.raises(ValueError, match=r"slots: need \[rows, parts\]"):
+    with pytest.raises(ValueError, match=r"addrs: need \[rows, parts\]"):
         checksum_rows.rows(np.zeros(3, np.uint64), 64)
+    addrs = np.zeros((2, 3), np.uint64)
+    with pytest.raises(ValueError, match=r"lengths: need one count or one per part"):
+        checksum_rows.rows(addrs, np.ones((3, 2), np.uint64))
+    with pytest.raises(ValueError, match=r"lengths: need byte counts"):
+        checksum_rows.rows(addrs, -1)
+    with pytest.raises(ValueError, match=r"lengths: need byte counts"):
+        checksum_rows.rows(addrs, np.full((2, 3), 1.5))
+
+
+def test_parts_of_their_own_lengths(path: str) -> None:
+    """A pool-file row's checksum covers its meta bytes and then its slot:
+    parts of unequal lengths, each row its own."""
+    rng = np.random.default_rng(17)
+    pool = rng.integers(0, 256, 1 << 20, np.uint8)
+    lengths = rng.integers(0, 40_000, (9, 3)).astype(np.uint64)
+    lengths[0] = 0  # a row of nothing hashes the empty input
+    starts = rng.integers(0, pool.size - 40_000, (9, 3)).astype(np.uint64)
+    got = checksum_rows.rows(pool.ctypes.data + starts, lengths)
+    want = [
+        xxh3_64_parts([pool[a : a + n] for a, n in zip(row_a, row_n, strict=True)])
+        for row_a, row_n in zip(starts.tolist(), lengths.tolist(), strict=True)
+    ]
+    assert got.tolist() == want
 
 
 def test_threads_hash_at_once_each_with_its_own_state(path: str) -> None:
@@ -114,7 +137,9 @@ def test_a_library_that_hashes_otherwise_is_not_used(
     if checksum_rows._native() is None:
         pytest.skip("no numba or no XXH3 state API in python-xxhash here")
 
-    def off_by_one(state: int, slots: np.ndarray, each: int, out: np.ndarray) -> None:
+    def off_by_one(
+        state: int, addrs: np.ndarray, lengths: np.ndarray, out: np.ndarray
+    ) -> None:
         out[:] = 1
 
     with pytest.raises(ValueError, match="compiled xxh3 gave 0x1"):

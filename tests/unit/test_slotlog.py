@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import xxhash
 
 from pegaflow.blocks import BlockStore
@@ -197,6 +198,23 @@ def test_the_checksum_is_xxh3_64_of_the_row_meta_and_the_slot(tmp_path: Path) ->
         expect = xxhash.xxh3_64_intdigest(meta + block.tobytes())
         assert int(t["checksum"][row]) == expect == checksum(meta, block)
     assert checksums(t, data, np.asarray(rows)).tolist() == t["checksum"][rows].tolist()
+    pool.close()
+
+
+def test_a_row_whose_slot_lies_outside_the_pool_is_refused(tmp_path: Path) -> None:
+    """Scenario: the batched checksum reads slots by address, so a row's
+    offset and size (the file's claim) are checked against the pool's data
+    first: a row past the end, or one whose size would wrap the sum, is
+    refused naming the row, and nothing is read."""
+    _, rows = _sealed(tmp_path / "pool.bin", [bytes([i]) * 16 for i in range(2)])
+    pool = _pool(tmp_path / "pool.bin")
+    t, data = pool.file.table, pool.file.data
+    for field, value in (("offset", data.nbytes), ("slot_bytes", 2**64 - 1)):
+        copy = t.copy()
+        copy[field][rows[1]] = value
+        with pytest.raises(ValueError, match=f"pool row {rows[1]}: its slot lies"):
+            checksums(copy, data, np.asarray(rows))
+    assert checksums(t, data, np.asarray([], np.intp)).size == 0
     pool.close()
 
 
