@@ -121,3 +121,15 @@ wb_round() {
   echo "rc=$?"; grep -E "median save" "$RES/$name.log"
   rm -rf /var/tmp/pegaflow-wb-bench
 }
+
+# tests/gds on each SSD backend (gpu-marked tests included), $1 seconds at
+# most each, logs in $RES/gds_<backend>.log, skip reasons listed.
+gds_tests() {
+  local backend
+  for backend in kvikio posix; do
+    stage "tests/gds on $backend (gpu-marked included)"
+    PEGAFLOW_TEST_SSD_BACKEND=$backend timeout $(within "$1") python3 -m pytest tests/gds \
+      -o addopts="" -p no:cacheprovider -q -rfEs --timeout 60 > "$RES/gds_$backend.log" 2>&1
+    echo "rc=$?"; tail -4 "$RES/gds_$backend.log"
+  done
+}

@@ -16,12 +16,7 @@ timeout $(within 200) python3 -m pytest -q -m gpu tests/kernels tests/gpu tests/
   -p no:cacheprovider -rfE --timeout 120 > "$RES/gpu_tests.log" 2>&1
 echo "rc=$?"; tail -4 "$RES/gpu_tests.log"
 
-for backend in kvikio posix; do
-  stage "tests/gds on $backend (gpu-marked included)"
-  PEGAFLOW_TEST_SSD_BACKEND=$backend timeout $(within 110) python3 -m pytest tests/gds \
-    -o addopts="" -p no:cacheprovider -q -rfEs --timeout 60 > "$RES/gds_$backend.log" 2>&1
-  echo "rc=$?"; tail -4 "$RES/gds_$backend.log"
-done
+gds_tests 110
 
 for round in 1 2 3 4 5 6 7 8 9 10; do
   [ $((CALL_S - (SECONDS - START))) -lt 40 ] && break

@@ -13,12 +13,7 @@ bundle_results
 unpack_base .ab/before_rows.tgz
 cp benchmarks/pool_check.py "$BASE/benchmarks/"
 
-for backend in kvikio posix; do
-  stage "tests/gds on $backend (gpu-marked included)"
-  PEGAFLOW_TEST_SSD_BACKEND=$backend timeout $(within 90) python3 -m pytest tests/gds \
-    -o addopts="" -p no:cacheprovider -q -rfEs --timeout 60 > "$RES/gds_$backend.log" 2>&1
-  echo "rc=$?"; tail -4 "$RES/gds_$backend.log"
-done
+gds_tests 90
 
 stage "gpu-marked server tests (tests/gpu), skip reasons"
 timeout $(within 150) python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rfEs \
