@@ -3,7 +3,8 @@
 At start-up (before any engine registers) every row LANDED or SEALED is
 checked with numpy over the whole table (offsets, sizes, lengths), SEALED rows
 against their xxh3-64 checksum (pegaflow.slotlog; threads, a tqdm bar on a
-terminal), and the rows of one block (namespace digest, hash) grouped: a block
+terminal), and the rows of one block (namespace digest, hash) grouped, with
+numpy over all rows at once: a block
 whose every shard is there and agrees is claimed from the allocator and
 published, ready and evictable, under a namespace known only by its digest.
 The engine that later registers a namespace of that name and geometry adopts
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -189,38 +189,16 @@ def _publish(
     Returns (rows kept, blocks, bytes, namespaces, slots dropped)."""
     t = pool.file.table if pool.file is not None else None
     assert t is not None
-    groups: dict[tuple[bytes, bytes], dict[int, int]] = defaultdict(dict)
-    r = t[rows]
-    digests = r["digest"].tobytes()
-    hashes = r["hash"].tobytes()
-    for i, row in enumerate(rows.tolist()):
-        h = hashes[i * 64 : i * 64 + int(r["hash_len"][i])]
-        groups[(digests[i * 16 : i * 16 + 16], h)][int(r["shard"][i])] = row
-    by_ns: dict[tuple[bytes, int, int, int], list[tuple[bytes, list[int]]]] = (
-        defaultdict(list)
-    )
-    dropped = 0
-    for (digest, h), shards in groups.items():
-        first = t[next(iter(shards.values()))]
-        geo = (int(first["shards"]), int(first["num_layers"]), int(first["slot_bytes"]))
-        same = all(
-            (int(t["shards"][x]), int(t["num_layers"][x]), int(t["slot_bytes"][x]))
-            == geo
-            for x in shards.values()
-        )
-        if not same or len(shards) != geo[0]:
-            dropped += len(shards)
-            continue
-        by_ns[(digest, *geo)].append((h, [shards[s] for s in range(geo[0])]))
-    kept: list[int] = []
+    spaces, dropped = _complete_blocks(t, rows)
+    kept: list[np.ndarray] = []
     blocks = nbytes = 0
-    base = pool.base
-    for (digest, tp, layers, slot_bytes), items in by_ns.items():
-        flat = [row for _, shard_rows in items for row in shard_rows]
-        addrs = [base + int(t["offset"][row]) for row in flat]
-        ok = np.array(pool.slabs.claim(addrs, slot_bytes), bool).reshape(-1, tp)
+    for (digest, tp, layers, slot_bytes), (table, hashes) in spaces.items():
+        addrs = np.uint64(pool.base) + t["offset"][table.ravel()]
+        ok = np.array(pool.slabs.claim(addrs.tolist(), slot_bytes), bool).reshape(
+            -1, tp
+        )
         whole = ok.all(axis=1)
-        partial = np.asarray(addrs, np.uint64).reshape(-1, tp)[~whole & ok.any(1)]
+        partial = addrs.reshape(-1, tp)[~whole & ok.any(1)]
         if len(partial):  # claimed shards of blocks that lost another
             pool.slabs.free(partial[ok[~whole & ok.any(1)]])
         dropped += int((~whole).sum()) * tp
@@ -229,15 +207,92 @@ def _publish(
         ns = recovered.placeholder(digest, tp, layers, slot_bytes)
         if pool.log is not None:
             pool.log.know(ns.id, digest)
-        slots = np.asarray(addrs, np.uint64).reshape(-1, tp)[whole]
-        hs = [h for (h, _), w in zip(items, whole.tolist(), strict=True) if w]
-        store.adopt(ns, hs, slots)
-        kept += [
-            row
-            for (_, rs), w in zip(items, whole.tolist(), strict=True)
-            if w
-            for row in rs
-        ]
+        hs = [h for h, w in zip(hashes, whole.tolist(), strict=True) if w]
+        store.adopt(ns, hs, addrs.reshape(-1, tp)[whole])
+        kept.append(table[whole].ravel())
         blocks += len(hs)
         nbytes += len(hs) * tp * slot_bytes
-    return np.asarray(kept, np.int64), blocks, nbytes, len(by_ns), dropped
+    rows_kept = np.concatenate(kept) if kept else np.empty(0, np.int64)
+    return rows_kept.astype(np.int64), blocks, nbytes, len(spaces), dropped
+
+
+_KEY_BYTES = 16 + 64 + 1  # digest, hash (zeroed past its length), hash length
+
+
+def _complete_blocks(
+    t: np.ndarray, rows: np.ndarray
+) -> tuple[dict[tuple[bytes, int, int, int], tuple[np.ndarray, list[bytes]]], int]:
+    """The blocks whose every shard has a row, all agreeing on the geometry:
+    per (digest, shards, layers, slot bytes), their rows as a [blocks,
+    shards] table (shard order) and their hashes, blocks in the order of
+    their first row. Where two rows claim one shard of a block, the later
+    one counts (the other is reset FREE with every row not kept). Also how
+    many rows of other blocks were dropped. Numpy over all rows at once:
+    a restart's millions of rows are no Python loop."""
+    empty: dict[tuple[bytes, int, int, int], tuple[np.ndarray, list[bytes]]] = {}
+    if not len(rows):
+        return empty, 0
+    r = t[rows]
+    lengths = r["hash_len"].astype(np.intp)
+    key = np.zeros((len(rows), _KEY_BYTES), np.uint8)
+    key[:, :16] = r["digest"]
+    key[:, 16:80] = np.where(np.arange(64) < lengths[:, None], r["hash"], 0)
+    key[:, 80] = lengths
+    _, first, block = np.unique(
+        key.view(np.dtype((np.void, _KEY_BYTES))).ravel(),
+        return_index=True,
+        return_inverse=True,
+    )
+    block = block.ravel()
+    shard = r["shard"].astype(np.intp)
+    # By block, then shard, then row order; of rows sharing a block's shard
+    # only the last is taken.
+    order = np.lexsort((np.arange(len(rows)), shard, block))
+    last = np.ones(len(order), bool)
+    last[:-1] = (block[order[1:]] != block[order[:-1]]) | (
+        shard[order[1:]] != shard[order[:-1]]
+    )
+    order = order[last]
+    starts = np.flatnonzero(np.r_[True, block[order[1:]] != block[order[:-1]]])
+    count = np.diff(np.r_[starts, len(order)])
+    geometry = [
+        r[f][order].astype(np.int64) for f in ("shards", "num_layers", "slot_bytes")
+    ]
+    agree = np.ones(len(starts), bool)
+    for g in geometry:
+        agree &= np.minimum.reduceat(g, starts) == np.maximum.reduceat(g, starts)
+    tp = geometry[0][starts]
+    complete = agree & (count == tp)
+    dropped = int(count[~complete].sum())
+    # Blocks are numbered in key order; the store adopts them in row order.
+    good = np.flatnonzero(complete)
+    good = good[np.argsort(first[good], kind="stable")]
+    ns_key = np.zeros((len(good), 16 + 24), np.uint8)
+    ns_key[:, :16] = r["digest"][order[starts[good]]]
+    ns_key[:, 16:] = (
+        np.stack([g[starts[good]] for g in geometry], axis=1)
+        .view(np.uint8)
+        .reshape(-1, 24)
+    )
+    _, ns_first, ns_of = np.unique(
+        ns_key.view(np.dtype((np.void, 40))).ravel(),
+        return_index=True,
+        return_inverse=True,
+    )
+    ns_of = ns_of.ravel()
+    hash_bytes = r["hash"].tobytes()
+    spaces = empty
+    for ns in np.argsort(ns_first, kind="stable").tolist():
+        mine = good[ns_of == ns]
+        at = starts[mine]
+        width = int(tp[mine[0]])
+        table = rows[order[at[:, None] + np.arange(width)]]
+        heads = order[at].tolist()
+        hashes = [
+            hash_bytes[i * 64 : i * 64 + n]
+            for i, n in zip(heads, lengths[heads].tolist(), strict=True)
+        ]
+        digest = bytes(r["digest"][heads[0]])
+        layers, slot_bytes = int(geometry[1][at[0]]), int(geometry[2][at[0]])
+        spaces[(digest, width, layers, slot_bytes)] = (table, hashes)
+    return spaces, dropped
