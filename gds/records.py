@@ -128,17 +128,22 @@ def gather_staged(
 
 def _set_row_checksums(run: list[Record], slots: np.ndarray, each: int) -> None:
     """Each record's checksum over its row of `slots` (`each` bytes at every
-    address, back to back). xxh3, the default, for the whole run in one call
-    without the GIL (pegaflow.checksum_rows); other algorithms per record."""
+    address, back to back)."""
     algo = run[0].checksum_id  # one per store: every record of a run has it
-    if algo == _XXH3:
-        sums = checksum_rows.rows(slots, each).tolist()
-    else:
-        views = host_views([(a, each) for a in slots.ravel().tolist()])
-        k = slots.shape[1]
-        sums = [hash_parts(algo, views[i : i + k]) for i in range(0, len(views), k)]
-    for rec, checksum in zip(run, sums, strict=True):
+    for rec, checksum in zip(run, _row_checksums(algo, slots, each), strict=True):
         rec.checksum = checksum
+
+
+def _row_checksums(algo: int, slots: np.ndarray, each: int) -> list[int]:
+    """The checksum `algo` of each row of `slots` ([rows, parts] addresses,
+    `each` bytes at every one, back to back). xxh3, the default, for all
+    rows in one call without the GIL (pegaflow.checksum_rows); the other
+    algorithms (records of older stores) a call per row."""
+    if algo == _XXH3:
+        return checksum_rows.rows(slots, each).tolist()
+    views = host_views([(a, each) for a in slots.ravel().tolist()])
+    k = slots.shape[1]
+    return [hash_parts(algo, views[i : i + k]) for i in range(0, len(views), k)]
 
 
 def _set_header_pages(pages: np.ndarray, run: list[Record], store_id: bytes) -> None:
@@ -251,30 +256,25 @@ def read_piece(
     failures: list[tuple[Record, str]],
 ) -> list[bool]:
     """Read records that lie back to back in one file in one request and
-    verify each; ok per record. A record whose slots (dests[i], `each` bytes
-    apiece) are all 4 KiB-aligned is read straight into them; any other into
-    buf, verified there and copied out. Each failed record is added to
-    `failures` with the counter it bumps (the caller drops it)."""
-    direct = each % ALIGN == 0
-    in_place = [direct and all(a % ALIGN == 0 for a in d) for d in dests]
-    buf.ensure(
-        sum(
-            HEADER_BYTES if p else rec.length
-            for rec, p in zip(recs, in_place, strict=True)
-        )
-    )
+    verify each; ok per record. dests: [records, shards] slot addresses,
+    `each` bytes apiece. A record whose slots are all 4 KiB-aligned is read
+    straight into them; any other into buf, verified there and copied out.
+    Each failed record is added to `failures` with the counter it bumps (the
+    caller drops it)."""
+    table = np.asarray(dests, np.uint64).reshape(len(recs), -1)
+    in_place = (each % ALIGN == 0) & (table % np.uint64(ALIGN) == 0).all(axis=1)
+    lengths = np.array([rec.length for rec in recs], np.int64)
+    # Each record's header page (or whole record) in buf, back to back.
+    taken = np.where(in_place, HEADER_BYTES, lengths)
+    where = np.r_[0, np.cumsum(taken)[:-1]]
+    buf.ensure(int(taken.sum()))
     iov: list[Part] = []
-    where: list[int] = []  # each record's header page (or whole record) in buf
-    at = 0
-    for rec, d, p in zip(recs, dests, in_place, strict=True):
-        where.append(at)
+    for d, p, at, n in zip(
+        table.tolist(), in_place.tolist(), where.tolist(), taken.tolist(), strict=True
+    ):
+        iov.append((buf.address + at, n))
         if p:
-            iov.append((buf.address + at, HEADER_BYTES))
             iov.extend((a, each) for a in d)
-            at += HEADER_BYTES
-        else:
-            iov.append((buf.address + at, rec.length))
-            at += rec.length
     try:
         io.preadv(recs[0].file, merge_parts(iov), recs[0].offset)
     except OSError as exc:
@@ -286,66 +286,43 @@ def read_piece(
         failures.extend((rec, "read_errors") for rec in recs)
         return [False] * len(recs)
     failed = [
-        header_failure(rec, store_id, buf.view(head, head + HEADER_BYTES))
-        for rec, head in zip(recs, where, strict=True)
+        header_failure(rec, store_id, buf.view(at, at + HEADER_BYTES))
+        for rec, at in zip(recs, where.tolist(), strict=True)
     ]
     # Where each payload lies now: in its slots, or in buf after its header.
-    payloads = [
-        list(d)
-        if p
-        else [buf.address + head + HEADER_BYTES + i * each for i in range(len(d))]
-        for d, p, head in zip(dests, in_place, where, strict=True)
-    ]
-    _check_payloads(recs, payloads, each, buf.address, failed)
-    staged = [
-        i
-        for i, (p, f) in enumerate(zip(in_place, failed, strict=True))
-        if not p and not f
-    ]
-    if staged:
-        dst = np.array([a for i in staged for a in dests[i]], np.uint64)
-        src = np.array([a for i in staged for a in payloads[i]], np.uint64)
-        copy_within(dst, src, each)
-    for rec, failure in zip(recs, failed, strict=True):
-        if failure:
-            failures.append((rec, failure))
-    return [not f for f in failed]
+    payloads = table.copy()
+    staged = ~in_place
+    payloads[staged] = (
+        np.uint64(buf.address + HEADER_BYTES)
+        + where[staged].astype(np.uint64)[:, None]
+        + np.uint64(each) * np.arange(table.shape[1], dtype=np.uint64)
+    )
+    _check_payloads(recs, payloads, each, failed)
+    out = np.array([not f for f in failed], bool)
+    if (staged & out).any():
+        copy_within(table[staged & out].ravel(), payloads[staged & out].ravel(), each)
+    failures.extend((rec, f) for rec, f in zip(recs, failed, strict=True) if f)
+    return out.tolist()
 
 
 def _check_payloads(
-    recs: list[Record],
-    payloads: list[list[int]],
-    each: int,
-    spare: int,
-    failed: list[str],
+    recs: list[Record], payloads: np.ndarray, each: int, failed: list[str]
 ) -> None:
     """Mark failed[i] "checksum_failures" where record i's payload (`each`
     bytes at every address of payloads[i], back to back) does not hash to its
-    checksum; records already failed are skipped. The xxh3 ones, the
-    default, in one call without the GIL (pegaflow.checksum_rows); others per
-    record. `spare`: any readable address, for the zero-length parts that pad
-    rows of fewer shards."""
-    rows = [i for i, f in enumerate(failed) if not f and recs[i].checksum_id == _XXH3]
-    if rows:
-        k = max(len(payloads[i]) for i in rows)
-        addrs = np.full((len(rows), k), spare, np.uint64)
-        lengths = np.zeros((len(rows), k), np.uint64)
-        for r, i in enumerate(rows):
-            addrs[r, : len(payloads[i])] = payloads[i]
-            lengths[r, : len(payloads[i])] = each
-        sums = checksum_rows.rows(addrs, lengths).tolist()
-        for i, got in zip(rows, sums, strict=True):
+    checksum; records already failed are skipped. One call per checksum
+    algorithm among the records (xxh3 alone, but for older stores')."""
+    algos = np.array([rec.checksum_id for rec in recs])
+    todo = np.array([not f for f in failed], bool)
+    for algo in np.unique(algos[todo]).tolist():
+        rows = np.flatnonzero(todo & (algos == algo))
+        try:
+            sums = _row_checksums(algo, payloads[rows], each)
+        except (FormatError, ImportError):  # an algorithm this server cannot run
+            sums = [None] * len(rows)
+        for i, got in zip(rows.tolist(), sums, strict=True):
             if got != recs[i].checksum:
                 failed[i] = "checksum_failures"
-    for i, rec in enumerate(recs):
-        if failed[i] or rec.checksum_id == _XXH3:
-            continue
-        try:
-            views = [host_view(a, each) for a in payloads[i]]
-            if hash_parts(rec.checksum_id, views) != rec.checksum:
-                failed[i] = "checksum_failures"
-        except (FormatError, ImportError):
-            failed[i] = "checksum_failures"
 
 
 def header_failure(rec: Record, store_id: bytes, page: memoryview) -> str:

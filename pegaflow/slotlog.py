@@ -39,7 +39,6 @@ import numpy as np
 from pegaflow.gds import namespace_digest
 
 from . import checksum_rows
-from .checksums import xxh3_64_parts
 from .instances import Namespace
 from .poolfile import FREE, GRANULE, LANDED, META_OFFSET, SEALED, WRITING
 from .slabs import SlabAllocator
@@ -53,16 +52,11 @@ logger = logging.getLogger(__name__)
 _STOP = None
 
 
-def checksum(meta: bytes | np.ndarray, data: np.ndarray) -> int:
-    """xxh3-64 over a row's meta bytes and its slot's bytes."""
-    return xxh3_64_parts((meta, data))  # GIL dropped while hashing the slot
-
-
 def checksums(table: np.ndarray, data: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """The checksums rows `idx` of `table` describe, over their slots in
-    `data`: the rows' fields read at once, then every row's meta bytes and
-    slot hashed in one call without the GIL (pegaflow.checksum_rows), as
-    checksum() gives them one by one. A row whose slot is not inside `data`
+    """The checksums rows `idx` of `table` describe: xxh3-64 of each row's
+    meta bytes (from META_OFFSET on), then its slot's bytes in `data`; the
+    rows' fields read at once, then every row hashed in one call without
+    the GIL (pegaflow.checksum_rows). A row whose slot is not inside `data`
     is refused (ValueError) before anything is read: its offset and size
     are the file's claim."""
     if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
