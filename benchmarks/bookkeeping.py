@@ -40,13 +40,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import table, write_json  # noqa: E402
-from pegaflow.config import EngineConfig, PoolConfig  # noqa: E402
-from pegaflow.engine import Engine  # noqa: E402
+from pegaflow.cache.pool import HostPool  # noqa: E402
+from pegaflow.cache.registration_checks import RegisterSpec  # noqa: E402
+from pegaflow.common.config import EngineConfig, PoolConfig  # noqa: E402
+from pegaflow.common.geometry import LayerLayout, Segment, Transfers  # noqa: E402
+from pegaflow.common.identity import CallContext, Caller  # noqa: E402
 from pegaflow.gds import SsdConfig, SsdTier  # noqa: E402
-from pegaflow.geometry import LayerLayout, Segment, Transfers  # noqa: E402
-from pegaflow.identity import CallContext, Caller  # noqa: E402
-from pegaflow.pool import HostPool  # noqa: E402
-from pegaflow.registration import RegisterSpec  # noqa: E402
+from pegaflow.server.engine import Engine  # noqa: E402
 
 LAYERS = 32  # Llama-3.1-8B
 PAGE = 512

@@ -10,7 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pegaflow.spawn import spawn_server
+from pegaflow.demo.spawn import spawn_server
 
 ROOT = Path(__file__).resolve().parent.parent
 

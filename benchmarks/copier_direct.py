@@ -2,7 +2,7 @@
 (issue 12): the same N blocks moved by the block kernel alone, by the
 server's CudaCopyEngine on the calling thread, and by it on a copy thread
 (as the server calls it), into a pool made like kernel_variants.py's and into
-one made like the server's (pegaflow.pool.HostPool + HostRegistrar).
+one made like the server's (pegaflow.cache.pool.HostPool + HostRegistrar).
 
 On the H200 (2026-12-02, sixth session) the server's copy of 64 blocks ran at
 42 GB/s while kernel_variants.py's kernel reached 46-50 on the same shape:
@@ -41,9 +41,9 @@ class ServerPool:
     for the pieces this benchmark uses (slot addresses, checks, poison)."""
 
     def __init__(self, gib: int, slot_bytes: int) -> None:
-        from pegaflow.config import PoolConfig
-        from pegaflow.cuda_driver import HostRegistrar
-        from pegaflow.pool import HostPool
+        from pegaflow.cache.pool import HostPool
+        from pegaflow.common.config import PoolConfig
+        from pegaflow.common.cuda_driver import HostRegistrar
 
         config = PoolConfig(size_bytes=gib << 30, show_progress=False)
         self.pool = HostPool(config, HostRegistrar(0, threads=4))
@@ -61,9 +61,9 @@ class ServerPool:
 
 
 def copier_for(base: int, size: int) -> Any:
-    from pegaflow.config import CudaConfig
+    from pegaflow.common.config import CudaConfig
     from pegaflow.copiers.contention import ContendedPolicy
-    from pegaflow.copiers.cuda import CudaCopyEngine
+    from pegaflow.copiers.cuda_copier import CudaCopyEngine
 
     config = CudaConfig()
     return CudaCopyEngine(
@@ -73,7 +73,7 @@ def copier_for(base: int, size: int) -> Any:
 
 def regions_of(copier: Any, k: Any, address: int, size: int) -> Any:
     """CudaRegions over this process's own allocation (no IPC: same process)."""
-    from pegaflow.copiers.cuda import CudaRegions
+    from pegaflow.copiers.cuda_copier import CudaRegions
 
     dev = next(iter(copier._devices.values()))
     return CudaRegions(dev, (), (address,), k.wrap(address, size), ())

@@ -1,4 +1,4 @@
-"""Full-GC pauses of a large block index, with and without pegaflow.gcpolicy.
+"""Full-GC pauses of a large block index, with and without pegaflow.server.gc_freeze.
 
 The real BlockStore + LRU policy (no copies), filled to --blocks resident
 blocks by saves of --batch fresh blocks, then churned (every save evicts as
@@ -23,11 +23,11 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import table, write_json  # noqa: E402
-from pegaflow import gcpolicy  # noqa: E402
-from pegaflow.blocks import BlockStore  # noqa: E402
-from pegaflow.instances import Namespace  # noqa: E402
-from pegaflow.policy import LRUPolicy  # noqa: E402
-from pegaflow.slabs import SlabAllocator  # noqa: E402
+from pegaflow.cache.block_store import BlockStore  # noqa: E402
+from pegaflow.cache.eviction import LRUPolicy  # noqa: E402
+from pegaflow.cache.instances import Namespace  # noqa: E402
+from pegaflow.cache.slabs import SlabAllocator  # noqa: E402
+from pegaflow.server import gc_freeze as gcpolicy  # noqa: E402
 
 SLOT = 256
 

@@ -27,10 +27,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pegaflow.common.geometry import KVGeometry, LayerLayout, Segment  # noqa: E402
 from pegaflow.gds import SsdConfig, SsdTier, namespace_digest  # noqa: E402
 from pegaflow.gds.format import HEADER_BYTES, align_up  # noqa: E402
 from pegaflow.gds.gpu_plan import RecordSpans, plan_reads  # noqa: E402
-from pegaflow.geometry import KVGeometry, LayerLayout, Segment  # noqa: E402
 
 NS = namespace_digest("gds-direct-bench", (32, 65536))
 CTAS = 66

@@ -1,5 +1,5 @@
 """What the hit-rate ceiling costs: HyperLogLog update and error, and the query
-path with and without the miss/ceiling tracker (pegaflow.misses).
+path with and without the miss/ceiling tracker (pegaflow.cache.miss_reasons).
 
     python benchmarks/hll_cost.py        # prints; benchmarks/sharing.py embeds it
 """
@@ -16,13 +16,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pegaflow.blocks import BlockStore  # noqa: E402
-from pegaflow.config import HitRateConfig  # noqa: E402
-from pegaflow.hll import WindowSet, hash64, hash64_batches  # noqa: E402
-from pegaflow.instances import Namespace  # noqa: E402
-from pegaflow.misses import HitRateTracker, RecordingPolicy  # noqa: E402
-from pegaflow.policy import LRUPolicy  # noqa: E402
-from pegaflow.slabs import SlabAllocator  # noqa: E402
+from pegaflow.cache.block_store import BlockStore  # noqa: E402
+from pegaflow.cache.eviction import LRUPolicy  # noqa: E402
+from pegaflow.cache.hll import WindowSet, hash64, hash64_batches  # noqa: E402
+from pegaflow.cache.instances import Namespace  # noqa: E402
+from pegaflow.cache.miss_reasons import HitRateTracker, RecordingPolicy  # noqa: E402
+from pegaflow.cache.slabs import SlabAllocator  # noqa: E402
+from pegaflow.common.config import HitRateConfig  # noqa: E402
 
 WINDOWS = (900.0, 3600.0, 86400.0)
 

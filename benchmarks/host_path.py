@@ -21,10 +21,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import start_server, table, write_json  # noqa: E402
-from pegaflow.client import PegaflowClient  # noqa: E402
-from pegaflow.config import PoolConfig  # noqa: E402
-from pegaflow.kv_layouts import describe, vllm_layer_views  # noqa: E402
-from pegaflow.pool import HostPool  # noqa: E402
+from pegaflow.cache.pool import HostPool  # noqa: E402
+from pegaflow.client.kv_layouts import describe, vllm_layer_views  # noqa: E402
+from pegaflow.client.pegaflow_client import PegaflowClient  # noqa: E402
+from pegaflow.common.config import PoolConfig  # noqa: E402
 
 PAGE = 64 << 10  # Llama-3.1-8B: 8 KV heads x 16 tokens x 2 x 128 x bf16
 
@@ -109,7 +109,7 @@ def bench_queries(
     the floor: an empty gRPC call (Health) on the same channel. resident > 0:
     then again over the socket with that many other blocks resident (a big
     index: its lookups miss the CPU caches)."""
-    page = 512  # the smallest page a registration may have (pegaflow.limits)
+    page = 512  # the smallest page a registration may have (pegaflow.common.request_limits)
     blocks = max(sizes)
     buf = np.zeros(blocks * page, np.uint8)
     mem = describe(vllm_layer_views(buf, 1, blocks, (page,)))

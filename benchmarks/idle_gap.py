@@ -39,7 +39,7 @@ def python_work() -> Callable[[], None]:
     """The kind of host work one 1-block request does: a descriptor table for
     32 layers from numpy metadata, a few dict and attribute lookups."""
     from benchmarks.kernel_variants_mem import LLAMA
-    from pegaflow.geometry import KVGeometry
+    from pegaflow.common.geometry import KVGeometry
 
     geo = KVGeometry(LLAMA.layout(), [1 << 40])
     slots = np.uint64(1 << 30) + np.array([12345], np.uint64) * np.uint64(

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from pegaflow.cuda_driver import check
+from pegaflow.common.cuda_driver import check
 from pegaflow.kernels import plan
 
 Call = Callable[[], None]

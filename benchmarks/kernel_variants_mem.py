@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pegaflow.cuda_driver import check
-from pegaflow.geometry import KVGeometry, LayerLayout, Segment, Transfers
+from pegaflow.common.cuda_driver import check
+from pegaflow.common.geometry import KVGeometry, LayerLayout, Segment, Transfers
 from pegaflow.kernels.plan import aligned_empty
 
 POISON = 0xAB

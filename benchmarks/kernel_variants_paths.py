@@ -18,11 +18,11 @@ import numpy as np
 
 from benchmarks.common import table
 from benchmarks.kernel_variants_mem import GpuMem, PoolKind, SimMem
-from pegaflow.cuda_driver import check
+from pegaflow.common.cuda_driver import check
 from pegaflow.kernels import plan
 from pegaflow.kernels.plan import LaunchShape
 
-CAP = 66  # CTAs per direction in the server (pegaflow.copiers.cuda.DEFAULT_CTAS)
+CAP = 66  # CTAs per direction in the server (pegaflow.copiers.cuda_copier.DEFAULT_CTAS)
 SIM_CAP = 2
 FLAG_TIMEOUT_S = 5.0
 CEILING = "ceiling: 1 contiguous memcpy"

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # source checkout
 from cuda.bindings import driver, runtime  # noqa: E402
 
 from pegaflow import kernels  # noqa: E402
-from pegaflow.geometry import KVGeometry, LayerLayout, Segment, Transfers  # noqa: E402
+from pegaflow.common.geometry import KVGeometry, LayerLayout, Segment, Transfers  # noqa: E402
 
 LAYERS, PAGE = 32, 64 << 10
 ENGINE_BLOCKS, POOL_SLOTS = 4096, 3072

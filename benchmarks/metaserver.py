@@ -28,9 +28,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import table, write_json  # noqa: E402
-from pegaflow.metaserver.client import MetaClient  # noqa: E402
 from pegaflow.metaserver.index import BlockIndex  # noqa: E402
-from pegaflow.metaserver.service import blocks  # noqa: E402
+from pegaflow.metaserver.meta_client import MetaClient  # noqa: E402
+from pegaflow.metaserver.meta_service import blocks  # noqa: E402
 from pegaflow.proto import metaserver_pb2 as pb  # noqa: E402
 
 NS = b"\x11" * 32

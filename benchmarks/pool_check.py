@@ -1,6 +1,6 @@
 """The check pass of a warm restart (--pool-file), in process: a pool file
 filled with sealed slots (random bytes; 2 MiB, or --slot), then reopened and recovered
-again and again; the seconds of pegaflow.recovery.recover(), which on a kept
+again and again; the seconds of pegaflow.server.warm_restart.recover(), which on a kept
 file is mostly the checksum of every SEALED slot. restart.py times the whole
 restart (exec, imports, mapping, gRPC) around it.
 
@@ -21,12 +21,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import write_json  # noqa: E402
-from pegaflow.blocks import BlockStore  # noqa: E402
-from pegaflow.config import PoolConfig, parse_size  # noqa: E402
-from pegaflow.instances import Namespace, Registry  # noqa: E402
-from pegaflow.policy import LRUPolicy  # noqa: E402
-from pegaflow.pool import HostPool  # noqa: E402
-from pegaflow.recovery import Recovered, recover  # noqa: E402
+from pegaflow.cache.block_store import BlockStore  # noqa: E402
+from pegaflow.cache.eviction import LRUPolicy  # noqa: E402
+from pegaflow.cache.instances import Namespace, Registry  # noqa: E402
+from pegaflow.cache.pool import HostPool  # noqa: E402
+from pegaflow.common.config import PoolConfig, parse_size  # noqa: E402
+from pegaflow.server.warm_restart import Recovered, recover  # noqa: E402
 
 BATCH = 64
 

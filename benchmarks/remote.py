@@ -67,7 +67,7 @@ else:
 
 _TE = """
 import sys, time, numpy as np
-from pegaflow.remote.transport import MooncakeTransport, TransportSettings
+from pegaflow.tiers.remote.transfer_engine import MooncakeTransport, TransportSettings
 n, role, host = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 te = MooncakeTransport(TransportSettings("tcp", host))
 buf = np.ones(n, np.uint8); te.register(buf.ctypes.data, n)

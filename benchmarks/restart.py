@@ -30,10 +30,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import start_server, table, write_json  # noqa: E402
-from pegaflow.client import PegaflowClient  # noqa: E402
-from pegaflow.config import parse_size  # noqa: E402
-from pegaflow.errors import PegaflowError  # noqa: E402
-from pegaflow.kv_layouts import describe, vllm_layer_views  # noqa: E402
+from pegaflow.client.kv_layouts import describe, vllm_layer_views  # noqa: E402
+from pegaflow.client.pegaflow_client import PegaflowClient  # noqa: E402
+from pegaflow.common.config import parse_size  # noqa: E402
+from pegaflow.common.errors import PegaflowError  # noqa: E402
 
 PAGE = 64 << 10
 LAYERS = 32

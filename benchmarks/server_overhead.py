@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import phase_trace  # noqa: E402
 from benchmarks.common import table, write_json  # noqa: E402
 from benchmarks.transfer import server_sums  # noqa: E402
-from pegaflow.client import PegaflowClient  # noqa: E402
-from pegaflow.kv_layouts import describe, vllm_layer_views  # noqa: E402
+from pegaflow.client.kv_layouts import describe, vllm_layer_views  # noqa: E402
+from pegaflow.client.pegaflow_client import PegaflowClient  # noqa: E402
 
 LAYERS = 32
 

@@ -1,7 +1,7 @@
 """One shared pool vs isolated per-engine pools, LRU vs TinyLFU, measured hit
 rate vs the HyperLogLog ceiling: a trace replayed through the real index, pool
 and policy code (BlockStore, SlabAllocator, LRUPolicy, AdmissionPolicy,
-LeaseTable, HitRateTracker), wired as pegaflow.engine wires them, with no bytes
+LeaseTable, HitRateTracker), wired as pegaflow.server.engine wires them, with no bytes
 moved (a fake slab base, as tests/unit/test_blocks.py does).
 
     python benchmarks/sharing.py --jobs 16   # 40K requests; 15 replays in parallel
@@ -38,18 +38,18 @@ from benchmarks.sharing_trace import (  # noqa: E402
     exact_ceilings,
     make_trace,
 )
-from pegaflow.blocks import BlockStore  # noqa: E402
-from pegaflow.config import HitRateConfig  # noqa: E402
-from pegaflow.instances import Namespace  # noqa: E402
-from pegaflow.leases import LeaseTable  # noqa: E402
-from pegaflow.misses import (  # noqa: E402
+from pegaflow.cache.block_store import BlockStore  # noqa: E402
+from pegaflow.cache.eviction import AdmissionPolicy, LRUPolicy, TinyLFU  # noqa: E402
+from pegaflow.cache.instances import Namespace  # noqa: E402
+from pegaflow.cache.leases import LeaseTable  # noqa: E402
+from pegaflow.cache.miss_reasons import (
     CAUSES,
     HitRateTracker,
     RecordingPolicy,
     RemoteProbe,
 )
-from pegaflow.policy import AdmissionPolicy, LRUPolicy, TinyLFU  # noqa: E402
-from pegaflow.slabs import SlabAllocator  # noqa: E402
+from pegaflow.cache.slabs import SlabAllocator  # noqa: E402
+from pegaflow.common.config import HitRateConfig  # noqa: E402
 
 SLOT = 4096  # bookkeeping only: no byte of the fake pool is touched
 BLOCK_MIB = 2.25
@@ -101,7 +101,7 @@ class Pool:
         )
         slabs = SlabAllocator(1 << 40, blocks * SLOT, 16 * SLOT)
         self.store = BlockStore(slabs, RecordingPolicy(inner, self.tracker))
-        self.store.on_pool_full = self.tracker.pool_full  # as pegaflow.engine
+        self.store.on_pool_full = self.tracker.pool_full  # as pegaflow.server.engine
         self.leases = LeaseTable(self.store, ttl_s=30.0)
 
     def serve(self, req: Request, owner: str) -> int:

@@ -158,7 +158,7 @@ def exact_ceilings(
     r* = (N - U) / N counts each block's first *query* as a miss. An infinite
     cache also hits blocks that a save put there before their first query (a
     reply, queried in the next turn), so its hit rate can lie above r*: that
-    is what the server's ceiling estimates (pegaflow.misses).
+    is what the server's ceiling estimates (pegaflow.cache.miss_reasons).
     """
     queried: dict[int, set[BlockHash]] = {}
     saved: dict[int, set[BlockHash]] = {}

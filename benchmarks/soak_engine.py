@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from pegaflow.client import PegaflowClient, Session
-from pegaflow.errors import PegaflowError, ServerUnavailable, UnknownInstance
-from pegaflow.kv_layouts import describe, vllm_layer_views
+from pegaflow.client.kv_layouts import describe, vllm_layer_views
+from pegaflow.client.pegaflow_client import PegaflowClient, Session
+from pegaflow.common.errors import PegaflowError, ServerUnavailable, UnknownInstance
 
 logger = logging.getLogger("soak.engine")
 

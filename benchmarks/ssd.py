@@ -50,12 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import table, write_json  # noqa: E402
 from pegaflow.gds import SsdConfig, SsdTier, namespace_digest  # noqa: E402
-from pegaflow.gds.format import (  # noqa: E402
-    CHECKSUM_NAMES,
-    ChecksumName,
-    checksum_id,
-    hasher,
-)
+from pegaflow.gds.format import CHECKSUM_NAMES, ChecksumName, checksum_id, hasher
 
 NS = namespace_digest("bench", (1,))
 SOURCE_BYTES = 256 << 20  # the "pool": blocks cycle through it

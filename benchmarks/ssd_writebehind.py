@@ -45,10 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import phase_trace  # noqa: E402
 from benchmarks.common import metric_totals, table, write_json  # noqa: E402
 from benchmarks.ssd import dd  # noqa: E402
-from pegaflow.client import PegaflowClient  # noqa: E402
+from pegaflow.client.kv_layouts import describe, vllm_layer_views  # noqa: E402
+from pegaflow.client.pegaflow_client import PegaflowClient  # noqa: E402
+from pegaflow.demo.spawn import spawn_server  # noqa: E402
 from pegaflow.kernels.plan import aligned_empty  # noqa: E402
-from pegaflow.kv_layouts import describe, vllm_layer_views  # noqa: E402
-from pegaflow.spawn import spawn_server  # noqa: E402
 
 SWITCH = Path(__file__).with_name("switch_interval.py")
 # Where a save's copy and the SSD writers spend their time, and how much of it
@@ -58,13 +58,13 @@ SWITCH = Path(__file__).with_name("switch_interval.py")
 # finish_save (which hands sealed blocks to the tier: SsdLink.sealed) and the
 # hand-back from the copy thread, which waits for the GIL like any thread.
 TRACE_TARGETS = (
-    "pegaflow.copiers.host:transfer",
-    "pegaflow.copiers.host:HostCopyEngine._copy",
-    "pegaflow.engine:Engine.save",
-    "pegaflow.engine:Engine._copy",
-    "pegaflow.blocks:BlockStore.reserve_save",
-    "pegaflow.blocks:BlockStore.finish_save",
-    "pegaflow.ssd:SsdLink.sealed",
+    "pegaflow.copiers.host_copier:transfer",
+    "pegaflow.copiers.host_copier:HostCopyEngine._copy",
+    "pegaflow.server.engine:Engine.save",
+    "pegaflow.server.engine:Engine._copy",
+    "pegaflow.cache.block_store:BlockStore.reserve_save",
+    "pegaflow.cache.block_store:BlockStore.finish_save",
+    "pegaflow.tiers.ssd_tier:SsdLink.sealed",
     "pegaflow.gds.tier:SsdTier._write_batch",
 )
 MODES = ("none", "evict", "seal")

@@ -1,6 +1,6 @@
 """The SSD writer threads' CPU per block, the write syscall stubbed: what a
 writer holds the GIL for (checksum excepted: it runs a run at a time in one
-compiled call without the GIL, pegaflow.checksum_rows), which the save path's
+compiled call without the GIL, pegaflow.common.checksum_rows), which the save path's
 threads lose while write-behind runs.
 
 One writer thread writes `--mib` of blocks spilled 64 at a time from an aligned
@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import table, write_json  # noqa: E402
-from pegaflow import checksum_rows  # noqa: E402
+from pegaflow.common import checksum_rows  # noqa: E402
 from pegaflow.gds import SsdConfig, SsdTier  # noqa: E402
 from pegaflow.gds import tier as tier_module  # noqa: E402
 from pegaflow.gds.io import AlignedBuffer, host_view  # noqa: E402
@@ -90,7 +90,7 @@ def measure(
             tier.close()
     written = tier.stats().blocks_written
     # The checksum alone, as the writers compute it: a run's rows in one
-    # call (pegaflow.checksum_rows), SPILL_BLOCKS rows a call.
+    # call (pegaflow.common.checksum_rows), SPILL_BLOCKS rows a call.
     checksum_rows.warm()
     start = time.thread_time()
     for i in range(0, n, SPILL_BLOCKS):

@@ -67,7 +67,7 @@ def run_copies(op: str, lane: Any) -> Callable:
     """A staged round's copy (pegaflow.kernels.base.Dma) on `lane`: its runs,
     staging <-> pool offsets, as one cuMemcpyBatchAsync (paths.DmaPath; a
     round's runs are whole 2 MiB slots)."""
-    from pegaflow.geometry import Transfers
+    from pegaflow.common.geometry import Transfers
 
     batch = paths.DmaPath(op, lane)
 
@@ -303,7 +303,7 @@ def window(r: Run, fn: Callable, streams: tuple, mm: Any) -> Any:
 def huge_meminfo(r: Run) -> dict[str, object]:
     """/proc/meminfo's hugepage lines while the pool is mapped, and the pool's
     own share of 2 MiB pages (did THP take?)."""
-    from pegaflow.hugepages import huge_share
+    from pegaflow.cache.hugepages import huge_share
 
     with open("/proc/meminfo") as f:
         rows = [line.split(":") for line in f if "Huge" in line]

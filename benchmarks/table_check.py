@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine, table, write_json  # noqa: E402
-from pegaflow.geometry import KVGeometry, LayerLayout, Segment  # noqa: E402
+from pegaflow.common.geometry import KVGeometry, LayerLayout, Segment  # noqa: E402
 from pegaflow.kernels import table_jit  # noqa: E402
 from pegaflow.kernels.plan import Buffer, descriptor_table  # noqa: E402
 

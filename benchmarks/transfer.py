@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import interference, phase_trace  # noqa: E402
 from benchmarks.common import metric_lines, metric_totals, table, write_json  # noqa: E402
-from pegaflow.client import PegaflowClient  # noqa: E402
-from pegaflow.cuda_export import IpcEvents, export_kv  # noqa: E402
-from pegaflow.kv_layouts import vllm_layer_views  # noqa: E402
-from pegaflow.spawn import spawn_server  # noqa: E402
+from pegaflow.client.cuda_export import IpcEvents, export_kv  # noqa: E402
+from pegaflow.client.kv_layouts import vllm_layer_views  # noqa: E402
+from pegaflow.client.pegaflow_client import PegaflowClient  # noqa: E402
+from pegaflow.demo.spawn import spawn_server  # noqa: E402
 
 if TYPE_CHECKING:
     import torch

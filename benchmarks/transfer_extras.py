@@ -16,9 +16,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pegaflow.config import PoolConfig
-from pegaflow.cuda_driver import HostRegistrar
-from pegaflow.pool import HostPool
+from pegaflow.cache.pool import HostPool
+from pegaflow.common.config import PoolConfig
+from pegaflow.common.cuda_driver import HostRegistrar
 
 # Llama-3.1-8B
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD = 4096, 32, 32, 8, 128

@@ -19,10 +19,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from .config import failure_policy_warning, parse_config
-from .plan import StepPlan, WorkerReport, new_stats
+from .extra_config import failure_policy_warning, parse_config
 from .scheduler import SchedulerHalf
 from .stats import PegaConnectorStats, PegaPromMetrics
+from .step_plan import StepPlan, WorkerReport, new_stats
 from .worker import WorkerHalf
 
 logger = logging.getLogger(__name__)

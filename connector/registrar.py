@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from pegaflow.client import PegaflowClient, Session
-from pegaflow.errors import NotSupported, PegaflowError
-from pegaflow.kv_layouts import describe
+from pegaflow.client.kv_layouts import describe
+from pegaflow.client.pegaflow_client import PegaflowClient, Session
+from pegaflow.common.errors import NotSupported, PegaflowError
 
-from .config import ConnectorConfig
+from .extra_config import ConnectorConfig
 from .tensors import KVTensors, kv_tensors, namespace_digest, namespace_parts
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class Registrar:
         self.layer_index: dict[str, int] = {}
         self._pool = pool
         self._register_fn: Any = None  # () -> Registration, set by describe()
-        self._events: Any = None  # pegaflow.cuda_export.IpcEvents for CUDA KV
+        self._events: Any = None  # pegaflow.client.cuda_export.IpcEvents for CUDA KV
         self._device = "cpu"
         self._session: Session | None = None
         self._attempt: Future | None = None
@@ -98,7 +98,7 @@ class Registrar:
 
     def _describe_cuda(self, kv: KVTensors, signals: int) -> Any:
         try:
-            from pegaflow.cuda_export import IpcEvents, export_kv
+            from pegaflow.client.cuda_export import IpcEvents, export_kv
         except ImportError as exc:  # cuda-python missing: the [cuda] extra
             raise NotSupported(
                 f"PegaKVConnector: CUDA KV cannot register ({exc}); install "

@@ -13,11 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pegaflow.client import PegaflowClient
-from pegaflow.errors import PegaflowError, ServerUnavailable, UnknownInstance
+from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.common.errors import PegaflowError, ServerUnavailable, UnknownInstance
 
-from .config import ConnectorConfig
-from .plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stats
+from .extra_config import ConnectorConfig
+from .step_plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stats
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from .plan import STAT_KEYS, new_stats
+from .step_plan import STAT_KEYS, new_stats
 
 DOCS = {
     "queries": "Prefix queries sent to pegaflow-server",

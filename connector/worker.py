@@ -29,12 +29,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from typing import Any
 
-from pegaflow.client import COPY_GRACE_S, LoadItem, PegaflowClient
-from pegaflow.errors import PegaflowError, ServerUnavailable, UnknownInstance
+from pegaflow.client.pegaflow_client import COPY_GRACE_S, LoadItem, PegaflowClient
+from pegaflow.common.errors import PegaflowError, ServerUnavailable, UnknownInstance
 
-from .config import ConnectorConfig
-from .plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stats
+from .extra_config import ConnectorConfig
 from .registrar import Registrar
+from .step_plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stats
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ Layout
     records.py   one request's bytes: a run's write parts, a piece read + verified
     store.py     files + rings + index + journal behind one lock
     tier.py      SsdTier: the seam the server calls
-    config.py    SsdConfig (moves to pegaflow/config.py when wired in)
+    config.py    SsdConfig (moves to pegaflow/common/config.py when wired in)
     gpu_plan.py  SSD -> GPU direct loads: records -> (file, offset, device, bytes)
                  reads, merged, bounds-checked (pure numpy)
     gpu_reads.py DirectReads: one kvikio batch per load, checksums verified
@@ -103,14 +103,14 @@ The seam (all of it; the server needs nothing else)
                                           "kvikio-gds" | "kvikio-compat"
     namespace_digest(name, signature)     16-byte on-disk namespace key
 
-Wired into the server by pegaflow/ssd.py (SsdLink): with --ssd-write-on seal,
+Wired into the server by pegaflow/tiers/ssd_tier.py (SsdLink): with --ssd-write-on seal,
 BlockStore.finish_save hands the blocks it makes ready to spill_many() (write-behind);
 BlockStore._remove hands evicted ready blocks not yet on SSD to spill() (slots
 freed on release, marshalled to the event loop), Engine.query answers
 `loading` and runs one load per missing prefix,
-pegaflow/cli.py builds SsdConfig into ServerConfig.ssd (--ssd-* flags),
-pegaflow/server.py closes the tier after the engine and before the pool, and
-pegaflow/metrics.py (SsdCollector) exports tier.stats().
+pegaflow/server/cli.py builds SsdConfig into ServerConfig.ssd (--ssd-* flags),
+pegaflow/server/assembly.py closes the tier after the engine and before the pool, and
+pegaflow/server/metrics.py (SsdCollector) exports tier.stats().
 """
 
 from __future__ import annotations

@@ -24,14 +24,14 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from pegaflow.checksums import xxh3_64, xxh3_64_parts
+from pegaflow.common.checksums import xxh3_64, xxh3_64_parts
 
 ALIGN = 4096
 HEADER_BYTES = ALIGN
 SUPERBLOCK_BYTES = ALIGN
 FORMAT_VERSION = 1
 NS_DIGEST_BYTES = 16
-MAX_HASH_BYTES = 64  # as pegaflow.engine.MAX_HASH_BYTES
+MAX_HASH_BYTES = 64  # as pegaflow.server.engine.MAX_HASH_BYTES
 STORE_ID_BYTES = 16
 # The largest payload (a block, all its TP shards) the store writes: a header
 # or journal entry naming more is damage, and a start never reads more than
@@ -72,9 +72,9 @@ def record_bytes(payload_len: int) -> int:
 # fast non-cryptographic hash does: xxh3-64 hashes ~25 GB/s a core on the dev
 # VM, blake3 3.6, blake2b 0.5, and the writers share cores with the save path.
 # All three drop the GIL for large buffers (xxh3 in the streaming form of
-# pegaflow.checksums), so I/O threads hash in parallel.
+# pegaflow.common.checksums), so I/O threads hash in parallel.
 def _xxh3(data: memoryview) -> int:
-    return xxh3_64(data)  # not xxhash's one-shot: see pegaflow.checksums
+    return xxh3_64(data)  # not xxhash's one-shot: see pegaflow.common.checksums
 
 
 def _blake2b(data: memoryview) -> int:
@@ -308,7 +308,7 @@ def check_key(ns_digest: bytes, block_hash: bytes) -> None:
 
 def namespace_digest(name: str, signature: tuple[int, ...] = ()) -> bytes:
     """A stable 16-byte digest of a namespace: its name plus its byte geometry
-    (pegaflow.instances.Namespace.signature), so blocks of a namespace whose
+    (pegaflow.cache.instances.Namespace.signature), so blocks of a namespace whose
     geometry changed under the same name never load."""
     h = hashlib.blake2b(name.encode(), digest_size=NS_DIGEST_BYTES)
     h.update(struct.pack(f"<{len(signature)}q", *signature))

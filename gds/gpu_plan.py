@@ -1,14 +1,14 @@
 """The plan of an SSD → GPU direct load: SSD records → engine GPU blocks as one
 batch of (file, file offset, device address, bytes) reads. Pure numpy, no I/O.
 
-A record's payload is one L1 slot's bytes (pegaflow.geometry: the (layer,
+A record's payload is one L1 slot's bytes (pegaflow.common.geometry: the (layer,
 segment) rows back to back), so row r of the record for engine block b lies at
 
     file offset  rec.offset + HEADER_BYTES + slot_offset[r]
     device       engine_offset[r] + b * block_stride[r]
 
 and moves seg_bytes[r] bytes. Reads that continue each other both on disk and
-on the device are merged (pegaflow.runs.merge_adjacent): a block-major engine
+on the device are merged (pegaflow.common.runs.merge_adjacent): a block-major engine
 layout reads a whole record in one request, a layer-major one (vLLM 0.33's
 LBNHC) one page per request. Every range is checked against its record's
 payload and the registered device regions before anything is read: a plan
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pegaflow.errors import InternalError
-from pegaflow.geometry import KVGeometry
-from pegaflow.runs import merge_adjacent
+from pegaflow.common.errors import InternalError
+from pegaflow.common.geometry import KVGeometry
+from pegaflow.common.runs import merge_adjacent
 
 from .format import HEADER_BYTES
 

@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pegaflow import deadlines
-from pegaflow.geometry import KVGeometry
+from pegaflow.common import deadlines
+from pegaflow.common.geometry import KVGeometry
 
 from .format import ALIGN, HEADER_BYTES
 from .gpu_plan import ReadPlan, RecordSpans, plan_reads

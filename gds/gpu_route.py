@@ -2,7 +2,7 @@
 "direct" (kvikio reads into the engine's GPU blocks, gds.gpu_reads) or "l1"
 (SSD → L1 slots → the copy kernels or copy engines).
 
-The server's `--ssd-gpu-direct` (SsdConfig.gpu_direct); pegaflow.ssd_direct
+The server's `--ssd-gpu-direct` (SsdConfig.gpu_direct); pegaflow.tiers.ssd_gpu_direct
 takes the direct route where this chooses it. `auto` takes the direct route
 only where GPUDirect Storage is present (kvikio not in its POSIX
 compatibility mode): there the disk DMAs into GPU memory and the L1 hop is

@@ -117,7 +117,7 @@ def copy_within(dst: np.ndarray, src: np.ndarray, nbytes: int) -> None:
 def _compiled_copy() -> Callable[[np.ndarray, np.ndarray, int], None] | None:
     """The compiled loop, checked on a few rows; None without numba or when
     it copies otherwise than it should (said in the log)."""
-    from pegaflow.kernels.jit import checked_nogil
+    from pegaflow.common.jit import checked_nogil
 
     memmove = ctypes.CDLL(None).memmove  # this process's C library
     memmove.restype = ctypes.c_uint64

@@ -1,9 +1,9 @@
 """The SSD tier's files hold every tenant's KV bytes, the store id and the
-index: the rules of pegaflow.private_files, with this tier's flag and error."""
+index: the rules of pegaflow.common.private_files, with this tier's flag and error."""
 
 from __future__ import annotations
 
-from pegaflow import private_files
+from pegaflow.common import private_files
 
 from .io import SsdError
 

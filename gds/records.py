@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pegaflow import checksum_rows
-from pegaflow.runs import merge_adjacent, merge_parts
+from pegaflow.common import checksum_rows
+from pegaflow.common.runs import merge_adjacent, merge_parts
 
 from .format import (
     ALIGN,
@@ -137,7 +137,7 @@ def _set_row_checksums(run: list[Record], slots: np.ndarray, each: int) -> None:
 def _row_checksums(algo: int, slots: np.ndarray, each: int) -> list[int]:
     """The checksum `algo` of each row of `slots` ([rows, parts] addresses,
     `each` bytes at every one, back to back). xxh3, the default, for all
-    rows in one call without the GIL (pegaflow.checksum_rows); the other
+    rows in one call without the GIL (pegaflow.common.checksum_rows); the other
     algorithms (records of older stores) a call per row."""
     if algo == _XXH3:
         return checksum_rows.rows(slots, each).tolist()

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
 
-from pegaflow.keys import BlockHash
+from pegaflow.common.keys import BlockHash
 
 NsDigest = bytes
 

@@ -23,13 +23,7 @@ from .files import Layout, Mismatch, prepare, reinitialise
 from .format import MAX_PAYLOAD_BYTES, SUPERBLOCK_BYTES, checksum_id, record_bytes
 from .io import AlignedBuffer, SsdError, open_backend
 from .records import Payloads, gather, read_pieces
-from .recovery import (
-    Recovered,
-    Recovery,
-    journal_limit,
-    log_ready,
-    recover,
-)
+from .recovery import Recovered, Recovery, journal_limit, log_ready, recover
 from .ring import BlockHash, Index, NsDigest, Record, Ring, State
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from pegaflow import checksum_rows
+from pegaflow.common import checksum_rows
 
 from .config import SsdConfig
 from .format import check_key

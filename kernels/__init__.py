@@ -1,4 +1,4 @@
-"""Copy kernels: move descriptor tables (`pegaflow.geometry.Transfers`) between
+"""Copy kernels: move descriptor tables (`pegaflow.common.geometry.Transfers`) between
 engine KV memory and pool slots in one launch.
 
 Two backends expose the same functions: `cpu` (numpy/numba-CPU, always

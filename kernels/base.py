@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from pegaflow.geometry import Transfers
+from pegaflow.common.geometry import Transfers
 
 from .plan import (
     Buffer,

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from pegaflow.errors import InternalError
+from pegaflow.common.errors import InternalError
+from pegaflow.common.jit import njit
 
 from .base import CopyKernels
-from .jit import njit
 from .plan import Buffer, LaunchShape, aligned_empty, check_buffer
 
 logger = logging.getLogger(__name__)

@@ -61,20 +61,15 @@ from numba import cuda  # noqa: E402
 from numba.cuda import types  # noqa: E402
 from numba.cuda.core import config  # noqa: E402
 
-from pegaflow.cuda_driver import check  # noqa: E402 - the one status check
-from pegaflow.errors import CopyFailed, InternalError  # noqa: E402
-from pegaflow.geometry import Transfers  # noqa: E402
+from pegaflow.common.cuda_driver import check  # noqa: E402 - the one status check
+from pegaflow.common.errors import CopyFailed, InternalError  # noqa: E402
+from pegaflow.common.geometry import Transfers  # noqa: E402
 
 from . import table_jit  # noqa: E402
 from .base import CopyKernels  # noqa: E402
 from .driver_launch import DriverLaunch  # noqa: E402
 from .launch_state import EventRotation, StreamTables  # noqa: E402
-from .plan import (  # noqa: E402
-    Buffer,
-    LaunchShape,
-    aligned_empty,
-    check_buffer,
-)
+from .plan import Buffer, LaunchShape, aligned_empty, check_buffer
 
 logger = logging.getLogger(__name__)
 

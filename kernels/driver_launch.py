@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from pegaflow.cuda_driver import check
+from pegaflow.common.cuda_driver import check
 
 logger = logging.getLogger(__name__)
 

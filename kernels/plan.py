@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pegaflow.errors import InternalError
-from pegaflow.geometry import Transfers
-from pegaflow.runs import merge_adjacent
+from pegaflow.common.errors import InternalError
+from pegaflow.common.geometry import Transfers
+from pegaflow.common.runs import merge_adjacent
 
 Width = Literal[1, 8, 16]
 Direction = Literal["gather", "scatter"]

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from pegaflow.errors import InternalError
+from pegaflow.common.errors import InternalError
+from pegaflow.common.jit import njit
 
-from .jit import njit
 from .plan import STAGE_ALIGN, check_arrays, descriptor_table
 
 OK, OUT_OF_RANGE, OVERLAP = 0, -1, -2

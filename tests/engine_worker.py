@@ -16,8 +16,8 @@ import traceback
 
 import torch
 
-from pegaflow.client import PegaflowClient
-from pegaflow.kv_layouts import describe
+from pegaflow.client.kv_layouts import describe
+from pegaflow.client.pegaflow_client import PegaflowClient
 
 state: dict[str, object] = {}
 
@@ -77,7 +77,7 @@ def init(
     if device == "cpu":
         state["mem"] = describe(tensors, kv_first=kv_first)
     else:
-        from pegaflow.cuda_export import export_kv
+        from pegaflow.client.cuda_export import export_kv
 
         state["mem"] = export_kv(tensors, kv_first=kv_first)
     return {"regions": len(state["mem"].regions)}
@@ -157,7 +157,7 @@ def register(
             tp_size=tp_size,
         )
     else:
-        from pegaflow.cuda_export import IpcEvents
+        from pegaflow.client.cuda_export import IpcEvents
 
         if "events" not in state:
             state["events"] = IpcEvents(torch.device(state["device"]).index or 0)

@@ -8,8 +8,8 @@ import secrets
 
 import numpy as np
 
-from pegaflow.client import PegaflowClient, Registration
-from pegaflow.kv_layouts import KVMemory, describe, vllm_layer_views
+from pegaflow.client.kv_layouts import KVMemory, describe, vllm_layer_views
+from pegaflow.client.pegaflow_client import PegaflowClient, Registration
 
 
 class LocalKV:

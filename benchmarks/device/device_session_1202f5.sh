@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sixth session, last call (issue 12): the gpu tests on the code that
-# launches GPU copies on the event loop (pegaflow/copy_wait.py), then
+# launches GPU copies on the event loop (pegaflow/copiers/copy_wait.py), then
 # transfer.py with --copy-wait loop (the new default) against thread,
 # alternated twice. Fits the session's last ~300 s of device time.
 export CALL_S=${CALL_S:-270}

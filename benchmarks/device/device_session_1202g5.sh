@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Seventh session of 2026-12-02, last call: the gpu tests on the session's
-# final code (the engine-RPC gate on every gRPC call, kernels/jit.py).
+# final code (the engine-RPC gate on every gRPC call, pegaflow/common/jit.py).
 export CALL_S=${CALL_S:-300}
 . "$(dirname "$0")/device_prelude.sh"
 bundle_results

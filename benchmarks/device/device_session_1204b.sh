@@ -10,10 +10,10 @@
 export CALL_S=${CALL_S:-570}
 . "$(dirname "$0")/device_prelude.sh"
 bundle_results
-TRACED=(pegaflow.ssd:SsdLink.sealed pegaflow.ssd:SsdLink.evicted
-  pegaflow.ssd:SsdLink._written pegaflow.gds.tier:SsdTier.spill_many
-  pegaflow.gds.tier:SsdTier.refuse_many pegaflow.blocks:BlockStore._allocate
-  pegaflow.blocks:BlockStore._remove pegaflow.gds.tier:SsdTier._write_batch
+TRACED=(pegaflow.tiers.ssd_tier:SsdLink.sealed pegaflow.tiers.ssd_tier:SsdLink.evicted
+  pegaflow.tiers.ssd_tier:SsdLink._written pegaflow.gds.tier:SsdTier.spill_many
+  pegaflow.gds.tier:SsdTier.refuse_many pegaflow.cache.block_store:BlockStore._allocate
+  pegaflow.cache.block_store:BlockStore._remove pegaflow.gds.tier:SsdTier._write_batch
   pegaflow.gds.store:SsdStore.write_run pegaflow.gds.store:gather)
 
 gpu_wb_rounds 1 2 3

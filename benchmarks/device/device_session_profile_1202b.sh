@@ -8,7 +8,7 @@
 . "$(dirname "$0")/device_prelude.sh"
 
 stage "imports"
-python3 -c "import pegaflow.kernels.cuda, pegaflow.copiers.cuda, pegaflow.server; print('ok')"
+python3 -c "import pegaflow.kernels.cuda, pegaflow.copiers.cuda_copier, pegaflow.server; print('ok')"
 
 stage "metaserver baseline"
 [ -n "${SKIP_META:-}" ] || timeout "${META_S:-90}" python3 benchmarks/metaserver.py --entries 1000000 \

@@ -1,1 +1,1 @@
-"""Copy engines (see pegaflow.copiers.base)."""
+"""Copy engines (see pegaflow.copiers.copier)."""

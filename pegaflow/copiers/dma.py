@@ -1,7 +1,7 @@
 """Copy-engine batches: a descriptor table moved by `cuMemcpyBatchAsync`.
 
 The copy engines use no SMs, so a batch they move leaves the engine's kernels
-alone; which batches go here is pegaflow.copiers.cuda's CopyPolicy. Two parts:
+alone; which batches go here is pegaflow.copiers.cuda_copier's CopyPolicy. Two parts:
 
 - `plan`: one compiled pass (pegaflow.kernels.table_jit): the kernels' own
   checks of the table against its buffers, then empty rows dropped, pages
@@ -31,11 +31,10 @@ from typing import Any, Literal
 
 import numpy as np
 
+from pegaflow.common import cuda_driver
+from pegaflow.common.geometry import Transfers
 from pegaflow.kernels import table_jit
 from pegaflow.kernels.plan import Buffer
-
-from .. import cuda_driver
-from ..geometry import Transfers
 
 logger = logging.getLogger(__name__)
 

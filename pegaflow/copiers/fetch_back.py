@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import kernels
-from ..geometry import Transfers
+from pegaflow import kernels
+from pegaflow.common.geometry import Transfers
 
 DEFAULT_CTAS = 66  # as copiers.cuda: half the H200's SMs, the engine keeps the rest
 

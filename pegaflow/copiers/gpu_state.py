@@ -1,4 +1,4 @@
-"""What the CUDA copier (pegaflow.copiers.cuda) knows about its GPUs between
+"""What the CUDA copier (pegaflow.copiers.cuda_copier) knows about its GPUs between
 copies: the batches in flight on each stream, the GPU time per byte of recent
 batches, and the faults that broke a GPU's context. Pure Python: tested
 without a GPU (tests/unit/test_cuda_copy_errors.py)."""
@@ -10,8 +10,8 @@ import logging
 import threading
 from collections.abc import Hashable, Iterator
 
-from .. import cuda_driver
-from ..errors import DeviceBroken
+from pegaflow.common import cuda_driver
+from pegaflow.common.errors import DeviceBroken
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import Literal
 
 import numpy as np
 
-from .. import deadlines, mounts
-from ..errors import CopyFailed, InvalidRequest
+from pegaflow.common import deadlines, mounts
+from pegaflow.common.errors import CopyFailed, InvalidRequest
 
 IOV_MAX = 1024  # the kernel's UIO_MAXIOV; more iovecs on one side is EINVAL
 # Below this many bytes in one batch, a second thread costs more than it saves.

@@ -1,6 +1,6 @@
 """`python -m pegaflow.metaserver ...`: the same command line as
 `pegaflow-metaserver`."""
 
-from .cli import main
+from .meta_cli import main
 
 raise SystemExit(main())

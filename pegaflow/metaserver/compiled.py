@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..open_addressing import EMPTY, FOLD_SHIFT
+from pegaflow.common.open_addressing import EMPTY, FOLD_SHIFT
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def plan() -> Callable[..., Any] | None:
         return None
     from numba import types
 
-    from pegaflow.kernels.jit import njit
+    from pegaflow.common.jit import njit
 
     signature = types.int64(
         types.int64[:],  # found
@@ -202,7 +202,7 @@ def find() -> Callable[..., Any] | None:
         return None
     from numba import types
 
-    from pegaflow.kernels.jit import njit
+    from pegaflow.common.jit import njit
 
     u64 = types.uint64
     # The words are a view of the request's bytes: read-only, any strides.

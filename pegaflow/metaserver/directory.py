@@ -12,8 +12,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .config import MetaConfig
 from .index import BlockIndex, Hashes, NamespaceDigest
+from .meta_config import MetaConfig
 from .nodes import Node, NodeTable, UnknownIncarnation
 
 logger = logging.getLogger(__name__)

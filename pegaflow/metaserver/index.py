@@ -18,15 +18,11 @@ from typing import Literal
 import grpc
 import numpy as np
 
-from ..errors import PegaflowError
-from ..keys import PackedHashes
+from pegaflow.common.errors import PegaflowError
+from pegaflow.common.keys import PackedHashes
+
 from . import compiled as compiled_loops
-from .config import (
-    MAX_BATCH_HASHES,
-    MAX_NAMESPACES,
-    MAX_NODES,
-    OWNERS_PER_BLOCK,
-)
+from .meta_config import MAX_BATCH_HASHES, MAX_NAMESPACES, MAX_NODES, OWNERS_PER_BLOCK
 from .table import Keys, RowTable
 
 logger = logging.getLogger(__name__)

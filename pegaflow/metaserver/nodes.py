@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from ..errors import PegaflowError
-from .config import MAX_NODES
+from pegaflow.common.errors import PegaflowError
+
+from .meta_config import MAX_NODES
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ a 1,000-hash QueryPrefix inside the metaserver (benchmarks/RESULTS.md, issue
 misses back to back and they overlap, and the wire's packed hashes stay one
 buffer (PackedHashes): no Python object per hash.
 
-The layout follows pegaflow.ready_index.HashTable (linear probing over slots
+The layout follows pegaflow.cache.ready_index.HashTable (linear probing over slots
 of (key, row), tombstones, a rebuild in home-slot order past MAX_LOAD, runs
 spilling into SPARE slots past the end, never wrapping). Two differences: the
 rows are the index's (this class holds each row's hash, its length and its
@@ -27,8 +27,16 @@ import secrets
 
 import numpy as np
 
-from ..keys import MAX_HASH_BYTES, PackedHashes
-from ..open_addressing import EMPTY, SPARE, TOMB, WINDOW, ProbedSlots, keyed_fold
+from pegaflow.common.keys import MAX_HASH_BYTES, PackedHashes
+from pegaflow.common.open_addressing import (
+    EMPTY,
+    SPARE,
+    TOMB,
+    WINDOW,
+    ProbedSlots,
+    keyed_fold,
+)
+
 from . import compiled as compiled_loops
 
 MAX_LOAD = 0.5  # slots in use (tombstones too) before a rebuild

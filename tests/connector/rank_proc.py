@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from pegaflow.connector.config import ConnectorConfig
-from pegaflow.connector.plan import LoadJob, SaveJob, StepPlan
+from pegaflow.connector.extra_config import ConnectorConfig
+from pegaflow.connector.step_plan import LoadJob, SaveJob, StepPlan
 from pegaflow.connector.worker import WorkerHalf
 
 state: dict[str, Any] = {}

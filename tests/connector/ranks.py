@@ -11,7 +11,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 
-from pegaflow.client import PegaflowClient
+from pegaflow.client.pegaflow_client import PegaflowClient
 from tests.procs import ROOT, ServerProc, _env, _readline
 
 TP = 2

@@ -12,8 +12,8 @@ import grpc
 import numpy as np
 import pytest
 
-from pegaflow.client import LoadItem, PegaflowClient
-from pegaflow.errors import InvalidRequest
+from pegaflow.client.pegaflow_client import LoadItem, PegaflowClient
+from pegaflow.common.errors import InvalidRequest
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from tests.kvbuf import LocalKV, hashes

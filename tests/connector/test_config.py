@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pegaflow.connector.config import ConnectorConfig, parse_config, server_addr
+from pegaflow.connector.extra_config import ConnectorConfig, parse_config, server_addr
 from tests.procs import ROOT, _env
 
 
@@ -111,7 +111,7 @@ def test_original_connector_keys(caplog: pytest.LogCaptureFixture) -> None:
     one = {"pegaflow.tp_shard_endpoints": ["http://10.0.0.8:6002"]}
     assert parse_config(one, env={}).addr == "10.0.0.8:6002"
     assert parse_config({"pegaflow.mode": "save_only"}, env={}).mode == "save_only"
-    with caplog.at_level("WARNING", logger="pegaflow.connector.config"):
+    with caplog.at_level("WARNING", logger="pegaflow.connector.extra_config"):
         parse_config({"pegaflow.pd_tail_save": True}, env={})
     assert "pd_tail_save is accepted and ignored" in caplog.text
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from pegaflow.client import QueryResult
-from pegaflow.connector.config import ConnectorConfig
-from pegaflow.connector.plan import WorkerReport
-from pegaflow.connector.scheduler import SchedulerHalf
-from pegaflow.errors import (
+from pegaflow.client.pegaflow_client import QueryResult
+from pegaflow.common.errors import (
     InvalidRequest,
     Overloaded,
     ServerUnavailable,
     UnknownInstance,
 )
+from pegaflow.connector.extra_config import ConnectorConfig
+from pegaflow.connector.scheduler import SchedulerHalf
+from pegaflow.connector.step_plan import WorkerReport
 
 BS = 16
 

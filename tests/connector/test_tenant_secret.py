@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pegaflow.connector.config import parse_config
+from pegaflow.connector.extra_config import parse_config
 from pegaflow.connector.registrar import Registrar
 from pegaflow.connector.tensors import kv_tensors, namespace_digest, namespace_parts
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from pegaflow.client.kv_layouts import describe
 from pegaflow.connector.tensors import kv_tensors, namespace_digest, namespace_parts
-from pegaflow.kv_layouts import describe
 from tests.connector.conftest import needs_vllm
 
 torch = pytest.importorskip("torch")
@@ -182,7 +182,7 @@ def test_stats_reduce_and_prometheus() -> None:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
     from pegaflow.connector import PegaKVConnector
-    from pegaflow.connector.plan import new_stats
+    from pegaflow.connector.step_plan import new_stats
 
     stats = PegaKVConnector.build_kv_connector_stats(
         {**new_stats(), "queries": 2, "query_seconds": 0.004, "query_tokens": 64}

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from pegaflow.client import COPY_GRACE_S
-from pegaflow.connector.config import ConnectorConfig
-from pegaflow.connector.plan import LoadJob, SaveJob, StepPlan
+from pegaflow.client.pegaflow_client import COPY_GRACE_S
+from pegaflow.common.results import LoadBatchResult, LoadItemResult, SaveResult
+from pegaflow.connector.extra_config import ConnectorConfig
+from pegaflow.connector.step_plan import LoadJob, SaveJob, StepPlan
 from pegaflow.connector.worker import WorkerHalf
-from pegaflow.results import LoadBatchResult, LoadItemResult, SaveResult
 
 LAYERS = 2
 

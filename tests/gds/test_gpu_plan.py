@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pegaflow.errors import InternalError
+from pegaflow.common.errors import InternalError
+from pegaflow.common.geometry import KVGeometry, LayerLayout, Segment
 from pegaflow.gds.format import HEADER_BYTES, align_up
 from pegaflow.gds.gpu_plan import RecordSpans, plan_reads
-from pegaflow.geometry import KVGeometry, LayerLayout, Segment
 
 BASE = 1 << 20  # the "device" address of the engine's region
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pegaflow.errors import InternalError
+from pegaflow.common.errors import InternalError
+from pegaflow.common.geometry import KVGeometry, LayerLayout, Segment
 from pegaflow.gds.format import HEADER_BYTES
 from pegaflow.gds.gpu_reads import DirectReads
 from pegaflow.gds.io import host_view
-from pegaflow.geometry import KVGeometry, LayerLayout, Segment
 from tests.gds.helpers import NS, block, config, key, opened, spill
 
 LAYERS, BLOCKS, PAGE = 4, 16, 4096

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pegaflow import checksum_rows
+from pegaflow.common import checksum_rows
 from pegaflow.gds import SsdConfig, SsdError, SsdTier
 from pegaflow.gds import format as gds_format
 from pegaflow.gds import store as gds_store
@@ -172,7 +172,7 @@ def test_a_read_piece_hashes_in_one_call_and_fails_only_the_damaged(
     """Scenario: 24 blocks of 2 TP shards read back in one load, two of them
     with a flipped payload bit (one in the first shard, one in the second).
     The readers hash each read piece's records in one compiled call
-    (pegaflow.checksum_rows, no GIL turn per record), every record exactly
+    (pegaflow.common.checksum_rows, no GIL turn per record), every record exactly
     once; exactly the two damaged blocks fail, counted, and every other one
     lands byte-equal, whether read straight into page-aligned slots or staged
     and copied out (slots 16 B past a page, as a malloc'd buffer's)."""

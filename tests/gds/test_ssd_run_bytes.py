@@ -14,12 +14,7 @@ import numpy as np
 import pytest
 
 from pegaflow.gds import journal
-from pegaflow.gds.format import (
-    HEADER_BYTES,
-    HEADER_DTYPE,
-    RecordHeader,
-    header_rows,
-)
+from pegaflow.gds.format import HEADER_BYTES, HEADER_DTYPE, RecordHeader, header_rows
 from pegaflow.gds.io import AlignedBuffer, host_view
 from pegaflow.gds.records import SlotTable, gather_parts, gather_staged
 from pegaflow.gds.ring import Record

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from pegaflow import kernels
-from pegaflow.geometry import KVGeometry, LayerLayout, Segment, Transfers
+from pegaflow.common.geometry import KVGeometry, LayerLayout, Segment, Transfers
 from pegaflow.kernels.plan import LaunchShape
 
 WARP = LaunchShape("warp")

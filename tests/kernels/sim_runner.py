@@ -26,8 +26,8 @@ if hasattr(np, "row_stack"):
     del np.row_stack
 
 from pegaflow import kernels  # noqa: E402
-from pegaflow.errors import InternalError  # noqa: E402
-from pegaflow.geometry import Transfers  # noqa: E402
+from pegaflow.common.errors import InternalError  # noqa: E402
+from pegaflow.common.geometry import Transfers  # noqa: E402
 from pegaflow.kernels.plan import LaunchShape  # noqa: E402
 from tests.kernels.kernel_cases import (  # noqa: E402
     PAIR,

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from pegaflow.kernels import jit, table_jit
+from pegaflow.common import jit
+from pegaflow.kernels import table_jit
 
 
 def _add(a: int, b: int) -> int:

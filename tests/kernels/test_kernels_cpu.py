@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from pegaflow import kernels
-from pegaflow.errors import InternalError
-from pegaflow.geometry import Transfers
+from pegaflow.common.errors import InternalError
+from pegaflow.common.geometry import Transfers
 from tests.kernels.kernel_cases import (
     Case,
     all_cases,

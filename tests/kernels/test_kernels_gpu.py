@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pegaflow import kernels
-from pegaflow.geometry import KVGeometry, Transfers
+from pegaflow.common.geometry import KVGeometry, Transfers
 from tests.kernels.kernel_cases import (
     Alloc,
     Case,

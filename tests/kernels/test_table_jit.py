@@ -11,12 +11,12 @@ import re
 import numpy as np
 import pytest
 
+from pegaflow.common.errors import InternalError
+from pegaflow.common.geometry import Transfers
+from pegaflow.common.runs import merge_adjacent
 from pegaflow.copiers import dma
-from pegaflow.errors import InternalError
-from pegaflow.geometry import Transfers
 from pegaflow.kernels import table_jit
 from pegaflow.kernels.plan import Buffer, descriptor_table, split_table
-from pegaflow.runs import merge_adjacent
 
 SPAN = 64 << 20
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pegaflow import peer_auth
-from pegaflow.metaserver.client import MetaClient
+from pegaflow.common import peer_auth
+from pegaflow.metaserver.meta_client import MetaClient
 from tests.procs import ROOT, ServerProc, _env, _readline
 
 _ids = itertools.count(1)

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from pegaflow import __version__
-from pegaflow.metaserver import compat_flags as original
-from pegaflow.metaserver.cli import build_parser, config_from_args
+from pegaflow.metaserver import meta_compat_flags as original
+from pegaflow.metaserver.meta_cli import build_parser, config_from_args
 from tests.metaserver.conftest import start_metaserver
 from tests.procs import ROOT, _env
 
@@ -73,7 +73,7 @@ def test_original_command_line_starts_and_names_each_ignored_flag(
         log = meta.log.read_text()
         for flag, value in ignored:
             assert (
-                f"WARNING pegaflow.metaserver.cli: {flag} {value} is accepted "
+                f"WARNING pegaflow.metaserver.meta_cli: {flag} {value} is accepted "
                 "and ignored: " in log
             )
         assert "$PEGAFLOW_METASERVER_MIN_RECLAIMABLE_OWNER_COUNT is accepted" in log

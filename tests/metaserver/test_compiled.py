@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pegaflow.keys import PackedHashes
+from pegaflow.common.keys import PackedHashes
 from pegaflow.metaserver import compiled
 from pegaflow.metaserver.index import BlockIndex
 from pegaflow.metaserver.table import _WORDS, Keys, RowTable

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from pegaflow.metaserver import compiled as compiled_loops
-from pegaflow.metaserver.config import OWNERS_PER_BLOCK
 from pegaflow.metaserver.index import BlockIndex
+from pegaflow.metaserver.meta_config import OWNERS_PER_BLOCK
 
 NS = b"ns"
 # The numpy plans, and the compiled loop's where numba is installed.

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from pegaflow.metaserver.client import MetaClient
+from pegaflow.metaserver.meta_client import MetaClient
 from tests.metaserver.conftest import hashes, wait_for
 from tests.procs import ServerProc
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pegaflow.metaserver.client import MetaClient
+from pegaflow.metaserver.meta_client import MetaClient
 from tests.metaserver.conftest import hashes
 from tests.procs import ServerProc
 

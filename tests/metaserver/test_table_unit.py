@@ -8,9 +8,9 @@ import random
 
 import numpy as np
 
-from pegaflow.keys import PackedHashes
-from pegaflow.metaserver.config import OWNERS_PER_BLOCK
+from pegaflow.common.keys import PackedHashes
 from pegaflow.metaserver.index import BlockIndex
+from pegaflow.metaserver.meta_config import OWNERS_PER_BLOCK
 from pegaflow.metaserver.table import Keys, RowTable
 
 SPACES = [b"ns-a", b"ns-b", b"ns-c"]

@@ -1,4 +1,4 @@
-"""The shared peer token (pegaflow.peer_auth) on every RPC of a real metaserver."""
+"""The shared peer token (pegaflow.common.peer_auth) on every RPC of a real metaserver."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pegaflow import peer_auth
-from pegaflow.metaserver.client import MetaClient
+from pegaflow.common import peer_auth
+from pegaflow.metaserver.meta_client import MetaClient
 from tests.metaserver.conftest import hashes
 from tests.procs import ROOT, ServerProc, _env
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pegaflow.remote.nics import active_devices
+from pegaflow.tiers.remote.nics import active_devices
 from tests.metaserver.conftest import start_metaserver
 from tests.procs import EngineProc, start_server
 from tests.remote.conftest import SHAPE, block_hashes

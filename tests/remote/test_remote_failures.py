@@ -12,8 +12,8 @@ import grpc
 import numpy as np
 import pytest
 
-from pegaflow.metaserver.client import MetaClient
-from pegaflow.peer_auth import METADATA_KEY
+from pegaflow.common.peer_auth import METADATA_KEY
+from pegaflow.metaserver.meta_client import MetaClient
 from pegaflow.proto import peer_pb2 as pb
 from pegaflow.proto import peer_pb2_grpc as pb_grpc
 from tests.remote.conftest import (

@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from pegaflow.metaserver.client import MetaClient
-from pegaflow.peer_auth import METADATA_KEY
+from pegaflow.common.peer_auth import METADATA_KEY
+from pegaflow.metaserver.meta_client import MetaClient
 from pegaflow.proto import peer_pb2 as pb
 from pegaflow.proto import peer_pb2_grpc as pb_grpc
 from tests.remote.conftest import TOKEN, Cluster, block_hashes

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from pegaflow import __version__
-from pegaflow.cli import build_parser
-from pegaflow.compat_flags import IGNORED, SHARD_NAME
+from pegaflow.server.cli import build_parser
+from pegaflow.server.compat_flags import IGNORED, SHARD_NAME
 from tests.procs import ROOT, _env, _readline, start_server
 
 # Started for real below (values from the original's docs, sizes shrunk to fit
@@ -115,7 +115,7 @@ def test_multi_node_flags_checked_at_start(case: tuple[tuple[str, ...], str]) ->
     fall back to TCP silently) stops the start with exit 2 and names it."""
     flags, says = case
     if "--nics" in flags and "--metaserver-addr" in flags:
-        from pegaflow.remote.nics import active_devices
+        from pegaflow.tiers.remote.nics import active_devices
 
         if "mlx5_0" in active_devices():
             pytest.skip("this machine has an active mlx5_0")

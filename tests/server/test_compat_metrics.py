@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from pegaflow.client import PegaflowClient
-from pegaflow.instances import namespace_tag
+from pegaflow.cache.instances import namespace_tag
+from pegaflow.client.pegaflow_client import PegaflowClient
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import ServerProc
 

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from pegaflow.client import PegaflowClient
-from pegaflow.errors import ServerUnavailable
+from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.common.errors import ServerUnavailable
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import ServerProc, start_server
 
@@ -113,7 +113,7 @@ def test_a_late_load_never_writes(server, via_socket: bool) -> None:
 def test_deadline_from_another_clock_is_refused(server) -> None:
     """A deadline an hour or more ahead of this host's monotonic clock cannot
     be ours (another time namespace): refused naming the field."""
-    from pegaflow.frames import encode_save
+    from pegaflow.common.socket_frames import encode_save
 
     kv = LocalKV(1, 16, 4096)
     with PegaflowClient(server.addr) as client:

@@ -25,10 +25,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pegaflow.client import PegaflowClient, allow_ptrace_from
-from pegaflow.errors import LeaseNotFound
-from pegaflow.frames import LOADING, encode_load, encode_query, encode_save
-from pegaflow.limits import MIN_AVG_SEGMENT_BYTES
+from pegaflow.client.pegaflow_client import PegaflowClient, allow_ptrace_from
+from pegaflow.common.errors import LeaseNotFound
+from pegaflow.common.request_limits import MIN_AVG_SEGMENT_BYTES
+from pegaflow.common.socket_frames import (
+    LOADING,
+    encode_load,
+    encode_query,
+    encode_save,
+)
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from tests.kvbuf import LocalKV, hashes
@@ -199,7 +204,7 @@ def register_requests(
     from the start of our buffer, TP 1 or 2; then maybe wild fields. Also says
     whether any field went wild."""
     n_layers, blocks = draw(st.integers(1, 3)), draw(st.integers(1, BLOCKS))
-    # Pages of two segments average >= 512 B (pegaflow.limits): smaller ones
+    # Pages of two segments average >= 512 B (pegaflow.common.request_limits): smaller ones
     # are refused at registration, and wild layers still try them.
     page = draw(st.integers(2 * MIN_AVG_SEGMENT_BYTES, fz.size // (n_layers * blocks)))
     cut = draw(st.integers(0, page - 1))

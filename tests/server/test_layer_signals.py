@@ -10,8 +10,8 @@ import threading
 import numpy as np
 import pytest
 
-from pegaflow.client import LoadItem, PegaflowClient
-from pegaflow.errors import InvalidRequest
+from pegaflow.client.pegaflow_client import LoadItem, PegaflowClient
+from pegaflow.common.errors import InvalidRequest
 from tests.kvbuf import LocalKV, hashes
 
 LAYERS, BLOCKS, PAGE = 8, 64, 64 << 10

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-import pegaflow.client
-from pegaflow.client import PegaflowClient
-from pegaflow.errors import UnknownInstance
+import pegaflow.client.pegaflow_client
+from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.common.errors import UnknownInstance
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import ROOT, _env
 
@@ -171,7 +171,7 @@ def test_bad_flag_values() -> None:
 
 
 def test_hugepages_without_reservation_fails_clearly() -> None:
-    from pegaflow.pool import _hugepages_free
+    from pegaflow.cache.pool import _hugepages_free
 
     if _hugepages_free() > 0:
         pytest.skip("machine has hugepages reserved")
@@ -193,7 +193,7 @@ def test_engine_names_the_server_before_registering(server, monkeypatch) -> None
     the unix socket (never gRPC: over TCP host memory is refused)."""
     steps: list[tuple[str, int]] = []
     monkeypatch.setattr(
-        pegaflow.client, "allow_ptrace_from", lambda pid: steps.append(("allow", pid))
+        pegaflow.client.pegaflow_client, "allow_ptrace_from", lambda pid: steps.append(("allow", pid))
     )
     kv = LocalKV()
     with PegaflowClient(server.addr) as client:

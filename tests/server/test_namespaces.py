@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pegaflow.client import PegaflowClient
-from pegaflow.errors import InvalidRequest
+from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.common.errors import InvalidRequest
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import ROOT, ServerProc, _env
 from tests.server.test_ssd_tier import _flags, _until_ready, _wait_flushed

@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pegaflow.client import PegaflowClient
-from pegaflow.poolfile import (
+from pegaflow.cache.pool_file import (
     _SUPER,
     GRANULE,
     META_OFFSET,
@@ -26,6 +25,7 @@ from pegaflow.poolfile import (
     VERSION,
     WRITING,
 )
+from pegaflow.client.pegaflow_client import PegaflowClient
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import ROOT, ServerProc, _env
 

@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from pegaflow.client import PegaflowClient
-from pegaflow.errors import LeaseNotFound
+from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.common.errors import LeaseNotFound
 from tests.kvbuf import LocalKV, hashes
 
 # 4 MiB pool: 16 slabs of 256 KiB; 4 layers x 4 KiB pages = 16 KiB blocks
@@ -17,7 +17,7 @@ SLOTS = 256  # about: fewer when the slots take the engine pages' 4 KiB offset
 
 
 def _capacity(kv: LocalKV) -> int:
-    """Slots in the pool for kv's blocks (see pegaflow.slabs.SlabAllocator)."""
+    """Slots in the pool for kv's blocks (see pegaflow.cache.slabs.SlabAllocator)."""
     skew = kv.buf.ctypes.data % 4096
     return 16 * (((256 << 10) - skew) // (16 << 10))
 

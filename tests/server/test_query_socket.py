@@ -13,9 +13,10 @@ import grpc
 import numpy as np
 import pytest
 
-from pegaflow.client import PegaflowClient
-from pegaflow.errors import InvalidRequest, PermissionDenied, UnknownInstance
-from pegaflow.frames import (
+from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.common.errors import InvalidRequest, PermissionDenied, UnknownInstance
+from pegaflow.common.results import LoadItemResult
+from pegaflow.common.socket_frames import (
     HELLO_REPLY,
     QUERY_REPLY,
     SAVE_REPLY,
@@ -31,7 +32,6 @@ from pegaflow.frames import (
 )
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
-from pegaflow.results import LoadItemResult
 from tests.kvbuf import LocalKV, hashes
 
 

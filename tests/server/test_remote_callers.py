@@ -1,4 +1,4 @@
-"""Engine RPCs from other hosts (pegaflow.service.LocalEngines): a server on a
+"""Engine RPCs from other hosts (pegaflow.server.grpc_service.LocalEngines): a server on a
 routable address (a bridge of this host), asked by a client in another network
 namespace (standing in for another host, as the remote tier's tests do) and
 by clients of this host through that same address. Real server, real gRPC.

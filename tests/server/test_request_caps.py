@@ -18,9 +18,9 @@ import grpc
 import numpy as np
 import pytest
 
-from pegaflow.client import PegaflowClient
-from pegaflow.errors import InvalidRequest
-from pegaflow.geometry import LayerLayout, Segment
+from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.common.errors import InvalidRequest
+from pegaflow.common.geometry import LayerLayout, Segment
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from tests.kvbuf import LocalKV, hashes

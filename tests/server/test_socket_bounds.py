@@ -16,8 +16,8 @@ import grpc
 import numpy as np
 import pytest
 
-from pegaflow.client import PegaflowClient
-from pegaflow.frames import (
+from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.common.socket_frames import (
     HELLO_HEADER,
     HELLO_REPLY,
     MAX_BODY,

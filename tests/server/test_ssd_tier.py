@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pegaflow.client import PegaflowClient
-from pegaflow.results import QueryResult
+from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.common.results import QueryResult
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import ROOT, ServerProc, _env, start_server
 

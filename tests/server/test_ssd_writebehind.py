@@ -9,7 +9,7 @@ import signal
 import time
 from pathlib import Path
 
-from pegaflow.client import PegaflowClient
+from pegaflow.client.pegaflow_client import PegaflowClient
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import ServerProc
 from tests.server.test_ssd_tier import BLOCK, _flags, _load_and_check, _until_ready

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pegaflow.client import PegaflowClient
+from pegaflow.client.pegaflow_client import PegaflowClient
 from tests.kvbuf import LocalKV
 from tests.procs import ROOT, _env, _readline
 

@@ -19,10 +19,10 @@ import grpc
 import numpy as np
 import pytest
 
-from pegaflow.client import PegaflowClient
-from pegaflow.errors import PegaflowError, PermissionDenied
-from pegaflow.frames import encode_register
-from pegaflow.geometry import LayerLayout, Segment
+from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.common.errors import PegaflowError, PermissionDenied
+from pegaflow.common.geometry import LayerLayout, Segment
+from pegaflow.common.socket_frames import encode_register
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from tests.kvbuf import LocalKV, hashes

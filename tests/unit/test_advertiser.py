@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from pegaflow.remote import advertiser as adv
-from pegaflow.remote.advertiser import Advertiser
+from pegaflow.tiers.remote import advertiser as adv
+from pegaflow.tiers.remote.advertiser import Advertiser
 
 NS = b"d" * 16
 

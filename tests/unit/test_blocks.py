@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pegaflow import ready_index
-from pegaflow.blocks import BlockStore
-from pegaflow.instances import Namespace
-from pegaflow.keys import PackedHashes
-from pegaflow.leases import LeaseTable
-from pegaflow.policy import AdmissionPolicy, LRUPolicy, TinyLFU
-from pegaflow.ready_index import DICT_BELOW
-from pegaflow.slabs import SlabAllocator
+from pegaflow.cache import ready_index
+from pegaflow.cache.block_store import BlockStore
+from pegaflow.cache.eviction import AdmissionPolicy, LRUPolicy, TinyLFU
+from pegaflow.cache.instances import Namespace
+from pegaflow.cache.leases import LeaseTable
+from pegaflow.cache.ready_index import DICT_BELOW
+from pegaflow.cache.slabs import SlabAllocator
+from pegaflow.common.keys import PackedHashes
 
 SLOT = 4096
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from pegaflow.block_entry import BlockEntry
-from pegaflow.policy import LRUPolicy
-from pegaflow.ready_index import ReadyIndex
-from pegaflow.slabs import SlabAllocator
+from pegaflow.cache.block_entry import BlockEntry
+from pegaflow.cache.eviction import LRUPolicy
+from pegaflow.cache.ready_index import ReadyIndex
+from pegaflow.cache.slabs import SlabAllocator
 
 
 def _state(a: SlabAllocator) -> tuple:
@@ -53,7 +53,7 @@ def test_ready_index_add_many_and_remove_many_match_add_and_remove() -> None:
     many.add_many(b[2000:])
     assert [e.row for e in a] == [e.row for e in b]
     assert len(one) == len(many) == 2000
-    from pegaflow.keys import PackedHashes
+    from pegaflow.common.keys import PackedHashes
 
     q = PackedHashes.pack([k[1] for k in keys], 32)
     for index in (one, many):  # both through the hash table now

@@ -1,5 +1,5 @@
-"""pegaflow.checksum_rows: one compiled call (GIL dropped) gives each slot
-row's xxh3-64, the value pegaflow.checksums gives for the row's parts."""
+"""pegaflow.common.checksum_rows: one compiled call (GIL dropped) gives each slot
+row's xxh3-64, the value pegaflow.common.checksums gives for the row's parts."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from pegaflow import checksum_rows
-from pegaflow.checksums import xxh3_64_parts
+from pegaflow.common import checksum_rows
+from pegaflow.common.checksums import xxh3_64_parts
 from tests.gil import turns_while
 
 
@@ -151,7 +151,7 @@ def test_a_library_that_hashes_otherwise_is_not_used(
     monkeypatch.setattr(checksum_rows, "_self_check", refuse)
     checksum_rows._native.cache_clear()
     try:
-        with caplog.at_level("WARNING", logger="pegaflow.checksum_rows"):
+        with caplog.at_level("WARNING", logger="pegaflow.common.checksum_rows"):
             assert checksum_rows._native() is None
         assert "through python-xxhash: compiled xxh3 gave" in caplog.text
         rng = np.random.default_rng(9)

@@ -1,4 +1,4 @@
-"""pegaflow.checksums: the values are xxh3-64's, and hashing lets other
+"""pegaflow.common.checksums: the values are xxh3-64's, and hashing lets other
 threads run (python-xxhash's one-shot functions hold the GIL before 4.0)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from pegaflow.checksums import xxh3_64, xxh3_64_parts
+from pegaflow.common.checksums import xxh3_64, xxh3_64_parts
 from tests.gil import turns_while
 
 

@@ -7,8 +7,7 @@ import math
 
 import pytest
 
-from pegaflow.cli import build_parser, config_from_args
-from pegaflow.config import (
+from pegaflow.common.config import (
     CudaConfig,
     EngineConfig,
     HitRateConfig,
@@ -16,6 +15,7 @@ from pegaflow.config import (
     ServerConfig,
     parse_duration,
 )
+from pegaflow.server.cli import build_parser, config_from_args
 
 BAD_SECONDS = [math.nan, math.inf, -math.inf, 0.0, -1.0, 1e9]
 
@@ -106,7 +106,7 @@ def test_defaults_pass() -> None:
     ],
 )
 def test_cli_names_the_flag(argv: list[str], flag: str) -> None:
-    from pegaflow.cli import flag_message
+    from pegaflow.server.cli import flag_message
 
     args = build_parser().parse_args(argv)
     with pytest.raises(ValueError) as info:

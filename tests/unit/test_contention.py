@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pegaflow.cli import build_parser, config_from_args, flag_message
-from pegaflow.config import CudaConfig
+from pegaflow.common.config import CudaConfig
+from pegaflow.common.geometry import Transfers
 from pegaflow.copiers.contention import (
     DEFAULT_RATIO,
     PROBE_S,
     ContendedPolicy,
     Contention,
 )
-from pegaflow.copiers.policy import CopyPolicy
-from pegaflow.geometry import Transfers
-from pegaflow.metrics import CopyPathCollector
+from pegaflow.copiers.path_choice import CopyPolicy
+from pegaflow.server.cli import build_parser, config_from_args, flag_message
+from pegaflow.server.metrics import CopyPathCollector
 
 PAGE = 64 << 10
 BIG = 640 * 32  # pages of a 640-block batch, 32 layers

@@ -9,12 +9,12 @@ import threading
 import numpy as np
 import pytest
 
-from pegaflow.config import EngineConfig, PoolConfig
-from pegaflow.engine import Engine
-from pegaflow.geometry import LayerLayout, Segment, Transfers
-from pegaflow.identity import CallContext, Caller
-from pegaflow.pool import HostPool
-from pegaflow.registration import RegisterSpec
+from pegaflow.cache.pool import HostPool
+from pegaflow.cache.registration_checks import RegisterSpec
+from pegaflow.common.config import EngineConfig, PoolConfig
+from pegaflow.common.geometry import LayerLayout, Segment, Transfers
+from pegaflow.common.identity import CallContext, Caller
+from pegaflow.server.engine import Engine
 
 PAGE = 4096
 

@@ -1,4 +1,4 @@
-"""Kernel or copy engines, per batch (pegaflow.copiers.cuda.CopyPolicy), and the
+"""Kernel or copy engines, per batch (pegaflow.copiers.cuda_copier.CopyPolicy), and the
 settings that feed it: CudaConfig.copy_path / crossovers and their flags."""
 
 from __future__ import annotations
@@ -6,16 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pegaflow.cli import build_parser, config_from_args, flag_message
-from pegaflow.config import (
+from pegaflow.common.config import (
     DEFAULT_CROSSOVERS,
     Crossover,
     CudaConfig,
     parse_crossovers,
 )
-from pegaflow.copiers.cuda import CopyPolicy
-from pegaflow.copiers.policy import COMPLETION
-from pegaflow.geometry import Transfers
+from pegaflow.common.geometry import Transfers
+from pegaflow.copiers.cuda_copier import CopyPolicy
+from pegaflow.copiers.path_choice import COMPLETION
+from pegaflow.server.cli import build_parser, config_from_args, flag_message
 
 LAYERS, PAGE = 32, 64 << 10
 

@@ -1,4 +1,4 @@
-"""Waiting for a launched GPU batch on the event loop (pegaflow.copy_wait), and
+"""Waiting for a launched GPU batch on the event loop (pegaflow.copiers.copy_wait), and
 the engine's choice between that and a copy thread. The GPU is a clock here:
 a batch is done once time.perf_counter() passes its end."""
 
@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from pegaflow import copy_wait
-from pegaflow.config import EngineConfig
-from pegaflow.engine import Engine
-from pegaflow.errors import CopyFailed
-from pegaflow.geometry import Transfers
+from pegaflow.common.config import EngineConfig
+from pegaflow.common.errors import CopyFailed
+from pegaflow.common.geometry import Transfers
+from pegaflow.copiers import copy_wait
+from pegaflow.server.engine import Engine
 from tests.unit.host_engine import host_engine, save_two_blocks
 
 

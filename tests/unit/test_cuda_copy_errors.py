@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pegaflow import cuda_driver
-from pegaflow.copiers import cuda as cuda_copier
-from pegaflow.copiers.cuda import CudaCopyEngine
+from pegaflow.common import cuda_driver
+from pegaflow.common.errors import CopyFailed, DeviceBroken
+from pegaflow.common.geometry import Transfers
+from pegaflow.copiers import cuda_copier
+from pegaflow.copiers.cuda_copier import CudaCopyEngine
 from pegaflow.copiers.gpu_state import Faults, InFlight, Rates
-from pegaflow.errors import CopyFailed, DeviceBroken
-from pegaflow.geometry import Transfers
 
 T = Transfers(*(np.array([0], np.uint64),) * 2, np.array([64], np.uint64))
 
@@ -317,7 +317,7 @@ def test_an_ordinary_copy_error_leaves_the_device_usable(monkeypatch) -> None:
 
 
 def test_health_says_degraded_while_a_gpu_is_broken() -> None:
-    from pegaflow.report import health_report
+    from pegaflow.server.report import health_report
     from tests.unit.host_engine import host_engine
 
     engine = host_engine(object())
@@ -333,7 +333,7 @@ def test_health_says_degraded_while_a_gpu_is_broken() -> None:
 def test_metrics_show_which_gpu_a_sticky_fault_broke(monkeypatch) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from pegaflow.metrics import CopyPathCollector
+    from pegaflow.server.metrics import CopyPathCollector
 
     monkeypatch.setattr(cuda_driver, "set_device", lambda ordinal: None)
     log: list[str] = []

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from pegaflow import kernels
-from pegaflow.copiers.cuda import CudaCopyEngine, _Device
+from pegaflow.copiers.cuda_copier import CudaCopyEngine, _Device
 
 
 def _counting(k: ModuleType, calls: list[Any]) -> SimpleNamespace:

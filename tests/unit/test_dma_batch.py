@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pegaflow.common.cuda_driver import CudaError
+from pegaflow.common.errors import InternalError
+from pegaflow.common.geometry import Transfers
 from pegaflow.copiers import dma
-from pegaflow.cuda_driver import CudaError
-from pegaflow.errors import InternalError
-from pegaflow.geometry import Transfers
 from pegaflow.kernels import backend
 from pegaflow.kernels.plan import Buffer, aligned_empty
 

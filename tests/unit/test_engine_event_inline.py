@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from pegaflow.errors import InvalidRequest
-from pegaflow.geometry import Transfers
+from pegaflow.common.errors import InvalidRequest
+from pegaflow.common.geometry import Transfers
 from tests.unit.host_engine import host_engine, save_two_blocks
 
 

@@ -1,4 +1,4 @@
-"""A fetch's read in pieces submitted at once (pegaflow.remote.fetch): every
+"""A fetch's read in pieces submitted at once (pegaflow.tiers.remote.fetch): every
 slot hashed from the bytes that landed in it, in order; when a piece fails,
 every piece is waited out, and the read's error says whether bytes may still
 land (then its slots are quarantined, never reused at once)."""
@@ -10,12 +10,12 @@ import pytest
 import xxhash
 from prometheus_client import CollectorRegistry
 
-from pegaflow.pool import HostPool, PoolConfig
-from pegaflow.remote import fetch
-from pegaflow.remote.fetch import OwnerReads, RemoteStats
-from pegaflow.remote.metrics import RemoteMetrics
-from pegaflow.remote.slot_sums import SlotHasher
-from pegaflow.remote.transport import TransportError
+from pegaflow.cache.pool import HostPool, PoolConfig
+from pegaflow.tiers.remote import fetch
+from pegaflow.tiers.remote.fetch import OwnerReads, RemoteStats
+from pegaflow.tiers.remote.remote_metrics import RemoteMetrics
+from pegaflow.tiers.remote.slot_sums import SlotHasher
+from pegaflow.tiers.remote.transfer_engine import TransportError
 
 SLOT = 4096
 

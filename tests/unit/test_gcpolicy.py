@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from pegaflow import gcpolicy
+from pegaflow.server import gc_freeze as gcpolicy
 
 
 class Node:

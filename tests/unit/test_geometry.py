@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from pegaflow.errors import InvalidRequest
-from pegaflow.geometry import (
+from pegaflow.cache.registration_checks import validate_layers
+from pegaflow.client.kv_layouts import describe, vllm_layer_views
+from pegaflow.common.errors import InvalidRequest
+from pegaflow.common.geometry import (
     KVGeometry,
     LayerLayout,
     Segment,
     check_block_ids,
     first_overlap,
 )
-from pegaflow.kv_layouts import describe, vllm_layer_views
-from pegaflow.registration import validate_layers
 
 
 def _apply(t, src_arr: np.ndarray, dst_arr: np.ndarray) -> None:

@@ -8,8 +8,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from pegaflow import hll
-from pegaflow.config import HitRateConfig
+from pegaflow.cache import hll
+from pegaflow.common.config import HitRateConfig
 
 
 def _count(h64: np.ndarray, bits: int) -> float:

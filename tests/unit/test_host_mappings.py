@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pegaflow import mounts
+from pegaflow.common import mounts
+from pegaflow.common.errors import InvalidRequest
+from pegaflow.common.geometry import Transfers
 from pegaflow.copiers import vm
-from pegaflow.copiers.host import HostCopyEngine
-from pegaflow.copiers.signals import LayerSignals
-from pegaflow.errors import InvalidRequest
-from pegaflow.geometry import Transfers
+from pegaflow.copiers.host_copier import HostCopyEngine
+from pegaflow.copiers.layer_signals import LayerSignals
 
 SIZE = 1 << 16
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pegaflow.errors import PermissionDenied
-from pegaflow.identity import UNKNOWN, Caller, check_host_memory_owner
+from pegaflow.common.errors import PermissionDenied
+from pegaflow.common.identity import UNKNOWN, Caller, check_host_memory_owner
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to setpriv"),

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pegaflow.copiers import host as hostcopy
+from pegaflow.common.errors import CopyFailed, InternalError, InvalidRequest
+from pegaflow.common.geometry import KVGeometry, LayerLayout, Segment, Transfers
+from pegaflow.copiers import host_copier as hostcopy
 from pegaflow.copiers import vm
-from pegaflow.copiers.host import HostCopyEngine
+from pegaflow.copiers.host_copier import HostCopyEngine
 from pegaflow.copiers.vm import IOV_MAX
-from pegaflow.errors import CopyFailed, InternalError, InvalidRequest
-from pegaflow.geometry import KVGeometry, LayerLayout, Segment, Transfers
 
 PAGE = 4096
 SIZE = 4 << 20

@@ -1,4 +1,4 @@
-"""pegaflow.hugepages: the pool's share of 2 MiB pages, read from smaps."""
+"""pegaflow.cache.hugepages: the pool's share of 2 MiB pages, read from smaps."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pegaflow import pool as pool_mod
-from pegaflow.config import PoolConfig
-from pegaflow.hugepages import huge_share, thp_setting
+from pegaflow.cache import pool as pool_mod
+from pegaflow.cache.hugepages import huge_share, thp_setting
+from pegaflow.common.config import PoolConfig
 
 SMAPS = """\
 7f0000000000-7f0000400000 rw-p 00000000 00:00 0
@@ -65,7 +65,7 @@ def test_a_pool_of_small_pages_is_said_with_the_fix(
     share: float, warned: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     config = PoolConfig(size_bytes=1 << 30)
-    with caplog.at_level(logging.WARNING, logger="pegaflow.pool"):
+    with caplog.at_level(logging.WARNING, logger="pegaflow.cache.pool"):
         pool_mod._warn_small_pages(share, 1 << 30, config)
     text = caplog.text
     assert ("--use-hugepages" in text and "transparent hugepages" in text) == warned

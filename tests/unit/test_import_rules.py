@@ -15,55 +15,59 @@ PACKAGES = {"pegaflow": "pegaflow", "pegaflow.kernels": "kernels"}
 PACKAGES |= {"pegaflow.gds": "gds", "pegaflow.connector": "connector"}
 
 SERVER = {
-    "pegaflow.engine",
-    "pegaflow.prefix_query",
-    "pegaflow.remote.link",
-    "pegaflow.remote.fetch",
-    "pegaflow.remote.pins",
-    "pegaflow.remote.peer_service",
-    "pegaflow.remote.bringup",
-    "pegaflow.service",
+    "pegaflow.server.engine",
+    "pegaflow.server.query_path",
+    "pegaflow.tiers.remote.link",
+    "pegaflow.tiers.remote.fetch",
+    "pegaflow.tiers.remote.pins",
+    "pegaflow.tiers.remote.peer_service",
+    "pegaflow.tiers.remote.bringup",
+    "pegaflow.server.grpc_service",
     "pegaflow.server",
-    "pegaflow.socket_server",
-    "pegaflow.blocks",
-    "pegaflow.block_entry",
-    "pegaflow.tier_loads",
-    "pegaflow.deferred",
-    "pegaflow.pool",
-    "pegaflow.slabs",
-    "pegaflow.policy",
-    "pegaflow.leases",
-    "pegaflow.misses",
-    "pegaflow.ready_index",
-    "pegaflow.hash_table",
-    "pegaflow.instances",
-    "pegaflow.namespaces",
-    "pegaflow.ssd",
-    "pegaflow.report",
-    "pegaflow.status_command",
-    "pegaflow.metrics",
-    "pegaflow.boundary",
-    "pegaflow.limits",
+    "pegaflow.server.socket_service",
+    "pegaflow.cache.block_store",
+    "pegaflow.cache.block_entry",
+    "pegaflow.cache.tier_loads",
+    "pegaflow.cache.deferred_touches",
+    "pegaflow.cache.pool",
+    "pegaflow.cache.slabs",
+    "pegaflow.cache.eviction",
+    "pegaflow.cache.leases",
+    "pegaflow.cache.miss_reasons",
+    "pegaflow.cache.ready_index",
+    "pegaflow.cache.hash_table",
+    "pegaflow.cache.instances",
+    "pegaflow.server.namespaces",
+    "pegaflow.tiers.ssd_tier",
+    "pegaflow.server.report",
+    "pegaflow.server.status_command",
+    "pegaflow.server.metrics",
+    "pegaflow.daemon.boundary",
+    "pegaflow.common.request_limits",
     "pegaflow.cli",
-    "pegaflow.config",
+    "pegaflow.common.config",
 }
 BOOKKEEPING = [
-    "pegaflow.blocks",
-    "pegaflow.block_entry",
-    "pegaflow.tier_loads",
-    "pegaflow.deferred",
-    "pegaflow.policy",
-    "pegaflow.leases",
-    "pegaflow.misses",
-    "pegaflow.ready_index",
-    "pegaflow.hash_table",
-    "pegaflow.instances",
-    "pegaflow.namespaces",
-    "pegaflow.pool",
-    "pegaflow.slabs",
+    "pegaflow.cache.block_store",
+    "pegaflow.cache.block_entry",
+    "pegaflow.cache.tier_loads",
+    "pegaflow.cache.deferred_touches",
+    "pegaflow.cache.eviction",
+    "pegaflow.cache.leases",
+    "pegaflow.cache.miss_reasons",
+    "pegaflow.cache.ready_index",
+    "pegaflow.cache.hash_table",
+    "pegaflow.cache.instances",
+    "pegaflow.server.namespaces",
+    "pegaflow.cache.pool",
+    "pegaflow.cache.slabs",
 ]
-COPY_OR_DRIVER = ("pegaflow.copiers.", "pegaflow.cuda_driver", "pegaflow.kernels")
-COPY_PROTOCOLS = "pegaflow.copiers.base"  # types only: allowed everywhere
+COPY_OR_DRIVER = (
+    "pegaflow.copiers.",
+    "pegaflow.common.cuda_driver",
+    "pegaflow.kernels",
+)
+COPY_PROTOCOLS = "pegaflow.copiers.copier"  # types only: allowed everywhere
 
 
 def _path(module: str) -> Path | None:
@@ -143,8 +147,8 @@ def test_bookkeeping_imports_no_copy_engine_or_driver(module: str) -> None:
 
 def test_the_rules_can_fail() -> None:
     """The checker sees a real import: the engine does pull in the copiers."""
-    assert "pegaflow.copiers.signals" in _closure("pegaflow.engine")
-    assert "pegaflow.blocks" in _closure("pegaflow.engine")
+    assert "pegaflow.copiers.layer_signals" in _closure("pegaflow.server.engine")
+    assert "pegaflow.cache.block_store" in _closure("pegaflow.server.engine")
 
 
 def _import_style_faults(folder: str, package: str) -> list[str]:

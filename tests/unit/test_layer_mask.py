@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pegaflow.block_entry import layer_mask
+from pegaflow.cache.block_entry import layer_mask
 
 
 def reference(rank: int, layers: np.ndarray, num_layers: int) -> int:

@@ -11,18 +11,18 @@ import grpc
 import numpy as np
 import pytest
 
-from pegaflow import leases
-from pegaflow.blocks import BlockStore
-from pegaflow.config import EngineConfig, PoolConfig
-from pegaflow.engine import Engine
-from pegaflow.geometry import LayerLayout, Segment
-from pegaflow.identity import CallContext, Caller
-from pegaflow.instances import Namespace
-from pegaflow.leases import LeaseTable, TooManyLeases
-from pegaflow.policy import LRUPolicy
-from pegaflow.pool import HostPool
-from pegaflow.registration import RegisterSpec
-from pegaflow.slabs import SlabAllocator
+from pegaflow.cache import leases
+from pegaflow.cache.block_store import BlockStore
+from pegaflow.cache.eviction import LRUPolicy
+from pegaflow.cache.instances import Namespace
+from pegaflow.cache.leases import LeaseTable, TooManyLeases
+from pegaflow.cache.pool import HostPool
+from pegaflow.cache.registration_checks import RegisterSpec
+from pegaflow.cache.slabs import SlabAllocator
+from pegaflow.common.config import EngineConfig, PoolConfig
+from pegaflow.common.geometry import LayerLayout, Segment
+from pegaflow.common.identity import CallContext, Caller
+from pegaflow.server.engine import Engine
 from tests.unit.test_query_reregistered import NoCopy
 
 SLOT = 4096

@@ -1,4 +1,4 @@
-"""Per-request caps and the large-request gate (pegaflow.limits), without a server."""
+"""Per-request caps and the large-request gate (pegaflow.common.request_limits), without a server."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import time
 
 import pytest
 
-from pegaflow.errors import DeadlineExceeded, InvalidRequest
-from pegaflow.geometry import LayerLayout, Segment
-from pegaflow.limits import (
+from pegaflow.cache.registration_checks import validate_layers
+from pegaflow.common.errors import DeadlineExceeded, InvalidRequest
+from pegaflow.common.geometry import LayerLayout, Segment
+from pegaflow.common.request_limits import (
     MAX_DESCRIPTORS_PER_BLOCK,
     MIN_AVG_SEGMENT_BYTES,
     LargeRequestGate,
@@ -17,7 +18,6 @@ from pegaflow.limits import (
     check_block_geometry,
     pool_blocks,
 )
-from pegaflow.registration import validate_layers
 
 
 def _layers(n: int, segs: int, seg_bytes: int) -> tuple[LayerLayout, ...]:

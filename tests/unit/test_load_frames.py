@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from pegaflow import frames
-from pegaflow.errors import InvalidRequest
+from pegaflow.common import socket_frames as frames
+from pegaflow.common.errors import InvalidRequest
 
 
 @dataclass

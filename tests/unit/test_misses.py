@@ -9,20 +9,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pegaflow import ready_index
-from pegaflow.blocks import BlockStore
-from pegaflow.config import HitRateConfig
-from pegaflow.instances import Namespace
-from pegaflow.keys import PackedHashes
-from pegaflow.misses import GhostTable, HitRateTracker, NamespaceStats, RecordingPolicy
-from pegaflow.policy import AdmissionPolicy, LRUPolicy, TinyLFU
-from pegaflow.slabs import SlabAllocator
+from pegaflow.cache import ready_index
+from pegaflow.cache.block_store import BlockStore
+from pegaflow.cache.eviction import AdmissionPolicy, LRUPolicy, TinyLFU
+from pegaflow.cache.instances import Namespace
+from pegaflow.cache.miss_reasons import (
+    GhostTable,
+    HitRateTracker,
+    NamespaceStats,
+    RecordingPolicy,
+)
+from pegaflow.cache.slabs import SlabAllocator
+from pegaflow.common.config import HitRateConfig
+from pegaflow.common.keys import PackedHashes
 
 SLOT = 4096
 
 
 class Rig:
-    """A BlockStore wired as pegaflow.engine wires it, on a fake slab base."""
+    """A BlockStore wired as pegaflow.server.engine wires it, on a fake slab base."""
 
     def __init__(
         self, slots: int, lfu: bool = False, remote: set | None = None

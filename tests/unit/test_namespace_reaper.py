@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from pegaflow.blocks import BlockStore
-from pegaflow.config import HitRateConfig
-from pegaflow.instances import Instance, Namespace, Registry
-from pegaflow.leases import LeaseTable
-from pegaflow.misses import HitRateTracker
-from pegaflow.namespaces import NamespaceReaper
-from pegaflow.policy import LRUPolicy
-from pegaflow.slabs import SlabAllocator
+from pegaflow.cache.block_store import BlockStore
+from pegaflow.cache.eviction import LRUPolicy
+from pegaflow.cache.instances import Instance, Namespace, Registry
+from pegaflow.cache.leases import LeaseTable
+from pegaflow.cache.miss_reasons import HitRateTracker
+from pegaflow.cache.slabs import SlabAllocator
+from pegaflow.common.config import HitRateConfig
+from pegaflow.server.namespaces import NamespaceReaper
 
 SLOT = 4096
 

@@ -9,7 +9,7 @@ import threading
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from pegaflow.report import OncePerScrape
+from pegaflow.server.report import OncePerScrape
 
 
 class Reads:

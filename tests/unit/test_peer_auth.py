@@ -1,4 +1,4 @@
-"""pegaflow.peer_auth: where the token comes from, and the server-side check."""
+"""pegaflow.common.peer_auth: where the token comes from, and the server-side check."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pegaflow import peer_auth
+from pegaflow.common import peer_auth
 
 TOKEN = "t0ken-" + "a" * 20
 KEY = peer_auth.METADATA_KEY

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 from benchmarks import phase_trace
-from pegaflow.spawn import spawn_server
+from pegaflow.demo.spawn import spawn_server
 from tests.kvbuf import hashes
 from tests.procs import EngineProc
 
-TRANSFER = "pegaflow.copiers.host:transfer"  # the copy syscalls, a sync call
+TRANSFER = "pegaflow.copiers.host_copier:transfer"  # the copy syscalls, a sync call
 
 
 def test_a_traced_server_counts_each_request(tmp_path) -> None:
@@ -39,11 +39,11 @@ def test_a_traced_server_counts_each_request(tmp_path) -> None:
         proc.terminate()
         proc.wait(timeout=60)
     got = json.loads(out.read_text())
-    save = got["pegaflow.engine:Engine.save"]
+    save = got["pegaflow.server.engine:Engine.save"]
     assert save["calls"] == 3 and save["threads"] == ["MainThread"]
     assert 0 < save["min_us"] <= save["p50_us"] <= save["p90_us"]
-    assert got["pegaflow.engine:Engine._copy"]["calls"] == 3
-    assert "pegaflow.engine:Engine.load" not in got  # only what ran is listed
+    assert got["pegaflow.server.engine:Engine._copy"]["calls"] == 3
+    assert "pegaflow.server.engine:Engine.load" not in got  # only what ran is listed
     # Sync calls also carry their time off the CPU; coroutines cannot.
     copy = got[TRANSFER]
     assert copy["calls"] >= 3 and 0.0 <= copy["offcpu_share"] <= 1.0

@@ -38,12 +38,12 @@ SCENARIO = textwrap.dedent(
     r"""
     import os, subprocess, sys
     import numpy as np
-    from pegaflow import instances
-    from pegaflow.copiers.host import HostCopyEngine
+    from pegaflow.cache import instances
+    from pegaflow.copiers.host_copier import HostCopyEngine
     from pegaflow.errors import CopyFailed, InvalidRequest
-    from pegaflow.geometry import LayerLayout, Segment, Transfers
-    from pegaflow.identity import Caller, check_host_memory_owner
-    from pegaflow.registration import RegisterSpec
+    from pegaflow.common.geometry import LayerLayout, Segment, Transfers
+    from pegaflow.common.identity import Caller, check_host_memory_owner
+    from pegaflow.cache.registration_checks import RegisterSpec
 
     ADDR, SIZE, PAGE = 0x7E0000000000, 1 << 20, 4096
     ENGINE = f'''

@@ -1,4 +1,4 @@
-"""The owner's pin table (pegaflow.remote.pins) against a peer that holds the
+"""The owner's pin table (pegaflow.tiers.remote.pins) against a peer that holds the
 cluster token but lies: a request repeating one ready hash pins it once, and
 a pin id (random, not a counter) is the asking host's alone: another host's
 Checksums and Release find nothing."""
@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import xxhash
 
-from pegaflow.blocks import BlockStore
-from pegaflow.config import PoolConfig
-from pegaflow.instances import Namespace
-from pegaflow.keys import PackedHashes
-from pegaflow.policy import LRUPolicy
-from pegaflow.pool import HostPool
-from pegaflow.remote.peer_service import caller_host
-from pegaflow.remote.pins import PinTable
-from pegaflow.remote.slot_sums import SlotHasher
+from pegaflow.cache.block_store import BlockStore
+from pegaflow.cache.eviction import LRUPolicy
+from pegaflow.cache.instances import Namespace
+from pegaflow.cache.pool import HostPool
+from pegaflow.common.config import PoolConfig
+from pegaflow.common.keys import PackedHashes
+from pegaflow.tiers.remote.peer_service import caller_host
+from pegaflow.tiers.remote.pins import PinTable
+from pegaflow.tiers.remote.slot_sums import SlotHasher
 
 SLOT = 16 << 10
 NS = Namespace("m", 1, 1, 2, SLOT, (2, SLOT // 2, SLOT // 2))

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pegaflow.policy import (
+from pegaflow.cache.eviction import (
     AdmissionPolicy,
     EvictionPolicy,
     Key,

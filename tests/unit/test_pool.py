@@ -3,9 +3,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pegaflow.config import PoolConfig, parse_addr, parse_size
-from pegaflow.pool import HostPool, HugepagesUnavailable, _hugepages_free
-from pegaflow.slabs import SlabAllocator
+from pegaflow.cache.pool import HostPool, HugepagesUnavailable, _hugepages_free
+from pegaflow.cache.slabs import SlabAllocator
+from pegaflow.common.config import PoolConfig, parse_addr, parse_size
 
 
 def test_parse_size_units() -> None:

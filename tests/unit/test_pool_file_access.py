@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pegaflow.config import PoolConfig
-from pegaflow.pool import HostPool
-from pegaflow.poolfile import PoolFileError
+from pegaflow.cache.pool import HostPool
+from pegaflow.cache.pool_file import PoolFileError
+from pegaflow.common.config import PoolConfig
 
 SIZE = 4 << 20
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pegaflow.config import PoolConfig
-from pegaflow.cuda_driver import CudaError
-from pegaflow.pool import HostPool
-from pegaflow.poolfile import PoolFileError
+from pegaflow.cache.pool import HostPool
+from pegaflow.cache.pool_file import PoolFileError
+from pegaflow.common.config import PoolConfig
+from pegaflow.common.cuda_driver import CudaError
 
 
 class RefusingRegistrar:

@@ -13,12 +13,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from pegaflow.config import EngineConfig, PoolConfig
-from pegaflow.engine import Engine
-from pegaflow.geometry import LayerLayout, Segment
-from pegaflow.identity import CallContext, Caller
-from pegaflow.pool import HostPool
-from pegaflow.registration import RegisterSpec
+from pegaflow.cache.pool import HostPool
+from pegaflow.cache.registration_checks import RegisterSpec
+from pegaflow.common.config import EngineConfig, PoolConfig
+from pegaflow.common.geometry import LayerLayout, Segment
+from pegaflow.common.identity import CallContext, Caller
+from pegaflow.server.engine import Engine
 from tests.unit.test_query_reregistered import NoCopy
 
 PAGE = 256 << 10  # the pool below holds 16 blocks

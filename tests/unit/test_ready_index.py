@@ -8,11 +8,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pegaflow.block_entry import BlockEntry
-from pegaflow.hash_table import MAX_LOAD, MIN_CAPACITY, SPARE, HashTable
-from pegaflow.hll import hash64
-from pegaflow.keys import PackedHashes
-from pegaflow.ready_index import ReadyIndex
+from pegaflow.cache.block_entry import BlockEntry
+from pegaflow.cache.hash_table import MAX_LOAD, MIN_CAPACITY, SPARE, HashTable
+from pegaflow.cache.hll import hash64
+from pegaflow.cache.ready_index import ReadyIndex
+from pegaflow.common.keys import PackedHashes
 
 
 def _entry(h: bytes) -> BlockEntry:

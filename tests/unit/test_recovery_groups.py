@@ -1,5 +1,5 @@
 """A restart groups a kept pool file's rows into blocks with numpy over all
-rows at once (pegaflow.recovery._complete_blocks): the same blocks, tables
+rows at once (pegaflow.server.warm_restart._complete_blocks): the same blocks, tables
 and drops as grouping row by row, whatever the rows claim."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from pegaflow.poolfile import ROW
-from pegaflow.recovery import _complete_blocks
+from pegaflow.cache.pool_file import ROW
+from pegaflow.server.warm_restart import _complete_blocks
 
 
 def _row_by_row(t: np.ndarray, rows: np.ndarray) -> tuple[dict, int]:

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pegaflow.instances import Namespace
+from pegaflow.cache.instances import Namespace
 from pegaflow.proto import peer_pb2 as pb
-from pegaflow.remote.config import RemoteConfig, check_routable
-from pegaflow.remote.fetch import PlanSegment, Refused, check_pin, clip_plan
-from pegaflow.remote.nics import NicError, active_devices, check_nics
-from pegaflow.remote.peers import Endpoint, PeerChannels
-from pegaflow.remote.transport import batches
+from pegaflow.tiers.remote.fetch import PlanSegment, Refused, check_pin, clip_plan
+from pegaflow.tiers.remote.nics import NicError, active_devices, check_nics
+from pegaflow.tiers.remote.peers import Endpoint, PeerChannels
+from pegaflow.tiers.remote.remote_config import RemoteConfig, check_routable
+from pegaflow.tiers.remote.transfer_engine import batches
 
 
 def test_batches_cut_at_the_limit_and_cover_everything() -> None:

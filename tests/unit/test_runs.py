@@ -1,10 +1,10 @@
-"""pegaflow.runs.merge_adjacent: the one "merge adjacent runs" helper."""
+"""pegaflow.common.runs.merge_adjacent: the one "merge adjacent runs" helper."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from pegaflow.runs import merge_adjacent, merge_parts
+from pegaflow.common.runs import merge_adjacent, merge_parts
 
 
 def _slow(starts: list[list[int]], nbytes: list[int]) -> tuple[list, list]:

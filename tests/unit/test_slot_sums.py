@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from pegaflow.pool import HostPool, PoolConfig
-from pegaflow.remote.slot_sums import SlotHasher
+from pegaflow.cache.pool import HostPool, PoolConfig
+from pegaflow.tiers.remote.slot_sums import SlotHasher
 
 
 @pytest.fixture

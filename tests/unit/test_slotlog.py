@@ -1,6 +1,6 @@
 """Slot rows of a file-backed pool, in process: what a save in flight, a
 published block and a freed slot leave in the file, and what a restart
-rebuilds from it (pegaflow.slotlog, pegaflow.recovery)."""
+rebuilds from it (pegaflow.cache.slot_log, pegaflow.server.warm_restart)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import xxhash
 
-from pegaflow.blocks import BlockStore
-from pegaflow.config import PoolConfig
-from pegaflow.instances import Namespace, Registry
-from pegaflow.policy import LRUPolicy
-from pegaflow.pool import HostPool
-from pegaflow.poolfile import FREE, LANDED, META_OFFSET, SEALED, WRITING
-from pegaflow.recovery import Recovered, recover
-from pegaflow.slabs import SlabAllocator
-from pegaflow.slotlog import checksums
+from pegaflow.cache.block_store import BlockStore
+from pegaflow.cache.eviction import LRUPolicy
+from pegaflow.cache.instances import Namespace, Registry
+from pegaflow.cache.pool import HostPool
+from pegaflow.cache.pool_file import FREE, LANDED, META_OFFSET, SEALED, WRITING
+from pegaflow.cache.slabs import SlabAllocator
+from pegaflow.cache.slot_log import checksums
+from pegaflow.common.config import PoolConfig
+from pegaflow.server.warm_restart import Recovered, recover
 
 SLOT = 16 << 10
 POOL = 4 << 20  # slabs of 256 KiB: 16 slots each, 256 slots in all

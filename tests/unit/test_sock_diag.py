@@ -1,5 +1,5 @@
-"""The kernel's one-connection uid lookup (pegaflow.sock_diag) against real
-loopback connections, and pegaflow.identity's use of it."""
+"""The kernel's one-connection uid lookup (pegaflow.common.sock_diag) against real
+loopback connections, and pegaflow.common.identity's use of it."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from pegaflow import identity
-from pegaflow.identity import tcp_peer
-from pegaflow.sock_diag import tcp_socket_uid
+from pegaflow.common import identity
+from pegaflow.common.identity import tcp_peer
+from pegaflow.common.sock_diag import tcp_socket_uid
 
 V4 = ipaddress.ip_address("127.0.0.1")
 
@@ -67,7 +67,7 @@ def test_without_netlink_the_proc_scan_still_answers(
         raise PermissionError("netlink refused by a seccomp filter")
 
     monkeypatch.setattr(identity, "tcp_socket_uid", refused)
-    with caplog.at_level("WARNING", logger="pegaflow.identity"):
+    with caplog.at_level("WARNING", logger="pegaflow.common.identity"):
         for _ in range(3):
             peer = tcp_peer(f"ipv4:{client[0]}:{client[1]}", server[1])
             assert peer.uid == os.geteuid()

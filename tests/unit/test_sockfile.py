@@ -1,4 +1,4 @@
-"""pegaflow.sockfile: the fast-path socket file is private from its creation,
+"""pegaflow.server.socket_file: the fast-path socket file is private from its creation,
 never replaces what it did not make, and is removed only while it is ours."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pegaflow import sockfile
-from pegaflow.sockfile import bind_private_unix, unlink_if_ours
-from pegaflow.startup import StartupError
+from pegaflow.daemon.startup import StartupError
+from pegaflow.server import socket_file as sockfile
+from pegaflow.server.socket_file import bind_private_unix, unlink_if_ours
 
 
 def _mode(path: Path) -> int:
@@ -72,7 +72,7 @@ def test_stale_socket_of_ours_is_replaced(tmp_path: Path, caplog) -> None:
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     dead.bind(str(path))
     dead.close()
-    with caplog.at_level("INFO", logger="pegaflow.sockfile"):
+    with caplog.at_level("INFO", logger="pegaflow.server.socket_file"):
         sock = bind_private_unix(str(path))
     try:
         assert "stale" in caplog.text

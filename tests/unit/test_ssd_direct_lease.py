@@ -1,4 +1,4 @@
-"""The direct SSD → GPU route's bookkeeping (pegaflow.ssd_direct), in
+"""The direct SSD → GPU route's bookkeeping (pegaflow.tiers.ssd_gpu_direct), in
 process: a query answers `ready` at once with a lease whose tail is the SSD
 blocks after the L1 hits, and a load splits each item between the L1 copy
 and one direct read of the tail, reads the tail first, and turns blocks the
@@ -15,14 +15,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pegaflow.config import EngineConfig, PoolConfig
-from pegaflow.engine import Engine
-from pegaflow.errors import CopyFailed, InvalidRequest
-from pegaflow.geometry import LayerLayout, Segment, Transfers
-from pegaflow.identity import CallContext, Caller
-from pegaflow.pool import HostPool
-from pegaflow.registration import RegisterSpec
-from pegaflow.ssd_direct import SsdDirect
+from pegaflow.cache.pool import HostPool
+from pegaflow.cache.registration_checks import RegisterSpec
+from pegaflow.common.config import EngineConfig, PoolConfig
+from pegaflow.common.errors import CopyFailed, InvalidRequest
+from pegaflow.common.geometry import LayerLayout, Segment, Transfers
+from pegaflow.common.identity import CallContext, Caller
+from pegaflow.server.engine import Engine
+from pegaflow.tiers.ssd_gpu_direct import SsdDirect
 
 PAGE = 4096
 HASHES = [bytes([i]) * 32 for i in range(12)]

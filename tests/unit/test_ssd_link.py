@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from pegaflow.blocks import BlockStore
+from pegaflow.cache.block_store import BlockStore
+from pegaflow.cache.eviction import LRUPolicy
+from pegaflow.cache.instances import Namespace, Registry
+from pegaflow.cache.slabs import SlabAllocator
 from pegaflow.gds import SsdLoadResult
-from pegaflow.instances import Namespace, Registry
-from pegaflow.metrics import Metrics
-from pegaflow.policy import LRUPolicy
-from pegaflow.slabs import SlabAllocator
-from pegaflow.ssd import SsdLink
+from pegaflow.server.metrics import Metrics
+from pegaflow.tiers.ssd_tier import SsdLink
 
 SLOT = 4096
 

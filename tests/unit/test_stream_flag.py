@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from pegaflow.common.geometry import Transfers
 from pegaflow.copiers.completion import MASK, StreamFlag, reached
-from pegaflow.geometry import Transfers
 
 
 class FakeStream:
@@ -114,8 +114,8 @@ def test_the_cuda_copier_waits_by_flag_for_small_dma_batches_only() -> None:
     """CudaCopyEngine._finish: a copy-engine batch up to FLAG_MAX_BYTES ends
     with the flag; a kernel batch, a larger one, or a device without flags
     with the stream synchronize (COMPLETION)."""
-    from pegaflow.copiers import cuda
-    from pegaflow.copiers.policy import FLAG_MAX_BYTES
+    from pegaflow.copiers import cuda_copier as cuda
+    from pegaflow.copiers.path_choice import FLAG_MAX_BYTES
 
     _, address = _word()
     stream = FakeStream()

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pegaflow.remote import transport as tr
-from pegaflow.remote.transport import MooncakeTransport, TransportError
+from pegaflow.tiers.remote import transfer_engine as tr
+from pegaflow.tiers.remote.transfer_engine import MooncakeTransport, TransportError
 
 
 class Engine:

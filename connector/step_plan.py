@@ -1,0 +1,87 @@
+"""What the scheduler half tells the workers each step, and what the workers
+report back. Plain picklable dataclasses without vLLM types, so the worker half
+runs (and is tested on a GPU machine) without vLLM installed; connector.py wraps
+them in vLLM's metadata classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pegaflow.common.keys import BlockHash
+
+ReqId = str
+
+
+@dataclass(slots=True)
+class LoadJob:
+    """Load leased blocks [0, len(block_ids)) into these engine blocks."""
+
+    req_id: ReqId
+    lease_id: int
+    block_ids: list[int]
+    sync: bool  # True: before this step's forward; False: between steps
+
+
+@dataclass(slots=True)
+class SaveJob:
+    """Engine blocks whose KV is complete after this step, with their hashes."""
+
+    req_id: ReqId
+    block_ids: list[int]
+    hashes: list[BlockHash]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    # Requests whose blocks vLLM keeps for us: report each in finished_sending
+    # once its saves are done.
+    held: set[ReqId] = field(default_factory=set)
+    # Preempted since the last step: their blocks may be reused by this step.
+    preempted: set[ReqId] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves or self.held or self.preempted)
+
+
+# Counters both halves keep; summed across workers and steps.
+STAT_KEYS = (
+    "queries",
+    "query_seconds",
+    "query_failures",
+    "query_tokens",
+    "hit_tokens",
+    "load_blocks",
+    "load_bytes",
+    "load_seconds",
+    "load_failures",
+    "layerwise_loads",
+    "save_blocks",
+    "save_bytes",
+    "save_seconds",
+    "save_failures",
+    "saves_skipped",
+)
+
+
+def new_stats() -> dict[str, float]:
+    return dict.fromkeys(STAT_KEYS, 0)
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    """Per step from each worker: save jobs finished (or failed) per request,
+    so the scheduler knows which requests still have saves in flight."""
+
+    saves_done: dict[ReqId, int] = field(default_factory=dict)
+    # After a (re-)registration: the server's query socket, so the scheduler's
+    # queries skip gRPC (only RegisterInstance names it).
+    socket_path: str = ""  # the server's unix socket, once a worker learnt it
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        merged = dict(self.saves_done)
+        for req_id, n in other.saves_done.items():
+            merged[req_id] = merged.get(req_id, 0) + n
+        return WorkerReport(merged, self.socket_path or other.socket_path)

@@ -1,0 +1,142 @@
+"""Leases pin the blocks a query hit until every worker of the instance loaded
+them, the engine released them, or they expired."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from pegaflow.common.errors import LeaseNotFound, Overloaded
+from pegaflow.common.keys import BlockHash
+
+from .block_entry import BlockEntry
+from .block_store import BlockStore
+
+
+@dataclass(slots=True)
+class Lease:
+    id: int
+    owner: str  # instance id that queried; only its workers load it
+    namespace_id: int
+    entries: list[BlockEntry]
+    world_size: int
+    expires: float
+    loaded_by: set[int] = field(default_factory=set)
+    # Blocks after the L1 entries that the SSD holds, for a direct read into
+    # the engine's GPU blocks at load (pegaflow.tiers.ssd_gpu_direct); nothing pinned.
+    direct: list[BlockHash] = field(default_factory=list)
+
+    @property
+    def blocks(self) -> int:
+        return len(self.entries) + len(self.direct)
+
+
+# What one instance may hold at once. The connector releases every lease it
+# does not load, so an engine holds about one per request it schedules; a
+# client that queries without ever loading or releasing would otherwise pin
+# blocks (unevictable) and grow the table until the TTL, without bound.
+MAX_LEASES_PER_INSTANCE = 1 << 16
+MAX_LEASED_BLOCKS_PER_INSTANCE = 1 << 22
+
+
+class TooManyLeases(Overloaded):
+    pass
+
+
+class LeaseTable:
+    def __init__(self, store: BlockStore, ttl_s: float) -> None:
+        self._store = store
+        self.ttl_s = ttl_s
+        self._leases: dict[int, Lease] = {}
+        self._held: dict[str, list[int]] = {}  # owner -> [leases, leased blocks]
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __contains__(self, lease_id: int) -> bool:
+        return lease_id in self._leases
+
+    def create(
+        self,
+        owner: str,
+        namespace_id: int,
+        entries: list[BlockEntry],
+        world_size: int,
+        direct: list[BlockHash] | None = None,
+    ) -> Lease:
+        held = self._held.setdefault(owner, [0, 0])
+        if (
+            held[0] >= MAX_LEASES_PER_INSTANCE
+            or held[1] + len(entries) > MAX_LEASED_BLOCKS_PER_INSTANCE
+        ):
+            raise TooManyLeases(
+                f"instance_id: {owner!r} holds {held[0]} leases of {held[1]} "
+                f"blocks (at most {MAX_LEASES_PER_INSTANCE} and "
+                f"{MAX_LEASED_BLOCKS_PER_INSTANCE}); load or release them "
+                "(ReleaseLease), or let them expire"
+            )
+        held[0] += 1
+        held[1] += len(entries)
+        lease_id = secrets.randbits(63) | 1  # unguessable, never 0 ("no lease")
+        while lease_id in self._leases:
+            lease_id = secrets.randbits(63) | 1
+        lease = Lease(
+            lease_id,
+            owner,
+            namespace_id,
+            entries,
+            world_size,
+            time.monotonic() + self.ttl_s,
+            direct=direct or [],
+        )
+        self._leases[lease.id] = lease
+        self._store.pin_lease(lease.id, entries)
+        return lease
+
+    def get(self, lease_id: int) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise LeaseNotFound(
+                f"lease_id: {lease_id} is unknown, expired or already consumed"
+            )
+        return lease
+
+    def consumed(self, lease: Lease, worker_rank: int) -> None:
+        """A worker finished its load; the last one releases the pins."""
+        lease.loaded_by.add(worker_rank)
+        if len(lease.loaded_by) >= lease.world_size:
+            self.release(lease.id)
+
+    def release(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            raise LeaseNotFound(
+                f"lease_id: {lease_id} is unknown, expired or already consumed"
+            )
+        held = self._held[lease.owner]
+        held[0] -= 1
+        held[1] -= len(lease.entries)
+        if not held[0]:
+            del self._held[lease.owner]
+        self._store.unpin_lease(lease.id, lease.entries)
+
+    def held_in(self, namespace_id: int) -> bool:
+        """Whether a lease pins blocks of the namespace (a scan: asked only
+        when a namespace might be freed)."""
+        return any(le.namespace_id == namespace_id for le in self._leases.values())
+
+    def release_owned_by(self, owner: str) -> int:
+        owned = [lid for lid, lease in self._leases.items() if lease.owner == owner]
+        for lid in owned:
+            self.release(lid)
+        return len(owned)
+
+    def sweep(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        dead = [lid for lid, lease in self._leases.items() if lease.expires <= now]
+        for lid in dead:
+            self.release(lid)
+        self.expired += len(dead)
+        return len(dead)

@@ -1,0 +1,176 @@
+"""Slot accounting of the L1 pool: fixed-size slots per size class, carved from
+slabs that move between classes. Addresses only; the memory is pegaflow.cache.pool's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SlotClass = tuple[int, int]  # (slot bytes, offset of slot 0 inside its slab)
+# Frees of this many slots go slab by slab (SlabAllocator._free_batch).
+_BATCH_FREE = 16
+
+
+class SlabAllocator:
+    """Fixed-size slots per size class; whole slabs move between classes.
+
+    A slot is named by its absolute address. Slabs that become empty return to the
+    shared free list, so a class that shrinks gives memory back to the others. A
+    class's slots start `skew` bytes into the slab so they share the engine pages'
+    offset modulo 4 KiB: copies between addresses a few bytes apart modulo 4 KiB
+    suffer 4K aliasing (process_vm_writev measured 3x slower).
+    """
+
+    def __init__(self, base: int, size: int, slab_bytes: int) -> None:
+        self.base = base
+        self.slab_bytes = slab_bytes
+        self.size_slabs = size // slab_bytes
+        self.free_slabs: list[int] = list(range(self.size_slabs - 1, -1, -1))
+        self._slab_class: dict[int, SlotClass] = {}
+        self._free_slots: dict[int, list[int]] = {}  # slab -> free slot indices
+        self._partial: dict[SlotClass, dict[int, None]] = {}  # slabs with room
+        self.used_bytes = 0
+
+    def slots_per_slab(self, cls: SlotClass) -> int:
+        slot_bytes, skew = cls
+        return (self.slab_bytes - skew) // slot_bytes
+
+    def allocate(self, cls: SlotClass, n: int) -> np.ndarray:
+        """Up to n slot addresses of the class (fewer when memory runs out)."""
+        slot_bytes, skew = cls
+        if not 0 <= skew < 4096 or self.slots_per_slab(cls) < 1 or slot_bytes <= 0:
+            raise ValueError(f"slot of {slot_bytes} bytes does not fit a slab")
+        partial = self._partial.setdefault(cls, {})
+        out: list[np.ndarray] = []
+        need = n
+        while need > 0:
+            if not partial:
+                if not self.free_slabs:
+                    break
+                slab = self.free_slabs.pop()
+                self._slab_class[slab] = cls
+                self._free_slots[slab] = list(
+                    range(self.slots_per_slab(cls) - 1, -1, -1)
+                )
+                partial[slab] = None
+            slab = next(iter(partial))
+            free = self._free_slots[slab]
+            take = free[-need:] if need < len(free) else free[:]
+            del free[len(free) - len(take) :]
+            if not free:
+                del partial[slab]
+            start = self.base + slab * self.slab_bytes + skew
+            # Rising addresses within a slab (the free list runs downwards, and
+            # freed slots come back in any order): consecutive blocks then
+            # coalesce into long iovecs (and DMA runs) with the engine's pages.
+            take.sort()
+            out.append(start + np.asarray(take, np.uint64) * np.uint64(slot_bytes))
+            need -= len(take)
+        got = np.concatenate(out) if out else np.empty(0, np.uint64)
+        self.used_bytes += len(got) * slot_bytes
+        return got
+
+    def free(self, addresses: np.ndarray) -> None:
+        addresses = np.asarray(addresses, np.uint64)
+        if len(addresses) >= _BATCH_FREE:
+            self._free_batch(addresses)
+            return
+        for addr in addresses.tolist():
+            off = addr - self.base
+            slab = off // self.slab_bytes
+            cls = self._slab_class[slab]
+            slot_bytes, skew = cls
+            free = self._free_slots[slab]
+            free.append((off % self.slab_bytes - skew) // slot_bytes)
+            self.used_bytes -= slot_bytes
+            if len(free) == self.slots_per_slab(cls):
+                self._release_slab(slab, cls)
+            else:
+                self._partial[cls][slab] = None
+
+    def _free_batch(self, addresses: np.ndarray) -> None:
+        """free() slab by slab: the same free lists, partial slabs and slab
+        releases (in the order the loop makes them), with numpy per address
+        and Python per slab."""
+        off = addresses - np.uint64(self.base)
+        slabs = off // np.uint64(self.slab_bytes)
+        order = np.argsort(slabs, kind="stable")
+        uniq, start, counts = np.unique(
+            slabs[order], return_index=True, return_counts=True
+        )
+        ids = uniq.tolist()
+        classes = [self._slab_class[s] for s in ids]
+        size = np.repeat(np.array([c[0] for c in classes], np.uint64), counts)
+        skew = np.repeat(np.array([c[1] for c in classes], np.uint64), counts)
+        index = ((off[order] % np.uint64(self.slab_bytes) - skew) // size).tolist()
+        first = order[start].tolist()  # where each slab first appears
+        last = order[start + counts - 1].tolist()  # and where it last does
+        bounds = (start + counts).tolist()
+        released: list[tuple[int, int, SlotClass]] = []
+        for i in sorted(range(len(ids)), key=first.__getitem__):
+            slab, cls = ids[i], classes[i]
+            free = self._free_slots[slab]
+            free += index[bounds[i] - int(counts[i]) : bounds[i]]
+            self.used_bytes -= cls[0] * int(counts[i])
+            if len(free) == self.slots_per_slab(cls):
+                released.append((last[i], slab, cls))
+            else:
+                self._partial[cls][slab] = None
+        for _, slab, cls in sorted(released):
+            self._release_slab(slab, cls)
+
+    def _release_slab(self, slab: int, cls: SlotClass) -> None:
+        self._partial[cls].pop(slab, None)
+        del self._free_slots[slab]
+        del self._slab_class[slab]
+        self.free_slabs.append(slab)
+
+    def claim(self, addresses: list[int], slot_bytes: int) -> list[bool]:
+        """Take these slots as allocated (a recovered pool's): True per slot
+        taken; False where the slab holds another class, lies outside the
+        pool, or the slot was taken already, by this call or an earlier one
+        (recovery claims each namespace's slots in turn, and namespaces of one
+        slot size share slabs). Before any allocation."""
+        free_in: dict[int, set[int]] = {}  # slab -> its free slots, as claimed
+        fresh: set[int] = set()  # slabs this call gave a class
+        ok: list[bool] = []
+        for addr in addresses:
+            slab, inside = divmod(addr - self.base, self.slab_bytes)
+            skew, index = inside % slot_bytes, inside // slot_bytes
+            cls = (slot_bytes, skew)
+            if not 0 <= slab < self.size_slabs or skew >= 4096:
+                ok.append(False)
+                continue
+            have = self._slab_class.get(slab)
+            if have is None:
+                self._slab_class[slab] = have = cls
+                fresh.add(slab)
+                free_in[slab] = set(range(self.slots_per_slab(cls)))
+            elif slab not in free_in:
+                free_in[slab] = set(self._free_slots.get(slab, ()))
+            free = free_in[slab]
+            good = have == cls and index in free
+            if good:
+                free.remove(index)
+                self.used_bytes += slot_bytes
+            ok.append(good)
+        for slab, free in free_in.items():
+            cls = self._slab_class[slab]
+            if slab in fresh and len(free) == self.slots_per_slab(cls):
+                del self._slab_class[slab]  # nothing taken: it stays a free slab
+                fresh.discard(slab)
+                continue
+            self._free_slots[slab] = sorted(free, reverse=True)
+            partial = self._partial.setdefault(cls, {})
+            if free:
+                partial[slab] = None
+            else:
+                partial.pop(slab, None)
+        self.free_slabs = [s for s in self.free_slabs if s not in fresh]
+        return ok
+
+    def free_slots(self, cls: SlotClass) -> int:
+        """Slots of the class obtainable without eviction."""
+        partial = self._partial.get(cls, {})
+        room = sum(len(self._free_slots[s]) for s in partial)
+        return room + len(self.free_slabs) * self.slots_per_slab(cls)

@@ -1,0 +1,112 @@
+"""Blocks that reach L1 from elsewhere than a save: a slower tier's load (the
+SSD, a peer) into freshly reserved slots, and a restarted server's recovered
+pool. Mixed into pegaflow.cache.block_store.BlockStore, whose index, allocator and hooks
+these methods use; kept apart because they are that one concern."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pegaflow.common.keys import BlockHash
+
+from .block_entry import BlockEntry
+from .instances import Namespace
+
+if TYPE_CHECKING:
+    from .block_store import BlockStore
+
+
+class TierLoads:
+    def reserve_load(
+        self: BlockStore, ns: Namespace, hashes: list[BlockHash]
+    ) -> list[BlockEntry]:
+        """Pinned, in-flight entries with slots for blocks coming from a slower
+        tier; stops at the first key already known or when no slot can be freed.
+        In flight on every layer, a concurrent save of the key deduplicates."""
+        tp, complete = ns.tp_size, (1 << (ns.tp_size * ns.num_layers)) - 1
+        entries: list[BlockEntry] = []
+        for h in hashes:
+            key = (ns.id, h)
+            if key in self.entries:
+                break
+            entry = BlockEntry(key, [0] * tp, in_flight=complete, pins=1)
+            self.entries[key] = entry  # before allocating: never its own victim
+            entries.append(entry)
+        if not entries:
+            return []
+        self._hold(ns, len(entries))
+        got = self._allocate(ns.slot_class, len(entries) * tp)
+        whole = len(got) // tp
+        for i, entry in enumerate(entries[:whole]):
+            entry.slots[:] = got[i * tp : (i + 1) * tp].tolist()
+        if self.log is not None and whole:
+            shards = got[: whole * tp].reshape(whole, tp)
+            for shard in range(tp):
+                self.log.writing(ns, hashes[:whole], shard, shards[:, shard])
+        self.slabs.free(got[whole * tp :])
+        for entry in entries[whole:]:
+            del self.entries[entry.key]
+        if whole < len(entries):
+            self._let_go({ns.id: len(entries) - whole})
+        return entries[:whole]
+
+    def finish_load(
+        self: BlockStore,
+        entries: list[BlockEntry],
+        ok: np.ndarray,
+        withhold: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Blocks that arrived become ready (visible, evictable); the rest go.
+        The slots of those that did not arrive and are marked in `withhold`
+        (a read may still write them) stay allocated: returned, for the caller
+        to hand back through free_withheld once nothing can write them."""
+        self.apply_touches()
+        lost: list[np.ndarray] = []
+        held: list[np.ndarray] = []
+        published: list[BlockEntry] = []
+        keep = withhold.tolist() if withhold is not None else [False] * len(entries)
+        for entry, good, hold in zip(entries, ok.tolist(), keep, strict=True):
+            entry.pins -= 1
+            if good:  # in flight on every bit: those are the complete block
+                entry.landed, entry.in_flight = entry.in_flight, 0
+                published.append(entry)
+            else:
+                entry.in_flight = 0
+                (held if hold else lost).append(entry.slot_array())
+                self._pop_entry(entry.key)
+        if lost:
+            self.slabs.free(np.concatenate(lost))
+        if published:
+            self._make_ready_many(published)
+        if published and self.log is not None:
+            self.log.landed(published)
+        if published and self.published is not None:
+            self.published(published)
+        return np.concatenate(held) if held else np.empty(0, np.uint64)
+
+    def free_withheld(self: BlockStore, slots: np.ndarray) -> None:
+        """Slots finish_load withheld, now that nothing can write them."""
+        if len(slots):
+            self.slabs.free(slots)
+
+    def adopt(
+        self: BlockStore, ns: Namespace, hashes: list[BlockHash], slots: np.ndarray
+    ) -> None:
+        """Ready blocks already in their slots ([blocks, shards], claimed from
+        the allocator): a restarted server's recovered pool. Least recently
+        used first, as the policy sees them."""
+        complete = (1 << (ns.tp_size * ns.num_layers)) - 1
+        fresh: list[BlockEntry] = []
+        for h, row in zip(hashes, slots.tolist(), strict=True):
+            key = (ns.id, h)
+            if key in self.entries:
+                continue
+            entry = self.entries[key] = BlockEntry(key, row, landed=complete)
+            self._make_ready(entry)
+            fresh.append(entry)
+        if fresh:
+            self._hold(ns, len(fresh))
+            if self.published is not None:
+                self.published(fresh)

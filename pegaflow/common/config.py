@@ -1,0 +1,368 @@
+"""Typed, validated configuration: one frozen dataclass per component, built once
+by the CLI (or a test) and passed down. No global config object."""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from .request_limits import MAX_CONCURRENT_RPCS, MAX_MESSAGE_BYTES
+
+if TYPE_CHECKING:  # built by the CLI; the config module stays import-light
+    from pegaflow.gds import SsdConfig
+    from pegaflow.tiers.remote.remote_config import RemoteConfig
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+def log_level(text: str) -> str:
+    """The original's level names: trace (shown as debug here), warn."""
+    text = text.strip().lower()
+    return {"trace": "debug", "warn": "warning"}.get(text, text)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def check_int(name: str, value: object, lo: int, hi: int) -> None:
+    """ValueError naming `name` unless value is an integer in [lo, hi]."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}: need an integer, got {value!r}") from None
+    if isinstance(value, bool) or not lo <= number <= hi:
+        raise ValueError(f"{name}: must lie in [{lo}, {hi}], got {value!r}")
+
+
+def check_seconds(name: str, value: float, hi: float, zero_ok: bool = False) -> None:
+    """ValueError naming `name` unless value is a finite duration: in (0, hi]
+    (or [0, hi] with zero_ok). NaN and infinity fail every comparison or the
+    bound, so they cannot slip through as "never expires"."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: need a number of seconds, got {value!r}") from None
+    low_ok = seconds >= 0 if zero_ok else seconds > 0
+    if not (math.isfinite(seconds) and low_ok and seconds <= hi):
+        low = "[0" if zero_ok else "(0"
+        raise ValueError(f"{name}: must lie in {low}, {hi:g}] s, got {value!r}")
+
+
+def parse_size(text: str) -> int:
+    """'512mb', '8GB', '1.5g', '64KiB', '4096' -> bytes (binary units, as PegaFlow)."""
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512mb, 8gb, 1tb)")
+    number, unit = match.groups()
+    scale = _UNITS[(unit or "").lower()[:1]]
+    try:
+        size = float(number) * scale
+    except OverflowError:  # hundreds of digits: argparse reports ValueError only
+        size = math.inf
+    if not math.isfinite(size) or size >= 1 << 64:
+        raise ValueError(f"not a size: {text!r} is beyond 2^64 bytes")
+    return int(size)
+
+
+def addr_arg(text: str) -> str:
+    """An argparse type: `text` if parse_addr takes it (the CLIs' --addr)."""
+    import argparse  # the CLIs' concern; config stays import-light
+
+    try:
+        parse_addr(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
+def parse_addr(text: str) -> tuple[str, int]:
+    """'host:port' -> (host, port); IPv6 as '[::1]:port'."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"not a host:port address: {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+_DURATIONS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '15m', '1.5h', '1d' -> seconds."""
+    text = text.strip().lower()
+    unit = _DURATIONS.get(text[-1:])
+    try:
+        value = float(text[:-1]) if unit else float("nan")
+    except ValueError:
+        value = float("nan")
+    if unit is None or not 0 < value < math.inf:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 90s, 15m, 1h, 1d)")
+    return value * unit
+
+
+def format_duration(seconds: float) -> str:
+    """The label of a window: the largest unit that divides it (900 -> '15m')."""
+    for unit, size in sorted(_DURATIONS.items(), key=lambda u: -u[1]):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+# Upper bounds of the numeric settings: far above any sensible value, low enough
+# that a typo (or nan/inf) is refused at start instead of pinning the pool.
+MAX_LEASE_TTL_S = 3600.0
+MAX_THREADS = 256
+MAX_CTAS = 1024
+MAX_POOL_BYTES = 1 << 50  # 1 PiB; whether it fits this machine is checked at start
+MAX_HLL_WINDOW_S = 366 * 86400.0
+
+
+@dataclass(frozen=True, slots=True)
+class HitRateConfig:
+    """HyperLogLog windows of the hit-rate ceiling (see pegaflow.cache.hll)."""
+
+    windows_s: tuple[float, ...] = (900.0, 3600.0, 86400.0)
+    # 16 bits: 0.41 % standard error, and a window's 15 sub-window register sets
+    # and its kept merge take ~1 MiB (pegaflow.cache.hll.SUB_WINDOWS).
+    bucket_bits: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.windows_s:
+            raise ValueError("metric_hll_windows: need at least one window")
+        for window in self.windows_s:
+            check_seconds("metric_hll_windows", window, MAX_HLL_WINDOW_S)
+            if window < 1:
+                raise ValueError("metric_hll_windows: need windows of >= 1 s")
+        if len(set(map(format_duration, self.windows_s))) != len(self.windows_s):
+            raise ValueError("metric_hll_windows: duplicate windows")
+        check_int("metric_hll_bucket_bits", self.bucket_bits, 4, 16)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return tuple(map(format_duration, self.windows_s))
+
+    @classmethod
+    def parse(cls, windows: str, bucket_bits: int) -> HitRateConfig:
+        """From the CLI's '15m,1h,1d' form."""
+        spans = tuple(parse_duration(part) for part in windows.split(",") if part)
+        return cls(spans, bucket_bits)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    size_bytes: int = 1 << 30
+    use_hugepages: bool = False
+    prefault_threads: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))
+    slab_bytes: int = 64 << 20
+    show_progress: bool = True
+    # A file that outlives the server (pegaflow.cache.pool_file); None: anonymous memory.
+    pool_file: str | None = None
+    on_mismatch: Literal["reinit", "refuse"] = "reinit"
+
+    def __post_init__(self) -> None:
+        check_int("pool_size", self.size_bytes, 0, MAX_POOL_BYTES)
+        if self.on_mismatch not in ("reinit", "refuse"):
+            raise ValueError(f"pool_on_mismatch: {self.on_mismatch!r}")
+        if self.size_bytes < 1 << 20:
+            raise ValueError(f"pool_size: {self.size_bytes} bytes is below 1 MiB")
+        check_int("prefault_threads", self.prefault_threads, 1, MAX_THREADS)
+        check_int("slab_bytes", self.slab_bytes, 1 << 16, 1 << 32)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    enable_lfu_admission: bool = False
+    lease_ttl_s: float = 30.0
+    lease_sweep_interval_s: float = 1.0
+    copy_threads: int = 2
+    # Copies up to this size run on the event loop itself: a hop to a worker
+    # thread and back costs more than moving one block (measured ~0.25 ms on VMs).
+    inline_copy_bytes: int = 2 << 20
+    # Larger GPU copies that need no engine event: "loop" launches them on the
+    # event loop and waits there (pegaflow.copiers.copy_wait), "thread" on a copy
+    # thread (a thread's hand-off cost 0.24-0.7 ms of a 64-block copy on
+    # the H200, benchmarks/RESULTS.md "sixth session").
+    copy_wait: Literal["loop", "thread"] = "loop"
+    max_blocks_per_request: int = 65536
+    # Host-memory registration over TCP, where the kernel cannot say which
+    # process asks (pegaflow.common.identity): off unless every local user is trusted.
+    allow_tcp_host_engines: bool = False
+    # Copies above large_request_descriptors rows (6 MiB of table, ~15 MiB at
+    # the peak) run at most max_large_requests at once; see pegaflow.common.request_limits.
+    max_large_requests: int = 2
+    large_request_descriptors: int = 1 << 18
+    hit_rate: HitRateConfig = field(default_factory=HitRateConfig)
+    # Namespaces with no worker but blocks resident that keep their hit-rate
+    # state; past this, the longest idle loses it (see pegaflow.server.namespaces).
+    max_idle_namespaces: int = 4096
+
+    def __post_init__(self) -> None:
+        check_seconds("lease_ttl_s", self.lease_ttl_s, MAX_LEASE_TTL_S)
+        check_seconds("lease_sweep_interval_s", self.lease_sweep_interval_s, 60.0)
+        check_int("copy_threads", self.copy_threads, 1, MAX_THREADS)
+        check_int("inline_copy_bytes", self.inline_copy_bytes, 0, 1 << 30)
+        if self.copy_wait not in ("loop", "thread"):
+            raise ValueError(f"copy_wait: {self.copy_wait!r}, need loop|thread")
+        check_int("max_blocks_per_request", self.max_blocks_per_request, 1, 1 << 24)
+        check_int("max_large_requests", self.max_large_requests, 1, 1 << 16)
+        check_int("max_idle_namespaces", self.max_idle_namespaces, 0, 1 << 24)
+
+
+CopyPathSetting = Literal["auto", "kernel", "dma"]
+CopyDirection = Literal["save", "load"]
+MAX_PAGES = 1 << 32
+
+
+@dataclass(frozen=True, slots=True)
+class Crossover:
+    """A batch of `direction` with `min_pages` to `max_pages` pages of at least
+    `min_page_bytes` each goes to the copy engines (DMA); kernels move the rest.
+    How each path's batch is waited for: pegaflow.copiers.cuda_copier.COMPLETION."""
+
+    direction: CopyDirection
+    min_pages: int
+    min_page_bytes: int = 0
+    max_pages: int = MAX_PAGES
+
+    def __post_init__(self) -> None:
+        if self.direction not in ("save", "load"):
+            raise ValueError(f"copy_crossovers: direction {self.direction!r}")
+        check_int("copy_crossovers", self.min_pages, 1, MAX_PAGES)
+        check_int("copy_crossovers", self.min_page_bytes, 0, 1 << 40)
+        check_int("copy_crossovers", self.max_pages, self.min_pages, MAX_PAGES)
+
+    def covers(self, direction: CopyDirection, pages: int, page_bytes: int) -> bool:
+        return (
+            direction == self.direction
+            and self.min_pages <= pages <= self.max_pages
+            and page_bytes >= self.min_page_bytes
+        )
+
+
+# Measured on the H200 on 2026-12-02 (benchmarks/results/h200_2026-12-02/
+# kernel_variants.log: 64 KiB pages x 32 layers, random ids, wall clock until
+# the host sees completion). Right for an idle GPU; on a busy one kernels
+# slowed an engine's matmul 41-48 %, copy engines ~1 % (2026-12-01). Missing:
+# a choice that knows whether the engine computes.
+# - save, N = 1 block: copy engines + mapped flag 112 us P50, block kernel +
+#   stream sync 208 us (272 us at the server's 66-CTA cap: 7.7 GB/s). At N = 8
+#   the kernel wins (33.2-34.6 vs 24.5 GB/s: 0.49 vs 0.68 ms). Fixed plus
+#   per-block costs fitted to N = 1 and 8 cross at 3-4.5 blocks, so copy
+#   engines take saves of up to 4 blocks (128 pages); N = 2-4 are
+#   interpolated, not measured.
+# - save, N >= 64: the kernel (0.89-0.92 of the ceiling) beats copy engines
+#   (0.69-0.78) at every N, 2560 included (50.5 vs 43.1 GB/s; the server's own
+#   copy time agreed on 2026-12-01: 43-44 GB/s by DMA at 2560, 49-50 by
+#   kernel at 640), so the earlier "DMA from 2560 blocks" row is gone.
+# - load: kernels at every N; at N = 1 copy engines + flag only tie (161 us).
+DEFAULT_CROSSOVERS = (Crossover("save", 1, 64 << 10, max_pages=4 * 32),)
+
+
+def parse_crossovers(text: str) -> tuple[Crossover, ...]:
+    """'none', or 'save:1-128:65536,load:4096' (direction:pages[:min_bytes],
+    pages being min_pages or min_pages-max_pages)."""
+    if text.strip().lower() == "none":
+        return ()
+    rows = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        try:
+            if not 2 <= len(parts) <= 3:
+                raise ValueError
+            low, dash, high = parts[1].partition("-")
+            pages = [int(low), *([int(high)] if dash else [])]
+            min_bytes = int(parts[2]) if len(parts) == 3 else 0
+        except ValueError:
+            raise ValueError(
+                f"copy_crossovers: {item!r}, need "
+                "direction:min_pages[-max_pages][:min_bytes]"
+            ) from None
+        direction, lo, hi = parts[0], pages[0], pages[-1] if dash else MAX_PAGES
+        rows.append(Crossover(direction, lo, min_bytes, hi))  # type: ignore[arg-type]
+    return tuple(rows)
+
+
+@dataclass(frozen=True, slots=True)
+class CudaConfig:
+    """The GPU data path: which devices, how many CTAs per copy direction, and
+    whether a batch moves by kernel or copy engine (`copy_path`; "auto" picks
+    per batch from `crossovers` and, with `contention_ratio`, from how fast
+    recent kernel copies ran)."""
+
+    enabled: bool = True  # False: host engines only, CUDA is never touched
+    devices: tuple[int, ...] | None = None  # None: every visible GPU, if any
+    max_ctas: int = 66
+    event_timeout_s: float = 10.0  # bound on a save waiting for an engine event
+    copy_path: CopyPathSetting = "auto"
+    crossovers: tuple[Crossover, ...] = DEFAULT_CROSSOVERS
+    # auto: copy engines while kernel copies run below this share of their
+    # best rate (another context computing; pegaflow.copiers.contention, whose
+    # DEFAULT_RATIO this is); 0 off
+    contention_ratio: float = 0.65
+
+    def __post_init__(self) -> None:
+        if self.devices is not None and (not self.devices or min(self.devices) < 0):
+            raise ValueError("devices: need CUDA ordinals >= 0")
+        check_int("max_ctas", self.max_ctas, 1, MAX_CTAS)
+        check_seconds("event_timeout_s", self.event_timeout_s, 3600.0)
+        if self.copy_path not in ("auto", "kernel", "dma"):
+            raise ValueError(f"copy_path: {self.copy_path!r}, need auto|kernel|dma")
+        if not all(isinstance(c, Crossover) for c in self.crossovers):
+            raise ValueError("copy_crossovers: need Crossover rows")
+        ratio = self.contention_ratio
+        if isinstance(ratio, bool) or not (ratio == 0 or 0 < ratio < 1):
+            raise ValueError(f"contention_ratio: {ratio!r}, need 0 (off) or 0 < r < 1")
+
+
+def parse_devices(text: str) -> CudaConfig:
+    """'auto' (every visible GPU, none is fine), 'none', or '0,1'."""
+    text = text.strip().lower()
+    if text == "auto":
+        return CudaConfig()
+    if text == "none":
+        return CudaConfig(enabled=False)
+    try:
+        ordinals = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"not a device list: {text!r} (auto, none or 0,1)") from None
+    return CudaConfig(devices=ordinals)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    addr: str = "127.0.0.1:50055"
+    http_addr: str | None = "127.0.0.1:9091"
+    log_level: LogLevel = "info"
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cuda: CudaConfig = field(default_factory=CudaConfig)
+    # Bounds checked by grpc before a message is parsed (pegaflow.common.request_limits).
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS
+    # Engine RPCs over gRPC from callers the kernel cannot place on this host
+    # (other hosts, other network namespaces): refused unless set
+    # (pegaflow.server.grpc_service.LocalEngines).
+    allow_remote_engines: bool = False
+    # Unix socket for fast prefix queries: a path, "auto" (a per-server path in
+    # the temp directory) or None (off).
+    socket: str | None = "auto"
+    # The L3 SSD tier (pegaflow.gds.SsdConfig); None: off.
+    ssd: SsdConfig | None = None
+    # The L2 remote tier (pegaflow.tiers.remote.remote_config.RemoteConfig); None: off.
+    remote: RemoteConfig | None = None
+
+    def __post_init__(self) -> None:
+        parse_addr(self.addr)
+        if self.max_message_bytes < 1 << 16:
+            raise ValueError("max_message_bytes: must be >= 64 KiB")
+        check_int("max_concurrent_rpcs", self.max_concurrent_rpcs, 1, 1 << 20)
+        if self.socket is not None and not self.socket.strip():
+            raise ValueError("socket: empty; give a path, 'auto' or 'off'")
+        if self.http_addr is not None:
+            parse_addr(self.http_addr)
+        # grpc takes the limit as a C int
+        check_int("max_message_bytes", self.max_message_bytes, 1 << 20, (1 << 31) - 1)

@@ -1,0 +1,267 @@
+"""Host copy engine: moves KV bytes between engines' CPU memory and the pool.
+
+An engine whose KV cache lives in host memory registers (pid, address, size)
+regions. The server then copies with process_vm_readv / process_vm_writev, which
+take a whole scatter list per syscall: descriptor tables are bounds-checked,
+coalesced and turned into iovec arrays with numpy, never a Python loop per block.
+Calls are spread over a few threads because one syscall copies on one core (and
+ctypes releases the GIL around it).
+
+The syscalls themselves and their iovec helpers live in pegaflow.copiers.vm.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+import numpy as np
+
+from pegaflow.common.errors import CopyFailed, InternalError, InvalidRequest
+from pegaflow.common.geometry import Transfers
+from pegaflow.common.pidfds import exited, pidfd_open
+from pegaflow.common.runs import merge_adjacent
+
+from .vm import (
+    IOV_MAX,
+    Direction,
+    file_backed,
+    first_outside,
+    iovecs,
+    merge_spans,
+    read_maps,
+    rw_spans,
+    transfer,
+)
+
+logger = logging.getLogger(__name__)
+
+PARALLEL_MIN_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class HostRegions:
+    """Memory of one engine process that the server may copy to and from."""
+
+    pid: int
+    bases: tuple[int, ...]
+    sizes: tuple[int, ...]
+    # A pidfd names the process itself, not its number: once it exits, a new
+    # process that reuses the pid can never receive this engine's copies.
+    pidfd: int = -1
+    # The regions merged into sorted spans, for every copy's bounds check.
+    spans: tuple[np.ndarray, np.ndarray] = field(init=False)
+
+    def __post_init__(self) -> None:
+        bases = np.array(self.bases, np.uint64)
+        ends = bases + np.array(self.sizes, np.uint64)
+        object.__setattr__(self, "spans", merge_spans(bases, ends))
+
+
+def _coalesce(
+    local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge runs where both sides continue exactly where the previous ended."""
+    (local, remote), nbytes = merge_adjacent([local, remote], nbytes)
+    return local, remote, nbytes
+
+
+def _split(count: int, total_bytes: int, threads: int) -> list[slice]:
+    """Even slices of at most IOV_MAX iovecs; at least `threads` if large."""
+    if count <= IOV_MAX and total_bytes < PARALLEL_MIN_BYTES:
+        return [slice(0, count)]
+    parts = -(-count // IOV_MAX)
+    if total_bytes >= PARALLEL_MIN_BYTES:
+        parts = max(parts, min(threads, count))
+    edges = (np.arange(parts + 1) * count) // parts
+    return [slice(a, b) for a, b in pairwise(edges.tolist())]
+
+
+class HostCopyEngine:
+    """Batched copies between registered engine memory and local memory."""
+
+    def __init__(self, threads: int = 2) -> None:
+        if threads < 1:
+            raise ValueError(f"threads: need at least 1, got {threads}")
+        self._threads = threads
+        self._pool = (
+            ThreadPoolExecutor(threads, thread_name_prefix="hostcopy")
+            if threads > 1
+            else None
+        )
+
+    def open(
+        self, pid: int, regions: list[tuple[int, int]], cuda: object = None
+    ) -> HostRegions:
+        """Check that `pid` lives and maps every (address, size) read-write.
+
+        `cuda` is the CopyEngine seam's GPU export; host workers have none.
+        """
+        if cuda is not None:
+            raise InvalidRequest("regions: host regions carry no CUDA handles")
+        if pid <= 0:
+            raise InvalidRequest(f"pid: {pid} is not a process id")
+        if pid == os.getpid():
+            # Loads would write into the server's own memory, pool slots included.
+            raise InvalidRequest(f"pid: {pid} is the server itself, not an engine")
+        # Opened before the checks: if it still lives after them, every check
+        # below looked at the process this pidfd names, not a successor that
+        # took over its pid meanwhile.
+        pidfd = pidfd_open(pid)
+        try:
+            return self._open_checked(pid, regions, pidfd)
+        except BaseException:
+            if pidfd >= 0:
+                os.close(pidfd)
+            raise
+
+    def _open_checked(
+        self, pid: int, regions: list[tuple[int, int]], pidfd: int
+    ) -> HostRegions:
+        if not regions:
+            raise InvalidRequest("regions: at least one (address, size) is required")
+        for i, (addr, size) in enumerate(regions):  # a handful, once per engine
+            if addr < 0 or size <= 0 or addr + size > 1 << 64:
+                raise InvalidRequest(
+                    f"regions[{i}]: address {addr:#x} size {size} is not a range"
+                )
+        addr = np.array([a for a, _ in regions], np.uint64)
+        size = np.array([s for _, s in regions], np.uint64)
+        maps = read_maps(pid)
+        bad = first_outside(*rw_spans(pid, maps), addr, size)
+        if bad >= 0:
+            a, s = regions[bad]
+            raise InvalidRequest(
+                f"regions[{bad}]: [{a:#x}, {a + s:#x}) is not mapped read-write "
+                f"in process {pid}"
+            )
+        if (found := file_backed(pid, maps, addr, size)) is not None:
+            bad, what = found
+            a, s = regions[bad]
+            raise InvalidRequest(
+                f"regions[{bad}]: [{a:#x}, {a + s:#x}) maps {what}; the server "
+                "copies host KV only from anonymous, shared (tmpfs, memfd) or "
+                "hugetlbfs memory: a file's pages can stall the copy on I/O"
+            )
+        # Registration is the place to learn about ptrace permission, not the
+        # first save: read one byte.
+        probe = np.zeros(1, np.uint8)
+        one = np.ones(1, np.uint64)
+        local = iovecs(np.array([probe.ctypes.data], np.uint64), one)
+        try:
+            transfer("gather", pid, local, iovecs(addr[:1], one))
+        except CopyFailed as e:
+            raise InvalidRequest(f"pid: {e}") from None
+        if exited(pidfd):
+            raise InvalidRequest(f"pid: process {pid} exited while registering")
+        logger.debug(
+            "open pid=%d: %d region(s), %d bytes", pid, len(regions), size.sum()
+        )
+        return HostRegions(
+            pid, tuple(a for a, _ in regions), tuple(s for _, s in regions), pidfd
+        )
+
+    def gather(
+        self,
+        regions: HostRegions,
+        t: Transfers,
+        wait_event: int = 0,
+        deadline: float | None = None,
+    ) -> None:
+        """Engine -> local: t.src lies in the engine process, t.dst is ours.
+
+        A host engine's save is ordered by the RPC itself: it has no events.
+        """
+        if wait_event:
+            self.event_done(regions, wait_event)
+        self._copy("gather", regions, t.dst, t.src, t.nbytes, deadline)
+
+    def event_done(self, regions: HostRegions, wait_event: int) -> bool:
+        raise InvalidRequest("wait_event: host engines have no CUDA events")
+
+    def scatter(
+        self, regions: HostRegions, t: Transfers, deadline: float | None = None
+    ) -> None:
+        """Local -> engine: t.src is ours, t.dst lies in the engine process."""
+        self._copy("scatter", regions, t.src, t.dst, t.nbytes, deadline)
+
+    def close(self, regions: HostRegions) -> None:
+        """Host memory needs no unmapping; only the pidfd is released."""
+        if regions.pidfd >= 0:
+            os.close(regions.pidfd)
+        logger.debug("close pid=%d", regions.pid)
+
+    def shutdown(self) -> None:
+        """Wait for running copies and stop the worker threads."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _copy(
+        self,
+        op: Direction,
+        regions: HostRegions,
+        local: np.ndarray,
+        remote: np.ndarray,
+        nbytes: np.ndarray,
+        deadline: float | None,
+    ) -> None:
+        if not len(local) == len(remote) == len(nbytes):
+            raise InternalError(
+                f"transfers: src, dst, nbytes lengths differ "
+                f"({len(local)}, {len(remote)}, {len(nbytes)})"
+            )
+        local, remote, n = (np.asarray(a, np.uint64) for a in (local, remote, nbytes))
+        self._check_bounds(op, regions, remote, n)
+        if not n.all():  # empty iovecs would only complicate resuming
+            keep = n > 0
+            local, remote, n = local[keep], remote[keep], n[keep]
+        if not n.size:
+            return
+        if exited(regions.pidfd):
+            raise CopyFailed(f"{op}: engine process {regions.pid} is gone")
+        local, remote, n = _coalesce(local, remote, n)
+        liov, riov = iovecs(local, n), iovecs(remote, n)
+        total = int(n.sum())
+        parts = _split(len(n), total, self._threads)
+        if logger.isEnabledFor(logging.DEBUG):
+            msg = "%s pid=%d: %d iovecs, %d call(s), %d bytes"
+            logger.debug(msg, op, regions.pid, len(n), len(parts), total)
+        if self._pool is None or len(parts) == 1:
+            for part in parts:
+                transfer(op, regions.pid, liov[part], riov[part], deadline)
+        else:
+            # The calling thread copies the last part itself: one hand-off to
+            # a pool thread and back fewer (each needs the GIL on its way,
+            # which an SSD writer may hold), and no thread idle meanwhile.
+            futures = [
+                self._pool.submit(transfer, op, regions.pid, liov[p], riov[p], deadline)
+                for p in parts[:-1]
+            ]
+            try:
+                last = parts[-1]
+                transfer(op, regions.pid, liov[last], riov[last], deadline)
+            finally:
+                wait(futures)  # never return while a chunk still writes
+            for f in futures:
+                f.result()
+        # The calls name the process by its pid. An engine that exited during
+        # them may have handed that pid on, so what a save read may be another
+        # process's memory: never published (and a load's failure is reported).
+        if exited(regions.pidfd):
+            raise CopyFailed(f"{op}: engine process {regions.pid} exited mid-copy")
+
+    @staticmethod
+    def _check_bounds(
+        op: Direction, regions: HostRegions, remote: np.ndarray, n: np.ndarray
+    ) -> None:
+        bad = first_outside(*regions.spans, remote, n)
+        if bad >= 0:
+            field = "src" if op == "gather" else "dst"
+            a, s = int(remote[bad]), int(n[bad])
+            raise InternalError(
+                f"transfers.{field}[{bad}]: [{a:#x}, {a + s:#x}) is outside the "
+                f"regions registered for process {regions.pid}"
+            )

@@ -1,0 +1,76 @@
+"""Which path moves a GPU batch, and how its completion is waited for.
+
+`CopyPolicy` picks kernels or copy engines per batch from its direction, page
+count and page size (the server passes CudaConfig.copy_path and crossovers,
+whose defaults are the H200's table in pegaflow.common.config); `COMPLETION` says how
+pegaflow.copiers.cuda_copier waits for a batch of each path. Pure Python: imported
+without CUDA (tests/unit/test_copy_policy.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pegaflow.common.geometry import Transfers
+
+from . import dma
+
+if TYPE_CHECKING:  # values the server passes in; no import of its config
+    from pegaflow.common.config import CopyPathSetting, Crossover, CudaConfig
+
+CopyPath = Literal["kernel", "dma"]
+CopyDirection = dma.Direction  # save: GPU -> pool, load: pool -> GPU
+Completion = Literal["sync", "flag"]
+
+# How a batch of each path is waited for, from the H200's N = 1 latencies
+# (2026-12-02, benchmarks/results/h200_2026-12-02/kernel_variants.log, P50 of
+# call until the host sees completion): copy engines + mapped flag 112 us save
+# / 161 load, + stream sync 149 / 164; block kernel + stream sync 208 / 161,
+# + mapped flag 208 / 229: a flag helps copy engines only.
+COMPLETION: dict[CopyPath, Completion] = {"kernel": "sync", "dma": "flag"}
+# Larger DMA batches block in the synchronize: ~0.7 ms at the copy engines'
+# 24.5 GB/s of N = 8, past which a poll saves nothing worth a busy core.
+FLAG_MAX_BYTES = 16 << 20
+
+
+class CopyPolicy:
+    """Kernel or copy engines for one batch, from its direction, page count and
+    page size: `setting` "kernel" or "dma" forces one, "auto" takes DMA where a
+    crossover row of the batch's direction says so (the server passes
+    CudaConfig.crossovers, whose defaults are the measured table). With no
+    rows, "auto" is kernels only."""
+
+    def __init__(
+        self, setting: CopyPathSetting = "auto", crossovers: tuple[Crossover, ...] = ()
+    ) -> None:
+        if setting not in ("auto", "kernel", "dma"):
+            raise ValueError(f"copy_path: {setting!r}, need auto|kernel|dma")
+        self.setting = setting
+        self.crossovers = crossovers
+
+    @classmethod
+    def from_config(cls, config: CudaConfig) -> CopyPolicy:
+        return cls(config.copy_path, config.crossovers)
+
+    def choose(self, direction: CopyDirection, pages: int, page_bytes: int) -> CopyPath:
+        if self.setting != "auto":
+            return self.setting
+        if any(row.covers(direction, pages, page_bytes) for row in self.crossovers):
+            return "dma"
+        return "kernel"
+
+    def choose_for(
+        self, direction: CopyDirection, t: Transfers, device: int = 0
+    ) -> CopyPath:
+        """choose() for a descriptor table: its rows are the pages. `device`
+        (a CUDA ordinal) and observe() serve policies that learn per GPU
+        (pegaflow.copiers.contention); this one learns nothing."""
+        pages = len(t)
+        return self.choose(direction, pages, t.total_bytes // pages if pages else 0)
+
+    def observe(self, device: int, direction: CopyDirection, path: CopyPath,
+                t: Transfers, start: float, end: float) -> None:  # fmt: skip
+        """A batch finished: queued at `start`, done at `end` (perf_counter)."""
+
+    def report(self) -> dict[str, object]:
+        return {"setting": self.setting}

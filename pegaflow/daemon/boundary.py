@@ -1,0 +1,85 @@
+"""The one place a request's outcome becomes a status, for both servers.
+
+gRPC's interceptor and the unix-socket server call `guarded` (or, for the
+socket's inline queries, `guarded_sync`): a PegaflowError is the client's
+status as it is (INVALID_ARGUMENT naming the field, ...); anything else is a
+bug of ours, logged with its traceback and reported as INTERNAL naming only
+the method; every request is timed under (method, code, transport).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+from pegaflow.common.errors import InternalError, PegaflowError
+
+if TYPE_CHECKING:  # any object with rpc_seconds/rpc_timers (the metaserver's too)
+    from pegaflow.server.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Transport = Literal["grpc", "unix"]
+
+
+def _observe(
+    metrics: Metrics, method: str, code: str, transport: str, seconds: float
+) -> None:
+    """Histogram children cached: labels() per request costs more than a
+    socket query's own work does."""
+    key = (method, code, transport)
+    timer = metrics.rpc_timers.get(key)
+    if timer is None:
+        timer = metrics.rpc_timers[key] = metrics.rpc_seconds.labels(*key)
+    timer.observe(seconds)
+
+
+def _status(method: str, exc: Exception) -> PegaflowError:
+    if isinstance(exc, PegaflowError):
+        logger.debug("%s -> %s: %s", method, exc.code.name, exc)
+        return exc
+    logger.error("%s failed", method, exc_info=exc)
+    return InternalError(f"{method}: internal error")
+
+
+async def guarded(
+    metrics: Metrics,
+    method: str,
+    transport: Transport,
+    work: Awaitable[T],
+    passthrough: tuple[type[BaseException], ...] = (),
+) -> T | PegaflowError:
+    """The result of `work`, or the error to answer with. A cancelled call
+    (its client went away) and `passthrough` exceptions (the transport's own
+    way of ending a call) are counted and re-raised."""
+    start, code = time.perf_counter(), "OK"
+    try:
+        return await work
+    except (asyncio.CancelledError, *passthrough):
+        code = "CANCELLED"
+        raise
+    except Exception as exc:
+        err = _status(method, exc)
+        code = err.code.name
+        return err
+    finally:
+        _observe(metrics, method, code, transport, time.perf_counter() - start)
+
+
+def guarded_sync(
+    metrics: Metrics, method: str, transport: Transport, work: Callable[[], T]
+) -> T | PegaflowError:
+    """guarded() for work answered without leaving the event loop's callback."""
+    start, code = time.perf_counter(), "OK"
+    try:
+        return work()
+    except Exception as exc:
+        err = _status(method, exc)
+        code = err.code.name
+        return err
+    finally:
+        _observe(metrics, method, code, transport, time.perf_counter() - start)

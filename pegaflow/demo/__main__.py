@@ -1,0 +1,3 @@
+from .single_node import main
+
+raise SystemExit(main())

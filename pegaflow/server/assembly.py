@@ -1,0 +1,355 @@
+"""Server assembly: pool + engine + gRPC + HTTP, and the serve loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import tempfile
+import time
+from dataclasses import dataclass
+from http.server import ThreadingHTTPServer
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pegaflow.cache.pool import HostPool
+from pegaflow.common import cuda_driver
+from pegaflow.common.config import CudaConfig, ServerConfig, parse_addr
+from pegaflow.common.cuda_driver import (
+    POOL_CHUNK_BYTES,
+    POOL_CHUNK_THREADS,
+    HostRegistrar,
+)
+from pegaflow.copiers.copier import CopyEngine, RegionKind
+from pegaflow.copiers.host_copier import HostCopyEngine
+from pegaflow.daemon.http_endpoint import bind_http, serve_http
+from pegaflow.daemon.startup import StartupError, bind_error, bind_failed
+from pegaflow.gds import SsdTier
+from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+from pegaflow.tiers import ssd_gpu_direct as ssd_direct
+
+from . import gc_freeze as gcpolicy
+from .compat_metrics import OriginalMetrics, OriginalSsdMetrics
+from .engine import Engine
+from .grpc_service import ErrorInterceptor, LocalEngines, PegaFlowServicer
+from .metrics import CopyPathCollector, Metrics, SsdCollector
+from .report import (
+    HitRateCollector,
+    OncePerScrape,
+    engine_stats,
+    health_report,
+    on_loop,
+)
+from .socket_file import check_path, unlink_if_ours
+from .socket_service import SocketServerInfo, start_socket_server
+from .warm_restart import Recovered, RecoveryReport, recover
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "pegaflow.v1.PegaFlow"
+
+
+@dataclass(slots=True)
+class RunningServer:
+    grpc_server: grpc.aio.Server
+    port: int
+    http: ThreadingHTTPServer | None
+    engine: Engine
+    pool: HostPool
+    sweeper: asyncio.Task | None = None
+    socket_server: asyncio.AbstractServer | None = None
+    socket_path: str = ""
+
+    @property
+    def http_port(self) -> int | None:
+        return self.http.server_address[1] if self.http else None
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+        if self.socket_server is not None:
+            _close_socket_server(self.socket_server, self.socket_path)
+        await self.grpc_server.stop(grace_s)
+        if self.http is not None:
+            self.http.shutdown()
+            self.http.server_close()
+        if self.engine.remote is not None:  # reads into pool slots: before it goes
+            await self.engine.remote.close()
+        self.engine.close()
+        if self.engine.ssd is not None:  # reads pool slots: before the pool goes
+            await self.engine.ssd.close()
+        self.pool.close()
+
+
+async def create_server(config: ServerConfig) -> RunningServer:
+    """Bind gRPC (port 0 picks one) and HTTP, bring up the pool, serve.
+
+    Every address is bound, and the socket path checked, before the pool is
+    pre-touched: a port in use fails in milliseconds, not after a minute of
+    faulting in memory. A failure at any step releases what earlier steps took.
+    """
+    async with contextlib.AsyncExitStack() as undo:
+        running = await _assemble(config, undo)
+        undo.pop_all()  # up: the caller's stop() releases it all from now on
+    return running
+
+
+async def _assemble(
+    config: ServerConfig, undo: contextlib.AsyncExitStack
+) -> RunningServer:
+    ordinals = _cuda_devices(config.cuda)
+    remote_host = None
+    if config.remote is not None:  # before anything binds: a bad --addr fails fast
+        from pegaflow.tiers.remote import bringup
+
+        remote_host = bringup.preflight(config.remote, config.addr)
+    socket_path = ""
+    if config.socket is not None:
+        socket_path = _socket_path(config.socket)
+        check_path(socket_path)
+    metrics = Metrics()
+    server, port = _bind_grpc(config, metrics)
+    undo.push_async_callback(server.stop, None)
+    http = _bind_http(config.http_addr) if config.http_addr is not None else None
+    if http is not None:
+        undo.callback(http.server_close)
+    engine, cuda, recovery = _bring_up(config, ordinals, metrics, undo)
+    if config.remote is not None:
+        transport = bringup.start_transport(config.remote, remote_host)
+        undo.callback(transport.close)
+        bringup.register_pool(
+            transport, engine.pool.base, engine.pool.size, config.pool.show_progress
+        )
+        rpc_addr = bringup.advertised_addr(remote_host, port)
+        link = bringup.attach(
+            config.remote, engine, transport, server, rpc_addr, metrics.registry
+        )
+        undo.push_async_callback(link.close)
+    started = time.monotonic()
+    copy_path = getattr(getattr(cuda, "policy", None), "report", None)
+    stats = on_loop(
+        asyncio.get_running_loop(), lambda: engine_stats(engine, started, copy_path)
+    )
+    if copy_path is not None:
+        faulted = getattr(cuda, "faulted", None)
+        metrics.registry.register(CopyPathCollector(copy_path, faulted))
+    scrape = OncePerScrape(stats)
+    metrics.registry.register(HitRateCollector(scrape.first))
+    metrics.registry.register(OriginalMetrics(metrics, scrape.again))  # their names
+    servicer = PegaFlowServicer(engine, os.getpid(), secrets.token_bytes(16), port)
+    pb_grpc.add_PegaFlowServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    socket_server = None
+    if socket_path:
+        servicer.socket_path = socket_path
+        info = SocketServerInfo(os.getpid(), servicer.server_id, socket_path)
+        socket_server = await start_socket_server(socket_path, engine, info)
+        undo.callback(_close_socket_server, socket_server, socket_path)
+    await server.start()
+    if engine.remote is not None:
+        bringup.start_advertising(config.remote, engine.remote, metrics.registry)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if http is not None:
+        serve_http(
+            http,
+            metrics.registry,
+            health_report(engine, cuda, recovery),
+            {"/stats": stats},
+        )
+    running = RunningServer(
+        server, port, http, engine, engine.pool, None, socket_server, socket_path
+    )
+    running.sweeper = asyncio.create_task(_sweep_forever(engine))
+    return running
+
+
+def _bring_up(
+    config: ServerConfig,
+    ordinals: list[int],
+    metrics: Metrics,
+    undo: contextlib.AsyncExitStack,
+) -> tuple[Engine, object, RecoveryReport | None]:
+    """SSD tier, pool (pre-touched), copy engines and the engine itself, and
+    what a kept pool file gave back."""
+    registrar = (
+        HostRegistrar(ordinals[0], POOL_CHUNK_BYTES, POOL_CHUNK_THREADS)
+        if ordinals
+        else None
+    )
+    # The SSD tier first: its start-up errors (SsdError) then leave no pool.
+    tier = SsdTier(config.ssd) if config.ssd is not None else None
+    route = None
+    if config.ssd is not None:
+        try:
+            route = ssd_direct.choose_route(config.ssd.gpu_direct, bool(ordinals))
+        except BaseException:
+            tier.close()
+            raise
+    try:
+        pool = HostPool(config.pool, registrar)
+    except BaseException:
+        if tier is not None:
+            tier.close()
+        raise
+    undo.callback(pool.close)
+    if tier is not None:  # the tier reads pool slots: it closes first
+        undo.callback(tier.close)
+    copiers: dict[RegionKind, CopyEngine] = {
+        "host": HostCopyEngine(threads=config.engine.copy_threads)
+    }
+    cuda = _cuda_copier(config.cuda, pool, ordinals) if ordinals else None
+    if cuda is not None:
+        copiers["cuda"] = cuda
+    engine = Engine(config.engine, pool, copiers, metrics, tier)
+    undo.callback(engine.close)
+    report = None
+    if pool.file is not None:  # before any engine registers: they adopt these
+        recovered = Recovered(engine.registry, engine.ssd)
+        engine.registry.adopt = recovered.adopt
+        report = recover(pool, engine.store, recovered, config.pool.show_progress)
+    engine.ssd_route = route
+    if route is not None:
+        logger.info(
+            "ssd hits of cuda engines: the %s route (%s)", route.route, route.reason
+        )
+        if route.route == "direct":
+            engine.ssd_direct = ssd_direct.SsdDirect(engine.ssd, cuda, metrics)
+    if tier is not None:
+        metrics.registry.register(SsdCollector(tier.stats))
+        metrics.registry.register(OriginalSsdMetrics(tier.stats))
+        logger.info(
+            "ssd tier: %s, %d B, %s",
+            tier.mode,
+            tier.stats().capacity_bytes,
+            ", ".join(config.ssd.paths),
+        )
+    return engine, cuda, report
+
+
+def _bind_grpc(config: ServerConfig, metrics: Metrics) -> tuple[grpc.aio.Server, int]:
+    """A gRPC server bound to --addr (servicers are added later, before start)."""
+    host, port = parse_addr(config.addr)
+    # A probe first: grpc's own failure is a bare 0 and a log line from its core.
+    if (error := bind_error("--addr", config.addr, host, port)) is not None:
+        raise error
+    gate = LocalEngines(config.allow_remote_engines)
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor(metrics), gate],
+        # Beyond it gRPC answers RESOURCE_EXHAUSTED itself. Every engine worker
+        # holds one Session stream open, so it sits well above the workers.
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        options=[
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(target)
+    except RuntimeError:  # grpc's way of saying the port cannot be bound
+        bound = 0
+    if bound == 0:  # taken between the probe and now
+        raise StartupError(f"--addr: cannot listen on {config.addr}; try again")
+    gate.port = bound  # finds callers' sockets by their connection to it
+    return server, bound
+
+
+def _bind_http(addr: str) -> ThreadingHTTPServer:
+    host, port = parse_addr(addr)
+    try:
+        return bind_http(host, port)
+    except OSError as exc:
+        raise bind_failed("--http-addr", addr, exc) from None
+
+
+def _close_socket_server(server: asyncio.AbstractServer, path: str) -> None:
+    """Stop accepting and remove the socket file if it is still ours."""
+    for sock in server.sockets:  # before close(): it forgets its sockets
+        unlink_if_ours(path, sock)
+    server.close()
+
+
+def _socket_path(setting: str) -> str:
+    if setting != "auto":
+        return setting
+    return os.path.join(tempfile.gettempdir(), f"pegaflow-{os.getpid()}.sock")
+
+
+def _cuda_devices(config: CudaConfig) -> list[int]:
+    """The GPUs to serve; [] without a GPU stack unless devices were named."""
+    if not config.enabled:
+        return []
+    try:
+        return cuda_driver.probe(config.devices)
+    except cuda_driver.CudaError as exc:
+        raise StartupError(str(exc)) from exc
+
+
+def _cuda_copier(config: CudaConfig, pool: HostPool, ordinals: list[int]) -> object:
+    try:  # imports numba-cuda: GPU hosts only
+        from pegaflow.copiers.contention import ContendedPolicy
+        from pegaflow.copiers.cuda_copier import CudaCopyEngine
+    except ImportError as exc:
+        raise StartupError(f"--devices: {exc}; {cuda_driver.hint(exc)}") from exc
+
+    try:
+        policy = ContendedPolicy.from_config(config)
+        return CudaCopyEngine(
+            pool.base, pool.size, ordinals, config.max_ctas, config.event_timeout_s,
+            policy,
+        )  # fmt: skip
+    except Exception as exc:  # a broken GPU stack: one line (the pool is undone)
+        raise StartupError(
+            f"--devices: CUDA copy engine failed to start: {exc}"
+        ) from exc
+
+
+async def _sweep_forever(engine: Engine) -> None:
+    while True:
+        await asyncio.sleep(engine.config.lease_sweep_interval_s)
+        try:
+            engine.sweep()
+        except Exception:  # a background loop must survive any one bad sweep
+            logger.exception("sweep failed")
+
+
+async def serve(config: ServerConfig) -> None:
+    """Run until SIGTERM/SIGINT; print one READY line for supervisors and tests."""
+    gcpolicy.install()
+    running = await create_server(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    host, _ = parse_addr(config.addr)
+    http = (
+        f"{config.http_addr.rpartition(':')[0]}:{running.http_port}"
+        if running.http
+        else "off"
+    )
+    print(f"READY grpc={host}:{running.port} http={http} pid={os.getpid()}", flush=True)
+    logger.info("serving on %s:%d (http %s)", host, running.port, http)
+    await stop.wait()
+    logger.info("stopping")
+    with contextlib.suppress(asyncio.CancelledError):
+        await running.stop()
+        await _rpc_tasks_done(timeout_s=2.0)
+    logger.info("stopped")
+
+
+async def _rpc_tasks_done(timeout_s: float) -> None:
+    """Wait for the tasks grpc leaves behind when stop() cancels a call that was
+    still open (an engine's Session stream): they finish a moment after stop()
+    returns. Left pending, asyncio.run cancels them on the way out and grpc logs
+    each as a CancelledError traceback, though nothing went wrong."""
+    current = asyncio.current_task()
+    rest = [task for task in asyncio.all_tasks() if task is not current]
+    if rest:
+        await asyncio.wait(rest, timeout=timeout_s)

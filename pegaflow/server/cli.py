@@ -1,0 +1,509 @@
+"""`pegaflow-server`: the daemon's command line, and `pegaflow-server status`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+from pegaflow import __version__
+from pegaflow.cache.pool import HugepagesUnavailable, PoolTooLarge
+from pegaflow.common.config import (
+    Crossover,
+    CudaConfig,
+    EngineConfig,
+    HitRateConfig,
+    PoolConfig,
+    ServerConfig,
+    addr_arg,
+    log_level,
+    parse_crossovers,
+    parse_devices,
+    parse_duration,
+    parse_size,
+)
+from pegaflow.common.request_limits import MAX_CONCURRENT_RPCS
+from pegaflow.daemon.startup import StartupError
+
+from . import compat_flags, remote_flags
+
+if TYPE_CHECKING:
+    from pegaflow.gds import SsdConfig
+
+DEFAULT_SSD_CAPACITY = 512 << 30
+
+
+# The config field a ValueError names (pegaflow.common.config) -> the flag that sets it.
+FLAG_OF = {
+    "pool_size": "--pool-size",
+    "prefault_threads": "--prefault-threads",
+    "lease_ttl_s": "--lease-ttl",
+    "copy_threads": "--copy-threads",
+    "copy_wait": "--copy-wait",
+    "max_ctas": "--copy-ctas",
+    "copy_crossovers": "--copy-crossovers",
+    "contention_ratio": "--copy-contention-ratio",
+    "event_timeout_s": "--cuda-event-timeout",
+    "metric_hll_windows": "--metric-hll-windows",
+    "metric_hll_bucket_bits": "--metric-hll-bucket-bits",
+    "ssd_cache_path": "--ssd-cache-path",
+    "ssd_cache_capacity": "--ssd-cache-capacity",
+    "ssd_queue_blocks": "--ssd-queue-blocks",
+    "ssd_cache_shards": "--ssd-cache-shards",
+    "ssd_write_threads": "--ssd-write-inflight",
+    "ssd_read_threads": "--ssd-prefetch-inflight",
+    "remote_transport": "--remote-transport",
+    "metaserver_addr": "--metaserver-addr",
+    "remote_query_timeout_s": "--remote-query-timeout",
+    "remote_fetch_timeout_s": "--remote-fetch-timeout",
+    "max_advertise_queue": "--metaserver-queue-depth",
+    "peer_token_env": "--peer-token-env",
+    "peer_token_file": "--peer-token-file",
+    "token": "--peer-token",
+    "peer_token": "--peer-token",
+    "peer_token_var": "$PEGAFLOW_PEER_TOKEN",
+    "max_concurrent_rpcs": "--max-concurrent-rpcs",
+    "max_idle_namespaces": "--max-idle-namespaces",
+    "socket": "--socket",
+    "remote_quarantine_s": "--remote-quarantine",
+}
+
+
+def flag_message(exc: ValueError) -> str:
+    """'lease_ttl_s: must ...' -> 'argument --lease-ttl: must ...' (argparse's
+    wording), so the operator sees the flag, not the config field."""
+    field, sep, rest = str(exc).partition(": ")
+    flag = FLAG_OF.get(field)
+    return f"argument {flag}: {rest}" if sep and flag else str(exc)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _devices(text: str) -> CudaConfig:
+    try:
+        return parse_devices(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _windows(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(parse_duration(part) for part in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pegaflow-server",
+        description="External KV-cache server for LLM inference engines.",
+        epilog="'pegaflow-server status [--http-addr ADDR]' shows a running "
+        "server's pool, tiers, hit rates and miss causes.",
+    )
+    p.add_argument(
+        "--addr",
+        type=addr_arg,
+        default="127.0.0.1:50055",
+        help="gRPC listen address (default: %(default)s, loopback)",
+    )
+    p.add_argument(
+        "--http-addr",
+        type=addr_arg,
+        default="127.0.0.1:9091",
+        help="/health and /metrics address (default: %(default)s, loopback; "
+        "the original PegaFlow listens on 0.0.0.0:9091: give that to expose it)",
+    )
+    p.add_argument("--no-http", action="store_true", help="do not serve HTTP")
+    p.add_argument(
+        "--pool-size",
+        type=_size,
+        default=_size("1gb"),
+        help="L1 host pool size, e.g. 512mb, 64gb, 1tb (default: 1gb; the "
+        "original PegaFlow's is 30gb)",
+    )
+    p.add_argument(
+        "--use-hugepages",
+        action="store_true",
+        help="back the pool with reserved 2 MiB hugepages",
+    )
+    p.add_argument(
+        "--pool-file",
+        default=None,
+        help="keep the pool in this file (under /dev/shm, or on a hugetlbfs "
+        "mount with --use-hugepages): a restarted server serves its blocks",
+    )
+    p.add_argument(
+        "--pool-on-mismatch",
+        choices=["reinit", "refuse"],
+        default="reinit",
+        help="a --pool-file of another format or size: start it afresh or "
+        "refuse to start (default: reinit)",
+    )
+    p.add_argument(
+        "--enable-lfu-admission",
+        action="store_true",
+        help="TinyLFU admission: keep hot blocks through scans",
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=30.0,
+        help="seconds a query's lease pins its blocks (default: 30)",
+    )
+    p.add_argument(
+        "--copy-threads",
+        type=int,
+        default=2,
+        help="threads moving bytes for host engines (default: 2)",
+    )
+    p.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=MAX_CONCURRENT_RPCS,
+        help="RPCs served at once, each engine worker's session stream "
+        "included; more get RESOURCE_EXHAUSTED (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prefault-threads",
+        type=int,
+        default=None,
+        help="threads pre-touching the pool (default: min(8, cpus))",
+    )
+    p.add_argument(
+        "--devices",
+        type=_devices,
+        default=CudaConfig(),
+        help="CUDA devices for GPU engines: 'auto' (every visible GPU, none "
+        "needed), 'none' (host engines only) or ordinals '0,1' (default: auto)",
+    )
+    p.add_argument(
+        "--copy-sm-cap",
+        "--copy-ctas",
+        dest="copy_ctas",
+        type=int,
+        default=66,
+        help="CUDA blocks (one SM each) per copy direction for copy kernels: "
+        "leaves SMs to engines (default: 66)",
+    )
+    p.add_argument(
+        "--copy-path",
+        choices=("auto", "kernel", "dma"),
+        default="auto",
+        help="kernels, copy engines (cuMemcpyBatchAsync: no SMs), or per batch "
+        "from --copy-crossovers (default: auto)",
+    )
+    p.add_argument(
+        "--copy-wait",
+        choices=("loop", "thread"),
+        default="loop",
+        help="GPU copies above one block that wait for no engine event: launched "
+        "and awaited on the server's event loop (no thread hand-off), or on a "
+        "copy thread (default: loop)",
+    )
+    p.add_argument(
+        "--copy-crossovers",
+        default=None,
+        help="where auto takes copy engines: 'none' or e.g. 'save:1-128:65536' "
+        "(direction:min_pages[-max_pages][:min_page_bytes], comma-separated; "
+        "default: the table in pegaflow/common/config.py)",
+    )
+    p.add_argument(
+        "--copy-contention-ratio",
+        type=float,
+        default=0.65,
+        help="auto only: move a GPU's kernel copies to copy engines while they "
+        "run below this share of the best GB/s kernel copies of their size "
+        "reached there (the server times each copy: another process's kernels "
+        "time-slice with ours); one kernel probe a second switches back; 0: "
+        "off, the crossover table only (default: 0.65)",
+    )
+    p.add_argument(
+        "--cuda-event-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a save waits for an engine's CUDA event (default: 10)",
+    )
+    p.add_argument(
+        "--metric-hll-windows",
+        type=_windows,
+        default="15m,1h,1d",
+        help="rolling windows of the hit-rate ceiling, e.g. 15m,1h,1d "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--metric-hll-bucket-bits",
+        type=int,
+        default=HitRateConfig().bucket_bits,
+        help="HyperLogLog registers: 2**N per sub-window, N in 4..16; error "
+        "~1.04/2**(N/2) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-idle-namespaces",
+        type=int,
+        default=EngineConfig().max_idle_namespaces,
+        help="namespaces with no engine but blocks in the pool that keep their "
+        "hit-rate state; past it the longest idle loses it (default: %(default)s)",
+    )
+    p.add_argument(
+        "--socket",
+        "--query-socket",  # its name before it carried more than queries
+        dest="socket",
+        default="auto",
+        help="the server's unix socket (registrations, queries, saves, loads; "
+        "host engines must register over it): a path, 'auto' (temp dir, per "
+        "server) or 'off' (default: auto). --query-socket is the old name",
+    )
+    p.add_argument(
+        "--allow-tcp-host-engines",
+        action="store_true",
+        help="accept host-memory registrations over TCP from processes of the "
+        "caller's own uid (connections from this host only). Off: over TCP the "
+        "kernel cannot say which process asks, so host engines register over "
+        "the unix socket",
+    )
+    p.add_argument(
+        "--allow-remote-engines",
+        action="store_true",
+        help="accept engine RPCs (register, query, save, load, session) over "
+        "gRPC from other hosts or network namespaces. Off: with a routable "
+        "--addr (peers on) they are refused, or any host could probe and lease "
+        "what an instance has cached; engines use the unix socket or loopback",
+    )
+    _ssd_flags(p)
+    p.add_argument(
+        "--progress",
+        action="store_true",
+        help="progress bars even when stderr is not a terminal (default: only "
+        "on a terminal, so service logs get no \\r frames)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument(
+        "--log-level",
+        type=log_level,
+        choices=["debug", "info", "warning", "error"],
+        default="info",
+        help="debug, info, warning (or warn), error; trace is debug "
+        "(default: %(default)s)",
+    )
+    p.add_argument("-V", "--version", action="version", version=__version__)
+    remote_flags.add_flags(p)
+    compat_flags.add_flags(p)
+    return p
+
+
+def _ssd_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ssd-cache-path",
+        action="extend",
+        nargs="+",
+        default=None,
+        help="file or directory of the L3 SSD cache; several, or the flag "
+        "repeated, for several disks; a directory holds --ssd-cache-shards "
+        "files (default: off)",
+    )
+    p.add_argument(
+        "--ssd-cache-capacity",
+        type=_size,
+        default=None,
+        help="SSD cache size over all its files, e.g. 512gb (units as --pool-size; "
+        "default with --ssd-cache-path: 512gb)",
+    )
+    p.add_argument(
+        "--ssd-backend",
+        choices=["auto", "posix", "kvikio"],
+        default="auto",
+        help="SSD I/O: kvikio (GDS or its compat mode) needs a CUDA driver; "
+        "auto picks it where one is, else posix (default: auto)",
+    )
+    p.add_argument(
+        "--ssd-direct-io",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="O_DIRECT for the posix backend; auto falls back where the "
+        "filesystem refuses it (default: auto)",
+    )
+    p.add_argument(
+        "--ssd-admission",
+        choices=["all", "seen_twice"],
+        default="all",
+        help="write every block to SSD, or only one seen twice (with "
+        "--ssd-write-on seal: saved or hit a second time; evict: evicted a "
+        "second time) (default: all)",
+    )
+    p.add_argument(
+        "--ssd-write-on",
+        choices=["seal", "evict"],
+        default="seal",
+        help="queue a block for the SSD when a save completes it (write-behind: "
+        "it survives a restart, and its eviction frees its slots at once) or "
+        "only when L1 evicts it (default: seal; see the README)",
+    )
+    p.add_argument(
+        "--ssd-gpu-direct",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="read a CUDA engine's SSD hits with kvikio straight into its GPU "
+        "blocks, skipping L1 (TP 1 or MLA): auto where GPUDirect Storage is "
+        "present; on also in kvikio's compatibility mode, where it measured "
+        "slower (default: auto)",
+    )
+    p.add_argument(
+        "--ssd-queue-blocks",
+        type=int,
+        default=None,
+        help="blocks waiting for the SSD writers; past this a block's write is "
+        "dropped and counted, never waited for (default: 64)",
+    )
+    p.add_argument(
+        "--ssd-on-mismatch",
+        choices=["reinit", "refuse"],
+        default="reinit",
+        help="SSD files of another format or capacity: start them afresh or "
+        "refuse to start (default: reinit)",
+    )
+
+
+def show_progress(args: argparse.Namespace) -> bool:
+    """Bars on a terminal, or when asked: a service log gets no \\r frames."""
+    if args.no_progress:
+        return False
+    return args.progress or sys.stderr.isatty()
+
+
+def ssd_config(args: argparse.Namespace) -> SsdConfig | None:
+    if args.ssd_cache_path is None:
+        if args.ssd_cache_capacity is not None:
+            raise ValueError("--ssd-cache-capacity needs --ssd-cache-path")
+        return None
+    from pegaflow.gds import SsdConfig  # numpy: after argument errors
+
+    threads: dict[str, int] = {}
+    if args.ssd_write_inflight is not None:
+        threads["write_threads"] = args.ssd_write_inflight
+    if args.ssd_prefetch_inflight is not None:
+        threads["read_threads"] = args.ssd_prefetch_inflight
+    return SsdConfig(
+        paths=compat_flags.ssd_paths(args.ssd_cache_path, args.ssd_cache_shards),
+        # the original's default; the free-space check names the flag
+        capacity_bytes=DEFAULT_SSD_CAPACITY
+        if args.ssd_cache_capacity is None
+        else args.ssd_cache_capacity,
+        backend=args.ssd_backend,
+        direct_io=args.ssd_direct_io,
+        admission=args.ssd_admission,
+        write_on=args.ssd_write_on,
+        gpu_direct=args.ssd_gpu_direct,
+        queue_blocks=compat_flags.ssd_queue_blocks(args),
+        on_mismatch=args.ssd_on_mismatch,
+        show_progress=show_progress(args),
+        **threads,
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    pool_kwargs: dict[str, object] = {
+        "size_bytes": args.pool_size,
+        "use_hugepages": args.use_hugepages,
+        "show_progress": show_progress(args),
+        "pool_file": args.pool_file,
+        "on_mismatch": args.pool_on_mismatch,
+    }
+    if args.prefault_threads is not None:
+        pool_kwargs["prefault_threads"] = args.prefault_threads
+    return ServerConfig(
+        addr=args.addr,
+        http_addr=None if args.no_http else args.http_addr,
+        socket=None if args.socket == "off" else args.socket,
+        log_level=args.log_level,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        allow_remote_engines=args.allow_remote_engines,
+        pool=PoolConfig(**pool_kwargs),
+        engine=EngineConfig(
+            enable_lfu_admission=args.enable_lfu_admission,
+            lease_ttl_s=args.lease_ttl,
+            copy_threads=args.copy_threads,
+            copy_wait=args.copy_wait,
+            allow_tcp_host_engines=args.allow_tcp_host_engines,
+            max_idle_namespaces=args.max_idle_namespaces,
+            hit_rate=HitRateConfig(
+                args.metric_hll_windows, args.metric_hll_bucket_bits
+            ),
+        ),
+        cuda=CudaConfig(
+            enabled=args.devices.enabled,
+            devices=args.devices.devices,
+            max_ctas=args.copy_ctas,
+            event_timeout_s=args.cuda_event_timeout,
+            copy_path=args.copy_path,
+            contention_ratio=args.copy_contention_ratio,
+            **crossovers(args),
+        ),
+        ssd=ssd_config(args),
+        remote=remote_flags.remote_config(args),
+    )
+
+
+def crossovers(args: argparse.Namespace) -> dict[str, tuple[Crossover, ...]]:
+    if args.copy_crossovers is None:
+        return {}
+    return {"crossovers": parse_crossovers(args.copy_crossovers)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["status"]:  # a subcommand; every flag form stays the daemon's
+        from .status_command import main as status_main
+
+        return status_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.enable_prometheus and args.no_http:
+        parser.error("--enable-prometheus serves /metrics over HTTP: drop --no-http")
+    warnings = compat_flags.ignored_warnings(args) + compat_flags.bucket_bits(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(flag_message(exc))
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.peer_token is not None:
+        warnings.append(
+            "--peer-token is visible to every local user in `ps`; prefer "
+            "$PEGAFLOW_PEER_TOKEN or --peer-token-file"
+        )
+    for line in warnings:
+        logging.getLogger(__name__).warning("%s", line)
+    from pegaflow.cache.pool_file import PoolFileError
+    from pegaflow.gds import SsdError
+
+    from .assembly import serve  # grpc/numpy import after argument errors
+
+    try:
+        asyncio.run(serve(config))
+    except (
+        HugepagesUnavailable,
+        PoolTooLarge,
+        PoolFileError,
+        SsdError,
+        StartupError,
+    ) as exc:
+        print(f"pegaflow-server: {exc}", file=sys.stderr)  # names flag and fix
+        return 2
+    except OSError as exc:  # not foreseen: at least one line, not a traceback
+        print(f"pegaflow-server: cannot start: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

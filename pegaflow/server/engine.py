@@ -1,0 +1,541 @@
+"""The server's core: registration, save, prefix query, load and leases.
+
+Metadata changes run on one thread (the asyncio loop); only byte copies leave it,
+for a worker thread or a GPU stream the loop launched them on (pegaflow.copiers.copy_wait),
+with every block they touch pinned. Between the awaits the bookkeeping is
+therefore atomic without locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from operator import attrgetter, itemgetter
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
+
+from pegaflow.cache.block_store import BlockEntry, BlockStore
+from pegaflow.cache.eviction import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
+from pegaflow.cache.instances import Registry, Worker
+from pegaflow.cache.leases import Lease, LeaseTable
+from pegaflow.cache.miss_reasons import HitRateTracker, RecordingPolicy
+from pegaflow.cache.pool import HostPool
+from pegaflow.cache.registration_checks import RegisterSpec
+from pegaflow.common import deadlines
+from pegaflow.common.config import EngineConfig
+from pegaflow.common.errors import (
+    CopyFailed,
+    DeadlineExceeded,
+    InvalidRequest,
+    LeaseNotFound,
+)
+from pegaflow.common.geometry import Transfers, check_block_ids, check_distinct
+from pegaflow.common.identity import CallContext, Caller
+from pegaflow.common.keys import BlockHash, LoadSpec, PackedHashes
+from pegaflow.common.request_limits import LargeRequestGate, RequestCaps
+from pegaflow.common.results import (
+    LoadBatchResult,
+    LoadItemResult,
+    QueryResult,
+    SaveResult,
+)
+from pegaflow.copiers import copy_wait
+from pegaflow.copiers.copier import CopyEngine, RegionKind
+from pegaflow.copiers.layer_signals import LayerSignals, scatter_by_layer
+from pegaflow.gds import SsdTier
+from pegaflow.tiers.ssd_tier import SsdLink
+
+from .metrics import Metrics
+from .namespaces import NamespaceReaper
+from .query_path import PrefixQueries, check_hashes
+
+if TYPE_CHECKING:
+    from pegaflow.gds.gpu_route import RouteChoice
+    from pegaflow.tiers.remote.link import RemoteLink
+    from pegaflow.tiers.ssd_gpu_direct import SsdDirect
+
+logger = logging.getLogger(__name__)
+
+_SLOTS = attrgetter("slots")
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class LoadItem:
+    """One item of a Load: its leased L1 blocks into block_ids, then the
+    leased SSD blocks (Lease.direct) it names into direct_ids."""
+
+    lease: Lease
+    entries: list[BlockEntry]
+    block_ids: np.ndarray
+    direct: list[BlockHash]
+    direct_ids: np.ndarray
+
+
+async def _uncancellable(work: Awaitable[T]) -> T:
+    """Await a copy thread; if the RPC is cancelled (its client died), still
+    wait for the thread before re-raising. The thread keeps reading or writing
+    the worker's memory and the pool slots: freeing either first (unmapping
+    the engine's IPC memory, reusing the slots) would let it copy into memory
+    that is gone or taken. Seen on the H200: an engine SIGKILLed mid-save."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("copy of a cancelled RPC failed: %s", task.exception())
+        raise
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: HostPool,
+        copiers: dict[RegionKind, CopyEngine],
+        metrics: Metrics | None = None,
+        ssd: SsdTier | None = None,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        policy: EvictionPolicy = LRUPolicy()
+        if config.enable_lfu_admission:
+            # Block sizes are unknown until engines register; ~1 MiB is typical.
+            capacity = max(1024, pool.size >> 20)
+            policy = AdmissionPolicy(LRUPolicy(), TinyLFU(capacity))
+        # Hit rates, their ceiling and the miss breakdown; the wrapper feeds it
+        # the evictions and refusals that later misses are blamed on.
+        self.hit_rates = HitRateTracker(
+            config.hit_rate, HitRateTracker.ghost_bits_for(pool.size)
+        )
+        policy = RecordingPolicy(policy, self.hit_rates)
+        self.store = BlockStore(pool.slabs, policy)
+        self.store.on_pool_full = self.hit_rates.pool_full
+        self.leases = LeaseTable(self.store, config.lease_ttl_s)
+        self.registry = Registry(
+            copiers,
+            max_slot_bytes=pool.slab_bytes,
+            allow_tcp_host_engines=config.allow_tcp_host_engines,
+            open_signals=LayerSignals,
+        )
+        self.caps = RequestCaps(
+            pool.size, pool.slab_bytes, config.max_blocks_per_request
+        )
+        self.gate = LargeRequestGate(
+            config.max_large_requests, config.large_request_descriptors
+        )
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.ssd = None
+        if ssd is not None:  # at most half the pool waits for the SSD writers
+            link = SsdLink(ssd, self.store, self.registry, self.metrics, pool.size // 2)
+            self.ssd = link
+        self.namespaces = NamespaceReaper(
+            self.registry,
+            self.store,
+            self.leases,
+            self.hit_rates,
+            self.ssd,
+            config.max_idle_namespaces,
+        )
+        self.remote: RemoteLink | None = None  # attach_remote
+        # Set at start-up: how a CUDA engine's SSD hits reach its GPU blocks
+        # (--ssd-gpu-direct), and the direct reader where that is "direct".
+        self.ssd_route: RouteChoice | None = None
+        self.ssd_direct: SsdDirect | None = None
+        self.queries = PrefixQueries(self)
+        self._seen = dataclasses.replace(self.store.counters)
+        self._children: dict[str, tuple] = {}  # _account's labelled metrics
+        waits = self.metrics.copy_waits  # labels() costs a few us: once each
+        self._waits = {way: waits.labels(way) for way in ("loop", "late", "thread")}
+        self.metrics.bind_gauges(
+            pool.size,
+            lambda: pool.slabs.used_bytes,
+            lambda: self.store.resident_ready,
+            lambda: len(self.leases),
+            lambda: sum(len(i.workers) for i in self.registry.instances.values()),
+        )
+
+    def attach_remote(self, link: RemoteLink) -> None:
+        """The L2 tier: it hears of every block published and withdrawn here,
+        and answers which misses a peer held (the miss breakdown)."""
+        self.remote = link
+        self.store.published = link.published
+        self.store.unpublished = link.unpublished
+        self.hit_rates.remote = link.probe
+        self.namespaces.remote = link
+
+    # -- registration ---------------------------------------------------------
+    def register(self, spec: RegisterSpec, caller: Caller) -> Worker:
+        worker = self.registry.register(spec, caller)
+        self.namespaces.joined(worker.namespace)
+        return worker
+
+    def unregister(
+        self, instance_id: str, tp_rank: int, ctx: CallContext | None = None
+    ) -> None:
+        """ctx None: the server itself drops the worker (its session ended)."""
+        if ctx is not None:
+            self.registry.owned_worker(
+                instance_id, tp_rank, ctx.caller, ctx.owner_token
+            )
+        worker = self.registry.unregister(instance_id, tp_rank)
+        if instance_id not in self.registry.instances:
+            dropped = self.leases.release_owned_by(instance_id)
+            if dropped:
+                logger.info("released %d lease(s) of %s", dropped, instance_id)
+        self.namespaces.left(worker.namespace)  # after its leases went
+
+    # -- save -----------------------------------------------------------------
+    async def save(
+        self,
+        instance_id: str,
+        tp_rank: int,
+        block_ids: np.ndarray,
+        hashes: list[BlockHash],
+        layer_ids: np.ndarray | None,
+        wait_event: int,
+        ctx: CallContext,
+    ) -> SaveResult:
+        """wait_event: 1-based index of the worker's CUDA IPC event that the copy
+        waits for on the GPU (the engine's KV writes); 0 for none. No copy
+        starts after ctx.deadline, and a copy that ends after it publishes
+        nothing: the engine may have rewritten those pages since."""
+        worker = self.registry.owned_worker(
+            instance_id, tp_rank, ctx.caller, ctx.owner_token
+        )
+        deadlines.check(ctx.deadline, "save")
+        self.caps.check(worker.namespace.slot_class, len(block_ids), "block_ids")
+        ns = worker.namespace
+        if len(block_ids) != len(hashes):
+            raise InvalidRequest(
+                f"block_hashes: {len(hashes)} hashes for {len(block_ids)} block_ids"
+            )
+        check_hashes(hashes, self.config.max_blocks_per_request)
+        check_block_ids(block_ids, worker.geometry.num_blocks, "block_ids")
+        layers = self._layers(layer_ids, ns.num_layers)
+        # Replicated KV (MLA): every rank saves into the block's one shard.
+        res = self.store.reserve_save(ns, worker.shard, hashes, layers)
+        self._sync_counters()
+        if not res.keys:
+            return SaveResult(0, res.deduplicated, res.rejected)
+        transfers = worker.geometry.engine_to_slots(
+            block_ids[res.positions], res.slots, layers
+        )
+        gather = functools.partial(worker.copier.gather, deadline=ctx.deadline)
+        ok = False
+        try:
+            # An event-gated copy waits for the engine's compute: never on the
+            # loop, unless the event already completed (then it needs no wait;
+            # a hop to a thread costs more than a small copy). Host copiers
+            # refuse any event, here.
+            if wait_event and not worker.copier.event_done(worker.handle, wait_event):
+                gather = functools.partial(gather, wait_event=wait_event)
+                inline = False
+            else:
+                inline = True
+            seconds = await self._copy(
+                worker, gather, transfers, inline, ctx.deadline,
+                launch_as="save" if inline else None,
+            )  # fmt: skip
+            if ctx.deadline is not None and time.monotonic() > ctx.deadline:
+                raise DeadlineExceeded(
+                    "save: the copy ended after the request's deadline; nothing "
+                    "was published (the engine may have reused those pages)"
+                )
+            ok = True
+        finally:
+            self.store.finish_save(res, ok)
+        self._account("save", len(res.keys), transfers.total_bytes, seconds)
+        return SaveResult(len(res.keys), res.deduplicated, res.rejected)
+
+    @staticmethod
+    def _layers(layer_ids: np.ndarray | None, num_layers: int) -> np.ndarray:
+        if layer_ids is None or len(layer_ids) == 0:
+            return np.arange(num_layers)
+        if layer_ids.min() < 0 or layer_ids.max() >= num_layers:
+            raise InvalidRequest(f"layer_ids: must lie in [0, {num_layers})")
+        if len(np.unique(layer_ids)) != len(layer_ids):
+            raise InvalidRequest("layer_ids: duplicates")
+        return np.sort(layer_ids)
+
+    # -- query ----------------------------------------------------------------
+    def query(
+        self,
+        instance_id: str,
+        hashes: list[BlockHash] | PackedHashes,
+        hash_len: int | None = None,
+        ctx: CallContext | None = None,
+    ) -> QueryResult:
+        """The longest cached prefix, or `loading` (pegaflow.server.query_path)."""
+        return self.queries.query(instance_id, hashes, hash_len, ctx)
+
+    # -- load -----------------------------------------------------------------
+    async def load(
+        self,
+        instance_id: str,
+        tp_rank: int,
+        items: list[LoadSpec],
+        batch: bool,
+        layer_seq: int,
+        ctx: CallContext,
+    ) -> LoadBatchResult:
+        """Leased blocks into engine blocks, every item in one copy.
+
+        A malformed item fails the call before anything moves (InvalidRequest
+        naming `items[i].field`). An item whose lease is gone is an expected
+        "no" (it expired, or was released, between the query and this load):
+        it is reported in its result and the other items load. batch=False is
+        the original one-lease request: fields unprefixed, a gone lease raises.
+        layer_seq != 0: copy layer by layer, writing it to the worker's layer
+        signal words as each layer lands (the engine starts that layer early).
+        No copy starts after ctx.deadline: the engine may reuse the blocks
+        once it has given up on this load.
+        """
+        worker = self.registry.owned_worker(
+            instance_id, tp_rank, ctx.caller, ctx.owner_token
+        )
+        deadlines.check(ctx.deadline, "load")
+        self.caps.check_load(worker.namespace.slot_class, items, batch)
+        if layer_seq and worker.signals is None:
+            raise InvalidRequest(
+                f"layer_seq: rank {tp_rank} of {instance_id!r} registered no "
+                "layer_signals"
+            )
+        if len(items) > self.config.max_blocks_per_request:
+            raise InvalidRequest(
+                f"items: {len(items)} exceeds {self.config.max_blocks_per_request}"
+            )
+        plans: list[LoadItem | None] = []
+        errors: list[str] = []
+        for i, (lease_id, offset, block_ids) in enumerate(items):  # per request
+            field = f"items[{i}]." if batch else ""
+            try:
+                lease = self.leases.get(lease_id)
+            except LeaseNotFound as exc:
+                if not batch:
+                    raise
+                plans.append(None)
+                errors.append(f"{field}{exc}")
+                continue
+            plans.append(self._load_item(worker, lease, offset, block_ids, field))
+            errors.append("")
+        live = [p for p in plans if p is not None]
+        entries = [e for p in live for e in p.entries]
+        transfers = self._load_transfers(worker, live, entries)
+        scatter = functools.partial(worker.copier.scatter, deadline=ctx.deadline)
+        if layer_seq:
+            scatter = functools.partial(
+                scatter_by_layer, worker, layer_seq, ctx.deadline
+            )
+        seconds = 0.0
+        # A lease may expire while we read from the SSD or copy.
+        self.store.pin(entries)
+        try:
+            landed = await self._load_direct(worker, live, ctx.deadline)
+            # Layer by layer the engine waits on each signal, not on this loop.
+            if entries or layer_seq:  # (the signals go out even with no copy)
+                seconds = await self._copy(
+                    worker, scatter, transfers, not layer_seq, ctx.deadline,
+                    launch_as=None if layer_seq else "load",
+                )  # fmt: skip
+        finally:
+            self.store.unpin(entries)
+        for lease in {id(p.lease): p.lease for p in live}.values():
+            if lease.id in self.leases:
+                self.leases.consumed(lease, tp_rank)
+        self._account("load", len(entries), transfers.total_bytes, seconds)
+        slot = worker.geometry.slot_bytes
+        results = []
+        for i, (p, err) in enumerate(zip(plans, errors, strict=True)):
+            if p is None:
+                results.append(LoadItemResult(0, 0, err))
+                continue
+            direct = landed.get(id(p), 0)
+            if direct < len(p.direct):
+                err = (
+                    f"{f'items[{i}].' if batch else ''}block_ids: "
+                    f"{len(p.direct) - direct} of the blocks read from the SSD did "
+                    "not load (dropped from it meanwhile, or damaged); the engine "
+                    "blocks may hold anything: recompute them"
+                )
+                if not batch:
+                    raise CopyFailed(err)
+            got = len(p.entries) + direct
+            results.append(LoadItemResult(got, got * slot, err))
+        loaded = sum(r.loaded for r in results)
+        return LoadBatchResult(loaded, sum(r.bytes for r in results), tuple(results))
+
+    @staticmethod
+    def _load_item(
+        worker: Worker, lease: Lease, offset: int, block_ids: np.ndarray, field: str
+    ) -> LoadItem:
+        if lease.owner != worker.instance_id:
+            raise InvalidRequest(
+                f"{field}lease_id: lease belongs to {lease.owner!r}, "
+                f"not {worker.instance_id!r}"
+            )
+        if lease.namespace_id != worker.namespace.id:
+            # The instance re-registered with another geometry since the query:
+            # the leased slots are not laid out as this worker's blocks.
+            raise InvalidRequest(
+                f"{field}lease_id: leased under another registration of "
+                f"{worker.instance_id!r}; query again"
+            )
+        end = offset + len(block_ids)
+        if end > lease.blocks:
+            raise InvalidRequest(
+                f"{field}block_ids: lease_offset {offset} + {len(block_ids)} blocks "
+                f"exceeds the {lease.blocks} leased blocks"
+            )
+        check_block_ids(block_ids, worker.geometry.num_blocks, f"{field}block_ids")
+        in_l1 = len(lease.entries)
+        cut = max(0, min(len(block_ids), in_l1 - offset))
+        return LoadItem(
+            lease,
+            lease.entries[offset : offset + cut],
+            block_ids[:cut],
+            lease.direct[max(0, offset - in_l1) : max(0, end - in_l1)],
+            block_ids[cut:],
+        )
+
+    async def _load_direct(
+        self, worker: Worker, live: list[LoadItem], deadline: float | None
+    ) -> dict[int, int]:
+        """The items' SSD blocks read into the engine's GPU blocks (before
+        any L1 copy: a layer's signal must cover all its blocks); how many
+        landed, by id() of each item that has any."""
+        wanted = [p for p in live if p.direct]
+        if not wanted:
+            return {}
+        assert self.ssd_direct is not None  # only it leases SSD blocks
+        hashes = [h for p in wanted for h in p.direct]
+        ids = np.concatenate([p.direct_ids for p in wanted])
+        worker.active_ops += 1  # its memory stays mapped until the reads end
+        try:
+            ok = await _uncancellable(
+                self.ssd_direct.load(worker, hashes, ids, deadline)
+            )
+        finally:
+            self.registry.finish_op(worker)
+        parts = np.split(ok, np.cumsum([len(p.direct) for p in wanted])[:-1])
+        return {id(p): int(part.sum()) for p, part in zip(wanted, parts, strict=True)}
+
+    @staticmethod
+    def _load_transfers(
+        worker: Worker, live: list[LoadItem], entries: list[BlockEntry]
+    ) -> Transfers:
+        """One descriptor table for every item's L1 blocks: one copy, one
+        kernel launch."""
+        if not live:
+            return worker.geometry.slots_to_engine(*[np.zeros(0, np.uint64)] * 2)
+        ids = np.concatenate([p.block_ids for p in live])
+        direct = [p.direct_ids for p in live if p.direct]
+        check_distinct(np.concatenate([ids, *direct]) if direct else ids, "block_ids")
+        # Each block's slot of the worker's shard (0 for MLA), in one
+        # C-level pass: no [blocks, shards] array of Python lists first.
+        shard = map(itemgetter(worker.shard), map(_SLOTS, entries))
+        slots = np.fromiter(shard, np.uint64, len(entries))
+        return worker.geometry.slots_to_engine(slots, ids)
+
+    def release_lease(self, lease_id: int) -> None:
+        self.leases.release(lease_id)
+
+    # -- housekeeping -----------------------------------------------------------
+    def sweep(self) -> None:
+        now = time.monotonic()
+        self.leases.sweep(now)
+        if self.remote is not None:
+            self.remote.sweep()
+        self.store.drop_stale(now - self.config.lease_ttl_s)
+        self.hit_rates.flush()
+
+    async def _copy(
+        self,
+        worker: Worker,
+        fn: Callable[[object, Transfers], None],
+        t: Transfers,
+        inline: bool = True,
+        deadline: float | None = None,
+        launch_as: str | None = None,
+    ) -> float:
+        """deadline: time.monotonic() seconds; no copy starts after it.
+        launch_as ("save" or "load"): `fn` is that plain direction, which a
+        copier that launches (the CUDA one) may queue from here and the loop
+        wait for (pegaflow.copiers.copy_wait) instead of a copy thread."""
+        worker.active_ops += 1  # before the gate: keeps the memory open meanwhile
+        start = time.perf_counter()
+        try:
+            async with self.gate.admit(len(t), deadline):
+                small = t.total_bytes <= self.config.inline_copy_bytes
+                if inline and small and not self._stream_busy(worker, launch_as):
+                    fn(worker.handle, t)
+                elif launched := self._launch(worker, launch_as, t, deadline):
+                    settle = copy_wait.settle(worker.copier, launched)
+                    on_loop = await _uncancellable(settle)
+                    self._waits["loop" if on_loop else "late"].inc()
+                else:
+                    await _uncancellable(asyncio.to_thread(fn, worker.handle, t))
+                    self._waits["thread"].inc()
+        finally:
+            self.registry.finish_op(worker)
+        return time.perf_counter() - start
+
+    @staticmethod
+    def _stream_busy(worker: Worker, direction: str | None) -> bool:
+        """A GPU stream with a copy in flight: an inline copy queued behind it
+        would hold the loop until both are done (a 640-block load: ~27 ms)."""
+        busy = getattr(worker.copier, "busy", None)
+        return (
+            busy is not None
+            and direction is not None
+            and busy(worker.handle, direction)
+        )
+
+    def _launch(
+        self,
+        worker: Worker,
+        launch_as: str | None,
+        t: Transfers,
+        deadline: float | None,
+    ) -> copy_wait.Launched | None:
+        if launch_as is None or self.config.copy_wait != "loop":
+            return None
+        launch = getattr(worker.copier, "launch", None)
+        return None if launch is None else launch(launch_as, worker.handle, t, deadline)
+
+    def _account(self, direction: str, blocks: int, nbytes: int, sec: float) -> None:
+        children = self._children.get(direction)
+        if children is None:  # labels() costs a few us a call: once per direction
+            m = self.metrics
+            children = self._children[direction] = (
+                m.bytes.labels(direction),
+                m.blocks.labels(direction),
+                m.transfer_seconds.labels(direction),
+            )
+        children[0].inc(nbytes)
+        children[1].inc(blocks)
+        children[2].observe(sec)
+        logger.debug(
+            "%s %d blocks, %d B in %.3f ms", direction, blocks, nbytes, sec * 1e3
+        )
+
+    def _sync_counters(self) -> None:
+        c, seen = self.store.counters, self._seen
+        if c == seen:  # most saves evict and refuse nothing
+            return
+        self.metrics.evictions.inc(c.evictions - seen.evictions)
+        rej = self.metrics.admission_rejections
+        rej.labels("tinylfu").inc(c.admission_rejections - seen.admission_rejections)
+        rej.labels("pool_full").inc(c.pool_full_rejections - seen.pool_full_rejections)
+        self._seen = dataclasses.replace(c)
+
+    def close(self) -> None:
+        if self.ssd_direct is not None:
+            self.ssd_direct.close()
+        self.registry.close()

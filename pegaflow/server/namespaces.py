@@ -1,0 +1,107 @@
+"""When a namespace's metadata goes: freed once empty, bounded while idle.
+
+A namespace is empty when no registered worker uses it and the store holds no
+entry of it: no block resident, none in flight (a save, an SSD load) and none
+leased (a lease pins entries, which the store counts; LeaseTable is asked too).
+Then everything the server keeps for it goes: the registry entry, the store's
+per-namespace index (BlockStore drops it with the last entry), the hit-rate
+state and with it the namespace's /metrics series, and the SSD link's cached
+mapping. Its SSD blocks stay on disk: they are keyed by a digest of the name
+and geometry, so the namespace registered again (under a new id: ids are never
+reused) finds them.
+
+Idle namespaces (no worker, blocks still resident) keep their registry entry
+and block index: an engine that comes back loads those blocks through them, and
+their number is bounded by the pool, since each holds a resident block. What
+grows with their number and not with the pool is the hit-rate state (HLL
+windows, up to MiBs each): past `max_idle` idle namespaces the one idle the
+longest loses it (and its SSD mapping, recomputed on demand). It then counts
+from zero if an engine returns; the blocks themselves leave by eviction, and
+with the last of them the namespace.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+from pegaflow.cache.block_store import BlockStore
+from pegaflow.cache.instances import Namespace, Registry
+from pegaflow.cache.leases import LeaseTable
+from pegaflow.cache.miss_reasons import HitRateTracker
+from pegaflow.tiers.ssd_tier import SsdLink
+
+logger = logging.getLogger(__name__)
+
+
+class NamespaceReaper:
+    """Told when a worker joins or leaves a namespace; hears from the store
+    when a namespace's last block goes. All calls on the event loop."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        store: BlockStore,
+        leases: LeaseTable,
+        hit_rates: HitRateTracker,
+        ssd: SsdLink | None,
+        max_idle: int,
+    ) -> None:
+        self._registry = registry
+        self._store = store
+        self._leases = leases
+        self._hit_rates = hit_rates
+        self._ssd = ssd
+        self.remote: object | None = None  # the remote tier, once attached
+        self._max_idle = max_idle
+        # Idle namespaces, the longest idle first.
+        self._idle: OrderedDict[int, Namespace] = OrderedDict()
+        store.emptied = self.emptied
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    def joined(self, ns: Namespace) -> None:
+        """A worker registered in ns."""
+        self._idle.pop(ns.id, None)
+
+    def left(self, ns: Namespace) -> None:
+        """A worker of ns unregistered: free ns if that was its last user and
+        nothing of it is left, else count it idle."""
+        if self._in_use(ns) or self._release(ns):
+            return
+        self._idle[ns.id] = ns
+        self._idle.move_to_end(ns.id)
+        while len(self._idle) > self._max_idle:
+            _, oldest = self._idle.popitem(last=False)
+            self._forget(oldest)
+            logger.debug("namespace %s: idle too long, hit rates dropped", oldest.tag)
+
+    def emptied(self, ns: Namespace) -> None:
+        """The store's last entry of ns went (evicted, dropped, failed)."""
+        if not self._in_use(ns):
+            self._release(ns)
+
+    def _in_use(self, ns: Namespace) -> bool:
+        return any(
+            inst.workers and inst.namespace is ns
+            for inst in self._registry.instances.values()
+        )
+
+    def _release(self, ns: Namespace) -> bool:
+        if self._store.holds(ns.id) or self._leases.held_in(ns.id):
+            return False
+        if not self._registry.release_namespace(ns):
+            return False
+        self._idle.pop(ns.id, None)
+        self._forget(ns)
+        logger.debug("namespace %s freed", ns.tag)
+        return True
+
+    def _forget(self, ns: Namespace) -> None:
+        self._hit_rates.forget(ns.id)
+        if self._ssd is not None:
+            self._ssd.forget(ns.id)
+        if self.remote is not None:
+            self.remote.forget(ns.id)
