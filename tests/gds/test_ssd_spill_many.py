@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from helpers import NS, addresses, block, config, key, load, opened, page_aligned
+from .helpers import NS, addresses, block, config, key, load, opened, page_aligned
 
 
 def test_one_job_is_cut_to_the_room_left_and_released_per_slice(
