@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import table, write_json  # noqa: E402
 from pegaflow.cache.block_store import BlockStore  # noqa: E402
 from pegaflow.cache.eviction import LRUPolicy  # noqa: E402
-from pegaflow.cache.instances import Namespace  # noqa: E402
 from pegaflow.cache.slabs import SlabAllocator  # noqa: E402
+from pegaflow.common.keys import Namespace  # noqa: E402
 from pegaflow.server import gc_freeze as gcpolicy  # noqa: E402
 
 SLOT = 256

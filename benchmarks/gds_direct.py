@@ -28,7 +28,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pegaflow.common.geometry import KVGeometry, LayerLayout, Segment  # noqa: E402
-from pegaflow.gds import SsdConfig, SsdTier, namespace_digest  # noqa: E402
+from pegaflow.common.keys import namespace_digest  # noqa: E402
+from pegaflow.gds import SsdConfig, SsdTier  # noqa: E402
 from pegaflow.gds.format import HEADER_BYTES, align_up  # noqa: E402
 from pegaflow.gds.gpu_plan import RecordSpans, plan_reads  # noqa: E402
 

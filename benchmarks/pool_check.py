@@ -23,9 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import write_json  # noqa: E402
 from pegaflow.cache.block_store import BlockStore  # noqa: E402
 from pegaflow.cache.eviction import LRUPolicy  # noqa: E402
-from pegaflow.cache.instances import Namespace, Registry  # noqa: E402
+from pegaflow.cache.instances import Registry  # noqa: E402
 from pegaflow.cache.pool import HostPool  # noqa: E402
 from pegaflow.common.config import PoolConfig, parse_size  # noqa: E402
+from pegaflow.common.keys import Namespace  # noqa: E402
 from pegaflow.server.warm_restart import Recovered, recover  # noqa: E402
 
 BATCH = 64

@@ -40,7 +40,6 @@ from benchmarks.sharing_trace import (  # noqa: E402
 )
 from pegaflow.cache.block_store import BlockStore  # noqa: E402
 from pegaflow.cache.eviction import AdmissionPolicy, LRUPolicy, TinyLFU  # noqa: E402
-from pegaflow.cache.instances import Namespace  # noqa: E402
 from pegaflow.cache.leases import LeaseTable  # noqa: E402
 from pegaflow.cache.miss_reasons import (
     CAUSES,
@@ -50,6 +49,7 @@ from pegaflow.cache.miss_reasons import (
 )
 from pegaflow.cache.slabs import SlabAllocator  # noqa: E402
 from pegaflow.common.config import HitRateConfig  # noqa: E402
+from pegaflow.common.keys import Namespace  # noqa: E402
 
 SLOT = 4096  # bookkeeping only: no byte of the fake pool is touched
 BLOCK_MIB = 2.25

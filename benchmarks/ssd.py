@@ -49,7 +49,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import table, write_json  # noqa: E402
-from pegaflow.gds import SsdConfig, SsdTier, namespace_digest  # noqa: E402
+from pegaflow.common.keys import namespace_digest  # noqa: E402
+from pegaflow.gds import SsdConfig, SsdTier  # noqa: E402
 from pegaflow.gds.format import CHECKSUM_NAMES, ChecksumName, checksum_id, hasher
 
 NS = namespace_digest("bench", (1,))

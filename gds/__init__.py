@@ -101,7 +101,7 @@ The seam (all of it; the server needs nothing else)
     tier.close()                          write what is queued, sync, close
     tier.mode                             "posix-odirect" | "posix-buffered" |
                                           "kvikio-gds" | "kvikio-compat"
-    namespace_digest(name, signature)     16-byte on-disk namespace key
+    (a namespace's on-disk key: pegaflow.common.keys.namespace_digest)
 
 Wired into the server by pegaflow/tiers/ssd_tier.py (SsdLink): with --ssd-write-on seal,
 BlockStore.finish_save hands the blocks it makes ready to spill_many() (write-behind);
@@ -116,7 +116,6 @@ pegaflow/server/metrics.py (SsdCollector) exports tier.stats().
 from __future__ import annotations
 
 from .config import SsdConfig
-from .format import namespace_digest
 from .io import SsdError
 from .tier import SsdLoadResult, SsdStats, SsdTier
 
@@ -126,5 +125,4 @@ __all__ = [
     "SsdError",
     "SsdStats",
     "SsdTier",
-    "namespace_digest",
 ]

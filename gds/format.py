@@ -25,12 +25,12 @@ from typing import Literal, Protocol
 import numpy as np
 
 from pegaflow.common.checksums import xxh3_64, xxh3_64_parts
+from pegaflow.common.keys import NS_DIGEST_BYTES
 
 ALIGN = 4096
 HEADER_BYTES = ALIGN
 SUPERBLOCK_BYTES = ALIGN
 FORMAT_VERSION = 1
-NS_DIGEST_BYTES = 16
 MAX_HASH_BYTES = 64  # as pegaflow.server.engine.MAX_HASH_BYTES
 STORE_ID_BYTES = 16
 # The largest payload (a block, all its TP shards) the store writes: a header
@@ -304,12 +304,3 @@ def check_key(ns_digest: bytes, block_hash: bytes) -> None:
         raise ValueError(f"namespace digest: need {NS_DIGEST_BYTES} bytes")
     if not 0 < len(block_hash) <= MAX_HASH_BYTES:
         raise ValueError(f"block hash: need 1..{MAX_HASH_BYTES} bytes")
-
-
-def namespace_digest(name: str, signature: tuple[int, ...] = ()) -> bytes:
-    """A stable 16-byte digest of a namespace: its name plus its byte geometry
-    (pegaflow.cache.instances.Namespace.signature), so blocks of a namespace whose
-    geometry changed under the same name never load."""
-    h = hashlib.blake2b(name.encode(), digest_size=NS_DIGEST_BYTES)
-    h.update(struct.pack(f"<{len(signature)}q", *signature))
-    return h.digest()

@@ -21,12 +21,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pegaflow.common.keys import BlockHash, Key, PackedHashes
+from pegaflow.common.keys import BlockHash, Key, Namespace, PackedHashes
 
 from .block_entry import BlockEntry, SaveReservation, layer_mask
 from .deferred_touches import Deferred
 from .eviction import EvictionPolicy
-from .instances import Namespace
 from .ready_index import ReadyIndex
 from .slabs import SlabAllocator, SlotClass
 from .tier_loads import TierLoads

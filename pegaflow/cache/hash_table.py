@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pegaflow.common.hash64 import hash64
 from pegaflow.common.keys import PackedHashes
 from pegaflow.common.open_addressing import (
     EMPTY,
@@ -37,8 +38,6 @@ from pegaflow.common.open_addressing import (
     keyed_fold,
     secret_multipliers,
 )
-
-from .hll import hash64
 
 if TYPE_CHECKING:
     from .block_entry import BlockEntry

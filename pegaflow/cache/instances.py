@@ -11,7 +11,6 @@ a block stores the whole of it, once, and every rank loads that copy.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import secrets
@@ -27,39 +26,13 @@ from pegaflow.common.errors import (
 )
 from pegaflow.common.geometry import KVGeometry
 from pegaflow.common.identity import UNKNOWN, Caller, check_host_memory_owner
-from pegaflow.common.keys import TOKEN_BYTES
+from pegaflow.common.keys import TOKEN_BYTES, Namespace
 from pegaflow.common.pidfds import PidsHeld
 from pegaflow.copiers.copier import CopyEngine, LoadSignals, OpenSignals, RegionKind
 
 from .registration_checks import RegisterSpec, validate_spec
 
 logger = logging.getLogger(__name__)
-
-
-def namespace_tag(name: str) -> str:
-    """A one-way label of a namespace for /metrics, /stats and logs: equal
-    names give equal tags, and a tag does not give the name back (a namespace
-    made with a tenant secret cannot be read off the server's outputs)."""
-    return hashlib.sha256(b"pegaflow-ns-tag" + name.encode()).hexdigest()[:12]
-
-
-@dataclass(slots=True)
-class Namespace:
-    name: str  # never shown: clients see the tag (see namespace_tag)
-    id: int
-    tp_size: int  # shards per block: the TP size, or 1 for replicated KV (MLA)
-    num_layers: int
-    slot_bytes: int
-    signature: tuple[int, ...]
-    slot_skew: int = 0  # engine pages' offset modulo 4 KiB (see slabs.SlabAllocator)
-
-    @property
-    def slot_class(self) -> tuple[int, int]:
-        return (self.slot_bytes, self.slot_skew)
-
-    @property
-    def tag(self) -> str:
-        return namespace_tag(self.name)
 
 
 @dataclass(slots=True)

@@ -36,11 +36,11 @@ from typing import Literal
 import numpy as np
 
 from pegaflow.common.config import HitRateConfig
-from pegaflow.common.keys import Key, PackedHashes
+from pegaflow.common.hash64 import hash64, hash64_batches, splitmix64
+from pegaflow.common.keys import Key, Namespace, PackedHashes
 
 from .eviction import EvictionPolicy, Protected
-from .hll import WindowSet, WindowStats, hash64, hash64_batches, splitmix64
-from .instances import Namespace
+from .hll import WindowSet, WindowStats
 
 Cause = Literal["compulsory", "capacity", "admission", "pool_full", "remote"]
 CAUSES: tuple[Cause, ...] = (

@@ -37,9 +37,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pegaflow.common import checksum_rows
-from pegaflow.gds import namespace_digest
+from pegaflow.common.keys import Namespace, namespace_digest
 
-from .instances import Namespace
 from .pool_file import FREE, GRANULE, LANDED, META_OFFSET, SEALED, WRITING
 from .slabs import SlabAllocator
 

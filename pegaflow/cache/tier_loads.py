@@ -9,10 +9,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pegaflow.common.keys import BlockHash
+from pegaflow.common.keys import BlockHash, Namespace
 
 from .block_entry import BlockEntry
-from .instances import Namespace
 
 if TYPE_CHECKING:
     from .block_store import BlockStore

@@ -5,13 +5,20 @@ or imports a server module; the client and vLLM import this file.
 
 from __future__ import annotations
 
+import hashlib
+import struct
+from dataclasses import dataclass
+
 import numpy as np
 
-from pegaflow.cache.hll import packed_hash64
+from .hash64 import packed_hash64
 
 BlockHash = bytes  # an engine's prefix-cache block hash (vLLM: chained sha256)
 NamespaceName = str  # the engine's digest of what makes KV bytes compatible
 NamespaceId = int  # the server's number for a namespace, unique over its life
+NamespaceDigest = (
+    bytes  # namespace_digest(): the key of a namespace on disk and between nodes
+)
 Key = tuple[NamespaceId, BlockHash]  # one cached block
 # One item of a Load: (lease id, first leased block, destination block ids).
 LoadSpec = tuple[int, int, np.ndarray]
@@ -49,7 +56,7 @@ class PackedHashes:
 
     @property
     def h64(self) -> np.ndarray:
-        """pegaflow.cache.hll.hash64 of every hash (computed once, shared by the
+        """pegaflow.common.hash64.hash64 of every hash (computed once, shared by the
         index probe and the miss breakdown)."""
         if self._h64 is None:
             self._h64 = packed_hash64(self.buf, self.offset, self.hash_len, self.count)
@@ -67,3 +74,41 @@ class PackedHashes:
                 self.buf, f"V{self.hash_len}", self.count, self.offset
             ).tolist()
         return self._list
+
+
+NS_DIGEST_BYTES = 16  # a namespace's digest on disk and between nodes
+
+
+def namespace_tag(name: str) -> str:
+    """A one-way label of a namespace for /metrics, /stats and logs: equal
+    names give equal tags, and a tag does not give the name back (a namespace
+    made with a tenant secret cannot be read off the server's outputs)."""
+    return hashlib.sha256(b"pegaflow-ns-tag" + name.encode()).hexdigest()[:12]
+
+
+@dataclass(slots=True)
+class Namespace:
+    name: str  # never shown: clients see the tag (see namespace_tag)
+    id: int
+    tp_size: int  # shards per block: the TP size, or 1 for replicated KV (MLA)
+    num_layers: int
+    slot_bytes: int
+    signature: tuple[int, ...]
+    slot_skew: int = 0  # engine pages' offset modulo 4 KiB (see slabs.SlabAllocator)
+
+    @property
+    def slot_class(self) -> tuple[int, int]:
+        return (self.slot_bytes, self.slot_skew)
+
+    @property
+    def tag(self) -> str:
+        return namespace_tag(self.name)
+
+
+def namespace_digest(name: str, signature: tuple[int, ...] = ()) -> bytes:
+    """A stable 16-byte digest of a namespace: its name plus its byte geometry
+    (Namespace.signature), so blocks of a namespace whose
+    geometry changed under the same name never load."""
+    h = hashlib.blake2b(name.encode(), digest_size=NS_DIGEST_BYTES)
+    h.update(struct.pack(f"<{len(signature)}q", *signature))
+    return h.digest()

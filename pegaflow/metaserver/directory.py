@@ -12,7 +12,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .index import BlockIndex, Hashes, NamespaceDigest
+from pegaflow.common.keys import NamespaceDigest
+
+from .index import BlockIndex, Hashes
 from .meta_config import MetaConfig
 from .nodes import Node, NodeTable, UnknownIncarnation
 

@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 
 from pegaflow.common.errors import PegaflowError
-from pegaflow.common.keys import PackedHashes
+from pegaflow.common.keys import BlockHash, NamespaceDigest, PackedHashes
 
 from . import compiled as compiled_loops
 from .meta_config import MAX_BATCH_HASHES, MAX_NAMESPACES, MAX_NODES, OWNERS_PER_BLOCK
@@ -27,8 +27,6 @@ from .table import Keys, RowTable
 
 logger = logging.getLogger(__name__)
 
-NamespaceDigest = bytes
-BlockHash = bytes
 NodeSlot = int
 Reason = Literal["ttl", "stale_node", "fenced", "left", "owner_slots", "removed"]
 Plan = list[tuple[NodeSlot, int]]  # (owner slot, blocks) in prefix order

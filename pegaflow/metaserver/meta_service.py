@@ -11,13 +11,12 @@ import grpc
 
 from pegaflow.common import peer_auth
 from pegaflow.common.errors import InvalidRequest, PegaflowError
-from pegaflow.common.keys import MAX_HASH_BYTES, PackedHashes
+from pegaflow.common.keys import MAX_HASH_BYTES, NamespaceDigest, PackedHashes
 from pegaflow.daemon.boundary import guarded_sync
 from pegaflow.proto import metaserver_pb2 as pb
 from pegaflow.proto import metaserver_pb2_grpc as pb_grpc
 
 from .directory import Directory
-from .index import NamespaceDigest
 from .meta_config import (
     MAX_BATCH_HASHES,
     MAX_ENDPOINT_BYTES,

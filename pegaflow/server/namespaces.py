@@ -26,9 +26,10 @@ import logging
 from collections import OrderedDict
 
 from pegaflow.cache.block_store import BlockStore
-from pegaflow.cache.instances import Namespace, Registry
+from pegaflow.cache.instances import Registry
 from pegaflow.cache.leases import LeaseTable
 from pegaflow.cache.miss_reasons import HitRateTracker
+from pegaflow.common.keys import Namespace
 from pegaflow.tiers.ssd_tier import SsdLink
 
 logger = logging.getLogger(__name__)

@@ -10,11 +10,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pegaflow.cache.block_entry import BlockEntry
-from pegaflow.cache.instances import Namespace
 from pegaflow.common import deadlines
 from pegaflow.common.errors import InvalidRequest, PermissionDenied
 from pegaflow.common.identity import UNKNOWN, CallContext
-from pegaflow.common.keys import MAX_HASH_BYTES, BlockHash, PackedHashes
+from pegaflow.common.keys import MAX_HASH_BYTES, BlockHash, Namespace, PackedHashes
 from pegaflow.common.results import QueryResult
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pegaflow.cache.hll import SUB_WINDOWS
 from pegaflow.cache.miss_reasons import CAUSES, HIT_TIERS
-from pegaflow.gds import namespace_digest
+from pegaflow.common.keys import namespace_digest
 
 if TYPE_CHECKING:
     from .engine import Engine

@@ -23,11 +23,11 @@ import numpy as np
 from tqdm import tqdm
 
 from pegaflow.cache.block_store import BlockStore
-from pegaflow.cache.instances import Namespace, Registry
+from pegaflow.cache.instances import Registry
 from pegaflow.cache.pool import HostPool
 from pegaflow.cache.pool_file import FREE, GRANULE, LANDED, SEALED, WRITING
 from pegaflow.cache.slot_log import checksums
-from pegaflow.gds import namespace_digest
+from pegaflow.common.keys import Namespace, namespace_digest
 from pegaflow.tiers.ssd_tier import SsdLink
 
 logger = logging.getLogger(__name__)

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pegaflow.cache.instances import Instance, Namespace, Worker
+from pegaflow.cache.instances import Instance, Worker
 from pegaflow.common import cuda_driver
-from pegaflow.common.keys import BlockHash
+from pegaflow.common.keys import BlockHash, Namespace
 from pegaflow.daemon.startup import StartupError
 from pegaflow.server.metrics import Metrics
 

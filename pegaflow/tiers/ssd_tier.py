@@ -48,9 +48,9 @@ from operator import attrgetter, itemgetter
 import numpy as np
 
 from pegaflow.cache.block_store import BlockEntry, BlockStore
-from pegaflow.cache.instances import Namespace, Registry
-from pegaflow.common.keys import BlockHash, Key
-from pegaflow.gds import SsdLoadResult, SsdTier, namespace_digest
+from pegaflow.cache.instances import Registry
+from pegaflow.common.keys import BlockHash, Key, Namespace, namespace_digest
+from pegaflow.gds import SsdLoadResult, SsdTier
 from pegaflow.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pegaflow.gds import SsdConfig, SsdTier, namespace_digest
+from pegaflow.common.keys import namespace_digest
+from pegaflow.gds import SsdConfig, SsdTier
 
 NS = namespace_digest("model-a", (1, 2, 3))
 # The I/O backend every test opens: "posix" (default, CI) or "kvikio" (the H200

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pegaflow.gds import namespace_digest
+from pegaflow.common.keys import namespace_digest
 from tests.gds.helpers import (
     MODES,
     NS,

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
 from .helpers import NS, addresses, block, config, key, load, opened, page_aligned
 
 

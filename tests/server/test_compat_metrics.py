@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from pegaflow.cache.instances import namespace_tag
 from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.common.keys import namespace_tag
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import ServerProc
 

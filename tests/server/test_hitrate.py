@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 
 from benchmarks.interference import path_counts
-from pegaflow.cache.instances import namespace_tag
 from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.common.keys import namespace_tag
 from pegaflow.server.cli import build_parser, config_from_args
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import ROOT, ServerProc, _env

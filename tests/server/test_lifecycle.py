@@ -193,7 +193,9 @@ def test_engine_names_the_server_before_registering(server, monkeypatch) -> None
     the unix socket (never gRPC: over TCP host memory is refused)."""
     steps: list[tuple[str, int]] = []
     monkeypatch.setattr(
-        pegaflow.client.pegaflow_client, "allow_ptrace_from", lambda pid: steps.append(("allow", pid))
+        pegaflow.client.pegaflow_client,
+        "allow_ptrace_from",
+        lambda pid: steps.append(("allow", pid)),
     )
     kv = LocalKV()
     with PegaflowClient(server.addr) as client:

@@ -8,11 +8,10 @@ import pytest
 from pegaflow.cache import ready_index
 from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.eviction import AdmissionPolicy, LRUPolicy, TinyLFU
-from pegaflow.cache.instances import Namespace
 from pegaflow.cache.leases import LeaseTable
 from pegaflow.cache.ready_index import DICT_BELOW
 from pegaflow.cache.slabs import SlabAllocator
-from pegaflow.common.keys import PackedHashes
+from pegaflow.common.keys import Namespace, PackedHashes
 
 SLOT = 4096
 

@@ -10,6 +10,7 @@ import pytest
 
 from pegaflow.cache import hll
 from pegaflow.common.config import HitRateConfig
+from pegaflow.common.hash64 import hash64
 
 
 def _count(h64: np.ndarray, bits: int) -> float:
@@ -46,24 +47,20 @@ def test_estimator_unbiased_from_empty_to_large(n: int) -> None:
 def test_hash64_takes_the_first_eight_bytes() -> None:
     hashes = [secrets.token_bytes(32) for _ in range(100)]
     want = [int.from_bytes(h[:8], "little") for h in hashes]
-    assert hll.hash64(hashes).tolist() == want
-    assert hll.hash64(hashes, hash_len=32).tolist() == want
+    assert hash64(hashes).tolist() == want
+    assert hash64(hashes, hash_len=32).tolist() == want
     mixed = [secrets.token_bytes(8 + i % 9) for i in range(50)]
-    assert hll.hash64(mixed).tolist() == [
-        int.from_bytes(h[:8], "little") for h in mixed
-    ]
+    assert hash64(mixed).tolist() == [int.from_bytes(h[:8], "little") for h in mixed]
 
 
 def test_short_hashes_stay_distinct_and_spread() -> None:
     """Hashes under 8 bytes lack the bits for index and rank: a bijective mix
     spreads them, so 65536 distinct 2-byte hashes still count as 65536."""
     short = [i.to_bytes(2, "big") for i in range(1 << 16)]
-    h = hll.hash64(short)
+    h = hash64(short)
     assert len(np.unique(h)) == len(short)
     assert abs(_count(h, bits=14) / len(short) - 1) < 0.03
-    assert (
-        hll.hash64([b"\x01", b"\x01\x00"]).tolist()[0] != hll.hash64([b"\x01\x00"])[0]
-    )
+    assert hash64([b"\x01", b"\x01\x00"]).tolist()[0] != hash64([b"\x01\x00"])[0]
 
 
 def test_window_rolls_over_under_a_fake_clock() -> None:

@@ -14,7 +14,6 @@ import pytest
 from pegaflow.cache import leases
 from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.eviction import LRUPolicy
-from pegaflow.cache.instances import Namespace
 from pegaflow.cache.leases import LeaseTable, TooManyLeases
 from pegaflow.cache.pool import HostPool
 from pegaflow.cache.registration_checks import RegisterSpec
@@ -22,6 +21,7 @@ from pegaflow.cache.slabs import SlabAllocator
 from pegaflow.common.config import EngineConfig, PoolConfig
 from pegaflow.common.geometry import LayerLayout, Segment
 from pegaflow.common.identity import CallContext, Caller
+from pegaflow.common.keys import Namespace
 from pegaflow.server.engine import Engine
 from tests.unit.test_query_reregistered import NoCopy
 

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from pegaflow.cache import ready_index
 from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.eviction import AdmissionPolicy, LRUPolicy, TinyLFU
-from pegaflow.cache.instances import Namespace
 from pegaflow.cache.miss_reasons import (
     GhostTable,
     HitRateTracker,
@@ -21,7 +20,7 @@ from pegaflow.cache.miss_reasons import (
 )
 from pegaflow.cache.slabs import SlabAllocator
 from pegaflow.common.config import HitRateConfig
-from pegaflow.common.keys import PackedHashes
+from pegaflow.common.keys import Namespace, PackedHashes
 
 SLOT = 4096
 

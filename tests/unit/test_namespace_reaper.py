@@ -7,11 +7,12 @@ import numpy as np
 
 from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.eviction import LRUPolicy
-from pegaflow.cache.instances import Instance, Namespace, Registry
+from pegaflow.cache.instances import Instance, Registry
 from pegaflow.cache.leases import LeaseTable
 from pegaflow.cache.miss_reasons import HitRateTracker
 from pegaflow.cache.slabs import SlabAllocator
 from pegaflow.common.config import HitRateConfig
+from pegaflow.common.keys import Namespace
 from pegaflow.server.namespaces import NamespaceReaper
 
 SLOT = 4096

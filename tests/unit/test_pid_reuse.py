@@ -104,7 +104,7 @@ SCENARIO = textwrap.dedent(
     second = engine(2)
     live.append(second)
     regions = copier.open(second.pid, [(ADDR, SIZE)])
-    from pegaflow.copiers import host as hostmod
+    from pegaflow.copiers import host_copier as hostmod
     real_transfer = hostmod.transfer
 
     def swap_then_read(op, pid, liov, riov, deadline=None):

@@ -13,10 +13,9 @@ import xxhash
 
 from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.eviction import LRUPolicy
-from pegaflow.cache.instances import Namespace
 from pegaflow.cache.pool import HostPool
 from pegaflow.common.config import PoolConfig
-from pegaflow.common.keys import PackedHashes
+from pegaflow.common.keys import Namespace, PackedHashes
 from pegaflow.tiers.remote.peer_service import caller_host
 from pegaflow.tiers.remote.pins import PinTable
 from pegaflow.tiers.remote.slot_sums import SlotHasher

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from pegaflow.cache.block_entry import BlockEntry
 from pegaflow.cache.hash_table import MAX_LOAD, MIN_CAPACITY, SPARE, HashTable
-from pegaflow.cache.hll import hash64
 from pegaflow.cache.ready_index import ReadyIndex
+from pegaflow.common.hash64 import hash64
 from pegaflow.common.keys import PackedHashes
 
 

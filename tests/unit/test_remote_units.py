@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pegaflow.cache.instances import Namespace
+from pegaflow.common.keys import Namespace
 from pegaflow.proto import peer_pb2 as pb
 from pegaflow.tiers.remote.fetch import PlanSegment, Refused, check_pin, clip_plan
 from pegaflow.tiers.remote.nics import NicError, active_devices, check_nics

@@ -12,12 +12,13 @@ import xxhash
 
 from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.eviction import LRUPolicy
-from pegaflow.cache.instances import Namespace, Registry
+from pegaflow.cache.instances import Registry
 from pegaflow.cache.pool import HostPool
 from pegaflow.cache.pool_file import FREE, LANDED, META_OFFSET, SEALED, WRITING
 from pegaflow.cache.slabs import SlabAllocator
 from pegaflow.cache.slot_log import checksums
 from pegaflow.common.config import PoolConfig
+from pegaflow.common.keys import Namespace
 from pegaflow.server.warm_restart import Recovered, recover
 
 SLOT = 16 << 10

@@ -13,8 +13,9 @@ import numpy as np
 
 from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.eviction import LRUPolicy
-from pegaflow.cache.instances import Namespace, Registry
+from pegaflow.cache.instances import Registry
 from pegaflow.cache.slabs import SlabAllocator
+from pegaflow.common.keys import Namespace
 from pegaflow.gds import SsdLoadResult
 from pegaflow.server.metrics import Metrics
 from pegaflow.tiers.ssd_tier import SsdLink

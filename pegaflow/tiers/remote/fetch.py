@@ -18,9 +18,8 @@ import grpc
 import numpy as np
 
 from pegaflow.cache.block_store import BlockEntry
-from pegaflow.cache.instances import Namespace
 from pegaflow.cache.pool import HostPool
-from pegaflow.common.keys import Key
+from pegaflow.common.keys import Key, Namespace
 from pegaflow.proto import peer_pb2 as peer_pb
 
 from .peers import Endpoint, PeerChannels

@@ -40,11 +40,9 @@ import grpc
 import numpy as np
 
 from pegaflow.cache.block_store import BlockEntry, BlockStore
-from pegaflow.cache.instances import Namespace
 from pegaflow.cache.pool import HostPool
 from pegaflow.common import peer_auth
-from pegaflow.common.keys import BlockHash, Key
-from pegaflow.gds import namespace_digest
+from pegaflow.common.keys import BlockHash, Key, Namespace, namespace_digest
 from pegaflow.metaserver.meta_client import pack
 from pegaflow.proto import metaserver_pb2 as meta_pb
 from pegaflow.proto import metaserver_pb2_grpc as meta_grpc

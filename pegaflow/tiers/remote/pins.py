@@ -31,9 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pegaflow.cache.block_store import BlockEntry, BlockStore
-from pegaflow.cache.instances import Namespace
 from pegaflow.cache.pool import HostPool
-from pegaflow.common.keys import Key, PackedHashes
+from pegaflow.common.keys import Key, Namespace, PackedHashes
 
 from .slot_sums import SlotHasher
 
