@@ -47,6 +47,7 @@ from pegaflow.common.geometry import LayerLayout, Segment, Transfers  # noqa: E4
 from pegaflow.common.identity import CallContext, Caller  # noqa: E402
 from pegaflow.gds import SsdConfig, SsdTier  # noqa: E402
 from pegaflow.server.engine import Engine  # noqa: E402
+from pegaflow.tiers.ssd_tier import SsdLink  # noqa: E402
 
 LAYERS = 32  # Llama-3.1-8B
 PAGE = 512
@@ -105,7 +106,13 @@ class Bench:
             )
         config = EngineConfig(inline_copy_bytes=1 << 30)
         copiers = {"host": NullCopier()}
-        self.engine = Engine(config, self.pool, copiers, ssd=self.tier)
+        self.engine = Engine(config, self.pool, copiers)
+        if self.tier is not None:  # as the server's assembly links it
+            e = self.engine
+            link = SsdLink(
+                self.tier, e.store, e.registry, e.metrics.ssd, self.pool.size // 2
+            )
+            e.add_tier(link)
         self.n = n
         self.engine_blocks = 2 * n
         layers = tuple(

@@ -109,7 +109,7 @@ def bench_queries(
     the floor: an empty gRPC call (Health) on the same channel. resident > 0:
     then again over the socket with that many other blocks resident (a big
     index: its lookups miss the CPU caches)."""
-    page = 512  # the smallest page a registration may have (pegaflow.common.request_limits)
+    page = 512  # the smallest page a registration may have (common.request_limits)
     blocks = max(sizes)
     buf = np.zeros(blocks * page, np.uint8)
     mem = describe(vllm_layer_views(buf, 1, blocks, (page,)))

@@ -63,7 +63,7 @@ def check(path: str, size: int) -> dict[str, float]:
     pool = _pool(path, size)
     store = BlockStore(pool.slabs, LRUPolicy())
     start = time.perf_counter()
-    report = recover(pool, store, Recovered(Registry({}), None), progress=False)
+    report = recover(pool, store, Recovered(Registry({})), progress=False)
     seconds = time.perf_counter() - start
     pool.close()
     assert report.bad_checksum == 0 and report.unsealed == 0

@@ -101,7 +101,7 @@ class Pool:
         )
         slabs = SlabAllocator(1 << 40, blocks * SLOT, 16 * SLOT)
         self.store = BlockStore(slabs, RecordingPolicy(inner, self.tracker))
-        self.store.on_pool_full = self.tracker.pool_full  # as pegaflow.server.engine
+        self.store.add_listener(self.tracker)  # as pegaflow.server.engine
         self.leases = LeaseTable(self.store, ttl_s=30.0)
 
     def serve(self, req: Request, owner: str) -> int:

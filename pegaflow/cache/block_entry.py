@@ -1,5 +1,5 @@
-"""A block's entry in the index (pegaflow.cache.block_store), the bit masks of its pieces
-and a save's reservation of entries. Values only.
+"""A block's entry in the index (pegaflow.cache.block_store), the bit masks of
+its pieces and a save's reservation of entries. Values only.
 
 A block has one slot per TP shard and one piece per (shard, layer); each piece
 is one bit of a Python int, so per-block bookkeeping is a few int operations

@@ -1,11 +1,11 @@
 """The block index: which (namespace, block hash) keys are resident, in which pool
 slots, and whether they are complete, pinned or in flight.
 
-Bookkeeping only; bytes move in pegaflow.server.engine through a copy engine. A block has
-one slot per TP shard; it becomes visible (and evictable) only when every layer of
-every shard has landed. Pinned blocks (leased or being copied) are never evicted.
-The entry and its bit masks: pegaflow.cache.block_entry; lease pins and LRU touches the
-query path defers: pegaflow.cache.deferred_touches.
+Bookkeeping only; bytes move in pegaflow.server.engine through a copy engine.
+A block has one slot per TP shard; it becomes visible (and evictable) only when
+every layer of every shard has landed. Pinned blocks (leased or being copied)
+are never evicted. The entry and its bit masks: pegaflow.cache.block_entry;
+lease pins and LRU touches the query path defers: pegaflow.cache.deferred_touches.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .deferred_touches import Deferred
 from .eviction import EvictionPolicy
 from .ready_index import ReadyIndex
 from .slabs import SlabAllocator, SlotClass
+from .store_events import EVENTS, StoreListener, overridden
 from .tier_loads import TierLoads
 
 if TYPE_CHECKING:
@@ -35,13 +36,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Eviction hook (the SSD tier), once per round and namespace with the ready
-# blocks evicted: True where it took a block's slots (it frees them later).
-Spill = Callable[[list[BlockEntry]], np.ndarray]
-# Called when a namespace's last entry (ready, in flight or pinned) goes.
-Emptied = Callable[[Namespace], None]
-# Write-behind hooks (the SSD tier): blocks a save just made ready; blocks hit.
-Published = Callable[[list[BlockEntry]], None]
 _KEY = attrgetter("key")
 _SLOTS = attrgetter("slots")
 
@@ -71,26 +65,24 @@ class BlockStore(TierLoads):
         # at once (a dict lookup per hash misses the caches in a big index).
         self._ready: dict[int, ReadyIndex] = {}
         self.counters = StoreCounters()
-        # Lease pins and LRU touches owed to the policy (pegaflow.cache.deferred_touches):
+        # Lease pins and LRU touches owed to the policy
+        # (pegaflow.cache.deferred_touches):
         # paid before the policy is next asked (_settle) or changed.
         self._owed = Deferred()
-        self.spill: Spill | None = None
-        self.sealed: Published | None = None
-        self.touched: Published | None = None
-        # The remote tier's advertising: blocks that became ready here (saved,
-        # loaded, adopted) and ready blocks that left.
-        self.published: Published | None = None
-        self.unpublished: Callable[[list[Key]], None] | None = None
         # Entries per namespace id, and the namespace: when the count drops to
-        # zero the namespace's index goes and `emptied` hears of it.
+        # zero the namespace's index goes and the listeners hear `emptied`.
         self._held: dict[int, _Held] = {}
-        self.emptied: Emptied | None = None
-        # Hears the keys of saves refused for want of a free slot (a miss
-        # cause of their own: HitRateTracker.pool_full).
-        self.on_pool_full: Callable[[list[Key]], None] | None = None
+        # Per event, the bound methods of the listeners that override it
+        # (pegaflow.cache.store_events): the tiers, the miss breakdown, the reaper.
+        self._on: dict[str, list[Callable]] = {event: [] for event in EVENTS}
         # A file-backed pool's slot rows (pegaflow.cache.slot_log): told of slots
         # allocated to blocks and of blocks published.
         self.log: SlotLog | None = getattr(slabs, "log", None)
+
+    def add_listener(self, listener: StoreListener) -> None:
+        """Tell `listener` of the events it overrides, after those before it."""
+        for event in overridden(listener):
+            self._on[event].append(getattr(listener, event))
 
     @property
     def resident_ready(self) -> int:
@@ -120,8 +112,8 @@ class BlockStore(TierLoads):
             if held.entries == 0:
                 del self._held[ns_id]
                 self._ready.pop(ns_id, None)
-                if self.emptied is not None:
-                    self.emptied(held.ns)
+                for emptied in self._on["emptied"]:
+                    emptied(held.ns)
 
     def _pop_entry(self, key: Key) -> None:
         if self.entries.pop(key, None) is not None:
@@ -175,8 +167,8 @@ class BlockStore(TierLoads):
         """Give the policy the hits it has not seen yet, oldest first."""
         for found in self._owed.take_hits():
             self.policy.touch_many(list(map(_KEY, found)))
-            if self.touched is not None:
-                self.touched(found)
+            for hit in self._on["hit"]:
+                hit(found)
 
     def reserve_save(
         self, ns: Namespace, rank: int, hashes: list[BlockHash], layers: np.ndarray
@@ -274,8 +266,10 @@ class BlockStore(TierLoads):
             entry.pins -= 1
             self._drop_if_empty(entry.key, entry)
         self.counters.pool_full_rejections += len(idx)
-        if self.on_pool_full is not None and idx:
-            self.on_pool_full([entries[i].key for i in idx])
+        if idx and self._on["pool_full"]:
+            keys = [entries[i].key for i in idx]
+            for pool_full in self._on["pool_full"]:
+                pool_full(keys)
         return len(idx)
 
     def finish_save(self, res: SaveReservation, ok: bool) -> None:
@@ -296,10 +290,10 @@ class BlockStore(TierLoads):
         self._make_ready_many(sealed)
         if self.log is not None:
             self.log.landed(sealed)
-        if self.sealed is not None:
-            self.sealed(sealed)
-        if self.published is not None:
-            self.published(sealed)
+        for tell in self._on["sealed"]:
+            tell(sealed)
+        for ready in self._on["ready"]:
+            ready(sealed)
 
     def _fail_save(self, res: SaveReservation) -> None:
         """A copy that failed: its pieces never landed; a block with no piece
@@ -378,7 +372,7 @@ class BlockStore(TierLoads):
         for ns_id, out in ready.items():
             self._ready[ns_id].remove_many(out)
             # A spilled block's slots stay allocated until the tier wrote them.
-            kept = None if self.spill is None else self.spill(out)
+            kept = self._kept(out)
             if kept is None or not kept.any():
                 freed += chain.from_iterable(map(_SLOTS, out))
             elif not kept.all():
@@ -387,9 +381,19 @@ class BlockStore(TierLoads):
         if 0 in freed:  # shards never allocated
             freed = [s for s in freed if s]
         self.slabs.free(np.asarray(freed, np.uint64))
-        if gone and self.unpublished is not None:
-            self.unpublished(gone)
+        if gone:
+            for removed in self._on["removed"]:
+                removed(gone)
         self._let_go(counts)
+
+    def _kept(self, evicted: list[BlockEntry]) -> np.ndarray | None:
+        """Which evicted blocks' slots a listener keeps (it frees them later)."""
+        kept = None
+        for evicting in self._on["evicting"]:
+            mine = evicting(evicted)
+            if mine is not None:
+                kept = mine if kept is None else kept | mine
+        return kept
 
     def _drop_if_empty(self, key: Key, entry: BlockEntry) -> None:
         if not any(entry.slots) and entry.pins == 0:

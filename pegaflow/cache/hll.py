@@ -110,9 +110,10 @@ class WindowStats:
     @property
     def ceiling(self) -> float:
         """r* = (N - U) / N: the hit rate of an infinite cache, U the distinct
-        blocks seen for the first time by a query (see pegaflow.cache.miss_reasons). They
-        all missed, so U <= the misses: the estimate is clamped there and the
-        ceiling never reads below the hit rate."""
+        blocks seen for the first time by a query (see
+        pegaflow.cache.miss_reasons). They all missed, so U <= the misses: the
+        estimate is clamped there and the ceiling never reads below the hit
+        rate."""
         if not self.requests:
             return 0.0
         unique = min(self.unique, self.requests - self.hits)

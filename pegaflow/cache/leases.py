@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from pegaflow.common.errors import LeaseNotFound, Overloaded
 from pegaflow.common.keys import BlockHash
 
 from .block_entry import BlockEntry
 from .block_store import BlockStore
+
+DirectRead = Callable[..., Awaitable[np.ndarray]]
 
 
 @dataclass(slots=True)
@@ -23,9 +28,11 @@ class Lease:
     world_size: int
     expires: float
     loaded_by: set[int] = field(default_factory=set)
-    # Blocks after the L1 entries that the SSD holds, for a direct read into
-    # the engine's GPU blocks at load (pegaflow.tiers.ssd_gpu_direct); nothing pinned.
+    # Blocks after the L1 entries that a lower tier reads straight into the
+    # engine's blocks at its load (pegaflow.tiers.ssd_gpu_direct), and the
+    # reader: (worker, hashes, block ids, deadline) -> landed. Nothing pinned.
     direct: list[BlockHash] = field(default_factory=list)
+    read: DirectRead | None = None
 
     @property
     def blocks(self) -> int:
@@ -65,6 +72,7 @@ class LeaseTable:
         entries: list[BlockEntry],
         world_size: int,
         direct: list[BlockHash] | None = None,
+        read: DirectRead | None = None,
     ) -> Lease:
         held = self._held.setdefault(owner, [0, 0])
         if (
@@ -90,6 +98,7 @@ class LeaseTable:
             world_size,
             time.monotonic() + self.ttl_s,
             direct=direct or [],
+            read=read,
         )
         self._leases[lease.id] = lease
         self._store.pin_lease(lease.id, entries)

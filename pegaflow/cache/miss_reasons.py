@@ -41,6 +41,7 @@ from pegaflow.common.keys import Key, Namespace, PackedHashes
 
 from .eviction import EvictionPolicy, Protected
 from .hll import WindowSet, WindowStats
+from .store_events import StoreListener
 
 Cause = Literal["compulsory", "capacity", "admission", "pool_full", "remote"]
 CAUSES: tuple[Cause, ...] = (
@@ -207,7 +208,7 @@ Hashes = Sequence[bytes] | PackedHashes
 _Query = tuple[Namespace, Hashes, int, np.ndarray, "int | None", int, int]
 
 
-class HitRateTracker:
+class HitRateTracker(StoreListener):
     def __init__(
         self,
         config: HitRateConfig,
@@ -258,7 +259,7 @@ class HitRateTracker:
         self._pending += len(keys)
 
     def pool_full(self, keys: Sequence[Key]) -> None:
-        """Saves refused for want of a free slot (BlockStore.on_pool_full)."""
+        """Saves refused for want of a free slot (a BlockStore event)."""
         self.record_many(POOL_FULL, keys)
 
     def _flush_soon(self) -> None:

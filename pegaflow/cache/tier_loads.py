@@ -1,11 +1,10 @@
 """Blocks that reach L1 from elsewhere than a save: a slower tier's load (the
 SSD, a peer) into freshly reserved slots, and a restarted server's recovered
-pool. Mixed into pegaflow.cache.block_store.BlockStore, whose index, allocator and hooks
-these methods use; kept apart because they are that one concern."""
+pool. Mixed into pegaflow.cache.block_store.BlockStore, whose index, allocator
+and listeners these methods use (so they name no type of that module: the mixin
+is below it); kept apart because they are that one concern."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,14 +12,9 @@ from pegaflow.common.keys import BlockHash, Namespace
 
 from .block_entry import BlockEntry
 
-if TYPE_CHECKING:
-    from .block_store import BlockStore
-
 
 class TierLoads:
-    def reserve_load(
-        self: BlockStore, ns: Namespace, hashes: list[BlockHash]
-    ) -> list[BlockEntry]:
+    def reserve_load(self, ns: Namespace, hashes: list[BlockHash]) -> list[BlockEntry]:
         """Pinned, in-flight entries with slots for blocks coming from a slower
         tier; stops at the first key already known or when no slot can be freed.
         In flight on every layer, a concurrent save of the key deduplicates."""
@@ -52,7 +46,7 @@ class TierLoads:
         return entries[:whole]
 
     def finish_load(
-        self: BlockStore,
+        self,
         entries: list[BlockEntry],
         ok: np.ndarray,
         withhold: np.ndarray | None = None,
@@ -81,18 +75,17 @@ class TierLoads:
             self._make_ready_many(published)
         if published and self.log is not None:
             self.log.landed(published)
-        if published and self.published is not None:
-            self.published(published)
+        if published:
+            for ready in self._on["ready"]:
+                ready(published)
         return np.concatenate(held) if held else np.empty(0, np.uint64)
 
-    def free_withheld(self: BlockStore, slots: np.ndarray) -> None:
+    def free_withheld(self, slots: np.ndarray) -> None:
         """Slots finish_load withheld, now that nothing can write them."""
         if len(slots):
             self.slabs.free(slots)
 
-    def adopt(
-        self: BlockStore, ns: Namespace, hashes: list[BlockHash], slots: np.ndarray
-    ) -> None:
+    def adopt(self, ns: Namespace, hashes: list[BlockHash], slots: np.ndarray) -> None:
         """Ready blocks already in their slots ([blocks, shards], claimed from
         the allocator): a restarted server's recovered pool. Least recently
         used first, as the policy sees them."""
@@ -107,5 +100,5 @@ class TierLoads:
             fresh.append(entry)
         if fresh:
             self._hold(ns, len(fresh))
-            if self.published is not None:
-                self.published(fresh)
+            for ready in self._on["ready"]:
+                ready(fresh)

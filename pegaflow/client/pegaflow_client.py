@@ -2,8 +2,9 @@
 exceptions of pegaflow.errors. Light on purpose: grpcio, protobuf, numpy.
 
 Requests go over the server's unix socket when it is reachable and belongs to
-the server asked (pegaflow.client.socket_transport), else over gRPC (pegaflow.client.grpc_transport);
-`_carry` is the one place that chooses and falls back. How each transport
+the server asked (pegaflow.client.socket_transport), else over gRPC
+(pegaflow.client.grpc_transport); `_carry` is the one place that chooses and
+falls back. How each transport
 builds its messages, connects and fails lives in those modules.
 """
 

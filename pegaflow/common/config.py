@@ -159,7 +159,8 @@ class PoolConfig:
     prefault_threads: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))
     slab_bytes: int = 64 << 20
     show_progress: bool = True
-    # A file that outlives the server (pegaflow.cache.pool_file); None: anonymous memory.
+    # A file that outlives the server (pegaflow.cache.pool_file); None:
+    # anonymous memory.
     pool_file: str | None = None
     on_mismatch: Literal["reinit", "refuse"] = "reinit"
 
@@ -192,7 +193,8 @@ class EngineConfig:
     # process asks (pegaflow.common.identity): off unless every local user is trusted.
     allow_tcp_host_engines: bool = False
     # Copies above large_request_descriptors rows (6 MiB of table, ~15 MiB at
-    # the peak) run at most max_large_requests at once; see pegaflow.common.request_limits.
+    # the peak) run at most max_large_requests at once; see
+    # pegaflow.common.request_limits.
     max_large_requests: int = 2
     large_request_descriptors: int = 1 << 18
     hit_rate: HitRateConfig = field(default_factory=HitRateConfig)
@@ -340,7 +342,8 @@ class ServerConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     cuda: CudaConfig = field(default_factory=CudaConfig)
-    # Bounds checked by grpc before a message is parsed (pegaflow.common.request_limits).
+    # Bounds checked by grpc before a message is parsed
+    # (pegaflow.common.request_limits).
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS
     # Engine RPCs over gRPC from callers the kernel cannot place on this host

@@ -413,7 +413,8 @@ class CudaCopyEngine:
         else:
             self._k.scatter(src, dst, t, stream=stream, max_blocks=self._ctas)
 
-    # -- launched on the event loop (pegaflow.copiers.copy_wait) ------------------------
+    # -- launched on the event loop (pegaflow.copiers.copy_wait)
+    # ------------------------
     def launch(
         self,
         direction: CopyDirection,

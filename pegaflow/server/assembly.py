@@ -10,6 +10,7 @@ import secrets
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 
@@ -31,6 +32,8 @@ from pegaflow.daemon.startup import StartupError, bind_error, bind_failed
 from pegaflow.gds import SsdTier
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from pegaflow.tiers import ssd_gpu_direct as ssd_direct
+from pegaflow.tiers.protocol import Tier
+from pegaflow.tiers.ssd_tier import SsdLink
 
 from . import gc_freeze as gcpolicy
 from .compat_metrics import OriginalMetrics, OriginalSsdMetrics
@@ -48,6 +51,8 @@ from .socket_file import check_path, unlink_if_ours
 from .socket_service import SocketServerInfo, start_socket_server
 from .warm_restart import Recovered, RecoveryReport, recover
 
+Health = Callable[[], dict[str, object]]
+
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pegaflow.v1.PegaFlow"
@@ -60,6 +65,7 @@ class RunningServer:
     http: ThreadingHTTPServer | None
     engine: Engine
     pool: HostPool
+    tiers: list[Tier]  # in the order they were built: each closes before its base
     sweeper: asyncio.Task | None = None
     socket_server: asyncio.AbstractServer | None = None
     socket_path: str = ""
@@ -77,11 +83,12 @@ class RunningServer:
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()
-        if self.engine.remote is not None:  # reads into pool slots: before it goes
-            await self.engine.remote.close()
+        # Each tier reads or writes pool slots (and the direct route engines'
+        # mappings): all close before the engine and the pool, each before
+        # the tiers it was built on.
+        for tier in reversed(self.tiers):
+            await tier.close()
         self.engine.close()
-        if self.engine.ssd is not None:  # reads pool slots: before the pool goes
-            await self.engine.ssd.close()
         self.pool.close()
 
 
@@ -117,7 +124,10 @@ async def _assemble(
     http = _bind_http(config.http_addr) if config.http_addr is not None else None
     if http is not None:
         undo.callback(http.server_close)
-    engine, cuda, recovery = _bring_up(config, ordinals, metrics, undo)
+    engine, cuda, recovery, health_doc, built = _bring_up(
+        config, ordinals, metrics, undo
+    )
+    link = None
     if config.remote is not None:
         transport = bringup.start_transport(config.remote, remote_host)
         undo.callback(transport.close)
@@ -126,9 +136,18 @@ async def _assemble(
         )
         rpc_addr = bringup.advertised_addr(remote_host, port)
         link = bringup.attach(
-            config.remote, engine, transport, server, rpc_addr, metrics.registry
+            config.remote,
+            engine.store,
+            engine.pool,
+            transport,
+            server,
+            rpc_addr,
+            metrics.registry,
         )
         undo.push_async_callback(link.close)
+        built.append(link)
+        engine.add_tier(link)
+        engine.hit_rates.remote = link.probe  # the miss breakdown's "remote"
     started = time.monotonic()
     copy_path = getattr(getattr(cuda, "policy", None), "report", None)
     stats = on_loop(
@@ -151,20 +170,21 @@ async def _assemble(
         socket_server = await start_socket_server(socket_path, engine, info)
         undo.callback(_close_socket_server, socket_server, socket_path)
     await server.start()
-    if engine.remote is not None:
-        bringup.start_advertising(config.remote, engine.remote, metrics.registry)
+    if link is not None:
+        bringup.start_advertising(config.remote, link, metrics.registry)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     if http is not None:
         serve_http(
             http,
             metrics.registry,
-            health_report(engine, cuda, recovery),
+            health_doc,
             {"/stats": stats},
         )
     running = RunningServer(
-        server, port, http, engine, engine.pool, None, socket_server, socket_path
-    )
+        server, port, http, engine, engine.pool, built, None,
+        socket_server, socket_path,
+    )  # fmt: skip
     running.sweeper = asyncio.create_task(_sweep_forever(engine))
     return running
 
@@ -174,9 +194,10 @@ def _bring_up(
     ordinals: list[int],
     metrics: Metrics,
     undo: contextlib.AsyncExitStack,
-) -> tuple[Engine, object, RecoveryReport | None]:
-    """SSD tier, pool (pre-touched), copy engines and the engine itself, and
-    what a kept pool file gave back."""
+) -> tuple[Engine, object, RecoveryReport | None, Health, list[Tier]]:
+    """SSD tier, pool (pre-touched), copy engines, the engine itself with its
+    SSD tiers (also returned in the order they were built), what a kept pool
+    file gave back, and /health's document."""
     registrar = (
         HostRegistrar(ordinals[0], POOL_CHUNK_BYTES, POOL_CHUNK_THREADS)
         if ordinals
@@ -206,21 +227,29 @@ def _bring_up(
     cuda = _cuda_copier(config.cuda, pool, ordinals) if ordinals else None
     if cuda is not None:
         copiers["cuda"] = cuda
-    engine = Engine(config.engine, pool, copiers, metrics, tier)
+    engine = Engine(config.engine, pool, copiers, metrics)
     undo.callback(engine.close)
+    built: list[Tier] = []  # the engine's tiers, in the order they were built
+    link = None
+    if tier is not None:  # at most half the pool waits for the SSD writers
+        link = SsdLink(tier, engine.store, engine.registry, metrics.ssd, pool.size // 2)
+        built.append(link)
     report = None
     if pool.file is not None:  # before any engine registers: they adopt these
-        recovered = Recovered(engine.registry, engine.ssd)
+        recovered = Recovered(engine.registry, link.known if link else None)
         engine.registry.adopt = recovered.adopt
         report = recover(pool, engine.store, recovered, config.pool.show_progress)
-    engine.ssd_route = route
     if route is not None:
         logger.info(
             "ssd hits of cuda engines: the %s route (%s)", route.route, route.reason
         )
-        if route.route == "direct":
-            engine.ssd_direct = ssd_direct.SsdDirect(engine.ssd, cuda, metrics)
-    if tier is not None:
+        if route.route == "direct":  # asked first: its hits need no L1 slots
+            direct = ssd_direct.SsdDirect(link, cuda, metrics.ssd)
+            undo.push_async_callback(direct.close)
+            built.append(direct)
+            engine.add_tier(direct)
+    if link is not None:
+        engine.add_tier(link)
         metrics.registry.register(SsdCollector(tier.stats))
         metrics.registry.register(OriginalSsdMetrics(tier.stats))
         logger.info(
@@ -229,7 +258,8 @@ def _bring_up(
             tier.stats().capacity_bytes,
             ", ".join(config.ssd.paths),
         )
-    return engine, cuda, report
+    health = health_report(engine, cuda, report, tier, route)
+    return engine, cuda, report, health, built
 
 
 def _bind_grpc(config: ServerConfig, metrics: Metrics) -> tuple[grpc.aio.Server, int]:

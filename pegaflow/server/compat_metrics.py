@@ -152,7 +152,7 @@ class OriginalMetrics:
         yield _histogram(
             "pegaflow_ssd_prefetch_duration_seconds",
             "one SSD load, query to last block (pegaflow_ssd_prefetch_seconds)",
-            m.ssd_prefetch_seconds,
+            m.ssd.prefetch_seconds,
             lambda labels: (),
         )
 

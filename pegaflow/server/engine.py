@@ -1,7 +1,8 @@
 """The server's core: registration, save, prefix query, load and leases.
 
 Metadata changes run on one thread (the asyncio loop); only byte copies leave it,
-for a worker thread or a GPU stream the loop launched them on (pegaflow.copiers.copy_wait),
+for a worker thread or a GPU stream the loop launched them on
+(pegaflow.copiers.copy_wait),
 with every block they touch pinned. Between the awaits the bookkeeping is
 therefore atomic without locks.
 """
@@ -15,7 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -47,17 +48,11 @@ from pegaflow.common.results import (
 from pegaflow.copiers import copy_wait
 from pegaflow.copiers.copier import CopyEngine, RegionKind
 from pegaflow.copiers.layer_signals import LayerSignals, scatter_by_layer
-from pegaflow.gds import SsdTier
-from pegaflow.tiers.ssd_tier import SsdLink
+from pegaflow.tiers.protocol import Tier
 
 from .metrics import Metrics
 from .namespaces import NamespaceReaper
 from .query_path import PrefixQueries, check_hashes
-
-if TYPE_CHECKING:
-    from pegaflow.gds.gpu_route import RouteChoice
-    from pegaflow.tiers.remote.link import RemoteLink
-    from pegaflow.tiers.ssd_gpu_direct import SsdDirect
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +63,7 @@ T = TypeVar("T")
 @dataclasses.dataclass(slots=True, eq=False)
 class LoadItem:
     """One item of a Load: its leased L1 blocks into block_ids, then the
-    leased SSD blocks (Lease.direct) it names into direct_ids."""
+    blocks a tier reads straight in (Lease.direct) into direct_ids."""
 
     lease: Lease
     entries: list[BlockEntry]
@@ -100,7 +95,6 @@ class Engine:
         pool: HostPool,
         copiers: dict[RegionKind, CopyEngine],
         metrics: Metrics | None = None,
-        ssd: SsdTier | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -116,7 +110,7 @@ class Engine:
         )
         policy = RecordingPolicy(policy, self.hit_rates)
         self.store = BlockStore(pool.slabs, policy)
-        self.store.on_pool_full = self.hit_rates.pool_full
+        self.store.add_listener(self.hit_rates)  # saves refused: a miss cause
         self.leases = LeaseTable(self.store, config.lease_ttl_s)
         self.registry = Registry(
             copiers,
@@ -131,24 +125,25 @@ class Engine:
             config.max_large_requests, config.large_request_descriptors
         )
         self.metrics = metrics if metrics is not None else Metrics()
-        self.ssd = None
-        if ssd is not None:  # at most half the pool waits for the SSD writers
-            link = SsdLink(ssd, self.store, self.registry, self.metrics, pool.size // 2)
-            self.ssd = link
+        # The lower tiers in query order (add_tier, at start-up).
+        self.tiers: list[Tier] = []
         self.namespaces = NamespaceReaper(
             self.registry,
             self.store,
             self.leases,
             self.hit_rates,
-            self.ssd,
+            self.tiers,
             config.max_idle_namespaces,
         )
-        self.remote: RemoteLink | None = None  # attach_remote
-        # Set at start-up: how a CUDA engine's SSD hits reach its GPU blocks
-        # (--ssd-gpu-direct), and the direct reader where that is "direct".
-        self.ssd_route: RouteChoice | None = None
-        self.ssd_direct: SsdDirect | None = None
-        self.queries = PrefixQueries(self)
+        self.queries = PrefixQueries(
+            self.registry,
+            self.store,
+            self.tiers,
+            self.leases,
+            self.hit_rates,
+            self.metrics,
+            config.max_blocks_per_request,
+        )
         self._seen = dataclasses.replace(self.store.counters)
         self._children: dict[str, tuple] = {}  # _account's labelled metrics
         waits = self.metrics.copy_waits  # labels() costs a few us: once each
@@ -161,14 +156,11 @@ class Engine:
             lambda: sum(len(i.workers) for i in self.registry.instances.values()),
         )
 
-    def attach_remote(self, link: RemoteLink) -> None:
-        """The L2 tier: it hears of every block published and withdrawn here,
-        and answers which misses a peer held (the miss breakdown)."""
-        self.remote = link
-        self.store.published = link.published
-        self.store.unpublished = link.unpublished
-        self.hit_rates.remote = link.probe
-        self.namespaces.remote = link
+    def add_tier(self, tier: Tier) -> None:
+        """A lower tier, asked after those added before it; it hears L1's
+        block events from now on."""
+        self.tiers.append(tier)
+        self.store.add_listener(tier)
 
     # -- registration ---------------------------------------------------------
     def register(self, spec: RegisterSpec, caller: Caller) -> Worker:
@@ -407,24 +399,28 @@ class Engine:
     async def _load_direct(
         self, worker: Worker, live: list[LoadItem], deadline: float | None
     ) -> dict[int, int]:
-        """The items' SSD blocks read into the engine's GPU blocks (before
-        any L1 copy: a layer's signal must cover all its blocks); how many
-        landed, by id() of each item that has any."""
+        """The items' tier blocks read straight into the engine's blocks (before
+        any L1 copy: a layer's signal must cover all its blocks), one read per
+        tier that leased some; how many landed, by id() of each item."""
         wanted = [p for p in live if p.direct]
         if not wanted:
             return {}
-        assert self.ssd_direct is not None  # only it leases SSD blocks
-        hashes = [h for p in wanted for h in p.direct]
-        ids = np.concatenate([p.direct_ids for p in wanted])
+        landed: dict[int, int] = {}
+        readers = {id(p.lease.read): p.lease.read for p in wanted}
         worker.active_ops += 1  # its memory stays mapped until the reads end
         try:
-            ok = await _uncancellable(
-                self.ssd_direct.load(worker, hashes, ids, deadline)
-            )
+            for key, read in readers.items():
+                mine = [p for p in wanted if id(p.lease.read) == key]
+                hashes = [h for p in mine for h in p.direct]
+                ids = np.concatenate([p.direct_ids for p in mine])
+                ok = await _uncancellable(read(worker, hashes, ids, deadline))
+                parts = np.split(ok, np.cumsum([len(p.direct) for p in mine])[:-1])
+                landed.update(
+                    (id(p), int(n.sum())) for p, n in zip(mine, parts, strict=True)
+                )
         finally:
             self.registry.finish_op(worker)
-        parts = np.split(ok, np.cumsum([len(p.direct) for p in wanted])[:-1])
-        return {id(p): int(part.sum()) for p, part in zip(wanted, parts, strict=True)}
+        return landed
 
     @staticmethod
     def _load_transfers(
@@ -450,8 +446,8 @@ class Engine:
     def sweep(self) -> None:
         now = time.monotonic()
         self.leases.sweep(now)
-        if self.remote is not None:
-            self.remote.sweep()
+        for tier in self.tiers:
+            tier.sweep()
         self.store.drop_stale(now - self.config.lease_ttl_s)
         self.hit_rates.flush()
 
@@ -536,6 +532,5 @@ class Engine:
         self._seen = dataclasses.replace(c)
 
     def close(self) -> None:
-        if self.ssd_direct is not None:
-            self.ssd_direct.close()
+        """After the tiers closed: their reads may use workers' mappings."""
         self.registry.close()

@@ -20,26 +20,10 @@ from prometheus_client.core import (
 )
 
 from pegaflow.gds import SsdStats
+from pegaflow.tiers.ssd_metrics import LATENCY_BUCKETS, SsdTierMetrics
 
 # No `_created` series: one per counter and histogram, noise on every scrape.
 disable_created_metrics()
-
-_LATENCY_BUCKETS = (
-    1e-4,
-    2.5e-4,
-    5e-4,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    1e-2,
-    2.5e-2,
-    5e-2,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    5,
-)
 
 
 class Metrics:
@@ -86,7 +70,7 @@ class Metrics:
             "pegaflow_transfer_seconds",
             "copy time of one Save or Load",
             ["direction"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.copy_waits = Counter(
@@ -101,7 +85,7 @@ class Metrics:
             "pegaflow_rpc_seconds",
             "server-side RPC time, by method, status and transport (grpc, unix)",
             ["method", "code", "transport"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         # (method, code, transport) -> child: see pegaflow.daemon.boundary
@@ -113,31 +97,7 @@ class Metrics:
             "leased for a direct read into the engine's GPU blocks)",
             registry=r,
         )
-        self.ssd_direct_blocks = Counter(
-            "pegaflow_ssd_direct_blocks",
-            "blocks a load read from SSD straight into the engine's GPU blocks "
-            "(--ssd-gpu-direct), by result: loaded, or failed (gone from the "
-            "SSD, damaged, past the deadline: the engine recomputes them)",
-            ["result"],
-            registry=r,
-        )
-        self.ssd_direct_seconds = Histogram(
-            "pegaflow_ssd_direct_seconds",
-            "time of one load's direct SSD reads, issue to the last check",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.ssd_spills_refused = Counter(
-            "pegaflow_ssd_spills_refused",
-            "evicted blocks not spilled: half the pool already waits for the writers",
-            registry=r,
-        )
-        self.ssd_prefetch_seconds = Histogram(
-            "pegaflow_ssd_prefetch_seconds",
-            "time of one SSD load, from the query that started it to the last block",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.ssd = SsdTierMetrics(r)  # the SSD tier's own (pegaflow.tiers)
 
         for direction in ("save", "load"):  # export zeros before the first copy
             self.bytes.labels(direction)
@@ -147,8 +107,6 @@ class Metrics:
             self.admission_rejections.labels(reason)
         for way in ("loop", "late", "thread"):
             self.copy_waits.labels(way)
-        for result in ("loaded", "failed"):
-            self.ssd_direct_blocks.labels(result)
 
     def bind_gauges(
         self,

@@ -29,13 +29,14 @@ from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.instances import Registry
 from pegaflow.cache.leases import LeaseTable
 from pegaflow.cache.miss_reasons import HitRateTracker
+from pegaflow.cache.store_events import StoreListener
 from pegaflow.common.keys import Namespace
-from pegaflow.tiers.ssd_tier import SsdLink
+from pegaflow.tiers.protocol import Tier
 
 logger = logging.getLogger(__name__)
 
 
-class NamespaceReaper:
+class NamespaceReaper(StoreListener):
     """Told when a worker joins or leaves a namespace; hears from the store
     when a namespace's last block goes. All calls on the event loop."""
 
@@ -45,19 +46,18 @@ class NamespaceReaper:
         store: BlockStore,
         leases: LeaseTable,
         hit_rates: HitRateTracker,
-        ssd: SsdLink | None,
+        tiers: list[Tier],
         max_idle: int,
     ) -> None:
         self._registry = registry
         self._store = store
         self._leases = leases
         self._hit_rates = hit_rates
-        self._ssd = ssd
-        self.remote: object | None = None  # the remote tier, once attached
+        self._tiers = tiers  # the engine's list: tiers added later are told too
         self._max_idle = max_idle
         # Idle namespaces, the longest idle first.
         self._idle: OrderedDict[int, Namespace] = OrderedDict()
-        store.emptied = self.emptied
+        store.add_listener(self)
 
     @property
     def idle(self) -> int:
@@ -102,7 +102,5 @@ class NamespaceReaper:
 
     def _forget(self, ns: Namespace) -> None:
         self._hit_rates.forget(ns.id)
-        if self._ssd is not None:
-            self._ssd.forget(ns.id)
-        if self.remote is not None:
-            self.remote.forget(ns.id)
+        for tier in self._tiers:
+            tier.forget(ns.id)

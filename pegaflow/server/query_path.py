@@ -1,23 +1,26 @@
-"""The prefix query: L1's ready index first, then a slower tier that holds
-the rest (the SSD, or a peer through the metaserver), answering `ready` with
-a lease or `loading`; and the hit-rate log of every answer."""
+"""The prefix query: L1's ready index first, then the lower tiers in order
+(pegaflow.tiers.protocol: the SSD, or a peer through the metaserver), answering
+`ready` with a lease or `loading`; and the hit-rate log of every answer."""
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pegaflow.cache.block_entry import BlockEntry
+from pegaflow.cache.block_store import BlockStore
+from pegaflow.cache.instances import Instance, Registry
+from pegaflow.cache.leases import DirectRead, LeaseTable
+from pegaflow.cache.miss_reasons import HitRateTracker
 from pegaflow.common import deadlines
 from pegaflow.common.errors import InvalidRequest, PermissionDenied
 from pegaflow.common.identity import UNKNOWN, CallContext
 from pegaflow.common.keys import MAX_HASH_BYTES, BlockHash, Namespace, PackedHashes
 from pegaflow.common.results import QueryResult
+from pegaflow.tiers.protocol import Lookup, Tier
 
-if TYPE_CHECKING:
-    from .engine import Engine
+from .metrics import Metrics
 
 
 def check_hashes(
@@ -37,11 +40,30 @@ def check_hashes(
 
 
 class PrefixQueries:
-    """The engine's query path; it reads the engine's registry, store, tiers,
-    leases and counters, and changes only leases and the hit-rate log."""
+    """The engine's query path; it reads the registry, store, tiers, leases
+    and counters, and changes only leases and the hit-rate log."""
 
-    def __init__(self, engine: Engine) -> None:
-        self._e = engine
+    def __init__(
+        self,
+        registry: Registry,
+        store: BlockStore,
+        tiers: list[Tier],
+        leases: LeaseTable,
+        hit_rates: HitRateTracker,
+        metrics: Metrics,
+        max_blocks: int,
+    ) -> None:
+        """tiers: the server's lower tiers in query order (the list is the
+        engine's: tiers added later are walked too)."""
+        self._registry = registry
+        self._store = store
+        self._tiers = tiers
+        self._leases = leases
+        self._hit_rates = hit_rates
+        self._metrics = metrics
+        self._max_blocks = max_blocks
+        # Hits counted per medium beside the hit rates (only the SSD's has one).
+        self._tier_hits = {"ssd": metrics.ssd_hits}
 
     def query(
         self,
@@ -55,7 +77,7 @@ class PrefixQueries:
         hash is known to have (a fast-path frame). A query needs no owner
         token (vLLM's scheduler asks for its workers), but a caller the kernel
         names must run as the instance's user."""
-        inst = self._e.registry.instance(instance_id)
+        inst = self._registry.instance(instance_id)
         if ctx is not None:
             deadlines.check(ctx.deadline, "query")
             uid = ctx.caller.uid
@@ -66,60 +88,68 @@ class PrefixQueries:
                 )
         if isinstance(hashes, PackedHashes):
             hash_len = hashes.hash_len
-        check_hashes(hashes, self._e.config.max_blocks_per_request, hash_len)
+        check_hashes(hashes, self._max_blocks, hash_len)
         ns = inst.namespace
-        hits, rest = self._e.store.lookup(ns, hashes)
-        if len(rest) and (self._e.ssd is not None or self._e.remote is not None):
-            listed = hashes.list() if isinstance(hashes, PackedHashes) else hashes
-            direct = self._e.ssd_direct
-            if direct is not None and direct.serves(inst):
-                tail = direct.tail(ns, listed, len(hits))
-                if tail:  # read into the engine's blocks at its load
-                    return self._answer(instance_id, hashes, hits, rest, hash_len, tail)
-            if self._e.ssd is not None:
-                # Pinned meanwhile: finding room for the SSD blocks must not
-                # evict the very hits this query is about to lease.
-                self._e.store.pin(hits)
-                try:
-                    n, started = self._e.ssd.loading(ns, listed, len(hits))
-                finally:
-                    self._e.store.unpin(hits)
-                if n:
-                    if started:
-                        self._count_loading(ns, hashes, hits, rest, hash_len, n, "ssd")
-                    return QueryResult(n, 0, 0.0, loading=True)
-            if self._e.remote is not None:
-                known = self._e.remote.remembered(ns, listed[len(hits)])
-                if known is None:  # ask the metaserver: the boundary awaits it
-                    ask = functools.partial(
-                        self._query_remote, instance_id, hashes, listed, hash_len
-                    )
-                    return QueryResult(0, 0, 0.0, pending=ask)
-                if known[0]:
-                    return QueryResult(known[0], 0, 0.0, loading=True)
+        hits, rest = self._store.lookup(ns, hashes)
+        if not len(rest) or not self._tiers:
+            return self._answer(instance_id, hashes, hits, rest, hash_len)
+        listed = hashes.list() if isinstance(hashes, PackedHashes) else hashes
+        for tier in self._tiers:  # in order; the first that is not a miss decides
+            look = self._look(tier, inst, listed, hits)
+            if look.state == "hit":  # read into the engine's blocks at its load
+                direct = listed[len(hits) : len(hits) + look.blocks]
+                return self._answer(
+                    instance_id, hashes, hits, rest, hash_len, tier, direct, look.read
+                )
+            if look.state == "loading":
+                if look.started:
+                    self._count_loading(ns, hashes, hits, rest, hash_len, tier, look)
+                return QueryResult(look.blocks, 0, 0.0, loading=True)
+            if look.state == "asking":  # the boundary awaits the rest
+                ask = functools.partial(
+                    self._asked, instance_id, hashes, listed, hash_len, tier, look
+                )
+                return QueryResult(0, 0, 0.0, pending=ask)
         return self._answer(instance_id, hashes, hits, rest, hash_len)
 
-    async def _query_remote(
+    def _look(
+        self, tier: Tier, inst: Instance, listed: list[BlockHash], hits: list
+    ) -> Lookup:
+        if not tier.evicts_on_lookup:
+            return tier.lookup(inst, listed, len(hits))
+        # Pinned meanwhile: finding room for the tier's blocks must not evict
+        # the very hits this query is about to lease.
+        self._store.pin(hits)
+        try:
+            return tier.lookup(inst, listed, len(hits))
+        finally:
+            self._store.unpin(hits)
+
+    async def _asked(
         self,
         instance_id: str,
         hashes: list[BlockHash] | PackedHashes,
         listed: list[BlockHash],
         hash_len: int | None,
+        tier: Tier,
+        asking: Lookup,
     ) -> QueryResult:
-        """The rest of a query that missed L1 and L3: the metaserver's plan."""
-        ns = self._e.registry.instance(instance_id).namespace
-        hits, rest = self._e.store.lookup(ns, hashes)  # again: the loop ran meanwhile
+        """The rest of a query a tier had to ask elsewhere about (a peer's
+        blocks: the metaserver's plan)."""
+        assert asking.ask is not None
+        ns = self._registry.instance(instance_id).namespace
+        hits, rest = self._store.lookup(ns, hashes)  # again: the loop ran meanwhile
         if len(rest):
-            n, started = await self._e.remote.loading(ns, listed, len(hits))
-            if n:
-                if started:
-                    self._count_loading(ns, hashes, hits, rest, hash_len, n, "remote")
-                return QueryResult(n, 0, 0.0, loading=True)
-            if self._e.registry.instance(instance_id).namespace is not ns:
+            look = await asking.ask(ns, listed, len(hits))
+            if look.state == "loading":
+                if look.started:
+                    self._count_loading(ns, hashes, hits, rest, hash_len, tier, look)
+                return QueryResult(look.blocks, 0, 0.0, loading=True)
+            if self._registry.instance(instance_id).namespace is not ns:
                 # Re-registered (another geometry, perhaps) while we awaited:
                 # nothing found under the old namespace may be leased to it.
                 return QueryResult(0, 0, 0.0)
-            hits, rest = self._e.store.lookup(ns, hashes)  # and again after the await
+            hits, rest = self._store.lookup(ns, hashes)  # and again after the await
         return self._answer(instance_id, hashes, hits, rest, hash_len)
 
     def _count_loading(
@@ -129,17 +159,20 @@ class PrefixQueries:
         hits: list[BlockEntry],
         rest: np.ndarray,
         hash_len: int | None,
-        n: int,
-        tier: str,
+        tier: Tier,
+        look: Lookup,
     ) -> None:
         """Counted once, when the load starts: the engine's polls while it runs
         are waits, not new requests; its final ready answer counts as usual."""
+        n = look.blocks
         total = len(hits) + n
-        if tier == "ssd":
-            self._e.hit_rates.query(ns, hashes, total, rest[n:], hash_len, ssd=n)
-            self._e.metrics.ssd_hits.inc(n)
-        else:
-            self._e.hit_rates.query(ns, hashes, total, rest[n:], hash_len, remote=n)
+        self._hit_rates.query(ns, hashes, total, rest[n:], hash_len, **{tier.medium: n})
+        self._count_tier_hits(tier, n)
+
+    def _count_tier_hits(self, tier: Tier | None, n: int) -> None:
+        counter = self._tier_hits.get(tier.medium) if tier is not None else None
+        if counter is not None and n:
+            counter.inc(n)
 
     def _answer(
         self,
@@ -148,19 +181,23 @@ class PrefixQueries:
         hits: list[BlockEntry],
         rest: np.ndarray,
         hash_len: int | None,
+        tier: Tier | None = None,
         direct: list[BlockHash] | None = None,
+        read: DirectRead | None = None,
     ) -> QueryResult:
-        """direct: the SSD blocks after the hits, leased for a direct read
-        (pegaflow.tiers.ssd_gpu_direct)."""
-        inst = self._e.registry.instance(instance_id)
+        """direct: the tier's blocks after the hits, leased for `read` into
+        the engine's blocks at its load (pegaflow.tiers.ssd_gpu_direct)."""
+        inst = self._registry.instance(instance_id)
         ns = inst.namespace
         n = len(direct) if direct else 0
-        self._e.hit_rates.query(ns, hashes, len(hits) + n, rest[n:], hash_len, ssd=n)
-        self._e.metrics.hits.inc(len(hits))
-        if n:
-            self._e.metrics.ssd_hits.inc(n)
-        self._e.metrics.misses.inc(len(hashes) - len(hits) - n)
+        by_tier = {tier.medium: n} if tier is not None else {}
+        self._hit_rates.query(ns, hashes, len(hits) + n, rest[n:], hash_len, **by_tier)
+        self._metrics.hits.inc(len(hits))
+        self._count_tier_hits(tier, n)
+        self._metrics.misses.inc(len(hashes) - len(hits) - n)
         if not hits and not n:
             return QueryResult(0, 0, 0.0)
-        lease = self._e.leases.create(instance_id, ns.id, hits, inst.world_size, direct)
-        return QueryResult(len(hits) + n, lease.id, self._e.leases.ttl_s)
+        lease = self._leases.create(
+            instance_id, ns.id, hits, inst.world_size, direct, read
+        )
+        return QueryResult(len(hits) + n, lease.id, self._leases.ttl_s)

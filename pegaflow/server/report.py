@@ -25,6 +25,9 @@ from pegaflow.cache.miss_reasons import CAUSES, HIT_TIERS
 from pegaflow.common.keys import namespace_digest
 
 if TYPE_CHECKING:
+    from pegaflow.gds import SsdTier
+    from pegaflow.gds.gpu_route import RouteChoice
+
     from .engine import Engine
     from .warm_restart import RecoveryReport
 
@@ -61,15 +64,7 @@ def engine_stats(
             "instances": len(engine.registry.instances),
             "namespaces": len(engine.registry.namespaces),
         },
-        "tiers": {
-            "ram": {"enabled": True, "hit_blocks": tier_hits("ram")},
-            "ssd": {"enabled": engine.ssd is not None, "hit_blocks": tier_hits("ssd")},
-            "remote": {
-                "enabled": engine.remote is not None,
-                "hit_blocks": tier_hits("remote"),
-                **(engine.remote.report() if engine.remote is not None else {}),
-            },
-        },
+        "tiers": _tiers(engine, tier_hits),
         "policy": {
             "admission": "tinylfu" if engine.config.enable_lfu_admission else "all",
             "evictions": counters.evictions,
@@ -204,13 +199,29 @@ def families(stats: Stats) -> Iterator[Metric]:
     yield from (blocks, causes, resident, *gauges.values(), hll)
 
 
+def _tiers(engine: Engine, tier_hits: Callable[[str], int]) -> Stats:
+    """/stats' tiers: L1, then each medium below it, enabled where a tier
+    of that medium runs, with what the tier reports of itself."""
+    out: Stats = {"ram": {"enabled": True, "hit_blocks": tier_hits("ram")}}
+    for medium in ("ssd", "remote"):
+        out[medium] = {"enabled": False, "hit_blocks": tier_hits(medium)}
+    for tier in engine.tiers:
+        section = out[tier.medium]
+        section["enabled"] = True
+        section.update(tier.report())
+    return out
+
+
 def health_report(
-    engine: Engine, cuda: object, recovery: RecoveryReport | None
+    engine: Engine,
+    cuda: object,
+    recovery: RecoveryReport | None,
+    ssd: SsdTier | None = None,
+    route: RouteChoice | None = None,
 ) -> Callable[[], dict[str, object]]:
     """/health's document, read from the HTTP thread: counts only, no
-    bookkeeping walk (that is /stats, built on the loop)."""
-    ssd = engine.ssd.tier if engine.ssd is not None else None
-    route = engine.ssd_route
+    bookkeeping walk (that is /stats, built on the loop). ssd: the SSD
+    tier's files; route: how CUDA engines' SSD hits reach their GPUs."""
 
     def report() -> dict[str, object]:
         slabs = engine.pool.slabs

@@ -5,7 +5,8 @@ loads once per step; on the machines we run on a Python gRPC round trip costs
 ~1 ms against ~0.15 ms for a framed unix-socket exchange (benchmarks/RESULTS.md).
 It is also where the kernel tells the server who is asking (SO_PEERCRED), so
 host-memory engines register here. gRPC stays the reference API; the client
-(pegaflow.client.socket_transport) falls back to it. Frames: pegaflow.common.socket_frames.
+(pegaflow.client.socket_transport) falls back to it. Frames:
+pegaflow.common.socket_frames.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`pegaflow-server status`: one screen about a running server, read from its
-HTTP /stats document (pegaflow.server.report): pool, tiers, per-namespace hit rate beside
-its ceiling, and the top miss causes.
+HTTP /stats document (pegaflow.server.report): pool, tiers, per-namespace hit
+rate beside its ceiling, and the top miss causes.
 
 Standard library only, so it starts fast and runs anywhere the server's HTTP
 port is reachable.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -28,7 +29,6 @@ from pegaflow.cache.pool import HostPool
 from pegaflow.cache.pool_file import FREE, GRANULE, LANDED, SEALED, WRITING
 from pegaflow.cache.slot_log import checksums
 from pegaflow.common.keys import Namespace, namespace_digest
-from pegaflow.tiers.ssd_tier import SsdLink
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +54,16 @@ class RecoveryReport:
 class Recovered:
     """Namespaces known only by digest, until an engine registers them."""
 
-    def __init__(self, registry: Registry, ssd: SsdLink | None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        digest_known: Callable[[int, bytes, int], None] | None = None,
+    ) -> None:
+        """digest_known(namespace id, digest, slot bytes): told of each
+        placeholder, so that a tier keying blocks by digest (the SSD's spills)
+        files them under the real one before an engine names the namespace."""
         self._registry = registry
-        self._ssd = ssd
+        self._digest_known = digest_known
         self.waiting: dict[bytes, Namespace] = {}
 
     def placeholder(
@@ -68,8 +75,8 @@ class Recovered:
         ns = Namespace(name, reg._last_namespace_id, shards, layers, slot_bytes, ())
         reg.namespaces[name] = ns
         self.waiting[digest] = ns
-        if self._ssd is not None:  # its spills go under the real digest
-            self._ssd.known(ns.id, digest, slot_bytes)
+        if self._digest_known is not None:
+            self._digest_known(ns.id, digest, slot_bytes)
         return ns
 
     def adopt(self, ns: Namespace) -> Namespace:

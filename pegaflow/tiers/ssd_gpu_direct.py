@@ -33,10 +33,11 @@ import numpy as np
 
 from pegaflow.cache.instances import Instance, Worker
 from pegaflow.common import cuda_driver
-from pegaflow.common.keys import BlockHash, Namespace
+from pegaflow.common.keys import BlockHash
 from pegaflow.daemon.startup import StartupError
-from pegaflow.server.metrics import Metrics
 
+from .protocol import MISS, Lookup, Tier
+from .ssd_metrics import SsdTierMetrics
 from .ssd_tier import SsdLink
 
 if TYPE_CHECKING:
@@ -68,12 +69,16 @@ def choose_route(setting: GpuDirect, cuda_devices: bool) -> RouteChoice:
         raise StartupError(f"--ssd-gpu-direct {setting}: {exc}") from None
 
 
-class SsdDirect:
+class SsdDirect(Tier):
+    """A Tier whose hits are read at the engine's Load, not brought into L1."""
+
+    medium = "ssd"
+
     def __init__(
         self,
         link: SsdLink,
         cuda_copier: object,
-        metrics: Metrics,
+        metrics: SsdTierMetrics,
         reads: DirectReads | None = None,
     ) -> None:
         """cuda_copier: the server's CUDA copy engine (its workers are the
@@ -98,12 +103,13 @@ class SsdDirect:
             and all(w.copier is self._cuda for w in inst.workers.values())
         )
 
-    def tail(
-        self, ns: Namespace, hashes: list[BlockHash], start: int
-    ) -> list[BlockHash]:
-        """The hashes from `start` on that the SSD holds, in order."""
-        n = self._link.on_ssd(ns, hashes, start)
-        return hashes[start : start + n]
+    def lookup(self, inst: Instance, hashes: list[BlockHash], start: int) -> Lookup:
+        """A `hit` of the blocks from `start` on that the SSD holds, read by
+        `load` at the engine's Load; a miss for instances not served here."""
+        if not self.serves(inst):
+            return MISS
+        n = self._link.on_ssd(inst.namespace, hashes, start)
+        return Lookup("hit", n, read=self.load) if n else MISS
 
     async def load(
         self,
@@ -120,11 +126,11 @@ class SsdDirect:
             self._read, worker, digest, hashes, block_ids, deadline
         )
         ok = await asyncio.wrap_future(read)
-        self._metrics.ssd_direct_seconds.observe(time.perf_counter() - start)
+        self._metrics.direct_seconds.observe(time.perf_counter() - start)
         loaded = int(ok.sum())
-        self._metrics.ssd_direct_blocks.labels("loaded").inc(loaded)
+        self._metrics.direct_blocks.labels("loaded").inc(loaded)
         if loaded < len(ok):
-            self._metrics.ssd_direct_blocks.labels("failed").inc(len(ok) - loaded)
+            self._metrics.direct_blocks.labels("failed").inc(len(ok) - loaded)
             logger.info(
                 "%d of %d blocks read from ssd to the gpu failed; the engine "
                 "recomputes them",
@@ -156,6 +162,6 @@ class SsdDirect:
         )
         return result.ok
 
-    def close(self) -> None:
-        self._threads.shutdown(wait=True)
+    async def close(self) -> None:
+        await asyncio.to_thread(self._threads.shutdown, wait=True)
         self._reads.close()

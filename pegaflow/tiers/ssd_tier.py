@@ -2,6 +2,8 @@
 block (or spill on L1 eviction), prefetch on an L1 miss. The bytes move in
 pegaflow.gds (SsdTier); this is bookkeeping on the event loop only.
 
+A Tier (pegaflow.tiers.protocol) that hears L1's events as a StoreListener.
+
 Write-behind (--ssd-write-on seal): BlockStore calls `sealed(entries)` with the
 blocks a save just made ready, and they go to the tier as one job straight from
 their slots (SsdTier.spill_many: one lock round, one queue entry; what the
@@ -15,7 +17,7 @@ queued (dropped, not admitted) is spilled on eviction as below. With
 again at a hit or a second save (or its eviction), and writes it then.
 
 Spill (--ssd-write-on evict, and the fallback above): BlockStore calls
-`evicted(entries)` once per eviction round with the ready blocks it evicts,
+`evicting(entries)` once per eviction round with the ready blocks it evicts,
 and those not on the SSD yet go to the tier as one job (spill_many, as a
 save's). What the tier queues keeps its slots allocated (out of the
 allocator's reach) until its writer has written them (straight from the slots
@@ -48,10 +50,12 @@ from operator import attrgetter, itemgetter
 import numpy as np
 
 from pegaflow.cache.block_store import BlockEntry, BlockStore
-from pegaflow.cache.instances import Registry
+from pegaflow.cache.instances import Instance, Registry
 from pegaflow.common.keys import BlockHash, Key, Namespace, namespace_digest
 from pegaflow.gds import SsdLoadResult, SsdTier
-from pegaflow.server.metrics import Metrics
+
+from .protocol import MISS, Lookup, Tier
+from .ssd_metrics import SsdTierMetrics
 
 logger = logging.getLogger(__name__)
 _KEY = attrgetter("key")
@@ -77,16 +81,19 @@ def _slot_table(entries: list[BlockEntry]) -> np.ndarray:
     return np.fromiter(flat, np.uint64, len(entries) * shards).reshape(-1, shards)
 
 
-class SsdLink:
+class SsdLink(Tier):
     """Between the BlockStore (L1) and the SsdTier (L3); every method runs on
     the event loop except the tier's release callbacks, which hop back to it."""
+
+    medium = "ssd"
+    evicts_on_lookup = True
 
     def __init__(
         self,
         tier: SsdTier,
         store: BlockStore,
         registry: Registry,
-        metrics: Metrics,
+        metrics: SsdTierMetrics,
         max_held_bytes: int,
     ) -> None:
         self.tier = tier
@@ -108,12 +115,8 @@ class SsdLink:
         # offered again at a hit while the tier's admission is seen_twice.
         self._writing: dict[Key, tuple[_Batch, int]] = {}
         self._unwritten: dict[Key, BlockEntry] = {}
-        self._seen_twice = tier.config.admission == "seen_twice"
-        store.spill = self.evicted
-        if tier.config.write_on == "seal":
-            store.sealed = self.sealed
-            if self._seen_twice:
-                store.touched = self.touched
+        self._write_behind = tier.config.write_on == "seal"
+        self._seen_twice = self._write_behind and tier.config.admission == "seen_twice"
 
     def _namespace(self, ns_id: int) -> tuple[bytes, int]:
         """(on-disk namespace digest, slot bytes per shard) of a namespace id."""
@@ -143,7 +146,7 @@ class SsdLink:
         self._namespaces.pop(ns_id, None)
 
     # -- eviction ---------------------------------------------------------------
-    def evicted(self, entries: list[BlockEntry]) -> np.ndarray:
+    def evicting(self, entries: list[BlockEntry]) -> np.ndarray:
         """L1 evicts these ready blocks of one namespace (one eviction round):
         True where their slots are kept until a write from them is done, False
         where they are free now (on the SSD already, refused, dropped)."""
@@ -177,7 +180,7 @@ class SsdLink:
         block_bytes = slot_bytes * len(entries[0].slots)
         room = max(0, self._max_held - self._held) // block_bytes
         if room < len(pick):
-            self._metrics.ssd_spills_refused.inc(len(pick) - room)
+            self._metrics.spills_refused.inc(len(pick) - room)
             pick = pick[:room]
         if not len(pick):
             return []
@@ -224,6 +227,10 @@ class SsdLink:
     def sealed(self, entries: list[BlockEntry]) -> None:
         """A save made these blocks ready: queue them for the SSD, one tier
         call per namespace (a save seals blocks of one namespace)."""
+        if self._write_behind:
+            self._write_sealed(entries)
+
+    def _write_sealed(self, entries: list[BlockEntry]) -> None:
         if len(set(map(itemgetter(0), map(_KEY, entries)))) > 1:  # C-level passes
             groups: dict[int, list[BlockEntry]] = {}
             for e in entries:
@@ -233,13 +240,13 @@ class SsdLink:
             return
         self._write(entries)
 
-    def touched(self, entries: list[BlockEntry]) -> None:
+    def hit(self, entries: list[BlockEntry]) -> None:
         """Blocks hit in L1: a second sighting for those not yet written."""
-        if not self._unwritten:
+        if not self._unwritten:  # only ever filled under seen_twice
             return
         again = [e for e in entries if self._unwritten.get(e.key) is e]
         if again:
-            self.sealed(again)
+            self._write_sealed(again)
 
     def _write(self, entries: list[BlockEntry]) -> None:
         keys = list(map(_KEY, entries))
@@ -290,6 +297,12 @@ class SsdLink:
             self._held -= int(gone.sum()) * batch.block_bytes
 
     # -- prefetch ---------------------------------------------------------------
+    def lookup(self, inst: Instance, hashes: list[BlockHash], start: int) -> Lookup:
+        """Blocks from `start` on that the SSD holds come back into reserved
+        L1 slots: `loading` them."""
+        n, started = self.loading(inst.namespace, hashes, start)
+        return Lookup("loading", n, started) if n else MISS
+
     def loading(
         self, ns: Namespace, hashes: list[BlockHash], start: int
     ) -> tuple[int, bool]:
@@ -325,7 +338,7 @@ class SsdLink:
         try:
             res = await result
             ok = res.ok
-            self._metrics.ssd_prefetch_seconds.observe(res.seconds)
+            self._metrics.prefetch_seconds.observe(res.seconds)
         except Exception:  # a background load: log it, the blocks become misses
             logger.exception("ssd load failed")
         finally:

@@ -1,4 +1,5 @@
-"""The shared peer token (pegaflow.common.peer_auth) on every RPC of a real metaserver."""
+"""The shared peer token (pegaflow.common.peer_auth) on every RPC of a real
+metaserver."""
 
 from __future__ import annotations
 

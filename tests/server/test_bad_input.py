@@ -333,7 +333,7 @@ SAVE_CASES: list[tuple[str, pb.SaveRequest, Code, str]] = [
     ("layer-id-range", save(layer_ids=[0, LAYERS]), INVALID, "layer_ids"),
     ("layer-id-u32-max", save(layer_ids=[U32]), INVALID, "layer_ids"),
     ("layer-id-duplicate", save(layer_ids=[1, 1]), INVALID, "layer_ids"),
-    # Refused by the per-request block cap (pegaflow.common.request_limits) before the hashes.
+    # Refused by the per-request block cap (common.request_limits) before the hashes.
     ("too-many-blocks", save(block_ids=[0] * MANY, block_hashes=[b"h"] * MANY),
      INVALID, "block_ids"),
 ]

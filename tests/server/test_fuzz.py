@@ -204,7 +204,7 @@ def register_requests(
     from the start of our buffer, TP 1 or 2; then maybe wild fields. Also says
     whether any field went wild."""
     n_layers, blocks = draw(st.integers(1, 3)), draw(st.integers(1, BLOCKS))
-    # Pages of two segments average >= 512 B (pegaflow.common.request_limits): smaller ones
+    # Pages of two segments average >= 512 B (common.request_limits): smaller ones
     # are refused at registration, and wild layers still try them.
     page = draw(st.integers(2 * MIN_AVG_SEGMENT_BYTES, fz.size // (n_layers * blocks)))
     cut = draw(st.integers(0, page - 1))

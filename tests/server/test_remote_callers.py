@@ -1,7 +1,7 @@
-"""Engine RPCs from other hosts (pegaflow.server.grpc_service.LocalEngines): a server on a
-routable address (a bridge of this host), asked by a client in another network
-namespace (standing in for another host, as the remote tier's tests do) and
-by clients of this host through that same address. Real server, real gRPC.
+"""Engine RPCs from other hosts (pegaflow.server.grpc_service.LocalEngines): a
+server on a routable address (a bridge of this host), asked by a client in
+another network namespace (standing in for another host, as the remote tier's
+tests do) and by clients of this host through that same address. Real server, real gRPC.
 
 Before the gate, a routable --addr (which peers need) let any host ask
 QueryPrefix of any instance: which prompt prefixes it holds, and a lease

@@ -13,6 +13,7 @@ from pegaflow.common.config import EngineConfig, PoolConfig
 from pegaflow.common.geometry import LayerLayout, Segment
 from pegaflow.common.identity import CallContext, Caller
 from pegaflow.server.engine import Engine
+from pegaflow.tiers.ssd_tier import SsdLink
 
 PAGE = 4096
 
@@ -20,6 +21,15 @@ PAGE = 4096
 def host_engine(copier: object, config: EngineConfig | None = None) -> Engine:
     pool = HostPool(PoolConfig(size_bytes=4 << 20, show_progress=False))
     return Engine(config or EngineConfig(), pool, {"host": copier})  # type: ignore[dict-item]
+
+
+def ssd_link(engine: Engine, tier: object) -> SsdLink:
+    """An SSD link over `tier` for this engine, as the server's assembly makes
+    one (not yet added to the engine's tiers)."""
+    pool_bytes = engine.pool.size
+    return SsdLink(
+        tier, engine.store, engine.registry, engine.metrics.ssd, pool_bytes // 2
+    )  # type: ignore[arg-type]
 
 
 def save_two_blocks(engine: Engine, wait_event: int = 0) -> object:

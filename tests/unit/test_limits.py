@@ -1,4 +1,5 @@
-"""Per-request caps and the large-request gate (pegaflow.common.request_limits), without a server."""
+"""Per-request caps and the large-request gate (pegaflow.common.request_limits),
+without a server."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ class Rig:
         inner = AdmissionPolicy(LRUPolicy(), TinyLFU(64)) if lfu else LRUPolicy()
         policy = RecordingPolicy(inner, self.tracker)
         self.store = BlockStore(SlabAllocator(1 << 30, slots * SLOT, SLOT), policy)
-        self.store.on_pool_full = self.tracker.pool_full
+        self.store.add_listener(self.tracker)
         self.ns = Namespace("model", 1, 1, 1, SLOT, (1, SLOT))
         self.queried = 0
 

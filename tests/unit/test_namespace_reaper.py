@@ -25,7 +25,7 @@ class World:
         self.leases = LeaseTable(self.store, 30.0)
         self.hit_rates = HitRateTracker(HitRateConfig((60.0,), 4), ghost_bits=16)
         self.reaper = NamespaceReaper(
-            self.registry, self.store, self.leases, self.hit_rates, None, max_idle
+            self.registry, self.store, self.leases, self.hit_rates, [], max_idle
         )
 
     def join(self, name: str, ident: int) -> Namespace:

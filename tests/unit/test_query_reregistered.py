@@ -18,6 +18,7 @@ from pegaflow.common.errors import InvalidRequest
 from pegaflow.common.geometry import LayerLayout, Segment, Transfers
 from pegaflow.common.identity import CallContext, Caller
 from pegaflow.server.engine import Engine
+from pegaflow.tiers.protocol import MISS, Lookup, Tier
 
 PAGE = 4096
 CALLER = Caller("unix", 1, 0)
@@ -37,36 +38,26 @@ class NoCopy:
         pass
 
 
-class SlowMetaserver:
-    """The remote tier's query-path surface: asks the metaserver (here: waits
-    for the test) and knows nothing."""
+class SlowMetaserver(Tier):
+    """A remote tier whose every lookup asks the metaserver (here: waits for
+    the test) and learns nothing."""
+
+    medium = "remote"
 
     def __init__(self) -> None:
         self.asked = asyncio.Event()
         self.answer = asyncio.Event()
 
-    def remembered(self, ns, first):
-        return None
+    def lookup(self, inst, hashes, start) -> Lookup:
+        return Lookup("asking", ask=self._ask)
 
-    async def loading(self, ns, hashes, start):
+    async def _ask(self, ns, hashes, start) -> Lookup:
         self.asked.set()
         await self.answer.wait()
-        return 0, False
+        return MISS
 
-    def published(self, entries) -> None:
+    async def close(self) -> None:
         pass
-
-    def unpublished(self, keys) -> None:
-        pass
-
-    def probe(self, ns_id, hashes):
-        return np.zeros(len(hashes), bool)
-
-    def forget(self, ns_id) -> None:
-        pass
-
-    def digest(self, ns) -> bytes:
-        return b"d" * 16
 
 
 def _spec(page: int, model: str) -> RegisterSpec:
@@ -79,7 +70,7 @@ def test_a_query_across_a_re_registration_leases_nothing_old() -> None:
     pool = HostPool(PoolConfig(size_bytes=4 << 20, show_progress=False))
     engine = Engine(EngineConfig(), pool, {"host": NoCopy()})
     meta = SlowMetaserver()
-    engine.attach_remote(meta)  # type: ignore[arg-type]
+    engine.add_tier(meta)
     hashes = [bytes([i]) * 32 for i in range(3)]
 
     async def scenario() -> None:

@@ -19,6 +19,7 @@ from pegaflow.common.config import EngineConfig, PoolConfig
 from pegaflow.common.geometry import LayerLayout, Segment
 from pegaflow.common.identity import CallContext, Caller
 from pegaflow.server.engine import Engine
+from tests.unit.host_engine import ssd_link
 from tests.unit.test_query_reregistered import NoCopy
 
 PAGE = 256 << 10  # the pool below holds 16 blocks
@@ -54,7 +55,8 @@ class SlowTier:
 def test_a_query_does_not_lease_hits_it_evicted_for_ssd_room() -> None:
     pool = HostPool(PoolConfig(size_bytes=16 * PAGE, show_progress=False))
     tier = SlowTier()
-    engine = Engine(EngineConfig(), pool, {"host": NoCopy()}, ssd=tier)
+    engine = Engine(EngineConfig(), pool, {"host": NoCopy()})
+    engine.add_tier(ssd_link(engine, tier))
     layer = LayerLayout(0, 0, 32, PAGE, (Segment(0, PAGE),))
     spec = RegisterSpec("i", "m", 0, 1, 1, "cpu", "host", 1, ((PAGE, 32 * PAGE),),
                         (layer,))  # fmt: skip

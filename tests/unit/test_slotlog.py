@@ -45,7 +45,7 @@ def _restart(path: Path) -> tuple[HostPool, BlockStore, Registry, object]:
     pool = _pool(path)
     store = BlockStore(pool.slabs, LRUPolicy())
     registry = Registry({})
-    recovered = Recovered(registry, None)
+    recovered = Recovered(registry)
     report = recover(pool, store, recovered, progress=False)
     return pool, store, registry, report
 

@@ -23,6 +23,7 @@ from pegaflow.common.geometry import LayerLayout, Segment, Transfers
 from pegaflow.common.identity import CallContext, Caller
 from pegaflow.server.engine import Engine
 from pegaflow.tiers.ssd_gpu_direct import SsdDirect
+from tests.unit.host_engine import ssd_link
 
 PAGE = 4096
 HASHES = [bytes([i]) * 32 for i in range(12)]
@@ -79,7 +80,9 @@ class Reader(SsdDirect):
     every block but those in `fails`."""
 
     def __init__(self, engine: Engine, copier: Copier, log: list) -> None:
-        super().__init__(engine.ssd, copier, engine.metrics, reads=self)
+        super().__init__(
+            ssd_link(engine, Tier()), copier, engine.metrics.ssd, reads=self
+        )
         self.log, self.fails = log, set()
         self.watched: list = []  # L1 entries whose pins a read records
         self.pins_seen: list[int] = []
@@ -89,7 +92,7 @@ class Reader(SsdDirect):
         self.pins_seen = [e.pins for e in self.watched]
         return np.array([h not in self.fails for h in hashes], bool)
 
-    def close(self) -> None:  # no kvikio files to close
+    async def close(self) -> None:  # no kvikio files to close
         self._threads.shutdown()
 
 
@@ -98,8 +101,10 @@ def setup():
     pool = HostPool(PoolConfig(size_bytes=4 << 20, show_progress=False))
     log: list = []
     copier = Copier(log)
-    engine = Engine(EngineConfig(), pool, {"host": copier}, ssd=Tier())
-    engine.ssd_direct = Reader(engine, copier, log)
+    engine = Engine(EngineConfig(), pool, {"host": copier})
+    reader = Reader(engine, copier, log)
+    engine.add_tier(reader)  # asked first, as the server orders them
+    engine.add_tier(reader._link)
     layer = LayerLayout(0, 0, 64, PAGE, (Segment(0, PAGE),))
     spec = RegisterSpec("i", "m", 0, 1, 1, "cpu", "host", 1, ((PAGE, 64 * PAGE),),
                         (layer,))  # fmt: skip
@@ -107,6 +112,7 @@ def setup():
     ctx = CallContext(caller, engine.register(spec, caller).owner_token)
     asyncio.run(engine.save("i", 0, np.arange(4), IN_L1, None, 0, ctx))
     yield engine, ctx, log
+    asyncio.run(reader.close())
     engine.close()
     pool.close()
 
@@ -126,15 +132,15 @@ def test_a_query_leases_the_ssd_tail_ready_at_once(setup) -> None:
     lease = engine.leases.get(got.lease_id)
     assert [e.key[1] for e in lease.entries] == IN_L1 and lease.direct == ON_SSD
     assert sample(engine, "pegaflow_ssd_hit_blocks_total") == 5
-    assert engine.ssd.tier.l1_loads == 0
+    assert engine.tiers[1].tier.l1_loads == 0
     # An instance the route does not serve (not this copier's) loads via L1.
-    engine.ssd_direct._cuda = object()
+    engine.tiers[0]._cuda = object()
 
     async def via_l1() -> bool:  # its background load runs on the loop
         return engine.query("i", HASHES, ctx=ctx).loading
 
     assert asyncio.run(via_l1())
-    assert engine.ssd.tier.l1_loads == 1
+    assert engine.tiers[1].tier.l1_loads == 1
 
 
 def test_a_load_reads_the_tail_first_then_copies_the_l1_part(setup) -> None:
@@ -156,9 +162,9 @@ def test_the_l1_part_stays_pinned_while_the_ssd_part_is_read(setup) -> None:
     and their slots reused before the copy reads them."""
     engine, ctx, _ = setup
     lease = engine.leases.get(engine.query("i", HASHES, ctx=ctx).lease_id)
-    engine.ssd_direct.watched = lease.entries
+    engine.tiers[0].watched = lease.entries
     load(engine, ctx, [(lease.id, 0, np.arange(20, 29))])
-    assert engine.ssd_direct.pins_seen and min(engine.ssd_direct.pins_seen) >= 1
+    assert engine.tiers[0].pins_seen and min(engine.tiers[0].pins_seen) >= 1
 
 
 def test_a_load_of_the_ssd_part_alone_copies_nothing(setup) -> None:
@@ -182,7 +188,7 @@ def test_items_split_at_the_end_of_the_l1_part(setup) -> None:
 
 def test_blocks_the_read_did_not_land_fail_their_item(setup) -> None:
     engine, ctx, log = setup
-    engine.ssd_direct.fails = {ON_SSD[1]}
+    engine.tiers[0].fails = {ON_SSD[1]}
     lease = engine.query("i", HASHES, ctx=ctx).lease_id
     ok_ids, bad_ids = np.arange(10, 14), np.arange(20, 25)
     got = load(engine, ctx, [(lease, 0, ok_ids), (lease, 4, bad_ids)])

@@ -87,7 +87,8 @@ def _setup(slots: int) -> tuple[BlockStore, SsdLink, FakeTier, Namespace]:
     registry = Registry({})
     registry.namespaces["ns"] = ns
     tier = FakeTier()
-    link = SsdLink(tier, store, registry, Metrics(), max_held_bytes=1 << 30)
+    link = SsdLink(tier, store, registry, Metrics().ssd, max_held_bytes=1 << 30)
+    store.add_listener(link)
     return store, link, tier, ns
 
 
@@ -181,7 +182,8 @@ async def _seal_at_a_full_queue() -> None:
     registry.namespaces["ns"] = ns
     tier = FakeTier(queue=0)
     tier.config = SimpleNamespace(write_on="seal", admission="seen_twice")
-    link = SsdLink(tier, store, registry, Metrics(), max_held_bytes=1 << 30)
+    link = SsdLink(tier, store, registry, Metrics().ssd, max_held_bytes=1 << 30)
+    store.add_listener(link)
     assert _save(store, ns, _h(1, 2, 3)) == 3
     assert tier.refused == _h(1, 2, 3) and tier.calls == 1 and not tier.spills
     assert set(link._unwritten) == {(ns.id, h) for h in _h(1, 2, 3)}

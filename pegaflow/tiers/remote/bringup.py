@@ -12,11 +12,12 @@ import time
 import grpc
 from tqdm import tqdm
 
+from pegaflow.cache.block_store import BlockStore
+from pegaflow.cache.pool import HostPool
 from pegaflow.common.config import parse_addr
 from pegaflow.daemon.startup import StartupError
 from pegaflow.metaserver.meta_client import MetaClient
 from pegaflow.proto import peer_pb2_grpc
-from pegaflow.server.engine import Engine
 
 from .advertiser import Advertiser
 from .link import RemoteLink
@@ -79,22 +80,22 @@ def register_pool(
 
 def attach(
     config: RemoteConfig,
-    engine: Engine,
+    store: BlockStore,
+    pool: HostPool,
     transport: MooncakeTransport,
     server: grpc.aio.Server,
     rpc_addr: str,
     metrics_registry: object,
 ) -> RemoteLink:
-    """The link on the engine, and the Peer service on the gRPC server (before
-    it starts). Advertising starts with start_advertising, once serving."""
+    """The link over the store and pool (the caller adds it to the engine's
+    tiers), and the Peer service on the gRPC server (before it starts).
+    Advertising starts with start_advertising, once serving."""
     metrics = RemoteMetrics(metrics_registry)
     node_id = config.node_id or rpc_addr
     incarnation = time.time_ns()
     link = RemoteLink(
-        config, engine.store, engine.pool, metrics, transport, node_id,
-        incarnation, rpc_addr,
+        config, store, pool, metrics, transport, node_id, incarnation, rpc_addr,
     )  # fmt: skip
-    engine.attach_remote(link)
     if config.token is None and not config.allow_loopback:
         logger.warning(
             "peer RPCs on %s take no token (--peer-token-env/-file): anyone who "

@@ -40,6 +40,7 @@ import grpc
 import numpy as np
 
 from pegaflow.cache.block_store import BlockEntry, BlockStore
+from pegaflow.cache.instances import Instance
 from pegaflow.cache.pool import HostPool
 from pegaflow.common import peer_auth
 from pegaflow.common.keys import BlockHash, Key, Namespace, namespace_digest
@@ -47,6 +48,7 @@ from pegaflow.metaserver.meta_client import pack
 from pegaflow.proto import metaserver_pb2 as meta_pb
 from pegaflow.proto import metaserver_pb2_grpc as meta_grpc
 
+from ..protocol import MISS, Lookup, Tier
 from .advertiser import Advertiser
 from .fetch import OwnerReads, PlanSegment, RemoteStats, clip_plan, elapsed_ms
 from .peers import Endpoint, PeerChannels
@@ -63,7 +65,13 @@ _REMEMBERED = 1 << 16  # prefixes remembered as failed or unknown, and unfetched
 _QUARANTINE_SHARE = 1 / 8
 
 
-class RemoteLink:
+class RemoteLink(Tier):
+    """The remote tier (pegaflow.tiers.protocol): hears which blocks become
+    ready here and which leave, to advertise them; a query's miss asks the
+    metaserver (an `asking` lookup) and fetches the planned prefix."""
+
+    medium = "remote"
+
     def __init__(
         self,
         config: RemoteConfig,
@@ -87,7 +95,8 @@ class RemoteLink:
         self._digests: dict[int, bytes] = {}
         self._hasher = SlotHasher()
         self.pins = PinTable(store, pool, self._hasher)
-        # As in pegaflow.tiers.ssd_tier: key being fetched -> blocks of its fetch from it on.
+        # As in pegaflow.tiers.ssd_tier: key being fetched -> blocks of its fetch from
+        # it on.
         self._loading: dict[Key, int] = {}
         self._negative: OrderedDict[Key, float] = OrderedDict()  # key -> until
         self._unfetched: OrderedDict[Key, None] = OrderedDict()  # for the miss causes
@@ -123,8 +132,8 @@ class RemoteLink:
         if digest is not None:
             self.namespaces.pop(digest, None)
 
-    # -- advertising (BlockStore hooks) -------------------------------------------
-    def published(self, entries: list[BlockEntry]) -> None:
+    # -- advertising (BlockStore events) ------------------------------------------
+    def ready(self, entries: list[BlockEntry]) -> None:
         """Blocks that became ready here (saved, or loaded from a slower tier)."""
         if self.advertiser is None:
             return
@@ -133,7 +142,7 @@ class RemoteLink:
             if ns is not None:
                 self.advertiser.advertise(self.digest(ns), hashes)
 
-    def unpublished(self, keys: list[Key]) -> None:
+    def removed(self, keys: list[Key]) -> None:
         """Ready blocks that left L1 (evicted, or their namespace freed)."""
         self.pins.forget(keys)
         if self.advertiser is None:
@@ -159,6 +168,18 @@ class RemoteLink:
         }
 
     # -- the query path -----------------------------------------------------------
+    def lookup(self, inst: Instance, hashes: list[BlockHash], start: int) -> Lookup:
+        """`loading` while a fetch from hashes[start] runs, a miss while that
+        prefix is remembered as not fetchable; else `asking` the metaserver."""
+        known = self.remembered(inst.namespace, hashes[start])
+        if known is None:
+            return Lookup("asking", ask=self._ask)
+        return Lookup("loading", known[0]) if known[0] else MISS
+
+    async def _ask(self, ns: Namespace, hashes: list[BlockHash], start: int) -> Lookup:
+        n, started = await self.loading(ns, hashes, start)
+        return Lookup("loading", n, started) if n else MISS
+
     def remembered(self, ns: Namespace, first: BlockHash) -> tuple[int, bool] | None:
         """(blocks loading, False) when a fetch from `first` runs, (0, False)
         when that prefix is remembered as not fetchable; None: ask."""
