@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import table, write_json  # noqa: E402
 from pegaflow.cache.pool import HostPool  # noqa: E402
 from pegaflow.cache.registration_checks import RegisterSpec  # noqa: E402
-from pegaflow.common.config import EngineConfig, PoolConfig  # noqa: E402
 from pegaflow.common.geometry import LayerLayout, Segment, Transfers  # noqa: E402
 from pegaflow.common.identity import CallContext, Caller  # noqa: E402
+from pegaflow.common.settings import EngineConfig, PoolConfig  # noqa: E402
 from pegaflow.gds import SsdConfig, SsdTier  # noqa: E402
 from pegaflow.server.engine import Engine  # noqa: E402
 from pegaflow.tiers.ssd_tier import SsdLink  # noqa: E402

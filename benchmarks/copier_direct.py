@@ -42,8 +42,8 @@ class ServerPool:
 
     def __init__(self, gib: int, slot_bytes: int) -> None:
         from pegaflow.cache.pool import HostPool
-        from pegaflow.common.config import PoolConfig
         from pegaflow.common.cuda_driver import HostRegistrar
+        from pegaflow.common.settings import PoolConfig
 
         config = PoolConfig(size_bytes=gib << 30, show_progress=False)
         self.pool = HostPool(config, HostRegistrar(0, threads=4))
@@ -61,7 +61,7 @@ class ServerPool:
 
 
 def copier_for(base: int, size: int) -> Any:
-    from pegaflow.common.config import CudaConfig
+    from pegaflow.common.settings import CudaConfig
     from pegaflow.copiers.contention import ContendedPolicy
     from pegaflow.copiers.cuda_copier import CudaCopyEngine
 

@@ -21,9 +21,9 @@ from pegaflow.cache.eviction import LRUPolicy  # noqa: E402
 from pegaflow.cache.hll import WindowSet  # noqa: E402
 from pegaflow.cache.miss_reasons import HitRateTracker, RecordingPolicy  # noqa: E402
 from pegaflow.cache.slabs import SlabAllocator  # noqa: E402
-from pegaflow.common.config import HitRateConfig  # noqa: E402
 from pegaflow.common.hash64 import hash64, hash64_batches  # noqa: E402
 from pegaflow.common.keys import Namespace  # noqa: E402
+from pegaflow.common.settings import HitRateConfig  # noqa: E402
 
 WINDOWS = (900.0, 3600.0, 86400.0)
 

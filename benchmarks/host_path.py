@@ -24,7 +24,7 @@ from benchmarks.common import start_server, table, write_json  # noqa: E402
 from pegaflow.cache.pool import HostPool  # noqa: E402
 from pegaflow.client.kv_layouts import describe, vllm_layer_views  # noqa: E402
 from pegaflow.client.pegaflow_client import PegaflowClient  # noqa: E402
-from pegaflow.common.config import PoolConfig  # noqa: E402
+from pegaflow.common.settings import PoolConfig  # noqa: E402
 
 PAGE = 64 << 10  # Llama-3.1-8B: 8 KV heads x 16 tokens x 2 x 128 x bf16
 

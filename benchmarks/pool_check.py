@@ -25,8 +25,8 @@ from pegaflow.cache.block_store import BlockStore  # noqa: E402
 from pegaflow.cache.eviction import LRUPolicy  # noqa: E402
 from pegaflow.cache.instances import Registry  # noqa: E402
 from pegaflow.cache.pool import HostPool  # noqa: E402
-from pegaflow.common.config import PoolConfig, parse_size  # noqa: E402
 from pegaflow.common.keys import Namespace  # noqa: E402
+from pegaflow.common.settings import PoolConfig, parse_size  # noqa: E402
 from pegaflow.server.warm_restart import Recovered, recover  # noqa: E402
 
 BATCH = 64

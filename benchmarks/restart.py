@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import start_server, table, write_json  # noqa: E402
 from pegaflow.client.kv_layouts import describe, vllm_layer_views  # noqa: E402
 from pegaflow.client.pegaflow_client import PegaflowClient  # noqa: E402
-from pegaflow.common.config import parse_size  # noqa: E402
 from pegaflow.common.errors import PegaflowError  # noqa: E402
+from pegaflow.common.settings import parse_size  # noqa: E402
 
 PAGE = 64 << 10
 LAYERS = 32

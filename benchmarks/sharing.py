@@ -48,8 +48,8 @@ from pegaflow.cache.miss_reasons import (
     RemoteProbe,
 )
 from pegaflow.cache.slabs import SlabAllocator  # noqa: E402
-from pegaflow.common.config import HitRateConfig  # noqa: E402
 from pegaflow.common.keys import Namespace  # noqa: E402
+from pegaflow.common.settings import HitRateConfig  # noqa: E402
 
 SLOT = 4096  # bookkeeping only: no byte of the fake pool is touched
 BLOCK_MIB = 2.25

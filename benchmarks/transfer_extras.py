@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from pegaflow.cache.pool import HostPool
-from pegaflow.common.config import PoolConfig
 from pegaflow.common.cuda_driver import HostRegistrar
+from pegaflow.common.settings import PoolConfig
 
 # Llama-3.1-8B
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD = 4096, 32, 32, 8, 128

@@ -17,7 +17,7 @@ Layout
     records.py   one request's bytes: a run's write parts, a piece read + verified
     store.py     files + rings + index + journal behind one lock
     tier.py      SsdTier: the seam the server calls
-    config.py    SsdConfig (moves to pegaflow/common/config.py when wired in)
+    config.py    SsdConfig (moves to pegaflow/common/settings.py when wired in)
     gpu_plan.py  SSD -> GPU direct loads: records -> (file, offset, device, bytes)
                  reads, merged, bounds-checked (pure numpy)
     gpu_reads.py DirectReads: one kvikio batch per load, checksums verified

@@ -1,7 +1,7 @@
 """Configuration of the SSD tier: one frozen dataclass, validated once.
 
-The CLI builds it once into pegaflow.common.config.ServerConfig.ssd. It stays beside
-the tier so pegaflow.common.config keeps importing nothing heavier than the stdlib.
+The CLI builds it once into pegaflow.common.settings.ServerConfig.ssd. It stays beside
+the tier so pegaflow.common.settings keeps importing nothing heavier than the stdlib.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from pegaflow.common.config import check_int, check_seconds
+from pegaflow.common.settings import check_int, check_seconds
 
 from .format import ALIGN, SUPERBLOCK_BYTES, ChecksumName
 from .io import BackendName, DirectIO

@@ -1,6 +1,6 @@
 """`python -m pegaflow.cli` and `pegaflow-server`: pegaflow.server.cli."""
 
-from .server.cli import main
+from pegaflow.server.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -2,6 +2,6 @@
 
 import sys
 
-from .common import errors as _home
+from pegaflow.common import errors as _home
 
 sys.modules[__name__] = _home

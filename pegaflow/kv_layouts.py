@@ -2,6 +2,6 @@
 
 import sys
 
-from .client import kv_layouts as _home
+from pegaflow.client import kv_layouts as _home
 
 sys.modules[__name__] = _home

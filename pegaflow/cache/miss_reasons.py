@@ -35,9 +35,9 @@ from typing import Literal
 
 import numpy as np
 
-from pegaflow.common.config import HitRateConfig
 from pegaflow.common.hash64 import hash64, hash64_batches, splitmix64
 from pegaflow.common.keys import Key, Namespace, PackedHashes
+from pegaflow.common.settings import HitRateConfig
 
 from .eviction import EvictionPolicy, Protected
 from .hll import WindowSet, WindowStats

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 from tqdm import tqdm
 
-from pegaflow.common.config import PoolConfig
 from pegaflow.common.mounts import filesystem_of
+from pegaflow.common.settings import PoolConfig
 
 from .hugepages import huge_share, thp_setting
 from .slabs import SlabAllocator

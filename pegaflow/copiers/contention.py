@@ -49,7 +49,7 @@ from pegaflow.common.geometry import Transfers
 from .path_choice import CopyDirection, CopyPath, CopyPolicy
 
 if TYPE_CHECKING:
-    from pegaflow.common.config import Crossover, CudaConfig
+    from pegaflow.common.settings import Crossover, CudaConfig
 
 # Contended 640-block kernel copies ran at 0.52-0.55 of their idle GB/s on the
 # H200 (client-side rates, 2026-12-01), both directions at once at ~0.5.

@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import os
 from itertools import pairwise
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pegaflow.common.errors import CopyFailed, InvalidRequest
-from pegaflow.common.geometry import Transfers
+from pegaflow.common.geometry import KVGeometry, Transfers
 from pegaflow.common.pidfds import exited, pidfd_open
 
+from .copier import CopyEngine, LoadSignals
 from .vm import file_backed, first_outside, iovecs, read_maps, rw_spans, transfer
-
-if TYPE_CHECKING:
-    from pegaflow.cache.instances import Worker
-
-if TYPE_CHECKING:
-    pass
 
 
 class LayerSignals:
@@ -90,11 +84,17 @@ _EIGHT = np.array([8], np.uint64)
 
 
 def scatter_by_layer(
-    worker: Worker, seq: int, deadline: float | None, handle: object, t: Transfers
+    copier: CopyEngine,
+    geometry: KVGeometry,
+    signals: LoadSignals,
+    seq: int,
+    deadline: float | None,
+    handle: object,
+    t: Transfers,
 ) -> None:
-    """One copy per layer, each followed by its signal: a Python step per layer
-    is what a per-layer signal costs (~50 us a layer on the host path)."""
-    geometry, signals = worker.geometry, worker.signals
+    """One copy per layer into a worker's memory (its copier, geometry and
+    signal words), each followed by its signal: a Python step per layer is
+    what a per-layer signal costs (~50 us a layer on the host path)."""
     rows = len(geometry.layer_rows)
     layer_of = np.tile(geometry.layer_rows, len(t) // rows if rows else 0)
     order = np.argsort(layer_of, kind="stable")
@@ -103,5 +103,5 @@ def scatter_by_layer(
     for layer, (a, b) in enumerate(pairwise(edges.tolist())):
         if b > a:
             part = Transfers(src[a:b], dst[a:b], nbytes[a:b])
-            worker.copier.scatter(handle, part, deadline=deadline)
+            copier.scatter(handle, part, deadline=deadline)
         signals.signal(layer, seq)

@@ -2,7 +2,7 @@
 
 `CopyPolicy` picks kernels or copy engines per batch from its direction, page
 count and page size (the server passes CudaConfig.copy_path and crossovers,
-whose defaults are the H200's table in pegaflow.common.config); `COMPLETION` says how
+whose defaults are the H200's table in pegaflow.common.settings); `COMPLETION` says how
 pegaflow.copiers.cuda_copier waits for a batch of each path. Pure Python: imported
 without CUDA (tests/unit/test_copy_policy.py).
 """
@@ -16,7 +16,7 @@ from pegaflow.common.geometry import Transfers
 from . import dma
 
 if TYPE_CHECKING:  # values the server passes in; no import of its config
-    from pegaflow.common.config import CopyPathSetting, Crossover, CudaConfig
+    from pegaflow.common.settings import CopyPathSetting, Crossover, CudaConfig
 
 CopyPath = Literal["kernel", "dma"]
 CopyDirection = dma.Direction  # save: GPU -> pool, load: pool -> GPU

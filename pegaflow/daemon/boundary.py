@@ -13,12 +13,20 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import Literal, Protocol, TypeVar
+
+from prometheus_client import Histogram
 
 from pegaflow.common.errors import InternalError, PegaflowError
 
-if TYPE_CHECKING:  # any object with rpc_seconds/rpc_timers (the metaserver's too)
-    from pegaflow.server.metrics import Metrics
+
+class Metrics(Protocol):
+    """What a daemon's metrics hold for the boundary (the server's and the
+    metaserver's both): the RPC histogram and its children by labels."""
+
+    rpc_seconds: Histogram
+    rpc_timers: dict[tuple[str, str, str], Histogram]
+
 
 logger = logging.getLogger(__name__)
 

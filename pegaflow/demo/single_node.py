@@ -5,7 +5,7 @@ Engine B, a new process, asks for the same prompt's blocks, loads them into othe
 block ids, and checks every byte against what A had.
 
 With --nodes 2 the two engines sit on two nodes (two servers and a metaserver
-on this host, pegaflow.demo.nodes): B's blocks come from A's node.
+on this host, pegaflow.demo.two_nodes): B's blocks come from A's node.
 
 With --restart-server the server itself (one it starts, on a pool file and an
 SSD file in a temp directory) is SIGKILLed after engine A's save and restarted
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pegaflow.common.config import parse_size
+from pegaflow.common.settings import parse_size
 
-from . import nodes as demo_nodes
+from . import two_nodes as demo_nodes
 from .spawn import spawn_server
 
 PAGE_SHAPE = (8, 16, 256)  # Llama-3.1-8B per layer and block: kv_heads, block, 2*head

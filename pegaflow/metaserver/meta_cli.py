@@ -9,7 +9,7 @@ import sys
 
 from pegaflow import __version__
 from pegaflow.common import peer_auth
-from pegaflow.common.config import addr_arg, log_level, parse_addr
+from pegaflow.common.settings import addr_arg, log_level, parse_addr
 
 from . import meta_compat_flags as original
 from .meta_config import MetaConfig

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pegaflow.common.config import LogLevel, check_int, check_seconds, parse_addr
 from pegaflow.common.peer_auth import check_token
+from pegaflow.common.settings import LogLevel, check_int, check_seconds, parse_addr
 
 # Every request is bounded by these before any work: the largest legitimate
 # request, a 65536-hash batch of 64-byte hashes, is 4 MiB on the wire.

@@ -19,7 +19,7 @@ from http.server import ThreadingHTTPServer
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pegaflow.common.config import parse_addr
+from pegaflow.common.settings import parse_addr
 from pegaflow.daemon.http_endpoint import bind_http, serve_http
 from pegaflow.daemon.startup import StartupError, bind_error, bind_failed
 from pegaflow.proto import metaserver_pb2_grpc as pb_grpc

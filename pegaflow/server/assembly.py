@@ -19,12 +19,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pegaflow.cache.pool import HostPool
 from pegaflow.common import cuda_driver
-from pegaflow.common.config import CudaConfig, ServerConfig, parse_addr
 from pegaflow.common.cuda_driver import (
     POOL_CHUNK_BYTES,
     POOL_CHUNK_THREADS,
     HostRegistrar,
 )
+from pegaflow.common.settings import CudaConfig, parse_addr
 from pegaflow.copiers.copier import CopyEngine, RegionKind
 from pegaflow.copiers.host_copier import HostCopyEngine
 from pegaflow.daemon.http_endpoint import bind_http, serve_http
@@ -47,6 +47,7 @@ from .report import (
     health_report,
     on_loop,
 )
+from .server_config import ServerConfig
 from .socket_file import check_path, unlink_if_ours
 from .socket_service import SocketServerInfo, start_socket_server
 from .warm_restart import Recovered, RecoveryReport, recover

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 from pegaflow import __version__
 from pegaflow.cache.pool import HugepagesUnavailable, PoolTooLarge
-from pegaflow.common.config import (
+from pegaflow.common.request_limits import MAX_CONCURRENT_RPCS
+from pegaflow.common.settings import (
     Crossover,
     CudaConfig,
     EngineConfig,
     HitRateConfig,
     PoolConfig,
-    ServerConfig,
     addr_arg,
     log_level,
     parse_crossovers,
@@ -24,10 +24,10 @@ from pegaflow.common.config import (
     parse_duration,
     parse_size,
 )
-from pegaflow.common.request_limits import MAX_CONCURRENT_RPCS
 from pegaflow.daemon.startup import StartupError
 
 from . import compat_flags, remote_flags
+from .server_config import ServerConfig
 
 if TYPE_CHECKING:
     from pegaflow.gds import SsdConfig
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 DEFAULT_SSD_CAPACITY = 512 << 30
 
 
-# The config field a ValueError names (pegaflow.common.config) -> the flag that sets it.
+# The settings field a ValueError names (pegaflow.common.settings) -> its flag.
 FLAG_OF = {
     "pool_size": "--pool-size",
     "prefault_threads": "--prefault-threads",
@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="where auto takes copy engines: 'none' or e.g. 'save:1-128:65536' "
         "(direction:min_pages[-max_pages][:min_page_bytes], comma-separated; "
-        "default: the table in pegaflow/common/config.py)",
+        "default: the table in pegaflow/common/settings.py)",
     )
     p.add_argument(
         "--copy-contention-ratio",

@@ -28,7 +28,6 @@ from pegaflow.cache.miss_reasons import HitRateTracker, RecordingPolicy
 from pegaflow.cache.pool import HostPool
 from pegaflow.cache.registration_checks import RegisterSpec
 from pegaflow.common import deadlines
-from pegaflow.common.config import EngineConfig
 from pegaflow.common.errors import (
     CopyFailed,
     DeadlineExceeded,
@@ -45,6 +44,7 @@ from pegaflow.common.results import (
     QueryResult,
     SaveResult,
 )
+from pegaflow.common.settings import EngineConfig
 from pegaflow.copiers import copy_wait
 from pegaflow.copiers.copier import CopyEngine, RegionKind
 from pegaflow.copiers.layer_signals import LayerSignals, scatter_by_layer
@@ -323,7 +323,12 @@ class Engine:
         scatter = functools.partial(worker.copier.scatter, deadline=ctx.deadline)
         if layer_seq:
             scatter = functools.partial(
-                scatter_by_layer, worker, layer_seq, ctx.deadline
+                scatter_by_layer,
+                worker.copier,
+                worker.geometry,
+                worker.signals,
+                layer_seq,
+                ctx.deadline,
             )
         seconds = 0.0
         # A lease may expire while we read from the SSD or copy.

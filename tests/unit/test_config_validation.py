@@ -7,15 +7,15 @@ import math
 
 import pytest
 
-from pegaflow.common.config import (
+from pegaflow.common.settings import (
     CudaConfig,
     EngineConfig,
     HitRateConfig,
     PoolConfig,
-    ServerConfig,
     parse_duration,
 )
 from pegaflow.server.cli import build_parser, config_from_args
+from pegaflow.server.server_config import ServerConfig
 
 BAD_SECONDS = [math.nan, math.inf, -math.inf, 0.0, -1.0, 1e9]
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pegaflow.common.config import CudaConfig
 from pegaflow.common.geometry import Transfers
+from pegaflow.common.settings import CudaConfig
 from pegaflow.copiers.contention import (
     DEFAULT_RATIO,
     PROBE_S,

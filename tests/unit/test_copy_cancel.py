@@ -11,9 +11,9 @@ import pytest
 
 from pegaflow.cache.pool import HostPool
 from pegaflow.cache.registration_checks import RegisterSpec
-from pegaflow.common.config import EngineConfig, PoolConfig
 from pegaflow.common.geometry import LayerLayout, Segment, Transfers
 from pegaflow.common.identity import CallContext, Caller
+from pegaflow.common.settings import EngineConfig, PoolConfig
 from pegaflow.server.engine import Engine
 
 PAGE = 4096

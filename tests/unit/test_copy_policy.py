@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pegaflow.common.config import (
+from pegaflow.common.geometry import Transfers
+from pegaflow.common.settings import (
     DEFAULT_CROSSOVERS,
     Crossover,
     CudaConfig,
     parse_crossovers,
 )
-from pegaflow.common.geometry import Transfers
 from pegaflow.copiers.cuda_copier import CopyPolicy
 from pegaflow.copiers.path_choice import COMPLETION
 from pegaflow.server.cli import build_parser, config_from_args, flag_message

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from pegaflow.common.config import EngineConfig
 from pegaflow.common.errors import CopyFailed
 from pegaflow.common.geometry import Transfers
+from pegaflow.common.settings import EngineConfig
 from pegaflow.copiers import copy_wait
 from pegaflow.server.engine import Engine
 from tests.unit.host_engine import host_engine, save_two_blocks

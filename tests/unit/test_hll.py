@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from pegaflow.cache import hll
-from pegaflow.common.config import HitRateConfig
 from pegaflow.common.hash64 import hash64
+from pegaflow.common.settings import HitRateConfig
 
 
 def _count(h64: np.ndarray, bits: int) -> float:

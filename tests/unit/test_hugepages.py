@@ -11,7 +11,7 @@ import pytest
 
 from pegaflow.cache import pool as pool_mod
 from pegaflow.cache.hugepages import huge_share, thp_setting
-from pegaflow.common.config import PoolConfig
+from pegaflow.common.settings import PoolConfig
 
 SMAPS = """\
 7f0000000000-7f0000400000 rw-p 00000000 00:00 0

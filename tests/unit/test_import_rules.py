@@ -1,199 +1,278 @@
-"""The module map of docs/architecture.md, enforced: what vLLM imports (the
-client and the connector) pulls in nothing of the server, and bookkeeping pulls
-in no copy engine or driver. Module-level imports only: a function's lazy
-import is the documented way to reach optional, heavy code."""
+"""The rooms of docs/architecture.md, enforced by folder: each room may import
+only the rooms its rule names (a few prefixes each, no module lists), no two
+rooms or modules import each other in a circle, and inside a room siblings are
+imported relatively, across rooms absolutely.
+
+Every import counts: module level, inside functions (lazy) and under
+TYPE_CHECKING. An arrow a reader has to follow is an arrow, whenever it runs.
+"""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"pegaflow": "pegaflow", "pegaflow.kernels": "kernels"}
-PACKAGES |= {"pegaflow.gds": "gds", "pegaflow.connector": "connector"}
-
-SERVER = {
-    "pegaflow.server.engine",
-    "pegaflow.server.query_path",
-    "pegaflow.tiers.remote.link",
-    "pegaflow.tiers.remote.fetch",
-    "pegaflow.tiers.remote.pins",
-    "pegaflow.tiers.remote.peer_service",
-    "pegaflow.tiers.remote.bringup",
-    "pegaflow.server.grpc_service",
-    "pegaflow.server",
-    "pegaflow.server.socket_service",
-    "pegaflow.cache.block_store",
-    "pegaflow.cache.block_entry",
-    "pegaflow.cache.tier_loads",
-    "pegaflow.cache.deferred_touches",
-    "pegaflow.cache.pool",
-    "pegaflow.cache.slabs",
-    "pegaflow.cache.eviction",
-    "pegaflow.cache.leases",
-    "pegaflow.cache.miss_reasons",
-    "pegaflow.cache.ready_index",
-    "pegaflow.cache.hash_table",
-    "pegaflow.cache.instances",
-    "pegaflow.server.namespaces",
-    "pegaflow.tiers.ssd_tier",
-    "pegaflow.server.report",
-    "pegaflow.server.status_command",
-    "pegaflow.server.metrics",
-    "pegaflow.daemon.boundary",
-    "pegaflow.common.request_limits",
-    "pegaflow.cli",
-    "pegaflow.common.config",
+# Import name -> folder of the checkout (installed, the three land in pegaflow/).
+TOP_FOLDERS = {
+    "pegaflow": "pegaflow",
+    "pegaflow.kernels": "kernels",
+    "pegaflow.gds": "gds",
+    "pegaflow.connector": "connector",
 }
-BOOKKEEPING = [
-    "pegaflow.cache.block_store",
-    "pegaflow.cache.block_entry",
-    "pegaflow.cache.tier_loads",
-    "pegaflow.cache.deferred_touches",
-    "pegaflow.cache.eviction",
-    "pegaflow.cache.leases",
-    "pegaflow.cache.miss_reasons",
-    "pegaflow.cache.ready_index",
-    "pegaflow.cache.hash_table",
-    "pegaflow.cache.instances",
-    "pegaflow.server.namespaces",
-    "pegaflow.cache.pool",
-    "pegaflow.cache.slabs",
-]
-COPY_OR_DRIVER = (
-    "pegaflow.copiers.",
-    "pegaflow.common.cuda_driver",
-    "pegaflow.kernels",
-)
-COPY_PROTOCOLS = "pegaflow.copiers.copier"  # types only: allowed everywhere
+COMMON, PROTO = "pegaflow.common", "pegaflow.proto"
+# Room -> the rooms (or modules) it may import besides itself. Arrows point
+# down: server -> cache / tiers / copiers -> common.
+RULES: dict[str, tuple[str, ...]] = {
+    "pegaflow.common": (),
+    "pegaflow.proto": (),
+    "pegaflow.daemon": (COMMON,),
+    "pegaflow.kernels": (COMMON,),
+    "pegaflow.gds": (COMMON,),
+    "pegaflow.client": (COMMON, PROTO),
+    "pegaflow.connector": (COMMON, "pegaflow.client"),
+    "pegaflow.copiers": (COMMON, "pegaflow.kernels"),
+    # Bookkeeping: the copiers' protocols (types), never a copy engine.
+    "pegaflow.cache": (COMMON, "pegaflow.copiers.copier"),
+    "pegaflow.metaserver": (COMMON, PROTO, "pegaflow.daemon"),
+    "pegaflow.tiers": (
+        COMMON,
+        PROTO,
+        "pegaflow.daemon",
+        "pegaflow.cache",
+        "pegaflow.copiers",
+        "pegaflow.gds",
+        "pegaflow.metaserver.meta_client",
+    ),  # fmt: skip
+    "pegaflow.server": (
+        COMMON,
+        PROTO,
+        "pegaflow.daemon",
+        "pegaflow.cache",
+        "pegaflow.copiers",
+        "pegaflow.gds",
+        "pegaflow.kernels",
+        "pegaflow.tiers",
+    ),  # fmt: skip
+    "pegaflow.demo": (COMMON, "pegaflow.client"),
+    # pegaflow/*.py: the facades users and vLLM name (errors, kv_layouts, cli).
+    "pegaflow": (COMMON, "pegaflow.client", "pegaflow.server"),
+}
+MAX_FACADES = 8  # modules directly in pegaflow/
+# A room with nothing heavy: what vLLM's processes import.
+ENGINE_SIDE = ("pegaflow.client", "pegaflow.connector")
 
 
-def _path(module: str) -> Path | None:
-    for prefix, folder in sorted(PACKAGES.items(), key=lambda p: -len(p[0])):
-        if module == prefix or module.startswith(prefix + "."):
-            rest = module[len(prefix) :].lstrip(".").replace(".", "/")
-            base = ROOT / folder / rest if rest else ROOT / folder
-            for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-                if candidate.is_file():
-                    return candidate
-    return None
+@dataclass(frozen=True, slots=True)
+class Arrow:
+    source: str
+    target: str
+    where: str  # path:line
+    level: int  # 0: absolute
 
 
-def _imports(module: str) -> set[str]:
-    """Our modules that `module` imports at module level (not TYPE_CHECKING)."""
-    path = _path(module)
-    if path is None:
-        return set()
-    tree = ast.parse(path.read_text())
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every product module by import name (generated protobuf code aside)."""
+    out: dict[str, Path] = {}
+    for package, folder in TOP_FOLDERS.items():
+        base = root / folder
+        if not base.is_dir():
             continue
-        found |= _node_imports(node, package)
-    return {m for m in found if m.startswith("pegaflow")}
+        for path in sorted(base.rglob("*.py")):
+            rel = path.relative_to(base).with_suffix("").parts
+            if "_pb2" in path.name or (package == "pegaflow" and rel[0] in _TOPS):
+                continue
+            parts = rel[:-1] if rel[-1] == "__init__" else rel
+            out[".".join((package, *parts))] = path
+    return out
 
 
-def _node_imports(node: ast.stmt, package: str) -> set[str]:
-    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-        return set()  # a lazy import inside a function or method
-    out: set[str] = set()
+_TOPS = {"kernels", "gds", "connector"}  # a checkout may hold them under pegaflow/
+
+
+def room(module: str) -> str:
+    """The rule that governs a module: the longest RULES prefix."""
+    for prefix in sorted(RULES, key=len, reverse=True):
+        if module == prefix or module.startswith(prefix + "."):
+            return prefix
+    raise KeyError(module)
+
+
+def arrows(root: Path = ROOT) -> Iterator[Arrow]:
+    """Each import of one of our modules, from each module."""
+    mods = modules(root)
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            for target, level in _targets(node, package):
+                # A module's own packages run before it anyway: not an arrow.
+                if target in mods and not name.startswith(target + "."):
+                    yield Arrow(name, target, f"{path.relative_to(root)}:{node.lineno}",
+                                level)  # fmt: skip
+
+
+def _targets(node: ast.AST, package: str) -> list[tuple[str, int]]:
     if isinstance(node, ast.Import):
-        out |= {alias.name for alias in node.names}
-    elif isinstance(node, ast.ImportFrom):
-        base = node.module or ""
-        if node.level:
-            parts = package.split(".")
-            parent = parts[: len(parts) - node.level + 1]
-            base = ".".join(parent + ([base] if base else []))
-        out.add(base)
-        out |= {f"{base}.{alias.name}" for alias in node.names}
-    else:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.stmt):
-                out |= _node_imports(child, package)
-    return {m for m in out if _path(m) is not None}
+        return [(alias.name, 0) for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:
+        parts = package.split(".")
+        base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+    names = [f"{base}.{alias.name}" for alias in node.names]
+    return [(base, node.level), *((n, node.level) for n in names)]
 
 
-def _closure(start: str) -> set[str]:
-    seen, todo = set(), [start]
+def _allowed(source: str, target: str) -> bool:
+    mine = room(source)
+    if room(target) == mine or target == "pegaflow":  # the package: __version__
+        return True
+    return any(target == p or target.startswith(p + ".") for p in RULES[mine])
+
+
+def rule_faults(root: Path = ROOT) -> list[str]:
+    return sorted(
+        f"{a.where}: {room(a.source)} may not import {a.target}"
+        for a in arrows(root)
+        if not _allowed(a.source, a.target)
+    )
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected parts of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def graphs(root: Path = ROOT) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(module -> modules, room -> rooms) over every arrow."""
+    by_module: dict[str, set[str]] = {}
+    by_room: dict[str, set[str]] = {}
+    for a in arrows(root):
+        by_module.setdefault(a.source, set()).add(a.target)
+        if room(a.source) != room(a.target):
+            by_room.setdefault(room(a.source), set()).add(room(a.target))
+    return by_module, by_room
+
+
+def style_faults(root: Path = ROOT) -> list[str]:
+    """Absolute imports of the module's own room (siblings are relative, so a
+    room moves as a unit), and relative ones that reach into another room."""
+    faults = []
+    for a in arrows(root):
+        same = room(a.source) == room(a.target)
+        if same and a.level == 0 and room(a.source) != "pegaflow":
+            faults.append(f"{a.where}: {a.target} of the same room, absolutely")
+        elif not same and a.level:
+            faults.append(f"{a.where}: {a.target} of another room, relatively")
+    return sorted(set(faults))
+
+
+def test_every_module_has_a_room_and_few_sit_at_the_top() -> None:
+    mods = modules()
+    assert "pegaflow.server.engine" in mods and "pegaflow.gds.tier" in mods
+    facades = [m for m in mods if room(m) == "pegaflow" and m != "pegaflow"]
+    assert len(facades) <= MAX_FACADES, facades
+
+
+def test_each_room_imports_only_what_its_rule_allows() -> None:
+    faults = rule_faults()
+    assert not faults, "\n".join(faults)
+
+
+def test_no_cycle_between_rooms_or_modules() -> None:
+    by_module, by_room = graphs()
+    assert not cycles(by_room), cycles(by_room)
+    assert not cycles(by_module), cycles(by_module)
+
+
+def test_siblings_relative_other_rooms_absolute() -> None:
+    faults = style_faults()
+    assert not faults, "\n".join(faults)
+
+
+def test_no_two_modules_share_a_basename() -> None:
+    """Two `policy.py` in two rooms read as one; a facade re-exporting its home
+    (pegaflow/errors.py) and a package's __init__/__main__ are not a second name."""
+    seen: dict[str, str] = {}
+    clashes = []
+    for name, path in modules().items():
+        if path.name in ("__init__.py", "__main__.py") or room(name) == "pegaflow":
+            continue
+        other = seen.setdefault(path.name, name)
+        if other != name:
+            clashes.append(f"{other} and {name}")
+    assert not clashes, clashes
+
+
+@pytest.mark.parametrize("entry", ENGINE_SIDE)
+def test_what_vllm_imports_stays_on_the_engine_side(entry: str) -> None:
+    by_module, _ = graphs()
+    seen, todo = set(), [entry]
     while todo:
         module = todo.pop()
-        if module in seen:
-            continue
-        seen.add(module)
-        todo.extend(_imports(module))
-    return seen
+        if module not in seen:
+            seen.add(module)
+            todo.extend(by_module.get(module, ()))
+    outside = {m for m in seen if room(m) not in (*ENGINE_SIDE, COMMON, PROTO)}
+    assert len(seen) > 5 and not outside, sorted(outside)
 
 
-@pytest.mark.parametrize("entry", ["pegaflow.client", "pegaflow.connector"])
-def test_what_vllm_imports_needs_nothing_of_the_server(entry: str) -> None:
-    assert _path(entry) is not None
-    pulled = _closure(entry) & SERVER
-    assert not pulled, f"{entry} pulls in server modules: {sorted(pulled)}"
-
-
-@pytest.mark.parametrize("module", BOOKKEEPING)
-def test_bookkeeping_imports_no_copy_engine_or_driver(module: str) -> None:
-    bad = {
-        m
-        for m in _closure(module)
-        if m.startswith(COPY_OR_DRIVER) and not m.startswith(COPY_PROTOCOLS)
-    }
-    assert not bad, f"{module} pulls in {sorted(bad)}"
-
-
-def test_the_rules_can_fail() -> None:
-    """The checker sees a real import: the engine does pull in the copiers."""
-    assert "pegaflow.copiers.layer_signals" in _closure("pegaflow.server.engine")
-    assert "pegaflow.cache.block_store" in _closure("pegaflow.server.engine")
-
-
-def _import_style_faults(folder: str, package: str) -> list[str]:
-    """Absolute imports of a sibling in the same folder tree (they must be
-    relative), and relative imports that climb out of the folder (they fail
-    when a checkout's folder is imported as a top-level package)."""
-    others = tuple(p for p in PACKAGES if p != package and p.startswith(package))
-    faults = []
-    for path in sorted((ROOT / folder).rglob("*.py")):
-        if "_pb2" in path.name:
-            continue
-        depth = len(path.relative_to(ROOT / folder).parts) - 1  # packages below
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ImportFrom | ast.Import):
-                continue
-            names = (
-                [node.module or ""]
-                if isinstance(node, ast.ImportFrom)
-                else [a.name for a in node.names]
-            )
-            where = f"{path.relative_to(ROOT)}:{node.lineno}"
-            if getattr(node, "level", 0) > depth + 1:
-                faults.append(f"{where} climbs out of {folder}/")
-            for name in names:
-                if getattr(node, "level", 0):
-                    continue
-                inside = name == package or name.startswith(package + ".")
-                elsewhere = name in others or name.startswith(
-                    tuple(o + "." for o in others)
-                )
-                if inside and not elsewhere:
-                    faults.append(f"{where} imports {name} absolutely")
-    return faults
-
-
-@pytest.mark.parametrize("package", sorted(PACKAGES))
-def test_one_import_style_inside_each_folder(package: str) -> None:
-    assert not _import_style_faults(PACKAGES[package], package)
-
-
-def test_the_style_check_can_fail(tmp_path, monkeypatch) -> None:
-    (tmp_path / "gds").mkdir()
-    (tmp_path / "gds" / "a.py").write_text(
-        "from pegaflow.gds.format import X\nfrom ..errors import Y\n"
-    )
-    monkeypatch.setitem(globals(), "ROOT", tmp_path)
-    faults = _import_style_faults("gds", "pegaflow.gds")
-    assert len(faults) == 2, faults
+def test_a_planted_cross_room_cycle_fails(tmp_path: Path) -> None:
+    """The checker reads a real tree: common importing the server (and the
+    server common) breaks the rule, closes a circle of rooms and of modules,
+    and the absolute sibling import breaks the style."""
+    for rel, text in {
+        "pegaflow/__init__.py": "",
+        "pegaflow/common/__init__.py": "",
+        "pegaflow/common/keys.py": "from pegaflow.server import engine\n",
+        "pegaflow/server/__init__.py": "",
+        "pegaflow/server/engine.py": (
+            "from pegaflow.common.keys import X\nfrom pegaflow.server import limits\n"
+        ),
+        "pegaflow/server/limits.py": "",
+    }.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    faults = rule_faults(tmp_path)
+    assert faults == ["pegaflow/common/keys.py:1: pegaflow.common may not import "
+                      "pegaflow.server"] or len(faults) == 2, faults  # fmt: skip
+    assert all("pegaflow.common may not import pegaflow.server" in f for f in faults)
+    by_module, by_room = graphs(tmp_path)
+    assert cycles(by_room) == [["pegaflow.common", "pegaflow.server"]]
+    assert cycles(by_module) == [["pegaflow.common.keys", "pegaflow.server.engine"]]
+    assert style_faults(tmp_path) == [
+        "pegaflow/server/engine.py:2: pegaflow.server.limits of the same room, "
+        "absolutely"
+    ]

@@ -18,10 +18,10 @@ from pegaflow.cache.leases import LeaseTable, TooManyLeases
 from pegaflow.cache.pool import HostPool
 from pegaflow.cache.registration_checks import RegisterSpec
 from pegaflow.cache.slabs import SlabAllocator
-from pegaflow.common.config import EngineConfig, PoolConfig
 from pegaflow.common.geometry import LayerLayout, Segment
 from pegaflow.common.identity import CallContext, Caller
 from pegaflow.common.keys import Namespace
+from pegaflow.common.settings import EngineConfig, PoolConfig
 from pegaflow.server.engine import Engine
 from tests.unit.test_query_reregistered import NoCopy
 

@@ -19,8 +19,8 @@ from pegaflow.cache.miss_reasons import (
     RecordingPolicy,
 )
 from pegaflow.cache.slabs import SlabAllocator
-from pegaflow.common.config import HitRateConfig
 from pegaflow.common.keys import Namespace, PackedHashes
+from pegaflow.common.settings import HitRateConfig
 
 SLOT = 4096
 

@@ -11,8 +11,8 @@ from pegaflow.cache.instances import Instance, Registry
 from pegaflow.cache.leases import LeaseTable
 from pegaflow.cache.miss_reasons import HitRateTracker
 from pegaflow.cache.slabs import SlabAllocator
-from pegaflow.common.config import HitRateConfig
 from pegaflow.common.keys import Namespace
+from pegaflow.common.settings import HitRateConfig
 from pegaflow.server.namespaces import NamespaceReaper
 
 SLOT = 4096

@@ -14,8 +14,8 @@ import xxhash
 from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.eviction import LRUPolicy
 from pegaflow.cache.pool import HostPool
-from pegaflow.common.config import PoolConfig
 from pegaflow.common.keys import Namespace, PackedHashes
+from pegaflow.common.settings import PoolConfig
 from pegaflow.tiers.remote.peer_service import caller_host
 from pegaflow.tiers.remote.pins import PinTable
 from pegaflow.tiers.remote.slot_sums import SlotHasher

@@ -5,7 +5,7 @@ import pytest
 
 from pegaflow.cache.pool import HostPool, HugepagesUnavailable, _hugepages_free
 from pegaflow.cache.slabs import SlabAllocator
-from pegaflow.common.config import PoolConfig, parse_addr, parse_size
+from pegaflow.common.settings import PoolConfig, parse_addr, parse_size
 
 
 def test_parse_size_units() -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from pegaflow.cache.pool import HostPool
 from pegaflow.cache.pool_file import PoolFileError
-from pegaflow.common.config import PoolConfig
+from pegaflow.common.settings import PoolConfig
 
 SIZE = 4 << 20
 

@@ -10,8 +10,8 @@ import pytest
 
 from pegaflow.cache.pool import HostPool
 from pegaflow.cache.pool_file import PoolFileError
-from pegaflow.common.config import PoolConfig
 from pegaflow.common.cuda_driver import CudaError
+from pegaflow.common.settings import PoolConfig
 
 
 class RefusingRegistrar:

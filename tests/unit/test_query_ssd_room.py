@@ -15,9 +15,9 @@ import numpy as np
 
 from pegaflow.cache.pool import HostPool
 from pegaflow.cache.registration_checks import RegisterSpec
-from pegaflow.common.config import EngineConfig, PoolConfig
 from pegaflow.common.geometry import LayerLayout, Segment
 from pegaflow.common.identity import CallContext, Caller
+from pegaflow.common.settings import EngineConfig, PoolConfig
 from pegaflow.server.engine import Engine
 from tests.unit.host_engine import ssd_link
 from tests.unit.test_query_reregistered import NoCopy

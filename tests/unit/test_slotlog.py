@@ -17,8 +17,8 @@ from pegaflow.cache.pool import HostPool
 from pegaflow.cache.pool_file import FREE, LANDED, META_OFFSET, SEALED, WRITING
 from pegaflow.cache.slabs import SlabAllocator
 from pegaflow.cache.slot_log import checksums
-from pegaflow.common.config import PoolConfig
 from pegaflow.common.keys import Namespace
+from pegaflow.common.settings import PoolConfig
 from pegaflow.server.warm_restart import Recovered, recover
 
 SLOT = 16 << 10

@@ -17,10 +17,10 @@ import pytest
 
 from pegaflow.cache.pool import HostPool
 from pegaflow.cache.registration_checks import RegisterSpec
-from pegaflow.common.config import EngineConfig, PoolConfig
 from pegaflow.common.errors import CopyFailed, InvalidRequest
 from pegaflow.common.geometry import LayerLayout, Segment, Transfers
 from pegaflow.common.identity import CallContext, Caller
+from pegaflow.common.settings import EngineConfig, PoolConfig
 from pegaflow.server.engine import Engine
 from pegaflow.tiers.ssd_gpu_direct import SsdDirect
 from tests.unit.host_engine import ssd_link

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.pool import HostPool
-from pegaflow.common.config import parse_addr
+from pegaflow.common.settings import parse_addr
 from pegaflow.daemon.startup import StartupError
 from pegaflow.metaserver.meta_client import MetaClient
 from pegaflow.proto import peer_pb2_grpc

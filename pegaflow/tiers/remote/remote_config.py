@@ -8,8 +8,8 @@ import socket
 from dataclasses import dataclass
 from typing import Literal
 
-from pegaflow.common.config import check_int, check_seconds, parse_addr
 from pegaflow.common.peer_auth import check_token
+from pegaflow.common.settings import check_int, check_seconds, parse_addr
 
 RemoteProtocol = Literal["tcp", "rdma"]
 
