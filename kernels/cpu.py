@@ -2,8 +2,7 @@
 
 It is the reference the CUDA kernels are tested against and the backend of
 machines without a GPU. Copies are synchronous; `stream` and `max_blocks` are
-accepted for signature parity and ignored, `width` and `shape` too (memmove
-picks its own); `copy_pair` is the two copies one after the other.
+accepted for signature parity and ignored, `width` too (memmove picks its own).
 The descriptor loop runs under numba's CPU JIT when numba is installed (it is
 not a base dependency), else as a plain loop of numpy slice copies.
 """
@@ -22,17 +21,14 @@ from pegaflow.common.errors import InternalError
 from pegaflow.common.jit import njit
 
 from .base import CopyKernels
-from .plan import Buffer, LaunchShape, aligned_empty, check_buffer
+from .plan import Buffer, aligned_empty, check_buffer
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "copy_descriptors",
-    "copy_pair",
     "gather",
-    "gather_staged",
     "scatter",
-    "scatter_staged",
     "staging_buffer",
     "stream",
     "synchronize",
@@ -75,7 +71,7 @@ def wrap_array(obj: np.ndarray) -> Buffer:
 
 
 def staging_buffer(nbytes: int) -> Buffer:
-    """Scratch memory for the staged variants (plain host memory here)."""
+    """`nbytes` of scratch memory to copy within (plain host memory here)."""
     return wrap_array(aligned_empty(nbytes))
 
 
@@ -89,7 +85,7 @@ def synchronize(stream: Any) -> None:
 
 
 class CpuKernels(CopyKernels):
-    """Both hooks are the same synchronous descriptor loop."""
+    """The hook is a synchronous descriptor loop."""
 
     def _launch(
         self,
@@ -99,32 +95,12 @@ class CpuKernels(CopyKernels):
         stream: Any,
         max_blocks: int | None,
         width: int,
-        shape: LaunchShape,
     ) -> None:
         if table.shape[1]:
             _copy_table()(src.data, dst.data, table)
 
-    def _launch_pair(
-        self,
-        a: tuple[Buffer, Buffer, np.ndarray],
-        b: tuple[Buffer, Buffer, np.ndarray],
-        stream: Any,
-        max_blocks: int | None,
-        width: int,
-        shape: LaunchShape,
-    ) -> None:
-        for src, dst, table in (a, b):
-            self._launch(src, dst, table, stream, max_blocks, width, shape)
-
-    def _dma(self, src: Buffer, dst: Buffer, runs: np.ndarray, stream: Any) -> None:
-        if runs.shape[1]:
-            _copy_table()(src.data, dst.data, runs)
-
 
 _kernels = CpuKernels()
 copy_descriptors = _kernels.copy_descriptors
-copy_pair = _kernels.copy_pair
 gather = _kernels.gather
 scatter = _kernels.scatter
-gather_staged = _kernels.gather_staged
-scatter_staged = _kernels.scatter_staged

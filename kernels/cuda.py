@@ -28,17 +28,11 @@ plain 8-byte words, otherwise bytes; head and tail bytes go byte-wise.
 Consecutive threads take consecutive words, so a warp's store is one contiguous
 stretch: GPU.md measured that this decides the speed over PCIe (a thread
 writing two words 16 bytes apart was 10x slower). Four loads are issued before
-four stores to keep more reads in flight when they cross PCIe.
-
-A second kernel ("warp", `LaunchShape("warp")`) gives each warp one piece of a
-descriptor instead of each block a whole one: pieces are cut in the kernel
-(`parts` per descriptor, 16-byte multiples), so small requests need no host
-split and no block barrier or shared memory sits between the table read and
-the copy. It can also take two tables between two buffer pairs in one launch,
-alternating pieces of each (`copy_pair`: a save and a load in flight together
-without two grids competing for the SMs). The first ("block") stays the
-default until the H200 comparison (benchmarks/kernel_variants.py) says
-otherwise; its source is left as it was so that comparison is fair.
+four stores to keep more reads in flight when they cross PCIe. On the H200
+(benchmarks/RESULTS.md, "copy strategies compared (issue 12)") this kernel
+ran at 0.89-0.92 of one contiguous memcpy from 64 blocks up, and a
+warp-per-piece kernel (since deleted; git keeps it), other thread counts,
+8-byte words and capped grids did not beat it there.
 
 numpy >= 2.5 dropped `numpy.row_stack`, which numba-cuda 0.30 still registers
 at import: alias it to `vstack` (the same function) before importing numba.cuda.
@@ -68,8 +62,8 @@ from pegaflow.common.geometry import Transfers  # noqa: E402
 from . import table_jit  # noqa: E402
 from .base import CopyKernels  # noqa: E402
 from .driver_launch import DriverLaunch  # noqa: E402
-from .launch_state import EventRotation, StreamTables  # noqa: E402
-from .plan import Buffer, LaunchShape, aligned_empty, check_buffer
+from .launch_state import StreamTables  # noqa: E402
+from .plan import Buffer, aligned_empty, check_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +74,6 @@ config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 # The simulator runs one Python thread per CUDA thread: keep its blocks small.
 THREADS = 32 if SIMULATED else 256
 SM_THREADS = 2048  # resident threads per SM (sm_90): a full grid fills them
-BLOCKS_PER_SM = SM_THREADS // THREADS
-WARP = 32
 SIM_BLOCKS = 4
 # Split descriptors of small requests into pieces of >= MIN_PIECE bytes until
 # the table has a full grid's worth of rows (the simulator: a few, to test it).
@@ -91,11 +83,8 @@ TABLE_MIN_ROWS = 1024
 
 __all__ = [
     "copy_descriptors",
-    "copy_pair",
     "gather",
-    "gather_staged",
     "scatter",
-    "scatter_staged",
     "staging_buffer",
     "stream",
     "synchronize",
@@ -251,94 +240,6 @@ def _kernel() -> Any:
     return cuda.jit(sig)(_copy_body)
 
 
-@cuda.jit(device=True)
-def _range(
-    src8: Any,
-    dst8: Any,
-    src64: Any,
-    dst64: Any,
-    s: int,
-    t: int,
-    n: int,
-    lane: int,
-    width: int,
-) -> None:
-    """One warp copies n bytes at s to t: _copy_body's steps, lane 0 taking
-    the single word up to the 16-byte boundary."""
-    if width > 1 and (s & 7) == (t & 7):
-        head = min((8 - (s & 7)) & 7, n)
-        _bytes(src8, dst8, s, t, head, lane, WARP)
-        s, t, n = s + head, t + head, n - head
-        if width == 16 and (s & 15) == (t & 15) and n >= 16:
-            if s & 15:
-                if lane == 0:
-                    dst64[t >> 3] = src64[s >> 3]
-                s, t, n = s + 8, t + 8, n - 8
-            vecs = n >> 4
-            _pairs(src64, dst64, s >> 3, t >> 3, vecs, lane, WARP)
-            s, t, n = s + 16 * vecs, t + 16 * vecs, n - 16 * vecs
-        words = n >> 3
-        _words(src64, dst64, s >> 3, t >> 3, words, lane, WARP)
-        s, t, n = s + 8 * words, t + 8 * words, n - 8 * words
-    _bytes(src8, dst8, s, t, n, lane, WARP)
-
-
-def _warp_body(
-    a_src8: Any,
-    a_dst8: Any,
-    a_src64: Any,
-    a_dst64: Any,
-    b_src8: Any,
-    b_dst8: Any,
-    b_src64: Any,
-    b_dst64: Any,
-    table: Any,
-    count_a: int,
-    count_b: int,
-    cap: int,
-    parts: int,
-    width: int,
-) -> None:
-    """Rows [0, count_a) of table copy between the a buffers, the next count_b
-    between the b buffers; each warp takes piece v % parts of row v // parts
-    (rows of a and b alternate while both last), grid-striding over the rest."""
-    lane = cuda.threadIdx.x & (WARP - 1)
-    v = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) // WARP
-    warps = cuda.gridDim.x * cuda.blockDim.x // WARP
-    both = min(count_a, count_b)
-    tail_b = count_b > count_a
-    tasks = (count_a + count_b) * parts
-    while v < tasks:  # every lane of a warp shares v: no divergence
-        q = v // parts
-        part = v - q * parts
-        if q < 2 * both:
-            side_b = (q & 1) == 1
-            i = q >> 1
-        else:
-            side_b = tail_b
-            i = q - both
-        row = i + count_a if side_b else i
-        s, t, n = table[row], table[cap + row], table[2 * cap + row]
-        piece = ((n + parts - 1) // parts + 15) // 16 * 16  # keeps s, t mod 16
-        lo = min(part * piece, n)
-        m = min(piece, n - lo)
-        if side_b:
-            _range(b_src8, b_dst8, b_src64, b_dst64, s + lo, t + lo, m, lane, width)
-        else:
-            _range(a_src8, a_dst8, a_src64, a_dst64, s + lo, t + lo, m, lane, width)
-        v += warps
-
-
-@functools.cache
-def _warp_kernel() -> Any:
-    """Compiled on first use, once per process."""
-    if SIMULATED:
-        return cuda.jit(_warp_body)
-    u8, u64, i64 = (types.CPointer(x) for x in (types.uint8, types.uint64, types.int64))
-    sig = types.void(u8, u8, u64, u64, u8, u8, u64, u64, i64, *[types.int64] * 5)
-    return cuda.jit(sig)(_warp_body)
-
-
 # -- host side ---------------------------------------------------------------
 def _device_alias(address: int) -> int:
     """Device address of mapped (registered or host-allocated) pinned memory."""
@@ -382,7 +283,7 @@ def wrap_array(obj: Any) -> Buffer:
 
 
 def staging_buffer(nbytes: int) -> Buffer:
-    """Device scratch memory for the staged variants."""
+    """`nbytes` of device scratch memory to copy within."""
     if SIMULATED:
         host = aligned_empty(nbytes)
         return wrap(host.ctypes.data, nbytes, owner=host)
@@ -407,20 +308,12 @@ def synchronize(stream: Any) -> None:
 
 
 @functools.cache
-def _default_blocks(threads: int = THREADS) -> int:
-    """A grid that fills every SM with `threads`-thread blocks."""
+def _default_blocks() -> int:
+    """A grid that fills every SM with THREADS-thread blocks."""
     if SIMULATED:
         return SIM_BLOCKS
     sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    return sms * max(1, SM_THREADS // threads)
-
-
-def _auto_parts(table: np.ndarray, warps: int) -> int:
-    """Pieces per descriptor so that every warp gets one, none below MIN_PIECE."""
-    n = table.shape[1]
-    if n >= warps:
-        return 1
-    return max(1, min(-(-warps // n), int(table[2].max()) // MIN_PIECE))
+    return sms * max(1, SM_THREADS // THREADS)
 
 
 class _Table:
@@ -437,7 +330,7 @@ class _Table:
 
 
 class CudaKernels(CopyKernels):
-    """Hooks: one numba kernel launch per table, one cuMemcpyAsync per run."""
+    """The hook: one kernel launch per table."""
 
     def __init__(self) -> None:
         # Per stream object, not its handle: a destroyed stream's handle value
@@ -447,25 +340,24 @@ class CudaKernels(CopyKernels):
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()  # guards the dict of streams only
-        self._marks = EventRotation(lambda: cuda.event(timing=False))
-        self._launchers: dict[str, Any] = {}  # kernel name -> its launch call
+        self._launch_call: Any = None  # the kernel's launch, made on first use
         table_jit.compiled()  # compiled or loaded now, not on the first copy
 
-    def _launcher(self, name: str) -> Any:
-        """(blocks, threads, stream, args) -> None for the named kernel: the
+    def _launcher(self) -> Any:
+        """(blocks, threads, stream, args) -> None for the kernel: the
         driver's cuLaunchKernel (pegaflow.kernels.driver_launch), numba's own
         dispatch under the simulator."""
-        launch = self._launchers.get(name)
+        launch = self._launch_call
         if launch is None:
-            kernel, nargs = (_kernel(), 8) if name == "block" else (_warp_kernel(), 14)
+            kernel = _kernel()
             if SIMULATED:
 
                 def launch(blocks: int, threads: int, stream: Any, args: tuple) -> None:
                     kernel[blocks, threads, stream](*args)
 
             else:
-                launch = DriverLaunch(kernel, nargs)
-            self._launchers[name] = launch
+                launch = DriverLaunch(kernel, 8)
+            self._launch_call = launch
         return launch
 
     def _tables(self, stream: Any) -> StreamTables:
@@ -483,20 +375,13 @@ class CudaKernels(CopyKernels):
         stream: Any,
         max_blocks: int | None,
         width: int,
-        shape: LaunchShape,
     ) -> None:
-        if shape.kernel == "warp":
-            none = np.empty((3, 0), np.int64)
-            pair = (src, dst, table), (src, dst, none)
-            self._launch_pair(*pair, stream, max_blocks, width, shape)
-            return
-        threads = shape.threads or THREADS
-        rows = SIM_SPLIT_ROWS if SIMULATED else _default_blocks(threads)
+        rows = SIM_SPLIT_ROWS if SIMULATED else _default_blocks()
         n, piece = table_jit.split_rows(table, rows, MIN_PIECE)
         if not n:
             return
-        blocks = min(n, max_blocks or _default_blocks(threads))
-        launch = self._launcher("block")
+        blocks = min(n, max_blocks or _default_blocks())
+        launch = self._launcher()
         mine = self._tables(stream)
         with mine.lock:  # table choice, fill and launch: one thread at a time
             tab = mine.next(n, _Table)
@@ -506,7 +391,7 @@ class CudaKernels(CopyKernels):
             else:
                 a, b = src.device_address, dst.device_address
                 args = (a, b, a, b, tab.ptr)
-            launch(blocks, threads, stream, (*args, n, tab.cap, width))
+            launch(blocks, THREADS, stream, (*args, n, tab.cap, width))
             tab.done.record(stream)
         logger.debug("copy %d descriptors, %d blocks", n, blocks)
 
@@ -515,74 +400,8 @@ class CudaKernels(CopyKernels):
         ~20 numpy calls were ~100 µs of a 1-block copy on the H200."""
         return table_jit.checked_table(src, dst, t)
 
-    def _launch_pair(
-        self,
-        a: tuple[Buffer, Buffer, np.ndarray],
-        b: tuple[Buffer, Buffer, np.ndarray],
-        stream: Any,
-        max_blocks: int | None,
-        width: int,
-        shape: LaunchShape,
-    ) -> None:
-        """The warp kernel over a's table, then b's, in one launch."""
-        ta, tb = a[2][:, a[2][2] > 0], b[2][:, b[2][2] > 0]
-        ca, cb = ta.shape[1], tb.shape[1]
-        if not ca + cb:
-            return
-        threads = shape.threads or THREADS
-        per_block = threads // WARP
-        full = max_blocks or _default_blocks(threads)
-        both = np.concatenate([ta, tb], axis=1)
-        parts = shape.parts or _auto_parts(both, full * per_block)
-        blocks = min(full, -(-(ca + cb) * parts // per_block))
-        launch = self._launcher("warp")
-        mine = self._tables(stream)
-        with mine.lock:
-            tab = mine.next(ca + cb, _Table)
-            tab.rows[:, : ca + cb] = both
-            args: list[Any] = []
-            for src, dst, _ in (a, b):
-                if SIMULATED:
-                    args += [src.data, dst.data, src.words, dst.words]
-                else:
-                    x, y = src.device_address, dst.device_address
-                    args += [x, y, x, y]
-            table = tab.mem if SIMULATED else tab.ptr
-            launch(
-                blocks, threads, stream, (*args, table, ca, cb, tab.cap, parts, width)
-            )
-            tab.done.record(stream)
-        logger.debug("warp copy %d + %d descriptors x %d parts", ca, cb, parts)
-
-    def _record(self, stream: Any) -> Any:
-        if SIMULATED:  # the simulator runs each launch to its end
-            return None
-        mark = self._marks.take()
-        mark.record(stream)
-        return mark
-
-    def _wait(self, stream: Any, mark: Any) -> None:
-        if mark is not None:
-            mark.wait(stream)  # cuStreamWaitEvent: the host does not wait
-
-    def _dma(self, src: Buffer, dst: Buffer, runs: np.ndarray, stream: Any) -> None:
-        if SIMULATED:
-            for s, d, n in runs.T.tolist():
-                dst.data[d : d + n] = src.data[s : s + n]
-            return
-        from cuda.bindings import driver
-
-        cuda.current_context()  # a fresh thread has none until numba pushes it
-        for s, d, n in runs.T.tolist():  # per contiguous run; runs span whole slots
-            to = driver.CUdeviceptr(dst.address + d)
-            frm = driver.CUdeviceptr(src.address + s)
-            check(driver.cuMemcpyAsync(to, frm, n, stream.handle), "memcpy")
-
 
 _kernels = CudaKernels()
 copy_descriptors = _kernels.copy_descriptors
-copy_pair = _kernels.copy_pair
 gather = _kernels.gather
 scatter = _kernels.scatter
-gather_staged = _kernels.gather_staged
-scatter_staged = _kernels.scatter_staged

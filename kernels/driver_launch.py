@@ -2,10 +2,10 @@
 cuLaunchKernel, their parameters packed into one reused buffer.
 
 numba's dispatch of a launch (argument typing, then cuda.core packing each
-argument) took ~20-30 us of a 1-block copy on the H200 (2026-12-02, fourth
-session: 71-85 us for a planned table launched by numba, 54-56 us through
-cuLaunchKernel, 51-54 us replaying a CUDA graph; benchmarks/kernel_variants.py
-"planned once" cells). Every parameter of these kernels is 8 bytes (pointers
+argument) took ~20-30 us of a 1-block copy on the H200 (benchmarks/RESULTS.md,
+2026-12-02, fourth session, "Where a 1-block kernel copy's time goes": 71-85 us
+for a planned table launched by numba, 54-56 us through cuLaunchKernel, 51-54
+us replaying a CUDA graph). Every parameter of these kernels is 8 bytes (pointers
 passed as integers, int64 counts), so one uint64 array holds them all and a
 second holds a pointer to each.
 

@@ -1,6 +1,6 @@
 """Backend-neutral half of the kernels: buffers, checked descriptor tables and
-staging plans. numpy only, so the CPU twin, the CUDA backend and the simulator
-tests share every line of validation and planning.
+their split into pieces. numpy only, so the CPU twin, the CUDA backend and the
+simulator tests share every line of validation and planning.
 
 A `Buffer` is a byte range the copy may touch, named twice: `address` is how
 `Transfers` name its bytes (a device pointer for engine memory, a host virtual
@@ -20,16 +20,11 @@ import numpy as np
 
 from pegaflow.common.errors import InternalError
 from pegaflow.common.geometry import Transfers
-from pegaflow.common.runs import merge_adjacent
 
 Width = Literal[1, 8, 16]
-Direction = Literal["gather", "scatter"]
-KernelKind = Literal["block", "warp"]
 WIDTHS = (1, 8, 16)
-MAX_THREADS = 1024  # CUDA's limit on threads per block
 ALIGN = 16  # buffer bases must allow the widest store
-STAGE_ALIGN = 16
-MAX_PARTS = 16  # staging parts in turn (the CUDA backend's event rotation)
+PIECE_ALIGN = 16  # split pieces keep each offset modulo the widest store
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,45 +39,6 @@ class Buffer:
     data: Any
     words: Any
     owner: Any = None  # keeps the memory alive while the buffer is used
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchShape:
-    """Which copy kernel runs and how it is cut up (the CPU twin ignores it).
-
-    "block" (the default, the first kernel): each CUDA block takes one
-    descriptor at a time; small requests are split on the host. "warp": each
-    warp takes one piece of a descriptor (`parts` pieces per descriptor, None =
-    enough to give every warp of the grid work), no shared memory or block
-    barriers; it is also the kernel that can move two tables (a save and a
-    load) in one launch. `threads` per CUDA block, None = the backend's default.
-    """
-
-    kernel: KernelKind = "block"
-    threads: int | None = None
-    parts: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kernel not in ("block", "warp"):
-            raise InternalError(f"shape.kernel: {self.kernel!r}, need block|warp")
-        t = self.threads
-        if t is not None and not (32 <= t <= MAX_THREADS and t % 32 == 0):
-            raise InternalError(f"shape.threads: {t}, need a multiple of 32 <= 1024")
-        if self.parts is not None and self.parts < 1:
-            raise InternalError(f"shape.parts: {self.parts}, need >= 1 or None")
-
-
-@dataclass(frozen=True, slots=True)
-class StageChunk:
-    """One staging round: `table` for the kernel, `runs` for the DMA copies.
-
-    Both are int64 [3, k] tables: rows from offset, to offset, nbytes. A gather
-    runs the kernel device -> staging, then the runs staging -> host; a scatter
-    the runs host -> staging, then the kernel staging -> device.
-    """
-
-    table: np.ndarray
-    runs: np.ndarray
 
 
 def check_buffer(address: int, device_address: int, nbytes: int) -> None:
@@ -172,7 +128,7 @@ def split_table(table: np.ndarray, rows: int, min_piece: int) -> np.ndarray:
     if n == 0 or n >= rows:
         return table
     piece = max(min_piece, -(-int(table[2].sum()) // rows))
-    piece = -(-piece // STAGE_ALIGN) * STAGE_ALIGN
+    piece = -(-piece // PIECE_ALIGN) * PIECE_ALIGN
     size = int(table[2, 0])
     if size > 0 and size % piece == 0 and (table[2] == size).all():
         # The usual small request (one block: 32 equal pages): every page cut
@@ -210,94 +166,6 @@ def _even_step(cuts: int, piece: int, size: int) -> np.ndarray:
     step[2, 0] = piece - size
     step.setflags(write=False)
     return step
-
-
-def stage_chunks(
-    table: np.ndarray, capacity: int, direction: Direction
-) -> list[StageChunk]:
-    """Pack a checked table into staging space, in rounds of `capacity` bytes.
-
-    `table` is descriptor_table's; the device side is src for a gather and dst
-    for a scatter. Each round's `runs` are maximal stretches contiguous in both
-    staging and host memory: one DMA copy each. A descriptor keeps its
-    device-side offset modulo 16 in staging, so the kernel's 16-byte path stays
-    open; aligned pages pack back to back and their runs merge.
-    """
-    if capacity < STAGE_ALIGN:
-        raise InternalError(f"staging: capacity {capacity} is below {STAGE_ALIGN}")
-    dev_row, host_row = (0, 1) if direction == "gather" else (1, 0)
-    table = table[:, table[2] > 0]
-    nbytes = table[2]
-    skew = table[dev_row] % STAGE_ALIGN
-    padded = (skew + nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN
-    if padded.size and padded.max() > capacity:
-        i = int(np.argmax(padded))
-        raise InternalError(
-            f"transfers.nbytes: {int(nbytes[i])} bytes in one descriptor exceed "
-            f"the {capacity}-byte staging buffer"
-        )
-    slot_end = np.cumsum(padded)
-    slot_base = slot_end - padded
-    chunks = []
-    start = 0
-    while start < len(nbytes):  # one pass per staging round, not per descriptor
-        base = slot_base[start]
-        stop = int(np.searchsorted(slot_end, base + capacity, side="right"))
-        part = table[:, start:stop]
-        stage = slot_base[start:stop] - base + skew[start:stop]
-        kernel = part.copy()
-        kernel[host_row] = stage
-        runs = _runs(part[host_row], stage, part[2])
-        if direction == "scatter":
-            runs = runs[[1, 0, 2]]  # DMA goes host -> staging
-        chunks.append(StageChunk(kernel, runs))
-        start = stop
-    return chunks
-
-
-@dataclass(frozen=True, slots=True)
-class StageRounds:
-    """stage_chunks' rounds placed in a staging buffer cut into parts: round
-    i's staging offsets already point into part i % len(bases), which starts
-    at bases[i % len(bases)]."""
-
-    chunks: list[StageChunk]
-    bases: tuple[int, ...]
-
-
-def stage_rounds(
-    table: np.ndarray,
-    capacity: int,
-    direction: Direction,
-    parts: int = 1,
-    round_bytes: int | None = None,
-) -> StageRounds:
-    """stage_chunks over `parts` equal, 16-byte aligned parts of a `capacity`
-    byte staging buffer, rounds of at most `round_bytes` (a part's size when
-    None): while one part's runs cross PCIe the next part packs or unpacks."""
-    if not 1 <= parts <= MAX_PARTS:
-        raise InternalError(f"parts: {parts}, need 1..{MAX_PARTS}")
-    part = capacity // parts // STAGE_ALIGN * STAGE_ALIGN
-    if round_bytes is not None:
-        if round_bytes < STAGE_ALIGN:
-            raise InternalError(f"round_bytes: {round_bytes}, need >= {STAGE_ALIGN}")
-        part = min(part, round_bytes // STAGE_ALIGN * STAGE_ALIGN)
-    chunks = stage_chunks(table, part, direction)
-    bases = tuple(i * part for i in range(min(parts, max(1, len(chunks)))))
-    stage_row = 1 if direction == "gather" else 0  # the kernel's staging side
-    run_row = 0 if direction == "gather" else 1  # the runs' staging side
-    for i, chunk in enumerate(chunks):
-        base = bases[i % len(bases)]
-        if base:
-            chunk.table[stage_row] += base
-            chunk.runs[run_row] += base
-    return StageRounds(chunks, bases)
-
-
-def _runs(host: np.ndarray, stage: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
-    """[3, k]: staging offset, host offset, nbytes of each contiguous stretch."""
-    (stage, host), nbytes = merge_adjacent([stage, host], nbytes)
-    return np.stack([stage, host, nbytes])
 
 
 def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:

@@ -25,7 +25,7 @@ import numpy as np
 from pegaflow.common.errors import InternalError
 from pegaflow.common.jit import njit
 
-from .plan import STAGE_ALIGN, check_arrays, descriptor_table
+from .plan import PIECE_ALIGN, check_arrays, descriptor_table
 
 OK, OUT_OF_RANGE, OVERLAP = 0, -1, -2
 # The overlap check's map of seen pages: at most this many cells, or this
@@ -107,7 +107,7 @@ def _split_count(
     for k in range(n):
         total += table[2, k]
     piece = max(min_piece, -(-total // rows))
-    piece = -(-piece // STAGE_ALIGN) * STAGE_ALIGN
+    piece = -(-piece // PIECE_ALIGN) * PIECE_ALIGN
     out = 0
     for k in range(n):
         out += max(1, -(-table[2, k] // piece))

@@ -18,9 +18,6 @@ import numpy as np
 
 from pegaflow import kernels
 from pegaflow.common.geometry import KVGeometry, LayerLayout, Segment, Transfers
-from pegaflow.kernels.plan import LaunchShape
-
-WARP = LaunchShape("warp")
 
 POISON = 0xAB
 MLA_DIM = 576  # DeepSeek MLA latent + rope, bf16
@@ -32,14 +29,9 @@ class Case:
     src: np.ndarray  # uint8, random
     dst_bytes: int
     table: np.ndarray  # uint64 [n, 3]: src offset, dst offset, nbytes
-    op: str = "gather"  # gather | scatter | gather_staged | scatter_staged
+    op: str = "gather"  # gather | scatter
     width: int = 16
     max_blocks: int | None = None
-    staging: int = 0  # staging capacity for the staged ops
-    parts: int = 1  # staged: parts of the staging used in turn
-    round_bytes: int | None = None  # staged: bytes a round at most
-    pipelined: bool = False  # staged: runs on a second stream, rounds overlap
-    shape: LaunchShape | None = None  # None: the backend's default kernel
 
 
 def lbnhc(layers: int, blocks: int, page: int, skew: int = 0) -> tuple:
@@ -86,7 +78,7 @@ def from_geometry(
     )
     table = np.stack([t.src, t.dst, t.nbytes], axis=1).astype(np.uint64)
     sizes = (engine_bytes, pool_bytes)
-    if op.startswith("scatter"):
+    if op == "scatter":
         table = table[:, [1, 0, 2]]
         sizes = sizes[::-1]
     src = np.random.default_rng(seed).integers(0, 256, sizes[0], dtype=np.uint8)
@@ -138,49 +130,8 @@ def all_cases() -> list[Case]:
         replace(base, name="width8", width=8),
         replace(base, name="width1", width=1),
         replace(base, name="one_block", max_blocks=1),
-        replace(base, name="gather_staged", op="gather_staged", staging=256),
-        replace(cases[8], name="scatter_staged", op="scatter_staged", staging=300),
-        replace(cases[4], name="odd_staged", op="gather_staged", staging=128),
     ]
-    # Rounds on two streams over a staging cut into parts: more rounds than
-    # parts, so every part is reused behind the copy that last read it.
-    staged = dict(pipelined=True)
-    cases += [
-        replace(base, name="gather_rounds", op="gather_staged", staging=256,
-                parts=2, **staged),
-        replace(cases[8], name="scatter_rounds", op="scatter_staged", staging=300,
-                parts=3, **staged),
-        replace(cases[4], name="odd_rounds", op="gather_staged", staging=512,
-                parts=4, round_bytes=64, **staged),
-        replace(cases[8], name="scatter_rounds_one_part", op="scatter_staged",
-                staging=200, round_bytes=100, **staged),
-    ]  # fmt: skip
-    return cases + warp_cases(cases)
-
-
-def warp_cases(cases: list[Case]) -> list[Case]:
-    """The warp kernel on the same scenarios, and its own cuts: uneven pieces,
-    several warps per block, one block for everything."""
-    by = {c.name: c for c in cases}
-    out = [
-        replace(by[name], name=f"warp_{name}", shape=WARP)
-        for name in (
-            "lbnhc", "blnhc_8b", "kv_first", "mla", "odd_pages", "skew4",
-            "empty_ids", "scatter_lbnhc", "mixed_alignment", "fuzz0", "width8",
-            "width1", "gather_staged",
-        )
-    ]  # fmt: skip
-    out += [
-        replace(by["mla"], name="warp_parts3", shape=LaunchShape("warp", parts=3)),
-        replace(
-            by["odd_pages"],
-            name="warp_64_threads_parts5",
-            shape=LaunchShape("warp", threads=64, parts=5),
-        ),
-        replace(by["fuzz1"], name="warp_one_block", shape=WARP, max_blocks=1),
-        replace(by["lbnhc"], name="block_64_threads", shape=LaunchShape(threads=64)),
-    ]
-    return out
+    return cases
 
 
 def reference(case: Case) -> np.ndarray:
@@ -213,7 +164,7 @@ def prepare_case(
     `engine` / `pool` allocate the device-side and host-side buffers; a gather
     reads the engine and writes the pool, a scatter the reverse.
     """
-    gathers = case.op.startswith("gather")
+    gathers = case.op == "gather"
     dst_init = np.full(case.dst_bytes, POISON, np.uint8)
     src_buf, _ = (engine if gathers else pool)(case.src)
     dst_buf, read = (pool if gathers else engine)(dst_init)
@@ -221,17 +172,10 @@ def prepare_case(
     abs_table = case.table + base
     t = Transfers(*(abs_table[:, c].copy() for c in range(3)))
     stream = stream if stream is not None else k.stream()
-    kw: dict[str, Any] = {"stream": stream, "max_blocks": case.max_blocks}
-    if case.shape is not None:
-        kw["shape"] = case.shape
-    if case.staging:
-        kw["staging"] = k.staging_buffer(case.staging)
-        kw.update(parts=case.parts, round_bytes=case.round_bytes)
-        if case.pipelined:
-            kw["copy_stream"] = k.stream()
 
     def copy() -> None:
-        getattr(k, case.op)(src_buf, dst_buf, t, width=case.width, **kw)
+        kw = {"stream": stream, "max_blocks": case.max_blocks, "width": case.width}
+        getattr(k, case.op)(src_buf, dst_buf, t, **kw)
         k.synchronize(stream)
 
     return copy, read
@@ -254,29 +198,3 @@ def check(case: Case, got: np.ndarray) -> None:
         f"{case.name}: {bad.size} bytes differ, first at {bad[0]} "
         f"(got {got[bad[0]]:#x}, want {want[bad[0]]:#x})"
     )
-
-
-PAIR = ("lbnhc", "scatter_kv_first")  # a save and a load in one launch
-
-
-def run_pair(
-    k: ModuleType, engine: Alloc, pool: Alloc, shape: LaunchShape = WARP
-) -> tuple[Case, Case, np.ndarray, np.ndarray]:
-    """copy_pair over PAIR's two cases, each in its own buffers: (case a,
-    case b, a's destination bytes, b's destination bytes)."""
-    by = {c.name: c for c in all_cases()}
-    a, b = by[PAIR[0]], by[PAIR[1]]
-    sides = []
-    for case in (a, b):
-        gathers = case.op.startswith("gather")
-        dst_init = np.full(case.dst_bytes, POISON, np.uint8)
-        src_buf, _ = (engine if gathers else pool)(case.src)
-        dst_buf, read = (pool if gathers else engine)(dst_init)
-        base = np.array([src_buf.address, dst_buf.address, 0], np.uint64)
-        abs_table = case.table + base
-        t = Transfers(*(abs_table[:, c].copy() for c in range(3)))
-        sides.append(((src_buf, dst_buf, t), read))
-    stream = k.stream()
-    k.copy_pair(sides[0][0], sides[1][0], stream=stream, shape=shape)
-    k.synchronize(stream)
-    return a, b, sides[0][1](), sides[1][1]()

@@ -28,20 +28,14 @@ if hasattr(np, "row_stack"):
 from pegaflow import kernels  # noqa: E402
 from pegaflow.common.errors import InternalError  # noqa: E402
 from pegaflow.common.geometry import Transfers  # noqa: E402
-from pegaflow.kernels.plan import LaunchShape  # noqa: E402
 from tests.kernels.kernel_cases import (  # noqa: E402
-    PAIR,
     all_cases,
     check,
     host_alloc,
     run_case,
-    run_pair,
 )
 
-PAIR_SHAPES = {
-    "pair": LaunchShape("warp"),
-    "pair_64_threads_parts2": LaunchShape("warp", threads=64, parts=2),
-}
+PLAIN = "lbnhc"  # the case the stream tests copy
 
 
 def shim_installed() -> None:
@@ -78,7 +72,7 @@ def tables_per_stream_object() -> None:
     streams = k._kernels._streams
     before = len(streams)
     first, second = k.stream(), k.stream()
-    case = by[PAIR[0]]
+    case = by[PLAIN]
     for stream in (first, second):
         check(case, run_case(k, case, alloc, alloc, stream=stream))
     mine = [streams[first], streams[second]]
@@ -91,13 +85,13 @@ def tables_per_stream_object() -> None:
 
 
 def a_waiting_stream_holds_no_other() -> None:
-    """A launch waiting for its stream's table (a staged round behind its
-    copy) must not hold up a launch on another stream: the save and load
-    streams go on while either waits. Fails with one lock for all streams."""
+    """A launch waiting for its stream's table (the kernel that last read it
+    still running) must not hold up a launch on another stream: the save and
+    load streams go on while either waits. Fails with one lock for all streams."""
     import threading
 
     k = kernels.backend("cuda")
-    case = {c.name: c for c in all_cases()}[PAIR[0]]
+    case = {c.name: c for c in all_cases()}[PLAIN]
     alloc = host_alloc(k)
     busy, free = k.stream(), k.stream()
     for _ in range(2):  # both of busy's tables in use once
@@ -145,15 +139,6 @@ def a_waiting_stream_holds_no_other() -> None:
     check(case, got["free"])
 
 
-def pair(shape: LaunchShape) -> None:
-    """A save and a load in one launch, each checked against the reference."""
-    k = kernels.backend("cuda")
-    alloc = host_alloc(k)
-    a, b, got_a, got_b = run_pair(k, alloc, alloc, shape)
-    check(a, got_a)
-    check(b, got_b)
-
-
 def main(shard: int, shards: int) -> dict[str, str]:
     k = kernels.backend("cuda")
     assert k.SIMULATED, "simulator not active"
@@ -164,8 +149,6 @@ def main(shard: int, shards: int) -> dict[str, str]:
         ("tables_per_stream_object", tables_per_stream_object),
         ("a_waiting_stream_holds_no_other", a_waiting_stream_holds_no_other),
     ]
-    for name, shape in PAIR_SHAPES.items():
-        jobs.append((name, lambda s=shape: pair(s)))
     for case in all_cases():
         jobs.append((case.name, lambda c=case: check(c, run_case(k, c, alloc, alloc))))
     results = {}

@@ -1,4 +1,4 @@
-"""CPU twin against the numpy reference, plus validation and staging plans.
+"""CPU twin against the numpy reference, plus validation and the table split.
 
 Runs in-process: pegaflow.kernels.cpu never imports numba.cuda.
 """
@@ -20,11 +20,8 @@ from tests.kernels.kernel_cases import (
     Case,
     all_cases,
     check,
-    from_geometry,
     host_alloc,
-    lbnhc,
     run_case,
-    run_pair,
 )
 
 cpu = kernels.backend("cpu")
@@ -36,26 +33,6 @@ CASES = all_cases()
 def test_cpu_matches_reference(case: Case) -> None:
     alloc = host_alloc(cpu)
     check(case, run_case(cpu, case, alloc, alloc))
-
-
-def test_cpu_pair_matches_reference() -> None:
-    """copy_pair on the CPU twin: the two copies, each checked."""
-    alloc = host_alloc(cpu)
-    a, b, got_a, got_b = run_pair(cpu, alloc, alloc)
-    check(a, got_a)
-    check(b, got_b)
-
-
-def test_launch_shape_rejects_bad_values() -> None:
-    shape = kernels.plan.LaunchShape
-    for kw, field in (
-        ({"kernel": "grid"}, "kernel"),
-        ({"threads": 48}, "threads"),
-        ({"threads": 2048}, "threads"),
-        ({"parts": 0}, "parts"),
-    ):
-        with pytest.raises(InternalError, match=f"shape.{field}"):
-            shape(**kw)
 
 
 def test_python_fallback_matches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,49 +121,6 @@ def test_wrap_checks_alignment_and_size() -> None:
         cpu.wrap(mem.ctypes.data, 8)
     with pytest.raises(InternalError, match="array"):
         cpu.wrap_array(np.zeros((4, 8), np.uint8)[:, :4])
-
-
-def test_staging_rounds_merge_contiguous_slots() -> None:
-    """Aligned pages of consecutive slots become one DMA run per round."""
-    case = from_geometry("plan", lbnhc(4, 8, 64), [5, 2, 7], [0, 1, 2], 1)
-    table = np.ascontiguousarray(case.table.T.astype(np.int64))
-    chunks = kernels.plan.stage_chunks(table, 4 * 64 * 2, "gather")
-    assert [c.table.shape[1] for c in chunks] == [8, 4]
-    assert [c.runs.T.tolist() for c in chunks] == [[[0, 0, 512]], [[0, 512, 256]]]
-    np.testing.assert_array_equal(chunks[0].table[0], table[0, :8])
-
-
-def test_staging_keeps_device_alignment_and_rejects_huge_pages() -> None:
-    table = np.array([[3, 0, 20], [40, 100, 8]], np.int64).T
-    (chunk,) = kernels.plan.stage_chunks(table, 64, "scatter")
-    assert (chunk.table[0] % 16).tolist() == [0, 4]  # as device offsets 0, 100
-    assert chunk.runs[0].tolist() == [3, 40]  # scatter runs read the host
-    with pytest.raises(InternalError, match="staging"):
-        kernels.plan.stage_chunks(table, 16, "gather")
-
-
-def test_staging_rounds_take_the_parts_in_turn() -> None:
-    """Round i lives in part i % parts: its kernel table and its runs name
-    the same staging bytes there, and no round outgrows its part."""
-    case = from_geometry("plan", lbnhc(4, 8, 64), [5, 2, 7], [0, 1, 2], 1)
-    table = np.ascontiguousarray(case.table.T.astype(np.int64))
-    rounds = kernels.plan.stage_rounds(table, 1000, "gather", parts=3)
-    part = 1000 // 3 // 16 * 16
-    assert rounds.bases == (0, part, 2 * part)
-    for i, chunk in enumerate(rounds.chunks):
-        lo = rounds.bases[i % 3]
-        assert (chunk.table[1] >= lo).all()
-        assert (chunk.table[1] + chunk.table[2] <= lo + part).all()
-        assert chunk.runs[0].min() == chunk.table[1].min()  # runs read them
-        assert chunk.runs[2].sum() == chunk.table[2].sum()
-    assert len(rounds.chunks) == -(-12 * 64 // (part // 64 * 64))
-    small = kernels.plan.stage_rounds(table, 1000, "scatter", 2, round_bytes=128)
-    assert all(c.table[2].sum() <= 128 for c in small.chunks)
-    assert small.chunks[1].runs[1].min() == small.bases[1]  # scatter runs write it
-    with pytest.raises(InternalError, match="parts"):
-        kernels.plan.stage_rounds(table, 1000, "gather", parts=0)
-    with pytest.raises(InternalError, match="round_bytes"):
-        kernels.plan.stage_rounds(table, 1000, "gather", round_bytes=8)
 
 
 def test_split_keeps_alignment_and_bytes() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import threading
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -27,9 +26,7 @@ from tests.kernels.kernel_cases import (
     check,
     host_alloc,
     lbnhc,
-    prepare_case,
     run_case,
-    run_pair,
 )
 
 pytestmark = pytest.mark.gpu
@@ -72,13 +69,6 @@ def test_gpu_matches_reference(case: Case, k: ModuleType, torch: ModuleType) -> 
     check(case, run_case(k, case, engine_alloc(k, torch), pinned_alloc(k, torch)))
 
 
-def test_gpu_pair_matches_reference(k: ModuleType, torch: ModuleType) -> None:
-    """A save and a load in one launch of the warp kernel, real memory."""
-    a, b, got_a, got_b = run_pair(k, engine_alloc(k, torch), pinned_alloc(k, torch))
-    check(a, got_a)
-    check(b, got_b)
-
-
 @pytest.fixture
 def registered(k: ModuleType) -> Iterator[np.ndarray]:
     """32 MiB of mmap'd memory registered mapped, as the pool registers it."""
@@ -94,16 +84,9 @@ def registered(k: ModuleType) -> Iterator[np.ndarray]:
     runtime.cudaHostUnregister(arr.ctypes.data)  # the mmap goes with the last ref
 
 
-@pytest.mark.parametrize("kernel", ["block", "warp"])
 @pytest.mark.parametrize("width", [16, 8, 1])
-@pytest.mark.parametrize("staged", [False, True])
 def test_llama_like_round_trip(
-    k: ModuleType,
-    torch: ModuleType,
-    registered: np.ndarray,
-    width: int,
-    staged: bool,
-    kernel: str,
+    k: ModuleType, torch: ModuleType, registered: np.ndarray, width: int
 ) -> None:
     """8 layers x 32 blocks of 64 KiB pages: gather into registered pool slots,
     scatter back into a poisoned engine buffer, compare with the CPU twin."""
@@ -119,13 +102,8 @@ def test_llama_like_round_trip(
     registered[:] = 0xAB
     save = geo.engine_to_slots(ids, pool.address + slots * geo.slot_bytes, np.arange(8))
     stream = k.stream()
-    shape = kernels.plan.LaunchShape(kernel)  # type: ignore[arg-type]
-    kw: dict[str, Any] = {"stream": stream, "width": width, "shape": shape}
-    if staged:
-        kw["staging"] = k.staging_buffer(3 << 20)  # forces several rounds
-    getattr(k, "gather_staged" if staged else "gather")(
-        k.wrap_array(engine), pool, save, **kw
-    )
+    kw: dict[str, Any] = {"stream": stream, "width": width}
+    k.gather(k.wrap_array(engine), pool, save, **kw)
     k.synchronize(stream)
     host_engine = engine.cpu().numpy().view(np.uint8)
     want = _cpu_gather(host_engine, engine.data_ptr(), save, pool)
@@ -133,9 +111,7 @@ def test_llama_like_round_trip(
 
     geo_back = KVGeometry(lbnhc(layers, blocks, page), [back.data_ptr()])
     load = geo_back.slots_to_engine(pool.address + slots * geo.slot_bytes, ids)
-    getattr(k, "scatter_staged" if staged else "scatter")(
-        pool, k.wrap_array(back), load, **kw
-    )
+    k.scatter(pool, k.wrap_array(back), load, **kw)
     k.synchronize(stream)
     got = back.cpu().numpy().view(np.uint8)
     page_of = got.reshape(layers, blocks, page)
@@ -157,62 +133,3 @@ def _cpu_gather(engine: np.ndarray, base: int, t: Transfers, pool: Any) -> np.nd
     )
     cpu.gather(src_host, dst_host, rebased, stream=None)
     return read()
-
-
-def test_staged_load_from_a_fresh_thread(k: ModuleType, torch: ModuleType) -> None:
-    """The server copies from worker threads: a staged load starts with a
-    driver copy before any launch, in a thread with no current CUDA context."""
-    case = next(c for c in CASES if c.name == "scatter_staged")
-    copy, read = prepare_case(k, case, engine_alloc(k, torch), pinned_alloc(k, torch))
-    errors: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            copy()
-        except BaseException as e:  # handed to the test thread below
-            errors.append(e)
-
-    worker = threading.Thread(target=work)
-    worker.start()
-    worker.join()
-    assert not errors, errors
-    check(case, read())
-
-
-def test_pipelined_staged_rounds_back_to_back(
-    k: ModuleType, torch: ModuleType, registered: np.ndarray
-) -> None:
-    """Staged rounds on two streams (a 4 MiB staging in 1 MiB rounds, parts in
-    turn): a save, then two loads back to back through the same staging into
-    different blocks, synchronizing only the copy's stream at the end. The
-    second load's first copy must wait for the first load's last unpack,
-    which still reads that staging; every byte is checked."""
-    layers, blocks, page = 8, 32, 64 << 10
-    engine = torch.randint(-128, 128, (layers * blocks * page,), dtype=torch.int8)
-    engine = engine.cuda()
-    back = torch.full_like(engine, -85)  # 0xAB
-    geo = KVGeometry(lbnhc(layers, blocks, page), [engine.data_ptr()])
-    geo_back = KVGeometry(lbnhc(layers, blocks, page), [back.data_ptr()])
-    rng = np.random.default_rng(5)
-    ids = rng.choice(blocks, 24, replace=False)
-    slots = rng.choice(len(registered) // geo.slot_bytes, 24, replace=False)
-    pool = k.wrap(registered.ctypes.data, len(registered), mapped=True)
-    addrs = pool.address + slots * geo.slot_bytes
-    stream, lane = k.stream(), k.stream()
-    kw: dict[str, Any] = dict(
-        staging=k.staging_buffer(4 << 20), stream=stream, copy_stream=lane,
-        parts=4, round_bytes=1 << 20,
-    )  # fmt: skip
-    k.gather_staged(
-        k.wrap_array(engine), pool, geo.engine_to_slots(ids, addrs, np.arange(8)), **kw
-    )
-    targets = rng.permutation(blocks)[:24]  # where the loads land, 12 each
-    for half in (slice(0, 12), slice(12, 24)):
-        load = geo_back.slots_to_engine(addrs[half], targets[half])
-        k.scatter_staged(pool, k.wrap_array(back), load, **kw)
-    k.synchronize(stream)  # everything is done once the copy's stream is
-    src = engine.cpu().numpy().view(np.uint8).reshape(layers, blocks, page)
-    got = back.cpu().numpy().view(np.uint8).reshape(layers, blocks, page)
-    np.testing.assert_array_equal(got[:, targets], src[:, ids])
-    others = np.setdiff1d(np.arange(blocks), targets)
-    assert (got[:, others] == 0xAB).all()

@@ -21,7 +21,6 @@ RUNNER = Path(__file__).with_name("sim_runner.py")
 SHARDS = 2
 NAMES = ["shim_installed", "rejects_bad_requests", "tables_per_stream_object"]
 NAMES += ["a_waiting_stream_holds_no_other"]
-NAMES += ["pair", "pair_64_threads_parts2"]
 NAMES += [c.name for c in all_cases()]
 
 
