@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--server-arg",
         action="append",
         default=[],
-        help="one more server flag, e.g. --server-arg=--copy-wait=thread (repeatable)",
+        help="one more server flag, e.g. --server-arg=--use-hugepages (repeatable)",
     )
     p.add_argument("--copy-path", choices=interference.PATHS, default="auto")
     p.add_argument("--copy-sm-cap", type=int, default=interference.DEFAULT_CAP)

@@ -180,11 +180,6 @@ class EngineConfig:
     # Copies up to this size run on the event loop itself: a hop to a worker
     # thread and back costs more than moving one block (measured ~0.25 ms on VMs).
     inline_copy_bytes: int = 2 << 20
-    # Larger GPU copies that need no engine event: "loop" launches them on the
-    # event loop and waits there (pegaflow.copiers.copy_wait), "thread" on a copy
-    # thread (a thread's hand-off cost 0.24-0.7 ms of a 64-block copy on
-    # the H200, benchmarks/RESULTS.md "sixth session").
-    copy_wait: Literal["loop", "thread"] = "loop"
     max_blocks_per_request: int = 65536
     # Host-memory registration over TCP, where the kernel cannot say which
     # process asks (pegaflow.common.identity): off unless every local user is trusted.
@@ -204,104 +199,26 @@ class EngineConfig:
         check_seconds("lease_sweep_interval_s", self.lease_sweep_interval_s, 60.0)
         check_int("copy_threads", self.copy_threads, 1, MAX_THREADS)
         check_int("inline_copy_bytes", self.inline_copy_bytes, 0, 1 << 30)
-        if self.copy_wait not in ("loop", "thread"):
-            raise ValueError(f"copy_wait: {self.copy_wait!r}, need loop|thread")
         check_int("max_blocks_per_request", self.max_blocks_per_request, 1, 1 << 24)
         check_int("max_large_requests", self.max_large_requests, 1, 1 << 16)
         check_int("max_idle_namespaces", self.max_idle_namespaces, 0, 1 << 24)
 
 
 CopyPathSetting = Literal["auto", "kernel", "dma"]
-CopyDirection = Literal["save", "load"]
-MAX_PAGES = 1 << 32
-
-
-@dataclass(frozen=True, slots=True)
-class Crossover:
-    """A batch of `direction` with `min_pages` to `max_pages` pages of at least
-    `min_page_bytes` each goes to the copy engines (DMA); kernels move the rest.
-    How each path's batch is waited for: pegaflow.copiers.cuda_copier.COMPLETION."""
-
-    direction: CopyDirection
-    min_pages: int
-    min_page_bytes: int = 0
-    max_pages: int = MAX_PAGES
-
-    def __post_init__(self) -> None:
-        if self.direction not in ("save", "load"):
-            raise ValueError(f"copy_crossovers: direction {self.direction!r}")
-        check_int("copy_crossovers", self.min_pages, 1, MAX_PAGES)
-        check_int("copy_crossovers", self.min_page_bytes, 0, 1 << 40)
-        check_int("copy_crossovers", self.max_pages, self.min_pages, MAX_PAGES)
-
-    def covers(self, direction: CopyDirection, pages: int, page_bytes: int) -> bool:
-        return (
-            direction == self.direction
-            and self.min_pages <= pages <= self.max_pages
-            and page_bytes >= self.min_page_bytes
-        )
-
-
-# Measured on the H200 on 2026-12-02 (benchmarks/results/h200_2026-12-02/
-# kernel_variants.log: 64 KiB pages x 32 layers, random ids, wall clock until
-# the host sees completion). Right for an idle GPU; on a busy one kernels
-# slowed an engine's matmul 41-48 %, copy engines ~1 % (2026-12-01). Missing:
-# a choice that knows whether the engine computes.
-# - save, N = 1 block: copy engines + mapped flag 112 us P50, block kernel +
-#   stream sync 208 us (272 us at the server's 66-CTA cap: 7.7 GB/s). At N = 8
-#   the kernel wins (33.2-34.6 vs 24.5 GB/s: 0.49 vs 0.68 ms). Fixed plus
-#   per-block costs fitted to N = 1 and 8 cross at 3-4.5 blocks, so copy
-#   engines take saves of up to 4 blocks (128 pages); N = 2-4 are
-#   interpolated, not measured.
-# - save, N >= 64: the kernel (0.89-0.92 of the ceiling) beats copy engines
-#   (0.69-0.78) at every N, 2560 included (50.5 vs 43.1 GB/s; the server's own
-#   copy time agreed on 2026-12-01: 43-44 GB/s by DMA at 2560, 49-50 by
-#   kernel at 640), so the earlier "DMA from 2560 blocks" row is gone.
-# - load: kernels at every N; at N = 1 copy engines + flag only tie (161 us).
-DEFAULT_CROSSOVERS = (Crossover("save", 1, 64 << 10, max_pages=4 * 32),)
-
-
-def parse_crossovers(text: str) -> tuple[Crossover, ...]:
-    """'none', or 'save:1-128:65536,load:4096' (direction:pages[:min_bytes],
-    pages being min_pages or min_pages-max_pages)."""
-    if text.strip().lower() == "none":
-        return ()
-    rows = []
-    for item in text.split(","):
-        parts = item.strip().split(":")
-        try:
-            if not 2 <= len(parts) <= 3:
-                raise ValueError
-            low, dash, high = parts[1].partition("-")
-            pages = [int(low), *([int(high)] if dash else [])]
-            min_bytes = int(parts[2]) if len(parts) == 3 else 0
-        except ValueError:
-            raise ValueError(
-                f"copy_crossovers: {item!r}, need "
-                "direction:min_pages[-max_pages][:min_bytes]"
-            ) from None
-        direction, lo, hi = parts[0], pages[0], pages[-1] if dash else MAX_PAGES
-        rows.append(Crossover(direction, lo, min_bytes, hi))  # type: ignore[arg-type]
-    return tuple(rows)
 
 
 @dataclass(frozen=True, slots=True)
 class CudaConfig:
     """The GPU data path: which devices, how many CTAs per copy direction, and
     whether a batch moves by kernel or copy engine (`copy_path`; "auto" picks
-    per batch from `crossovers` and, with `contention_ratio`, from how fast
-    recent kernel copies ran)."""
+    per batch from the measured constants in pegaflow.copiers.measured: the
+    crossover table, and how fast recent kernel copies ran)."""
 
     enabled: bool = True  # False: host engines only, CUDA is never touched
     devices: tuple[int, ...] | None = None  # None: every visible GPU, if any
     max_ctas: int = 66
     event_timeout_s: float = 10.0  # bound on a save waiting for an engine event
     copy_path: CopyPathSetting = "auto"
-    crossovers: tuple[Crossover, ...] = DEFAULT_CROSSOVERS
-    # auto: copy engines while kernel copies run below this share of their
-    # best rate (another context computing; pegaflow.copiers.contention, whose
-    # DEFAULT_RATIO this is); 0 off
-    contention_ratio: float = 0.65
 
     def __post_init__(self) -> None:
         if self.devices is not None and (not self.devices or min(self.devices) < 0):
@@ -310,11 +227,6 @@ class CudaConfig:
         check_seconds("event_timeout_s", self.event_timeout_s, 3600.0)
         if self.copy_path not in ("auto", "kernel", "dma"):
             raise ValueError(f"copy_path: {self.copy_path!r}, need auto|kernel|dma")
-        if not all(isinstance(c, Crossover) for c in self.crossovers):
-            raise ValueError("copy_crossovers: need Crossover rows")
-        ratio = self.contention_ratio
-        if isinstance(ratio, bool) or not (ratio == 0 or 0 < ratio < 1):
-            raise ValueError(f"contention_ratio: {ratio!r}, need 0 (off) or 0 < r < 1")
 
 
 def parse_devices(text: str) -> CudaConfig:

@@ -46,14 +46,15 @@ import numpy as np
 
 from pegaflow.common.geometry import Transfers
 
+from . import measured
 from .path_choice import CopyDirection, CopyPath, CopyPolicy
 
 if TYPE_CHECKING:
-    from pegaflow.common.settings import Crossover, CudaConfig
+    from pegaflow.common.settings import CudaConfig
 
-# Contended 640-block kernel copies ran at 0.52-0.55 of their idle GB/s on the
-# H200 (client-side rates, 2026-12-01), both directions at once at ~0.5.
-DEFAULT_RATIO = 0.65
+    from .measured import Crossover
+
+# The switching ratio: measured.CONTENTION_RATIO (the H200's figures are there).
 PROBE_S = 1.0  # a contended 640-block kernel probe (~60 ms) shares 6 % of a second
 MIN_PAGES = 64
 MIN_BYTES = 4 << 20  # ~0.1 ms of copy: launch and wake-up jitter stay small
@@ -73,7 +74,7 @@ class Contention:
 
     def __init__(
         self,
-        ratio: float = DEFAULT_RATIO,
+        ratio: float = measured.CONTENTION_RATIO,
         probe_s: float = PROBE_S,
         min_pages: int = MIN_PAGES,
         min_bytes: int = MIN_BYTES,
@@ -175,7 +176,7 @@ class ContendedPolicy(CopyPolicy):
     def __init__(
         self,
         crossovers: tuple[Crossover, ...] = (),
-        ratio: float = DEFAULT_RATIO,
+        ratio: float = measured.CONTENTION_RATIO,
         probe_s: float = PROBE_S,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -188,11 +189,11 @@ class ContendedPolicy(CopyPolicy):
 
     @classmethod
     def from_config(cls, config: CudaConfig) -> CopyPolicy:
-        """The server's policy: this one for "auto" with a ratio, else the
-        plain table (or the forced path)."""
-        if config.copy_path != "auto" or config.contention_ratio == 0:
+        """The server's policy: this one, on the measured table and ratio,
+        for "auto"; the plain forced path for "kernel" or "dma"."""
+        if config.copy_path != "auto":
             return CopyPolicy.from_config(config)
-        return cls(config.crossovers, config.contention_ratio)
+        return cls(measured.CROSSOVERS, measured.CONTENTION_RATIO)
 
     def _gpu(self, device: int) -> Contention:
         gpu = self.gpus.get(device)

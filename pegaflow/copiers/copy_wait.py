@@ -29,11 +29,8 @@ EARLY_S = 150e-6  # the timer fires at least this long before the expected end
 # on an estimate from smaller batches: the H200, sixth session)
 EARLY_SHARE = 0.03
 POLL_S = 1e-3  # polling past the expected end before handing to a thread
-# Batches expected to run longer wait on a copy thread: on the H200 (seventh
-# session of 2026-12-02, three A/B rounds) the loop gained 8-12 % at 64 blocks
-# (~3 ms) and lost 2-7 % on 640- and 2560-block loads (27 / 110 ms), where a
-# thread's hand-off is ~1 % of the copy.
-LOOP_MAX_S = 8e-3
+# Which batches are launched here at all (those expected to end within
+# measured.LOOP_MAX_S) is the copier's choice: CudaCopyEngine.launch.
 
 
 class Launched(Protocol):

@@ -25,7 +25,7 @@ copy starts within ~50 us of its event completing.
 
 Each batch moves by kernel or by the copy engines (pegaflow.copiers.dma),
 chosen per batch from its shape by a CopyPolicy: copy engines for saves of a
-few blocks, kernels for the rest (config.DEFAULT_CROSSOVERS has the figures);
+few blocks, kernels for the rest (measured.CROSSOVERS has the figures);
 copy engines use no SMs. Both run on the direction's stream, so the choice
 never reorders a save or a load. How the thread then waits for the batch
 follows its path (COMPLETION; pegaflow.copiers.completion).
@@ -50,7 +50,7 @@ from pegaflow.common import cuda_driver, deadlines
 from pegaflow.common.errors import CopyFailed, InvalidRequest
 from pegaflow.common.geometry import Transfers
 
-from . import copy_wait, dma
+from . import dma, measured
 from .completion import StreamFlag
 from .copier import CudaExport
 from .gpu_state import Faults, InFlight, Rates
@@ -425,12 +425,12 @@ class CudaCopyEngine:
         """Queue a save (no engine event) or a load and return at once; None
         when the batch must go by a copy thread instead: its stream has a
         batch in flight (gpu_state.InFlight.busy), or its size class's rate
-        says it runs longer than copy_wait.LOOP_MAX_S."""
+        says it runs longer than measured.LOOP_MAX_S."""
         dev = regions.device
         self._faults.check(dev.ordinal)
         path = self._policy.choose_for(direction, t, dev.ordinal)
         rate = self._rates.rate((dev.ordinal, direction, path), t.total_bytes)
-        if rate is not None and t.total_bytes / rate > copy_wait.LOOP_MAX_S:
+        if rate is not None and t.total_bytes / rate > measured.LOOP_MAX_S:
             return None
         if not self._flights.claim((dev.ordinal, direction)):
             return None

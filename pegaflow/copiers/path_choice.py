@@ -1,8 +1,8 @@
 """Which path moves a GPU batch, and how its completion is waited for.
 
 `CopyPolicy` picks kernels or copy engines per batch from its direction, page
-count and page size (the server passes CudaConfig.copy_path and crossovers,
-whose defaults are the H200's table in pegaflow.common.settings); `COMPLETION` says how
+count and page size (the server passes CudaConfig.copy_path and the H200's
+crossover table, pegaflow.copiers.measured.CROSSOVERS); `COMPLETION` says how
 pegaflow.copiers.cuda_copier waits for a batch of each path. Pure Python: imported
 without CUDA (tests/unit/test_copy_policy.py).
 """
@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING, Literal
 
 from pegaflow.common.geometry import Transfers
 
-from . import dma
+from . import dma, measured
 
 if TYPE_CHECKING:  # values the server passes in; no import of its config
-    from pegaflow.common.settings import CopyPathSetting, Crossover, CudaConfig
+    from pegaflow.common.settings import CopyPathSetting, CudaConfig
+
+    from .measured import Crossover
 
 CopyPath = Literal["kernel", "dma"]
 CopyDirection = dma.Direction  # save: GPU -> pool, load: pool -> GPU
@@ -36,9 +38,9 @@ FLAG_MAX_BYTES = 16 << 20
 class CopyPolicy:
     """Kernel or copy engines for one batch, from its direction, page count and
     page size: `setting` "kernel" or "dma" forces one, "auto" takes DMA where a
-    crossover row of the batch's direction says so (the server passes
-    CudaConfig.crossovers, whose defaults are the measured table). With no
-    rows, "auto" is kernels only."""
+    crossover row of the batch's direction says so (the server passes the
+    measured table, from_config; tests pass rows of their own). With no rows,
+    "auto" is kernels only."""
 
     def __init__(
         self, setting: CopyPathSetting = "auto", crossovers: tuple[Crossover, ...] = ()
@@ -50,7 +52,7 @@ class CopyPolicy:
 
     @classmethod
     def from_config(cls, config: CudaConfig) -> CopyPolicy:
-        return cls(config.copy_path, config.crossovers)
+        return cls(config.copy_path, measured.CROSSOVERS)
 
     def choose(self, direction: CopyDirection, pages: int, page_bytes: int) -> CopyPath:
         if self.setting != "auto":

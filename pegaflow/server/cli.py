@@ -12,14 +12,12 @@ from pegaflow import __version__
 from pegaflow.cache.pool import HugepagesUnavailable, PoolTooLarge
 from pegaflow.common.request_limits import MAX_CONCURRENT_RPCS
 from pegaflow.common.settings import (
-    Crossover,
     CudaConfig,
     EngineConfig,
     HitRateConfig,
     PoolConfig,
     addr_arg,
     log_level,
-    parse_crossovers,
     parse_devices,
     parse_duration,
     parse_size,
@@ -41,10 +39,7 @@ FLAG_OF = {
     "prefault_threads": "--prefault-threads",
     "lease_ttl_s": "--lease-ttl",
     "copy_threads": "--copy-threads",
-    "copy_wait": "--copy-wait",
     "max_ctas": "--copy-ctas",
-    "copy_crossovers": "--copy-crossovers",
-    "contention_ratio": "--copy-contention-ratio",
     "event_timeout_s": "--cuda-event-timeout",
     "metric_hll_windows": "--metric-hll-windows",
     "metric_hll_bucket_bits": "--metric-hll-bucket-bits",
@@ -196,33 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--copy-path",
         choices=("auto", "kernel", "dma"),
         default="auto",
-        help="kernels, copy engines (cuMemcpyBatchAsync: no SMs), or per batch "
-        "from --copy-crossovers (default: auto)",
-    )
-    p.add_argument(
-        "--copy-wait",
-        choices=("loop", "thread"),
-        default="loop",
-        help="GPU copies above one block that wait for no engine event: launched "
-        "and awaited on the server's event loop (no thread hand-off), or on a "
-        "copy thread (default: loop)",
-    )
-    p.add_argument(
-        "--copy-crossovers",
-        default=None,
-        help="where auto takes copy engines: 'none' or e.g. 'save:1-128:65536' "
-        "(direction:min_pages[-max_pages][:min_page_bytes], comma-separated; "
-        "default: the table in pegaflow/common/settings.py)",
-    )
-    p.add_argument(
-        "--copy-contention-ratio",
-        type=float,
-        default=0.65,
-        help="auto only: move a GPU's kernel copies to copy engines while they "
-        "run below this share of the best GB/s kernel copies of their size "
-        "reached there (the server times each copy: another process's kernels "
-        "time-slice with ours); one kernel probe a second switches back; 0: "
-        "off, the crossover table only (default: 0.65)",
+        help="kernels, copy engines (cuMemcpyBatchAsync: no SMs), or auto: "
+        "per batch from a measured table, and copy engines while another "
+        "process computes on the GPU (pegaflow/copiers/measured.py; default: "
+        "auto)",
     )
     p.add_argument(
         "--cuda-event-timeout",
@@ -429,7 +401,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             enable_lfu_admission=args.enable_lfu_admission,
             lease_ttl_s=args.lease_ttl,
             copy_threads=args.copy_threads,
-            copy_wait=args.copy_wait,
             allow_tcp_host_engines=args.allow_tcp_host_engines,
             max_idle_namespaces=args.max_idle_namespaces,
             hit_rate=HitRateConfig(
@@ -442,18 +413,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_ctas=args.copy_ctas,
             event_timeout_s=args.cuda_event_timeout,
             copy_path=args.copy_path,
-            contention_ratio=args.copy_contention_ratio,
-            **crossovers(args),
         ),
         ssd=ssd_config(args),
         remote=remote_flags.remote_config(args),
     )
-
-
-def crossovers(args: argparse.Namespace) -> dict[str, tuple[Crossover, ...]]:
-    if args.copy_crossovers is None:
-        return {}
-    return {"crossovers": parse_crossovers(args.copy_crossovers)}
 
 
 def main(argv: list[str] | None = None) -> int:

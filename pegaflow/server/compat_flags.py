@@ -1,9 +1,12 @@
-"""The original PegaFlow `pegaflow-server`'s flags that have no flag of ours.
+"""The original PegaFlow `pegaflow-server`'s flags that have no flag of ours,
+and our own deprecated flags.
 
 A command line copied from the original's docs keeps working: each flag here is
 either translated into our settings (`translate`) or accepted and ignored with
 one WARNING line saying why (`IGNORED`). The flags we share with the original
 (--addr, --pool-size, --ssd-cache-path, ...) live in pegaflow.cli itself.
+Flags of ours on their way out (`DEPRECATED`) are accepted and ignored the same
+way for a release, each WARNING line naming what replaces it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,29 @@ IGNORED: dict[str, tuple[Callable[[str], object] | None, str]] = {
     "--transfer-lock-timeout-secs": (
         int,
         "remote reads are bounded by --remote-fetch-timeout, and take no lock",
+    ),
+}
+
+# Our flags that set measured constants (issue 28): ignored for a release,
+# then removed. flag -> (argparse type; what replaces it). Their values are
+# pegaflow/copiers/measured.py's, with the H200 figures behind each.
+DEPRECATED: dict[str, tuple[Callable[[str], object] | None, str]] = {
+    "--copy-crossovers": (
+        str,
+        "where --copy-path auto takes copy engines is a measured table "
+        "(pegaflow/copiers/measured.py); --copy-path kernel|dma forces one path",
+    ),
+    "--copy-contention-ratio": (
+        str,
+        "--copy-path auto's switch to copy engines on a shared GPU uses a "
+        "measured ratio (pegaflow/copiers/measured.py); --copy-path kernel|dma "
+        "forces one path",
+    ),
+    "--copy-wait": (
+        str,
+        "GPU copies are awaited on the event loop up to a measured length, on "
+        "a copy thread past it (pegaflow/copiers/measured.py); nothing "
+        "replaces it",
     ),
 }
 
@@ -100,16 +126,20 @@ def add_flags(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
         else:
             g.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
+    for flag, (kind, _why) in DEPRECATED.items():  # ours: in no group, no help
+        p.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
 
 
 def ignored_warnings(args: argparse.Namespace) -> list[str]:
-    """One line per ignored flag the command line carries."""
+    """One line per ignored or deprecated flag the command line carries."""
     lines = []
-    for flag, (kind, why) in IGNORED.items():
-        value = getattr(args, dest(flag))
-        if value is not None and value is not False:
-            shown = flag if kind is None else f"{flag} {value}"
-            lines.append(f"{shown} is accepted and ignored: {why}")
+    for table, said in ((IGNORED, "is accepted and ignored"),
+                        (DEPRECATED, "is deprecated and ignored")):  # fmt: skip
+        for flag, (kind, why) in table.items():
+            value = getattr(args, dest(flag))
+            if value is not None and value is not False:
+                shown = flag if kind is None else f"{flag} {value}"
+                lines.append(f"{shown} {said}: {why}")
     return lines
 
 

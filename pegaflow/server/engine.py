@@ -505,7 +505,7 @@ class Engine:
         t: Transfers,
         deadline: float | None,
     ) -> copy_wait.Launched | None:
-        if launch_as is None or self.config.copy_wait != "loop":
+        if launch_as is None:
             return None
         launch = getattr(worker.copier, "launch", None)
         return None if launch is None else launch(launch_as, worker.handle, t, deadline)

@@ -10,14 +10,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from pegaflow.common.geometry import Transfers
 from pegaflow.common.settings import CudaConfig
-from pegaflow.copiers.contention import (
-    DEFAULT_RATIO,
-    PROBE_S,
-    ContendedPolicy,
-    Contention,
-)
+from pegaflow.copiers.contention import PROBE_S, ContendedPolicy, Contention
+from pegaflow.copiers.measured import CONTENTION_RATIO, CROSSOVERS
 from pegaflow.copiers.path_choice import CopyPolicy
-from pegaflow.server.cli import build_parser, config_from_args, flag_message
 from pegaflow.server.metrics import CopyPathCollector
 
 PAGE = 64 << 10
@@ -162,7 +157,7 @@ def test_policy_keeps_the_table_and_learns_per_gpu() -> None:
     GPU 0 leaves GPU 1 on kernels; /stats and /metrics see it."""
     clock = Clock()
     assert type(ContendedPolicy.from_config(CudaConfig())) is ContendedPolicy
-    policy = ContendedPolicy(CudaConfig().crossovers, clock=clock)
+    policy = ContendedPolicy(CROSSOVERS, clock=clock)
     big = _table(BIG)
     assert policy.choose_for("save", _table(32), 0) == "dma"
     for rate in (IDLE, BUSY, BUSY):
@@ -197,15 +192,15 @@ def test_policy_keeps_the_table_and_learns_per_gpu() -> None:
 def test_forced_paths_and_zero_keep_the_plain_policy(setting: str) -> None:
     plain = ContendedPolicy.from_config(CudaConfig(copy_path=setting))
     assert type(plain) is CopyPolicy and plain.report() == {"setting": setting}
-    off = ContendedPolicy.from_config(CudaConfig(contention_ratio=0))
-    assert type(off) is CopyPolicy
 
 
-def test_the_flag_and_its_bounds() -> None:
-    assert CudaConfig().contention_ratio == DEFAULT_RATIO
-    args = build_parser().parse_args(["--copy-contention-ratio", "0.5"])
-    assert config_from_args(args).cuda.contention_ratio == 0.5
-    for bad in (1.0, -0.1, 2.0):
-        with pytest.raises(ValueError, match="contention_ratio") as info:
-            CudaConfig(contention_ratio=bad)
-        assert "--copy-contention-ratio" in flag_message(info.value)
+def test_the_measured_ratio_and_its_bounds() -> None:
+    """The server's auto takes the measured ratio and table; a constructor
+    (tests) may pass another ratio inside (0, 1)."""
+    auto = ContendedPolicy.from_config(CudaConfig())
+    assert isinstance(auto, ContendedPolicy)
+    assert auto.ratio == CONTENTION_RATIO == 0.65 and auto.crossovers == CROSSOVERS
+    assert ContendedPolicy(ratio=0.5).report()["contention_ratio"] == 0.5
+    for bad in (0.0, 1.0, -0.1, 2.0):
+        with pytest.raises(ValueError, match="contention_ratio"):
+            ContendedPolicy(ratio=bad)

@@ -1,5 +1,6 @@
-"""Kernel or copy engines, per batch (pegaflow.copiers.cuda_copier.CopyPolicy), and the
-settings that feed it: CudaConfig.copy_path / crossovers and their flags."""
+"""Kernel or copy engines, per batch (pegaflow.copiers.cuda_copier.CopyPolicy), and
+what feeds it: CudaConfig.copy_path (--copy-path) and the measured crossover
+table (pegaflow.copiers.measured.CROSSOVERS)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,11 @@ import numpy as np
 import pytest
 
 from pegaflow.common.geometry import Transfers
-from pegaflow.common.settings import (
-    DEFAULT_CROSSOVERS,
-    Crossover,
-    CudaConfig,
-    parse_crossovers,
-)
+from pegaflow.common.settings import CudaConfig
 from pegaflow.copiers.cuda_copier import CopyPolicy
+from pegaflow.copiers.measured import CROSSOVERS, Crossover
 from pegaflow.copiers.path_choice import COMPLETION
-from pegaflow.server.cli import build_parser, config_from_args, flag_message
+from pegaflow.server.cli import build_parser, config_from_args
 
 LAYERS, PAGE = 32, 64 << 10
 
@@ -45,7 +42,7 @@ def test_completion_follows_the_path() -> None:
 
 @pytest.mark.parametrize("setting", ["kernel", "dma"])
 def test_a_forced_path_wins_over_the_table(setting: str) -> None:
-    forced = CopyPolicy(setting, DEFAULT_CROSSOVERS)  # type: ignore[arg-type]
+    forced = CopyPolicy(setting, CROSSOVERS)  # type: ignore[arg-type]
     for direction in ("save", "load"):
         for pages in (1, 2560 * LAYERS):
             assert forced.choose(direction, pages, PAGE) == setting
@@ -81,44 +78,34 @@ def test_rows_with_a_page_range() -> None:
         "dma",
         "kernel",
     ]
-    with pytest.raises(ValueError, match="copy_crossovers"):
-        Crossover("save", 10, 0, max_pages=9)
-
-
-def test_parse_crossovers() -> None:
-    assert parse_crossovers("none") == ()
-    assert parse_crossovers("save:81920:65536, load:5") == (
-        Crossover("save", 81920, 65536),
-        Crossover("load", 5, 0),
+    bad_rows = (
+        {"max_pages": 9},
+        {"direction": "both"},
+        {"min_pages": 0},
+        {"min_page_bytes": -1},
     )
-    assert parse_crossovers("save:1-128:65536,load:7-7") == (
-        Crossover("save", 1, 65536, 128),
-        Crossover("load", 7, 0, 7),
-    )
-    bad_rows = ("save", "save:x", "both:5", "save:0", "save:1:2:3", "", "save:5-4")
-    for bad in (*bad_rows, "save:1-", "save:-1", "save:1-x:5"):
-        with pytest.raises(ValueError, match="copy_crossovers"):
-            parse_crossovers(bad)
+    for bad in bad_rows:
+        row = {"direction": "save", "min_pages": 10, **bad}
+        with pytest.raises(ValueError, match="crossover"):
+            Crossover(**row)  # type: ignore[arg-type]
 
 
 def test_config_refuses_an_unknown_path() -> None:
     with pytest.raises(ValueError, match="copy_path"):
         CudaConfig(copy_path="fast")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="copy_crossovers"):
-        CudaConfig(crossovers=(("save", 1),))  # type: ignore[arg-type]
 
 
 def test_flags_reach_the_config() -> None:
+    """--copy-path sets the path; the table is the measured one, every path."""
+
     def cuda(*argv: str) -> CudaConfig:
         return config_from_args(build_parser().parse_args(list(argv))).cuda
 
-    assert cuda().copy_path == "auto" and cuda().crossovers == DEFAULT_CROSSOVERS
+    assert cuda().copy_path == "auto"
+    assert CopyPolicy.from_config(cuda()).crossovers == CROSSOVERS
     assert cuda("--copy-sm-cap", "33").max_ctas == 33
     assert cuda("--copy-ctas", "17").max_ctas == 17  # the older spelling
-    got = cuda("--copy-path", "dma", "--copy-crossovers", "load:640")
-    assert got.copy_path == "dma" and got.crossovers == (Crossover("load", 640),)
-    assert cuda("--copy-crossovers", "none").crossovers == ()
-    args = build_parser().parse_args(["--copy-crossovers", "save:-1"])
-    with pytest.raises(ValueError) as info:
-        config_from_args(args)
-    assert flag_message(info.value).startswith("argument --copy-crossovers: ")
+    for setting in ("auto", "kernel", "dma"):
+        got = cuda("--copy-path", setting)
+        assert got.copy_path == setting
+        assert CopyPolicy.from_config(got).setting == setting

@@ -170,9 +170,14 @@ def test_a_fault_seen_while_polling_finishes_the_batch_as_failed() -> None:
 
 
 # -- the engine's choice --------------------------------------------------------
-def _engine(copier: ClockCopier, copy_wait_setting: str = "loop") -> Engine:
-    config = EngineConfig(inline_copy_bytes=0, copy_wait=copy_wait_setting)  # type: ignore[arg-type]
-    return host_engine(copier, config)
+class ThreadCopier(ClockCopier):
+    """A copier that cannot launch (as the host copier): copy threads only."""
+
+    launch = None  # type: ignore[assignment]
+
+
+def _engine(copier: ClockCopier) -> Engine:
+    return host_engine(copier, EngineConfig(inline_copy_bytes=0))
 
 
 def _save(engine: Engine, wait_event: int = 0) -> object:
@@ -188,9 +193,9 @@ def test_the_engine_launches_a_save_on_the_loop() -> None:
     assert _waits(engine) == {"loop": 1, "late": 0, "thread": 0}
 
 
-def test_copy_wait_thread_keeps_the_copy_thread() -> None:
-    copier = ClockCopier()
-    engine = _engine(copier, "thread")
+def test_a_copier_without_launch_keeps_the_copy_thread() -> None:
+    copier = ThreadCopier()
+    engine = _engine(copier)
     assert _save(engine).stored == 2  # type: ignore[attr-defined]
     assert _waits(engine) == {"loop": 0, "late": 0, "thread": 1}
     [(what, thread)] = copier.log
@@ -218,11 +223,6 @@ def test_a_save_waiting_for_an_engine_event_never_launches_on_the_loop() -> None
     assert _save(engine, wait_event=1).stored == 2  # type: ignore[attr-defined]
     [(what, thread)] = copier.log
     assert what == "gather wait_event=1" and thread != "MainThread"
-
-
-def test_copy_wait_is_checked() -> None:
-    with pytest.raises(ValueError, match="copy_wait"):
-        EngineConfig(copy_wait="spin")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("busy", [False, True])

@@ -224,7 +224,7 @@ def test_each_size_class_learns_its_own_rate(monkeypatch) -> None:
         one = np.array([0], np.uint64)
         return Transfers(one, one, np.array([nbytes], np.uint64))
 
-    small, large = 16 << 20, 256 << 20  # both well under copy_wait.LOOP_MAX_S
+    small, large = 16 << 20, 256 << 20  # both well under measured.LOOP_MAX_S
     monkeypatch.setattr(cuda_driver, "elapsed_s", lambda a, b: small / 40e9)
     engine.finish_launched(engine.launch("load", regions, batch(small)))
     # An unseen class takes the fastest known rate: 40 GB/s for now.
@@ -242,7 +242,7 @@ def test_each_size_class_learns_its_own_rate(monkeypatch) -> None:
 
 
 def test_a_batch_expected_to_run_long_goes_by_a_thread(monkeypatch) -> None:
-    """Past copy_wait.LOOP_MAX_S the thread's hand-off is ~1 % of the copy and
+    """Past measured.LOOP_MAX_S the thread's hand-off is ~1 % of the copy and
     the loop lost 2-7 % on the H200: launch declines, claiming nothing."""
     log: list[str] = []
     Events(monkeypatch, log)
@@ -251,7 +251,7 @@ def test_a_batch_expected_to_run_long_goes_by_a_thread(monkeypatch) -> None:
     _, regions = _device()
     one = np.array([0], np.uint64)
     rate = 50e9
-    short = int(rate * cuda_copier.copy_wait.LOOP_MAX_S * 0.9)
+    short = int(rate * cuda_copier.measured.LOOP_MAX_S * 0.9)
     monkeypatch.setattr(cuda_driver, "elapsed_s", lambda a, b: short / rate)
     engine.finish_launched(
         engine.launch(
