@@ -3,9 +3,10 @@
 # yours): the gpu-marked tests and the transfer table, optionally beside another
 # tree of the project in the same run (an A/B).
 #
-#   bash benchmarks/gpu_runner.sh [tests] [transfer] [quick]
+#   bash benchmarks/gpu_runner.sh [tests] [gds] [transfer] [quick]
 #
 #   tests     pytest -m gpu over tests/kernels tests/gpu tests/connector
+#   gds       tests/gds (the SSD tier) on the kvikio backend, gpu tests too
 #   transfer  benchmarks/transfer.py (all shapes, 1..2560 blocks); with
 #             BASE_TGZ set, the same run in that tree (`git archive REV | gzip`)
 #             first, then this one, then both again on the Llama shape
@@ -15,8 +16,8 @@
 # step's log and results.tgz of everything; CALL_S (default 570) bounds the
 # whole call so the results are bundled before the machine's limit.
 # Packages missing on the machine travel as wheels in .whl/ (xxhash, blake3,
-# grpcio-health-checking matching its grpcio; see docs/operations.md): they are
-# installed into .site first.
+# grpcio-health-checking matching its grpcio; kvikio-cu13, libkvikio-cu13 and
+# rapids-logger for the gds step): they are installed into .site first.
 set -u
 OUT=${OUT:-/tmp/out}
 CALL_S=${CALL_S:-570}
@@ -60,6 +61,12 @@ for what in "$@"; do
         tests/kernels tests/gpu tests/connector > "$OUT/gpu_tests.log" 2>&1
       echo "rc=$?"; tail -n 15 "$OUT/gpu_tests.log"
       ;;
+    gds)
+      step "tests/gds on kvikio"
+      PEGAFLOW_TEST_SSD_BACKEND=kvikio timeout "$(within 240)" python3 -m pytest -q \
+        -m "gpu or not gpu" -rs -p no:cacheprovider tests/gds > "$OUT/gds_tests.log" 2>&1
+      echo "rc=$?"; tail -n 8 "$OUT/gds_tests.log"
+      ;;
     transfer | quick)
       extra=()
       [ "$what" = quick ] && extra=(--quick)
@@ -79,7 +86,7 @@ for what in "$@"; do
         step "transfer"; transfer_in "$ROOT" run "${extra[@]}"
       fi
       ;;
-    *) echo "unknown step: $what (tests, transfer, quick)" >&2; exit 2 ;;
+    *) echo "unknown step: $what (tests, gds, transfer, quick)" >&2; exit 2 ;;
   esac
 done
 step "done"

@@ -16,7 +16,7 @@ from pegaflow.gds import SsdConfig, SsdTier
 
 NS = namespace_digest("model-a", (1, 2, 3))
 # The I/O backend every test opens: "posix" (default, CI) or "kvikio" (the H200
-# machine: benchmarks/device/ssd_device.sh sets it); "auto" takes kvikio where usable.
+# machine: benchmarks/gpu_runner.sh gds sets it); "auto" takes kvikio where usable.
 BACKEND = os.environ.get("PEGAFLOW_TEST_SSD_BACKEND", "posix")
 MODES = {
     "posix": ("posix-odirect", "posix-buffered"),

@@ -1,6 +1,5 @@
-"""The kvikio backend for real (H200 machine: `pytest -m gpu tests/gds`, run by
-benchmarks/device/ssd_device.sh). The whole tests/gds suite also runs on it there with
-PEGAFLOW_TEST_SSD_BACKEND=kvikio; this file pins what is kvikio's own: the mode
+"""The kvikio backend for real (H200 machine: `bash benchmarks/gpu_runner.sh gds`
+runs the whole tests/gds suite there with PEGAFLOW_TEST_SSD_BACKEND=kvikio); this file pins what is kvikio's own: the mode
 it reports, and one file format shared with the POSIX backend both ways."""
 
 from __future__ import annotations
