@@ -1,6 +1,7 @@
 """The kvikio backend for real (H200 machine: `bash benchmarks/gpu_runner.sh gds`
-runs the whole tests/gds suite there with PEGAFLOW_TEST_SSD_BACKEND=kvikio); this file pins what is kvikio's own: the mode
-it reports, and one file format shared with the POSIX backend both ways."""
+runs the whole tests/gds suite there with PEGAFLOW_TEST_SSD_BACKEND=kvikio);
+this file pins what is kvikio's own: the mode it reports, and one file format
+shared with the POSIX backend both ways."""
 
 from __future__ import annotations
 
