@@ -33,7 +33,7 @@ from pegaflow.gds import SsdTier
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from pegaflow.tiers import ssd_gpu_direct as ssd_direct
 from pegaflow.tiers.protocol import Tier
-from pegaflow.tiers.ssd_tier import SsdLink
+from pegaflow.tiers.ssd_link import SsdLink
 
 from . import gc_freeze as gcpolicy
 from .compat_metrics import OriginalMetrics, OriginalSsdMetrics

@@ -1,6 +1,6 @@
 """The one seam between L1 and the tiers below it.
 
-Every lower tier — the SSD (ssd_tier.SsdLink), SSD reads straight into a CUDA
+Every lower tier — the SSD (ssd_link.SsdLink), SSD reads straight into a CUDA
 engine's blocks (ssd_gpu_direct.SsdDirect) and peers on other nodes
 (remote.link.RemoteLink) — is a `Tier`, and the query path walks the server's
 tiers in order (server.query_path): the first that answers anything but a

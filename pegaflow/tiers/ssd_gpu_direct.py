@@ -1,6 +1,6 @@
 """SSD hits read straight into a CUDA engine's GPU blocks (--ssd-gpu-direct).
 
-The L1 route (pegaflow.tiers.ssd_tier) answers a query whose blocks are on the SSD with
+The L1 route (pegaflow.tiers.ssd_link) answers a query whose blocks are on the SSD with
 `loading`, reads them into fresh L1 slots, and serves them from there as hits:
 SSD → L1 → GPU. Where gds.gpu_route chooses the direct route (GPUDirect
 Storage present, or the setting `on`), a query of an instance this route
@@ -37,8 +37,8 @@ from pegaflow.common.keys import BlockHash
 from pegaflow.daemon.startup import StartupError
 
 from .protocol import MISS, Lookup, Tier
+from .ssd_link import SsdLink
 from .ssd_metrics import SsdTierMetrics
-from .ssd_tier import SsdLink
 
 if TYPE_CHECKING:
     from pegaflow.gds.config import GpuDirect

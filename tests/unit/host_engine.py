@@ -13,7 +13,7 @@ from pegaflow.common.geometry import LayerLayout, Segment
 from pegaflow.common.identity import CallContext, Caller
 from pegaflow.common.settings import EngineConfig, PoolConfig
 from pegaflow.server.engine import Engine
-from pegaflow.tiers.ssd_tier import SsdLink
+from pegaflow.tiers.ssd_link import SsdLink
 
 PAGE = 4096
 

@@ -18,7 +18,7 @@ from pegaflow.cache.slabs import SlabAllocator
 from pegaflow.common.keys import Namespace
 from pegaflow.gds import SsdLoadResult
 from pegaflow.server.metrics import Metrics
-from pegaflow.tiers.ssd_tier import SsdLink
+from pegaflow.tiers.ssd_link import SsdLink
 
 SLOT = 4096
 

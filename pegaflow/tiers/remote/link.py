@@ -95,7 +95,7 @@ class RemoteLink(Tier):
         self._digests: dict[int, bytes] = {}
         self._hasher = SlotHasher()
         self.pins = PinTable(store, pool, self._hasher)
-        # As in pegaflow.tiers.ssd_tier: key being fetched -> blocks of its fetch from
+        # As in pegaflow.tiers.ssd_link: key being fetched -> blocks of its fetch from
         # it on.
         self._loading: dict[Key, int] = {}
         self._negative: OrderedDict[Key, float] = OrderedDict()  # key -> until
