@@ -47,7 +47,7 @@ from pegaflow.common.identity import CallContext, Caller  # noqa: E402
 from pegaflow.common.settings import EngineConfig, PoolConfig  # noqa: E402
 from pegaflow.gds import SsdConfig, SsdTier  # noqa: E402
 from pegaflow.server.engine import Engine  # noqa: E402
-from pegaflow.tiers.ssd_tier import SsdLink  # noqa: E402
+from pegaflow.tiers.ssd_link import SsdLink  # noqa: E402
 
 LAYERS = 32  # Llama-3.1-8B
 PAGE = 512

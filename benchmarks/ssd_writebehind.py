@@ -64,7 +64,7 @@ TRACE_TARGETS = (
     "pegaflow.server.engine:Engine._copy",
     "pegaflow.cache.block_store:BlockStore.reserve_save",
     "pegaflow.cache.block_store:BlockStore.finish_save",
-    "pegaflow.tiers.ssd_tier:SsdLink.sealed",
+    "pegaflow.tiers.ssd_link:SsdLink.sealed",
     "pegaflow.gds.tier:SsdTier._write_batch",
 )
 MODES = ("none", "evict", "seal")

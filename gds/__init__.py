@@ -103,7 +103,7 @@ The seam (all of it; the server needs nothing else)
                                           "kvikio-gds" | "kvikio-compat"
     (a namespace's on-disk key: pegaflow.common.keys.namespace_digest)
 
-Wired into the server by pegaflow/tiers/ssd_tier.py (SsdLink): with --ssd-write-on seal,
+Wired into the server by pegaflow/tiers/ssd_link.py (SsdLink): with --ssd-write-on seal,
 BlockStore.finish_save hands the blocks it makes ready to spill_many() (write-behind);
 BlockStore._remove hands evicted ready blocks not yet on SSD to spill() (slots
 freed on release, marshalled to the event loop), Engine.query answers
