@@ -56,7 +56,7 @@ class SsdConfig:
     # written, and evicting a block already written frees its slots at once).
     # "evict": a block goes to the SSD only when L1 evicts it. With
     # "seen_twice", "seal" writes a block the second time it is saved or hit.
-    write_on: WriteOn = "seal"  # measured: benchmarks/RESULTS_ssd.md (H200 host)
+    write_on: WriteOn = "seal"  # measured: benchmarks/RESULTS.md, "SSD tier"
     # SSD hits of CUDA engines read by kvikio straight into their GPU blocks
     # ("direct") or through L1: gds.gpu_route chooses from this at start.
     gpu_direct: GpuDirect = "auto"

@@ -58,7 +58,7 @@ from .path_choice import COMPLETION, FLAG_MAX_BYTES, CopyDirection, CopyPath, Co
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CTAS = 66  # half the H200's SMs per direction (RESULTS_kernels.md)
+DEFAULT_CTAS = 66  # half the H200's SMs per direction (benchmarks/RESULTS.md)
 SPIN_S = 1e-3  # poll an engine's event without sleeping for this long
 POLL_S = 50e-6
 CLOSE_WAIT_S = 10.0  # a re-opened allocation waits this long for its old close

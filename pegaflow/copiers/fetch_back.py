@@ -1,6 +1,6 @@
 """Device ranges back into host memory, for checking what a direct SSD → GPU
 read landed (gds.gpu_reads.FetchBack): one gather launch of the copy kernels
-into mapped pinned memory (~50 GB/s on the H200, RESULTS_kernels.md), where
+into mapped pinned memory (~50 GB/s on the H200, benchmarks/RESULTS.md), where
 the disk gave ~1.5 GB/s, so a check costs a few percent of the load.
 
 The host buffer grows on demand and is reused; one DeviceFetch per thread

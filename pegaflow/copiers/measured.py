@@ -50,12 +50,11 @@ class Crossover:
 
 
 # -- where `auto` takes copy engines on an idle GPU -----------------------------
-# Measured on the H200 on 2026-12-02 (benchmarks/RESULTS.md, "H200 runs of
-# 2026-12-02: copy strategies compared"; raw: benchmarks/results/h200_2026-12-02/
-# kernel_variants.log: 64 KiB pages x 32 layers, random ids, wall clock until
-# the host sees completion). Right for an idle GPU; on a busy one kernels
-# slowed an engine's matmul 41-48 %, copy engines ~1 % (2026-12-01): that case
-# is CONTENTION_RATIO's, below.
+# Measured on the H200 on 2026-12-02 (benchmarks/RESULTS.md, "Copy-path
+# constants"; raw: benchmarks/results/copy_path_constants_h200.json: 64 KiB
+# pages x 32 layers, random ids, wall clock until the host sees completion).
+# Right for an idle GPU; on a busy one kernels slowed an engine's matmul
+# 41-48 %, copy engines ~1 % (2026-12-01): that case is CONTENTION_RATIO's.
 # - save, N = 1 block: copy engines + mapped flag 112 us P50, block kernel +
 #   stream sync 208 us (272 us at the server's 66-CTA cap: 7.7 GB/s). At N = 8
 #   the kernel wins (33.2-34.6 vs 24.5 GB/s: 0.49 vs 0.68 ms). Fixed plus
@@ -73,7 +72,8 @@ CROSSOVERS: tuple[Crossover, ...] = (Crossover("save", 1, 64 << 10, max_pages=4 
 # A GPU's kernel copies move to copy engines while they run below this share of
 # the best GB/s kernel copies of their size reached there (pegaflow.copiers.
 # contention; one probe a second switches back at >= (1 + ratio) / 2).
-# Measured on the H200 on 2026-12-01 (benchmarks/RESULTS.md, "H200 runs of
+# Measured on the H200 on 2026-12-01 (benchmarks/RESULTS.md, "Copy-path
+# constants" and "Engine interference"; first in the lab notebook's "H200 runs of
 # 2026-12-01", "Interference"): 640-block kernel copies time-sliced with an
 # engine's bf16 matmul ran at 0.52-0.55 of their idle GB/s (client-side
 # rates), both directions at once at ~0.5; idle batches vary by a few percent.
@@ -86,10 +86,11 @@ CONTENTION_RATIO = 0.65
 # A load, or a save that waits for no engine event, is launched and awaited on
 # the server's event loop (no thread hand-off) when its size class's recent
 # rate says it ends within this many seconds; longer ones go by a copy thread.
-# Measured on the H200 on 2026-12-02 (benchmarks/RESULTS.md, "H200 runs of
-# 2026-12-02, sixth session", "GPU copies launched and waited for on the event
-# loop", and "seventh session", "`--copy-wait loop` against `thread`, up to
-# 2560 blocks"): the loop gained 5-14 % at 64 blocks (~3 ms; a thread's
+# Measured on the H200 on 2026-12-02 (benchmarks/RESULTS.md, "Copy-path
+# constants"; in the lab notebook, `git show deff3fc:benchmarks/RESULTS.md`:
+# "H200 runs of 2026-12-02, sixth session", "GPU copies launched and waited
+# for on the event loop", and "seventh session", "`--copy-wait loop` against
+# `thread`, up to 2560 blocks"): the loop gained 5-14 % at 64 blocks (~3 ms; a thread's
 # wake-ups cost 0.24-0.7 ms), and lost 1-7 % on 640- and 2560-block loads
 # (27 / 110 ms), where a thread's hand-off is ~1 % of the copy. 8 ms is ~200
 # Llama blocks.

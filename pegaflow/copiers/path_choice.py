@@ -25,7 +25,7 @@ CopyDirection = dma.Direction  # save: GPU -> pool, load: pool -> GPU
 Completion = Literal["sync", "flag"]
 
 # How a batch of each path is waited for, from the H200's N = 1 latencies
-# (2026-12-02, benchmarks/results/h200_2026-12-02/kernel_variants.log, P50 of
+# (2026-12-02; benchmarks/RESULTS.md, "Copy-path constants"; P50 of
 # call until the host sees completion): copy engines + mapped flag 112 us save
 # / 161 load, + stream sync 149 / 164; block kernel + stream sync 208 / 161,
 # + mapped flag 208 / 229: a flag helps copy engines only.

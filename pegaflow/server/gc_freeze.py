@@ -4,7 +4,8 @@ Every resident block is a few GC-tracked objects (its entry, its slot list), so
 a server holding a million blocks has ~2M of them, and CPython's full (gen-2)
 collection walks them all: ~400 ms on the dev VM, stalling the event loop —
 every query and save — each time block churn has grown the heap by a quarter
-(every ~100 saves of 2560 blocks; benchmarks/gc_pauses.py).
+(every ~100 saves of 2560 blocks; measured by a benchmark since retired:
+`git show 0ab4978:benchmarks/gc_pauses.py`).
 
 After each full collection its survivors are frozen (gc.freeze): later
 collections walk only objects created since (5-13 ms in the same benchmark).
