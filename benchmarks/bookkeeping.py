@@ -241,7 +241,7 @@ def _profile(n: int, full: bool, op: str, reps: int, top: int, ssd: str) -> None
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", type=int, nargs="+", default=[64, 640, 2560])
     p.add_argument("--pool", choices=["room", "full", "both"], default="both")
     p.add_argument("--reps", type=int, default=30)

@@ -180,7 +180,7 @@ def two_engines(model: Path, n: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--queries", type=int, default=32)
     parser.add_argument("--engines-prompts", type=int, default=16)

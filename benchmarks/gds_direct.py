@@ -222,7 +222,7 @@ def dry_run(counts: list[int], layers: int, page: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", default="1,8,64,640", help="loads of these many blocks")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--page-kib", type=int, default=64)

@@ -148,4 +148,9 @@ def measure(error_runs: int = 1) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(error_runs=5), indent=2))
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--error-runs", type=int, default=5, help="HLL error trials")
+    args = p.parse_args()
+    print(json.dumps(measure(error_runs=args.error_runs), indent=2))

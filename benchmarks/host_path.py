@@ -175,7 +175,7 @@ def bench_bring_up(size: int) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument(
         "--json", help="output path (default benchmarks/results/host_path.json)"

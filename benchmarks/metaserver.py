@@ -164,7 +164,7 @@ def heartbeat_latency(node: MetaClient, reps: int) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--entries", type=int, default=2_000_000)
     parser.add_argument("--batches", default="1024,16384")
     parser.add_argument("--reps", type=int, default=2000)

@@ -331,7 +331,7 @@ def print_tables(out: dict[str, object]) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="the small workload")
     p.add_argument("--requests", type=int, help="override the request count")
     p.add_argument("--seed", type=int, default=0)

@@ -298,7 +298,7 @@ def paired_row(
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="/var/tmp/pegaflow-ssd-bench", help="scratch dir")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--checksum", default="auto", choices=get_args(ChecksumName))

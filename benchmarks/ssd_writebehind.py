@@ -192,7 +192,7 @@ def run_mode(
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="/var/tmp/pegaflow-wb-bench")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--reps", type=int, default=None, help="rounds of the 3 modes")
