@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from pegaflow.common.settings import check_int, check_seconds
+from pegaflow.common.settings import OnMismatch, check_int, check_seconds
 
 from .format import ALIGN, SUPERBLOCK_BYTES, ChecksumName
 from .io import BackendName, DirectIO
@@ -18,7 +18,6 @@ from .io import BackendName, DirectIO
 Admission = Literal["all", "seen_twice"]
 GpuDirect = Literal["auto", "on", "off"]  # gds.gpu_route
 WriteOn = Literal["seal", "evict"]
-OnMismatch = Literal["reinit", "refuse"]
 MIN_FILE_BYTES = 1 << 20
 MAX_CAPACITY_BYTES = 1 << 62  # all files together; file offsets are int64
 # [lo, hi] of the integer settings: a typo is refused at start.

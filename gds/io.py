@@ -27,12 +27,13 @@ from typing import Literal, Protocol
 
 import numpy as np
 
+from pegaflow.common.runs import Part  # (host address, bytes)
+
 from .format import ALIGN
 
 logger = logging.getLogger(__name__)
 
 BackendName = Literal["auto", "posix", "kvikio"]
-Part = tuple[int, int]  # (host address, bytes)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 DirectIO = Literal["auto", "on", "off"]
 

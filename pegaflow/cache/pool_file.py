@@ -20,15 +20,14 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
 from pegaflow.common.private_files import check_private, open_private
+from pegaflow.common.settings import OnMismatch
 
 logger = logging.getLogger(__name__)
 
-OnMismatch = Literal["reinit", "refuse"]
 
 MAGIC = b"PEGAPOOL"
 # The slot checksum's algorithm is part of the format (pegaflow.cache.slot_log): a

@@ -14,6 +14,9 @@ if TYPE_CHECKING:  # built by the CLI; the config module stays import-light
     pass
 
 LogLevel = Literal["debug", "info", "warning", "error"]
+# What a kept file (the pool file, the SSD tier's) whose geometry does not match
+# the flags does at start: started over, or the start refused.
+OnMismatch = Literal["reinit", "refuse"]
 
 
 def log_level(text: str) -> str:
@@ -159,7 +162,7 @@ class PoolConfig:
     # A file that outlives the server (pegaflow.cache.pool_file); None:
     # anonymous memory.
     pool_file: str | None = None
-    on_mismatch: Literal["reinit", "refuse"] = "reinit"
+    on_mismatch: OnMismatch = "reinit"
 
     def __post_init__(self) -> None:
         check_int("pool_size", self.size_bytes, 0, MAX_POOL_BYTES)

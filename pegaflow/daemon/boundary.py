@@ -20,7 +20,7 @@ from prometheus_client import Histogram
 from pegaflow.common.errors import InternalError, PegaflowError
 
 
-class Metrics(Protocol):
+class RpcMetrics(Protocol):
     """What a daemon's metrics hold for the boundary (the server's and the
     metaserver's both): the RPC histogram and its children by labels."""
 
@@ -35,7 +35,7 @@ Transport = Literal["grpc", "unix"]
 
 
 def _observe(
-    metrics: Metrics, method: str, code: str, transport: str, seconds: float
+    metrics: RpcMetrics, method: str, code: str, transport: str, seconds: float
 ) -> None:
     """Histogram children cached: labels() per request costs more than a
     socket query's own work does."""
@@ -55,7 +55,7 @@ def _status(method: str, exc: Exception) -> PegaflowError:
 
 
 async def guarded(
-    metrics: Metrics,
+    metrics: RpcMetrics,
     method: str,
     transport: Transport,
     work: Awaitable[T],
@@ -79,7 +79,7 @@ async def guarded(
 
 
 def guarded_sync(
-    metrics: Metrics, method: str, transport: Transport, work: Callable[[], T]
+    metrics: RpcMetrics, method: str, transport: Transport, work: Callable[[], T]
 ) -> T | PegaflowError:
     """guarded() for work answered without leaving the event loop's callback."""
     start, code = time.perf_counter(), "OK"

@@ -23,11 +23,11 @@ from pegaflow.common.keys import BlockHash, NamespaceDigest, PackedHashes
 
 from . import compiled as compiled_loops
 from .meta_config import MAX_BATCH_HASHES, MAX_NAMESPACES, MAX_NODES, OWNERS_PER_BLOCK
+from .nodes import NodeSlot
 from .table import Keys, RowTable
 
 logger = logging.getLogger(__name__)
 
-NodeSlot = int
 Reason = Literal["ttl", "stale_node", "fenced", "left", "owner_slots", "removed"]
 Plan = list[tuple[NodeSlot, int]]  # (owner slot, blocks) in prefix order
 Hashes = PackedHashes | list[BlockHash]  # the wire's, or any list (tests)

@@ -28,10 +28,6 @@ from .meta_metrics import MetaMetrics
 MAX_INCARNATION_AHEAD_NS = 3600 * 10**9
 
 
-class Unauthenticated(PegaflowError):
-    code = grpc.StatusCode.UNAUTHENTICATED
-
-
 def check_text(field: str, text: str, limit: int, empty_ok: bool = False) -> str:
     """A node id or endpoint: printable ASCII without spaces, 1..limit bytes
     (they are logged and handed to other nodes as they are)."""
@@ -181,7 +177,7 @@ class MetaInterceptor(grpc.ServerInterceptor):
         def work(request: object, context: grpc.ServicerContext) -> object:
             refused = peer_auth.refusal(token, context.invocation_metadata())
             if refused is not None:
-                raise Unauthenticated(refused)
+                raise peer_auth.Unauthenticated(refused)
             return inner(request, context)
 
         def bounded(request: object, context: grpc.ServicerContext) -> object:

@@ -22,7 +22,8 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from pegaflow.gds import SsdStats
 
-Stats = dict[str, object]
+from .report import Stats
+
 # our hit tiers -> the original's tier label (its cross-node tier is RDMA)
 _TIERS = {"ram": "ram", "ssd": "ssd", "remote": "rdma"}
 
