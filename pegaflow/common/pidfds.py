@@ -61,7 +61,11 @@ class PidsHeld:
 
 
 def exited(pidfd: int) -> bool:
-    """A pidfd polls readable once its process has exited."""
+    """A pidfd polls readable once its process has exited. poll(), not
+    select(): select() refuses any descriptor from 1024 on, and a server
+    holding that many (its clients' connections) would refuse every check."""
     if pidfd < 0:
         return False
-    return bool(select.select([pidfd], [], [], 0)[0])
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))

@@ -17,7 +17,7 @@ from typing import Literal, Protocol, TypeVar
 
 from prometheus_client import Histogram
 
-from pegaflow.common.errors import InternalError, PegaflowError
+from pegaflow.common.errors import InternalError, InvalidRequest, PegaflowError
 
 
 class RpcMetrics(Protocol):
@@ -44,6 +44,38 @@ def _observe(
     if timer is None:
         timer = metrics.rpc_timers[key] = metrics.rpc_seconds.labels(*key)
     timer.observe(seconds)
+
+
+class Undecodable:
+    """A request body that is not the method's message: what `lenient`'s
+    deserializer hands the method instead of raising, for `undecodable` to
+    answer. grpc answers a raising deserializer UNKNOWN and logs a traceback
+    for each such call."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def lenient(parse: Callable[[bytes], T] | None) -> Callable[[bytes], T | Undecodable]:
+    """A request deserializer that never raises: a body that does not parse
+    (any client can send any bytes) becomes an Undecodable."""
+    if parse is None:  # raw bytes: nothing to parse
+        return lambda data: data
+
+    def safe(data: bytes) -> T | Undecodable:
+        try:
+            return parse(data)
+        except Exception as exc:  # DecodeError, or worse: the client's bytes
+            return Undecodable(f"{type(exc).__name__}: {exc}")
+
+    return safe
+
+
+def undecodable(method: str, request: Undecodable) -> InvalidRequest:
+    """The answer to a body that did not parse, naming the request."""
+    return InvalidRequest(f"request: not a valid {method} request ({request.why})")
 
 
 def _status(method: str, exc: Exception) -> PegaflowError:

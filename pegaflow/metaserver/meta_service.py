@@ -12,7 +12,7 @@ import grpc
 from pegaflow.common import peer_auth
 from pegaflow.common.errors import InvalidRequest, PegaflowError
 from pegaflow.common.keys import MAX_HASH_BYTES, NamespaceDigest, PackedHashes
-from pegaflow.daemon.boundary import guarded_sync
+from pegaflow.daemon.boundary import Undecodable, guarded_sync, lenient, undecodable
 from pegaflow.proto import metaserver_pb2 as pb
 from pegaflow.proto import metaserver_pb2_grpc as pb_grpc
 
@@ -178,6 +178,8 @@ class MetaInterceptor(grpc.ServerInterceptor):
             refused = peer_auth.refusal(token, context.invocation_metadata())
             if refused is not None:
                 raise peer_auth.Unauthenticated(refused)
+            if isinstance(request, Undecodable):
+                raise undecodable(method, request)
             return inner(request, context)
 
         def bounded(request: object, context: grpc.ServicerContext) -> object:
@@ -188,7 +190,7 @@ class MetaInterceptor(grpc.ServerInterceptor):
 
         return grpc.unary_unary_rpc_method_handler(
             bounded,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=lenient(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
 

@@ -19,7 +19,7 @@ from pegaflow.common.errors import InvalidRequest, PegaflowError, PermissionDeni
 from pegaflow.common.geometry import LayerLayout, Segment
 from pegaflow.common.identity import CallContext, Caller, peer_on_host, tcp_peer
 from pegaflow.copiers.copier import CudaExport
-from pegaflow.daemon.boundary import guarded
+from pegaflow.daemon.boundary import Undecodable, guarded, lenient, undecodable
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 
@@ -55,7 +55,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         metrics = self._metrics
 
         async def bounded(request: object, context: grpc.aio.ServicerContext) -> object:
-            work = inner(request, context)
+            if isinstance(request, Undecodable):
+                work = _raise(undecodable(method, request))
+            else:
+                work = inner(request, context)
             got = await guarded(metrics, method, "grpc", work, _ENDS_CALL)
             if isinstance(got, PegaflowError):
                 await context.abort(got.code, str(got))
@@ -63,9 +66,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         return grpc.unary_unary_rpc_method_handler(
             bounded,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=lenient(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
+
+
+async def _raise(error: PegaflowError) -> object:
+    raise error
 
 
 ENGINE_METHODS = f"/{pb.DESCRIPTOR.services_by_name['PegaFlow'].full_name}/"

@@ -193,3 +193,22 @@ def test_rss_bounded_past_max_entries(
             full = rss_bytes(meta.pid)
     assert meta.metric("pegaflow_meta_evicted_entries_total") >= 400000
     assert rss_bytes(meta.pid) <= full * 1.25 + (16 << 20)
+
+
+@pytest.mark.parametrize(
+    "method", ["Join", "Heartbeat", "Insert", "Remove", "QueryPrefix", "Leave"]
+)
+def test_an_undecodable_body_is_invalid_argument(
+    metaserver_factory: Callable[..., ServerProc], method: str
+) -> None:
+    """Any bytes a client sends: INVALID_ARGUMENT naming the request, no
+    traceback (grpc answered a body that did not parse UNKNOWN, logging one)."""
+    srv = metaserver_factory()
+    service = "/pegaflow.meta.v1.MetaServer"
+    with grpc.insecure_channel(srv.addr) as channel:
+        call = channel.unary_unary(f"{service}/{method}")
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"\xff" * 64, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details().startswith("request: ")
+    assert "Traceback" not in srv.log.read_text()
