@@ -349,11 +349,15 @@ def show_progress(args: argparse.Namespace) -> bool:
     return args.progress or sys.stderr.isatty()
 
 
+# Checks the SSD flags' values when no tier is asked for; never opened.
+UNUSED_SSD_PATH = "/nonexistent/pegaflow-ssd-flags-check"
+
+
 def ssd_config(args: argparse.Namespace) -> SsdConfig | None:
-    if args.ssd_cache_path is None:
-        if args.ssd_cache_capacity is not None:
-            raise ValueError("--ssd-cache-capacity needs --ssd-cache-path")
-        return None
+    """The SSD tier's settings, None without --ssd-cache-path; its other flags
+    are range-checked all the same, so a typo never starts a server quietly."""
+    if args.ssd_cache_path is None and args.ssd_cache_capacity is not None:
+        raise ValueError("--ssd-cache-capacity needs --ssd-cache-path")
     from pegaflow.gds import SsdConfig  # numpy: after argument errors
 
     threads: dict[str, int] = {}
@@ -361,8 +365,10 @@ def ssd_config(args: argparse.Namespace) -> SsdConfig | None:
         threads["write_threads"] = args.ssd_write_inflight
     if args.ssd_prefetch_inflight is not None:
         threads["read_threads"] = args.ssd_prefetch_inflight
-    return SsdConfig(
-        paths=compat_flags.ssd_paths(args.ssd_cache_path, args.ssd_cache_shards),
+    config = SsdConfig(
+        paths=compat_flags.ssd_paths(
+            args.ssd_cache_path or [UNUSED_SSD_PATH], args.ssd_cache_shards
+        ),
         # the original's default; the free-space check names the flag
         capacity_bytes=DEFAULT_SSD_CAPACITY
         if args.ssd_cache_capacity is None
@@ -377,6 +383,7 @@ def ssd_config(args: argparse.Namespace) -> SsdConfig | None:
         show_progress=show_progress(args),
         **threads,
     )
+    return config if args.ssd_cache_path is not None else None
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -214,3 +214,19 @@ def test_sigterm_with_a_session_open_is_quiet(server_factory) -> None:
     log = server.log.read_text()
     assert "stopped" in log
     assert "Traceback" not in log and "CancelledError" not in log, log
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--ssd-queue-blocks", "-1"),
+        ("--ssd-write-inflight", "0"),
+        ("--ssd-prefetch-inflight", "100000"),
+    ],
+)
+def test_ssd_flags_are_checked_without_an_ssd_tier(flag: str, value: str) -> None:
+    """Scenario: `--ssd-queue-blocks -1` and no --ssd-cache-path started the
+    server; a value that would be refused with a tier is refused without one."""
+    rc, err = _failed_start(*_local("--pool-size", "4mb", flag, value))
+    line = _one_line(err)
+    assert rc == 2 and flag in line, err
