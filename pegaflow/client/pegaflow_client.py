@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from pegaflow.common import deadlines
+from pegaflow.common.errors import PermissionDenied
 from pegaflow.common.geometry import LayerLayout
 from pegaflow.common.results import (
     LoadBatchResult,
@@ -230,7 +231,12 @@ class PegaflowClient:
             else:
                 if got is not None:
                     return got
-        return op(self._grpc)
+        try:
+            return op(self._grpc)
+        except PermissionDenied as exc:  # e.g. host memory, which needs the socket
+            if self._socket.refusal is not None:  # the real cause: the socket's
+                raise self._socket.refusal from exc
+            raise
 
     def use_socket(self) -> None:
         """Send queries over the server's unix socket from now on (gRPC stays

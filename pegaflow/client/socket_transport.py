@@ -207,6 +207,9 @@ class SocketTransport:
         self.server: pb.ServerInfoResponse | None = None  # whom it must reach
         self._frames: SocketClient | None = None
         self._retry_at = 0.0
+        # The server's own refusal of its socket (full: RESOURCE_EXHAUSTED),
+        # the real cause when gRPC then refuses what only the socket carries.
+        self.refusal: PegaflowError | None = None
 
     @property
     def connected(self) -> bool:
@@ -303,9 +306,15 @@ class SocketTransport:
                 info = self._ask()
                 self.follow(info)
             if info.socket_path:
-                self._frames = SocketClient(
-                    info.socket_path, self._timeout_s, info.server_id, info.server_pid
-                )
+                self.refusal = None
+                try:
+                    self._frames = SocketClient(
+                        info.socket_path, self._timeout_s, info.server_id,
+                        info.server_pid,
+                    )  # fmt: skip
+                except PegaflowError as exc:  # the server answered: a refusal
+                    self.refusal = exc
+                    raise
         except (OSError, PegaflowError) as exc:  # another host, user, or gone
             logger.debug("server socket unusable: %s", exc)
             self.server = None  # ask the server again next time

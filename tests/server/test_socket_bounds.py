@@ -180,3 +180,37 @@ def test_a_client_that_never_reads_its_replies_stops_being_read(server) -> None:
     with PegaflowClient(server.addr) as client:  # and it serves others still
         kv.register(client, "f", "ns")
         assert client.save("f", [0, 1], hashes(2)).stored == 2
+
+
+def test_a_full_socket_names_itself_to_a_registering_engine(server) -> None:
+    """Scenario: 1,024 open connections take every socket slot; a new host
+    engine was told "host-memory registration over TCP is refused" (its
+    client fell back to gRPC) instead of the real cause. It must hear that
+    the socket is full, and register once a slot is free again."""
+    path = _socket_path(server)
+    held = []
+    try:
+        for _ in range(1024):
+            sock = socket.socket(socket.AF_UNIX)
+            sock.connect(path)
+            held.append(sock)
+        kv = LocalKV(layers=2, blocks=4, page=4096)
+        with PegaflowClient(server.addr) as client:
+            with pytest.raises(Exception) as err:
+                kv.register(client, "late", "ns-late")
+        message = str(err.value)
+        assert "RESOURCE_EXHAUSTED" in message and "more than 1024" in message, message
+        assert "over TCP" not in message, message
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while True:  # the server sees the closes on its loop
+        try:
+            with PegaflowClient(server.addr) as client:
+                kv.register(client, "late", "ns-late")
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
