@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import multiprocessing as mp
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -83,7 +87,20 @@ def _engine_setup(
     return block_hashes(tokens, shape.block_size), views, ids[: shape.prompt_blocks]
 
 
-def engine_a(addr: str, shape: Shape, seed: int, conn: object) -> None:
+def _reporting(
+    name: str, body: Callable[..., None], addr: str, shape: Shape, seed: int, conn: Any
+) -> None:
+    """An engine process's body whose failure (the server's refusal, or no
+    server) reaches the demo as one line, not a traceback and a hung pipe."""
+    from pegaflow.common.errors import PegaflowError
+
+    try:
+        body(addr, shape, seed, conn)
+    except (PegaflowError, OSError) as exc:
+        conn.send({"error": f"{name}: {exc}"})
+
+
+def _engine_a(addr: str, shape: Shape, seed: int, conn: Any) -> None:
     from pegaflow.client.kv_layouts import describe
     from pegaflow.client.pegaflow_client import PegaflowClient
 
@@ -104,7 +121,7 @@ def engine_a(addr: str, shape: Shape, seed: int, conn: object) -> None:
         session.close()
 
 
-def engine_b(addr: str, shape: Shape, seed: int, conn: object) -> None:
+def _engine_b(addr: str, shape: Shape, seed: int, conn: Any) -> None:
     from pegaflow.client.kv_layouts import describe
     from pegaflow.client.pegaflow_client import PegaflowClient
 
@@ -148,6 +165,29 @@ def engine_b(addr: str, shape: Shape, seed: int, conn: object) -> None:
             "checked_bytes": int(hit.num_blocks) * shape.layers * PAGE_BYTES,
         }
     )
+
+
+# Picklable (partials of module functions): the engines are spawned processes.
+engine_a = functools.partial(_reporting, "engine A", _engine_a)
+engine_b = functools.partial(_reporting, "engine B", _engine_b)
+
+
+class DemoFailed(Exception):
+    """A cause the user can fix, said in one line."""
+
+
+def _answer(conn: Any, prompt_blocks: int) -> dict:
+    """An engine's report, or DemoFailed naming the cause and the fix."""
+    got = conn.recv()
+    if "error" not in got:
+        return got
+    why = got["error"]
+    if "block_ids" in why or "RESOURCE_EXHAUSTED" in why:  # the pool's bounds
+        why += (
+            f" (the prompt is {prompt_blocks} blocks: give --tokens fewer, or "
+            "the server a larger --pool-size)"
+        )
+    raise DemoFailed(why)
 
 
 def _restart_files(pool_size: int) -> tuple[tempfile.TemporaryDirectory, ...]:
@@ -245,9 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         recv, send = ctx.Pipe(duplex=False)
         a = ctx.Process(target=engine_a, args=(addr, shape, args.seed, send))
         a.start()
-        saved = recv.recv()
-        os.kill(a.pid, signal.SIGKILL)
-        a.join()
+        try:
+            saved = _answer(recv, shape.prompt_blocks)
+        finally:
+            os.kill(a.pid, signal.SIGKILL)
+            a.join()
         print(
             f"engine A: saved {saved['stored']} blocks "
             f"({need / 2**20:.0f} MiB) in {saved['seconds'] * 1e3:.1f} ms, "
@@ -262,9 +304,16 @@ def main(argv: list[str] | None = None) -> int:
             addr = nodes[1]["grpc"]
         b = ctx.Process(target=engine_b, args=(addr, shape, args.seed, send))
         b.start()
-        got = recv.recv()
-        b.join()
+        try:
+            got = _answer(recv, shape.prompt_blocks)
+        finally:
+            b.join()
         remote = demo_nodes.remote_stats(nodes[1]["http"]) if nodes else None
+    except DemoFailed as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        if files:
+            files[0].cleanup()
+        return 2
     finally:
         stack.close()
         if server is not None:
