@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pegaflow.cache.pool import HostPool
 from pegaflow.common import cuda_driver
@@ -39,6 +39,7 @@ from . import gc_freeze as gcpolicy
 from .compat_metrics import OriginalMetrics, OriginalSsdMetrics
 from .engine import Engine
 from .grpc_service import ErrorInterceptor, LocalEngines, PegaFlowServicer
+from .health_watch import BoundedHealth
 from .metrics import CopyPathCollector, Metrics, SsdCollector
 from .report import (
     HitRateCollector,
@@ -162,7 +163,7 @@ async def _assemble(
     metrics.registry.register(OriginalMetrics(metrics, scrape.again))  # their names
     servicer = PegaFlowServicer(engine, os.getpid(), secrets.token_bytes(16), port)
     pb_grpc.add_PegaFlowServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = BoundedHealth()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     socket_server = None
     if socket_path:
@@ -259,8 +260,8 @@ def _bring_up(
             tier.stats().capacity_bytes,
             ", ".join(config.ssd.paths),
         )
-    health = health_report(engine, cuda, report, tier, route)
-    return engine, cuda, report, health, built
+    health_doc = health_report(engine, cuda, report, tier, route)
+    return engine, cuda, report, health_doc, built
 
 
 def _bind_grpc(config: ServerConfig, metrics: Metrics) -> tuple[grpc.aio.Server, int]:

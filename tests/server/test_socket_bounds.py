@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.common.errors import PegaflowError
 from pegaflow.common.socket_frames import (
     HELLO_HEADER,
     HELLO_REPLY,
@@ -195,9 +196,8 @@ def test_a_full_socket_names_itself_to_a_registering_engine(server) -> None:
             sock.connect(path)
             held.append(sock)
         kv = LocalKV(layers=2, blocks=4, page=4096)
-        with PegaflowClient(server.addr) as client:
-            with pytest.raises(Exception) as err:
-                kv.register(client, "late", "ns-late")
+        with PegaflowClient(server.addr) as client, pytest.raises(PegaflowError) as err:
+            kv.register(client, "late", "ns-late")
         message = str(err.value)
         assert "RESOURCE_EXHAUSTED" in message and "more than 1024" in message, message
         assert "over TCP" not in message, message
