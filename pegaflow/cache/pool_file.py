@@ -123,12 +123,17 @@ class PoolFile:
     def _check_or_init(self, on_mismatch: OnMismatch) -> bool:
         g = self.geometry
         size = os.fstat(self.fd).st_size
-        found = _read_super(self.fd) if size >= SUPER_BYTES else None
+        found = _read_super(self.fd)
         want = (VERSION, ROW_BYTES, GRANULE, g.data_bytes, g.slab_bytes, g.data_offset)
         if found == want and size == g.file_bytes:
             self._write_super()  # this server's pid, for a second one's message
             return False
-        if found is not None:
+        if found == want:  # ours, cut short (or grown) since
+            why = (
+                f"it is truncated to {size} B (or grown: this pool needs "
+                f"{g.file_bytes} B)"
+            )
+        elif found is not None:
             version, _, _, data, slab, _ = found
             why = (
                 f"it holds a pool of format {_format(version)}, {data} B in slabs "
@@ -137,10 +142,12 @@ class PoolFile:
             )
         elif size == 0:
             why = ""
+        elif _magic_cut(self.fd, size):
+            why = f"it is truncated to {size} B, inside its superblock"
         else:  # never overwritten, whatever --pool-on-mismatch says
             raise PoolFileError(
-                f"--pool-file: {self.path} is not a pool file (no PEGAPOOL "
-                "superblock); name a new file or an old pool file"
+                f"--pool-file: {self.path} is not a pool file ({size} B, no "
+                "PEGAPOOL superblock); name a new file or an old pool file"
             )
         if why and on_mismatch == "refuse":
             raise PoolFileError(
@@ -218,21 +225,48 @@ def _open_locked(path: str) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        pid = _SUPER.unpack(os.pread(fd, _SUPER.size, 0))[-1] if _has_super(fd) else 0
+        holder = _flock_holder(fd)
         os.close(fd)
-        owner = f" (pid {pid})" if pid else ""
+        owner = f" (pid {holder})" if holder else ""
         raise PoolFileError(
-            f"--pool-file: {path} is in use by another server{owner}; two servers "
-            "cannot share one pool file: stop it, or give this one its own file"
+            f"--pool-file: {path} is locked by another process{owner}; two "
+            "servers cannot share one pool file: stop it, or give this one its "
+            "own file"
         ) from None
     return fd
 
 
+def _flock_holder(fd: int) -> int:
+    """The pid holding a flock on the file, from the kernel's /proc/locks (the
+    superblock's pid is only the last server's: another process, even
+    another user's, may hold the lock); 0 when it cannot be told."""
+    st = os.fstat(fd)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            for line in locks:
+                parts = line.split()
+                if len(parts) > 5 and parts[1] == "FLOCK" and parts[5] == inode:
+                    return int(parts[4])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def _has_super(fd: int) -> bool:
-    return os.fstat(fd).st_size >= SUPER_BYTES
+    return os.fstat(fd).st_size >= _SUPER.size
+
+
+def _magic_cut(fd: int, size: int) -> bool:
+    """A file shorter than a superblock that starts as one: a pool file cut
+    inside its first page, not somebody else's file."""
+    head = os.pread(fd, min(size, len(MAGIC)), 0)
+    return 0 < size < _SUPER.size and head == MAGIC[: len(head)] and len(head) >= 4
 
 
 def _read_super(fd: int) -> tuple[int, int, int, int, int, int] | None:
+    if not _has_super(fd):
+        return None
     magic, version, row_bytes, granule, data, slab, offset, _ = _SUPER.unpack(
         os.pread(fd, _SUPER.size, 0)
     )

@@ -5,6 +5,7 @@ refused or reinitialised."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -239,3 +240,62 @@ def test_a_file_of_the_blake3_format_is_refused_or_reinitialised(
     log = server.log.read_text()
     assert "format 1 (blake3 slot checksums)" in log and "reinitialising it" in log
     assert _super(path)[1] == VERSION
+
+
+@pytest.mark.parametrize("size", [100, 16 << 10])
+def test_a_truncated_pool_file_is_named_and_reinitialised(
+    server_factory, tmp_path: Path, size: int
+) -> None:
+    """Scenario: a kept pool file truncated (to 100 B: under its 4 KiB
+    superblock page; to 16 KiB: its superblock whole). It was refused as "not
+    a pool file" even with --pool-on-mismatch reinit, without its size. Now
+    refuse names the size it has and the size it needs; reinit starts afresh."""
+    server = server_factory(*_flags(tmp_path))
+    _save(server, LocalKV(seed=5))
+    server.stop(signal.SIGTERM)
+    path = tmp_path / "pool.bin"
+    os.truncate(path, size)
+    rc, err = _failed_start(*_flags(tmp_path, "--pool-on-mismatch", "refuse"))
+    line = err.strip().splitlines()[-1]
+    assert rc == 2 and "Traceback" not in err, err
+    assert f"{size} B" in line and "truncated" in line, line
+    assert path.stat().st_size == size  # refused: untouched
+    server = server_factory(*_flags(tmp_path))
+    assert _health(server)["pool_recovered"]["blocks"] == 0
+    assert "reinitialising it" in server.log.read_text()
+
+
+def test_a_short_file_that_is_no_pool_file_is_refused_naming_its_size(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "pool.bin"
+    path.write_bytes(b"notes\n" * 10)
+    path.chmod(0o600)
+    rc, err = _failed_start(*_flags(tmp_path))
+    assert rc == 2 and "60 B" in err and "not a pool file" in err, err
+    assert path.read_bytes() == b"notes\n" * 10
+
+
+def test_a_lock_held_by_another_process_names_that_process(
+    server_factory, tmp_path: Path
+) -> None:
+    """Scenario: another process (here not a server: any user's that may open
+    the file) holds a flock on a kept pool file; the refusal named the pid in
+    the superblock, the last server's, long gone."""
+    server = server_factory(*_flags(tmp_path))
+    stale = server.pid
+    server.stop(signal.SIGTERM)
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, sys, time; f = open(sys.argv[1], 'rb'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+         str(tmp_path / "pool.bin")],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        rc, err = _failed_start(*_flags(tmp_path))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert rc == 2 and f"pid {holder.pid}" in err and f"pid {stale}" not in err, err
