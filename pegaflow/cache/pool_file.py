@@ -13,11 +13,13 @@ One server per file: an exclusive flock, held while the mapping lives.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -218,10 +220,52 @@ def _open_locked(path: str) -> int:
     except OSError as exc:
         raise PoolFileError(f"{FLAG}: cannot open {path}: {exc}") from exc
     try:
+        exposed = stat.S_IMODE(os.fstat(fd).st_mode) & 0o044
         check_private(fd, path, FLAG, PoolFileError)
     except PoolFileError:
         os.close(fd)
         raise
+    fd = _lock(fd, path)
+    if exposed:
+        fd = _replace(fd, path)
+    return fd
+
+
+def _replace(fd: int, path: str) -> int:
+    """A file others could read: whoever opened or mapped it then keeps
+    reading that file (its inode) whatever its mode says now, so every later
+    tenant's blocks would reach them. The pool starts on a new private file
+    at the path instead; the old one's blocks are dropped with it."""
+    logger.warning(
+        "%s: %s was readable by other users: a process that opened or mapped "
+        "it would keep reading it; starting on a new private file (its cached "
+        "blocks are dropped)",
+        FLAG,
+        path,
+    )
+    fresh_path = f"{path}.{os.getpid()}.new"
+    try:
+        fresh = open_private(
+            fresh_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FLAG, PoolFileError
+        )
+    except OSError as exc:
+        os.close(fd)
+        raise PoolFileError(f"{FLAG}: cannot create {fresh_path}: {exc}") from exc
+    try:
+        fresh = _lock(fresh, fresh_path)
+        os.rename(fresh_path, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # _lock closed it already, if it failed
+            os.close(fresh)
+        with contextlib.suppress(OSError):
+            os.unlink(fresh_path)
+        raise
+    finally:
+        os.close(fd)
+    return fresh
+
+
+def _lock(fd: int, path: str) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -5,8 +5,10 @@ refused or reinitialised."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -299,3 +301,32 @@ def test_a_lock_held_by_another_process_names_that_process(
         holder.kill()
         holder.wait()
     assert rc == 2 and f"pid {holder.pid}" in err and f"pid {stale}" not in err, err
+
+
+def test_a_pool_file_once_readable_by_others_is_replaced(
+    server_factory, tmp_path: Path
+) -> None:
+    """Scenario: a kept pool file was mode 0644; another user mapped it. The
+    server chmod'ed it 600 and kept the same inode, so that reader saw every
+    later tenant's blocks. Now the server starts on a new private file at the
+    path: the reader's mapping holds none of the blocks saved after."""
+    server = server_factory(*_flags(tmp_path))
+    _save(server, LocalKV(seed=6))
+    server.stop(signal.SIGTERM)
+    path = tmp_path / "pool.bin"
+    path.chmod(0o644)
+    before = path.stat().st_ino
+    with open(path, "rb") as f:
+        seen = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)  # the other reader
+    try:
+        server = server_factory(*_flags(tmp_path))
+        assert "readable by other users" in server.log.read_text()
+        assert path.stat().st_ino != before
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert not list(tmp_path.glob("pool.bin.*.new"))
+        hs, want = _save(server, LocalKV(seed=7))
+        assert _hits(server, hs, want) == N  # the new file serves
+        page = want[0].tobytes()[:4096]
+        assert seen.find(page) == -1  # and the old mapping never sees it
+    finally:
+        seen.close()
