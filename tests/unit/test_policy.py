@@ -151,12 +151,21 @@ def test_admitted_miss_is_counted_once() -> None:
 
 
 def test_recurring_newcomer_gets_in() -> None:
-    """A full cache of one-time keys must not lock out a key that keeps missing."""
-    policy = admission(100)
-    for i in range(100):
-        policy.insert(i)
-    decisions = [admit_one(policy, "new", unprotected) for _ in range(3)]
-    assert decisions == [False, True, True]
+    """A full cache of one-time keys must not lock out a key that keeps
+    missing: it gets in by its second miss. Its first miss is refused unless
+    the sketch's or the doorkeeper's hashes collide, which a key's hash (seeded
+    per process) made happen for 3 of 300 seeds: asserting a refusal of one
+    key failed CI by chance. So the first misses are counted over 50 keys."""
+    first = []
+    for n in range(50):
+        policy = admission(100)
+        for i in range(100):
+            policy.insert(i)
+        key = ("new", n)
+        decisions = [admit_one(policy, key, unprotected) for _ in range(3)]
+        assert decisions[1:] == [True, True], (key, decisions)
+        first.append(decisions[0])
+    assert sum(first) <= 10, first  # a first miss mostly stays out
 
 
 def hot_hit_rate(policy: EvictionPolicy, capacity: int) -> float:
