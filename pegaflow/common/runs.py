@@ -2,8 +2,8 @@
 many (address, length) pieces into fewer, larger requests.
 
 A piece joins the one before it when, on every side it is described on (one side
-for a file write's iovec; local and remote for process_vm_*; staging and host
-offsets for a kernel's copy plan), it starts exactly where the previous piece
+for a file write's iovec; local and remote for process_vm_*; source and
+destination offsets for a copy plan), it starts exactly where the previous piece
 ended. Pieces are never reordered, so the merged plan moves the same bytes in
 the same order.
 """

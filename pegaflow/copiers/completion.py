@@ -1,6 +1,6 @@
 """How the copy thread learns that a batch it queued on a stream is done.
 
-Two ways, chosen per batch with its copy path (pegaflow.copiers.cuda_copier.COMPLETION):
+Two ways, chosen per batch with its copy path (pegaflow.copiers.measured.COMPLETION):
 
 - a stream synchronize: blocks without the GIL, and a fault in the copy
   surfaces there;

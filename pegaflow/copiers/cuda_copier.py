@@ -28,7 +28,7 @@ chosen per batch from its shape by a CopyPolicy: copy engines for saves of a
 few blocks, kernels for the rest (measured.CROSSOVERS has the figures);
 copy engines use no SMs. Both run on the direction's stream, so the choice
 never reorders a save or a load. How the thread then waits for the batch
-follows its path (COMPLETION; pegaflow.copiers.completion).
+follows its path (measured.COMPLETION; pegaflow.copiers.completion).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ from . import dma, measured
 from .completion import StreamFlag
 from .copier import CudaExport
 from .gpu_state import Faults, InFlight, Rates
-from .path_choice import COMPLETION, FLAG_MAX_BYTES, CopyDirection, CopyPath, CopyPolicy
+from .measured import COMPLETION, FLAG_MAX_BYTES
+from .path_choice import CopyDirection, CopyPath, CopyPolicy
 
 logger = logging.getLogger(__name__)
 

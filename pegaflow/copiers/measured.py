@@ -12,7 +12,7 @@ values pass them to the classes' constructors (CopyPolicy, ContendedPolicy).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pegaflow.common.settings import check_int
 
@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from .dma import Direction
 
 MAX_PAGES = 1 << 32
+CopyPath = Literal["kernel", "dma"]
+Completion = Literal["sync", "flag"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +29,7 @@ class Crossover:
     """A row of the crossover table: a batch of `direction` with `min_pages`
     to `max_pages` pages of at least `min_page_bytes` each goes to the copy
     engines (DMA) under `--copy-path auto`; kernels move the rest. How each
-    path's batch is waited for: pegaflow.copiers.path_choice.COMPLETION."""
+    path's batch is waited for: COMPLETION, below."""
 
     direction: Direction
     min_pages: int
@@ -67,6 +69,17 @@ class Crossover:
 #   kernel at 640), so the earlier "DMA from 2560 blocks" row is gone.
 # - load: kernels at every N; at N = 1 copy engines + flag only tie (161 us).
 CROSSOVERS: tuple[Crossover, ...] = (Crossover("save", 1, 64 << 10, max_pages=4 * 32),)
+
+# -- how a batch of each path is waited for (pegaflow.copiers.completion) -----
+# From the H200's N = 1 latencies (2026-12-02; benchmarks/RESULTS.md,
+# "Copy-path constants"; P50 of call until the host sees completion): copy
+# engines + mapped flag 112 us save / 161 load, + stream sync 149 / 164; block
+# kernel + stream sync 208 / 161, + mapped flag 208 / 229: a flag helps copy
+# engines only.
+COMPLETION: dict[CopyPath, Completion] = {"kernel": "sync", "dma": "flag"}
+# Larger DMA batches block in the synchronize: ~0.7 ms at the copy engines'
+# 24.5 GB/s of N = 8, past which a poll saves nothing worth a busy core.
+FLAG_MAX_BYTES = 16 << 20
 
 # -- `auto` on a GPU another process computes on --------------------------------
 # A GPU's kernel copies move to copy engines while they run below this share of

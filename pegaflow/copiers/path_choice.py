@@ -2,37 +2,27 @@
 
 `CopyPolicy` picks kernels or copy engines per batch from its direction, page
 count and page size (the server passes CudaConfig.copy_path and the H200's
-crossover table, pegaflow.copiers.measured.CROSSOVERS); `COMPLETION` says how
-pegaflow.copiers.cuda_copier waits for a batch of each path. Pure Python: imported
-without CUDA (tests/unit/test_copy_policy.py).
+crossover table, pegaflow.copiers.measured.CROSSOVERS); how
+pegaflow.copiers.cuda_copier waits for a batch of each path is
+measured.COMPLETION. Pure Python: imported without CUDA
+(tests/unit/test_copy_policy.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from pegaflow.common.geometry import Transfers
 
 from . import dma, measured
+from .measured import CopyPath
 
 if TYPE_CHECKING:  # values the server passes in; no import of its config
     from pegaflow.common.settings import CopyPathSetting, CudaConfig
 
     from .measured import Crossover
 
-CopyPath = Literal["kernel", "dma"]
 CopyDirection = dma.Direction  # save: GPU -> pool, load: pool -> GPU
-Completion = Literal["sync", "flag"]
-
-# How a batch of each path is waited for, from the H200's N = 1 latencies
-# (2026-12-02; benchmarks/RESULTS.md, "Copy-path constants"; P50 of
-# call until the host sees completion): copy engines + mapped flag 112 us save
-# / 161 load, + stream sync 149 / 164; block kernel + stream sync 208 / 161,
-# + mapped flag 208 / 229: a flag helps copy engines only.
-COMPLETION: dict[CopyPath, Completion] = {"kernel": "sync", "dma": "flag"}
-# Larger DMA batches block in the synchronize: ~0.7 ms at the copy engines'
-# 24.5 GB/s of N = 8, past which a poll saves nothing worth a busy core.
-FLAG_MAX_BYTES = 16 << 20
 
 
 class CopyPolicy:

@@ -10,8 +10,7 @@ import pytest
 from pegaflow.common.geometry import Transfers
 from pegaflow.common.settings import CudaConfig
 from pegaflow.copiers.cuda_copier import CopyPolicy
-from pegaflow.copiers.measured import CROSSOVERS, Crossover
-from pegaflow.copiers.path_choice import COMPLETION
+from pegaflow.copiers.measured import COMPLETION, CROSSOVERS, Crossover
 from pegaflow.server.cli import build_parser, config_from_args
 
 LAYERS, PAGE = 32, 64 << 10

@@ -115,7 +115,7 @@ def test_the_cuda_copier_waits_by_flag_for_small_dma_batches_only() -> None:
     with the flag; a kernel batch, a larger one, or a device without flags
     with the stream synchronize (COMPLETION)."""
     from pegaflow.copiers import cuda_copier as cuda
-    from pegaflow.copiers.path_choice import FLAG_MAX_BYTES
+    from pegaflow.copiers.measured import FLAG_MAX_BYTES
 
     _, address = _word()
     stream = FakeStream()
