@@ -1,5 +1,7 @@
 """PegaKVConnector: vLLM's KVConnectorBase_V1 as a thin facade over the
-scheduler half (scheduler.py) and the worker half (worker.py).
+scheduler half (scheduler.py) and the worker half (worker.py). It supports
+vLLM's hybrid KV cache manager (SupportsHMA): each KV cache group is restored
+by its own rule (kv_groups.py).
 
     --kv-transfer-config '{"kv_connector":"PegaKVConnector","kv_role":"kv_both",
                            "kv_connector_module_path":"pegaflow.connector"}'
@@ -17,9 +19,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from .extra_config import failure_policy_warning, parse_config
+from .kv_groups import KVGroups, groups_of
 from .scheduler import SchedulerHalf
 from .stats import PegaConnectorStats, PegaPromMetrics
 from .step_plan import StepPlan, WorkerReport, new_stats
@@ -63,7 +67,7 @@ def _tp_rank(vllm_config: Any) -> int:
     return par.rank % par.tensor_parallel_size
 
 
-def _check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
+def _check_supported(vllm_config: Any, kv_cache_config: Any) -> KVGroups:
     par = vllm_config.parallel_config
     if par.pipeline_parallel_size > 1:
         raise ValueError("PegaKVConnector: pipeline parallelism is not supported")
@@ -72,23 +76,16 @@ def _check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(par, name, 1) > 1:
             raise ValueError(f"PegaKVConnector: {name} > 1 is not supported")
-    if len(kv_cache_config.kv_cache_groups) > 1:
-        raise ValueError("PegaKVConnector: one KV cache group only (no hybrid models)")
-    block_size = vllm_config.cache_config.block_size
-    if kv_cache_config.hash_block_size not in (None, block_size):
-        raise ValueError(
-            f"PegaKVConnector: hash block size {kv_cache_config.hash_block_size} "
-            f"!= block size {block_size}"
-        )
+    return groups_of(kv_cache_config, vllm_config.cache_config.block_size)
 
 
-class PegaKVConnector(KVConnectorBase_V1):
+class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
-        _check_supported(vllm_config, kv_cache_config)
+        groups = _check_supported(vllm_config, kv_cache_config)
         ident = instance_id(vllm_config, self.config.instance_id)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._scheduler: SchedulerHalf | None = None
@@ -105,10 +102,12 @@ class PegaKVConnector(KVConnectorBase_V1):
                     algo,
                 )
             block_size = vllm_config.cache_config.block_size
-            self._scheduler = SchedulerHalf(self.config, ident, block_size, tp_size)
+            self._scheduler = SchedulerHalf(
+                self.config, ident, block_size, tp_size, groups=groups
+            )
         else:
             self._worker = WorkerHalf(
-                self.config, ident, _tp_rank(vllm_config), tp_size
+                self.config, ident, _tp_rank(vllm_config), tp_size, groups=groups
             )
 
     @property
@@ -136,7 +135,7 @@ class PegaKVConnector(KVConnectorBase_V1):
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
-        ids = blocks.get_block_ids()[0]
+        ids = blocks.get_block_ids()  # one list per KV cache group
         self._scheduler.after_alloc(request, ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -152,6 +151,15 @@ class PegaKVConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """Without the hybrid KV manager: the one group's blocks."""
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, (block_ids,)), None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """With it: block ids per group, positional, null blocks where a
+        sliding window or a Mamba state moved on."""
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids), None
 

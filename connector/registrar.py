@@ -6,6 +6,9 @@ Host KV registers (pid, address, size) for process_vm_readv/writev; CUDA KV is
 the one other branch: IPC handles + interprocess events through
 `PegaflowClient.register_cuda`. MLA KV registers as replicated: the server keeps
 one shard per block, which any rank saves and every rank loads.
+
+A hybrid model registers once per KV cache group (its own instance id and
+namespace: the group's pages have their own geometry).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pegaflow.client.pegaflow_client import PegaflowClient, Session
 from pegaflow.common.errors import NotSupported, PegaflowError
 
 from .extra_config import ConnectorConfig
+from .kv_groups import GroupRule
 from .tensors import KVTensors, kv_tensors, namespace_digest, namespace_parts
 
 logger = logging.getLogger(__name__)
@@ -37,12 +41,14 @@ class Registrar:
         tp_rank: int,
         tp_size: int,
         pool: ThreadPoolExecutor,
+        group: GroupRule | None = None,
     ) -> None:
         self.client = client
         self.config = config
         self.instance_id = instance_id
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.group = group  # None: the model's only group
         self.namespace = ""
         self.replicated = False  # every rank holds the same KV (MLA)
         self.registered = False
@@ -68,6 +74,17 @@ class Registrar:
         self.layer_signals = np.zeros(len(kv.tensors), np.uint64)
         signals = self.layer_signals.ctypes.data
         parts = namespace_parts(vllm_config, kv, self.config.namespace_salt)
+        if self.group is not None:
+            # Which layers, and how the group restores them: two engines share
+            # a group's blocks only if both are the same.
+            g = self.group
+            parts["kv_group"] = {
+                "index": g.index,
+                "kind": g.kind,
+                "block_size": g.block_size,
+                "span": g.span,
+                "layers": list(g.layer_names),
+            }
         self.namespace = namespace_digest(parts, self.config.tenant_secret)
         self.replicated = bool(parts["mla"])
         self._device = kv.device

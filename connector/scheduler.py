@@ -1,14 +1,17 @@
 """Scheduler half: prefix queries, load plans, save intents, held blocks.
 
 Runs in vLLM's engine-core process on the scheduler's thread, so every call is
-bounded: one query per waiting request (answer reused while fresh), no call at
-all while the server is known to be away, lease releases off-thread.
+bounded: one query per waiting request and KV cache group (answer reused while
+fresh), no call at all while the server is known to be away, lease releases
+off-thread. A hybrid model's groups are separate parts on the server
+(kv_groups.py); a hit is the longest prefix every group can restore.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -17,19 +20,32 @@ from pegaflow.client.pegaflow_client import PegaflowClient
 from pegaflow.common.errors import PegaflowError, ServerUnavailable, UnknownInstance
 
 from .extra_config import ConnectorConfig
+from .kv_groups import NULL_BLOCK, GroupRule, KVGroups, single_group
 from .step_plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stats
 
 logger = logging.getLogger(__name__)
+
+# Boundaries asked for a Mamba state, from the longest hit down: states exist
+# only where a step ended (vLLM's align mode), so a few tries find the last.
+MAX_STATE_PROBES = 4
+
+
+@dataclass(slots=True)
+class _Lease:
+    group: int  # vLLM's kv_cache_group_id
+    lease_id: int
+    first: int  # the group block the lease's first block stands for
+    count: int
 
 
 @dataclass(slots=True)
 class _Hit:
     """One query's answer for a request not yet admitted."""
 
-    local: int  # blocks vLLM had locally when asked
-    limit: int  # blocks we asked about end here
-    num_blocks: int  # hit beyond `local`
-    lease_id: int
+    local: int  # tokens vLLM had locally when asked
+    limit: int  # tokens we asked about end here
+    num_tokens: int  # hit beyond `local`
+    leases: list[_Lease]
     at: float
     is_async: bool = False
 
@@ -37,10 +53,14 @@ class _Hit:
 @dataclass(slots=True)
 class _Req:
     request: Any  # vllm.v1.request.Request
-    block_ids: list[int]
-    saved: int  # blocks [0, saved) are cached, loaded or handed to a save
+    tables: list[list[int]]  # block ids per transferred group (rule order)
+    saved: list[int]  # per group: blocks [0, saved) are cached, loaded or saving
     pending: int = 0  # save-job reports still owed by the workers
     finished: bool = False
+
+
+class _Away(Exception):
+    """The server is away or asked us to come back: no hit now."""
 
 
 class SchedulerHalf:
@@ -51,10 +71,11 @@ class SchedulerHalf:
         block_size: int,
         num_workers: int,
         client: PegaflowClient | None = None,
+        groups: KVGroups | None = None,
     ) -> None:
         self.config = config
         self.instance_id = instance_id
-        self.block_size = block_size
+        self.groups = groups or single_group(block_size)
         self.num_workers = num_workers
         self.client = client or PegaflowClient(
             config.addr, timeout_s=config.query_timeout_s
@@ -72,10 +93,11 @@ class SchedulerHalf:
     def num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        bs = self.block_size
-        local = num_computed_tokens // bs
+        local = num_computed_tokens
         # Never claim the last token: vLLM must compute one to sample from.
-        limit = min((request.num_tokens - 1) // bs, len(request.block_hashes))
+        known = len(request.block_hashes) * self.groups.hash_block_size
+        limit = min(request.num_tokens - 1, known)
+        limit -= limit % self.groups.alignment
         hit = self._hits.get(request.request_id)
         now = time.monotonic()
         if (
@@ -87,25 +109,100 @@ class SchedulerHalf:
                 # Out of _hits before asking again: a `loading` answer stores
                 # nothing, and request_finished must not release it twice.
                 del self._hits[request.request_id]
-                self._release(hit.lease_id)
+                self._release_all(hit.leases)
             hit = self._query(request, local, limit, now)
             if hit is None:
                 return None, False  # the server is still pulling blocks in
             self._hits[request.request_id] = hit
-        tokens = hit.num_blocks * bs
-        hit.is_async = tokens > self.config.sync_load_max_tokens
-        return tokens, hit.is_async
+        hit.is_async = hit.num_tokens > self.config.sync_load_max_tokens
+        return hit.num_tokens, hit.is_async
 
     def _query(self, request: Any, local: int, limit: int, now: float) -> _Hit | None:
-        miss = _Hit(local, limit, 0, 0, now)
-        if limit <= local or now < self._away_until or self.config.mode == "save_only":
+        miss = _Hit(local, limit, 0, [], now)
+        if (
+            limit <= local
+            or local % self.groups.alignment
+            or now < self._away_until
+            or self.config.mode == "save_only"
+        ):
             return miss
-        hashes = request.block_hashes[local:limit]
+        leases: list[_Lease] = []
         start = time.perf_counter()
         try:
+            end = self._dense_hits(request, local, limit, leases)
+            if end is not None and end > local:
+                end = self._state_hits(request, local, end, leases)
+        except _Away:
+            self._release_all(leases)
+            return miss
+        finally:
+            self.stats["query_seconds"] += time.perf_counter() - start
+        if end is None:  # a tier is still pulling blocks in: ask again
+            self._release_all(leases)
+            return None
+        self.stats["query_tokens"] += limit - local
+        if end <= local:
+            self._release_all(leases)
+            return miss
+        return _Hit(local, limit, end - local, leases, now)
+
+    def _dense_hits(
+        self, request: Any, local: int, end: int, leases: list[_Lease]
+    ) -> int | None:
+        """The longest prefix every prefix-queried group holds beyond `local`
+        (None: ask again later). A sliding-window group is asked for its whole
+        prefix too, as its blocks are saved as they fill."""
+        for rule in self.groups.rules:
+            if rule.sparse:
+                continue
+            lo, hi = local // rule.block_size, end // rule.block_size
+            res = self._ask(request, rule, lo, hi)
+            if res is None:
+                return None
+            if res.lease_id:
+                leases.append(_Lease(rule.index, res.lease_id, lo, res.num_blocks))
+            end = min(end, (lo + res.num_blocks) * rule.block_size)
+            end -= end % self.groups.alignment
+            if end <= local:
+                return end
+        return end
+
+    def _state_hits(
+        self, request: Any, local: int, end: int, leases: list[_Lease]
+    ) -> int | None:
+        """The longest hit, at most `end`, at whose boundary every Mamba group
+        holds its state; a few boundaries are tried from the top."""
+        sparse = [rule for rule in self.groups.rules if rule.sparse]
+        for _ in range(MAX_STATE_PROBES if sparse else 1):
+            if end <= local:
+                return end
+            found: list[_Lease] = []
+            for rule in sparse:
+                hi = end // rule.block_size
+                res = self._ask(request, rule, hi - 1, hi)
+                if res is None:
+                    self._release_all(found)
+                    return None
+                if not res.num_blocks:
+                    break
+                found.append(_Lease(rule.index, res.lease_id, hi - 1, 1))
+            else:
+                leases.extend(found)
+                return end
+            self._release_all(found)
+            end -= self.groups.alignment
+        return 0 if sparse else end
+
+    def _ask(self, request: Any, rule: GroupRule, lo: int, hi: int) -> Any:
+        """The server's answer for this group's blocks [lo, hi), or None while
+        it is still pulling them in; _Away when it cannot answer."""
+        hashes = self.groups.hashes(rule, request.block_hashes)[lo:hi]
+        instance = self.groups.part_instance(self.instance_id, rule)
+        now = time.monotonic()
+        try:
+            self.stats["queries"] += 1
             # One hash function per engine: every hash has the first's length.
-            size = len(hashes[0]) if hashes else None
-            res = self.client.query(self.instance_id, hashes, hash_len=size)
+            res = self.client.query(instance, hashes, hash_len=len(hashes[0]))
         except (ServerUnavailable, UnknownInstance) as exc:
             # Server away or our workers not (re-)registered yet: misses for a
             # while rather than a failed round trip per request per step.
@@ -116,7 +213,7 @@ class SchedulerHalf:
                 exc,
                 self.config.retry_interval_s,
             )
-            return miss
+            raise _Away from None
         except PegaflowError as exc:
             # About this request (a prompt over the server's block limit, the
             # lease cap reached): its miss alone, the next request asks.
@@ -124,35 +221,70 @@ class SchedulerHalf:
             logger.warning(
                 "pegaflow query for %s failed (%s); a miss", request.request_id, exc
             )
-            return miss
-        finally:
-            self.stats["queries"] += 1
-            self.stats["query_seconds"] += time.perf_counter() - start
-        if res.loading:
-            return None
-        self.stats["query_tokens"] += len(hashes) * self.block_size
-        return _Hit(local, limit, res.num_blocks, res.lease_id, now)
+            raise _Away from None
+        return None if res.loading else res
 
     def after_alloc(
-        self, request: Any, block_ids: list[int], num_external_tokens: int
+        self, request: Any, block_ids: Sequence[Sequence[int]], num_external: int
     ) -> None:
+        """vLLM allocated the request's blocks (one list per KV cache group)."""
         rid = request.request_id
         hit = self._hits.pop(rid, None)
         st = self._reqs.get(rid)
+        tables = [list(block_ids[rule.index]) for rule in self.groups.rules]
         if st is None:
-            st = self._reqs[rid] = _Req(request, [], 0)
-        st.block_ids = list(block_ids)
+            st = self._reqs[rid] = _Req(request, tables, [0] * len(tables))
+        st.tables = tables
         if hit is None:  # second call after an async load: nothing to plan
             return
         # Admission (again, after a preemption): what is cached needs no save.
-        ext = num_external_tokens // self.block_size
-        st.saved = hit.local + ext
-        if ext and hit.lease_id:
-            dst = st.block_ids[hit.local : hit.local + ext]
-            self._loads.append(LoadJob(rid, hit.lease_id, dst, not hit.is_async))
-            self.stats["hit_tokens"] += num_external_tokens
+        end = hit.local + num_external
+        st.saved = [end // rule.block_size for rule in self.groups.rules]
+        jobs = self._load_jobs(st, hit, end) if num_external else []
+        if jobs:
+            self._loads.extend(jobs)
+            self.stats["hit_tokens"] += num_external
         else:
-            self._release(hit.lease_id)
+            self._release_all(hit.leases)
+
+    def _load_jobs(self, st: _Req, hit: _Hit, end: int) -> list[LoadJob]:
+        """Per group, the blocks vLLM allocated in the hit (its null blocks are
+        what the group's window no longer needs), from that group's lease."""
+        rid, jobs = st.request.request_id, []
+        by_group = {lease.group: lease for lease in hit.leases}
+        for pos, rule in enumerate(self.groups.rules):
+            table = st.tables[pos]
+            lo = max(hit.local, rule.first_needed_token(end)) // rule.block_size
+            hi = min(end // rule.block_size, len(table))
+            wanted = [p for p in range(lo, hi) if table[p] != NULL_BLOCK]
+            lease = by_group.pop(rule.index, None)
+            if not wanted:
+                self._release_all([lease] if lease else [])
+                continue
+            first, last = wanted[0], wanted[-1]
+            if (
+                lease is None
+                or first < lease.first
+                or last >= lease.first + lease.count
+                or last - first + 1 != len(wanted)
+            ):
+                # Not what was leased: a failed load (lease 0) of every block,
+                # so vLLM recomputes them, never a partial restore.
+                logger.warning(
+                    "pegaflow: %s group %d blocks %d..%d are not leased; "
+                    "recomputing the hit",
+                    rid,
+                    rule.index,
+                    first,
+                    last,
+                )
+                lease = _Lease(rule.index, 0, first, len(wanted))
+            ids = [table[p] for p in wanted]
+            offset = first - lease.first
+            jobs.append(
+                LoadJob(rid, lease.lease_id, ids, not hit.is_async, rule.index, offset)
+            )
+        return jobs
 
     # -- per step -----------------------------------------------------------
     def build_plan(self, so: Any) -> StepPlan:
@@ -163,48 +295,74 @@ class SchedulerHalf:
             set(so.preempted_req_ids or ()),
         )
         self._loads, self._finish_saves, self._held = [], [], set()
-        self._track_block_tables(so)
+        block_state = getattr(so, "kv_connector_block_state", None)
+        self._track_block_tables(so, block_state)
+        handoffs = getattr(block_state, "boundary_state_offloads", None)
         for rid, num_new in so.num_scheduled_tokens.items():
             st = self._reqs.get(rid)
             if st is not None:
                 upto = st.request.num_computed_tokens + num_new
-                self._plan_save(st, upto, plan.saves)
+                states = None if handoffs is None else handoffs.get(rid, [])
+                self._plan_save(st, upto, plan.saves, states)
         return plan
 
-    def _track_block_tables(self, so: Any) -> None:
+    def _track_block_tables(self, so: Any, block_state: Any) -> None:
+        if block_state is not None:  # vLLM 0.33: the tables as they are now
+            for rid, st in self._reqs.items():
+                ids = block_state.get_block_ids(rid)
+                if ids is not None:
+                    st.tables = [list(ids[r.index]) for r in self.groups.rules]
+            return
+        rules = self.groups.rules
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
-                st.block_ids = list(new.block_ids[0])
+                st.tables = [list(new.block_ids[r.index]) for r in rules]
         cached = so.scheduled_cached_reqs
         for rid, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
             st = self._reqs.get(rid)
             if st is None or new_ids is None:
                 continue
-            if rid in cached.resumed_req_ids:
-                st.block_ids = list(new_ids[0])
-            else:
-                st.block_ids.extend(new_ids[0])
+            for pos, rule in enumerate(rules):
+                if rid in cached.resumed_req_ids:
+                    st.tables[pos] = list(new_ids[rule.index])
+                else:
+                    st.tables[pos].extend(new_ids[rule.index])
 
-    def _plan_save(self, st: _Req, upto_tokens: int, out: list[SaveJob]) -> None:
+    def _plan_save(
+        self,
+        st: _Req,
+        upto_tokens: int,
+        out: list[SaveJob],
+        states: list[tuple[int, int, int]] | None = None,
+    ) -> None:
+        """Save jobs for what is computed once this step ran. `states`: vLLM
+        0.33's exact Mamba boundary-state hand-offs; None where vLLM has none
+        (a state is then the block ending at an aligned `upto_tokens`)."""
         req = st.request
         if not self.config.save_decode:
             upto_tokens = min(upto_tokens, req.num_prompt_tokens)
-        # Hashes exist only for blocks whose tokens are all known (under async
-        # scheduling they lag a step); such blocks are saved a step later.
-        done = min(
-            upto_tokens // self.block_size, len(req.block_hashes), len(st.block_ids)
-        )
-        if done > st.saved:
-            out.append(
-                SaveJob(
-                    req.request_id,
-                    st.block_ids[st.saved : done],
-                    list(req.block_hashes[st.saved : done]),
+        for pos, rule in enumerate(self.groups.rules):
+            # Hashes exist only for blocks whose tokens are all known (under
+            # async scheduling they lag a step); such blocks are saved later.
+            hashes = self.groups.hashes(rule, req.block_hashes)
+            table, bs = st.tables[pos], rule.block_size
+            done = min(upto_tokens // bs, len(hashes), len(table))
+            if rule.sparse:
+                aligned = upto_tokens % bs == 0
+                picks = _state_blocks(rule, table, st.saved[pos], done, states, aligned)
+            else:
+                picks = [(p, table[p]) for p in range(st.saved[pos], done)]
+            picks = [(p, b) for p, b in picks if b != NULL_BLOCK and p < done]
+            if picks:
+                ids = [b for _, b in picks]
+                out.append(
+                    SaveJob(
+                        req.request_id, ids, [hashes[p] for p, _ in picks], rule.index
+                    )
                 )
-            )
-            st.saved = done
-            st.pending += self.num_workers
+                st.pending += self.num_workers
+            st.saved[pos] = max(st.saved[pos], done)
 
     def on_worker_report(self, report: WorkerReport) -> None:
         if report.socket_path:  # a worker reached the server's socket
@@ -217,22 +375,24 @@ class SchedulerHalf:
             if st.finished and st.pending <= 0:
                 del self._reqs[rid]
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+    def request_finished(
+        self, request: Any, block_ids: Sequence[Sequence[int]]
+    ) -> bool:
         """True (keep the blocks) only while saves of this request are pending."""
         rid = request.request_id
         hit = self._hits.pop(rid, None)
         if hit is not None:
-            self._release(hit.lease_id)
+            self._release_all(hit.leases)
         st = self._reqs.get(rid)
         if st is None:
             return False
         st.finished = True
-        st.block_ids = list(block_ids)
+        st.tables = [list(block_ids[rule.index]) for rule in self.groups.rules]
         upto = request.num_computed_tokens
         if request.status.name != "FINISHED_ABORTED":
             # The last sampled token's KV was never computed.
             upto = min(upto, request.num_tokens - 1)
-        self._plan_save(st, upto, self._finish_saves)
+        self._plan_save(st, upto, self._finish_saves, states=[])
         if st.pending > 0:
             self._held.add(rid)
             return True
@@ -246,12 +406,14 @@ class SchedulerHalf:
         stats, self.stats = self.stats, new_stats()
         return stats
 
-    def _release(self, lease_id: int) -> None:
-        if not lease_id:
+    def _release_all(self, leases: list[_Lease]) -> None:
+        ids = [lease.lease_id for lease in leases if lease.lease_id]
+        if not ids:
             return
         if self._releaser is None:
             self._releaser = ThreadPoolExecutor(1, "pegaflow-release")
-        self._releaser.submit(self._release_now, lease_id)
+        for lease_id in ids:
+            self._releaser.submit(self._release_now, lease_id)
 
     def _release_now(self, lease_id: int) -> None:
         try:
@@ -261,8 +423,30 @@ class SchedulerHalf:
 
     def shutdown(self) -> None:
         for hit in self._hits.values():
-            self._release(hit.lease_id)
+            self._release_all(hit.leases)
         self._hits.clear()
         if self._releaser is not None:
             self._releaser.shutdown(wait=True)
         self.client.close()
+
+
+def _state_blocks(
+    rule: GroupRule,
+    table: list[int],
+    saved: int,
+    done: int,
+    states: list[tuple[int, int, int]] | None,
+    aligned: bool,
+) -> list[tuple[int, int]]:
+    """(position, block id) of the Mamba states to save: vLLM's hand-offs of
+    this group past `saved`, or, without them, the block ending at `done` when
+    the step ended on its boundary (the state of any other block is stale)."""
+    if states is None:
+        return [(done - 1, table[done - 1])] if aligned and done > saved else []
+    picks = []
+    for group, block_id, boundary in states:
+        if group == rule.index and boundary % rule.block_size == 0:
+            pos = boundary // rule.block_size - 1
+            if pos >= saved:
+                picks.append((pos, block_id))
+    return picks

@@ -15,12 +15,15 @@ ReqId = str
 
 @dataclass(slots=True)
 class LoadJob:
-    """Load leased blocks [0, len(block_ids)) into these engine blocks."""
+    """Load leased blocks [lease_offset, lease_offset + len(block_ids)) of one
+    KV cache group into these engine blocks."""
 
     req_id: ReqId
     lease_id: int
     block_ids: list[int]
     sync: bool  # True: before this step's forward; False: between steps
+    group: int = 0  # vLLM's kv_cache_group_id
+    lease_offset: int = 0
 
 
 @dataclass(slots=True)
@@ -30,6 +33,7 @@ class SaveJob:
     req_id: ReqId
     block_ids: list[int]
     hashes: list[BlockHash]
+    group: int = 0  # vLLM's kv_cache_group_id
 
 
 @dataclass(slots=True)

@@ -69,8 +69,8 @@ def kv_tensors(kv_caches: Mapping[str, Any], num_blocks: int) -> KVTensors:
     signatures = {_page_signature(t, skip) for t in out}
     if len(signatures) != 1:
         raise ValueError(
-            "KV caches: layers differ in page shape or dtype (hybrid models need "
-            "the hybrid KV manager, which PegaKVConnector does not support)"
+            "KV caches: layers of one KV cache group differ in page shape or "
+            f"dtype ({sorted(map(str, signatures))})"
         )
     devices = {str(t.device) for t in out}
     if len(devices) != 1:

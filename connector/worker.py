@@ -16,6 +16,10 @@ every request it carried.
 Replicated KV (MLA: every rank holds the same latent cache) is stored once: each
 rank saves the stripe [tp_rank::tp_size] of the step's blocks, and every rank
 loads every block.
+
+A hybrid model's KV cache groups are separate parts on the server, one
+registration each (kv_groups.py); a step's Save and Load go to each part in
+turn, and a request whose load failed in any group fails in all of them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pegaflow.client.pegaflow_client import COPY_GRACE_S, LoadItem, PegaflowClie
 from pegaflow.common.errors import PegaflowError, ServerUnavailable, UnknownInstance
 
 from .extra_config import ConnectorConfig
+from .kv_groups import KVGroups, single_group
 from .registrar import Registrar
 from .step_plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stats
 
@@ -51,29 +56,45 @@ class WorkerHalf:
         tp_rank: int,
         tp_size: int,
         client: PegaflowClient | None = None,
+        groups: KVGroups | None = None,
     ) -> None:
         self.config = config
         self.instance_id = instance_id
         self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.groups = groups or single_group(1)
         self.client = client or PegaflowClient(config.addr, timeout_s=config.timeout_s)
         self.stats = new_stats()
         self._stats_lock = threading.Lock()  # IO threads add to the counters
         self._pool = ThreadPoolExecutor(IO_THREADS, "pegaflow-io")
-        self.registrar = Registrar(
-            self.client, config, instance_id, tp_rank, tp_size, self._pool
-        )
+        # One registration per KV cache group, by vLLM's group id.
+        self.parts = {
+            rule.index: Registrar(
+                self.client,
+                config,
+                self.groups.part_instance(instance_id, rule),
+                tp_rank,
+                tp_size,
+                self._pool,
+                rule if self.groups.hybrid else None,
+            )
+            for rule in self.groups.rules
+        }
         # Until a Save ended, per save job: from start_load on, as vLLM may ask
         # get_finished before wait_for_save (speculative decoding defers that
         # past the drafter); a planned save's future ends with its Save's.
         self._saves: dict[ReqId, list[Future]] = {}
         self._planned: tuple[StepPlan, Future] | None = None  # not submitted yet
         self._held: set[ReqId] = set()
-        # Async loads: the step's one Load future and the job's index in it.
-        self._recving: dict[ReqId, tuple[LoadJob, Future, int]] = {}
+        # Async loads: a request's jobs (one per group) and their Load future.
+        self._recving: dict[ReqId, tuple[list[LoadJob], Future]] = {}
         # Sync loads of this step: jobs, the Load future, its layer_seq (0: the
         # forward waits for the whole load at its first layer).
         self._sync: list[tuple[list[LoadJob], Future, int]] = []
         self._layer_seq = 0
+        # Saves of blocks vLLM may free while their request runs (a window
+        # moved on, an older Mamba state): the next forward may reuse them.
+        self._volatile: list[Future] = []
         # How long a wait for a Save or Load may take before it counts as lost:
         # never shorter than the client's own bound (its deadline plus the
         # grace in which a started copy still writes), as vLLM reuses the
@@ -85,37 +106,56 @@ class WorkerHalf:
         self._errors: set[int] = set()
         self._report = WorkerReport()
 
+    @property
+    def registrar(self) -> Registrar:
+        """The first group's registration (the only one but for hybrids)."""
+        return self.parts[self.groups.rules[0].index]
+
     def register(
         self, kv_caches: dict[str, Any], num_blocks: int, vllm_config: Any
     ) -> None:
         """Describe the KV memory once and register; a server that is away
         now is retried from later steps (the engine runs with misses)."""
-        self.registrar.describe(kv_caches, num_blocks, vllm_config)
-        self.registrar.register_now()
+        for rule in self.groups.rules:
+            part = self.parts[rule.index]
+            if self.groups.hybrid:
+                names = set(rule.layer_names)
+                layers = {k: v for k, v in kv_caches.items() if k in names}
+            else:
+                layers = kv_caches
+            part.describe(layers, num_blocks, vllm_config)
+            part.register_now()
 
     # -- per step -----------------------------------------------------------
     def handle_preemptions(self, plan: StepPlan) -> None:
-        """A preempted request's blocks may be rewritten by this very step."""
+        """Before the step's forward: a preempted request's blocks, and blocks
+        vLLM freed while their request runs, may be rewritten by it."""
         futures = [f for rid in plan.preempted for f in self._saves.get(rid, ())]
+        futures += self._volatile
+        self._volatile = [f for f in self._volatile if not f.done()]
         if futures:
             wait_all(futures, timeout=self._transfer_wait_s)
+            self._volatile.clear()
 
     def start_load(self, plan: StepPlan, layer_waits: bool) -> None:
-        self.registrar.tick()
+        for part in self.parts.values():
+            part.tick()
         self._plan_saves(plan)  # before any get_finished can see plan.held
         self._held |= plan.held
         sync = [job for job in plan.loads if job.sync]
         later = [job for job in plan.loads if not job.sync]
         if sync:  # first: the forward waits for it
             seq = 0
-            if layer_waits and len(self.registrar.layer_signals):
+            signals = all(len(p.layer_signals) for p in self.parts.values())
+            if layer_waits and signals:
                 self._layer_seq += 1
                 seq = self._layer_seq
             self._sync.append((sync, self._submit(self._load, sync, seq), seq))
         if later:
             fut = self._submit(self._load, later)
-            for i, job in enumerate(later):
-                self._recving[job.req_id] = (job, fut, i)
+            for rid in {job.req_id for job in later}:
+                jobs = [job for job in later if job.req_id == rid]
+                self._recving[rid] = (jobs, fut)
         if not layer_waits:  # nothing will call wait_for_layer_load this step
             self.wait_sync_loads()
 
@@ -123,11 +163,12 @@ class WorkerHalf:
         """Until this layer of the step's sync loads has landed: its signal
         word holds the load's seq (the server writes it per layer), or the load
         ended (a failure is collected by wait_sync_loads: vLLM recomputes)."""
-        layer = self.registrar.layer_index.get(layer_name)
+        part = self._part_of(layer_name)
+        layer = None if part is None else part.layer_index.get(layer_name)
         if layer is None or any(seq == 0 for _, _, seq in self._sync):
             self.wait_sync_loads()  # a load without layer signals: all of it
             return
-        word = self.registrar.layer_signals[layer : layer + 1]
+        word = part.layer_signals[layer : layer + 1]
         deadline = time.monotonic() + self._transfer_wait_s
         for _, fut, seq in self._sync:
             spins = 0
@@ -139,12 +180,24 @@ class WorkerHalf:
                         return
                     time.sleep(NAP_S)
 
+    def _part_of(self, layer_name: str) -> Registrar | None:
+        for part in self.parts.values():
+            if layer_name in part.layer_index:
+                return part
+        return None
+
     def wait_sync_loads(self) -> None:
         """Sync loads complete as a whole: the first layer's wait covers all."""
         for jobs, fut, _ in self._sync:
-            for i in self._load_failures(fut, len(jobs)):
-                self._errors.update(jobs[i].block_ids)
+            self._fail_requests(jobs, self._load_failures(fut, jobs))
         self._sync.clear()
+
+    def _fail_requests(self, jobs: list[LoadJob], failed: set[ReqId]) -> None:
+        """A request whose load failed in any group fails in every group (vLLM
+        recomputes it): never a partial restore."""
+        for job in jobs:
+            if job.req_id in failed:
+                self._errors.update(job.block_ids)
 
     def save(self, plan: StepPlan) -> None:
         """One Save per step for every request's completed blocks (this rank's
@@ -154,13 +207,19 @@ class WorkerHalf:
         assert self._planned is not None
         _, planned = self._planned
         self._planned = None
-        ids, hashes = self._stripe(plan.saves)
-        if not ids:  # still reported done, as every rank's save is
+        batches = []
+        for group, part in self.parts.items():
+            jobs = [job for job in plan.saves if job.group == group]
+            ids, hashes = self._stripe(part, jobs)
+            if ids:
+                batches.append((part, ids, hashes, part.record_compute_done()))
+        if not batches:  # still reported done, as every rank's save is
             planned.set_result(None)
             return
-        wait_event = self.registrar.record_compute_done()
-        fut = self._submit(self._save, ids, hashes, wait_event)
+        fut = self._submit(self._save_parts, batches)
         fut.add_done_callback(lambda _: planned.set_result(None))
+        if any(self.groups.rule(job.group).volatile for job in plan.saves):
+            self._volatile.append(fut)
 
     def _plan_saves(self, plan: StepPlan) -> None:
         """The plan's save jobs are in flight from now on: a request whose
@@ -186,12 +245,14 @@ class WorkerHalf:
         self._count(saves_skipped=sum(len(job.block_ids) for job in plan.saves))
         planned.set_result(None)
 
-    def _stripe(self, saves: list[SaveJob]) -> tuple[list[int], list[bytes]]:
+    def _stripe(
+        self, part: Registrar, saves: list[SaveJob]
+    ) -> tuple[list[int], list[bytes]]:
         ids = [b for job in saves for b in job.block_ids]
         hashes = [h for job in saves for h in job.hashes]
-        if self.registrar.replicated:
+        if part.replicated:
             # Every rank sees the same plan, so the stripes partition the step.
-            step = self.registrar.tp_size
+            step = part.tp_size
             return ids[self.tp_rank :: step], hashes[self.tp_rank :: step]
         return ids, hashes
 
@@ -207,12 +268,12 @@ class WorkerHalf:
         sending = {rid for rid in self._held if rid not in self._saves}
         self._held -= sending
         recving = set()
-        for rid, (job, fut, i) in list(self._recving.items()):
+        for rid, (jobs, fut) in list(self._recving.items()):
             if fut.done():
                 del self._recving[rid]
                 recving.add(rid)
-                if i in fut.result():  # done: _load reports failures, never raises
-                    self._errors.update(job.block_ids)
+                # _load reports failures, never raises
+                self._fail_requests(jobs, fut.result())
         return sending, recving
 
     def take_load_errors(self) -> set[int]:
@@ -224,7 +285,10 @@ class WorkerHalf:
         return errors
 
     def take_report(self) -> WorkerReport | None:
-        socket, self.registrar.new_socket_path = self.registrar.new_socket_path, ""
+        socket = ""
+        for part in self.parts.values():
+            socket = socket or part.new_socket_path
+            part.new_socket_path = ""
         self._report.socket_path = socket
         if not (self._report.saves_done or socket):
             return None
@@ -242,19 +306,32 @@ class WorkerHalf:
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         return self._pool.submit(fn, *args)
 
-    def _load(self, jobs: list[LoadJob], layer_seq: int = 0) -> set[int]:
-        """One Load for the jobs; the indexes of those that did not load."""
+    def _load(self, jobs: list[LoadJob], layer_seq: int = 0) -> set[ReqId]:
+        """One Load per group for the jobs; the requests that did not load."""
+        # Lease 0: the scheduler could not lease what vLLM allocated.
+        failed = {job.req_id for job in jobs if not job.lease_id}
+        for group, part in self.parts.items():
+            batch = [job for job in jobs if job.group == group and job.lease_id]
+            if batch:
+                failed |= self._load_part(part, batch, layer_seq)
+        return failed
+
+    def _load_part(
+        self, part: Registrar, jobs: list[LoadJob], layer_seq: int
+    ) -> set[ReqId]:
         start = time.perf_counter()
-        items = [LoadItem(job.lease_id, job.block_ids) for job in jobs]
+        items = [
+            LoadItem(job.lease_id, job.block_ids, job.lease_offset) for job in jobs
+        ]
         try:
-            if not self.registrar.registered:
+            if not part.registered:
                 raise UnknownInstance("not registered with the server")
             res = self.client.load_many(
-                self.instance_id, items, tp_rank=self.tp_rank, layer_seq=layer_seq
+                part.instance_id, items, tp_rank=self.tp_rank, layer_seq=layer_seq
             )
         except PegaflowError as exc:
-            self._failed("load", exc, len(jobs))
-            return set(range(len(jobs)))
+            self._failed("load", exc, part, len(jobs))
+            return {job.req_id for job in jobs}
         for i in res.failed:  # lease expired or released: that request only
             logger.warning(
                 "pegaflow load of %s failed: %s", jobs[i].req_id, res.items[i].error
@@ -266,9 +343,9 @@ class WorkerHalf:
             load_failures=len(res.failed),
             layerwise_loads=bool(layer_seq),
         )
-        return set(res.failed)
+        return {jobs[i].req_id for i in res.failed}
 
-    def _load_failures(self, fut: Future, jobs: int) -> set[int]:
+    def _load_failures(self, fut: Future, jobs: list[LoadJob]) -> set[ReqId]:
         """Wait for a Load (at least as long as the client would); all its
         jobs fail when it does not end in time."""
         try:
@@ -281,25 +358,33 @@ class WorkerHalf:
                 with contextlib.suppress(TimeoutError):
                     return fut.result(timeout=self.config.timeout_s + COPY_GRACE_S)
             self._failed("load", ServerUnavailable("no answer before the deadline"))
-            return set(range(jobs))
+            return {job.req_id for job in jobs}
 
-    def _save(self, ids: list[int], hashes: list[bytes], wait_event: int) -> None:
-        if not self.registrar.registered:
+    def _save_parts(
+        self, batches: list[tuple[Registrar, list[int], list[bytes], int]]
+    ) -> None:
+        for part, ids, hashes, wait_event in batches:
+            self._save(part, ids, hashes, wait_event)
+
+    def _save(
+        self, part: Registrar, ids: list[int], hashes: list[bytes], wait_event: int
+    ) -> None:
+        if not part.registered:
             self._count(saves_skipped=len(ids))  # a future miss, nothing more
             return
         start = time.perf_counter()
         extra = {"wait_event": wait_event} if wait_event else {}
         try:
             res = self.client.save(
-                self.instance_id, ids, hashes, tp_rank=self.tp_rank, **extra
+                part.instance_id, ids, hashes, tp_rank=self.tp_rank, **extra
             )
         except PegaflowError as exc:
-            self._failed("save", exc)
+            self._failed("save", exc, part)
             return
         self._count(
             save_seconds=time.perf_counter() - start,
             save_blocks=res.stored,
-            save_bytes=res.stored * self.registrar.slot_bytes,
+            save_bytes=res.stored * part.slot_bytes,
         )
 
     def _count(self, **values: float) -> None:
@@ -307,18 +392,26 @@ class WorkerHalf:
             for key, value in values.items():
                 self.stats[key] += value
 
-    def _failed(self, op: str, exc: PegaflowError, n: int = 1) -> None:
+    def _failed(
+        self,
+        op: str,
+        exc: PegaflowError,
+        part: Registrar | None = None,
+        n: int = 1,
+    ) -> None:
         self._count(**{f"{op}_failures": n})
         logger.warning("pegaflow %s failed: %s", op, exc)
         if isinstance(exc, ServerUnavailable | UnknownInstance):
-            self.registrar.lost(str(exc))
+            for lost in [part] if part is not None else self.parts.values():
+                lost.lost(str(exc))
 
     def shutdown(self) -> None:
         self._skip_planned()
         pending = [f for fs in self._saves.values() for f in fs]
-        pending += [f for _, f, _ in self._recving.values()]
+        pending += [f for _, f in self._recving.values()]
         pending += [f for _, f, _ in self._sync]
         wait_all(pending, timeout=self._transfer_wait_s)
-        self.registrar.close()
+        for part in self.parts.values():
+            part.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()

@@ -93,7 +93,7 @@ def test_answer_reused_while_fresh_and_released_when_unused() -> None:
     assert s.num_new_matched_tokens(req, 0) == (48, True)  # no side effects
     assert client.asked == [3]
     assert s.num_new_matched_tokens(req, 16) == (16, True)  # new local hit: ask
-    s.request_finished(req, [])  # aborted before admission
+    s.request_finished(req, ([],))  # aborted before admission
     s.shutdown()
     assert sorted(client.released) == [21, 22]
 
@@ -112,7 +112,7 @@ def test_admission_plans_load_and_saves_the_rest() -> None:
     s = half(client)
     req = request("r", 80)
     assert s.num_new_matched_tokens(req, 0) == (32, True)
-    s.after_alloc(req, [10, 11, 12, 13, 14], 32)
+    s.after_alloc(req, ([10, 11, 12, 13, 14],), 32)
     req.num_computed_tokens = 32
     so = SimpleNamespace(
         preempted_req_ids=set(),
@@ -131,7 +131,7 @@ def test_admission_plans_load_and_saves_the_rest() -> None:
     assert [j.block_ids for j in plan.saves] == [[12, 13, 14]]
     # The request finishes with its save in flight: blocks are held ...
     req.num_computed_tokens = 80
-    assert s.request_finished(req, [10, 11, 12, 13, 14]) is True
+    assert s.request_finished(req, ([10, 11, 12, 13, 14],)) is True
     assert s.build_plan(
         SimpleNamespace(**{**vars(so), "num_scheduled_tokens": {}})
     ).held == {"r"}
@@ -144,15 +144,15 @@ def test_finished_delays_freeing_only_while_saves_are_pending() -> None:
     s = half(FakeClient([QueryResult(0, 0), QueryResult(0, 0)]))
     req = request("r", 40)
     s.num_new_matched_tokens(req, 0)
-    s.after_alloc(req, [1, 2, 3], 0)
+    s.after_alloc(req, ([1, 2, 3],), 0)
     req.num_computed_tokens = 20  # one full block has KV, never saved yet
-    assert s.request_finished(req, [1, 2, 3]) is True
+    assert s.request_finished(req, ([1, 2, 3],)) is True
     s.on_worker_report(WorkerReport({"r": 1}))
     assert not s._reqs
     other = request("q", 40)
     s.num_new_matched_tokens(other, 0)
-    s.after_alloc(other, [4, 5, 6], 0)
-    assert s.request_finished(other, [4, 5, 6]) is False  # no KV: nothing pending
+    s.after_alloc(other, ([4, 5, 6],), 0)
+    assert s.request_finished(other, ([4, 5, 6],)) is False  # no KV: nothing pending
 
 
 def test_stale_hit_asked_again_while_loading_is_released_once() -> None:
@@ -164,7 +164,7 @@ def test_stale_hit_asked_again_while_loading_is_released_once() -> None:
     req = request("r", 64)
     assert s.num_new_matched_tokens(req, 0) == (48, True)
     assert s.num_new_matched_tokens(req, 16) == (None, False)  # ask again later
-    s.request_finished(req, [])  # aborted while the server pulls blocks in
+    s.request_finished(req, ([],))  # aborted while the server pulls blocks in
     s.shutdown()
     assert client.released == [21]
 

@@ -230,7 +230,14 @@ def test_context_parallel_is_refused(name: str) -> None:
     )
     setattr(par, name, 2)
     cfg = SimpleNamespace(parallel_config=par, cache_config=config().cache_config)
-    kv_cfg = SimpleNamespace(kv_cache_groups=[object()], hash_block_size=None)
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=16, dtype=torch.bfloat16
+    )
+    group = KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)
+    kv_cfg = SimpleNamespace(kv_cache_groups=[group], hash_block_size=None)
     with pytest.raises(ValueError, match=f"{name} > 1 is not supported"):
         _check_supported(cfg, kv_cfg)
     setattr(par, name, 1)

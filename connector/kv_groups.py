@@ -1,0 +1,155 @@
+"""vLLM's KV cache groups as the connector sees them: one rule per group.
+
+A hybrid model (full + sliding-window attention, chunked local attention, Mamba
+state) has several KV cache groups, each with its own spec, block size and
+block table. To the server each group is a part of its own: its own instance
+(`part_instance`) and namespace, since its pages have their own geometry. A hit
+of P tokens is claimed only when every group can be restored at P:
+
+- full attention (and MLA): every block of the prefix;
+- sliding window: the blocks the window at P still sees, from
+  `first_needed_token(P)` on (vLLM hands null blocks for the rest);
+- chunked local attention: the blocks of P's chunk;
+- Mamba (`mamba_cache_mode="align"`): the state cached at the boundary P, one
+  block.
+
+Pure Python: the rules travel to the worker half and into the tests without
+vLLM; only `groups_of` reads vLLM's spec classes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+GroupKind = Literal["full", "sliding", "chunked", "mamba"]
+NULL_BLOCK = 0  # vLLM's null block: a skipped position, never saved or loaded
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRule:
+    index: int  # vLLM's kv_cache_group_id: the position in block-id tuples
+    kind: GroupKind
+    block_size: int  # tokens per block of this group
+    # sliding: tokens below P the window keeps (window - 1 + extra retained);
+    # chunked: the chunk size; otherwise unused.
+    span: int
+    layer_names: tuple[str, ...]
+
+    def first_needed_token(self, num_tokens: int) -> int:
+        """The first token whose KV a request restored at `num_tokens` reads."""
+        if self.kind == "sliding":
+            return max(0, num_tokens - self.span)
+        if self.kind == "chunked":
+            return num_tokens // self.span * self.span
+        if self.kind == "mamba":
+            return max(0, num_tokens - self.block_size)
+        return 0
+
+    @property
+    def volatile(self) -> bool:
+        """vLLM may free this group's blocks while the request still runs (the
+        window moves on, an older Mamba state is dropped): a save of them must
+        end before the next forward can reuse them."""
+        return self.kind != "full"
+
+    @property
+    def sparse(self) -> bool:
+        """Saved at some block boundaries only (Mamba states): a prefix query
+        cannot find them, each boundary is asked for on its own."""
+        return self.kind == "mamba"
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroups:
+    rules: tuple[GroupRule, ...]
+    hash_block_size: int  # tokens per entry of request.block_hashes
+    alignment: int  # a hit's length is a multiple of this many tokens
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.rules) > 1
+
+    def rule(self, index: int) -> GroupRule:
+        for rule in self.rules:
+            if rule.index == index:
+                return rule
+        raise KeyError(f"KV cache group {index} is not transferred")
+
+    def hashes(self, rule: GroupRule, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """This group's block hashes: a group block of k hash blocks is named
+        by the chained hash of its last one (it covers the whole prefix)."""
+        k = rule.block_size // self.hash_block_size
+        return list(block_hashes) if k == 1 else list(block_hashes[k - 1 :: k])
+
+    def part_instance(self, instance_id: str, rule: GroupRule) -> str:
+        """The server instance holding this group's pages."""
+        return instance_id if not self.hybrid else f"{instance_id}-g{rule.index}"
+
+
+def single_group(block_size: int, layer_names: Sequence[str] = ()) -> KVGroups:
+    """A model with one full-attention group (what the tests and tools use
+    when they build the halves without vLLM)."""
+    rule = GroupRule(0, "full", block_size, 0, tuple(layer_names))
+    return KVGroups((rule,), block_size, block_size)
+
+
+def groups_of(kv_cache_config: Any, block_size: int) -> KVGroups:
+    """The transferred groups of vLLM's KVCacheConfig, or ValueError naming
+    a group this connector cannot restore (its spec and layers)."""
+    configs = kv_cache_config.kv_cache_groups
+    transfer = getattr(kv_cache_config, "transfer_group_ids", range(len(configs)))
+    rules = tuple(_rule(i, configs[i]) for i in transfer)
+    if not rules:
+        raise ValueError("PegaKVConnector: no KV cache group to transfer")
+    hash_bs = getattr(kv_cache_config, "hash_block_size", None) or block_size
+    alignment = getattr(kv_cache_config, "cache_hit_alignment_tokens", None) or 1
+    for rule in rules:
+        if rule.block_size % hash_bs:
+            raise ValueError(
+                f"PegaKVConnector: KV cache group {rule.index} has block size "
+                f"{rule.block_size}, not a multiple of the hash block size {hash_bs}"
+            )
+        alignment = math.lcm(alignment, rule.block_size)
+    return KVGroups(rules, hash_bs, alignment)
+
+
+def _rule(index: int, group: Any) -> GroupRule:
+    from vllm.v1 import kv_cache_interface as kvi
+
+    spec = group.kv_cache_spec
+    names = tuple(group.layer_names)
+    if isinstance(spec, kvi.UniformTypeKVCacheSpecs):  # same kind, several shapes
+        kinds = {type(s) for s in spec.kv_cache_specs.values()}
+        spec = next(iter(spec.kv_cache_specs.values())) if len(kinds) == 1 else spec
+    kind = type(spec)
+    shown = ", ".join(names[:4]) + (
+        f" and {len(names) - 4} more" if len(names) > 4 else ""
+    )
+    refuse = f"PegaKVConnector: KV cache group {index} ({kind.__name__}: {shown})"
+    if getattr(group, "is_eagle_group", False):
+        raise ValueError(f"{refuse} holds speculative-decoding draft layers")
+    if kind in (kvi.FullAttentionSpec, kvi.MLAAttentionSpec):
+        return GroupRule(index, "full", spec.block_size, 0, names)
+    if kind in (kvi.SlidingWindowSpec, kvi.SlidingWindowMLASpec):
+        span = spec.sliding_window - 1 + getattr(spec, "extra_retained_tokens", 0)
+        return GroupRule(index, "sliding", spec.block_size, span, names)
+    if kind is kvi.ChunkedLocalAttentionSpec:
+        chunk = spec.attention_chunk_size
+        return GroupRule(index, "chunked", spec.block_size, chunk, names)
+    if kind is kvi.MambaSpec:
+        if spec.mamba_cache_mode != "align":
+            raise ValueError(
+                f"{refuse} caches Mamba state in mode {spec.mamba_cache_mode!r}; "
+                "prefix caching of Mamba state needs mamba_cache_mode='align'"
+            )
+        if spec.num_speculative_blocks:
+            raise ValueError(f"{refuse} has speculative Mamba state blocks")
+        return GroupRule(index, "mamba", spec.block_size, 0, names)
+    raise ValueError(
+        f"{refuse} cannot be restored from a prefix cache; supported: full "
+        "attention, MLA, sliding window, chunked local attention, Mamba "
+        "(mamba_cache_mode='align')"
+    )
