@@ -214,6 +214,22 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         sending, recving = self._worker.get_finished()
         return sending or None, recving or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.33: finished transfers and the requests whose load failed
+        (a hybrid model's failures; block-level ones come through
+        get_block_ids_with_load_errors)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
+        assert self._worker is not None
+        sending, recving = self._worker.get_finished()
+        return KVConnectorTransferResults(
+            finished_sending=sending,
+            finished_recving=recving,
+            failed_recving=self._worker.take_failed_requests(),
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.take_load_errors()

@@ -114,7 +114,10 @@ class SchedulerHalf:
             if hit is None:
                 return None, False  # the server is still pulling blocks in
             self._hits[request.request_id] = hit
-        hit.is_async = hit.num_tokens > self.config.sync_load_max_tokens
+        # A hybrid model's failed load is reported per request, which vLLM
+        # accepts only for async loads: a sync load could not fail safely.
+        sync_max = 0 if self.groups.hybrid else self.config.sync_load_max_tokens
+        hit.is_async = hit.num_tokens > sync_max
         return hit.num_tokens, hit.is_async
 
     def _query(self, request: Any, local: int, limit: int, now: float) -> _Hit | None:

@@ -104,6 +104,9 @@ class WorkerHalf:
             2 * config.timeout_s, config.timeout_s + COPY_GRACE_S
         )
         self._errors: set[int] = set()
+        # Hybrid models: block ids repeat across groups, so vLLM takes load
+        # failures per request (failed_recving), not per block.
+        self._failed_reqs: set[ReqId] = set()
         self._report = WorkerReport()
 
     @property
@@ -195,6 +198,9 @@ class WorkerHalf:
     def _fail_requests(self, jobs: list[LoadJob], failed: set[ReqId]) -> None:
         """A request whose load failed in any group fails in every group (vLLM
         recomputes it): never a partial restore."""
+        if self.groups.hybrid:
+            self._failed_reqs |= {job.req_id for job in jobs} & failed
+            return
         for job in jobs:
             if job.req_id in failed:
                 self._errors.update(job.block_ids)
@@ -275,6 +281,11 @@ class WorkerHalf:
                 # _load reports failures, never raises
                 self._fail_requests(jobs, fut.result())
         return sending, recving
+
+    def take_failed_requests(self) -> set[ReqId]:
+        """Requests among the last get_finished's whose load failed (hybrid)."""
+        failed, self._failed_reqs = self._failed_reqs, set()
+        return failed
 
     def take_load_errors(self) -> set[int]:
         # This step's sync loads first: vLLM may ask before wait_for_save (spec

@@ -5,6 +5,10 @@ from vLLM's `allocate_kv_cache`, and a fake forward that writes known bytes.
 The fake KV of token position p is a function of tokens[0..p] only (a rolling
 hash), as real attention KV is, so two engines that compute the same prefix
 write the same bytes, and a loaded page can be checked against that function.
+
+`specs` (layer name -> vLLM KVCacheSpec) builds a hybrid model: vLLM's hybrid KV
+manager groups the layers, each group with its own block table; a layer's fake
+KV goes to its group's blocks (never to a null block).
 """
 
 from __future__ import annotations
@@ -128,6 +132,7 @@ class Engine:
         write_kv: bool = True,
         spec_decode_order: bool = False,
         full_cuda_graph: bool = False,
+        specs: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.write_kv = write_kv  # off: scheduling only (benchmarks)
@@ -140,18 +145,27 @@ class Engine:
         self.full_cuda_graph = full_cuda_graph
         config.cache_config.kv_cache_layout = layout
         hf = config.model_config.hf_config
-        spec = FullAttentionSpec(
-            block_size=BLOCK,
-            num_kv_heads=hf.num_key_value_heads,
-            head_size=HEAD,
-            dtype=torch.bfloat16,
-        )
-        layers = hf.num_hidden_layers
-        specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(layers)}
+        if specs is None:
+            spec = FullAttentionSpec(
+                block_size=BLOCK,
+                num_kv_heads=hf.num_key_value_heads,
+                head_size=HEAD,
+                dtype=torch.bfloat16,
+            )
+            layers = hf.num_hidden_layers
+            specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(layers)}
+        else:  # vLLM turns its hybrid manager off on a CPU platform
+            config.scheduler_config.disable_hybrid_kv_cache_manager = False
         groups = get_global_kv_cache_groups(config, [specs])
-        memory = num_blocks * spec.page_size_bytes * layers
+        page = max(spec.page_size_bytes for spec in specs.values())
+        memory = num_blocks * page * len(specs)
         configs = get_kv_cache_configs(config, [specs], [memory], groups)
         self.kv_cache_config = configs[0]
+        self.group_of = {
+            name: g
+            for g, group in enumerate(self.kv_cache_config.kv_cache_groups)
+            for name in group.layer_names
+        }
         config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
         self.sched = Scheduler(
             vllm_config=config,
@@ -208,7 +222,9 @@ class Engine:
         for req in [*self.sched.waiting, *self.sched.kv_holding_waiting]:
             if req.status.name == "WAITING_FOR_REMOTE_KVS":
                 self.seen_waiting_remote.add(req.request_id)
-        tables = {rid: self.table(rid) for rid in so.num_scheduled_tokens}
+        tables = {rid: self.tables(rid) for rid in so.num_scheduled_tokens}
+        if self.write_kv:
+            self.errors += self.restored_errors(so, tables)
         t2 = time.perf_counter()
         out = self._worker_step(so, tables)
         t3 = time.perf_counter()
@@ -240,7 +256,7 @@ class Engine:
         return {"scheduled": dict(so.num_scheduled_tokens), "finished": finished}
 
     def _worker_step(
-        self, so: Any, tables: dict[str, list[int]]
+        self, so: Any, tables: dict[str, list[list[int]]]
     ) -> KVConnectorOutput | None:
         """What vLLM 0.33's model runner does around the forward, in order."""
         w, meta = self.worker, so.kv_connector_metadata
@@ -276,18 +292,23 @@ class Engine:
         w.clear_connector_metadata()
         return out
 
-    def _forward(self, so: Any, tables: dict[str, list[int]], w: Any) -> None:
+    def _forward(self, so: Any, tables: dict[str, list[list[int]]], w: Any) -> None:
         for layer, name in enumerate(self.caches):
             if w is not None:
                 w.wait_for_layer_load(name)
             if self.write_kv:
                 for rid, n in so.num_scheduled_tokens.items():
-                    self._write(rid, n, layer, self.caches[name], tables[rid])
+                    table = tables[rid][self.group_of[name]]
+                    self._write(rid, n, layer, self.caches[name], table)
             if w is not None:
                 w.save_kv_layer(name, self.caches[name], None)
 
     def table(self, rid: str) -> list[int]:
-        return list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
+        return self.tables(rid)[0]
+
+    def tables(self, rid: str) -> list[list[int]]:
+        """Block ids per KV cache group (0: vLLM's null block)."""
+        return [list(t) for t in self.sched.kv_cache_manager.get_block_ids(rid)]
 
     def _write(self, rid: str, n: int, layer: int, view: Any, table: list[int]) -> None:
         req = self.sched.requests[rid]
@@ -300,6 +321,7 @@ class Engine:
         kv = view.view(torch.int16)
         values = torch.tensor([seq.value(p) for p in pos], dtype=torch.int64)
         blocks = torch.tensor([table[p // BLOCK] for p in pos])
+        assert int(blocks.min()) > 0, f"{rid}: a computed token in a null block"
         slots = torch.tensor([p % BLOCK for p in pos])
         kv[blocks, :, slots, :] = fake_kv_batch(values, layer, kv.shape[1], kv.shape[3])
 
@@ -312,25 +334,47 @@ class Engine:
         return [seq.value(req.num_tokens - 1) % 900 + 50]
 
     # -- checks ---------------------------------------------------------------
-    def page_errors(self, rid: str, table: list[int], num_tokens: int) -> list[str]:
-        """Full blocks of `rid` whose bytes differ from the fake KV of its tokens."""
-        return self._block_errors(rid, table, range(num_tokens // BLOCK))
+    def page_errors(
+        self, rid: str, tables: list[list[int]], num_tokens: int
+    ) -> list[str]:
+        """Full blocks of `rid` whose bytes differ from the fake KV of its
+        tokens (in every group, where the group still holds a block)."""
+        return self._block_errors(rid, tables, range(num_tokens // BLOCK))
+
+    def restored_errors(self, so: Any, tables: dict[str, list[list[int]]]) -> list[str]:
+        """Pages a request starts its first forward with (a local hit or an
+        async load that landed), in every group: what its attention reads."""
+        plan = getattr(so.kv_connector_metadata, "plan", None)
+        syncing = {j.req_id for j in plan.loads if j.sync} if plan else set()
+        bad = []
+        for new in so.scheduled_new_reqs:
+            rid, done = new.req_id, new.num_computed_tokens
+            if done and rid not in syncing:
+                bad += self._block_errors(rid, tables[rid], range(done // BLOCK))
+        return [f"restored page wrong before the forward: {e}" for e in bad]
 
     def sync_load_errors(self, loads: list[Any]) -> list[str]:
         """Blocks of this step's sync loads whose bytes are not (yet) right."""
         bad = []
         for job in loads:
             if job.sync:
-                table = self.table(job.req_id)
-                blocks = [table.index(b) for b in job.block_ids]
-                bad += self._block_errors(job.req_id, table, blocks)
+                tables = self.tables(job.req_id)
+                blocks = [tables[job.group].index(b) for b in job.block_ids]
+                bad += self._block_errors(job.req_id, tables, blocks, job.group)
         return [f"sync load not landed before the forward: {e}" for e in bad]
 
-    def _block_errors(self, rid: str, table: list[int], blocks: Any) -> list[str]:
+    def _block_errors(
+        self, rid: str, tables: list[list[int]], blocks: Any, group: int | None = None
+    ) -> list[str]:
         seq, bad = self.seqs[rid], []
-        for layer, view in enumerate(self.caches.values()):
+        for layer, (name, view) in enumerate(self.caches.items()):
+            if group is not None and self.group_of[name] != group:
+                continue
+            table = tables[self.group_of[name]]
             kv = view.view(torch.int16)
             for k in blocks:
+                if k >= len(table) or table[k] == 0:
+                    continue  # a null block: the window moved on
                 pos = range(k * BLOCK, (k + 1) * BLOCK)
                 values = torch.tensor([seq.value(p) for p in pos], dtype=torch.int64)
                 want = fake_kv_batch(values, layer, kv.shape[1], kv.shape[3])

@@ -1,0 +1,219 @@
+"""Hybrid models through vLLM 0.33's real Scheduler with its hybrid KV manager
+on: sliding-window + full-attention groups (each its own block table, null
+blocks where the window moved on) against one real server. Engine A computes
+and saves; engine B hits, and every page it loads, in every group, is checked
+byte by byte before its forward reads it (Engine.restored_errors)."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.connector.conftest import needs_vllm
+from tests.procs import ServerProc
+
+needs_vllm()
+
+import torch  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from pegaflow.connector.kv_groups import groups_of  # noqa: E402
+from tests.connector.engine import BLOCK, HEAD, Engine, vllm_config  # noqa: E402
+
+WINDOW = 32  # tokens: a hit needs the last cdiv(31, 16) = 2 blocks of the window
+FAST = {"retry_interval_s": 0.2}
+
+
+def _attn(cls: type, **extra: object) -> object:
+    return cls(
+        block_size=BLOCK,
+        num_kv_heads=2,
+        head_size=HEAD,
+        dtype=torch.bfloat16,
+        **extra,
+    )
+
+
+def sliding_specs(layers: int = 4) -> dict[str, object]:
+    """Every fourth layer full attention, the others a sliding window (as
+    Gemma 3's pattern, shorter)."""
+    full = _attn(FullAttentionSpec)
+    window = _attn(SlidingWindowSpec, sliding_window=WINDOW)
+    return {
+        f"model.layers.{i}.self_attn.attn": full if i % 4 == 3 else window
+        for i in range(layers)
+    }
+
+
+def engine(model: Path, **kw: object) -> Engine:
+    # A sync load of a hybrid model could not fail safely: every load is
+    # async, whatever sync_load_max_tokens says.
+    extra = {**FAST, "sync_load_max_tokens": 4096}
+    return Engine(vllm_config(model, extra), specs=sliding_specs(), **kw)
+
+
+def prompts(seed: int, n: int = 3, base: int = 100) -> dict[str, list[int]]:
+    rnd = random.Random(seed)
+    return {
+        f"h{seed}-{i}": [rnd.randrange(50, 950) for _ in range(base + 23 * i)]
+        for i in range(n)
+    }
+
+
+def serve(e: Engine, batch: dict[str, list[int]], max_tokens: int = 4) -> None:
+    for rid, tokens in batch.items():
+        e.add(rid, tokens, max_tokens)
+    e.run()
+    assert e.errors == []
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_sliding_window_hybrid_hits_every_group_byte_equal(
+    pega_server: Callable[..., ServerProc], tiny_model: Path, layout: str
+) -> None:
+    server = pega_server()
+    batch = prompts(3)
+    a = engine(tiny_model, layout=layout)
+    assert len(a.kv_cache_config.kv_cache_groups) == 4  # 3 windows + 1 full
+    serve(a, batch)
+    a.assert_clean()
+
+    b = engine(tiny_model, layout=layout)
+    b.step()  # an idle step: the worker tells the scheduler the query socket
+    loads: list[object] = []
+    b.after_schedule = lambda so: loads.extend(so.kv_connector_metadata.plan.loads)
+    serve(b, batch)
+    b.assert_clean()
+    for rid, tokens in batch.items():
+        hit = (len(tokens) - 1) // BLOCK
+        prompt = [p for p in b.seqs[rid].computed if p < len(tokens)]
+        assert min(prompt) == hit * BLOCK, rid  # B computed only past the hit
+        mine = [job for job in loads if job.req_id == rid]
+        by_group = {job.group: len(job.block_ids) for job in mine}
+        # The full group loads the prefix; each window group only the two
+        # blocks its window needs at the hit (vLLM's null blocks below).
+        assert by_group == {0: 2, 1: 2, 2: 2, 3: hit}, (rid, by_group)
+        assert not any(job.sync for job in mine)
+    assert b.seen_waiting_remote == set(batch)
+    counters = b.counters()
+    assert counters["load_failures"] == 0
+    assert counters["hit_tokens"] == sum(
+        (len(t) - 1) // BLOCK * BLOCK for t in batch.values()
+    )
+    _, body = server.get("/stats")
+    namespaces = json.loads(body)["namespaces"]
+    assert len(namespaces) == 4, namespaces  # one per group: their pages differ
+    a.close()
+    b.close()
+
+
+def test_an_early_shared_prefix_hits_after_the_window_moved_on(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    """vLLM's own prefix cache frees a window's blocks once it moves on; the
+    server keeps every block as it filled, so a prompt sharing only an early
+    prefix with an old one still hits that prefix."""
+    pega_server()
+    rnd = random.Random(11)
+    shared = [rnd.randrange(50, 950) for _ in range(6 * BLOCK)]
+    old = shared + [rnd.randrange(50, 950) for _ in range(20 * BLOCK)]
+    new = shared + [rnd.randrange(50, 950) for _ in range(3 * BLOCK)]
+    a = engine(tiny_model)
+    serve(a, {"old": old})
+    # The same engine: its own prefix cache had the blocks too.
+    hits: dict[str, int] = {}
+    a.after_schedule = lambda so: hits.update(
+        {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+    )
+    serve(a, {"new": new})
+    a.assert_clean()
+    assert hits["new"] == len(shared), hits  # local + ours: the whole prefix
+    assert a.counters()["hit_tokens"] > 0  # ... and the server served it
+    a.close()
+
+
+def test_a_group_whose_load_fails_fails_the_request_in_every_group(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    """One group's lease gone before its load: every block of the request's
+    hit, in every group, is a load error (vLLM recomputes), never a partial
+    restore."""
+    pega_server()
+    batch = prompts(5, n=1, base=120)
+    a = engine(tiny_model)
+    serve(a, batch)
+
+    b = engine(tiny_model)
+    b.step()
+    from pegaflow.client.pegaflow_client import PegaflowClient
+
+    client = PegaflowClient(b.worker._worker.config.addr)
+    planned: list[object] = []
+
+    def drop_one_lease(so: object) -> None:
+        jobs = so.kv_connector_metadata.plan.loads
+        if jobs and not planned:
+            planned.extend(jobs)
+            client.release_lease(next(j for j in jobs if j.group == 1).lease_id)
+
+    results: list[object] = []
+    take = b.worker.get_transfer_results
+    b.worker.get_transfer_results = lambda ids: (
+        results.append(take(ids)) or (results[-1])
+    )
+    admitted: list[int] = []
+    b.after_schedule = lambda so: (
+        drop_one_lease(so),
+        admitted.extend(n.num_computed_tokens for n in so.scheduled_new_reqs),
+    )
+    serve(b, batch)
+    b.assert_clean()
+    client.close()
+    (rid,) = batch
+    assert len({job.group for job in planned}) == 4
+    assert [r.failed_recving for r in results if r.failed_recving] == [{rid}]
+    # vLLM dropped the failed load and asked again: the second load, whole,
+    # is what the request's first forward read (its pages checked then).
+    hit = (len(batch[rid]) - 1) // BLOCK * BLOCK
+    assert admitted == [hit]
+    counters = b.counters()
+    assert counters["load_failures"] == 1
+    assert counters["hit_tokens"] == 2 * hit
+    b.close()
+
+
+def _config(*groups: KVCacheGroupSpec) -> SimpleNamespace:
+    return SimpleNamespace(kv_cache_groups=list(groups), hash_block_size=None)
+
+
+def test_a_group_we_cannot_restore_is_refused_naming_spec_and_layers() -> None:
+    cross = KVCacheGroupSpec(
+        ["model.decoder.layers.0.encoder_attn"], _attn(CrossAttentionSpec)
+    )
+    full = KVCacheGroupSpec(["model.layers.0.self_attn.attn"], _attn(FullAttentionSpec))
+    with pytest.raises(ValueError, match="CrossAttentionSpec.*encoder_attn"):
+        groups_of(_config(full, cross), BLOCK)
+    state = MambaSpec(
+        block_size=BLOCK,
+        shapes=((4, 8),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode="all",
+    )
+    mamba = KVCacheGroupSpec(["model.layers.1.mixer"], state)
+    with pytest.raises(ValueError, match="mamba_cache_mode='align'.*|'all'"):
+        groups_of(_config(full, mamba), BLOCK)
+    rules = groups_of(_config(full), BLOCK).rules
+    assert [(r.kind, r.layer_names) for r in rules] == [
+        ("full", ("model.layers.0.self_attn.attn",))
+    ]
