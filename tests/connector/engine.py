@@ -8,7 +8,10 @@ write the same bytes, and a loaded page can be checked against that function.
 
 `specs` (layer name -> vLLM KVCacheSpec) builds a hybrid model: vLLM's hybrid KV
 manager groups the layers, each group with its own block table; a layer's fake
-KV goes to its group's blocks (never to a null block).
+KV goes to its group's blocks (never to a null block). A Mamba layer's fake
+state after token p is a function of tokens[0..p]; a step reads the state it
+starts from (at a block boundary: the block before it, as vLLM's align mode
+keeps it) and checks it, then writes its end state into the block it ends in.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from vllm.v1.core.kv_cache_planning import (
 )
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -164,6 +167,12 @@ class Engine:
         self.group_of = {
             name: g
             for g, group in enumerate(self.kv_cache_config.kv_cache_groups)
+            for name in group.layer_names
+        }
+        self.state_layers = {
+            name
+            for group in self.kv_cache_config.kv_cache_groups
+            if isinstance(group.kv_cache_spec, MambaSpec)
             for name in group.layer_names
         }
         config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
@@ -297,9 +306,10 @@ class Engine:
             if w is not None:
                 w.wait_for_layer_load(name)
             if self.write_kv:
+                write = self._write_state if name in self.state_layers else self._write
                 for rid, n in so.num_scheduled_tokens.items():
                     table = tables[rid][self.group_of[name]]
-                    self._write(rid, n, layer, self.caches[name], table)
+                    write(rid, n, layer, self.caches[name], table)
             if w is not None:
                 w.save_kv_layer(name, self.caches[name], None)
 
@@ -324,6 +334,26 @@ class Engine:
         assert int(blocks.min()) > 0, f"{rid}: a computed token in a null block"
         slots = torch.tensor([p % BLOCK for p in pos])
         kv[blocks, :, slots, :] = fake_kv_batch(values, layer, kv.shape[1], kv.shape[3])
+
+    def _write_state(
+        self, rid: str, n: int, layer: int, view: Any, table: list[int]
+    ) -> None:
+        req = self.sched.requests[rid]
+        start = req.num_computed_tokens - n
+        seq = self.seqs[rid]
+        seq.tokens = list(req.all_token_ids)
+        if layer == 0:
+            seq.computed.extend(range(start, start + n))
+        pages = view.reshape(view.shape[0], -1).view(torch.int16)
+        if start and start % BLOCK == 0:
+            src = table[start // BLOCK - 1] if start // BLOCK <= len(table) else 0
+            want = fake_state(seq.value(start - 1), layer, pages.shape[1])
+            if src == 0 or not torch.equal(pages[src], want):
+                self.errors.append(f"{rid} layer {layer}: state at {start} (id {src})")
+        end = start + n
+        dst = table[(end - 1) // BLOCK]
+        assert dst > 0, f"{rid}: a computed state in a null block"
+        pages[dst] = fake_state(seq.value(end - 1), layer, pages.shape[1])
 
     def _sample(self, rid: str) -> list[int]:
         req = self.sched.requests[rid]
@@ -368,6 +398,8 @@ class Engine:
     ) -> list[str]:
         seq, bad = self.seqs[rid], []
         for layer, (name, view) in enumerate(self.caches.items()):
+            if name in self.state_layers:
+                continue  # checked where a step reads it (_write_state)
             if group is not None and self.group_of[name] != group:
                 continue
             table = tables[self.group_of[name]]
@@ -431,3 +463,8 @@ def fake_kv_batch(
     base = torch.arange(heads * width, dtype=torch.int64).reshape(1, heads, width)
     v = values.reshape(-1, 1, 1)
     return ((base * (v % 9973 + 1) + v + layer * 7919) % 65521 - 32760).to(torch.int16)
+
+
+def fake_state(value: int, layer: int, width: int) -> torch.Tensor:
+    """A Mamba layer's fake state after the token whose rolling hash is value."""
+    return fake_kv_batch(torch.tensor([value]), layer, 1, width).reshape(width)

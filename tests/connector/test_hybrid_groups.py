@@ -193,6 +193,76 @@ def test_a_group_whose_load_fails_fails_the_request_in_every_group(
     b.close()
 
 
+def mamba_specs(layers: int = 4) -> dict[str, object]:
+    """Every fourth layer full attention, the others Mamba (align mode), as
+    Qwen3-Next's pattern; the state page as large as an attention page."""
+    full = _attn(FullAttentionSpec)
+    state = MambaSpec(
+        block_size=BLOCK,
+        shapes=((full.page_size_bytes // 4,),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode="align",
+    )
+    return {
+        f"model.layers.{i}.self_attn.attn"
+        if i % 4 == 3
+        else f"model.layers.{i}.mixer": (full if i % 4 == 3 else state)
+        for i in range(layers)
+    }
+
+
+def mamba_engine(model: Path) -> Engine:
+    config = vllm_config(model, FAST)
+    config.cache_config.mamba_cache_mode = "align"
+    return Engine(config, specs=mamba_specs())
+
+
+def test_mamba_hybrid_restores_the_state_at_the_hit_boundary(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    """A hit needs the full group's prefix and each Mamba group's state at
+    the hit's boundary (one block); B's first step starts from the loaded
+    state, checked as it reads it."""
+    pega_server()
+    batch = prompts(7)
+    a = mamba_engine(tiny_model)
+    assert a.sched.need_mamba_block_aligned_split
+    serve(a, batch)
+    a.assert_clean()
+
+    b = mamba_engine(tiny_model)
+    b.step()
+    loads: list[object] = []
+    b.after_schedule = lambda so: loads.extend(so.kv_connector_metadata.plan.loads)
+    serve(b, batch)
+    b.assert_clean()
+    for rid, tokens in batch.items():
+        hit = (len(tokens) - 1) // BLOCK
+        prompt = [p for p in b.seqs[rid].computed if p < len(tokens)]
+        assert min(prompt) == hit * BLOCK, rid
+        mine = {job.group: job for job in loads if job.req_id == rid}
+        assert {g: len(j.block_ids) for g, j in mine.items()} == {
+            0: 1,
+            1: 1,
+            2: 1,
+            3: hit,
+        }
+    # A longer prompt sharing one of them: the state where that one's
+    # prefill stopped is the hit.
+    rid, tokens = next(iter(batch.items()))
+    longer = {"longer": tokens + [5] * (3 * BLOCK)}
+    c = mamba_engine(tiny_model)
+    c.step()
+    admitted: list[int] = []
+    c.after_schedule = lambda so: admitted.extend(
+        n.num_computed_tokens for n in so.scheduled_new_reqs
+    )
+    serve(c, longer)
+    assert admitted == [(len(tokens) - 1) // BLOCK * BLOCK]
+    for e in (a, b, c):
+        e.close()
+
+
 def _config(*groups: KVCacheGroupSpec) -> SimpleNamespace:
     return SimpleNamespace(kv_cache_groups=list(groups), hash_block_size=None)
 
