@@ -30,18 +30,28 @@ gRPC messages are bounded before they are deserialised (MAX_MESSAGE_BYTES): a
 message is parsed in full before any check of ours runs, so 8 refused 1M-hash
 queries of 34 MiB each (then under the 64 MiB limit) cost the server
 ~1 GiB of RSS.
+
+Within that bound, bodies of LARGE_BODY_BYTES or more being worked on at once
+(parsed, or waiting in a Save, a Load or a query's remote lookup) share
+RequestBytesBudget (--max-request-bytes-in-flight); one past it is refused
+with RESOURCE_EXHAUSTED naming the limit, before it is parsed. Engines'
+ordinary requests are smaller and never wait on it: their total is bounded
+by max_concurrent_rpcs x LARGE_BODY_BYTES (64 MiB). Working on a body costs
+up to ~2x its bytes (a query's hashes packed into one buffer; a parsed
+Save's hashes), so the budget bounds that working memory to ~3x itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from .errors import DeadlineExceeded, InvalidRequest
+from .errors import DeadlineExceeded, InvalidRequest, Overloaded
 
 # 4096 layers x 4 segments, or 2048 x 8: more than any model registers (a
 # vLLM 0.33 layer is one page, an older K/V-first one two segments).
@@ -66,6 +76,14 @@ MAX_MESSAGE_BYTES = 8 << 20
 # on one host (a few dozen) plus their in-flight calls. Past it grpc answers
 # RESOURCE_EXHAUSTED instead of queueing without bound.
 MAX_CONCURRENT_RPCS = 1024
+
+# Bodies at least this large count against RequestBytesBudget: a 65536-block
+# Save of 32-byte hashes is 2.5 MiB, one step's Save of a few hundred blocks
+# a few KiB.
+LARGE_BODY_BYTES = 64 << 10
+# 32 of the largest messages, ~16 of the largest legitimate Saves of 64-byte
+# hashes, at once.
+MAX_REQUEST_BYTES_IN_FLIGHT = 256 << 20
 
 LoadItems = Sequence[tuple[int, int, Sequence[int]]]
 
@@ -199,3 +217,38 @@ class LargeRequestGate:
                 turn.set_result(None)  # the slot passes straight to the next
                 return
         self._free += 1
+
+
+class RequestBytesBudget:
+    """Bytes of large request bodies (>= LARGE_BODY_BYTES) being worked on at
+    once, over every gRPC call. A body that would pass `limit` is refused,
+    unless none is in progress (a lone message of any accepted size passes).
+    take() and give() come from the event loop and, for a body dropped
+    unanswered, from whichever thread drops it: a lock keeps the count."""
+
+    def __init__(self, limit: int, flag: str = "--max-request-bytes-in-flight") -> None:
+        self.limit = limit
+        self._flag = flag
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def take(self, nbytes: int) -> Overloaded | None:
+        """None when charged (give() it back), else the refusal to answer."""
+        with self._lock:
+            if self._used and self._used + nbytes > self.limit:
+                used = self._used
+            else:
+                self._used += nbytes
+                return None
+        return Overloaded(
+            f"request: {nbytes} bytes, and {used} bytes of large requests are "
+            f"being worked on; at most {self.limit} at once ({self._flag}); retry"
+        )
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self._used -= nbytes

@@ -194,8 +194,9 @@ class EngineConfig:
     large_request_descriptors: int = 1 << 18
     hit_rate: HitRateConfig = field(default_factory=HitRateConfig)
     # Namespaces with no worker but blocks resident that keep their hit-rate
-    # state; past this, the longest idle loses it (see pegaflow.server.namespaces).
-    max_idle_namespaces: int = 4096
+    # state (0.4 to 3 MiB each); past this, the longest idle loses it (see
+    # pegaflow.server.namespaces). 4096 let idle ones hold GiBs.
+    max_idle_namespaces: int = 16
 
     def __post_init__(self) -> None:
         check_seconds("lease_ttl_s", self.lease_ttl_s, MAX_LEASE_TTL_S)

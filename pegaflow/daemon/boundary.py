@@ -81,7 +81,10 @@ def undecodable(method: str, request: Undecodable) -> InvalidRequest:
 def _status(method: str, exc: Exception) -> PegaflowError:
     if isinstance(exc, PegaflowError):
         logger.debug("%s -> %s: %s", method, exc.code.name, exc)
-        return exc
+        # An answer now, not a raised error: its traceback held the frames
+        # that hold it (and the request they were working on) in a cycle,
+        # which only the cyclic GC frees, and gc_freeze may never.
+        return exc.with_traceback(None)
     logger.error("%s failed", method, exc_info=exc)
     return InternalError(f"{method}: internal error")
 

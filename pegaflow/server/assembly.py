@@ -38,7 +38,8 @@ from pegaflow.tiers.ssd_link import SsdLink
 from . import gc_freeze as gcpolicy
 from .compat_metrics import OriginalMetrics, OriginalSsdMetrics
 from .engine import Engine
-from .grpc_service import ErrorInterceptor, LocalEngines, PegaFlowServicer
+from .grpc_errors import ErrorInterceptor
+from .grpc_service import LocalEngines, PegaFlowServicer
 from .health_watch import BoundedHealth
 from .metrics import CopyPathCollector, Metrics, SsdCollector
 from .report import (
@@ -271,8 +272,9 @@ def _bind_grpc(config: ServerConfig, metrics: Metrics) -> tuple[grpc.aio.Server,
     if (error := bind_error("--addr", config.addr, host, port)) is not None:
         raise error
     gate = LocalEngines(config.allow_remote_engines)
+    errors = ErrorInterceptor(metrics, config.max_request_bytes_in_flight)
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor(metrics), gate],
+        interceptors=[errors, gate],
         # Beyond it gRPC answers RESOURCE_EXHAUSTED itself. Every engine worker
         # holds one Session stream open, so it sits well above the workers.
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,

@@ -10,7 +10,10 @@ from typing import TYPE_CHECKING
 
 from pegaflow import __version__
 from pegaflow.cache.pool import HugepagesUnavailable, PoolTooLarge
-from pegaflow.common.request_limits import MAX_CONCURRENT_RPCS
+from pegaflow.common.request_limits import (
+    MAX_CONCURRENT_RPCS,
+    MAX_REQUEST_BYTES_IN_FLIGHT,
+)
 from pegaflow.common.settings import (
     CudaConfig,
     EngineConfig,
@@ -60,6 +63,7 @@ FLAG_OF = {
     "peer_token": "--peer-token",
     "peer_token_var": "$PEGAFLOW_PEER_TOKEN",
     "max_concurrent_rpcs": "--max-concurrent-rpcs",
+    "max_request_bytes_in_flight": "--max-request-bytes-in-flight",
     "max_idle_namespaces": "--max-idle-namespaces",
     "socket": "--socket",
     "remote_quarantine_s": "--remote-quarantine",
@@ -164,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=MAX_CONCURRENT_RPCS,
         help="RPCs served at once, each engine worker's session stream "
         "included; more get RESOURCE_EXHAUSTED (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-request-bytes-in-flight",
+        type=_size,
+        default=MAX_REQUEST_BYTES_IN_FLIGHT,
+        help="bytes of large request bodies (64 KiB or more) worked on at once; "
+        "one more gets RESOURCE_EXHAUSTED (default: 256mb)",
     )
     p.add_argument(
         "--prefault-threads",
@@ -402,6 +413,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         socket=None if args.socket == "off" else args.socket,
         log_level=args.log_level,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_request_bytes_in_flight=args.max_request_bytes_in_flight,
         allow_remote_engines=args.allow_remote_engines,
         pool=PoolConfig(**pool_kwargs),
         engine=EngineConfig(

@@ -19,62 +19,16 @@ from pegaflow.common.errors import InvalidRequest, PegaflowError, PermissionDeni
 from pegaflow.common.geometry import LayerLayout, Segment
 from pegaflow.common.identity import CallContext, Caller, peer_on_host, tcp_peer
 from pegaflow.copiers.copier import CudaExport
-from pegaflow.daemon.boundary import Undecodable, guarded, lenient, undecodable
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 
 from .engine import Engine
-from .metrics import Metrics
+from .query_wire import QueryBody
 
 logger = logging.getLogger(__name__)
 
 
 SESSION_FIRST_PING_S = 10.0
-_ENDS_CALL = (grpc.aio.AbortError,)  # a handler's own context.abort()
-
-
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Every unary RPC through pegaflow.daemon.boundary: errors become statuses, a bug
-    INTERNAL, and each call is timed."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self._metrics = metrics
-
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]
-        ],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        inner = handler.unary_unary
-        method = details.method.rsplit("/", 1)[-1]
-        metrics = self._metrics
-
-        async def bounded(request: object, context: grpc.aio.ServicerContext) -> object:
-            if isinstance(request, Undecodable):
-                work = _raise(undecodable(method, request))
-            else:
-                work = inner(request, context)
-            got = await guarded(metrics, method, "grpc", work, _ENDS_CALL)
-            if isinstance(got, PegaflowError):
-                await context.abort(got.code, str(got))
-            return got
-
-        return grpc.unary_unary_rpc_method_handler(
-            bounded,
-            request_deserializer=lenient(handler.request_deserializer),
-            response_serializer=handler.response_serializer,
-        )
-
-
-async def _raise(error: PegaflowError) -> object:
-    raise error
-
-
 ENGINE_METHODS = f"/{pb.DESCRIPTOR.services_by_name['PegaFlow'].full_name}/"
 OPEN_METHODS = frozenset({"ServerInfo"})  # what any host may ask
 
@@ -333,14 +287,16 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
         )
 
     async def QueryPrefix(
-        self, req: pb.QueryPrefixRequest, context: grpc.aio.ServicerContext
+        self, req: QueryBody, context: grpc.aio.ServicerContext
     ) -> pb.QueryPrefixResponse:
         # No owner token (vLLM's scheduler asks for its workers), but a
         # loopback caller the kernel names must run as the instance's user,
         # as on the unix socket: another user's queries would probe and lease
         # (up to the instance's lease cap) what that instance has cached.
+        # req: pegaflow.server.query_wire's, its hashes built once admitted.
         ctx = _grpc_context(b"", 0, context, tcp_peer(context.peer(), self.port))
-        res = self._engine.query(req.instance_id, list(req.block_hashes), None, ctx)
+        self._engine.queries.admit(req.instance_id, req.count, ctx)
+        res = self._engine.query(req.instance_id, req.hashes(), None, ctx)
         if res.pending is not None:
             res = await res.pending()
         if res.loading:

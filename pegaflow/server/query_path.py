@@ -77,15 +77,7 @@ class PrefixQueries:
         hash is known to have (a fast-path frame). A query needs no owner
         token (vLLM's scheduler asks for its workers), but a caller the kernel
         names must run as the instance's user."""
-        inst = self._registry.instance(instance_id)
-        if ctx is not None:
-            deadlines.check(ctx.deadline, "query")
-            uid = ctx.caller.uid
-            if UNKNOWN not in (uid, inst.owner_uid) and uid not in (0, inst.owner_uid):
-                raise PermissionDenied(
-                    f"instance_id: {instance_id!r} belongs to another user (uid "
-                    f"{inst.owner_uid}); the caller is uid {uid}"
-                )
+        inst = self.admit(instance_id, len(hashes), ctx)
         if isinstance(hashes, PackedHashes):
             hash_len = hashes.hash_len
         check_hashes(hashes, self._max_blocks, hash_len)
@@ -111,6 +103,25 @@ class PrefixQueries:
                 )
                 return QueryResult(0, 0, 0.0, pending=ask)
         return self._answer(instance_id, hashes, hits, rest, hash_len)
+
+    def admit(
+        self, instance_id: str, count: int, ctx: CallContext | None = None
+    ) -> Instance:
+        """What a query is checked for before its hashes are looked at (or,
+        off the wire, built: pegaflow.server.query_wire): the instance, the
+        deadline, the caller's user and the number of hashes."""
+        inst = self._registry.instance(instance_id)
+        if ctx is not None:
+            deadlines.check(ctx.deadline, "query")
+            uid = ctx.caller.uid
+            if UNKNOWN not in (uid, inst.owner_uid) and uid not in (0, inst.owner_uid):
+                raise PermissionDenied(
+                    f"instance_id: {instance_id!r} belongs to another user (uid "
+                    f"{inst.owner_uid}); the caller is uid {uid}"
+                )
+        if count > self._max_blocks:
+            raise InvalidRequest(f"block_hashes: {count} exceeds {self._max_blocks}")
+        return inst
 
     def _look(
         self, tier: Tier, inst: Instance, listed: list[BlockHash], hits: list

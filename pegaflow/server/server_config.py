@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pegaflow.common.request_limits import MAX_CONCURRENT_RPCS, MAX_MESSAGE_BYTES
+from pegaflow.common.request_limits import (
+    MAX_CONCURRENT_RPCS,
+    MAX_MESSAGE_BYTES,
+    MAX_REQUEST_BYTES_IN_FLIGHT,
+)
 from pegaflow.common.settings import (
     CudaConfig,
     EngineConfig,
@@ -32,6 +36,8 @@ class ServerConfig:
     # (pegaflow.common.request_limits).
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS
+    # Large request bodies worked on at once (RequestBytesBudget).
+    max_request_bytes_in_flight: int = MAX_REQUEST_BYTES_IN_FLIGHT
     # Engine RPCs over gRPC from callers the kernel cannot place on this host
     # (other hosts, other network namespaces): refused unless set
     # (pegaflow.server.grpc_service.LocalEngines).
@@ -49,6 +55,12 @@ class ServerConfig:
         if self.max_message_bytes < 1 << 16:
             raise ValueError("max_message_bytes: must be >= 64 KiB")
         check_int("max_concurrent_rpcs", self.max_concurrent_rpcs, 1, 1 << 20)
+        check_int(
+            "max_request_bytes_in_flight",
+            self.max_request_bytes_in_flight,
+            1 << 20,
+            1 << 40,
+        )
         if self.socket is not None and not self.socket.strip():
             raise ValueError("socket: empty; give a path, 'auto' or 'off'")
         if self.http_addr is not None:
