@@ -67,10 +67,17 @@ def _tp_rank(vllm_config: Any) -> int:
     return par.rank % par.tensor_parallel_size
 
 
+def _pp_rank(vllm_config: Any) -> int:
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return ps.get_pp_group().rank_in_group
+    par = vllm_config.parallel_config
+    return par.rank // par.tensor_parallel_size % par.pipeline_parallel_size
+
+
 def _check_supported(vllm_config: Any, kv_cache_config: Any) -> KVGroups:
     par = vllm_config.parallel_config
-    if par.pipeline_parallel_size > 1:
-        raise ValueError("PegaKVConnector: pipeline parallelism is not supported")
     # Context parallelism splits a block's tokens across ranks: neither one
     # shard per rank of whole blocks nor (MLA) the same KV on every rank.
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
@@ -88,6 +95,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         groups = _check_supported(vllm_config, kv_cache_config)
         ident = instance_id(vllm_config, self.config.instance_id)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
+        stages = vllm_config.parallel_config.pipeline_parallel_size
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -102,12 +110,20 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
                     algo,
                 )
             block_size = vllm_config.cache_config.block_size
+            # Every worker of every stage reports each save job.
+            workers = tp_size * stages
             self._scheduler = SchedulerHalf(
-                self.config, ident, block_size, tp_size, groups=groups
+                self.config, ident, block_size, workers, groups=groups, stages=stages
             )
         else:
             self._worker = WorkerHalf(
-                self.config, ident, _tp_rank(vllm_config), tp_size, groups=groups
+                self.config,
+                ident,
+                _tp_rank(vllm_config),
+                tp_size,
+                groups=groups,
+                stage=_pp_rank(vllm_config) if stages > 1 else 0,
+                stages=stages,
             )
 
     @property

@@ -4,7 +4,8 @@ A hybrid model (full + sliding-window attention, chunked local attention, Mamba
 state) has several KV cache groups, each with its own spec, block size and
 block table. To the server each group is a part of its own: its own instance
 (`part_instance`) and namespace, since its pages have their own geometry. A hit
-of P tokens is claimed only when every group can be restored at P:
+of P tokens is claimed only when every group can be restored at P (and, under
+pipeline parallelism, every stage: each stage's layers are a part too):
 
 - full attention (and MLA): every block of the prefix;
 - sliding window: the blocks the window at P still sees, from
@@ -84,9 +85,13 @@ class KVGroups:
         k = rule.block_size // self.hash_block_size
         return list(block_hashes) if k == 1 else list(block_hashes[k - 1 :: k])
 
-    def part_instance(self, instance_id: str, rule: GroupRule) -> str:
-        """The server instance holding this group's pages."""
-        return instance_id if not self.hybrid else f"{instance_id}-g{rule.index}"
+    def part_instance(
+        self, instance_id: str, rule: GroupRule, stage: int = 0, stages: int = 1
+    ) -> str:
+        """The server instance holding this group's pages of this pipeline
+        stage's layers (the engine's own id for one group and one stage)."""
+        name = instance_id if stages == 1 else f"{instance_id}-pp{stage}"
+        return name if not self.hybrid else f"{name}-g{rule.index}"
 
 
 def single_group(block_size: int, layer_names: Sequence[str] = ()) -> KVGroups:

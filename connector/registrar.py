@@ -75,15 +75,16 @@ class Registrar:
         signals = self.layer_signals.ctypes.data
         parts = namespace_parts(vllm_config, kv, self.config.namespace_salt)
         if self.group is not None:
-            # Which layers, and how the group restores them: two engines share
-            # a group's blocks only if both are the same.
+            # Which layers (this stage's, of this group), and how the group
+            # restores them: two engines share a part's blocks only if both
+            # are the same.
             g = self.group
             parts["kv_group"] = {
                 "index": g.index,
                 "kind": g.kind,
                 "block_size": g.block_size,
                 "span": g.span,
-                "layers": list(g.layer_names),
+                "layers": list(kv_caches),
             }
         self.namespace = namespace_digest(parts, self.config.tenant_secret)
         self.replicated = bool(parts["mla"])

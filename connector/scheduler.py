@@ -3,8 +3,9 @@
 Runs in vLLM's engine-core process on the scheduler's thread, so every call is
 bounded: one query per waiting request and KV cache group (answer reused while
 fresh), no call at all while the server is known to be away, lease releases
-off-thread. A hybrid model's groups are separate parts on the server
-(kv_groups.py); a hit is the longest prefix every group can restore.
+off-thread. A hybrid model's groups, and a pipeline's stages, are separate
+parts on the server (kv_groups.py); a hit is the longest prefix every part can
+restore. The stages' parts are known once a worker of each stage reported them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class _Lease:
     lease_id: int
     first: int  # the group block the lease's first block stands for
     count: int
+    stage: int = 0  # the pipeline stage whose part it leases
 
 
 @dataclass(slots=True)
@@ -72,10 +74,14 @@ class SchedulerHalf:
         num_workers: int,
         client: PegaflowClient | None = None,
         groups: KVGroups | None = None,
+        stages: int = 1,
     ) -> None:
         self.config = config
         self.instance_id = instance_id
         self.groups = groups or single_group(block_size)
+        self.stages = stages
+        # Pipeline stage -> the groups it has layers of, as its workers said.
+        self._stage_groups: dict[int, frozenset[int]] = {}
         self.num_workers = num_workers
         self.client = client or PegaflowClient(
             config.addr, timeout_s=config.query_timeout_s
@@ -127,6 +133,7 @@ class SchedulerHalf:
             or local % self.groups.alignment
             or now < self._away_until
             or self.config.mode == "save_only"
+            or (self.stages > 1 and len(self._stage_groups) < self.stages)
         ):
             return miss
         leases: list[_Lease] = []
@@ -159,12 +166,12 @@ class SchedulerHalf:
             if rule.sparse:
                 continue
             lo, hi = local // rule.block_size, end // rule.block_size
-            res = self._ask(request, rule, lo, hi)
-            if res is None:
+            answers = self._ask(request, rule, lo, hi)
+            if answers is None:
                 return None
-            if res.lease_id:
-                leases.append(_Lease(rule.index, res.lease_id, lo, res.num_blocks))
-            end = min(end, (lo + res.num_blocks) * rule.block_size)
+            leases += answers
+            held = min((lease.count for lease in answers), default=0)
+            end = min(end, (lo + held) * rule.block_size)
             end -= end % self.groups.alignment
             if end <= local:
                 return end
@@ -182,13 +189,13 @@ class SchedulerHalf:
             found: list[_Lease] = []
             for rule in sparse:
                 hi = end // rule.block_size
-                res = self._ask(request, rule, hi - 1, hi)
-                if res is None:
+                answers = self._ask(request, rule, hi - 1, hi)
+                if answers is None:
                     self._release_all(found)
                     return None
-                if not res.num_blocks:
+                found += answers
+                if not all(lease.count for lease in answers):
                     break
-                found.append(_Lease(rule.index, res.lease_id, hi - 1, 1))
             else:
                 leases.extend(found)
                 return end
@@ -196,16 +203,40 @@ class SchedulerHalf:
             end -= self.groups.alignment
         return 0 if sparse else end
 
-    def _ask(self, request: Any, rule: GroupRule, lo: int, hi: int) -> Any:
-        """The server's answer for this group's blocks [lo, hi), or None while
-        it is still pulling them in; _Away when it cannot answer."""
+    def _stages_of(self, group: int) -> list[int]:
+        if self.stages == 1:
+            return [0]
+        return sorted(s for s, gs in self._stage_groups.items() if group in gs)
+
+    def _ask(
+        self, request: Any, rule: GroupRule, lo: int, hi: int
+    ) -> list[_Lease] | None:
+        """Each stage's lease of this group's blocks [lo, hi) (count: the
+        prefix it holds), or None while one is still pulling them in; _Away
+        when one cannot answer."""
         hashes = self.groups.hashes(rule, request.block_hashes)[lo:hi]
-        instance = self.groups.part_instance(self.instance_id, rule)
+        answers: list[_Lease] = []
+        for stage in self._stages_of(rule.index):
+            try:
+                res = self._ask_part(request, rule, stage, hashes)
+            except _Away:
+                self._release_all(answers)
+                raise
+            if res.loading:
+                self._release_all(answers)
+                return None
+            answers.append(_Lease(rule.index, res.lease_id, lo, res.num_blocks, stage))
+        return answers
+
+    def _ask_part(
+        self, request: Any, rule: GroupRule, stage: int, hashes: list[bytes]
+    ) -> Any:
+        instance = self.groups.part_instance(self.instance_id, rule, stage, self.stages)
         now = time.monotonic()
         try:
             self.stats["queries"] += 1
             # One hash function per engine: every hash has the first's length.
-            res = self.client.query(instance, hashes, hash_len=len(hashes[0]))
+            return self.client.query(instance, hashes, hash_len=len(hashes[0]))
         except (ServerUnavailable, UnknownInstance) as exc:
             # Server away or our workers not (re-)registered yet: misses for a
             # while rather than a failed round trip per request per step.
@@ -225,7 +256,6 @@ class SchedulerHalf:
                 "pegaflow query for %s failed (%s); a miss", request.request_id, exc
             )
             raise _Away from None
-        return None if res.loading else res
 
     def after_alloc(
         self, request: Any, block_ids: Sequence[Sequence[int]], num_external: int
@@ -243,51 +273,69 @@ class SchedulerHalf:
         # Admission (again, after a preemption): what is cached needs no save.
         end = hit.local + num_external
         st.saved = [end // rule.block_size for rule in self.groups.rules]
-        jobs = self._load_jobs(st, hit, end) if num_external else []
-        if jobs:
-            self._loads.extend(jobs)
-            self.stats["hit_tokens"] += num_external
-        else:
+        if not num_external:
             self._release_all(hit.leases)
+            return
+        jobs = self._load_jobs(st, hit, end)
+        self._loads.extend(jobs)
+        if jobs:
+            self.stats["hit_tokens"] += num_external
 
     def _load_jobs(self, st: _Req, hit: _Hit, end: int) -> list[LoadJob]:
         """Per group, the blocks vLLM allocated in the hit (its null blocks are
         what the group's window no longer needs), from that group's lease."""
         rid, jobs = st.request.request_id, []
-        by_group = {lease.group: lease for lease in hit.leases}
+        by_part = {(lease.stage, lease.group): lease for lease in hit.leases}
         for pos, rule in enumerate(self.groups.rules):
             table = st.tables[pos]
             lo = max(hit.local, rule.first_needed_token(end)) // rule.block_size
             hi = min(end // rule.block_size, len(table))
             wanted = [p for p in range(lo, hi) if table[p] != NULL_BLOCK]
-            lease = by_group.pop(rule.index, None)
-            if not wanted:
-                self._release_all([lease] if lease else [])
-                continue
-            first, last = wanted[0], wanted[-1]
-            if (
-                lease is None
-                or first < lease.first
-                or last >= lease.first + lease.count
-                or last - first + 1 != len(wanted)
-            ):
-                # Not what was leased: a failed load (lease 0) of every block,
-                # so vLLM recomputes them, never a partial restore.
-                logger.warning(
-                    "pegaflow: %s group %d blocks %d..%d are not leased; "
-                    "recomputing the hit",
-                    rid,
-                    rule.index,
-                    first,
-                    last,
-                )
-                lease = _Lease(rule.index, 0, first, len(wanted))
-            ids = [table[p] for p in wanted]
-            offset = first - lease.first
-            jobs.append(
-                LoadJob(rid, lease.lease_id, ids, not hit.is_async, rule.index, offset)
-            )
+            for stage in self._stages_of(rule.index) if wanted else []:
+                lease = by_part.pop((stage, rule.index), None)
+                jobs.append(self._load_job(rid, rule, stage, lease, table, wanted, hit))
+        self._release_all(list(by_part.values()))  # what vLLM did not allocate
         return jobs
+
+    def _load_job(
+        self,
+        rid: ReqId,
+        rule: GroupRule,
+        stage: int,
+        lease: _Lease | None,
+        table: list[int],
+        wanted: list[int],
+        hit: _Hit,
+    ) -> LoadJob:
+        first, last = wanted[0], wanted[-1]
+        if (
+            lease is None
+            or first < lease.first
+            or last >= lease.first + lease.count
+            or last - first + 1 != len(wanted)
+        ):
+            # Not what was leased: a failed load (lease 0) of every block, so
+            # vLLM recomputes them, never a partial restore.
+            logger.warning(
+                "pegaflow: %s group %d blocks %d..%d are not leased; "
+                "recomputing the hit",
+                rid,
+                rule.index,
+                first,
+                last,
+            )
+            self._release_all([lease] if lease else [])
+            lease = _Lease(rule.index, 0, first, len(wanted), stage)
+        ids = [table[p] for p in wanted]
+        return LoadJob(
+            rid,
+            lease.lease_id,
+            ids,
+            not hit.is_async,
+            rule.index,
+            first - lease.first,
+            stage,
+        )
 
     # -- per step -----------------------------------------------------------
     def build_plan(self, so: Any) -> StepPlan:
@@ -370,6 +418,8 @@ class SchedulerHalf:
     def on_worker_report(self, report: WorkerReport) -> None:
         if report.socket_path:  # a worker reached the server's socket
             self.client.use_socket()
+        for stage, groups in report.stage_groups.items():
+            self._stage_groups[stage] = frozenset(groups)
         for rid, n in report.saves_done.items():
             st = self._reqs.get(rid)
             if st is None:

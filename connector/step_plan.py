@@ -24,6 +24,7 @@ class LoadJob:
     sync: bool  # True: before this step's forward; False: between steps
     group: int = 0  # vLLM's kv_cache_group_id
     lease_offset: int = 0
+    stage: int = 0  # the pipeline stage whose workers load it
 
 
 @dataclass(slots=True)
@@ -83,9 +84,13 @@ class WorkerReport:
     # After a (re-)registration: the server's query socket, so the scheduler's
     # queries skip gRPC (only RegisterInstance names it).
     socket_path: str = ""  # the server's unix socket, once a worker learnt it
+    # Once, after registering: pipeline stage -> the KV cache groups it has
+    # layers of (a stage may have none of a group's layers).
+    stage_groups: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         merged = dict(self.saves_done)
         for req_id, n in other.saves_done.items():
             merged[req_id] = merged.get(req_id, 0) + n
-        return WorkerReport(merged, self.socket_path or other.socket_path)
+        stages = {**self.stage_groups, **other.stage_groups}
+        return WorkerReport(merged, self.socket_path or other.socket_path, stages)

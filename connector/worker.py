@@ -19,7 +19,9 @@ loads every block.
 
 A hybrid model's KV cache groups are separate parts on the server, one
 registration each (kv_groups.py); a step's Save and Load go to each part in
-turn, and a request whose load failed in any group fails in all of them.
+turn, and a request whose load failed in any group fails in all of them. Under
+pipeline parallelism a worker registers, saves and loads its own stage's
+layers only; every worker sees the same plan and reports every job.
 """
 
 from __future__ import annotations
@@ -57,11 +59,15 @@ class WorkerHalf:
         tp_size: int,
         client: PegaflowClient | None = None,
         groups: KVGroups | None = None,
+        stage: int = 0,
+        stages: int = 1,
     ) -> None:
         self.config = config
         self.instance_id = instance_id
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.stage = stage
+        self.stages = stages
         self.groups = groups or single_group(1)
         self.client = client or PegaflowClient(config.addr, timeout_s=config.timeout_s)
         self.stats = new_stats()
@@ -72,11 +78,11 @@ class WorkerHalf:
             rule.index: Registrar(
                 self.client,
                 config,
-                self.groups.part_instance(instance_id, rule),
+                self.groups.part_instance(instance_id, rule, stage, stages),
                 tp_rank,
                 tp_size,
                 self._pool,
-                rule if self.groups.hybrid else None,
+                rule if self.groups.hybrid or stages > 1 else None,
             )
             for rule in self.groups.rules
         }
@@ -120,13 +126,17 @@ class WorkerHalf:
         """Describe the KV memory once and register; a server that is away
         now is retried from later steps (the engine runs with misses)."""
         for rule in self.groups.rules:
-            part = self.parts[rule.index]
-            if self.groups.hybrid:
+            if self.groups.hybrid or self.stages > 1:
                 names = set(rule.layer_names)
                 layers = {k: v for k, v in kv_caches.items() if k in names}
             else:
                 layers = kv_caches
-            part.describe(layers, num_blocks, vllm_config)
+            if not layers:  # none of this group's layers on this stage
+                del self.parts[rule.index]
+                continue
+            self.parts[rule.index].describe(layers, num_blocks, vllm_config)
+        self._report.stage_groups = {self.stage: tuple(sorted(self.parts))}
+        for part in self.parts.values():
             part.register_now()
 
     # -- per step -----------------------------------------------------------
@@ -145,8 +155,13 @@ class WorkerHalf:
             part.tick()
         self._plan_saves(plan)  # before any get_finished can see plan.held
         self._held |= plan.held
-        sync = [job for job in plan.loads if job.sync]
-        later = [job for job in plan.loads if not job.sync]
+        # Every rank of the stage loads every job of its parts; the others'
+        # requests are still reported (vLLM waits for every worker).
+        mine = [
+            j for j in plan.loads if j.stage == self.stage and j.group in self.parts
+        ]
+        sync = [job for job in mine if job.sync]
+        later = [job for job in mine if not job.sync]
         if sync:  # first: the forward waits for it
             seq = 0
             signals = all(len(p.layer_signals) for p in self.parts.values())
@@ -154,9 +169,10 @@ class WorkerHalf:
                 self._layer_seq += 1
                 seq = self._layer_seq
             self._sync.append((sync, self._submit(self._load, sync, seq), seq))
-        if later:
-            fut = self._submit(self._load, later)
-            for rid in {job.req_id for job in later}:
+        async_reqs = {job.req_id for job in plan.loads if not job.sync}
+        if async_reqs:
+            fut = self._submit(self._load, later) if later else _done(set())
+            for rid in async_reqs:
                 jobs = [job for job in later if job.req_id == rid]
                 self._recving[rid] = (jobs, fut)
         if not layer_waits:  # nothing will call wait_for_layer_load this step
@@ -301,7 +317,7 @@ class WorkerHalf:
             socket = socket or part.new_socket_path
             part.new_socket_path = ""
         self._report.socket_path = socket
-        if not (self._report.saves_done or socket):
+        if not (self._report.saves_done or socket or self._report.stage_groups):
             return None
         report, self._report = self._report, WorkerReport()
         return report
@@ -426,3 +442,9 @@ class WorkerHalf:
             part.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
+
+
+def _done(result: Any) -> Future:
+    fut: Future = Future()
+    fut.set_result(result)
+    return fut

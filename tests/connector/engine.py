@@ -16,6 +16,7 @@ keeps it) and checks it, then writes its end state into the block it ends in.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_planning import (
@@ -136,6 +138,7 @@ class Engine:
         spec_decode_order: bool = False,
         full_cuda_graph: bool = False,
         specs: dict[str, Any] | None = None,
+        stages: int = 1,
     ) -> None:
         self.config = config
         self.write_kv = write_kv  # off: scheduling only (benchmarks)
@@ -147,6 +150,7 @@ class Engine:
         # a sync load must have landed when start_load_kv returns (checked).
         self.full_cuda_graph = full_cuda_graph
         config.cache_config.kv_cache_layout = layout
+        config.parallel_config.pipeline_parallel_size = stages
         hf = config.model_config.hf_config
         if specs is None:
             spec = FullAttentionSpec(
@@ -186,12 +190,25 @@ class Engine:
         self.caches = allocate_kv_cache(
             self.kv_cache_config, torch.device("cpu"), KVCacheLayout[layout]
         )
-        self.worker: Any = None  # no connector: the baseline of the benchmarks
+        # Pipeline stage s runs the s-th slice of the layers, in its own
+        # WORKER-role connector (vLLM: its own process); outputs are
+        # aggregated as vLLM's executor does.
+        names = list(self.caches)
+        per = -(-len(names) // stages)
+        self.stage_layers = [names[s * per : (s + 1) * per] for s in range(stages)]
+        self.workers: list[Any] = []  # none: the baseline of the benchmarks
         if config.kv_transfer_config is not None:
-            self.worker = PegaKVConnector(
-                config, KVConnectorRole.WORKER, self.kv_cache_config
-            )
-            self.worker.register_kv_caches(self.caches)
+            for s, layers in enumerate(self.stage_layers):
+                stage_config = copy.copy(config)
+                stage_config.parallel_config = copy.copy(config.parallel_config)
+                stage_config.parallel_config.rank = s
+                w = PegaKVConnector(
+                    stage_config, KVConnectorRole.WORKER, self.kv_cache_config
+                )
+                w.register_kv_caches({n: self.caches[n] for n in layers})
+                self.workers.append(w)
+        self.worker: Any = self.workers[0] if self.workers else None
+        self.aggregator = KVOutputAggregator(max(len(self.workers), 1))
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.seqs: dict[str, Seq] = {}
@@ -267,11 +284,28 @@ class Engine:
     def _worker_step(
         self, so: Any, tables: dict[str, list[list[int]]]
     ) -> KVConnectorOutput | None:
-        """What vLLM 0.33's model runner does around the forward, in order."""
-        w, meta = self.worker, so.kv_connector_metadata
-        if w is None:
-            self._forward(so, tables, None)
+        """Each stage's worker around its part of the forward, then vLLM's
+        aggregation of their outputs (a request is done when all say so)."""
+        if not self.workers:
+            self._forward(so, tables, None, list(self.caches))
             return None
+        if len(self.workers) == 1:
+            return self._stage_step(self.workers[0], so, tables, list(self.caches))
+        outs = [
+            ModelRunnerOutput(
+                req_ids=[],
+                req_id_to_index={},
+                kv_connector_output=self._stage_step(w, so, tables, layers),
+            )
+            for w, layers in zip(self.workers, self.stage_layers, strict=True)
+        ]
+        return self.aggregator.aggregate(outs).kv_connector_output
+
+    def _stage_step(
+        self, w: Any, so: Any, tables: dict[str, list[list[int]]], layers: list[str]
+    ) -> KVConnectorOutput:
+        """What vLLM 0.33's model runner does around the forward, in order."""
+        meta = so.kv_connector_metadata
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
         if so.has_sync_kv_loads:  # sync loads start before the forward
@@ -282,7 +316,7 @@ class Engine:
             w.start_load_kv(context)
             if self.full_cuda_graph:
                 self.errors += self.sync_load_errors(meta.plan.loads)
-        self._forward(so, tables, None if self.full_cuda_graph else w)
+        self._forward(so, tables, None if self.full_cuda_graph else w, layers)
         if not so.has_sync_kv_loads:
             w.start_load_kv(SimpleNamespace(attn_metadata=None))
         if not self.spec_decode_order:
@@ -301,8 +335,12 @@ class Engine:
         w.clear_connector_metadata()
         return out
 
-    def _forward(self, so: Any, tables: dict[str, list[list[int]]], w: Any) -> None:
+    def _forward(
+        self, so: Any, tables: dict[str, list[list[int]]], w: Any, names: list[str]
+    ) -> None:
         for layer, name in enumerate(self.caches):
+            if name not in names:
+                continue  # another stage's layer
             if w is not None:
                 w.wait_for_layer_load(name)
             if self.write_kv:
@@ -440,8 +478,9 @@ class Engine:
             return
         half = s.connector._scheduler
         assert not half._reqs and not half._hits and not half._loads
-        worker = self.worker._worker
-        assert not worker._saves and not worker._recving and not worker._held
+        for w in self.workers:
+            worker = w._worker
+            assert not worker._saves and not worker._recving and not worker._held
 
     def counters(self) -> dict[str, float]:
         total: dict[str, float] = {}
@@ -451,8 +490,8 @@ class Engine:
         return total
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown()
+        for w in self.workers:
+            w.shutdown()
         self.sched.shutdown()
 
 
