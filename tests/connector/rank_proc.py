@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from pegaflow.connector.extra_config import ConnectorConfig
+from pegaflow.connector.kv_groups import GroupRule, KVGroups
 from pegaflow.connector.step_plan import LoadJob, SaveJob, StepPlan
 from pegaflow.connector.worker import WorkerHalf
 
@@ -68,6 +69,35 @@ def kv_views(
     return {f"model.layers.{i}.self_attn.attn": v for i, v in enumerate(views)}
 
 
+STATE_BYTES = 20480  # a Mamba layer's state page: not an attention page's size
+
+
+def hybrid_views(device: str, layers: int, blocks: int, block_size: int, heads: int):
+    """vLLM 0.33's layout of a hybrid model: attention layers (a sliding-window
+    group) and Mamba state layers ([blocks, 1, 1, state bytes] int8, one page
+    per block) as views into one int8 allocation."""
+    page = 2 * block_size * heads * 2 * 64
+    attn = layers - 1
+    buf = torch.zeros(blocks * (attn * page + STATE_BYTES), dtype=torch.int8)
+    buf = buf.to(device)
+    phys = buf[: attn * blocks * page].view(torch.bfloat16)
+    phys = phys.view(attn, blocks, block_size, heads, 2 * 64)
+    views = {
+        f"model.layers.{i}.self_attn.attn": phys[i].permute(0, 2, 1, 3)
+        for i in range(attn)
+    }
+    tail = buf[attn * blocks * page :].view(blocks, 1, 1, STATE_BYTES)
+    views[f"model.layers.{attn}.mixer"] = tail
+    state["buffer"] = buf
+    return views
+
+
+def hybrid_groups(names: list[str], block_size: int) -> KVGroups:
+    window = GroupRule(0, "sliding", block_size, 31, tuple(names[:-1]))
+    mamba = GroupRule(1, "mamba", block_size, 0, tuple(names[-1:]))
+    return KVGroups((window, mamba), block_size, block_size)
+
+
 def init(
     addr: str,
     instance: str,
@@ -80,11 +110,17 @@ def init(
     blocks: int = 64,
     block_size: int = 16,
     heads: int = 2,
+    hybrid: bool = False,
 ) -> dict:
     shutdown()
-    caches = kv_views(device, mla, layout, layers, blocks, block_size, heads)
+    groups = None
+    if hybrid:
+        caches = hybrid_views(device, layers, blocks, block_size, heads)
+        groups = hybrid_groups(list(caches), block_size)
+    else:
+        caches = kv_views(device, mla, layout, layers, blocks, block_size, heads)
     config = ConnectorConfig(addr=addr, timeout_s=20.0, retry_interval_s=0.2)
-    worker = WorkerHalf(config, instance, tp_rank, tp_size)
+    worker = WorkerHalf(config, instance, tp_rank, tp_size, groups=groups)
     worker.register(caches, blocks, stand_in_config(block_size, tp_size, mla))
     state.update(worker=worker, caches=caches, device=device)
     reg = worker.registrar
@@ -93,6 +129,10 @@ def init(
         "namespace": reg.namespace,
         "replicated": reg.replicated,
         "slot_bytes": reg.slot_bytes,
+        "parts": {
+            part.instance_id: [part.registered, part.namespace, part.slot_bytes]
+            for part in worker.parts.values()
+        },
     }
 
 
@@ -107,9 +147,10 @@ def write(block_ids: list[int], seed: int) -> dict:
     return {"ok": True}
 
 
-def digest(block_ids: list[int]) -> dict:
-    """sha256 of each block's pages, every layer."""
-    views = list(state["caches"].values())
+def digest(block_ids: list[int], layers: list[str] | None = None) -> dict:
+    """sha256 of each block's pages, every layer (or these layers)."""
+    caches = state["caches"]
+    views = [caches[n] for n in (layers or caches)]
     out = []
     for b in block_ids:
         h = hashlib.sha256()
@@ -125,12 +166,22 @@ def step(loads: list[dict], saves: list[dict], timeout: float = 30.0) -> dict:
     w: WorkerHalf = state["worker"]
     plan = StepPlan(
         loads=[
-            LoadJob(j["req_id"], j["lease_id"], j["block_ids"], j["sync"])
+            LoadJob(
+                j["req_id"],
+                j["lease_id"],
+                j["block_ids"],
+                j["sync"],
+                j.get("group", 0),
+                j.get("lease_offset", 0),
+            )
             for j in loads
         ],
         saves=[
             SaveJob(
-                j["req_id"], j["block_ids"], [bytes.fromhex(h) for h in j["hashes"]]
+                j["req_id"],
+                j["block_ids"],
+                [bytes.fromhex(h) for h in j["hashes"]],
+                j.get("group", 0),
             )
             for j in saves
         ],
@@ -141,17 +192,20 @@ def step(loads: list[dict], saves: list[dict], timeout: float = 30.0) -> dict:
     errors_after_sync = sorted(w.take_load_errors())
     w.save(plan)
     recving: set[str] = set()
+    failed: set[str] = set()  # hybrid: failed loads are reported per request
     saves_done: dict[str, int] = {}
     deadline = time.monotonic() + timeout
     while (w._recving or w._saves) and time.monotonic() < deadline:
         time.sleep(0.005)
         recving |= w.get_finished()[1]
+        failed |= w.take_failed_requests()
         report = w.take_report()
         if report is not None:
             for rid, n in report.saves_done.items():
                 saves_done[rid] = saves_done.get(rid, 0) + n
     return {
         "recving": sorted(recving),
+        "failed": sorted(failed),
         "saves_done": saves_done,
         "sync_errors": errors_after_sync,
         "errors": sorted(w.take_load_errors()),

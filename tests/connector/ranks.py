@@ -164,6 +164,114 @@ def tp2_round_trip(
     assert metric("pegaflow_active_leases") == 0  # both ranks consumed both
 
 
-def ranks_digest(rank: RankProc, block_ids: list[int]) -> list[str]:
-    rank.send("digest", block_ids=block_ids)
+def ranks_digest(
+    rank: RankProc, block_ids: list[int], layers: list[str] | None = None
+) -> list[str]:
+    rank.send("digest", block_ids=block_ids, layers=layers)
     return rank.reply("digest")["digests"]
+
+
+def hybrid_round_trip(
+    server: ServerProc, ranks: list[RankProc], device: str, tag: str, **shape: int
+) -> None:
+    """A hybrid layout through two TP ranks: a sliding-window group of
+    attention layers and a Mamba state group (its own page size) in one int8
+    buffer, each group a part of its own. A saves the window group's blocks
+    and one state; B loads, per group, only what a hit needs (the window's
+    last two blocks, the state at the boundary), each from its own part's
+    lease. A request whose state lease is gone fails as a whole."""
+    metric: Callable[..., float] = server.metric
+    layers = shape.get("layers", 4)
+    attn = [f"model.layers.{i}.self_attn.attn" for i in range(layers - 1)]
+    mixer = [f"model.layers.{layers - 1}.mixer"]
+    hashes = [secrets.token_bytes(32) for _ in range(N)]
+    init = dict(addr=server.addr, tp_size=TP, mla=False, device=device, **shape)
+    a = all_ranks(
+        ranks,
+        "init",
+        instance=f"ha-{tag}",
+        tp_rank={"per_rank": [0, 1]},
+        hybrid=True,
+        **init,
+    )
+    parts = a[0]["parts"]
+    assert sorted(parts) == [f"ha-{tag}-g0", f"ha-{tag}-g1"]
+    assert all(registered for r in a for registered, _, _ in r["parts"].values())
+    namespaces = {ns for _, ns, _ in parts.values()}
+    slots = {slot for _, _, slot in parts.values()}
+    assert len(namespaces) == 2 and len(slots) == 2  # each group its geometry
+    all_ranks(ranks, "write", block_ids=SRC, seed={"per_rank": [21, 22]})
+    saves = [
+        {"req_id": "w", "block_ids": SRC, "hashes": [h.hex() for h in hashes]},
+        {
+            "req_id": "w",
+            "block_ids": SRC[-1:],
+            "hashes": [hashes[-1].hex()],
+            "group": 1,
+        },
+    ]
+    done = all_ranks(ranks, "step", loads=[], saves=saves)
+    for r in done:
+        assert not r["pending"] and r["saves_done"] == {"w": 2}
+        assert r["stats"]["save_blocks"] == N + 1
+    want_attn = all_ranks(ranks, "digest", block_ids=SRC, layers=attn)
+    want_state = all_ranks(ranks, "digest", block_ids=SRC[-1:], layers=mixer)
+
+    all_ranks(
+        ranks,
+        "init",
+        instance=f"hb-{tag}",
+        tp_rank={"per_rank": [0, 1]},
+        hybrid=True,
+        **init,
+    )
+    untouched = all_ranks(ranks, "digest", block_ids=DST[3:5])
+    with PegaflowClient(server.addr) as scheduler:
+        window = scheduler.query(f"hb-{tag}-g0", hashes)
+        state = scheduler.query(f"hb-{tag}-g1", hashes[-1:])
+        early = scheduler.query(f"hb-{tag}-g1", hashes[:1])  # no state there
+        assert (window.num_blocks, state.num_blocks, early.num_blocks) == (N, 1, 0)
+        other = scheduler.query(f"hb-{tag}-g0", hashes[-2:])
+        gone = scheduler.query(f"hb-{tag}-g1", hashes[-1:])
+        scheduler.release_lease(gone.lease_id)  # e.g. expired before the load
+    loads = [
+        {
+            "req_id": "r",
+            "lease_id": window.lease_id,
+            "block_ids": DST[:2],
+            "lease_offset": N - 2,
+            "sync": False,
+        },
+        {
+            "req_id": "r",
+            "lease_id": state.lease_id,
+            "block_ids": DST[2:3],
+            "sync": False,
+            "group": 1,
+        },
+        {
+            "req_id": "x",
+            "lease_id": other.lease_id,
+            "block_ids": DST[3:5],
+            "sync": False,
+        },
+        {
+            "req_id": "x",
+            "lease_id": gone.lease_id,
+            "block_ids": DST[5:6],
+            "sync": False,
+            "group": 1,
+        },
+    ]
+    got = all_ranks(ranks, "step", loads=loads, saves=[])
+    for r in got:
+        assert r["recving"] == ["r", "x"] and not r["pending"]
+        # x's window blocks landed, but its state did not: x fails whole.
+        assert r["failed"] == ["x"] and r["errors"] == []
+        assert r["stats"]["load_blocks"] == 2 + 1 + 2
+    for rank in range(TP):
+        window_pages = ranks_digest(ranks[rank], DST[:2], attn)
+        assert window_pages == want_attn[rank]["digests"][-2:]
+        assert ranks_digest(ranks[rank], DST[2:3], mixer) == want_state[rank]["digests"]
+    assert all(u["digests"] for u in untouched)
+    assert metric("pegaflow_active_leases") == 0  # both ranks consumed each

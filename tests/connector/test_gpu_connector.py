@@ -16,7 +16,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.connector.ranks import RankProc, rank_procs, tp2_round_trip
+from tests.connector.ranks import (
+    RankProc,
+    hybrid_round_trip,
+    rank_procs,
+    tp2_round_trip,
+)
 from tests.procs import ServerProc, start_server
 
 pytestmark = pytest.mark.gpu
@@ -52,4 +57,12 @@ def test_tp2_round_trip_on_gpu(
     gone lease fails only its request; loaded pages equal A's bytes."""
     tag = f"gpu-{layout}-{mla}"
     tp2_round_trip(server, ranks, mla, "cuda:0", tag, layout=layout, **SHAPE)
+    assert server.proc.poll() is None
+
+
+def test_hybrid_layout_on_gpu(server: ServerProc, ranks: list[RankProc]) -> None:
+    """A sliding-window attention group and a Mamba state group (its own page
+    size) in one int8 CUDA allocation per rank, each group registered as its
+    own part through CUDA IPC; per-group loads checked byte for byte."""
+    hybrid_round_trip(server, ranks, "cuda:0", tag="gpu", **SHAPE)
     assert server.proc.poll() is None
