@@ -298,6 +298,12 @@ class Registry:
         worker.check_owner(caller, token)
         return worker
 
+    def is_current(self, worker: Worker) -> bool:
+        """Whether worker is still the registration of its instance and rank
+        (not unregistered, nor replaced by a newer registration)."""
+        inst = self.instances.get(worker.instance_id)
+        return inst is not None and inst.workers.get(worker.tp_rank) is worker
+
     def unregister(self, instance_id: str, tp_rank: int) -> Worker:
         worker = self.worker(instance_id, tp_rank)
         inst = self.instances[instance_id]

@@ -8,7 +8,9 @@ network namespace it does not know at all (`peer_on_host` is False). A
 registration that lets the server read or write a process's host memory is
 accepted only for a process the kernel vouches for: the caller itself on the
 socket; with --allow-tcp-host-engines, a process of the caller's uid over TCP
-from this host.
+from this host. These checks are of the process as it is when it registers;
+that it still runs that program with those rights is checked again before
+every copy (pegaflow.common.pidfds.ProcessImage: an exec ends a registration).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import numpy as np
 
 from pegaflow.common.errors import CopyFailed, InternalError, InvalidRequest
 from pegaflow.common.geometry import Transfers
-from pegaflow.common.pidfds import exited, pidfd_open
+from pegaflow.common.pidfds import ProcessImage, exited
 from pegaflow.common.runs import merge_adjacent
 
 from .vm import (
@@ -49,9 +49,11 @@ class HostRegions:
     pid: int
     bases: tuple[int, ...]
     sizes: tuple[int, ...]
-    # A pidfd names the process itself, not its number: once it exits, a new
-    # process that reuses the pid can never receive this engine's copies.
-    pidfd: int = -1
+    # The process itself (its pidfd), not its number: once it exits, a new
+    # process that reuses the pid can never receive this engine's copies;
+    # and the program it ran when checked: once it exec's another (a setuid
+    # one, say), no copy reaches that program's memory.
+    image: ProcessImage | None = None
     # The regions merged into sorted spans, for every copy's bounds check.
     spans: tuple[np.ndarray, np.ndarray] = field(init=False)
 
@@ -108,18 +110,18 @@ class HostCopyEngine:
             # Loads would write into the server's own memory, pool slots included.
             raise InvalidRequest(f"pid: {pid} is the server itself, not an engine")
         # Opened before the checks: if it still lives after them, every check
-        # below looked at the process this pidfd names, not a successor that
-        # took over its pid meanwhile.
-        pidfd = pidfd_open(pid)
+        # below looked at the process (and program) it names, not a successor
+        # that took over its pid, or a program it exec'd, meanwhile.
+        probe = regions[0][0] if regions else 0  # a byte from it: no EIO to raise
+        image = ProcessImage(pid, probe=probe)
         try:
-            return self._open_checked(pid, regions, pidfd)
+            return self._open_checked(pid, regions, image)
         except BaseException:
-            if pidfd >= 0:
-                os.close(pidfd)
+            image.close()
             raise
 
     def _open_checked(
-        self, pid: int, regions: list[tuple[int, int]], pidfd: int
+        self, pid: int, regions: list[tuple[int, int]], image: ProcessImage
     ) -> HostRegions:
         if not regions:
             raise InvalidRequest("regions: at least one (address, size) is required")
@@ -155,13 +157,15 @@ class HostCopyEngine:
             transfer("gather", pid, local, iovecs(addr[:1], one))
         except CopyFailed as e:
             raise InvalidRequest(f"pid: {e}") from None
-        if exited(pidfd):
+        if exited(image.pidfd):
             raise InvalidRequest(f"pid: process {pid} exited while registering")
+        if not image.complete:  # no exec could be seen
+            raise InvalidRequest(f"pid: cannot open process {pid}'s memory")
         logger.debug(
             "open pid=%d: %d region(s), %d bytes", pid, len(regions), size.sum()
         )
         return HostRegions(
-            pid, tuple(a for a, _ in regions), tuple(s for _, s in regions), pidfd
+            pid, tuple(a for a, _ in regions), tuple(s for _, s in regions), image
         )
 
     def gather(
@@ -189,9 +193,9 @@ class HostCopyEngine:
         self._copy("scatter", regions, t.src, t.dst, t.nbytes, deadline)
 
     def close(self, regions: HostRegions) -> None:
-        """Host memory needs no unmapping; only the pidfd is released."""
-        if regions.pidfd >= 0:
-            os.close(regions.pidfd)
+        """Host memory needs no unmapping; only the process's handles go."""
+        if regions.image is not None:
+            regions.image.close()
         logger.debug("close pid=%d", regions.pid)
 
     def shutdown(self) -> None:
@@ -220,8 +224,6 @@ class HostCopyEngine:
             local, remote, n = local[keep], remote[keep], n[keep]
         if not n.size:
             return
-        if exited(regions.pidfd):
-            raise CopyFailed(f"{op}: engine process {regions.pid} is gone")
         local, remote, n = _coalesce(local, remote, n)
         liov, riov = iovecs(local, n), iovecs(remote, n)
         total = int(n.sum())
@@ -229,6 +231,10 @@ class HostCopyEngine:
         if logger.isEnabledFor(logging.DEBUG):
             msg = "%s pid=%d: %d iovecs, %d call(s), %d bytes"
             logger.debug(msg, op, regions.pid, len(n), len(parts), total)
+        # Gone, or another program (exec) or other rights since registering:
+        # the last check before the calls, which name the process by its pid.
+        if regions.image is not None:
+            regions.image.check(op)
         if self._pool is None or len(parts) == 1:
             for part in parts:
                 transfer(op, regions.pid, liov[part], riov[part], deadline)
@@ -250,8 +256,13 @@ class HostCopyEngine:
         # The calls name the process by its pid. An engine that exited during
         # them may have handed that pid on, so what a save read may be another
         # process's memory: never published (and a load's failure is reported).
-        if exited(regions.pidfd):
+        # One that exec'd meanwhile: what a save read may be the new program's
+        # (a load's harm is done; the next request's check ends it).
+        image = regions.image
+        if image is not None and exited(image.pidfd):
             raise CopyFailed(f"{op}: engine process {regions.pid} exited mid-copy")
+        if image is not None and op == "gather":
+            image.check(op)
 
     @staticmethod
     def _check_bounds(

@@ -37,6 +37,7 @@ from pegaflow.common.errors import (
 from pegaflow.common.geometry import Transfers, check_block_ids, check_distinct
 from pegaflow.common.identity import CallContext, Caller
 from pegaflow.common.keys import BlockHash, LoadSpec, PackedHashes
+from pegaflow.common.pidfds import ProcessChanged
 from pegaflow.common.request_limits import LargeRequestGate, RequestCaps
 from pegaflow.common.results import (
     LoadBatchResult,
@@ -483,6 +484,15 @@ class Engine:
                 else:
                     await _uncancellable(asyncio.to_thread(fn, worker.handle, t))
                     self._waits["thread"].inc()
+        except ProcessChanged as exc:
+            # Its process exec'd or changed rights since it registered: the
+            # registration ends, leases and all, as if its session closed.
+            if self.registry.is_current(worker):
+                logger.warning(
+                    "%s rank %d: %s", worker.instance_id, worker.tp_rank, exc
+                )
+                self.unregister(worker.instance_id, worker.tp_rank)
+            raise
         finally:
             self.registry.finish_op(worker)
         return time.perf_counter() - start
