@@ -176,8 +176,15 @@ class DemoFailed(Exception):
     """A cause the user can fix, said in one line."""
 
 
-def _answer(conn: Any, prompt_blocks: int) -> dict:
-    """An engine's report, or DemoFailed naming the cause and the fix."""
+def _answer(conn: Any, prompt_blocks: int, proc: Any) -> dict:
+    """An engine's report, or DemoFailed naming the cause and the fix (also
+    when the engine process died without one: never a wait for ever)."""
+    while not conn.poll(0.5):
+        if not proc.is_alive() and not conn.poll(0):
+            raise DemoFailed(
+                f"the engine process exited (code {proc.exitcode}) without a "
+                "report; its error is printed above"
+            )
     got = conn.recv()
     if "error" not in got:
         return got
@@ -269,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes == 2:
         if args.pool_size < need * 1.1:
             p.error(f"--pool-size: the prompt needs {need / 2**20:.0f} MiB; give more")
-        nodes = demo_nodes.start_nodes(stack, args.pool_size, 2)
+        try:
+            nodes = demo_nodes.start_nodes(stack, args.pool_size, 2)
+        except BaseException:  # those already started go too, not orphaned
+            stack.close()
+            raise
         addr = nodes[0]["grpc"]
     elif addr is None:
         if args.pool_size < need * 1.1:
@@ -286,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         a = ctx.Process(target=engine_a, args=(addr, shape, args.seed, send))
         a.start()
         try:
-            saved = _answer(recv, shape.prompt_blocks)
+            saved = _answer(recv, shape.prompt_blocks, a)
         finally:
             os.kill(a.pid, signal.SIGKILL)
             a.join()
@@ -305,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         b = ctx.Process(target=engine_b, args=(addr, shape, args.seed, send))
         b.start()
         try:
-            got = _answer(recv, shape.prompt_blocks)
+            got = _answer(recv, shape.prompt_blocks, b)
         finally:
             b.join()
         remote = demo_nodes.remote_stats(nodes[1]["http"]) if nodes else None

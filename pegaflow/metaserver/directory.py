@@ -12,6 +12,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from pegaflow.common.keys import NamespaceDigest
 
 from .index import BlockIndex, Hashes
@@ -19,6 +21,13 @@ from .meta_config import MetaConfig
 from .nodes import Node, NodeTable, UnknownIncarnation
 
 logger = logging.getLogger(__name__)
+
+# A sweep drops stale nodes in chunks of about this many entries (or nodes),
+# the lock let go between chunks: ~30 ms of work each on a loaded dev VM.
+SWEEP_CHUNK_ENTRIES = 1 << 15
+SWEEP_CHUNK_NODES = 128
+# Expiry walks the index in slices of this many rows (4 cells each).
+EXPIRE_SLICE_ROWS = 1 << 18
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +46,8 @@ class Directory:
     ) -> None:
         self.config = config
         self.clock = clock
-        self.nodes = NodeTable()
-        self.index = BlockIndex(config.max_entries)
+        self.nodes = NodeTable(config.max_nodes)
+        self.index = BlockIndex(config.max_entries, config.max_nodes)
         self.node_events: Counter[str] = Counter()  # joined, fenced, stale, left
         self.queries = 0
         self.query_hashes = 0
@@ -115,22 +124,48 @@ class Directory:
 
     def sweep(self) -> None:
         """Drop nodes not heard from for --node-stale-secs, with their entries,
-        and entries older than --ttl-minutes."""
+        and entries older than --ttl-minutes. Stale nodes go in chunks of
+        about SWEEP_CHUNK_ENTRIES entries (each O(its entries): node_cells),
+        the lock let go between them: a query waits for one chunk at most,
+        not for thousands of nodes dropped one after another."""
         with self._lock:
-            now = self.clock()
-            for node in self.nodes.stale(now - self.config.node_stale_s):
-                dropped = self.index.drop_node(node.slot, "stale_node")
-                self.nodes.remove(node)
-                self.node_events["stale"] += 1
+            stale = self.nodes.stale(self.clock() - self.config.node_stale_s)
+            chunks = _chunks(stale, self.index.node_entries)
+        for chunk in chunks:
+            with self._lock:
+                now = self.clock()
+                cutoff = now - self.config.node_stale_s
+                # Heard from (or gone, or replaced) since the list was made?
+                gone = [
+                    n
+                    for n in chunk
+                    if self.nodes.find(n.node_id) is n and n.last_seen < cutoff
+                ]
+                dropped = self.index.drop_nodes([n.slot for n in gone], "stale_node")
+                for node in gone:
+                    self.nodes.remove(node)
+                self.node_events["stale"] += len(gone)
+            if gone:
                 logger.warning(
-                    "node %r not heard from for %.1f s: dropped with %d entries",
-                    node.node_id,
-                    now - node.last_seen,
+                    "%d node(s) not heard from for %.1f s or more (%s%s): dropped "
+                    "with %d entries",
+                    len(gone),
+                    self.config.node_stale_s,
+                    ", ".join(repr(n.node_id) for n in gone[:4]),
+                    ", ..." if len(gone) > 4 else "",
                     dropped,
                 )
-            expired = self.index.expire(now - self.config.ttl_s)
-            if expired:
-                logger.debug("%d entries expired", expired)
+        expired = start = 0
+        while True:  # in slices of rows, the lock let go between them
+            with self._lock:
+                if start >= self.index.rows_used:
+                    break
+                cutoff = self.clock() - self.config.ttl_s
+                stop = start + EXPIRE_SLICE_ROWS
+                expired += self.index.expire(cutoff, start, stop)
+            start = stop
+        if expired:
+            logger.debug("%d entries expired", expired)
 
     def _known(self, node_id: str, incarnation: int) -> Node:
         node, newer = self.nodes.check(node_id, incarnation, self.clock())
@@ -152,3 +187,20 @@ class Directory:
             incarnation,
             dropped,
         )
+
+
+def _chunks(nodes: list[Node], entries: np.ndarray) -> list[list[Node]]:
+    """Nodes in runs of about SWEEP_CHUNK_ENTRIES entries (a node with more
+    is a run of its own)."""
+    out: list[list[Node]] = []
+    run: list[Node] = []
+    held = 0
+    for node in nodes:
+        held += int(entries[node.slot])
+        run.append(node)
+        if held >= SWEEP_CHUNK_ENTRIES or len(run) >= SWEEP_CHUNK_NODES:
+            out.append(run)
+            run, held = [], 0
+    if run:
+        out.append(run)
+    return out

@@ -23,6 +23,7 @@ from pegaflow.common.keys import BlockHash, NamespaceDigest, PackedHashes
 
 from . import compiled as compiled_loops
 from .meta_config import MAX_BATCH_HASHES, MAX_NAMESPACES, MAX_NODES, OWNERS_PER_BLOCK
+from .node_cells import NodeCells
 from .nodes import NodeSlot
 from .table import Keys, RowTable
 
@@ -71,6 +72,7 @@ class BlockIndex:
         self.max_namespaces = max_namespaces
         self.entries = 0
         self.node_entries = np.zeros(max_nodes, np.int64)
+        self._cells = NodeCells(max_nodes)
         self.counters = IndexCounters()
         self._ns_ids: dict[NamespaceDigest, int] = {}
         self._ns_blocks: dict[int, int] = {}  # blocks held per live namespace
@@ -110,6 +112,8 @@ class BlockIndex:
         self._owners[rows, way] = slot
         self._times[rows, way] = now
         self.node_entries[slot] += miss.size
+        given = rows[miss] * W + way[miss]
+        self._cells.add(slot, given, self._owners.ravel(), self.node_entries[slot])
         self.entries += miss.size
         self.counters.inserted += miss.size
         self.counters.refreshed += keys.count - miss.size
@@ -128,15 +132,28 @@ class BlockIndex:
 
     def drop_node(self, slot: NodeSlot, reason: Reason) -> int:
         """Every entry of `slot`. Entries dropped."""
-        if self.node_entries[slot] == 0:
-            return 0
-        flat = np.flatnonzero(self._owners[: self._hwm].ravel() == slot)
-        return self._clear(flat, reason)
+        return self.drop_nodes([slot], reason)
 
-    def expire(self, cutoff: float) -> int:
-        """Entries advertised (or refreshed) before cutoff."""
-        flat = np.flatnonzero(self._times[: self._hwm].ravel() < cutoff)
-        return self._clear(flat, "ttl") if flat.size else 0
+    def drop_nodes(self, slots: list[NodeSlot], reason: Reason) -> int:
+        """Every entry of these slots, in O(their entries): no pass over the
+        whole index (node_cells). Entries dropped."""
+        held = [s for s in slots if self.node_entries[s]]
+        flat = self._cells.take(held, self._owners.ravel())
+        return self._clear(flat, reason) if flat.size else 0
+
+    def expire(self, cutoff: float, start: int = 0, stop: int | None = None) -> int:
+        """Entries advertised (or refreshed) before cutoff, of rows
+        [start, stop) (the caller may walk the index in slices)."""
+        stop = self._hwm if stop is None else min(stop, self._hwm)
+        if start >= stop:
+            return 0
+        flat = np.flatnonzero(self._times[start:stop].ravel() < cutoff)
+        return self._clear(flat + start * W, "ttl") if flat.size else 0
+
+    @property
+    def rows_used(self) -> int:
+        """Rows [0, rows_used) were used at least once (expire's range)."""
+        return self._hwm
 
     def prefix(
         self, digest: NamespaceDigest, hashes: Hashes, exclude: NodeSlot

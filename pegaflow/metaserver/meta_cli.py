@@ -12,7 +12,7 @@ from pegaflow.common import peer_auth
 from pegaflow.common.settings import addr_arg, log_level, parse_addr
 
 from . import meta_compat_flags as original
-from .meta_config import MetaConfig
+from .meta_config import MAX_NODES, MetaConfig
 
 DEFAULT_MAX_ENTRIES = 4_000_000
 
@@ -21,6 +21,7 @@ FLAG_OF = {
     "node_stale_s": "--node-stale-secs",
     "ttl_s": "--ttl-minutes",
     "max_entries": "--max-entries/--max-capacity-mb",
+    "max_nodes": "--max-nodes",
     "max_capacity_mb": "--max-capacity-mb",
     "token": "the peer token",
     "peer_token": "--peer-token",
@@ -67,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="most (block, owner) entries held; the oldest are evicted beyond it "
         f"(default {DEFAULT_MAX_ENTRIES}, ~1 GiB)",
     )
+    p.add_argument(
+        "--max-nodes",
+        type=int,
+        default=MAX_NODES,
+        help="most nodes joined at once; a join beyond it is refused "
+        "(RESOURCE_EXHAUSTED naming this flag; default %(default)s)",
+    )
     token = p.add_mutually_exclusive_group()
     token.add_argument(
         "--peer-token",
@@ -103,6 +111,7 @@ def config_from_args(args: argparse.Namespace) -> MetaConfig:
         node_stale_s=args.node_stale_secs,
         ttl_s=args.ttl_minutes * 60.0,
         max_entries=original.max_entries(args, DEFAULT_MAX_ENTRIES),
+        max_nodes=args.max_nodes,
         log_level=args.log_level,
         token=peer_auth.read_token(
             args.peer_token, args.peer_token_env, args.peer_token_file

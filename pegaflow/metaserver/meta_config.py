@@ -15,7 +15,10 @@ MAX_NODE_ID_BYTES = 128
 MAX_ENDPOINT_BYTES = 256
 MAX_MESSAGE_BYTES = 8 << 20
 MAX_CONCURRENT_RPCS = 1024
-MAX_NODES = 4096
+MAX_NODES = 4096  # --max-nodes' default
+# --max-nodes' ceiling: a node's slot is an int32 owner cell, and every node
+# costs a little in each sweep and per-node array.
+MAX_NODES_LIMIT = 1 << 16
 MAX_NAMESPACES = 4096
 # Owners remembered per block: a fifth node advertising it replaces the owner
 # heard from longest ago (a plan needs one live owner, not all of them).
@@ -32,6 +35,7 @@ class MetaConfig:
     log_level: LogLevel = "info"
     token: str | None = None  # the shared peer token; None: no token asked
     max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS
+    max_nodes: int = MAX_NODES
 
     def __post_init__(self) -> None:
         parse_addr(self.addr)
@@ -41,6 +45,7 @@ class MetaConfig:
         check_seconds("ttl_s", self.ttl_s, 30 * 86400.0)
         check_int("max_entries", self.max_entries, 16, (1 << 31) - 1)
         check_int("max_concurrent_rpcs", self.max_concurrent_rpcs, 1, 1 << 16)
+        check_int("max_nodes", self.max_nodes, 1, MAX_NODES_LIMIT)
         if self.token is not None:
             check_token(self.token)
 

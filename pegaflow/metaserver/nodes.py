@@ -78,7 +78,9 @@ class NodeTable:
             )
             return node, fenced
         if not self._free:
-            raise TooManyNodes(f"node: {self.max_nodes} nodes joined, the most held")
+            raise TooManyNodes(
+                f"node: {self.max_nodes} nodes joined, the most held (--max-nodes)"
+            )
         node = Node(node_id, incarnation, endpoint, self._free.pop(), now)
         self.by_id[node_id] = self.by_slot[node.slot] = node
         return node, False

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pegaflow.metaserver.meta_client import MetaClient
 from tests.connector.conftest import tiny_model  # noqa: F401 (a fixture here too)
 from tests.metaserver.conftest import start_metaserver
 from tests.procs import EngineProc, ServerProc, start_server
@@ -143,3 +144,26 @@ def namespace_digest(cluster: Cluster, node: int, block_bytes: int) -> bytes:
         r["digest"] for r in stats["registered"] if r["block_bytes"] == block_bytes
     }
     return bytes.fromhex(digest)
+
+
+SHAPE_BLOCK_BYTES = 4 * 8192  # what a block of SHAPE holds
+
+
+def indexed(cluster: Cluster, node: int, hashes: list[str], block_bytes: int,
+             timeout_s: float = 20.0) -> None:  # fmt: skip
+    """Until the metaserver names an owner for the whole prefix. The node's
+    `advertised` count is no proof that these hashes were sent: a snapshot
+    re-sent after a rejoin (the previous test's blackhole can make the
+    metaserver drop the node as stale) moves it first, and a query then raced
+    the hashes to the index (test_lying_peer_bytes_never_loaded, seen once)."""
+    digest = namespace_digest(cluster, node, block_bytes)
+    raw = [bytes.fromhex(h) for h in hashes]
+    client = MetaClient(cluster.meta_addr, token=TOKEN)
+    try:
+        end = time.monotonic() + timeout_s
+        while sum(s.blocks for s in client.query(digest, raw)) < len(raw):
+            if time.monotonic() > end:
+                pytest.fail(f"node {node}: its {len(raw)} hashes never indexed")
+            time.sleep(0.05)
+    finally:
+        client.close()

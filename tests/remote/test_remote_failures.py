@@ -13,15 +13,16 @@ import numpy as np
 import pytest
 
 from pegaflow.common.peer_auth import METADATA_KEY
-from pegaflow.metaserver.meta_client import MetaClient
 from pegaflow.proto import peer_pb2 as pb
 from pegaflow.proto import peer_pb2_grpc as pb_grpc
 from tests.remote.conftest import (
     BIG,
     SHAPE,
+    SHAPE_BLOCK_BYTES,
     TOKEN,
     Cluster,
     block_hashes,
+    indexed,
     namespace_digest,
 )
 
@@ -37,27 +38,7 @@ def _owner(cluster: Cluster, node: int, instance: str, n: int, shape=SHAPE):
     return engine, ids, hashes
 
 
-SHAPE_BLOCK_BYTES, BIG_BLOCK_BYTES = 4 * 8192, 8 * 32768  # what a block holds
-
-
-def _indexed(cluster: Cluster, node: int, hashes: list[str], block_bytes: int,
-             timeout_s: float = 20.0) -> None:  # fmt: skip
-    """Until the metaserver names an owner for the whole prefix. The node's
-    `advertised` count is no proof that these hashes were sent: a snapshot
-    re-sent after a rejoin (the previous test's blackhole can make the
-    metaserver drop the node as stale) moves it first, and a query then raced
-    the hashes to the index (test_lying_peer_bytes_never_loaded, seen once)."""
-    digest = namespace_digest(cluster, node, block_bytes)
-    raw = [bytes.fromhex(h) for h in hashes]
-    client = MetaClient(cluster.meta_addr, token=TOKEN)
-    try:
-        end = time.monotonic() + timeout_s
-        while sum(s.blocks for s in client.query(digest, raw)) < len(raw):
-            if time.monotonic() > end:
-                pytest.fail(f"node {node}: its {len(raw)} hashes never indexed")
-            time.sleep(0.05)
-    finally:
-        client.close()
+BIG_BLOCK_BYTES = 8 * 32768  # what a block holds
 
 
 def _failed(cluster: Cluster, node: int) -> dict[str, int]:
@@ -70,7 +51,7 @@ def test_peer_killed_mid_transfer_is_a_miss(cluster: Cluster) -> None:
     mid-read: node 1's query ends as a miss within the fetch deadline, no
     block of it is published, and the next query is answered at once."""
     _, _, hashes = _owner(cluster, 2, "kill-a", 128, BIG)
-    _indexed(cluster, 2, hashes, BIG_BLOCK_BYTES)
+    indexed(cluster, 2, hashes, BIG_BLOCK_BYTES)
     reader = cluster.engine(1, "kill-b", 5, namespace="big", shape=BIG)
     cluster.nodes[2].limit_rate("200mbit")
     try:
@@ -110,7 +91,7 @@ def test_stopped_peer_is_a_miss_at_the_deadline(cluster: Cluster) -> None:
     pin waits at most --remote-fetch-timeout (5 s), then the query is a miss;
     node 2, continued, serves again."""
     _, _, hashes = _owner(cluster, 2, "stop-a", 8)
-    _indexed(cluster, 2, hashes, SHAPE_BLOCK_BYTES)
+    indexed(cluster, 2, hashes, SHAPE_BLOCK_BYTES)
     reader = cluster.engine(1, "stop-b", 9)
     was = _failed(cluster, 1)
     server = cluster.servers[2]
@@ -136,7 +117,7 @@ def test_peer_evicted_meanwhile_is_a_miss(cluster: Cluster) -> None:
     counted as peer_evicted."""
     node = cluster.nodes[0]
     owner, ids, hashes = _owner(cluster, 0, "evict-a", 64, BIG)
-    _indexed(cluster, 0, hashes, BIG_BLOCK_BYTES)
+    indexed(cluster, 0, hashes, BIG_BLOCK_BYTES)
     # ready before the route goes: node 0 is dropped as stale 6 s after it
     reader = cluster.engine(1, "evict-b", 6, namespace="big", shape=BIG)
     route = ["ip", "route", "add", "blackhole", f"{cluster.meta_node.address}/32"]
@@ -160,7 +141,7 @@ def test_lying_peer_bytes_never_loaded(cluster: Cluster) -> None:
     (a peer serving other bytes than it vouched for): node 1 reads them, finds
     every block failing its checksum, loads none, and counts them."""
     _, _, hashes = _owner(cluster, 0, "liar-a", 16)
-    _indexed(cluster, 0, hashes, SHAPE_BLOCK_BYTES)
+    indexed(cluster, 0, hashes, SHAPE_BLOCK_BYTES)
     digest = namespace_digest(cluster, 0, SHAPE_BLOCK_BYTES)
     raw = b"".join(bytes.fromhex(h) for h in hashes)
     with grpc.insecure_channel(cluster.servers[0].addr) as channel:
@@ -195,7 +176,7 @@ def test_metaserver_restart_index_whole_again(cluster: Cluster) -> None:
     heartbeat period (2 s here) each node rejoins and re-sends what it holds,
     and a prefix saved before the restart is a remote hit again."""
     _, ids, hashes = _owner(cluster, 0, "meta-a", 8)
-    _indexed(cluster, 0, hashes, SHAPE_BLOCK_BYTES)
+    indexed(cluster, 0, hashes, SHAPE_BLOCK_BYTES)
     rejoins = cluster.remote(0).get("rejoins", 0)
     cluster.meta.stop(signal.SIGKILL)
     # while it is down: a miss, at once (no hang), counted against it

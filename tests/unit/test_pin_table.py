@@ -6,6 +6,7 @@ Checksums and Release find nothing."""
 from __future__ import annotations
 
 import asyncio
+import struct
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import xxhash
 from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.eviction import LRUPolicy
 from pegaflow.cache.pool import HostPool
-from pegaflow.common.keys import Namespace, PackedHashes
+from pegaflow.common.keys import Namespace, PackedHashes, namespace_digest
 from pegaflow.common.settings import PoolConfig
 from pegaflow.tiers.remote.peer_service import caller_host
 from pegaflow.tiers.remote.pins import PinTable
@@ -68,8 +69,14 @@ def test_a_pin_is_the_asking_hosts_alone(table) -> None:
         assert not pins.release(a.pin_id, OTHER)
         assert store.entries[(1, hashes[0])].pins == 2  # still pinned
         sums = await pins.checksums(a.pin_id, READER)
-        want = [xxhash.xxh3_64_intdigest(pool.view(int(s), SLOT)) for s in
-                a.slots.ravel()]  # fmt: skip
+        raw = [xxhash.xxh3_64_intdigest(pool.view(int(s), SLOT)) for s in
+               a.slots.ravel()]  # fmt: skip
+        # bound to each block's key (slot_sums.bound): digest, hash, shard, raw
+        digest = namespace_digest(NS.name, NS.signature)
+        want = [
+            xxhash.xxh3_64_intdigest(digest + h + struct.pack("<IQ", 0, r))
+            for h, r in zip(hashes, raw, strict=True)
+        ]
         assert sums.ravel().tolist() == want
         assert pins.release(a.pin_id, READER) and pins.release(b.pin_id, READER)
         assert not pins.release(a.pin_id, READER)  # once

@@ -11,8 +11,8 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -20,11 +20,12 @@ import numpy as np
 from pegaflow.cache.block_store import BlockEntry
 from pegaflow.cache.pool import HostPool
 from pegaflow.common.keys import Key, Namespace
+from pegaflow.proto import metaserver_pb2 as meta_pb
 from pegaflow.proto import peer_pb2 as peer_pb
 
 from .peers import Endpoint, PeerChannels
-from .remote_metrics import RemoteMetrics
-from .slot_sums import SlotHasher
+from .remote_metrics import RemoteMetrics, RemoteStats
+from .slot_sums import SlotHasher, bound
 from .transfer_engine import RemoteTransport, TransportError, Wait
 
 logger = logging.getLogger(__name__)
@@ -50,21 +51,6 @@ class PlanSegment:
     start: int  # index into the fetched run
     blocks: int
     incarnation: int = 0  # the owner's, as the metaserver knows it
-
-
-@dataclass(slots=True)
-class RemoteStats:
-    fetches: int = 0
-    fetched_blocks: int = 0
-    fetched_bytes: int = 0
-    fetch_seconds: float = 0.0  # sum over fetches
-    last_fetch_s: float = 0.0
-    # the last fetch's phases, ms: metaserver plan, pin, read (+ hashing it;
-    # of it: transfer, the transport's own calls, and hash, the wait for the
-    # reader's checksums after the last transfer), checksums_wait, publish
-    last_phases_ms: dict[str, float] = field(default_factory=dict)
-    peers_seen: set[str] = field(default_factory=set)  # owners fetched from
-    quarantined_slots: int = 0  # ever held back after a read failed mid-flight
 
 
 class OwnerReads:
@@ -102,8 +88,37 @@ class OwnerReads:
     ) -> None:
         """One owner's run: pin, check, read, verify, release. Marks ok[i]
         for the blocks that arrived intact and tainted[i] for those whose read
-        failed with bytes still in flight (their slots must be quarantined)."""
-        run = entries[seg.start : seg.start + seg.blocks]
+        failed with bytes still in flight (their slots must be quarantined).
+
+        An owner pins at most a share of its pool for readers
+        (pins.MAX_PINNED_SHARE): a longer run is granted its head, and the
+        rest is pinned in another round once that head was read and released.
+        Only a round granted nothing is the owner no longer holding the block
+        (peer_evicted)."""
+        at, end = seg.start, seg.start + seg.blocks
+        while at < end:
+            got = await self._round(
+                ns, digest, entries[at:end], seg, at, ok, tainted, deadline
+            )
+            if not got:
+                return
+            at += got
+        self._stats.peers_seen.add(seg.endpoint.rpc)
+
+    async def _round(
+        self,
+        ns: Namespace,
+        digest: bytes,
+        run: list[BlockEntry],
+        seg: PlanSegment,
+        at: int,
+        ok: np.ndarray,
+        tainted: np.ndarray,
+        deadline: float,
+    ) -> int:
+        """Pin, read and verify run's head (run[0] is the run's block `at`);
+        the blocks this round covered, 0 when the run must stop (its blocks
+        left are failed, with their cause, here)."""
         keys = [e.key for e in run]
         left = deadline - time.monotonic()
         request = peer_pb.PinRequest(
@@ -122,25 +137,25 @@ class OwnerReads:
             )
         except grpc.RpcError as exc:
             logger.info("peer %s: pin failed: %s", seg.endpoint.rpc, exc.code())
-            return self._fail(keys, "peer_unreachable")
+            self._fail(keys, "peer_unreachable")
+            return 0
         granted_until = time.monotonic() + pin.hold_ms / 1000
         phases = self._stats.last_phases_ms
         phases["pin"] = elapsed_ms(pinned)
         try:
-            got = check_pin(pin, len(run), ns)
+            remote, sums = check_pin(pin, len(run), ns)
         except Refused as refused:
             self._release_soon(seg.endpoint.rpc, pin.pin_id)
-            return self._fail(keys, refused.cause)
-        remote, sums = got
+            self._fail(keys, refused.cause)
+            return 0
         n = len(remote)
-        if n < len(run):
-            self._fail(keys[n:], "peer_evicted")
         local = np.array([e.slots for e in run[:n]], np.uint64)
         # Read only inside the hold the owner granted: past it the owner may
         # reuse those slots.
         if min(granted_until, deadline) - time.monotonic() <= 0:
             self._release_soon(seg.endpoint.rpc, pin.pin_id)
-            return self._fail(keys[:n], "pin_expired")
+            self._fail(keys, "pin_expired")
+            return 0
         later = None
         if sums is None:  # the owner hashes while we read
             wait = max(deadline - time.monotonic(), 0.001)
@@ -149,7 +164,7 @@ class OwnerReads:
             )
         reading = time.monotonic()
         try:
-            mine = await asyncio.to_thread(
+            raw = await asyncio.to_thread(
                 self._read_and_hash, seg.endpoint.transfer, local, remote,
                 ns.slot_bytes, phases,
             )  # fmt: skip
@@ -160,15 +175,25 @@ class OwnerReads:
         except TransportError as exc:
             logger.info("peer %s: %s", seg.endpoint.transfer, exc)
             if exc.in_flight:
-                tainted[seg.start : seg.start + n] = True
-            return self._fail(keys[:n], "transport")
+                tainted[at : at + n] = True
+            self._release_soon(seg.endpoint.rpc, pin.pin_id)
+            self._fail(keys, "transport")
+            return 0
         except (grpc.RpcError, Refused) as exc:
             logger.info("peer %s: no checksums: %s", seg.endpoint.rpc, exc)
-            return self._fail(keys[:n], "peer_unreachable")
+            self._release_soon(seg.endpoint.rpc, pin.pin_id)
+            self._fail(keys, "peer_unreachable")
+            return 0
         finally:
             if later is not None and not later.done():
                 later.cancel()
+        if n < len(run):  # the rest is pinned next: this pin's share back first
+            await self._release(seg.endpoint.rpc, pin.pin_id)
+        else:
             self._release_soon(seg.endpoint.rpc, pin.pin_id)
+        # Bound to the keys we asked for: another block's bytes with their own
+        # true checksums, answered under these hashes, do not match.
+        mine = bound(digest, [k[1] for k in keys[:n]], raw)
         intact = (mine == sums).all(axis=1)
         bad = np.flatnonzero(~intact)
         if len(bad):
@@ -177,9 +202,8 @@ class OwnerReads:
                 seg.endpoint.rpc, len(bad), n,
             )  # fmt: skip
             self._fail([keys[i] for i in bad.tolist()], "checksum")
-        ok[seg.start : seg.start + n] = intact
-        self._stats.peers_seen.add(seg.endpoint.rpc)
-        return None
+        ok[at : at + n] = intact
+        return n
 
     def _read_and_hash(
         self,
@@ -249,17 +273,16 @@ class OwnerReads:
             self._metrics.retries.inc(retried)
         return sums
 
+    async def _release(self, addr: str, pin_id: int) -> None:
+        try:
+            await self._peers.release(addr, pin_id, _RELEASE_TIMEOUT_S)
+        except grpc.RpcError as exc:  # the pin expires on its own
+            logger.debug("release of pin %d at %s: %s", pin_id, addr, exc.code())
+
     def _release_soon(self, addr: str, pin_id: int) -> None:
         if not pin_id:
             return
-
-        async def release() -> None:
-            try:
-                await self._peers.release(addr, pin_id, _RELEASE_TIMEOUT_S)
-            except grpc.RpcError as exc:  # the pin expires on its own
-                logger.debug("release of pin %d at %s: %s", pin_id, addr, exc.code())
-
-        task = asyncio.ensure_future(release())
+        task = asyncio.ensure_future(self._release(addr, pin_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -312,6 +335,25 @@ def checksums_from(raw: bytes, shape: tuple[int, int]) -> np.ndarray:
 
 def elapsed_ms(since: float) -> float:
     return round((time.monotonic() - since) * 1e3, 3)
+
+
+def plan_from(
+    segments: Iterable[meta_pb.Segment], node_id: str, count: int
+) -> list[PlanSegment]:
+    """The metaserver's plan of `count` hashes as our segments: up to the first
+    naming us (never read from ourselves) or none; ValueError when it covers
+    more than was asked or names an endpoint that is no HOST:PORT pair."""
+    plan: list[PlanSegment] = []
+    at = 0
+    for seg in segments:
+        if seg.node_id == node_id or seg.blocks == 0:
+            break  # a lying plan stops here
+        endpoint = Endpoint.parse(seg.endpoint)
+        plan.append(PlanSegment(endpoint, at, seg.blocks, seg.incarnation))
+        at += seg.blocks
+    if at > count:
+        raise ValueError(f"metaserver plan covers {at} of {count} blocks")
+    return plan
 
 
 def clip_plan(plan: list[PlanSegment], n: int) -> list[PlanSegment]:

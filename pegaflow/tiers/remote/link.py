@@ -2,15 +2,19 @@
 local miss (after L1 and L3) fetch the prefix from the peers that hold it.
 
 A fetch, all on the event loop but the read itself:
-1. the query asks the metaserver (bounded wait) for an ordered plan of
-   (owner, block count) segments of the missing prefix, never naming us;
+1. a background task asks the metaserver for an ordered plan of (owner,
+   block count) segments of the missing prefix, never naming us; the query
+   waits --remote-query-timeout for it, then answers `loading` (a slow
+   metaserver is no miss) and the engine's polls find the task's progress;
 2. local L1 slots are reserved for the planned blocks (pinned, in flight: a
    concurrent save of one deduplicates) and the query answers `loading`;
-3. per owner, concurrently (pegaflow.tiers.remote.fetch): Pin RPC (the owner pins
-   the blocks and answers their slot addresses; their checksums come with it
-   or, hashed while we read, from a Checksums RPC), checked against our
-   geometry, then one batched one-sided read into our slots on a worker
-   thread, whose slots are hashed and compared; Release;
+3. per owner, concurrently (pegaflow.tiers.remote.fetch): Pin RPC (the owner
+   pins the blocks, up to its pin budget, and answers their slot addresses;
+   their checksums, bound to each block's key, come with it or, hashed while
+   we read, from a Checksums RPC), checked against our geometry, then one
+   batched one-sided read into our slots on a worker thread, whose slots are
+   hashed and compared; Release; the rest of a run longer than the budget
+   is pinned in another round;
 4. blocks that arrived intact are published like local saves; the rest are
    freed and counted by cause. The engine's next poll finds them ready.
 
@@ -21,11 +25,11 @@ written over by a stale task. While quarantined slots hold more than
 _QUARANTINE_SHARE of the pool, fetches are not started (cause "quarantine").
 
 Failures become misses, never hangs or wrong bytes: every step has a deadline
-(--remote-fetch-timeout), and a prefix whose fetch failed, or that the
-metaserver did not know, is remembered for a moment so the engine's next poll
-answers at once instead of starting again. Slots reserved for a read that
-outlives its deadline stay reserved until the read's thread returns: they are
-never handed out while a read may still write them.
+(--remote-fetch-timeout, the plan's included), and a prefix whose fetch
+failed, or that the metaserver did not know, is remembered for a moment so
+the engine's next poll answers at once instead of starting again. Slots
+reserved for a read that outlives its deadline stay reserved until the read's
+thread returns: they are never handed out while a read may still write them.
 """
 
 from __future__ import annotations
@@ -50,17 +54,26 @@ from pegaflow.proto import metaserver_pb2_grpc as meta_grpc
 
 from ..protocol import MISS, Lookup, Tier
 from .advertiser import Advertiser
-from .fetch import OwnerReads, PlanSegment, RemoteStats, clip_plan, elapsed_ms
+from .fetch import (
+    OwnerReads,
+    PlanSegment,
+    clip_plan,
+    elapsed_ms,
+    plan_from,
+)
 from .peers import Endpoint, PeerChannels
 from .pins import PinTable
 from .remote_config import RemoteConfig
-from .remote_metrics import RemoteMetrics
+from .remote_metrics import RemoteMetrics, RemoteStats, link_report
 from .slot_sums import SlotHasher
 from .transfer_engine import RemoteTransport, quarantine_s
 
 logger = logging.getLogger(__name__)
 
 _REMEMBERED = 1 << 16  # prefixes remembered as failed or unknown, and unfetched keys
+# Prefixes whose metaserver answer is awaited at once (each one request, however
+# many queries poll it); a query for another one past it is a miss (counted).
+MAX_PLANNING = 1024
 # A peer that keeps failing mid-read must not shrink the pool by more than this.
 _QUARANTINE_SHARE = 1 / 8
 
@@ -99,6 +112,11 @@ class RemoteLink(Tier):
         # it on.
         self._loading: dict[Key, int] = {}
         self._negative: OrderedDict[Key, float] = OrderedDict()  # key -> until
+        # Prefixes the metaserver is being asked about (first key -> the task
+        # that asks and starts the fetch), and first keys of fetches started
+        # in the background that no answer has counted as a hit yet.
+        self._planning: dict[Key, asyncio.Future[None]] = {}
+        self._untold: set[Key] = set()
         self._unfetched: OrderedDict[Key, None] = OrderedDict()  # for the miss causes
         self._tasks: set[asyncio.Task[None]] = set()
         self._quarantine_timers: set[asyncio.TimerHandle] = set()
@@ -169,96 +187,111 @@ class RemoteLink(Tier):
 
     # -- the query path -----------------------------------------------------------
     def lookup(self, inst: Instance, hashes: list[BlockHash], start: int) -> Lookup:
-        """`loading` while a fetch from hashes[start] runs, a miss while that
-        prefix is remembered as not fetchable; else `asking` the metaserver."""
-        known = self.remembered(inst.namespace, hashes[start])
-        if known is None:
-            return Lookup("asking", ask=self._ask)
-        return Lookup("loading", known[0]) if known[0] else MISS
+        """`loading` while a plan or a fetch from hashes[start] runs, a miss
+        while that prefix is remembered as not fetchable; else `asking` the
+        metaserver."""
+        known = self.known(inst.namespace, hashes[start])
+        return Lookup("asking", ask=self.loading) if known is None else known
 
-    async def _ask(self, ns: Namespace, hashes: list[BlockHash], start: int) -> Lookup:
-        n, started = await self.loading(ns, hashes, start)
-        return Lookup("loading", n, started) if n else MISS
-
-    def remembered(self, ns: Namespace, first: BlockHash) -> tuple[int, bool] | None:
-        """(blocks loading, False) when a fetch from `first` runs, (0, False)
-        when that prefix is remembered as not fetchable; None: ask."""
+    def known(self, ns: Namespace, first: BlockHash) -> Lookup | None:
+        """`loading` while the metaserver is asked about the prefix from
+        `first` or a fetch of it runs (`started` for the first answer after a
+        fetch began in the background), a miss while the prefix is remembered
+        as not fetchable; None: ask."""
         key = (ns.id, first)
         running = self._loading.get(key)
         if running is not None:
-            return running, False
+            told = key in self._untold
+            self._untold.discard(key)
+            return Lookup("loading", running, told)
+        if key in self._planning:
+            return Lookup("loading")
         until = self._negative.get(key)
         if until is not None:
             if until > time.monotonic():
-                return 0, False
+                return MISS
             del self._negative[key]
         return None
 
     async def loading(
         self, ns: Namespace, hashes: Sequence[BlockHash], start: int
-    ) -> tuple[int, bool]:
-        """(blocks of hashes[start:] being fetched from peers, whether this call
-        started the fetch)."""
-        first = (ns.id, hashes[start])
-        rest = list(hashes[start:])
+    ) -> Lookup:
+        """What the query answers for hashes[start:]: the metaserver is asked
+        (once per prefix, however many queries poll it) and the plan fetched
+        in a background task; the query waits --remote-query-timeout for it.
+        An answer later than that is no miss: the query answers `loading`
+        (nothing reserved yet) and the engine's next poll finds the fetch
+        running (DESIGN.md: a slow tier answers `loading`, never a false
+        miss). A metaserver that has not answered by the fetch deadline, or
+        fails, makes the prefix a miss, remembered for a moment."""
+        first = hashes[start]
+        key = (ns.id, first)
+        task = self._planning.get(key)
+        if task is None:
+            if len(self._planning) >= MAX_PLANNING:
+                # A bounded queue: past it, a miss (counted), never a stall.
+                self.metrics.failures.labels("metaserver").inc(len(hashes) - start)
+                return MISS
+            task = asyncio.ensure_future(self._plan_and_fetch(ns, list(hashes[start:])))
+            task.add_done_callback(_log_failure)
+            self._planning[key] = task
+        await asyncio.wait({task}, timeout=self.config.query_timeout_s)
+        known = self.known(ns, first)
+        return MISS if known is None else known
+
+    async def _plan_and_fetch(self, ns: Namespace, rest: list[BlockHash]) -> None:
+        """Ask the metaserver for a plan of `rest` (up to the fetch deadline)
+        and start its fetch; a failed or empty plan is remembered."""
+        first = (ns.id, rest[0])
         began = time.monotonic()
         try:
-            plan = await self._plan(ns, rest)
+            plan = await self._plan(ns, rest, self.config.fetch_timeout_s)
             self.stats.last_phases_ms = {"plan": elapsed_ms(began)}
         except (grpc.RpcError, asyncio.TimeoutError, ValueError) as exc:
             logger.debug("metaserver query failed: %s", exc)
             self.metrics.failures.labels("metaserver").inc(len(rest))
             self._remember(first)
-            return 0, False
+            return
+        finally:
+            self._planning.pop(first, None)
         if not plan:
             self._remember(first)
-            return 0, False
-        again = self.remembered(ns, rest[0])  # the loop ran while we asked
-        if again is not None and again[0]:
-            return again
+            return
+        if first in self._loading or first in self._store.entries:
+            return  # fetched by another query, or saved here, while we asked
         planned = plan[-1].start + plan[-1].blocks
-        if first in self._store.entries:  # saved here while we asked
-            return 0, False
         if self.quarantined_bytes > self._pool.size * _QUARANTINE_SHARE:
             self._mark_unfetched(ns, rest[:planned], "quarantine")
             self._remember(first)
-            return 0, False
+            return
         entries = self._store.reserve_load(ns, rest[:planned])
         if not entries:
             self._mark_unfetched(ns, rest[:planned], "no_slot")
             self._remember(first)
-            return 0, False
+            return
         n = len(entries)
         plan = clip_plan(plan, n)
         self._loading.update(
             zip((e.key for e in entries), range(n, 0, -1), strict=True)
         )
+        self._untold.add(first)  # the next answer about it counts the hit
         task = asyncio.ensure_future(self._fetch(ns, entries, plan, began))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return n, True
 
-    async def _plan(self, ns: Namespace, hashes: list[BlockHash]) -> list[PlanSegment]:
+    async def _plan(
+        self, ns: Namespace, hashes: list[BlockHash], timeout_s: float
+    ) -> list[PlanSegment]:
         if len(set(map(len, hashes))) != 1:
             return []  # the metaserver takes one hash length per request
         reply = await self._meta.QueryPrefix(
             meta_pb.QueryPrefixRequest(
                 blocks=pack(self.digest(ns), hashes), asker_node_id=self.node_id
             ),
-            timeout=self.config.query_timeout_s,
+            timeout=timeout_s,
             metadata=self._meta_metadata,
         )
-        plan: list[PlanSegment] = []
-        at = 0
-        for seg in reply.segments:
-            if seg.node_id == self.node_id or seg.blocks == 0:
-                break  # never read from ourselves; a lying plan stops here
-            endpoint = Endpoint.parse(seg.endpoint)
-            plan.append(PlanSegment(endpoint, at, seg.blocks, seg.incarnation))
-            at += seg.blocks
-        if at > len(hashes):
-            raise ValueError(f"metaserver plan covers {at} of {len(hashes)} blocks")
-        return plan
+        return plan_from(reply.segments, self.node_id, len(hashes))
 
     # -- the fetch ----------------------------------------------------------------
     async def _fetch(
@@ -359,6 +392,7 @@ class RemoteLink(Tier):
     def _unloading(self, entries: list[BlockEntry]) -> None:
         for e in entries:
             self._loading.pop(e.key, None)
+        self._untold.discard(entries[0].key)
 
     def _remember(self, key: Key) -> None:
         self._negative[key] = time.monotonic() + self.config.negative_ttl_s
@@ -374,40 +408,19 @@ class RemoteLink(Tier):
 
     # -- what /stats and `pegaflow-server status` show ---------------------------
     def report(self) -> dict[str, object]:
-        st = self.stats
-        adv = self.advertiser
-        failures = {
-            s.labels["cause"]: int(s.value)
-            for m in self.metrics.failures.collect()
-            for s in m.samples
-            if s.name.endswith("_total")
-        }
-        return {
+        head = {
             "node_id": self.node_id,
             "incarnation": self.incarnation,
             "loading_blocks": len(self._loading),
+            "planning": len(self._planning),
             "endpoint": str(self.endpoint),
             "metaserver": self.config.metaserver_host_port,
-            "joined": adv is not None and adv.joined.is_set(),
-            "peers": len(st.peers_seen),
-            "fetches": st.fetches,
-            "fetched_blocks": st.fetched_blocks,
-            "fetched_bytes": st.fetched_bytes,
-            "fetch_ms_mean": round(st.fetch_seconds / st.fetches * 1e3, 3)
-            if st.fetches
-            else 0.0,
-            "fetch_ms_last": round(st.last_fetch_s * 1e3, 3),
-            "fetch_phases_ms_last": st.last_phases_ms,
-            "failed_blocks": failures,
+        }
+        return link_report(head, self.stats, self.metrics, self.advertiser) | {
             "pins_held": len(self.pins),
             "pins_expired": self.pins.expired,
             "pins_refused": self.pins.refused,
-            "quarantined_slots": st.quarantined_slots,
             "quarantined_bytes": self.quarantined_bytes,
-            "advertised": adv.counters.advertised if adv else 0,
-            "withdrawn": adv.counters.withdrawn if adv else 0,
-            "advertise_dropped": adv.counters.dropped if adv else 0,
-            "rejoins": adv.counters.rejoins if adv else 0,
         }
 
     # -- housekeeping ------------------------------------------------------------
@@ -416,6 +429,8 @@ class RemoteLink(Tier):
         self.metrics.pins.set(len(self.pins))
 
     async def close(self) -> None:
+        for task in list(self._planning.values()):  # nothing reserved yet
+            task.cancel()
         if self.advertiser is not None:
             await asyncio.to_thread(self.advertiser.close)
         if self._tasks:
@@ -427,6 +442,12 @@ class RemoteLink(Tier):
         await self._peers.close()
         await self._meta_channel.close()
         await asyncio.to_thread(self.transport.close)
+
+
+def _log_failure(task: asyncio.Future[None]) -> None:
+    """A background task's unexpected error, logged (nobody awaits it)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("remote plan failed", exc_info=task.exception())
 
 
 def _by_namespace(keys) -> dict[int, list[bytes]]:

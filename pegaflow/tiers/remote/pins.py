@@ -14,10 +14,11 @@ to a restarted owner cannot free a pin that a new reader holds. A request is
 pinned up to its first repeated block: one ready hash repeated 65,536 times
 must not fill the pin budget, nor be hashed once per copy.
 
-Checksums are xxh3-64 of each slot's bytes (pegaflow.tiers.remote.slot_sums),
-computed the first time a block is pinned, off the loop and while the reader
-already reads (it asks for them with Checksums), and kept while the block
-stays ready: a ready block's bytes never change.
+Checksums are xxh3-64 of each slot's bytes bound to the block's key
+(pegaflow.tiers.remote.slot_sums.bound), computed the first time a block is
+pinned, off the loop and while the reader already reads (it asks for them
+with Checksums), and kept while the block stays ready: a ready block's bytes
+never change.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ import numpy as np
 
 from pegaflow.cache.block_store import BlockEntry, BlockStore
 from pegaflow.cache.pool import HostPool
-from pegaflow.common.keys import Key, Namespace, PackedHashes
+from pegaflow.common.keys import Key, Namespace, PackedHashes, namespace_digest
 
-from .slot_sums import SlotHasher
+from .slot_sums import SlotHasher, bound
 
 logger = logging.getLogger(__name__)
 
@@ -124,9 +125,11 @@ class PinTable:
     ) -> np.ndarray:
         missing = [i for i, s in enumerate(known) if s is None]
         if missing:  # the entries are pinned meanwhile: their bytes stay
-            fresh = await asyncio.to_thread(
+            raw = await asyncio.to_thread(
                 self._hasher.checksums, self._pool, slots[missing], ns.slot_bytes
             )
+            digest = namespace_digest(ns.name, ns.signature)
+            fresh = bound(digest, [entries[i].key[1] for i in missing], raw)
             for i, row in zip(missing, fresh, strict=True):
                 known[i] = row
                 if entries[i].ready:

@@ -21,9 +21,10 @@ class RemoteConfig:
     nics: tuple[str, ...] = ()
     token: str | None = None
     node_id: str = ""  # "": the server's --addr, which must be routable
-    # A metaserver query waits this long on the query path, then it is a miss.
+    # A query waits this long for the metaserver's plan, then answers `loading`
+    # (the plan is awaited in the background, up to fetch_timeout_s).
     query_timeout_s: float = 0.05
-    # A fetch (pin, read, check, publish) that takes longer is abandoned: its
+    # A fetch (plan, pin, read, check, publish) that takes longer is abandoned: its
     # blocks become misses (their slots are freed once the read has returned).
     fetch_timeout_s: float = 10.0
     # A failed or empty metaserver answer for a prefix is remembered this long,

@@ -4,12 +4,12 @@ from peers, what it served them, and every way a fetch became a miss."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from .advertiser import AdvertiserCounters
+from .advertiser import Advertiser, AdvertiserCounters
 
 # Why a block the metaserver named was not fetched (each counted in blocks).
 FAILURE_CAUSES = (
@@ -24,6 +24,23 @@ FAILURE_CAUSES = (
     "no_slot",  # no local L1 slot could be freed for it
     "quarantine",  # too many slots held back from failed reads (see link.py)
 )
+
+
+@dataclass(slots=True)
+class RemoteStats:
+    fetches: int = 0
+    fetched_blocks: int = 0
+    fetched_bytes: int = 0
+    fetch_seconds: float = 0.0  # sum over fetches
+    last_fetch_s: float = 0.0
+    # the last fetch's phases, ms: metaserver plan, pin, read (+ hashing it;
+    # of it: transfer, the transport's own calls, and hash, the wait for the
+    # reader's checksums after the last transfer), checksums_wait, publish
+    last_phases_ms: dict[str, float] = field(default_factory=dict)
+    peers_seen: set[str] = field(default_factory=set)  # owners fetched from
+    quarantined_slots: int = 0  # ever held back after a read failed mid-flight
+
+
 _BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
 
 
@@ -71,6 +88,39 @@ class RemoteMetrics:
             "one-sided reads refused at submission and read again successfully",
             registry=r,
         )
+
+
+def link_report(
+    head: dict[str, object],
+    st: RemoteStats,
+    metrics: RemoteMetrics,
+    adv: Advertiser | None,
+) -> dict[str, object]:
+    """The remote tier's part of /stats and `pegaflow-server status`, after
+    `head` (the link's own fields)."""
+    failures = {
+        s.labels["cause"]: int(s.value)
+        for m in metrics.failures.collect()
+        for s in m.samples
+        if s.name.endswith("_total")
+    }
+    mean = st.fetch_seconds / st.fetches * 1e3 if st.fetches else 0.0
+    return head | {
+        "joined": adv is not None and adv.joined.is_set(),
+        "peers": len(st.peers_seen),
+        "fetches": st.fetches,
+        "fetched_blocks": st.fetched_blocks,
+        "fetched_bytes": st.fetched_bytes,
+        "fetch_ms_mean": round(mean, 3),
+        "fetch_ms_last": round(st.last_fetch_s * 1e3, 3),
+        "fetch_phases_ms_last": st.last_phases_ms,
+        "failed_blocks": failures,
+        "quarantined_slots": st.quarantined_slots,
+        "advertised": adv.counters.advertised if adv else 0,
+        "withdrawn": adv.counters.withdrawn if adv else 0,
+        "advertise_dropped": adv.counters.dropped if adv else 0,
+        "rejoins": adv.counters.rejoins if adv else 0,
+    }
 
 
 class AdvertiserCollector:
