@@ -85,7 +85,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.05,
         metavar="SECONDS",
-        help="how long a query waits for the metaserver (default: %(default)s)",
+        help="how long a query waits for the metaserver before it answers "
+        "'loading' (the answer and the fetch go on in the background; the "
+        "engine asks again) (default: %(default)s)",
     )
     g.add_argument(
         "--metaserver-queue-depth",
