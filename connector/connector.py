@@ -27,6 +27,7 @@ from .kv_groups import KVGroups, groups_of
 from .scheduler import SchedulerHalf
 from .stats import PegaConnectorStats, PegaPromMetrics
 from .step_plan import StepPlan, WorkerReport, new_stats
+from .vllm_compat import check_sleep_mode
 from .worker import WorkerHalf
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ def _check_supported(vllm_config: Any, kv_cache_config: Any) -> KVGroups:
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(par, name, 1) > 1:
             raise ValueError(f"PegaKVConnector: {name} > 1 is not supported")
+    check_sleep_mode(vllm_config)
     return groups_of(kv_cache_config, vllm_config.cache_config.block_size)
 
 

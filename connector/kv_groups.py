@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .vllm_compat import sliding_window_retained_tokens
+
 GroupKind = Literal["full", "sliding", "chunked", "mamba"]
 NULL_BLOCK = 0  # vLLM's null block: a skipped position, never saved or loaded
 
@@ -139,7 +141,7 @@ def _rule(index: int, group: Any) -> GroupRule:
     if kind in (kvi.FullAttentionSpec, kvi.MLAAttentionSpec):
         return GroupRule(index, "full", spec.block_size, 0, names)
     if kind in (kvi.SlidingWindowSpec, kvi.SlidingWindowMLASpec):
-        span = spec.sliding_window - 1 + getattr(spec, "extra_retained_tokens", 0)
+        span = sliding_window_retained_tokens(spec)
         return GroupRule(index, "sliding", spec.block_size, span, names)
     if kind is kvi.ChunkedLocalAttentionSpec:
         chunk = spec.attention_chunk_size

@@ -23,6 +23,7 @@ from pegaflow.common.errors import PegaflowError, ServerUnavailable, UnknownInst
 from .extra_config import ConnectorConfig
 from .kv_groups import NULL_BLOCK, GroupRule, KVGroups, single_group
 from .step_plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stats
+from .vllm_compat import block_table_updates
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,9 @@ class SchedulerHalf:
         self._loads: list[LoadJob] = []
         self._finish_saves: list[SaveJob] = []
         self._held: set[ReqId] = set()
+        # Requests whose load failed: vLLM recomputes them, and asks us again;
+        # a hit claimed again may fail the same way, forever.
+        self._failed_loads: set[ReqId] = set()
         self._away_until = 0.0  # no queries before this (server away)
         self._releaser: ThreadPoolExecutor | None = None
 
@@ -99,6 +103,8 @@ class SchedulerHalf:
     def num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if request.request_id in self._failed_loads:
+            return 0, False
         local = num_computed_tokens
         # Never claim the last token: vLLM must compute one to sample from.
         known = len(request.block_hashes) * self.groups.hash_block_size
@@ -364,21 +370,15 @@ class SchedulerHalf:
                 if ids is not None:
                     st.tables = [list(ids[r.index]) for r in self.groups.rules]
             return
-        rules = self.groups.rules
-        for new in so.scheduled_new_reqs:
-            st = self._reqs.get(new.req_id)
-            if st is not None:
-                st.tables = [list(new.block_ids[r.index]) for r in rules]
-        cached = so.scheduled_cached_reqs
-        for rid, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        for rid, ids, whole in block_table_updates(so):
             st = self._reqs.get(rid)
-            if st is None or new_ids is None:
+            if st is None:
                 continue
-            for pos, rule in enumerate(rules):
-                if rid in cached.resumed_req_ids:
-                    st.tables[pos] = list(new_ids[rule.index])
+            for pos, rule in enumerate(self.groups.rules):
+                if whole:
+                    st.tables[pos] = list(ids[rule.index])
                 else:
-                    st.tables[pos].extend(new_ids[rule.index])
+                    st.tables[pos].extend(ids[rule.index])
 
     def _plan_save(
         self,
@@ -420,6 +420,7 @@ class SchedulerHalf:
             self.client.use_socket()
         for stage, groups in report.stage_groups.items():
             self._stage_groups[stage] = frozenset(groups)
+        self._failed_loads |= report.failed_loads
         for rid, n in report.saves_done.items():
             st = self._reqs.get(rid)
             if st is None:
@@ -433,6 +434,7 @@ class SchedulerHalf:
     ) -> bool:
         """True (keep the blocks) only while saves of this request are pending."""
         rid = request.request_id
+        self._failed_loads.discard(rid)
         hit = self._hits.pop(rid, None)
         if hit is not None:
             self._release_all(hit.leases)

@@ -87,10 +87,17 @@ class WorkerReport:
     # Once, after registering: pipeline stage -> the KV cache groups it has
     # layers of (a stage may have none of a group's layers).
     stage_groups: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # Requests whose load failed here (vLLM recomputes them): no more hits.
+    failed_loads: set[ReqId] = field(default_factory=set)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         merged = dict(self.saves_done)
         for req_id, n in other.saves_done.items():
             merged[req_id] = merged.get(req_id, 0) + n
         stages = {**self.stage_groups, **other.stage_groups}
-        return WorkerReport(merged, self.socket_path or other.socket_path, stages)
+        return WorkerReport(
+            merged,
+            self.socket_path or other.socket_path,
+            stages,
+            self.failed_loads | other.failed_loads,
+        )

@@ -214,6 +214,7 @@ class WorkerHalf:
     def _fail_requests(self, jobs: list[LoadJob], failed: set[ReqId]) -> None:
         """A request whose load failed in any group fails in every group (vLLM
         recomputes it): never a partial restore."""
+        self._report.failed_loads |= {job.req_id for job in jobs} & failed
         if self.groups.hybrid:
             self._failed_reqs |= {job.req_id for job in jobs} & failed
             return
@@ -317,7 +318,10 @@ class WorkerHalf:
             socket = socket or part.new_socket_path
             part.new_socket_path = ""
         self._report.socket_path = socket
-        if not (self._report.saves_done or socket or self._report.stage_groups):
+        report = self._report
+        if not (
+            report.saves_done or socket or report.stage_groups or report.failed_loads
+        ):
             return None
         report, self._report = self._report, WorkerReport()
         return report
