@@ -3,8 +3,8 @@ server, with kv_transfer_config as a user writes it: engine A saves, engine B
 in another process hits; the hits survive a server SIGKILL on a pool file;
 a server dying mid-load means recompute, with the same outputs.
 
-Each case runs per model of cases.CASES (Llama today; the hybrid and
-pipeline-parallel ones once cases.HYBRID_AND_PP is on).
+Each case runs per model of cases.CASES (Llama and Gemma 3; the rest of the
+hybrid and pipeline-parallel matrix with PEGAFLOW_REAL_ENGINE_ALL=1).
 """
 
 from __future__ import annotations
