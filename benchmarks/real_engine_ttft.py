@@ -99,6 +99,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1000, help="prompt length")
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument(
+        "--sync-load-max-tokens",
+        type=int,
+        default=None,
+        help="the connector's sync_load_max_tokens (default: the connector's)",
+    )
     ap.add_argument("--json", type=Path, help="write the results here too")
     args = ap.parse_args()
     if args.repeats < 5:
@@ -112,10 +118,14 @@ def main() -> None:
             "PEGAFLOW_HOST": "http://127.0.0.1",
             "PEGAFLOW_PORT": server.addr.rsplit(":", 1)[1],
         }
+        options = {}
+        if args.sync_load_max_tokens is not None:
+            extra = {"sync_load_max_tokens": args.sync_load_max_tokens}
+            options["kv_connector_extra_config"] = extra
         spec = EngineSpec(
             model=str(model),
             kv_cache_bytes=1 << 30,
-            kv_transfer_config=pega_transfer_config(),
+            kv_transfer_config=pega_transfer_config(**options),
             engine_args={"dtype": "float32"},
         )
         engine = RealEngine(spec, root / "engine.log", env)
