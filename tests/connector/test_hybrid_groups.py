@@ -78,6 +78,23 @@ def serve(e: Engine, batch: dict[str, list[int]], max_tokens: int = 4) -> None:
     assert e.errors == []
 
 
+def serve_hitting(b: Engine, batch: dict[str, list[int]]) -> dict[str, list]:
+    """B serves prompts another engine saved: each hits every full block but
+    the last token's, and B computes only past it. Its load jobs by request."""
+    b.step()  # an idle step: the workers report (the query socket, stages)
+    loads: list = []
+    b.after_schedule = lambda so: loads.extend(so.kv_connector_metadata.plan.loads)
+    serve(b, batch)
+    b.assert_clean()
+    by_request: dict[str, list] = {}
+    for rid, tokens in batch.items():
+        hit = (len(tokens) - 1) // BLOCK
+        prompt = [p for p in b.seqs[rid].computed if p < len(tokens)]
+        assert min(prompt) == hit * BLOCK, rid  # B computed only past the hit
+        by_request[rid] = [job for job in loads if job.req_id == rid]
+    return by_request
+
+
 @pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
 def test_sliding_window_hybrid_hits_every_group_byte_equal(
     pega_server: Callable[..., ServerProc], tiny_model: Path, layout: str
@@ -90,16 +107,10 @@ def test_sliding_window_hybrid_hits_every_group_byte_equal(
     a.assert_clean()
 
     b = engine(tiny_model, layout=layout)
-    b.step()  # an idle step: the worker tells the scheduler the query socket
-    loads: list[object] = []
-    b.after_schedule = lambda so: loads.extend(so.kv_connector_metadata.plan.loads)
-    serve(b, batch)
-    b.assert_clean()
+    loads = serve_hitting(b, batch)
     for rid, tokens in batch.items():
         hit = (len(tokens) - 1) // BLOCK
-        prompt = [p for p in b.seqs[rid].computed if p < len(tokens)]
-        assert min(prompt) == hit * BLOCK, rid  # B computed only past the hit
-        mine = [job for job in loads if job.req_id == rid]
+        mine = loads[rid]
         by_group = {job.group: len(job.block_ids) for job in mine}
         # The full group loads the prefix; each window group only the two
         # blocks its window needs at the hit (vLLM's null blocks below).
@@ -233,16 +244,10 @@ def test_mamba_hybrid_restores_the_state_at_the_hit_boundary(
     a.assert_clean()
 
     b = mamba_engine(tiny_model)
-    b.step()
-    loads: list[object] = []
-    b.after_schedule = lambda so: loads.extend(so.kv_connector_metadata.plan.loads)
-    serve(b, batch)
-    b.assert_clean()
+    loads = serve_hitting(b, batch)
     for rid, tokens in batch.items():
         hit = (len(tokens) - 1) // BLOCK
-        prompt = [p for p in b.seqs[rid].computed if p < len(tokens)]
-        assert min(prompt) == hit * BLOCK, rid
-        mine = {job.group: job for job in loads if job.req_id == rid}
+        mine = {job.group: job for job in loads[rid]}
         assert {g: len(j.block_ids) for g, j in mine.items()} == {
             0: 1,
             1: 1,

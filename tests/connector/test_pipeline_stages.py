@@ -18,6 +18,7 @@ from tests.connector.engine import BLOCK, Engine, vllm_config  # noqa: E402
 from tests.connector.test_hybrid_groups import (  # noqa: E402
     prompts,
     serve,
+    serve_hitting,
     sliding_specs,
 )
 
@@ -41,19 +42,13 @@ def test_two_stages_hit_what_two_stages_saved(
     assert a.counters()["save_blocks"] > 0
 
     b = engine(tiny_model)
-    b.step()  # the workers report their stages (and the query socket)
-    loads: list[object] = []
-    b.after_schedule = lambda so: loads.extend(so.kv_connector_metadata.plan.loads)
-    serve(b, batch)
-    b.assert_clean()
+    loads = serve_hitting(b, batch)
     for rid, tokens in batch.items():
         hit = (len(tokens) - 1) // BLOCK
-        prompt = [p for p in b.seqs[rid].computed if p < len(tokens)]
-        assert min(prompt) == hit * BLOCK, rid
-        stages = {job.stage: len(job.block_ids) for job in loads if job.req_id == rid}
+        stages = {job.stage: len(job.block_ids) for job in loads[rid]}
         assert stages == {0: hit, 1: hit}
         # Sync loads: each stage's layers checked as they land.
-        assert all(job.sync for job in loads)
+        assert all(job.sync for job in loads[rid])
     _, body = server.get("/stats")
     assert len(json.loads(body)["namespaces"]) == 2  # one per stage's layers
     a.close()
@@ -70,17 +65,9 @@ def test_a_hybrid_model_over_two_stages(
     a = engine(tiny_model, hybrid=True)
     serve(a, batch)
     b = engine(tiny_model, hybrid=True)
-    b.step()
-    loads: list[object] = []
-    b.after_schedule = lambda so: loads.extend(so.kv_connector_metadata.plan.loads)
-    serve(b, batch)
-    b.assert_clean()
-    parts = {(job.stage, job.group) for job in loads}
+    loads = serve_hitting(b, batch)
+    parts = {(job.stage, job.group) for jobs in loads.values() for job in jobs}
     assert parts == {(0, 0), (0, 1), (1, 2), (1, 3)}
-    for rid, tokens in batch.items():
-        hit = (len(tokens) - 1) // BLOCK
-        prompt = [p for p in b.seqs[rid].computed if p < len(tokens)]
-        assert min(prompt) == hit * BLOCK, rid
     a.close()
     b.close()
 
