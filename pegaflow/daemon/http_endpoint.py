@@ -71,8 +71,7 @@ class HttpEndpoint(socketserver.TCPServer):
     request_queue_size = 128
 
     def __init__(self, address: tuple[str, int]) -> None:
-        super().__init__(address, BaseHTTPRequestHandler)
-        self.socket.setblocking(False)
+        # Before the bind: a failed bind calls server_close, which closes these.
         self._sel = selectors.DefaultSelector()
         self._conns: OrderedDict[socket.socket, _Conn] = OrderedDict()
         self._waker_r, self._waker_w = socket.socketpair()
@@ -85,6 +84,8 @@ class HttpEndpoint(socketserver.TCPServer):
         self._stopped = threading.Event()
         self._stopped.set()
         self._respond: Respond | None = None
+        super().__init__(address, BaseHTTPRequestHandler)
+        self.socket.setblocking(False)
 
     @property
     def connections(self) -> int:

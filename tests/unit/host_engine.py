@@ -14,6 +14,7 @@ from pegaflow.common.identity import CallContext, Caller
 from pegaflow.common.settings import EngineConfig, PoolConfig
 from pegaflow.server.engine import Engine
 from pegaflow.tiers.ssd_link import SsdLink
+from tests.unit.stand_in_engine import ENGINE_PID
 
 PAGE = 4096
 
@@ -36,11 +37,11 @@ def save_two_blocks(engine: Engine, wait_event: int = 0) -> object:
     """Register instance "i" (8 one-page blocks) and save blocks 0 and 1."""
     layer = LayerLayout(0, 0, 8, PAGE, (Segment(0, PAGE),))
     spec = RegisterSpec(
-        "i", "ns", 0, 1, 1, "cpu", "host", 1, ((PAGE, 8 * PAGE),), (layer,)
+        "i", "ns", 0, 1, 1, "cpu", "host", ENGINE_PID, ((PAGE, 8 * PAGE),), (layer,)
     )
 
     async def scenario() -> object:
-        init = Caller("unix", 1, 0)
+        init = Caller("unix", ENGINE_PID, 0)
         ctx = CallContext(init, engine.register(spec, init).owner_token)
         hashes = [bytes([i]) * 32 for i in range(2)]
         return await engine.save("i", 0, np.arange(2), hashes, None, wait_event, ctx)

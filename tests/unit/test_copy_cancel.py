@@ -15,6 +15,7 @@ from pegaflow.common.geometry import LayerLayout, Segment, Transfers
 from pegaflow.common.identity import CallContext, Caller
 from pegaflow.common.settings import EngineConfig, PoolConfig
 from pegaflow.server.engine import Engine
+from tests.unit.stand_in_engine import ENGINE_PID
 
 PAGE = 4096
 
@@ -58,11 +59,11 @@ def test_cancelled_save_waits_for_its_copy() -> None:
     engine = Engine(EngineConfig(inline_copy_bytes=0), pool, {"host": copier})
     layer = LayerLayout(0, 0, 8, PAGE, (Segment(0, PAGE),))
     spec = RegisterSpec(
-        "i", "ns", 0, 1, 1, "cpu", "host", 1, ((PAGE, 8 * PAGE),), (layer,)
+        "i", "ns", 0, 1, 1, "cpu", "host", ENGINE_PID, ((PAGE, 8 * PAGE),), (layer,)
     )
 
     async def scenario() -> None:
-        init = Caller("unix", 1, 0)  # the engine: pid 1 runs as root everywhere
+        init = Caller("unix", ENGINE_PID, 0)  # the engine: a child of ours
         worker = engine.register(spec, init)
         ctx = CallContext(init, worker.owner_token)
         hashes = [bytes([i]) * 32 for i in range(2)]

@@ -23,6 +23,7 @@ from pegaflow.common.identity import CallContext, Caller
 from pegaflow.common.keys import Namespace
 from pegaflow.common.settings import EngineConfig, PoolConfig
 from pegaflow.server.engine import Engine
+from tests.unit.stand_in_engine import ENGINE_PID
 from tests.unit.test_query_reregistered import NoCopy
 
 SLOT = 4096
@@ -67,9 +68,9 @@ def test_a_query_repeating_a_cached_hash_leases_it_once() -> None:
     pool = HostPool(PoolConfig(size_bytes=4 << 20, show_progress=False))
     engine = Engine(EngineConfig(), pool, {"host": NoCopy()})
     layer = LayerLayout(0, 0, 8, SLOT, (Segment(0, SLOT),))
-    spec = RegisterSpec("i", "m", 0, 1, 1, "cpu", "host", 1, ((SLOT, 8 * SLOT),),
-                        (layer,))  # fmt: skip
-    caller = Caller("unix", 1, 0)
+    region = ((SLOT, 8 * SLOT),)
+    spec = RegisterSpec("i", "m", 0, 1, 1, "cpu", "host", ENGINE_PID, region, (layer,))
+    caller = Caller("unix", ENGINE_PID, 0)
     ctx = CallContext(caller, engine.register(spec, caller).owner_token)
     h = b"\x07" * 32
 

@@ -19,9 +19,10 @@ from pegaflow.common.identity import CallContext, Caller
 from pegaflow.common.settings import EngineConfig, PoolConfig
 from pegaflow.server.engine import Engine
 from pegaflow.tiers.protocol import MISS, Lookup, Tier
+from tests.unit.stand_in_engine import ENGINE_PID
 
 PAGE = 4096
-CALLER = Caller("unix", 1, 0)
+CALLER = Caller("unix", ENGINE_PID, 0)
 
 
 class NoCopy:
@@ -62,7 +63,7 @@ class SlowMetaserver(Tier):
 
 def _spec(page: int, model: str) -> RegisterSpec:
     layer = LayerLayout(0, 0, 8, page, (Segment(0, page),))
-    return RegisterSpec("i", model, 0, 1, 1, "cpu", "host", 1,
+    return RegisterSpec("i", model, 0, 1, 1, "cpu", "host", ENGINE_PID,
                         ((page, 8 * page),), (layer,))  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from pegaflow.common.identity import CallContext, Caller
 from pegaflow.common.settings import EngineConfig, PoolConfig
 from pegaflow.server.engine import Engine
 from tests.unit.host_engine import ssd_link
+from tests.unit.stand_in_engine import ENGINE_PID
 from tests.unit.test_query_reregistered import NoCopy
 
 PAGE = 256 << 10  # the pool below holds 16 blocks
@@ -58,9 +59,9 @@ def test_a_query_does_not_lease_hits_it_evicted_for_ssd_room() -> None:
     engine = Engine(EngineConfig(), pool, {"host": NoCopy()})
     engine.add_tier(ssd_link(engine, tier))
     layer = LayerLayout(0, 0, 32, PAGE, (Segment(0, PAGE),))
-    spec = RegisterSpec("i", "m", 0, 1, 1, "cpu", "host", 1, ((PAGE, 32 * PAGE),),
-                        (layer,))  # fmt: skip
-    caller = Caller("unix", 1, 0)
+    region = ((PAGE, 32 * PAGE),)
+    spec = RegisterSpec("i", "m", 0, 1, 1, "cpu", "host", ENGINE_PID, region, (layer,))
+    caller = Caller("unix", ENGINE_PID, 0)
     ctx = CallContext(caller, engine.register(spec, caller).owner_token)
 
     async def scenario() -> None:

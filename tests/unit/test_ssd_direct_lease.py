@@ -24,6 +24,7 @@ from pegaflow.common.settings import EngineConfig, PoolConfig
 from pegaflow.server.engine import Engine
 from pegaflow.tiers.ssd_gpu_direct import SsdDirect
 from tests.unit.host_engine import ssd_link
+from tests.unit.stand_in_engine import ENGINE_PID
 
 PAGE = 4096
 HASHES = [bytes([i]) * 32 for i in range(12)]
@@ -106,9 +107,9 @@ def setup():
     engine.add_tier(reader)  # asked first, as the server orders them
     engine.add_tier(reader._link)
     layer = LayerLayout(0, 0, 64, PAGE, (Segment(0, PAGE),))
-    spec = RegisterSpec("i", "m", 0, 1, 1, "cpu", "host", 1, ((PAGE, 64 * PAGE),),
-                        (layer,))  # fmt: skip
-    caller = Caller("unix", 1, 0)
+    region = ((PAGE, 64 * PAGE),)
+    spec = RegisterSpec("i", "m", 0, 1, 1, "cpu", "host", ENGINE_PID, region, (layer,))
+    caller = Caller("unix", ENGINE_PID, 0)
     ctx = CallContext(caller, engine.register(spec, caller).owner_token)
     asyncio.run(engine.save("i", 0, np.arange(4), IN_L1, None, 0, ctx))
     yield engine, ctx, log
