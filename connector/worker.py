@@ -145,10 +145,9 @@ class WorkerHalf:
         vLLM freed while their request runs, may be rewritten by it."""
         futures = [f for rid in plan.preempted for f in self._saves.get(rid, ())]
         futures += self._volatile
-        self._volatile = [f for f in self._volatile if not f.done()]
+        self._volatile = []
         if futures:
             wait_all(futures, timeout=self._transfer_wait_s)
-            self._volatile.clear()
 
     def start_load(self, plan: StepPlan, layer_waits: bool) -> None:
         for part in self.parts.values():
