@@ -20,10 +20,16 @@ from itertools import pairwise
 
 import numpy as np
 
-from pegaflow.common.errors import CopyFailed, InternalError, InvalidRequest
+from pegaflow.common.errors import (
+    CopyFailed,
+    InternalError,
+    InvalidRequest,
+    PermissionDenied,
+)
 from pegaflow.common.geometry import Transfers
 from pegaflow.common.pidfds import ProcessImage, exited
 from pegaflow.common.runs import merge_adjacent
+from pegaflow.common.thread_creds import EngineIds
 
 from .vm import (
     IOV_MAX,
@@ -54,10 +60,16 @@ class HostRegions:
     # and the program it ran when checked: once it exec's another (a setuid
     # one, say), no copy reaches that program's memory.
     image: ProcessImage | None = None
+    # The user it ran as then (the image's), whose rights every copy's system
+    # call acts with: the kernel then refuses, in the call, a program the
+    # process exec'd after the image's last check (a setuid one, say).
+    ids: EngineIds | None = None
     # The regions merged into sorted spans, for every copy's bounds check.
     spans: tuple[np.ndarray, np.ndarray] = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.ids is None and self.image is not None:
+            object.__setattr__(self, "ids", self.image.ids)
         bases = np.array(self.bases, np.uint64)
         ends = bases + np.array(self.sizes, np.uint64)
         object.__setattr__(self, "spans", merge_spans(bases, ends))
@@ -153,9 +165,9 @@ class HostCopyEngine:
         probe = np.zeros(1, np.uint8)
         one = np.ones(1, np.uint64)
         local = iovecs(np.array([probe.ctypes.data], np.uint64), one)
-        try:
-            transfer("gather", pid, local, iovecs(addr[:1], one))
-        except CopyFailed as e:
+        try:  # as the engine's user, as every copy will
+            transfer("gather", pid, local, iovecs(addr[:1], one), ids=image.ids)
+        except (CopyFailed, PermissionDenied) as e:
             raise InvalidRequest(f"pid: {e}") from None
         if exited(image.pidfd):
             raise InvalidRequest(f"pid: process {pid} exited while registering")
@@ -235,20 +247,26 @@ class HostCopyEngine:
         # the last check before the calls, which name the process by its pid.
         if regions.image is not None:
             regions.image.check(op)
+        # Each call acts as the engine's user (every thread switches for its
+        # own call and back), so the kernel refuses, in the call itself, a
+        # program exec'd since that check with rights the user lacks.
+        pid, ids = regions.pid, regions.ids
         if self._pool is None or len(parts) == 1:
             for part in parts:
-                transfer(op, regions.pid, liov[part], riov[part], deadline)
+                transfer(op, pid, liov[part], riov[part], deadline, ids=ids)
         else:
             # The calling thread copies the last part itself: one hand-off to
             # a pool thread and back fewer (each needs the GIL on its way,
             # which an SSD writer may hold), and no thread idle meanwhile.
             futures = [
-                self._pool.submit(transfer, op, regions.pid, liov[p], riov[p], deadline)
+                self._pool.submit(
+                    transfer, op, pid, liov[p], riov[p], deadline, ids=ids
+                )
                 for p in parts[:-1]
             ]
             try:
                 last = parts[-1]
-                transfer(op, regions.pid, liov[last], riov[last], deadline)
+                transfer(op, pid, liov[last], riov[last], deadline, ids=ids)
             finally:
                 wait(futures)  # never return while a chunk still writes
             for f in futures:
@@ -257,7 +275,8 @@ class HostCopyEngine:
         # them may have handed that pid on, so what a save read may be another
         # process's memory: never published (and a load's failure is reported).
         # One that exec'd meanwhile: what a save read may be the new program's
-        # (a load's harm is done; the next request's check ends it).
+        # (never published); a load reached it only if the program holds no
+        # rights the engine's user lacks (the kernel refused it otherwise).
         image = regions.image
         if image is not None and exited(image.pidfd):
             raise CopyFailed(f"{op}: engine process {regions.pid} exited mid-copy")

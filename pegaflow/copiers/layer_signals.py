@@ -8,9 +8,10 @@ from itertools import pairwise
 
 import numpy as np
 
-from pegaflow.common.errors import CopyFailed, InvalidRequest
+from pegaflow.common.errors import CopyFailed, InvalidRequest, PermissionDenied
 from pegaflow.common.geometry import KVGeometry, Transfers
 from pegaflow.common.pidfds import ProcessImage, exited
+from pegaflow.common.thread_creds import mode
 
 from .copier import CopyEngine, LoadSignals
 from .vm import file_backed, first_outside, iovecs, read_maps, rw_spans, transfer
@@ -59,9 +60,13 @@ class LayerSignals:
         self.pid, self.address, self.num_layers = pid, address, num_layers
         self._word = np.zeros(1, np.uint64)
         self._local = iovecs(np.array([self._word.ctypes.data], np.uint64), _EIGHT)
+        self._ids = image.ids
+        # Whether the kernel vouches for each write (thread_creds): if not,
+        # the server checks the process's rights before every layer's word.
+        self._vouched = mode(image.ids) != "unvouched"
         try:  # ptrace permission shows here, at registration, not mid-load
-            transfer("gather", pid, self._local, self._remote(0))
-        except CopyFailed as e:
+            transfer("gather", pid, self._local, self._remote(0), ids=self._ids)
+        except (CopyFailed, PermissionDenied) as e:
             raise InvalidRequest(f"layer_signals.pid: {e}") from None
         if exited(image.pidfd):
             raise InvalidRequest(f"layer_signals.pid: process {pid} exited meanwhile")
@@ -75,12 +80,14 @@ class LayerSignals:
         # An 8-byte write of the caller's seq: never into a program the
         # process exec'd since it registered (a setuid one's memory). Its
         # rights once a load (layer 0 is signalled first, always), then that
-        # it runs the same program: each layer's copy just before checked the
-        # engine's rights too, and signals live in the engine's process (on
-        # the socket always): ~4 us a layer instead of ~10.
-        self._image.check("layer signal", rights=layer == 0)
+        # it runs the same program (~4 us a layer instead of ~10): the write
+        # acts as the engine's user, so the kernel refuses a program with
+        # more rights, even one exec'd while a clone(CLONE_VM) child keeps
+        # the old memory alive (which the program check misses). Where the
+        # kernel cannot vouch (thread_creds "unvouched"), every layer's.
+        self._image.check("layer signal", rights=layer == 0 or not self._vouched)
         self._word[0] = seq
-        transfer("scatter", self.pid, self._local, self._remote(layer))
+        transfer("scatter", self.pid, self._local, self._remote(layer), ids=self._ids)
 
     def close(self) -> None:
         if self._image is not None:

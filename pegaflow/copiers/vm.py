@@ -5,6 +5,9 @@ copy engine and by the per-layer load signals; nothing else moves bytes this way
 
 Both calls need ptrace access to the engine: same user, and under Yama
 ptrace_scope 1 the engine must allow the server with prctl(PR_SET_PTRACER).
+A call for a registered engine runs with the engine's own ids
+(pegaflow.common.thread_creds), so the kernel's check, made in the call under
+the lock an exec takes, refuses a program the engine exec'd with more rights.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from typing import Literal
 import numpy as np
 
 from pegaflow.common import deadlines, mounts
-from pegaflow.common.errors import CopyFailed, InvalidRequest
+from pegaflow.common.errors import CopyFailed, InvalidRequest, PegaflowError
+from pegaflow.common.pidfds import ProcessChanged
+from pegaflow.common.thread_creds import AsEngine, EngineIds, mode
 
 IOV_MAX = 1024  # the kernel's UIO_MAXIOV; more iovecs on one side is EINVAL
 # Below this many bytes in one batch, a second thread costs more than it saves.
@@ -92,11 +97,27 @@ def advance(
 
 
 def failure(
-    op: Direction, pid: int, err: int, liov: np.ndarray, riov: np.ndarray
-) -> CopyFailed:
-    """The CopyFailed for a call that failed (err = 0: made no progress)."""
+    op: Direction,
+    pid: int,
+    err: int,
+    liov: np.ndarray,
+    riov: np.ndarray,
+    ids: EngineIds | None = None,
+) -> PegaflowError:
+    """The error for a call that failed (err = 0: made no progress)."""
     name = errno.errorcode.get(err, f"errno {err}") if err else "no progress"
     where = f"engine 0x{int(riov[0, 0]):x}, local 0x{int(liov[0, 0]):x}"
+    if err == errno.EPERM and ids is not None and mode(ids) in ("drop", "switch"):
+        # The kernel judged the process as it is now, with the rights of the
+        # user that registered it: it holds rights that user lacks (or, at
+        # registration, refuses that user).
+        return ProcessChanged(
+            f"{op} with engine process {pid} refused by the kernel (EPERM) with "
+            f"the rights of uid {ids.uid} gid {ids.gid}, as which the server "
+            "copies for it: the process runs a setuid, setgid or file-capability "
+            "program, or is not dumpable, or (Yama ptrace_scope 1) has not "
+            "allowed the server with prctl(PR_SET_PTRACER)"
+        )
     if err == errno.ESRCH:
         why = f"engine process {pid} is gone"
     elif err == errno.EPERM:
@@ -114,19 +135,24 @@ def transfer(
     liov: np.ndarray,
     riov: np.ndarray,
     deadline: float | None = None,
+    ids: EngineIds | None = None,
 ) -> None:
     """One call of at most IOV_MAX iovecs, resumed after short transfers. The
     deadline is checked right before every syscall: a server that was stopped
     (SIGSTOP, a long GC) between calls must not write into an engine that has
-    given up on this request."""
+    given up on this request. ids: the engine's, as it registered; each call
+    runs as that user (AsEngine), so that the kernel refuses a program the
+    process exec'd since with rights that user lacks (ProcessChanged)."""
     call = READV if op == "gather" else WRITEV
     left = int(liov[:, 1].sum())
     while True:
         deadlines.check(deadline, op)
         n = len(liov)
-        got = call(pid, liov.ctypes.data, n, riov.ctypes.data, n, 0)
+        with AsEngine(ids):  # the system call only: nothing else as that user
+            got = call(pid, liov.ctypes.data, n, riov.ctypes.data, n, 0)
+            err = ctypes.get_errno() if got < 0 else 0  # before the way back
         if got <= 0:
-            raise failure(op, pid, ctypes.get_errno() if got < 0 else 0, liov, riov)
+            raise failure(op, pid, err, liov, riov, ids)
         left -= got
         if left == 0:
             return

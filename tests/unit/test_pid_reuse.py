@@ -107,9 +107,9 @@ SCENARIO = textwrap.dedent(
     from pegaflow.copiers import host_copier as hostmod
     real_transfer = hostmod.transfer
 
-    def swap_then_read(op, pid, liov, riov, deadline=None):
+    def swap_then_read(op, pid, liov, riov, deadline=None, ids=None):
         live.append(successor(second))
-        real_transfer(op, pid, liov, riov, deadline)
+        real_transfer(op, pid, liov, riov, deadline, ids=ids)
 
     hostmod.transfer = swap_then_read
     pool = np.zeros(PAGE, np.uint8)
