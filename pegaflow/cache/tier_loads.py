@@ -85,20 +85,35 @@ class TierLoads:
         if len(slots):
             self.slabs.free(slots)
 
-    def adopt(self, ns: Namespace, hashes: list[BlockHash], slots: np.ndarray) -> None:
-        """Ready blocks already in their slots ([blocks, shards], claimed from
-        the allocator): a restarted server's recovered pool. Least recently
-        used first, as the policy sees them."""
+    def adopt(
+        self,
+        ns: Namespace,
+        hashes: list[BlockHash],
+        slots: np.ndarray,
+        unchecked: bool = False,
+    ) -> list[BlockEntry]:
+        """Blocks already in their slots ([blocks, shards], claimed from the
+        allocator): a restarted server's recovered pool; the entries made
+        (a key already known is skipped). Ready at once, least recently used
+        first as the policy sees them; or, `unchecked`, pinned and in flight
+        (never served nor evicted, a save of the key deduplicates) until
+        finish_load says whether their bytes passed the check."""
         complete = (1 << (ns.tp_size * ns.num_layers)) - 1
         fresh: list[BlockEntry] = []
         for h, row in zip(hashes, slots.tolist(), strict=True):
             key = (ns.id, h)
             if key in self.entries:
                 continue
-            entry = self.entries[key] = BlockEntry(key, row, landed=complete)
-            self._make_ready(entry)
+            if unchecked:
+                entry = BlockEntry(key, row, in_flight=complete, pins=1)
+            else:
+                entry = BlockEntry(key, row, landed=complete)
+                self._make_ready(entry)
+            self.entries[key] = entry
             fresh.append(entry)
         if fresh:
             self._hold(ns, len(fresh))
+        if fresh and not unchecked:
             for ready in self._on["ready"]:
                 ready(fresh)
+        return fresh

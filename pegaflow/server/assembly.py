@@ -52,7 +52,7 @@ from .report import (
 from .server_config import ServerConfig
 from .socket_file import check_path, unlink_if_ours
 from .socket_service import SocketServerInfo, start_socket_server
-from .warm_restart import Recovered, RecoveryReport, recover
+from .warm_restart import PoolCheck, Recovered, RecoveryReport, find
 
 Health = Callable[[], dict[str, object]]
 
@@ -173,6 +173,9 @@ async def _assemble(
         socket_server = await start_socket_server(socket_path, engine, info)
         undo.callback(_close_socket_server, socket_server, socket_path)
     await server.start()
+    for tier in built:  # after the start: on few cores it would slow it down
+        if isinstance(tier, PoolCheck):
+            tier.start(asyncio.get_running_loop(), config.pool.prefault_threads)
     if link is not None:
         bringup.start_advertising(config.remote, link, metrics.registry)
     for name in ("", SERVICE_NAME):
@@ -241,7 +244,12 @@ def _bring_up(
     if pool.file is not None:  # before any engine registers: they adopt these
         recovered = Recovered(engine.registry, link.known if link else None)
         engine.registry.adopt = recovered.adopt
-        report = recover(pool, engine.store, recovered, config.pool.show_progress)
+        check = find(pool, engine.store, recovered, config.pool.check_rate)
+        report = RecoveryReport() if check is None else check.outcome
+        if check is not None:  # the first tier: its blocks answer `loading`
+            undo.push_async_callback(check.close)
+            built.append(check)
+            engine.add_tier(check)  # started once the server serves
     if route is not None:
         logger.info(
             "ssd hits of cuda engines: the %s route (%s)", route.route, route.reason

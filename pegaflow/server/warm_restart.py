@@ -1,15 +1,17 @@
 """Warm restart: rebuild the block index from a kept pool file's slot rows.
 
 At start-up (before any engine registers) every row LANDED or SEALED is
-checked with numpy over the whole table (offsets, sizes, lengths), SEALED rows
-against their xxh3-64 checksum (pegaflow.cache.slot_log; threads, a tqdm bar on a
-terminal), and the rows of one block (namespace digest, hash) grouped, with
-numpy over all rows at once: a block
-whose every shard is there and agrees is claimed from the allocator and
-published, ready and evictable, under a namespace known only by its digest.
-The engine that later registers a namespace of that name and geometry adopts
-it (Recovered.adopt): same id, so its blocks are hits at once. Every other row
-is marked FREE.
+checked with numpy over the whole table (offsets, sizes, lengths) and the rows
+of one block (namespace digest, hash) grouped, with numpy over all rows at
+once: a block whose every shard is there and agrees is claimed from the
+allocator and put into the store under a namespace known only by its digest,
+pinned and in flight until its SEALED rows passed their xxh3-64 checksum
+(pegaflow.cache.slot_log). That check runs after the server serves, in the
+background and first for the blocks a query asks for (pegaflow.server.pool_check):
+the start-up costs a pass over the rows, not over the pool's bytes. The engine
+that later registers a namespace of that name and geometry adopts it
+(Recovered.adopt): same id, so its blocks are hits once checked. Every other
+row is marked FREE.
 """
 
 from __future__ import annotations
@@ -17,38 +19,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
-from tqdm import tqdm
 
+from pegaflow.cache.block_entry import BlockEntry
 from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.instances import Registry
 from pegaflow.cache.pool import HostPool
 from pegaflow.cache.pool_file import FREE, GRANULE, LANDED, SEALED, WRITING
-from pegaflow.cache.slot_log import checksums
 from pegaflow.common.keys import Namespace, namespace_digest
+
+from .pool_check import Pending, PoolCheck, RecoveryReport
 
 logger = logging.getLogger(__name__)
 
-_CHECK_THREADS = 8
-# rows per task: a task hashes its rows in one call without the GIL
-# (pegaflow.common.checksum_rows), so the threads hash at once whatever the slot size;
-# the task's size is the progress bar's step
-_CHECK_BATCH = 256
-
-
-@dataclass(frozen=True, slots=True)
-class RecoveryReport:
-    blocks: int = 0
-    bytes: int = 0
-    namespaces: int = 0
-    torn: int = 0  # slots whose write was in flight (WRITING): dropped
-    bad_checksum: int = 0  # dropped
-    unsealed: int = 0  # LANDED, not yet checksummed: kept (see pegaflow.cache.slot_log)
-    incomplete: int = 0  # slots of blocks missing a shard or inconsistent
-    seconds: float = 0.0
+__all__ = ["PoolCheck", "Recovered", "RecoveryReport", "find", "recover"]
 
 
 class Recovered:
@@ -101,50 +86,61 @@ class Recovered:
         return old
 
 
-def recover(
-    pool: HostPool, store: BlockStore, recovered: Recovered, progress: bool
-) -> RecoveryReport:
-    """Publish the blocks a kept pool file holds; mark every other row FREE."""
+def find(
+    pool: HostPool, store: BlockStore, recovered: Recovered, rate: int = 0
+) -> PoolCheck | None:
+    """Put the blocks a kept pool file holds into the store, unchecked (blocks
+    with no SEALED row, ready at once); mark every other row FREE. The check
+    that publishes the rest is the PoolCheck returned (started by the
+    caller); None for a new file or none. rate: its bytes a second, 0 no cap."""
     start = time.perf_counter()
     if pool.file is None or pool.file.fresh:
-        return RecoveryReport()
+        return None
     t = pool.file.table
     state = t["state"]
     torn = int(np.count_nonzero(state == WRITING))
     rows = _plausible(t, pool)
-    sealed = rows[state[rows] == SEALED]
-    good = _checksums_ok(pool, sealed, progress)
-    bad = int(len(sealed) - good.sum())
     unsealed = int(np.count_nonzero(state[rows] == LANDED))
-    rows = np.union1d(sealed[good], rows[state[rows] == LANDED])
-    kept, blocks, nbytes, spaces, incomplete = _publish(pool, store, recovered, rows)
+    pending, kept, spaces, incomplete = _adopt(pool, store, recovered, rows)
     reset = np.ones(len(t), bool)
     reset[kept] = False
     t["state"][reset & (state != FREE)] = FREE
+    blocks = len(pending.entries) + pending.ready
     report = RecoveryReport(
         blocks,
-        nbytes,
+        int(pending.nbytes.sum()) + pending.ready_bytes,
         spaces,
         torn,
-        bad,
+        0,
         unsealed,
         incomplete,
-        time.perf_counter() - start,
+        round(time.perf_counter() - start, 3),
     )
     logger.info(
-        "pool file: recovered %d blocks (%.2f GiB, %d namespaces) in %.2f s; "
-        "dropped %d torn, %d failing their checksum, %d slots of incomplete "
+        "pool file: found %d blocks (%.2f GiB, %d namespaces) in %.2f s, %d to "
+        "check before they are served; dropped %d torn, %d slots of incomplete "
         "blocks; %d recovered unsealed",
         report.blocks,
         report.bytes / (1 << 30),
         report.namespaces,
         report.seconds,
+        len(pending.entries),
         torn,
-        bad,
         incomplete,
         unsealed,
     )
-    return report
+    return PoolCheck(t, pool.file.data, store, pending, report, rate)
+
+
+def recover(pool: HostPool, store: BlockStore, recovered: Recovered) -> RecoveryReport:
+    """find(), then the whole check in this thread: every block published or
+    dropped when it returns (tools and tests; the server checks in the
+    background)."""
+    check = find(pool, store, recovered)
+    if check is None:
+        return RecoveryReport()
+    check.run_here()
+    return check.outcome
 
 
 def _plausible(t: np.ndarray, pool: HostPool) -> np.ndarray:
@@ -163,41 +159,19 @@ def _plausible(t: np.ndarray, pool: HostPool) -> np.ndarray:
     return idx[ok]
 
 
-def _checksums_ok(pool: HostPool, rows: np.ndarray, progress: bool) -> np.ndarray:
-    assert pool.file is not None
-    t, data = pool.file.table, pool.file.data
-    total = int(t["slot_bytes"][rows].sum())
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        desc="checking pool",
-        disable=not progress,
-    )
-
-    def check(part: np.ndarray) -> np.ndarray:
-        return checksums(t, data, part) == t["checksum"][part]
-
-    parts = [rows[i : i + _CHECK_BATCH] for i in range(0, len(rows), _CHECK_BATCH)]
-    results = []
-    with ThreadPoolExecutor(_CHECK_THREADS) as ex:
-        for part, ok in zip(parts, ex.map(check, parts), strict=True):
-            results.append(ok)
-            bar.update(int(t["slot_bytes"][part].sum()))
-    bar.close()
-    return np.concatenate(results) if results else np.zeros(0, bool)
-
-
-def _publish(
+def _adopt(
     pool: HostPool, store: BlockStore, recovered: Recovered, rows: np.ndarray
-) -> tuple[np.ndarray, int, int, int, int]:
-    """Group rows into blocks, claim complete ones, hand them to the store.
-    Returns (rows kept, blocks, bytes, namespaces, slots dropped)."""
+) -> tuple[Pending, np.ndarray, int, int]:
+    """Group rows into blocks, claim complete ones, adopt them unchecked.
+    Returns (the blocks to check, rows kept, namespaces, slots dropped)."""
     t = pool.file.table if pool.file is not None else None
     assert t is not None
     spaces, dropped = _complete_blocks(t, rows)
     kept: list[np.ndarray] = []
-    blocks = nbytes = 0
+    entries: list[BlockEntry] = []
+    sealed: list[np.ndarray] = []  # per space: [blocks, shards] SEALED
+    tables: list[np.ndarray] = []
+    widths: list[np.ndarray] = []
     for (digest, tp, layers, slot_bytes), (table, hashes) in spaces.items():
         addrs = np.uint64(pool.base) + t["offset"][table.ravel()]
         ok = np.array(pool.slabs.claim(addrs.tolist(), slot_bytes), bool).reshape(
@@ -214,12 +188,58 @@ def _publish(
         if pool.log is not None:
             pool.log.know(ns.id, digest)
         hs = [h for h, w in zip(hashes, whole.tolist(), strict=True) if w]
-        store.adopt(ns, hs, addrs.reshape(-1, tp)[whole])
-        kept.append(table[whole].ravel())
-        blocks += len(hs)
-        nbytes += len(hs) * tp * slot_bytes
+        fresh = store.adopt(ns, hs, addrs.reshape(-1, tp)[whole], unchecked=True)
+        assert len(fresh) == len(hs)  # a new namespace id: no key known before
+        entries += fresh
+        mine = table[whole]
+        kept.append(mine.ravel())
+        tables.append(mine)
+        sealed.append(t["state"][mine] == SEALED)
+        widths.append(np.full(len(mine), tp * slot_bytes, np.int64))
     rows_kept = np.concatenate(kept) if kept else np.empty(0, np.int64)
-    return rows_kept.astype(np.int64), blocks, nbytes, len(spaces), dropped
+    return (
+        _pending(t, store, entries, tables, sealed, widths),
+        rows_kept.astype(np.int64),
+        len(spaces),
+        dropped,
+    )
+
+
+def _pending(
+    t: np.ndarray,
+    store: BlockStore,
+    entries: list[BlockEntry],
+    tables: list[np.ndarray],
+    sealed: list[np.ndarray],
+    widths: list[np.ndarray],
+) -> Pending:
+    """The blocks with a SEALED row, for the check; the others (LANDED only:
+    nothing to compare) published now."""
+    rows = [tb[s] for tb, s in zip(tables, sealed, strict=True)]  # block order
+    counts = np.concatenate([s.sum(1) for s in sealed]) if sealed else np.empty(0)
+    nbytes = np.concatenate(widths) if widths else np.empty(0, np.int64)
+    flat = np.concatenate(rows).astype(np.int64) if rows else np.empty(0, np.int64)
+    none = counts == 0
+    if none.any():
+        store.finish_load(
+            [entries[i] for i in np.flatnonzero(none).tolist()], none[none]
+        )
+    left = np.flatnonzero(~none)
+    # The rows of the blocks left, still back to back in block order.
+    counts = counts[left].astype(np.int64)
+    offsets = np.zeros(len(left) + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    row_bytes = t["slot_bytes"][flat].astype(np.int64)
+    sizes = np.add.reduceat(row_bytes, offsets[:-1]) if len(left) else counts
+    return Pending(
+        [entries[i] for i in left.tolist()],
+        flat,
+        offsets,
+        sizes,
+        nbytes[left],
+        int(none.sum()),
+        int(nbytes[none].sum()),
+    )
 
 
 _KEY_BYTES = 16 + 64 + 1  # digest, hash (zeroed past its length), hash length

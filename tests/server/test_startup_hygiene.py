@@ -162,6 +162,7 @@ def test_pool_larger_than_memory() -> None:
         ("--cuda-event-timeout", "inf"),
         ("--metric-hll-bucket-bits", "40"),
         ("--metric-hll-windows", "infs"),
+        ("--pool-check-rate", "100"),
     ],
 )
 def test_numeric_flags_are_checked(flag: str, value: str) -> None:

@@ -46,7 +46,7 @@ def _restart(path: Path) -> tuple[HostPool, BlockStore, Registry, object]:
     store = BlockStore(pool.slabs, LRUPolicy())
     registry = Registry({})
     recovered = Recovered(registry)
-    report = recover(pool, store, recovered, progress=False)
+    report = recover(pool, store, recovered)
     return pool, store, registry, report
 
 
@@ -236,7 +236,8 @@ def test_a_damaged_slot_or_row_fails_its_checksum_and_is_dropped(
     pool.close()
     pool, store, registry, report = _restart(path)
     assert (report.blocks, report.bad_checksum, report.torn) == (6, 2, 0)
-    (ns,) = registry.namespaces.values()
+    # the damaged digest named a namespace of its own, left empty
+    (ns,) = [n for n in registry.namespaces.values() if store.holds(n.id)]
     for i, h in enumerate(hashes):
         found = store.longest_prefix(ns, [h])
         assert len(found) == (i not in (3, 5)), i
