@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import os
 import pstats
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +46,12 @@ from pegaflow.cache.pool import HostPool  # noqa: E402
 from pegaflow.cache.registration_checks import RegisterSpec  # noqa: E402
 from pegaflow.common.geometry import LayerLayout, Segment, Transfers  # noqa: E402
 from pegaflow.common.identity import CallContext, Caller  # noqa: E402
-from pegaflow.common.settings import EngineConfig, PoolConfig  # noqa: E402
+from pegaflow.common.settings import (  # noqa: E402
+    EVICTION_SETTINGS,
+    EngineConfig,
+    EvictionSetting,
+    PoolConfig,
+)
 from pegaflow.gds import SsdConfig, SsdTier  # noqa: E402
 from pegaflow.server.engine import Engine  # noqa: E402
 from pegaflow.tiers.ssd_link import SsdLink  # noqa: E402
@@ -86,7 +93,14 @@ class NullCopier:
 class Bench:
     """One engine, one registered worker of N * 2 engine blocks."""
 
-    def __init__(self, n: int, pool_blocks: int, seed: int, ssd: str = "none") -> None:
+    def __init__(
+        self,
+        n: int,
+        pool_blocks: int,
+        seed: int,
+        ssd: str = "none",
+        eviction: EvictionSetting = "lru",
+    ) -> None:
         size = -(-pool_blocks * SLOT // SLAB) * SLAB
         self.pool = HostPool(
             PoolConfig(size_bytes=size, slab_bytes=SLAB, show_progress=False)
@@ -104,7 +118,7 @@ class Bench:
                     show_progress=False,
                 )
             )
-        config = EngineConfig(inline_copy_bytes=1 << 30)
+        config = EngineConfig(inline_copy_bytes=1 << 30, eviction=eviction)
         copiers = {"host": NullCopier()}
         self.engine = Engine(config, self.pool, copiers)
         if self.tier is not None:  # as the server's assembly links it
@@ -115,6 +129,9 @@ class Bench:
             e.add_tier(link)
         self.n = n
         self.engine_blocks = 2 * n
+        # The engine's process: the server opens its memory (NullCopier moves
+        # nothing) and refuses its own pid, as tests/unit/stand_in_engine.py.
+        self._stand_in = subprocess.Popen(["sleep", "86400"])
         layers = tuple(
             LayerLayout(
                 0,
@@ -126,10 +143,10 @@ class Bench:
             for i in range(LAYERS)
         )
         spec = RegisterSpec(
-            "bench", "bench-llama", 0, 1, 1, "cpu", "host", 1,
+            "bench", "bench-llama", 0, 1, 1, "cpu", "host", self._stand_in.pid,
             ((1 << 20, LAYERS * self.engine_blocks * PAGE),), layers,
         )  # fmt: skip
-        caller = Caller("unix", 1, 0)  # as tests do: no real engine process
+        caller = Caller("unix", self._stand_in.pid, os.getuid())
         token = self.engine.register(spec, caller).owner_token
         self.ctx = CallContext(caller, token)
         self.rng = np.random.default_rng(seed)
@@ -171,16 +188,26 @@ class Bench:
 
     def close(self) -> None:
         self.engine.close()
+        self._stand_in.kill()
+        self._stand_in.wait()
         if self.tier is not None:
             self.tier.close()
             self._dir.cleanup()
         self.pool.close()
 
 
-async def _run(n: int, full: bool, reps: int, warmup: int, seed: int, ssd: str) -> dict:
+async def _run(
+    n: int,
+    full: bool,
+    reps: int,
+    warmup: int,
+    seed: int,
+    ssd: str,
+    eviction: EvictionSetting = "lru",
+) -> dict:
     # Not full: room for every save of the run, so none evicts.
     pool_blocks = 4 * n if full else (reps + warmup + 2) * n
-    bench = Bench(n, pool_blocks, seed, ssd)
+    bench = Bench(n, pool_blocks, seed, ssd, eviction)
     try:
         if full:
             await bench.fill()
@@ -207,6 +234,7 @@ async def _run(n: int, full: bool, reps: int, warmup: int, seed: int, ssd: str) 
         "blocks": n,
         "pool": "full" if full else "room",
         "ssd": ssd,
+        "eviction": eviction,
         "save_us": round(save, 1),
         "save_us_per_block": round(save / n, 3),
         "load_us": round(load, 1),
@@ -214,6 +242,51 @@ async def _run(n: int, full: bool, reps: int, warmup: int, seed: int, ssd: str) 
         "query_us": round(query, 1),
         "reps": reps,
     }
+
+
+def eviction_costs(rows: list[dict]) -> list[dict]:
+    """Per block count and policy: what a save pays per block it evicts (the
+    full pool's save less the roomy one's, per block), and full saves per
+    block; each against LRU's (medians over rounds)."""
+    out = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["blocks"], r["ssd"], r["eviction"]), []).append(r)
+    for (n, ssd, ev), rs in groups.items():
+        full = [r["save_us_per_block"] for r in rs if r["pool"] == "full"]
+        room = [r["save_us_per_block"] for r in rs if r["pool"] == "room"]
+        if not full or not room:
+            continue
+        out.append(
+            {
+                "blocks": n,
+                "ssd": ssd,
+                "eviction": ev,
+                "full_save_us_per_block": round(statistics.median(full), 3),
+                "us_per_eviction": round(
+                    statistics.median(full) - statistics.median(room), 3
+                ),
+            }
+        )
+    for row in out:
+        same = (row["blocks"], row["ssd"])
+        lru = next(
+            (
+                r
+                for r in out
+                if r["eviction"] == "lru" and (r["blocks"], r["ssd"]) == same
+            ),
+            None,
+        )
+        if lru is None:
+            continue
+        row["full_save_vs_lru"] = round(
+            row["full_save_us_per_block"] / lru["full_save_us_per_block"], 3
+        )
+        row["eviction_vs_lru"] = round(
+            row["us_per_eviction"] / max(1e-9, lru["us_per_eviction"]), 3
+        )
+    return out
 
 
 def _profile(n: int, full: bool, op: str, reps: int, top: int, ssd: str) -> None:
@@ -245,6 +318,7 @@ def main() -> int:
     p.add_argument("--blocks", type=int, nargs="+", default=[64, 640, 2560])
     p.add_argument("--pool", choices=["room", "full", "both"], default="both")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=1, help="repeat every row")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="output path (default: print only)")
@@ -257,6 +331,13 @@ def main() -> int:
         default=["none"],
         help="SSD tier write modes to compare (none: no tier)",
     )
+    p.add_argument(
+        "--eviction",
+        nargs="+",
+        choices=EVICTION_SETTINGS,
+        default=["lru"],
+        help="L1 eviction policies to compare (rounds alternate between them)",
+    )
     args = p.parse_args()
     fulls = {"room": [False], "full": [True], "both": [False, True]}[args.pool]
     if args.profile:
@@ -267,18 +348,30 @@ def main() -> int:
                     print(f"\n== {args.profile} n={n} pool={pool} ssd={ssd}")
                     _profile(n, full, args.profile, args.reps, args.top, ssd)
         return 0
-    rows = [
-        asyncio.run(_run(n, full, args.reps, args.warmup, args.seed, ssd))
-        for n in args.blocks
-        for full in fulls
-        for ssd in args.ssd
-    ]
+    rows = []
+    for _ in range(args.rounds):  # interleaved: load on a shared VM drifts
+        rows += [
+            asyncio.run(_run(n, full, args.reps, args.warmup, args.seed, ssd, ev))
+            for n in args.blocks
+            for full in fulls
+            for ssd in args.ssd
+            for ev in args.eviction
+        ]
     print(f"Engine bookkeeping, no-op copier ({LAYERS} layers, median of {args.reps})")
     print(table(rows, list(rows[0])))
+    costs = eviction_costs(rows)
+    if costs:
+        print("\nCost per eviction: (full save - roomy save) / blocks, medians")
+        print(table(costs, list(costs[0])))
     if args.json:
         out = write_json(
             "bookkeeping",
-            {"command": " ".join(sys.argv), "layers": LAYERS, "rows": rows},
+            {
+                "command": " ".join(sys.argv),
+                "layers": LAYERS,
+                "rows": rows,
+                "eviction_costs": costs,
+            },
             args.json,
         )
         print(f"JSON: {out}")

@@ -11,13 +11,16 @@ Equal total bytes: the shared pool holds C blocks; each of 8 isolated pools C/8.
 C is a fraction of the trace's distinct blocks (--fractions); 2.25 MiB a block
 (Qwen3-8B, 16 tokens, bf16) turns it into GiB. Deterministic for a seed: TinyLFU
 hashes keys with Python's hash(), so the script re-runs itself with
-PYTHONHASHSEED=0 unless a seed is set.
+PYTHONHASHSEED=0 unless a seed is set. benchmarks/sharing_eviction.py compares
+eviction policies on these replays, also with saves that come after prefill
+and decode (replay's timing "served").
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
 import multiprocessing
 import os
 import sys
@@ -39,14 +42,14 @@ from benchmarks.sharing_trace import (  # noqa: E402
     make_trace,
 )
 from pegaflow.cache.block_store import BlockStore  # noqa: E402
-from pegaflow.cache.eviction import AdmissionPolicy, LRUPolicy, TinyLFU  # noqa: E402
 from pegaflow.cache.leases import LeaseTable  # noqa: E402
-from pegaflow.cache.miss_reasons import (
+from pegaflow.cache.miss_reasons import (  # noqa: E402
     CAUSES,
     HitRateTracker,
     RecordingPolicy,
     RemoteProbe,
 )
+from pegaflow.cache.prefix_eviction import make_policy  # noqa: E402
 from pegaflow.cache.slabs import SlabAllocator  # noqa: E402
 from pegaflow.common.keys import Namespace  # noqa: E402
 from pegaflow.common.settings import HitRateConfig  # noqa: E402
@@ -89,10 +92,14 @@ class Pool:
         policy: str,
         clock: list[float],
         remote: RemoteProbe | None = None,
+        parents: dict[bytes, bytes] | None = None,
     ) -> None:
-        inner = LRUPolicy()
-        if policy == "tinylfu":
-            inner = AdmissionPolicy(LRUPolicy(), TinyLFU(max(1, blocks)))
+        # "lru", "tinylfu", "prefix", "prefix+tinylfu"; "prefix-oracle": told
+        # every saved block's true parent (`parents`), a bound on what learning
+        # parents from arrival order can gain
+        self.parents = parents
+        kind = "prefix" if policy.startswith("prefix") else "lru"
+        inner = make_policy(kind, max(1, blocks) if "tinylfu" in policy else 0)
         self.tracker = HitRateTracker(
             HitRateConfig(),
             HitRateTracker.ghost_bits_for(blocks << 20),
@@ -106,15 +113,35 @@ class Pool:
 
     def serve(self, req: Request, owner: str) -> int:
         """Query, load (a lease), then save what was computed; the hit blocks."""
+        hits = self.query(req, owner)
+        self.save(req.chain[hits : req.total_len])
+        return hits
+
+    def query(self, req: Request, owner: str) -> int:
+        """Query and load (a lease); the hit blocks."""
         prompt = req.prompt
         hits, rest = self.store.lookup(NS, prompt)
         self.tracker.query(NS, prompt, len(hits), rest, 32)
         if hits:
             self.leases.consumed(self.leases.create(owner, NS.id, hits, 1), 0)
-        computed = req.chain[len(hits) : req.total_len]
-        res = self.store.reserve_save(NS, 0, computed, LAYERS)
-        self.store.finish_save(res, True)
         return len(hits)
+
+    def save(self, hashes: list[bytes]) -> None:
+        if self.parents is not None:
+            for h in hashes:
+                parent = self.parents.get(h)
+                if parent is not None:
+                    self.store.policy.expect((NS.id, h), (NS.id, parent))
+        res = self.store.reserve_save(NS, 0, hashes, LAYERS)
+        self.store.finish_save(res, True)
+
+
+# timing "served": a request's computed prompt blocks are saved after its
+# prefill, its reply blocks one by one as decode completes them (vLLM with
+# save_decode), while other requests' queries and saves go on in between.
+PREFILL_S_PER_BLOCK = 0.002  # 16 tokens at ~8K tokens/s
+DECODE_S_PER_BLOCK = 0.5  # 16 tokens at ~31 ms a token
+Timing = str  # "instant" (query and save back to back) or "served"
 
 
 def replay(
@@ -124,23 +151,65 @@ def replay(
     routing: str,
     policy: str,
     progress: bool,
+    timing: Timing = "instant",
 ) -> dict[str, object]:
     """Serve the trace from `pools` caches of capacity/pools blocks each."""
     clock = [0.0]
     caches: list[Pool] = []
+    parents = None
+    if policy == "prefix-oracle":
+        parents = {
+            c[j]: c[j - 1] for r in trace for c in [r.chain] for j in range(1, len(c))
+        }
     for i in range(pools):  # a miss another pool could have served: "remote"
         probe = _peers(caches, i) if pools > 1 else None
-        caches.append(Pool(capacity // pools, policy, clock, probe))
+        caches.append(Pool(capacity // pools, policy, clock, probe, parents))
     hit_fracs = np.zeros(len(trace))
+    hit_blocks = prompt_blocks = 0
     start = time.perf_counter()
     label = f"{pools} pool(s), {routing}, {policy}"
+    saves: list[tuple[float, int, int, list[bytes]]] = []  # time, seq, pool
     for i, req in enumerate(tqdm(trace, desc=label, disable=not progress, leave=False)):
+        while saves and saves[0][0] <= req.time_s:
+            clock[0], _, at, hashes = heapq.heappop(saves)
+            caches[at].save(hashes)
         clock[0] = req.time_s
         pool = route(req, pools, routing)
-        hits = caches[pool].serve(req, f"engine-{req.instance}")
+        if timing == "instant":
+            hits = caches[pool].serve(req, f"engine-{req.instance}")
+        else:
+            hits = caches[pool].query(req, f"engine-{req.instance}")
+            _schedule(saves, req, pool, hits, i)
         hit_fracs[i] = hits / req.prompt_len
+        hit_blocks += hits
+        prompt_blocks += req.prompt_len
+    while saves:
+        clock[0], _, at, hashes = heapq.heappop(saves)
+        caches[at].save(hashes)
     wall = time.perf_counter() - start
-    return summarize(caches, hit_fracs, wall, clock[0])
+    out = summarize(caches, hit_fracs, wall, clock[0])
+    # Full blocks of 16 tokens: the share of prompt tokens served from the cache.
+    out["token_hit_rate"] = round(hit_blocks / max(1, prompt_blocks), 4)
+    return out
+
+
+def _schedule(
+    saves: list[tuple[float, int, int, list[bytes]]],
+    req: Request,
+    pool: int,
+    hits: int,
+    seq: int,
+) -> None:
+    """The request's saves: its prompt after prefill, then a reply block at a
+    time (seq orders equal times by arrival, then by position)."""
+    t = req.time_s + PREFILL_S_PER_BLOCK * (req.prompt_len - hits)
+    order = seq * 4096
+    if hits < req.prompt_len:
+        heapq.heappush(saves, (t, order, pool, req.chain[hits : req.prompt_len]))
+    for j in range(req.prompt_len, req.total_len):
+        t += DECODE_S_PER_BLOCK
+        order += 1
+        heapq.heappush(saves, (t, order, pool, req.chain[j : j + 1]))
 
 
 def _peers(caches: list[Pool], me: int) -> RemoteProbe:
@@ -219,12 +288,13 @@ def distinct_blocks(trace: list[Request]) -> int:
 
 
 _TRACES: dict[str, list[Request]] = {}  # filled before the workers fork
-Spec = tuple[str, int, int, str, str]  # trace, capacity, pools, routing, policy
+# trace, capacity, pools, routing, policy, timing
+Spec = tuple[str, int, int, str, str, Timing]
 
 
 def _job(spec: Spec, progress: bool) -> dict[str, object]:
-    name, capacity, pools, routing, policy = spec
-    return replay(_TRACES[name], capacity, pools, routing, policy, progress)
+    name, capacity, pools, routing, policy, timing = spec
+    return replay(_TRACES[name], capacity, pools, routing, policy, progress, timing)
 
 
 def _run_jobs(specs: list[Spec], jobs: int, progress: bool) -> list[dict]:
@@ -275,7 +345,7 @@ def run(
             capacity = capacity_for(distinct[name], fraction)
             gib = round(capacity * BLOCK_MIB / 1024, 1)
             for label, pools, routing, policy in variants:
-                specs.append((name, capacity, pools, routing, policy))
+                specs.append((name, capacity, pools, routing, policy, "instant"))
                 key = "layout" if name == "mixed" else "policy"
                 meta.append({"trace": name, "cache": fraction, "GiB": gib, key: label})
     results = _run_jobs(specs, jobs, progress)

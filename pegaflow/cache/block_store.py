@@ -161,6 +161,9 @@ class BlockStore(TierLoads):
             found, rest = _cut_at_repeat(found, rest)
         if found:
             self._owed.hit(found, self.apply_touches)
+            if len(found) < len(hashes):  # the save to come starts here
+                child = (ns.id, _hash_at(hashes, len(found)))
+                self.policy.expect(child, found[-1].key)
         return found, rest
 
     def apply_touches(self) -> None:
@@ -417,6 +420,13 @@ class BlockStore(TierLoads):
         self._remove(stale)
         self.counters.stale_dropped += len(stale)
         return len(stale)
+
+
+def _hash_at(hashes: list[BlockHash] | PackedHashes, i: int) -> BlockHash:
+    if isinstance(hashes, PackedHashes):
+        start = hashes.offset + i * hashes.hash_len
+        return bytes(hashes.buf[start : start + hashes.hash_len])
+    return hashes[i]
 
 
 def _cut_at_repeat(

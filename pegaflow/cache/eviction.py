@@ -52,6 +52,9 @@ class EvictionPolicy(Protocol):
     def touch(self, key: Key) -> None: ...
     def touch_many(self, keys: Sequence[Key]) -> None: ...  # all resident, in order
     def remove(self, key: Key) -> None: ...
+    # A query's claim: `child`, not resident yet, extends resident `parent`
+    # (pegaflow.cache.prefix_eviction); LRU ignores it.
+    def expect(self, child: Key, parent: Key) -> None: ...
     def evict(self, n: int, protected: Protected) -> list[Key] | None: ...
     # For a request's candidates beyond the free room, in order: each one
     # admitted displaces the next victim, so the next candidate faces that one.
@@ -96,6 +99,9 @@ class LRUPolicy:
 
     def remove(self, key: Key) -> None:
         self._order.pop(key, None)
+
+    def expect(self, child: Key, parent: Key) -> None:
+        pass
 
     def evict(self, n: int, protected: Protected) -> list[Key] | None:
         if n < 0:
@@ -296,6 +302,9 @@ class AdmissionPolicy:
     def remove(self, key: Key) -> None:
         self._pending.discard(key)
         self._inner.remove(key)
+
+    def expect(self, child: Key, parent: Key) -> None:
+        self._inner.expect(child, parent)
 
     def evict(self, n: int, protected: Protected) -> list[Key] | None:
         return self._inner.evict(n, protected)

@@ -136,6 +136,7 @@ class RecordingPolicy:
         self.touch = inner.touch
         self.touch_many = inner.touch_many
         self.remove = inner.remove
+        self.expect = inner.expect
         self.victims = inner.victims
 
     def evict(self, n: int, protected: Protected) -> list[Key] | None:

@@ -1,0 +1,122 @@
+"""What prefix-aware eviction costs the block store: saves into a full pool
+(each block evicts one) and queries back, LRU against prefix-aware, rounds
+interleaved because load on a shared VM drifts. The block store and policy
+alone (a fake slab base, as benchmarks/sharing.py): no engine, no RPC, so the
+difference is the policy's.
+
+    python benchmarks/bookkeeping_eviction.py --blocks 64 640 2560 --rounds 9
+
+benchmarks/bookkeeping.py --eviction lru prefix runs the whole engine instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import table, write_json  # noqa: E402
+from pegaflow.cache.block_store import BlockStore  # noqa: E402
+from pegaflow.cache.prefix_eviction import make_policy  # noqa: E402
+from pegaflow.cache.slabs import SlabAllocator  # noqa: E402
+from pegaflow.common.keys import Namespace  # noqa: E402
+from pegaflow.common.settings import EVICTION_SETTINGS, EvictionSetting  # noqa: E402
+
+HASH_LEN = 32
+
+
+def store_eviction_us(
+    n: int, eviction: EvictionSetting, reps: int, seed: int = 0
+) -> tuple[float, float]:
+    """The block store alone (fake slab base, as benchmarks/sharing.py): a pool
+    of 8n blocks filled, then saves of n fresh blocks (one chain), each
+    evicting n, each queried back. Median us per block of the save, and of the
+    query (with the deferred touches it owes the policy)."""
+    slot = 4096
+    ns = Namespace("bench", 1, 1, 1, slot, (1, slot))
+    layers = np.arange(1)
+    store = BlockStore(
+        SlabAllocator(1 << 40, 8 * n * slot, 16 * slot), make_policy(eviction)
+    )
+    rng = np.random.default_rng(seed)
+
+    def fresh() -> list[bytes]:
+        raw = rng.bytes(n * HASH_LEN)
+        return [raw[i : i + HASH_LEN] for i in range(0, len(raw), HASH_LEN)]
+
+    saves, queries = [], []
+    for i in range(10 + reps):
+        hashes = fresh()
+        t = time.perf_counter()
+        store.finish_save(store.reserve_save(ns, 0, hashes, layers), True)
+        s = time.perf_counter() - t
+        t = time.perf_counter()
+        assert len(store.lookup(ns, hashes)[0]) == n
+        store.apply_touches()
+        q = time.perf_counter() - t
+        if i >= 10:  # the first 8 fill the pool
+            saves.append(s)
+            queries.append(q)
+    assert store.counters.evictions >= reps * n
+    med = statistics.median
+    return med(saves) * 1e6 / n, med(queries) * 1e6 / n
+
+
+def store_costs(
+    blocks: list[int], evictions: list[str], reps: int, rounds: int
+) -> list:
+    """store_eviction_us per policy, rounds interleaved, against LRU's."""
+    out = []
+    for n in blocks:
+        got: dict[str, list[tuple[float, float]]] = {e: [] for e in evictions}
+        for _ in range(rounds):
+            for ev in evictions:
+                got[ev].append(store_eviction_us(n, ev, reps))
+        for ev in evictions:
+            save = statistics.median(x[0] for x in got[ev])
+            query = statistics.median(x[1] for x in got[ev])
+            out.append(
+                {"blocks": n, "eviction": ev, "save_evict_us_per_block": round(save, 3)}
+                | {"query_us_per_block": round(query, 3)}
+            )
+        lru = next(
+            (r for r in out if r["eviction"] == "lru" and r["blocks"] == n), None
+        )
+        for r in out:
+            if lru is not None and r["blocks"] == n:
+                r["save_vs_lru"] = round(
+                    r["save_evict_us_per_block"] / lru["save_evict_us_per_block"], 3
+                )
+                r["query_vs_lru"] = round(
+                    r["query_us_per_block"] / lru["query_us_per_block"], 3
+                )
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--blocks", type=int, nargs="+", default=[64, 640, 2560])
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument(
+        "--eviction", nargs="+", choices=EVICTION_SETTINGS, default=["lru", "prefix"]
+    )
+    p.add_argument("--json", help="output path (default: print only)")
+    args = p.parse_args()
+    costs = store_costs(args.blocks, args.eviction, args.reps, args.rounds)
+    print("Block store alone, full pool: a save of n fresh blocks evicts n")
+    print(table(costs, list(costs[0])))
+    if args.json:
+        payload = {"command": " ".join(sys.argv), "store_costs": costs}
+        print(f"JSON: {write_json('bookkeeping_eviction', payload, args.json)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
