@@ -47,6 +47,11 @@ def counters(engine: RealEngine) -> dict[str, float]:
     }
 
 
+def server_copy(server: object) -> float:
+    """Seconds the server has spent copying into engines (its loads)."""
+    return server.metric("pegaflow_transfer_seconds_sum", 'direction="load"')
+
+
 def phase(
     engine: RealEngine, server: object, n: int, tokens: int, seed: int
 ) -> dict[str, object]:
@@ -62,6 +67,7 @@ def phase(
         resident = json.loads(server.get("/stats")[1])["pool"]["resident_blocks"]
     engine.reset_prefix_cache()
     before = counters(engine)
+    copy_before = server_copy(server)
     remote, local = [], []
     for p in batch:
         hit = engine.generate([p], 1)[0]
@@ -71,6 +77,7 @@ def phase(
         assert again.cached == want_hit, f"local hit of {again.cached} tokens"
         local.append(again.ttft)
     after = counters(engine)
+    copy_after = server_copy(server)
     loads = max(1.0, after.get("load_blocks", 0) - before.get("load_blocks", 0))
     queries = max(1.0, after.get("queries", 0) - before.get("queries", 0))
     ms = 1e3
@@ -88,6 +95,9 @@ def phase(
         * (after.get("load_seconds", 0) - before.get("load_seconds", 0))
         / n,
         "loaded_blocks": loads,
+        # The server's own time in its copies (pegaflow_transfer_seconds), per
+        # prompt: the rest of "the Load" is the round trip and the engine.
+        "server_copy_ms_per_prompt": ms * (copy_after - copy_before) / n,
         "cached_tokens": want_hit,
         "loadavg": os.getloadavg()[0],
     }

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .extra_config import failure_policy_warning, parse_config
+from .kv_events import KVEventsFeed, watched_parts
 from .kv_groups import KVGroups, groups_of
 from .scheduler import SchedulerHalf
 from .stats import PegaConnectorStats, PegaPromMetrics
@@ -100,6 +101,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         stages = vllm_config.parallel_config.pipeline_parallel_size
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
+        self._events: KVEventsFeed | None = None
         if role == KVConnectorRole.SCHEDULER:
             policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", None)
             if warning := failure_policy_warning(policy):
@@ -117,6 +119,11 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerHalf(
                 self.config, ident, block_size, workers, groups=groups, stages=stages
             )
+            events = getattr(vllm_config, "kv_events_config", None)
+            if events is not None and events.enable_kv_cache_events:
+                # The pool's blocks as KV events for routers (kv_events.py).
+                parts = watched_parts(groups, ident, stages)
+                self._events = KVEventsFeed(self.config.addr, parts)
         else:
             self._worker = WorkerHalf(
                 self.config,
@@ -155,10 +162,15 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         ids = blocks.get_block_ids()  # one list per KV cache group
         self._scheduler.after_alloc(request, ids, num_external_tokens)
+        if self._events is not None:
+            self._events.track(request)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return PegaConnectorMetadata(self._scheduler.build_plan(scheduler_output))
+        plan = self._scheduler.build_plan(scheduler_output)
+        if self._events is not None:  # the tokens of the blocks it saves
+            self._events.note_saves(plan.saves)
+        return PegaConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
@@ -170,8 +182,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Without the hybrid KV manager: the one group's blocks."""
-        assert self._scheduler is not None
-        return self._scheduler.request_finished(request, (block_ids,)), None
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -179,7 +190,14 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         """With it: block ids per group, positional, null blocks where a
         sliding window or a Mamba state moved on."""
         assert self._scheduler is not None
+        if self._events is not None:
+            self._events.finishing(request.request_id)
         return self._scheduler.request_finished(request, block_ids), None
+
+    def take_events(self) -> list[Any]:
+        """The server pool's BlockStored / BlockRemoved since the last step
+        (vLLM publishes them with its own KV events)."""
+        return self._events.take_events() if self._events is not None else []
 
     # -- worker side --------------------------------------------------------
     def _plan(self) -> StepPlan:
@@ -191,6 +209,15 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         num_blocks = self._kv_cache_config.num_blocks
         self._worker.register(kv_caches, num_blocks, self._vllm_config)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Bound before every step's forward, whichever runner (its start_load_kv
+        # comes after the forward when the step has no sync load).
+        if self._worker is not None and isinstance(
+            connector_metadata, PegaConnectorMetadata
+        ):
+            self._worker.step_began(connector_metadata.plan)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self._worker is not None
@@ -285,3 +312,5 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
         if self._scheduler is not None:
             self._scheduler.shutdown()
+        if self._events is not None:
+            self._events.close()

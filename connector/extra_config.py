@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST = "http://127.0.0.1"
 DEFAULT_PORT = 50055
 Mode = Literal["read_write", "save_only"]
+Planner = Literal["auto", "off"]
 # The original PegaFlow connector's keys that tune what is not here: accepted,
 # and a WARNING says why when one is set to anything but its default.
 ORIGINAL_IGNORED = {
@@ -61,6 +62,10 @@ class ConnectorConfig:
     # save_only: never query or load (another connector owns reads; the
     # original's `pegaflow.mode`).
     mode: Mode = "read_write"
+    # auto: load a hit only where loading beats recomputing it (the server's
+    # tier rates against this engine's measured prefill rate; fetch_plan.py);
+    # off: load every hit.
+    fetch_planner: Planner = "auto"
     # A file holding the tenant secret: the HMAC key of the namespace digest,
     # so nobody without it can compute the namespace (and read its blocks).
     # Engines that share blocks share the secret. PEGAFLOW_TENANT_SECRET is
@@ -97,6 +102,11 @@ class ConnectorConfig:
             raise ValueError(
                 "kv_connector_extra_config.mode: read_write or save_only, got "
                 f"{self.mode!r}"
+            )
+        if self.fetch_planner not in ("auto", "off"):
+            raise ValueError(
+                "kv_connector_extra_config.fetch_planner: auto or off, got "
+                f"{self.fetch_planner!r}"
             )
         if self.sync_load_max_tokens < 0:
             raise ValueError(

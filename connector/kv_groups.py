@@ -20,6 +20,7 @@ vLLM; only `groups_of` reads vLLM's spec classes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +41,9 @@ class GroupRule:
     # chunked: the chunk size; otherwise unused.
     span: int
     layer_names: tuple[str, ...]
+    # Bytes of one block over the group's layers, on one worker (0: unknown;
+    # the fetch planner then loads every hit).
+    block_bytes: int = 0
 
     def first_needed_token(self, num_tokens: int) -> int:
         """The first token whose KV a request restored at `num_tokens` reads."""
@@ -108,7 +112,10 @@ def groups_of(kv_cache_config: Any, block_size: int) -> KVGroups:
     a group this connector cannot restore (its spec and layers)."""
     configs = kv_cache_config.kv_cache_groups
     transfer = getattr(kv_cache_config, "transfer_group_ids", range(len(configs)))
-    rules = tuple(_rule(i, configs[i]) for i in transfer)
+    rules = tuple(
+        dataclasses.replace(_rule(i, configs[i]), block_bytes=_block_bytes(configs[i]))
+        for i in transfer
+    )
     if not rules:
         raise ValueError("PegaKVConnector: no KV cache group to transfer")
     hash_bs = getattr(kv_cache_config, "hash_block_size", None) or block_size
@@ -121,6 +128,18 @@ def groups_of(kv_cache_config: Any, block_size: int) -> KVGroups:
             )
         alignment = math.lcm(alignment, rule.block_size)
     return KVGroups(rules, hash_bs, alignment)
+
+
+def _block_bytes(group: Any) -> int:
+    """One block of every layer of the group, as one worker holds it."""
+    spec = group.kv_cache_spec
+    try:
+        each = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        if each:
+            return int(sum(s.page_size_bytes for s in each.values()))
+        return int(spec.page_size_bytes) * len(group.layer_names)
+    except (AttributeError, TypeError, ValueError):  # a spec without a page size
+        return 0
 
 
 def _rule(index: int, group: Any) -> GroupRule:

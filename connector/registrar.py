@@ -182,6 +182,11 @@ class Registrar:
             logger.warning("pegaflow: registration lost (%s); re-registering", reason)
         self.registered = False
 
+    @property
+    def device(self) -> str:
+        """Where the KV lives ("cpu", "cuda:N"), once registered."""
+        return self._device
+
     def record_compute_done(self) -> int:
         """CUDA KV: an event after this step's KV writes, for the server's copy
         to wait on (no host sync here). Host KV: 0, the forward is done."""

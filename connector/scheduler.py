@@ -19,8 +19,10 @@ from typing import Any
 
 from pegaflow.client.pegaflow_client import PegaflowClient
 from pegaflow.common.errors import PegaflowError, ServerUnavailable, UnknownInstance
+from pegaflow.common.results import QueryResult
 
 from .extra_config import ConnectorConfig
+from .fetch_plan import FetchPlanner
 from .kv_groups import NULL_BLOCK, GroupRule, KVGroups, single_group
 from .step_plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stats
 from .vllm_compat import block_table_updates
@@ -88,6 +90,7 @@ class SchedulerHalf:
             config.addr, timeout_s=config.query_timeout_s
         )
         self.stats = new_stats()
+        self.planner = FetchPlanner(config.fetch_planner == "auto")
         self._reqs: dict[ReqId, _Req] = {}
         self._hits: dict[ReqId, _Hit] = {}
         self._loads: list[LoadJob] = []
@@ -156,6 +159,7 @@ class SchedulerHalf:
         if end is None:  # a tier is still pulling blocks in: ask again
             self._release_all(leases)
             return None
+        self.planner.forget(request.request_id)
         self.stats["query_tokens"] += limit - local
         if end <= local:
             self._release_all(leases)
@@ -229,10 +233,60 @@ class SchedulerHalf:
                 self._release_all(answers)
                 raise
             if res.loading:
+                res = self._pulling(request, rule, stage, hashes, res)
+            if res is None:
                 self._release_all(answers)
                 return None
+            res = self._worth_loading(rule, res)
             answers.append(_Lease(rule.index, res.lease_id, lo, res.num_blocks, stage))
         return answers
+
+    def _pulling(
+        self, request: Any, rule: GroupRule, stage: int, hashes: list[bytes], res: Any
+    ) -> Any:
+        """A tier pulls blocks in: None to wait for them, or the answer for
+        the blocks L1 holds now when waiting would not pay."""
+        est = self.planner.pulling(
+            request.request_id,
+            time.monotonic(),
+            res.num_blocks,
+            self._block_bytes(rule),
+            rule.block_size,
+            res.tier_gbps,
+            res.l1_gbps,
+        )
+        if est.decision == "load":
+            return None
+        self.stats["planner_gave_up"] += est.load_s < est.compute_s
+        self.stats["planner_recomputed_tokens"] += res.num_blocks * rule.block_size
+        self.planner.forget(request.request_id)
+        ready = min(res.ready_blocks, len(hashes))
+        if not ready:
+            return QueryResult(0, 0)
+        # L1's blocks alone (the pull goes on: a later request may use it).
+        res = self._ask_part(request, rule, stage, hashes[:ready])
+        return None if res.loading else res
+
+    def _worth_loading(self, rule: GroupRule, res: Any) -> Any:
+        """The answer, or a miss when recomputing its hit would be sooner."""
+        if not res.num_blocks:
+            return res
+        tokens = res.num_blocks * rule.block_size
+        est = self.planner.ready(
+            res.num_blocks, self._block_bytes(rule), rule.block_size, res.l1_gbps
+        )
+        if est.decision == "load":
+            self.stats["planner_loaded_tokens"] += tokens
+            self.stats["planner_predicted_load_seconds"] += est.load_s
+            return res
+        self.stats["planner_recomputed_tokens"] += tokens
+        self._release_ids([res.lease_id])
+        return QueryResult(0, 0)
+
+    def _block_bytes(self, rule: GroupRule) -> int:
+        """What one worker loads per block of the group (its stages load their
+        own layers side by side)."""
+        return rule.block_bytes // self.stages
 
     def _ask_part(
         self, request: Any, rule: GroupRule, stage: int, hashes: list[bytes]
@@ -350,6 +404,7 @@ class SchedulerHalf:
             self._finish_saves,
             self._held,
             set(so.preempted_req_ids or ()),
+            so.total_num_scheduled_tokens,
         )
         self._loads, self._finish_saves, self._held = [], [], set()
         block_state = getattr(so, "kv_connector_block_state", None)
@@ -421,6 +476,7 @@ class SchedulerHalf:
         for stage, groups in report.stage_groups.items():
             self._stage_groups[stage] = frozenset(groups)
         self._failed_loads |= report.failed_loads
+        self.planner.observe_prefill(report.forward_tokens, report.forward_seconds)
         for rid, n in report.saves_done.items():
             st = self._reqs.get(rid)
             if st is None:
@@ -435,6 +491,7 @@ class SchedulerHalf:
         """True (keep the blocks) only while saves of this request are pending."""
         rid = request.request_id
         self._failed_loads.discard(rid)
+        self.planner.forget(rid)
         hit = self._hits.pop(rid, None)
         if hit is not None:
             self._release_all(hit.leases)
@@ -462,7 +519,9 @@ class SchedulerHalf:
         return stats
 
     def _release_all(self, leases: list[_Lease]) -> None:
-        ids = [lease.lease_id for lease in leases if lease.lease_id]
+        self._release_ids([lease.lease_id for lease in leases if lease.lease_id])
+
+    def _release_ids(self, ids: list[int]) -> None:
         if not ids:
             return
         if self._releaser is None:

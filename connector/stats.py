@@ -31,6 +31,10 @@ DOCS = {
     "save_seconds": "Seconds spent in Save calls",
     "save_failures": "Failed saves (future misses)",
     "saves_skipped": "Blocks not saved while the server was away",
+    "planner_loaded_tokens": "Hit tokens the fetch planner chose to load",
+    "planner_recomputed_tokens": "Hit tokens the fetch planner chose to recompute",
+    "planner_predicted_load_seconds": "The planner's predicted time of loads it chose",
+    "planner_gave_up": "Waits for a slower tier given up (it was late)",
 }
 
 

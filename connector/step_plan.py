@@ -46,6 +46,8 @@ class StepPlan:
     held: set[ReqId] = field(default_factory=set)
     # Preempted since the last step: their blocks may be reused by this step.
     preempted: set[ReqId] = field(default_factory=set)
+    # Tokens the step computes (its forward is timed: forward_timer.py).
+    scheduled_tokens: int = 0
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.held or self.preempted)
@@ -68,6 +70,10 @@ STAT_KEYS = (
     "save_seconds",
     "save_failures",
     "saves_skipped",
+    "planner_loaded_tokens",
+    "planner_recomputed_tokens",
+    "planner_predicted_load_seconds",
+    "planner_gave_up",
 )
 
 
@@ -89,6 +95,9 @@ class WorkerReport:
     stage_groups: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # Requests whose load failed here (vLLM recomputes them): no more hits.
     failed_loads: set[ReqId] = field(default_factory=set)
+    # Prefill steps timed since the last report (forward_timer.py).
+    forward_tokens: int = 0
+    forward_seconds: float = 0.0
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         merged = dict(self.saves_done)
@@ -100,4 +109,6 @@ class WorkerReport:
             self.socket_path or other.socket_path,
             stages,
             self.failed_loads | other.failed_loads,
+            self.forward_tokens + other.forward_tokens,
+            self.forward_seconds + other.forward_seconds,
         )

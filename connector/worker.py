@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 from typing import Any
 
@@ -39,6 +39,8 @@ from pegaflow.client.pegaflow_client import COPY_GRACE_S, LoadItem, PegaflowClie
 from pegaflow.common.errors import PegaflowError, ServerUnavailable, UnknownInstance
 
 from .extra_config import ConnectorConfig
+from .forward_timer import ForwardTimer
+from .io_threads import io_pool
 from .kv_groups import KVGroups, single_group
 from .registrar import Registrar
 from .step_plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stats
@@ -46,6 +48,7 @@ from .step_plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stat
 logger = logging.getLogger(__name__)
 
 IO_THREADS = 3
+TIMINGS_EVERY_S = 0.5  # forward timings are reported at most this often
 SPINS = 2000  # polls of a layer signal word before napping between polls
 NAP_S = 50e-6  # a save, a sync load and an async load in flight at once
 
@@ -72,7 +75,7 @@ class WorkerHalf:
         self.client = client or PegaflowClient(config.addr, timeout_s=config.timeout_s)
         self.stats = new_stats()
         self._stats_lock = threading.Lock()  # IO threads add to the counters
-        self._pool = ThreadPoolExecutor(IO_THREADS, "pegaflow-io")
+        self._pool = io_pool(IO_THREADS, "pegaflow-io")
         # One registration per KV cache group, by vLLM's group id.
         self.parts = {
             rule.index: Registrar(
@@ -98,6 +101,8 @@ class WorkerHalf:
         # forward waits for the whole load at its first layer).
         self._sync: list[tuple[list[LoadJob], Future, int]] = []
         self._layer_seq = 0
+        self._forward_timer: ForwardTimer | None = None
+        self._timings_due = 0.0  # forward timings ride a report at most this often
         # Saves of blocks vLLM may free while their request runs (a window
         # moved on, an older Mamba state): the next forward may reuse them.
         self._volatile: list[Future] = []
@@ -148,6 +153,11 @@ class WorkerHalf:
         self._volatile = []
         if futures:
             wait_all(futures, timeout=self._transfer_wait_s)
+
+    def step_began(self, plan: StepPlan) -> None:
+        """Before the step's forward: time it, unless a sync load is in it."""
+        sync = any(job.sync for job in plan.loads)
+        self._timer().start(plan, 0 if sync else plan.scheduled_tokens)
 
     def start_load(self, plan: StepPlan, layer_waits: bool) -> None:
         for part in self.parts.values():
@@ -225,6 +235,7 @@ class WorkerHalf:
         """One Save per step for every request's completed blocks (this rank's
         stripe of them for replicated KV)."""
         self.wait_sync_loads()  # in case no layer asked (no forward this step)
+        self._timer().stop(plan)
         self._plan_saves(plan)  # a no-op when start_load saw this plan
         assert self._planned is not None
         _, planned = self._planned
@@ -318,12 +329,31 @@ class WorkerHalf:
             part.new_socket_path = ""
         self._report.socket_path = socket
         report = self._report
+        tokens, seconds = self._timer().take()
+        report.forward_tokens += tokens
+        report.forward_seconds += seconds
+        now = time.monotonic()
+        timings_due = report.forward_tokens and now >= self._timings_due
         if not (
-            report.saves_done or socket or report.stage_groups or report.failed_loads
+            report.saves_done
+            or socket
+            or report.stage_groups
+            or report.failed_loads
+            or timings_due
         ):
             return None
+        if report.forward_tokens:
+            self._timings_due = now + TIMINGS_EVERY_S
         report, self._report = self._report, WorkerReport()
         return report
+
+    def _timer(self) -> ForwardTimer:
+        if self._forward_timer is None:
+            device = next(iter(self.parts.values())).device
+            if not any(part.registered for part in self.parts.values()):
+                return ForwardTimer()  # not registered yet: times nothing kept
+            self._forward_timer = ForwardTimer(device)
+        return self._forward_timer
 
     def take_stats(self) -> dict[str, float] | None:
         with self._stats_lock:

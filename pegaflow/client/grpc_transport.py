@@ -127,9 +127,18 @@ class GrpcTransport:
         )
         resp = self.call("QueryPrefix", request, call.wait_s)
         if resp.WhichOneof("result") == "loading":
-            return QueryResult(resp.loading.num_blocks, 0, loading=True)
+            pulling = resp.loading
+            return QueryResult(
+                pulling.num_blocks,
+                0,
+                loading=True,
+                ready_blocks=pulling.ready_blocks,
+                l1_gbps=pulling.l1_gbps,
+                tier_gbps=pulling.tier_gbps,
+            )
+        ready = resp.ready
         return QueryResult(
-            resp.ready.num_blocks, resp.ready.lease_id, resp.ready.lease_ttl_s
+            ready.num_blocks, ready.lease_id, ready.lease_ttl_s, l1_gbps=ready.l1_gbps
         )
 
     def load(self, call: LoadCall) -> LoadBatchResult:

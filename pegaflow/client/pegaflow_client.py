@@ -29,6 +29,7 @@ from pegaflow.common.results import (
 )
 from pegaflow.proto import pegaflow_pb2 as pb
 
+from .block_watch import BlockWatch
 from .grpc_transport import GrpcTransport, LoadCall, QueryCall, SaveCall, Transport
 from .registration_messages import allow_ptrace_from, cuda_request, host_request
 from .session_stream import Session
@@ -267,6 +268,11 @@ class PegaflowClient:
     ) -> Session:
         token = self._token(instance_id, tp_rank)
         return self._grpc.session(instance_id, tp_rank, interval_s, token)
+
+    def watch_blocks(self, instance_id: str) -> BlockWatch:
+        """The block events of the instance's namespace, for KV-aware routers
+        (pegaflow.client.block_watch); the instance's user may ask."""
+        return BlockWatch(self._grpc.stub, instance_id)
 
     def close(self) -> None:
         self._socket.close()

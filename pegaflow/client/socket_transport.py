@@ -100,13 +100,12 @@ class SocketClient:
         if server_id != self._server_id or version != PROTOCOL_VERSION:
             raise ConnectionRefusedError(f"{self._path}: another server's socket")
 
-    def query(self, frame: bytes, wait_s: float) -> tuple[int, int, float, bool]:
-        """(num_blocks, lease_id, lease_ttl_s, loading); typed exceptions for
-        errors; OSError when the connection is broken, TimeoutError when no
-        reply came within wait_s."""
+    def query(self, frame: bytes, wait_s: float) -> QueryResult:
+        """Typed exceptions for errors; OSError when the connection is broken,
+        TimeoutError when no reply came within wait_s."""
         status, reply = self._exchange(frame, wait_s, QUERY_REPLY.size)
-        _, n, lease, ttl = QUERY_REPLY.unpack(reply)
-        return n, lease, ttl, status == LOADING
+        _, n, lease, ttl, ready, l1, tier = QUERY_REPLY.unpack(reply)
+        return QueryResult(n, lease, ttl, status == LOADING, ready, l1, tier)
 
     def save(self, frame: bytes, wait_s: float) -> tuple[int, int, int]:
         """(stored, deduplicated, rejected)."""
@@ -246,8 +245,7 @@ class SocketTransport:
         frame = encode_query(
             call.instance_id, call.hashes, call.hash_len, call.deadline_ns
         )
-        got = self._send(frame, lambda s, f: s.query(f, call.wait_s))
-        return None if got is None else QueryResult(*got)
+        return self._send(frame, lambda s, f: s.query(f, call.wait_s))
 
     def load(self, call: LoadCall) -> LoadBatchResult | None:
         frame = encode_load(

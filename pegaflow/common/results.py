@@ -21,6 +21,13 @@ class QueryResult:
     lease_id: int  # 0 when nothing is leased
     lease_ttl_s: float = 0.0
     loading: bool = False  # a slower tier is pulling blocks in: ask again
+    # The server's recent rates, GB/s (0: unknown): its copies from L1 into
+    # engines and, when loading, the pulling tier's into L1; loading answers
+    # also say how many L1 blocks precede the pulled ones. What the
+    # connector's fetch-or-recompute planner weighs (claims: it clamps them).
+    ready_blocks: int = 0
+    l1_gbps: float = 0.0
+    tier_gbps: float = 0.0
     # Set by the engine when the answer needs the metaserver: the server's
     # boundary awaits it for the final result (never sent to a client).
     pending: Callable[[], Awaitable[QueryResult]] | None = None

@@ -163,6 +163,9 @@ class PoolConfig:
     # anonymous memory.
     pool_file: str | None = None
     on_mismatch: OnMismatch = "reinit"
+    # Bytes a second a restart's background check of a kept pool file reads
+    # at most (pegaflow.server.pool_check); 0: as fast as it can.
+    check_rate: int = 0
 
     def __post_init__(self) -> None:
         check_int("pool_size", self.size_bytes, 0, MAX_POOL_BYTES)
@@ -172,11 +175,20 @@ class PoolConfig:
             raise ValueError(f"pool_size: {self.size_bytes} bytes is below 1 MiB")
         check_int("prefault_threads", self.prefault_threads, 1, MAX_THREADS)
         check_int("slab_bytes", self.slab_bytes, 1 << 16, 1 << 32)
+        if self.check_rate:
+            check_int("pool_check_rate", self.check_rate, 1 << 10, MAX_POOL_BYTES)
+
+
+# L1 eviction (pegaflow.cache.prefix_eviction): plain LRU, or LRU over chain
+# leaves (a block leaves after the blocks chained to it).
+EvictionSetting = Literal["lru", "prefix"]
+EVICTION_SETTINGS: tuple[EvictionSetting, ...] = ("lru", "prefix")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     enable_lfu_admission: bool = False
+    eviction: EvictionSetting = "lru"
     lease_ttl_s: float = 30.0
     lease_sweep_interval_s: float = 1.0
     copy_threads: int = 2
@@ -197,6 +209,11 @@ class EngineConfig:
     # state (0.4 to 3 MiB each); past this, the longest idle loses it (see
     # pegaflow.server.namespaces). 4096 let idle ones hold GiBs.
     max_idle_namespaces: int = 16
+    # KV events for routers (pegaflow.server.block_events): WatchBlocks
+    # streams open at once, and the block hashes one may have waiting before
+    # it is sent a resync instead.
+    max_block_watchers: int = 64
+    block_events_buffer: int = 1 << 16
 
     def __post_init__(self) -> None:
         check_seconds("lease_ttl_s", self.lease_ttl_s, MAX_LEASE_TTL_S)
@@ -206,6 +223,11 @@ class EngineConfig:
         check_int("max_blocks_per_request", self.max_blocks_per_request, 1, 1 << 24)
         check_int("max_large_requests", self.max_large_requests, 1, 1 << 16)
         check_int("max_idle_namespaces", self.max_idle_namespaces, 0, 1 << 24)
+        check_int("max_block_watchers", self.max_block_watchers, 0, 1 << 14)
+        check_int("block_events_buffer", self.block_events_buffer, 16, 1 << 24)
+        if self.eviction not in EVICTION_SETTINGS:
+            known = ", ".join(EVICTION_SETTINGS)
+            raise ValueError(f"eviction: {self.eviction!r} is not one of {known}")
 
 
 CopyPathSetting = Literal["auto", "kernel", "dma"]

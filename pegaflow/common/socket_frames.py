@@ -25,6 +25,7 @@ CLOCK_MONOTONIC nanoseconds (pegaflow.common.deadlines; 0: none); `token` the wo
 Replies: u8 status (a grpc.StatusCode value, 0 = OK; 255 = LOADING) | payload
   hello OK:           u16 version | 16 B server id (ServerInfo's server_id)
   query OK / LOADING: u32 num_blocks | u64 lease_id | f64 lease_ttl_s
+                      | u32 ready_blocks | f32 l1_gbps | f32 tier_gbps
   save OK:            u32 stored | u32 deduplicated | u32 rejected
   load OK:            u32 loaded | u64 bytes | u32 n_items
                       | n_items x (u32 loaded | u64 bytes | u32 error_len) | errors
@@ -42,7 +43,8 @@ import numpy as np
 from .errors import InvalidRequest, PegaflowError
 from .keys import LoadSpec, PackedHashes
 
-PROTOCOL_VERSION = 2  # 1: no hello, no deadlines, no tokens, no register
+PROTOCOL_VERSION = 3  # 2: no rates in query replies; 1: no hello, deadlines,
+# tokens nor register
 HELLO, QUERY, SAVE, LOAD, REGISTER = 0, 1, 2, 3, 4
 KINDS = (QUERY, SAVE, LOAD, REGISTER)  # after the hello
 HELLO_HEADER = struct.Struct("<BBH")
@@ -51,7 +53,7 @@ QUERY_HEADER = struct.Struct("<BBHIQ")
 SAVE_HEADER = struct.Struct("<BBHIIIIQ16s")
 REGISTER_HEADER = struct.Struct("<BBHQ")
 REGISTER_REPLY = struct.Struct("<BI")
-QUERY_REPLY = struct.Struct("<BIQd")
+QUERY_REPLY = struct.Struct("<BIQdIff")
 SAVE_REPLY = struct.Struct("<BIII")
 LOAD_HEADER = struct.Struct("<BBHIIQQ16s")
 LOAD_REPLY = struct.Struct("<BIQI")

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0epegaflow.proto\x12\x0bpegaflow.v1\"8\n\nHostRegion\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\"S\n\nCudaRegion\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\x0c\"h\n\x0cMemoryRegion\x12\'\n\x04host\x18\x01 \x01(\x0b\x32\x17.pegaflow.v1.HostRegionH\x00\x12\'\n\x04\x63uda\x18\x02 \x01(\x0b\x32\x17.pegaflow.v1.CudaRegionH\x00\x42\x06\n\x04kind\"\'\n\x07Segment\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\"\x85\x01\n\x0bLayerLayout\x12\x14\n\x0cregion_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x04 \x01(\x04\x12&\n\x08segments\x18\x05 \x03(\x0b\x32\x14.pegaflow.v1.Segment\"\xcf\x02\n\x17RegisterInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12*\n\x07regions\x18\x07 \x03(\x0b\x32\x19.pegaflow.v1.MemoryRegion\x12(\n\x06layers\x18\x08 \x03(\x0b\x32\x18.pegaflow.v1.LayerLayout\x12\x15\n\revent_handles\x18\t \x03(\x0c\x12\x12\n\nreplicated\x18\n \x01(\x08\x12\x30\n\rlayer_signals\x18\x0b \x01(\x0b\x32\x19.pegaflow.v1.LayerSignals\x12\x13\n\x0bowner_token\x18\x0c \x01(\x0c\",\n\x0cLayerSignals\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\"\x13\n\x11ServerInfoRequest\"i\n\x12ServerInfoResponse\x12\x12\n\nserver_pid\x18\x01 \x01(\r\x12\x13\n\x0bsocket_path\x18\x02 \x01(\t\x12\x17\n\x0fsocket_protocol\x18\x03 \x01(\r\x12\x11\n\tserver_id\x18\x04 \x01(\x0c\"m\n\x18RegisterInstanceResponse\x12\x12\n\nserver_pid\x18\x01 \x01(\r\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cquery_socket\x18\x03 \x01(\t\x12\x13\n\x0bowner_token\x18\x04 \x01(\x0c\"\xad\x01\n\x0bSaveRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x11\n\tlayer_ids\x18\x05 \x03(\r\x12\x12\n\nwait_event\x18\x06 \x01(\r\x12\x13\n\x0bowner_token\x18\x07 \x01(\x0c\x12\x13\n\x0b\x64\x65\x61\x64line_ns\x18\x08 \x01(\x04\"F\n\x0cSaveResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x02 \x01(\r\x12\x10\n\x08rejected\x18\x03 \x01(\r\"?\n\x12QueryPrefixRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"\xf8\x01\n\x13QueryPrefixResponse\x12\x37\n\x05ready\x18\x01 \x01(\x0b\x32&.pegaflow.v1.QueryPrefixResponse.ReadyH\x00\x12;\n\x07loading\x18\x02 \x01(\x0b\x32(.pegaflow.v1.QueryPrefixResponse.LoadingH\x00\x1a\x42\n\x05Ready\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\x1a\x1d\n\x07Loading\x12\x12\n\nnum_blocks\x18\x01 \x01(\rB\x08\n\x06result\"E\n\x08LoadItem\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x14\n\x0clease_offset\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\"\xd1\x01\n\x0bLoadRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x14\n\x0clease_offset\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12$\n\x05items\x18\x06 \x03(\x0b\x32\x15.pegaflow.v1.LoadItem\x12\x11\n\tlayer_seq\x18\x07 \x01(\x04\x12\x13\n\x0bowner_token\x18\x08 \x01(\x0c\x12\x13\n\x0b\x64\x65\x61\x64line_ns\x18\t \x01(\x04\">\n\x0eLoadItemResult\x12\x0e\n\x06loaded\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"Y\n\x0cLoadResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12*\n\x05items\x18\x03 \x03(\x0b\x32\x1b.pegaflow.v1.LoadItemResult\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\x16\n\x14ReleaseLeaseResponse\"N\n\x11UnregisterRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x13\n\x0bowner_token\x18\x03 \x01(\x0c\"\x14\n\x12UnregisterResponse\"H\n\x0bSessionPing\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x13\n\x0bowner_token\x18\x03 \x01(\x0c\"%\n\x0bSessionPong\x12\x16\n\x0eserver_time_ns\x18\x01 \x01(\x04\x32\xed\x04\n\x08PegaFlow\x12_\n\x10RegisterInstance\x12$.pegaflow.v1.RegisterInstanceRequest\x1a%.pegaflow.v1.RegisterInstanceResponse\x12;\n\x04Save\x12\x18.pegaflow.v1.SaveRequest\x1a\x19.pegaflow.v1.SaveResponse\x12P\n\x0bQueryPrefix\x12\x1f.pegaflow.v1.QueryPrefixRequest\x1a .pegaflow.v1.QueryPrefixResponse\x12;\n\x04Load\x12\x18.pegaflow.v1.LoadRequest\x1a\x19.pegaflow.v1.LoadResponse\x12S\n\x0cReleaseLease\x12 .pegaflow.v1.ReleaseLeaseRequest\x1a!.pegaflow.v1.ReleaseLeaseResponse\x12M\n\nUnregister\x12\x1e.pegaflow.v1.UnregisterRequest\x1a\x1f.pegaflow.v1.UnregisterResponse\x12M\n\nServerInfo\x12\x1e.pegaflow.v1.ServerInfoRequest\x1a\x1f.pegaflow.v1.ServerInfoResponse\x12\x41\n\x07Session\x12\x18.pegaflow.v1.SessionPing\x1a\x18.pegaflow.v1.SessionPong(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0epegaflow.proto\x12\x0bpegaflow.v1\"8\n\nHostRegion\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\"S\n\nCudaRegion\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\x0c\"h\n\x0cMemoryRegion\x12\'\n\x04host\x18\x01 \x01(\x0b\x32\x17.pegaflow.v1.HostRegionH\x00\x12\'\n\x04\x63uda\x18\x02 \x01(\x0b\x32\x17.pegaflow.v1.CudaRegionH\x00\x42\x06\n\x04kind\"\'\n\x07Segment\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\"\x85\x01\n\x0bLayerLayout\x12\x14\n\x0cregion_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x04 \x01(\x04\x12&\n\x08segments\x18\x05 \x03(\x0b\x32\x14.pegaflow.v1.Segment\"\xcf\x02\n\x17RegisterInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12*\n\x07regions\x18\x07 \x03(\x0b\x32\x19.pegaflow.v1.MemoryRegion\x12(\n\x06layers\x18\x08 \x03(\x0b\x32\x18.pegaflow.v1.LayerLayout\x12\x15\n\revent_handles\x18\t \x03(\x0c\x12\x12\n\nreplicated\x18\n \x01(\x08\x12\x30\n\rlayer_signals\x18\x0b \x01(\x0b\x32\x19.pegaflow.v1.LayerSignals\x12\x13\n\x0bowner_token\x18\x0c \x01(\x0c\",\n\x0cLayerSignals\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\"\x13\n\x11ServerInfoRequest\"i\n\x12ServerInfoResponse\x12\x12\n\nserver_pid\x18\x01 \x01(\r\x12\x13\n\x0bsocket_path\x18\x02 \x01(\t\x12\x17\n\x0fsocket_protocol\x18\x03 \x01(\r\x12\x11\n\tserver_id\x18\x04 \x01(\x0c\"m\n\x18RegisterInstanceResponse\x12\x12\n\nserver_pid\x18\x01 \x01(\r\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cquery_socket\x18\x03 \x01(\t\x12\x13\n\x0bowner_token\x18\x04 \x01(\x0c\"\xad\x01\n\x0bSaveRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x11\n\tlayer_ids\x18\x05 \x03(\r\x12\x12\n\nwait_event\x18\x06 \x01(\r\x12\x13\n\x0bowner_token\x18\x07 \x01(\x0c\x12\x13\n\x0b\x64\x65\x61\x64line_ns\x18\x08 \x01(\x04\"F\n\x0cSaveResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x02 \x01(\r\x12\x10\n\x08rejected\x18\x03 \x01(\r\"?\n\x12QueryPrefixRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"\xc3\x02\n\x13QueryPrefixResponse\x12\x37\n\x05ready\x18\x01 \x01(\x0b\x32&.pegaflow.v1.QueryPrefixResponse.ReadyH\x00\x12;\n\x07loading\x18\x02 \x01(\x0b\x32(.pegaflow.v1.QueryPrefixResponse.LoadingH\x00\x1aS\n\x05Ready\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\x12\x0f\n\x07l1_gbps\x18\x04 \x01(\x02\x1aW\n\x07Loading\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x14\n\x0cready_blocks\x18\x02 \x01(\r\x12\x0f\n\x07l1_gbps\x18\x03 \x01(\x02\x12\x11\n\ttier_gbps\x18\x04 \x01(\x02\x42\x08\n\x06result\"E\n\x08LoadItem\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x14\n\x0clease_offset\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\"\xd1\x01\n\x0bLoadRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x14\n\x0clease_offset\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12$\n\x05items\x18\x06 \x03(\x0b\x32\x15.pegaflow.v1.LoadItem\x12\x11\n\tlayer_seq\x18\x07 \x01(\x04\x12\x13\n\x0bowner_token\x18\x08 \x01(\x0c\x12\x13\n\x0b\x64\x65\x61\x64line_ns\x18\t \x01(\x04\">\n\x0eLoadItemResult\x12\x0e\n\x06loaded\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"Y\n\x0cLoadResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12*\n\x05items\x18\x03 \x03(\x0b\x32\x1b.pegaflow.v1.LoadItemResult\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\x16\n\x14ReleaseLeaseResponse\"N\n\x11UnregisterRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x13\n\x0bowner_token\x18\x03 \x01(\x0c\"\x14\n\x12UnregisterResponse\"H\n\x0bSessionPing\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x13\n\x0bowner_token\x18\x03 \x01(\x0c\"%\n\x0bSessionPong\x12\x16\n\x0eserver_time_ns\x18\x01 \x01(\x04\")\n\x12WatchBlocksRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\x95\x01\n\nBlockEvent\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.pegaflow.v1.BlockEvent.Kind\x12$\n\x04tier\x18\x02 \x01(\x0e\x32\x16.pegaflow.v1.BlockTier\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\x1f\n\x04Kind\x12\n\n\x06STORED\x10\x00\x12\x0b\n\x07REMOVED\x10\x01\"]\n\x0b\x42lockEvents\x12\x0e\n\x06resync\x18\x01 \x01(\x08\x12\x15\n\rsnapshot_done\x18\x02 \x01(\x08\x12\'\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x17.pegaflow.v1.BlockEvent*G\n\tBlockTier\x12\x11\n\rBLOCK_TIER_L1\x10\x00\x12\x12\n\x0e\x42LOCK_TIER_SSD\x10\x01\x12\x13\n\x0f\x42LOCK_TIER_PEER\x10\x02\x32\xb9\x05\n\x08PegaFlow\x12_\n\x10RegisterInstance\x12$.pegaflow.v1.RegisterInstanceRequest\x1a%.pegaflow.v1.RegisterInstanceResponse\x12;\n\x04Save\x12\x18.pegaflow.v1.SaveRequest\x1a\x19.pegaflow.v1.SaveResponse\x12P\n\x0bQueryPrefix\x12\x1f.pegaflow.v1.QueryPrefixRequest\x1a .pegaflow.v1.QueryPrefixResponse\x12;\n\x04Load\x12\x18.pegaflow.v1.LoadRequest\x1a\x19.pegaflow.v1.LoadResponse\x12S\n\x0cReleaseLease\x12 .pegaflow.v1.ReleaseLeaseRequest\x1a!.pegaflow.v1.ReleaseLeaseResponse\x12M\n\nUnregister\x12\x1e.pegaflow.v1.UnregisterRequest\x1a\x1f.pegaflow.v1.UnregisterResponse\x12M\n\nServerInfo\x12\x1e.pegaflow.v1.ServerInfoRequest\x1a\x1f.pegaflow.v1.ServerInfoResponse\x12\x41\n\x07Session\x12\x18.pegaflow.v1.SessionPing\x1a\x18.pegaflow.v1.SessionPong(\x01\x30\x01\x12J\n\x0bWatchBlocks\x12\x1f.pegaflow.v1.WatchBlocksRequest\x1a\x18.pegaflow.v1.BlockEvents0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pegaflow_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_BLOCKTIER']._serialized_start=2727
+  _globals['_BLOCKTIER']._serialized_end=2798
   _globals['_HOSTREGION']._serialized_start=31
   _globals['_HOSTREGION']._serialized_end=87
   _globals['_CUDAREGION']._serialized_start=89
@@ -58,31 +60,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_QUERYPREFIXREQUEST']._serialized_start=1328
   _globals['_QUERYPREFIXREQUEST']._serialized_end=1391
   _globals['_QUERYPREFIXRESPONSE']._serialized_start=1394
-  _globals['_QUERYPREFIXRESPONSE']._serialized_end=1642
+  _globals['_QUERYPREFIXRESPONSE']._serialized_end=1717
   _globals['_QUERYPREFIXRESPONSE_READY']._serialized_start=1535
-  _globals['_QUERYPREFIXRESPONSE_READY']._serialized_end=1601
-  _globals['_QUERYPREFIXRESPONSE_LOADING']._serialized_start=1603
-  _globals['_QUERYPREFIXRESPONSE_LOADING']._serialized_end=1632
-  _globals['_LOADITEM']._serialized_start=1644
-  _globals['_LOADITEM']._serialized_end=1713
-  _globals['_LOADREQUEST']._serialized_start=1716
-  _globals['_LOADREQUEST']._serialized_end=1925
-  _globals['_LOADITEMRESULT']._serialized_start=1927
-  _globals['_LOADITEMRESULT']._serialized_end=1989
-  _globals['_LOADRESPONSE']._serialized_start=1991
-  _globals['_LOADRESPONSE']._serialized_end=2080
-  _globals['_RELEASELEASEREQUEST']._serialized_start=2082
-  _globals['_RELEASELEASEREQUEST']._serialized_end=2121
-  _globals['_RELEASELEASERESPONSE']._serialized_start=2123
-  _globals['_RELEASELEASERESPONSE']._serialized_end=2145
-  _globals['_UNREGISTERREQUEST']._serialized_start=2147
-  _globals['_UNREGISTERREQUEST']._serialized_end=2225
-  _globals['_UNREGISTERRESPONSE']._serialized_start=2227
-  _globals['_UNREGISTERRESPONSE']._serialized_end=2247
-  _globals['_SESSIONPING']._serialized_start=2249
-  _globals['_SESSIONPING']._serialized_end=2321
-  _globals['_SESSIONPONG']._serialized_start=2323
-  _globals['_SESSIONPONG']._serialized_end=2360
-  _globals['_PEGAFLOW']._serialized_start=2363
-  _globals['_PEGAFLOW']._serialized_end=2984
+  _globals['_QUERYPREFIXRESPONSE_READY']._serialized_end=1618
+  _globals['_QUERYPREFIXRESPONSE_LOADING']._serialized_start=1620
+  _globals['_QUERYPREFIXRESPONSE_LOADING']._serialized_end=1707
+  _globals['_LOADITEM']._serialized_start=1719
+  _globals['_LOADITEM']._serialized_end=1788
+  _globals['_LOADREQUEST']._serialized_start=1791
+  _globals['_LOADREQUEST']._serialized_end=2000
+  _globals['_LOADITEMRESULT']._serialized_start=2002
+  _globals['_LOADITEMRESULT']._serialized_end=2064
+  _globals['_LOADRESPONSE']._serialized_start=2066
+  _globals['_LOADRESPONSE']._serialized_end=2155
+  _globals['_RELEASELEASEREQUEST']._serialized_start=2157
+  _globals['_RELEASELEASEREQUEST']._serialized_end=2196
+  _globals['_RELEASELEASERESPONSE']._serialized_start=2198
+  _globals['_RELEASELEASERESPONSE']._serialized_end=2220
+  _globals['_UNREGISTERREQUEST']._serialized_start=2222
+  _globals['_UNREGISTERREQUEST']._serialized_end=2300
+  _globals['_UNREGISTERRESPONSE']._serialized_start=2302
+  _globals['_UNREGISTERRESPONSE']._serialized_end=2322
+  _globals['_SESSIONPING']._serialized_start=2324
+  _globals['_SESSIONPING']._serialized_end=2396
+  _globals['_SESSIONPONG']._serialized_start=2398
+  _globals['_SESSIONPONG']._serialized_end=2435
+  _globals['_WATCHBLOCKSREQUEST']._serialized_start=2437
+  _globals['_WATCHBLOCKSREQUEST']._serialized_end=2478
+  _globals['_BLOCKEVENT']._serialized_start=2481
+  _globals['_BLOCKEVENT']._serialized_end=2630
+  _globals['_BLOCKEVENT_KIND']._serialized_start=2599
+  _globals['_BLOCKEVENT_KIND']._serialized_end=2630
+  _globals['_BLOCKEVENTS']._serialized_start=2632
+  _globals['_BLOCKEVENTS']._serialized_end=2725
+  _globals['_PEGAFLOW']._serialized_start=2801
+  _globals['_PEGAFLOW']._serialized_end=3498
 # @@protoc_insertion_point(module_scope)

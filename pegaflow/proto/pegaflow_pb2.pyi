@@ -1,9 +1,19 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class BlockTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BLOCK_TIER_L1: _ClassVar[BlockTier]
+    BLOCK_TIER_SSD: _ClassVar[BlockTier]
+    BLOCK_TIER_PEER: _ClassVar[BlockTier]
+BLOCK_TIER_L1: BlockTier
+BLOCK_TIER_SSD: BlockTier
+BLOCK_TIER_PEER: BlockTier
 
 class HostRegion(_message.Message):
     __slots__ = ("pid", "address", "size")
@@ -162,19 +172,27 @@ class QueryPrefixRequest(_message.Message):
 class QueryPrefixResponse(_message.Message):
     __slots__ = ("ready", "loading")
     class Ready(_message.Message):
-        __slots__ = ("num_blocks", "lease_id", "lease_ttl_s")
+        __slots__ = ("num_blocks", "lease_id", "lease_ttl_s", "l1_gbps")
         NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
         LEASE_ID_FIELD_NUMBER: _ClassVar[int]
         LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+        L1_GBPS_FIELD_NUMBER: _ClassVar[int]
         num_blocks: int
         lease_id: int
         lease_ttl_s: float
-        def __init__(self, num_blocks: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+        l1_gbps: float
+        def __init__(self, num_blocks: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., l1_gbps: _Optional[float] = ...) -> None: ...
     class Loading(_message.Message):
-        __slots__ = ("num_blocks",)
+        __slots__ = ("num_blocks", "ready_blocks", "l1_gbps", "tier_gbps")
         NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+        READY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+        L1_GBPS_FIELD_NUMBER: _ClassVar[int]
+        TIER_GBPS_FIELD_NUMBER: _ClassVar[int]
         num_blocks: int
-        def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+        ready_blocks: int
+        l1_gbps: float
+        tier_gbps: float
+        def __init__(self, num_blocks: _Optional[int] = ..., ready_blocks: _Optional[int] = ..., l1_gbps: _Optional[float] = ..., tier_gbps: _Optional[float] = ...) -> None: ...
     READY_FIELD_NUMBER: _ClassVar[int]
     LOADING_FIELD_NUMBER: _ClassVar[int]
     ready: QueryPrefixResponse.Ready
@@ -272,3 +290,35 @@ class SessionPong(_message.Message):
     SERVER_TIME_NS_FIELD_NUMBER: _ClassVar[int]
     server_time_ns: int
     def __init__(self, server_time_ns: _Optional[int] = ...) -> None: ...
+
+class WatchBlocksRequest(_message.Message):
+    __slots__ = ("instance_id",)
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
+
+class BlockEvent(_message.Message):
+    __slots__ = ("kind", "tier", "block_hashes")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STORED: _ClassVar[BlockEvent.Kind]
+        REMOVED: _ClassVar[BlockEvent.Kind]
+    STORED: BlockEvent.Kind
+    REMOVED: BlockEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    kind: BlockEvent.Kind
+    tier: BlockTier
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, kind: _Optional[_Union[BlockEvent.Kind, str]] = ..., tier: _Optional[_Union[BlockTier, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class BlockEvents(_message.Message):
+    __slots__ = ("resync", "snapshot_done", "events")
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    resync: bool
+    snapshot_done: bool
+    events: _containers.RepeatedCompositeFieldContainer[BlockEvent]
+    def __init__(self, resync: bool = ..., snapshot_done: bool = ..., events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ...) -> None: ...

@@ -74,6 +74,11 @@ class PegaFlowStub(object):
                 request_serializer=pegaflow__pb2.SessionPing.SerializeToString,
                 response_deserializer=pegaflow__pb2.SessionPong.FromString,
                 _registered_method=True)
+        self.WatchBlocks = channel.unary_stream(
+                '/pegaflow.v1.PegaFlow/WatchBlocks',
+                request_serializer=pegaflow__pb2.WatchBlocksRequest.SerializeToString,
+                response_deserializer=pegaflow__pb2.BlockEvents.FromString,
+                _registered_method=True)
 
 
 class PegaFlowServicer(object):
@@ -133,6 +138,17 @@ class PegaFlowServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchBlocks(self, request, context):
+        """What the cache holds for the instance's namespace, for KV-aware routers
+        (the connector turns it into vLLM's KV events): first the blocks held now,
+        then each block made ready or removed, coalesced. A watcher that falls
+        behind is sent a resync and the blocks held again, never an unbounded
+        backlog. Asked like QueryPrefix: by the instance's user.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PegaFlowServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +191,11 @@ def add_PegaFlowServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=pegaflow__pb2.SessionPing.FromString,
                     response_serializer=pegaflow__pb2.SessionPong.SerializeToString,
+            ),
+            'WatchBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchBlocks,
+                    request_deserializer=pegaflow__pb2.WatchBlocksRequest.FromString,
+                    response_serializer=pegaflow__pb2.BlockEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -393,6 +414,33 @@ class PegaFlow(object):
             '/pegaflow.v1.PegaFlow/Session',
             pegaflow__pb2.SessionPing.SerializeToString,
             pegaflow__pb2.SessionPong.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pegaflow.v1.PegaFlow/WatchBlocks',
+            pegaflow__pb2.WatchBlocksRequest.SerializeToString,
+            pegaflow__pb2.BlockEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,6 +15,7 @@ from pegaflow.common.request_limits import (
     MAX_REQUEST_BYTES_IN_FLIGHT,
 )
 from pegaflow.common.settings import (
+    EVICTION_SETTINGS,
     CudaConfig,
     EngineConfig,
     HitRateConfig,
@@ -40,6 +41,7 @@ DEFAULT_SSD_CAPACITY = 512 << 30
 FLAG_OF = {
     "pool_size": "--pool-size",
     "prefault_threads": "--prefault-threads",
+    "pool_check_rate": "--pool-check-rate",
     "lease_ttl_s": "--lease-ttl",
     "copy_threads": "--copy-threads",
     "max_ctas": "--copy-ctas",
@@ -65,6 +67,8 @@ FLAG_OF = {
     "max_concurrent_rpcs": "--max-concurrent-rpcs",
     "max_request_bytes_in_flight": "--max-request-bytes-in-flight",
     "max_idle_namespaces": "--max-idle-namespaces",
+    "max_block_watchers": "--max-block-watchers",
+    "block_events_buffer": "--block-events-buffer",
     "socket": "--socket",
     "remote_quarantine_s": "--remote-quarantine",
 }
@@ -146,9 +150,25 @@ def build_parser() -> argparse.ArgumentParser:
         "refuse to start (default: reinit)",
     )
     p.add_argument(
+        "--pool-check-rate",
+        type=_size,
+        default=0,
+        help="bytes a second a restarted server's background checksum pass "
+        "over a kept --pool-file reads at most, e.g. 2gb (at least 1kb; "
+        "default: no cap); blocks a query asks for are checked at once",
+    )
+    p.add_argument(
         "--enable-lfu-admission",
         action="store_true",
         help="TinyLFU admission: keep hot blocks through scans",
+    )
+    p.add_argument(
+        "--eviction",
+        choices=EVICTION_SETTINGS,
+        default="lru",
+        help="L1 eviction: lru, or prefix (LRU over chain tails: a block leaves "
+        "after the blocks chained to it; README, 'Eviction', says why lru is the "
+        "default) (default: lru)",
     )
     p.add_argument(
         "--lease-ttl",
@@ -233,6 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=EngineConfig().max_idle_namespaces,
         help="namespaces with no engine but blocks in the pool that keep their "
         "hit-rate state; past it the longest idle loses it (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-block-watchers",
+        type=int,
+        default=EngineConfig().max_block_watchers,
+        help="KV event streams (WatchBlocks, one per engine and KV cache part) "
+        "open at once; more get RESOURCE_EXHAUSTED (default: %(default)s)",
+    )
+    p.add_argument(
+        "--block-events-buffer",
+        type=int,
+        default=EngineConfig().block_events_buffer,
+        help="block hashes a KV event stream may have unsent before it is sent "
+        "a resync instead (default: %(default)s)",
     )
     p.add_argument(
         "--socket",
@@ -404,6 +438,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "show_progress": show_progress(args),
         "pool_file": args.pool_file,
         "on_mismatch": args.pool_on_mismatch,
+        "check_rate": args.pool_check_rate,
     }
     if args.prefault_threads is not None:
         pool_kwargs["prefault_threads"] = args.prefault_threads
@@ -418,10 +453,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         pool=PoolConfig(**pool_kwargs),
         engine=EngineConfig(
             enable_lfu_admission=args.enable_lfu_admission,
+            eviction=args.eviction,
             lease_ttl_s=args.lease_ttl,
             copy_threads=args.copy_threads,
             allow_tcp_host_engines=args.allow_tcp_host_engines,
             max_idle_namespaces=args.max_idle_namespaces,
+            max_block_watchers=args.max_block_watchers,
+            block_events_buffer=args.block_events_buffer,
             hit_rate=HitRateConfig(
                 args.metric_hll_windows, args.metric_hll_bucket_bits
             ),

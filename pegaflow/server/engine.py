@@ -10,6 +10,7 @@ therefore atomic without locks.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import logging
@@ -21,11 +22,12 @@ from typing import TypeVar
 import numpy as np
 
 from pegaflow.cache.block_store import BlockEntry, BlockStore
-from pegaflow.cache.eviction import AdmissionPolicy, EvictionPolicy, LRUPolicy, TinyLFU
-from pegaflow.cache.instances import Registry, Worker
+from pegaflow.cache.eviction import EvictionPolicy
+from pegaflow.cache.instances import Instance, Registry, Worker
 from pegaflow.cache.leases import Lease, LeaseTable
 from pegaflow.cache.miss_reasons import HitRateTracker, RecordingPolicy
 from pegaflow.cache.pool import HostPool
+from pegaflow.cache.prefix_eviction import make_policy
 from pegaflow.cache.registration_checks import RegisterSpec
 from pegaflow.common import deadlines
 from pegaflow.common.errors import (
@@ -38,6 +40,7 @@ from pegaflow.common.geometry import Transfers, check_block_ids, check_distinct
 from pegaflow.common.identity import CallContext, Caller
 from pegaflow.common.keys import BlockHash, LoadSpec, PackedHashes
 from pegaflow.common.pidfds import ProcessChanged
+from pegaflow.common.rate_meter import RateMeter
 from pegaflow.common.request_limits import LargeRequestGate, RequestCaps
 from pegaflow.common.results import (
     LoadBatchResult,
@@ -51,6 +54,7 @@ from pegaflow.copiers.copier import CopyEngine, RegionKind
 from pegaflow.copiers.layer_signals import LayerSignals, scatter_by_layer
 from pegaflow.tiers.protocol import Tier
 
+from .block_events import BlockEventHub
 from .metrics import Metrics
 from .namespaces import NamespaceReaper
 from .query_path import PrefixQueries, check_hashes
@@ -99,11 +103,10 @@ class Engine:
     ) -> None:
         self.config = config
         self.pool = pool
-        policy: EvictionPolicy = LRUPolicy()
-        if config.enable_lfu_admission:
-            # Block sizes are unknown until engines register; ~1 MiB is typical.
-            capacity = max(1024, pool.size >> 20)
-            policy = AdmissionPolicy(LRUPolicy(), TinyLFU(capacity))
+        # TinyLFU's capacity: block sizes are unknown until engines register;
+        # ~1 MiB is typical.
+        lfu = max(1024, pool.size >> 20) if config.enable_lfu_admission else 0
+        policy: EvictionPolicy = make_policy(config.eviction, lfu)
         # Hit rates, their ceiling and the miss breakdown; the wrapper feeds it
         # the evictions and refusals that later misses are blamed on.
         self.hit_rates = HitRateTracker(
@@ -136,6 +139,11 @@ class Engine:
             self.tiers,
             config.max_idle_namespaces,
         )
+        # Recent L1 -> engine copy rates, per copy engine (host, CUDA): what
+        # query answers tell connectors (their fetch-or-recompute planner).
+        self.load_rates: dict[CopyEngine, RateMeter] = collections.defaultdict(
+            RateMeter
+        )
         self.queries = PrefixQueries(
             self.registry,
             self.store,
@@ -144,7 +152,17 @@ class Engine:
             self.hit_rates,
             self.metrics,
             config.max_blocks_per_request,
+            self._load_gbps,
         )
+        # What L1 holds, streamed to engines for KV-aware routers (WatchBlocks).
+        self.block_events = BlockEventHub(
+            self.registry,
+            self.store,
+            self.queries,
+            config.max_block_watchers,
+            config.block_events_buffer,
+        )
+        self.store.add_listener(self.block_events)
         self._seen = dataclasses.replace(self.store.counters)
         self._children: dict[str, tuple] = {}  # _account's labelled metrics
         waits = self.metrics.copy_waits  # labels() costs a few us: once each
@@ -348,6 +366,8 @@ class Engine:
             if lease.id in self.leases:
                 self.leases.consumed(lease, tp_rank)
         self._account("load", len(entries), transfers.total_bytes, seconds)
+        if entries and not layer_seq:  # layer by layer, the engine sets the pace
+            self.load_rates[worker.copier].observe(transfers.total_bytes, seconds)
         slot = worker.geometry.slot_bytes
         results = []
         for i, (p, err) in enumerate(zip(plans, errors, strict=True)):
@@ -445,6 +465,13 @@ class Engine:
         slots = np.fromiter(shard, np.uint64, len(entries))
         return worker.geometry.slots_to_engine(slots, ids)
 
+    def _load_gbps(self, instance: Instance) -> float:
+        """The recent rate of loads by this instance's kind of copy (0.0:
+        unknown)."""
+        worker = next(iter(instance.workers.values()), None)
+        meter = None if worker is None else self.load_rates.get(worker.copier)
+        return 0.0 if meter is None else meter.gbps
+
     def release_lease(self, lease_id: int) -> None:
         self.leases.release(lease_id)
 
@@ -454,6 +481,10 @@ class Engine:
         self.leases.sweep(now)
         for tier in self.tiers:
             tier.sweep()
+            self.metrics.tier_rates.labels(tier.medium).set(tier.rate.gbps)
+        for copier, meter in self.load_rates.items():
+            label = f"l1_{type(copier).__name__.removesuffix('CopyEngine').lower()}"
+            self.metrics.tier_rates.labels(label).set(meter.gbps)
         self.store.drop_stale(now - self.config.lease_ttl_s)
         self.hit_rates.flush()
 

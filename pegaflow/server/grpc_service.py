@@ -111,6 +111,23 @@ class LocalEngines(grpc.aio.ServerInterceptor):
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
+        if handler.unary_stream is not None:  # WatchBlocks
+            inner_out = handler.unary_stream
+
+            async def checked_out(
+                request: object, context: grpc.aio.ServicerContext
+            ) -> None:
+                try:
+                    self._check(method, context.peer())
+                except PermissionDenied as exc:
+                    await context.abort(exc.code, str(exc))
+                await inner_out(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                checked_out,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         if handler.stream_stream is not None:
             inner_stream = handler.stream_stream
 
@@ -301,13 +318,19 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
             res = await res.pending()
         if res.loading:
             return pb.QueryPrefixResponse(
-                loading=pb.QueryPrefixResponse.Loading(num_blocks=res.num_blocks)
+                loading=pb.QueryPrefixResponse.Loading(
+                    num_blocks=res.num_blocks,
+                    ready_blocks=res.ready_blocks,
+                    l1_gbps=res.l1_gbps,
+                    tier_gbps=res.tier_gbps,
+                )
             )
         return pb.QueryPrefixResponse(
             ready=pb.QueryPrefixResponse.Ready(
                 num_blocks=res.num_blocks,
                 lease_id=res.lease_id,
                 lease_ttl_s=res.lease_ttl_s,
+                l1_gbps=res.l1_gbps,
             )
         )
 
@@ -382,6 +405,23 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
                 yield pb.SessionPong(server_time_ns=time.time_ns())
         finally:
             self._drop_if_current(worker)
+
+    async def WatchBlocks(
+        self, req: pb.WatchBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """The instance's namespace's block events (pegaflow.server.block_events),
+        written until the client goes. Authorised as QueryPrefix: vLLM's
+        scheduler, which holds no owner token, asks."""
+        hub = self._engine.block_events
+        ctx = _grpc_context(b"", 0, context, tcp_peer(context.peer(), self.port))
+        try:
+            watcher = hub.watch(req.instance_id, ctx)
+        except PegaflowError as exc:
+            await context.abort(exc.code, str(exc))
+        try:
+            await hub.serve(watcher, context.write)
+        except PegaflowError as exc:
+            await context.abort(exc.code, str(exc))
 
     def _drop_if_current(self, worker: Worker) -> None:
         """The stream ended: forget the worker unless it re-registered meanwhile."""

@@ -40,6 +40,13 @@ class Metrics:
             "pegaflow_resident_blocks", "complete blocks in L1", registry=r
         )
         self.leases = Gauge("pegaflow_active_leases", "leases held", registry=r)
+        self.tier_rates = Gauge(
+            "pegaflow_tier_rate_gbps",
+            "recent rate told to connectors with query answers (GB/s, 0 until "
+            "measured): l1_<copier> into engines, ssd / remote into L1",
+            ["medium"],
+            registry=r,
+        )
         self.instances = Gauge(
             "pegaflow_registered_workers", "registered engine workers", registry=r
         )

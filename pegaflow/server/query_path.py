@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -52,9 +53,11 @@ class PrefixQueries:
         hit_rates: HitRateTracker,
         metrics: Metrics,
         max_blocks: int,
+        load_gbps: Callable[[Instance], float] = lambda _: 0.0,
     ) -> None:
         """tiers: the server's lower tiers in query order (the list is the
-        engine's: tiers added later are walked too)."""
+        engine's: tiers added later are walked too). load_gbps: the recent
+        rate of an instance's loads from L1."""
         self._registry = registry
         self._store = store
         self._tiers = tiers
@@ -62,6 +65,7 @@ class PrefixQueries:
         self._hit_rates = hit_rates
         self._metrics = metrics
         self._max_blocks = max_blocks
+        self._load_gbps = load_gbps
         # Hits counted per medium beside the hit rates (only the SSD's has one).
         self._tier_hits = {"ssd": metrics.ssd_hits}
 
@@ -96,7 +100,7 @@ class PrefixQueries:
             if look.state == "loading":
                 if look.started:
                     self._count_loading(ns, hashes, hits, rest, hash_len, tier, look)
-                return QueryResult(look.blocks, 0, 0.0, loading=True)
+                return self._loading(inst, len(hits), tier, look)
             if look.state == "asking":  # the boundary awaits the rest
                 ask = functools.partial(
                     self._asked, instance_id, hashes, listed, hash_len, tier, look
@@ -148,20 +152,34 @@ class PrefixQueries:
         """The rest of a query a tier had to ask elsewhere about (a peer's
         blocks: the metaserver's plan)."""
         assert asking.ask is not None
-        ns = self._registry.instance(instance_id).namespace
+        inst = self._registry.instance(instance_id)
+        ns = inst.namespace
         hits, rest = self._store.lookup(ns, hashes)  # again: the loop ran meanwhile
         if len(rest):
             look = await asking.ask(ns, listed, len(hits))
             if look.state == "loading":
                 if look.started:
                     self._count_loading(ns, hashes, hits, rest, hash_len, tier, look)
-                return QueryResult(look.blocks, 0, 0.0, loading=True)
+                return self._loading(inst, len(hits), tier, look)
             if self._registry.instance(instance_id).namespace is not ns:
                 # Re-registered (another geometry, perhaps) while we awaited:
                 # nothing found under the old namespace may be leased to it.
                 return QueryResult(0, 0, 0.0)
             hits, rest = self._store.lookup(ns, hashes)  # and again after the await
         return self._answer(instance_id, hashes, hits, rest, hash_len)
+
+    def _loading(
+        self, inst: Instance, ready: int, tier: Tier, look: Lookup
+    ) -> QueryResult:
+        return QueryResult(
+            look.blocks,
+            0,
+            0.0,
+            loading=True,
+            ready_blocks=ready,
+            l1_gbps=self._load_gbps(inst),
+            tier_gbps=tier.rate.gbps,
+        )
 
     def _count_loading(
         self,
@@ -206,9 +224,10 @@ class PrefixQueries:
         self._metrics.hits.inc(len(hits))
         self._count_tier_hits(tier, n)
         self._metrics.misses.inc(len(hashes) - len(hits) - n)
+        l1_gbps = self._load_gbps(inst)
         if not hits and not n:
-            return QueryResult(0, 0, 0.0)
+            return QueryResult(0, 0, 0.0, l1_gbps=l1_gbps)
         lease = self._leases.create(
             instance_id, ns.id, hits, inst.world_size, direct, read
         )
-        return QueryResult(len(hits) + n, lease.id, self._leases.ttl_s)
+        return QueryResult(len(hits) + n, lease.id, self._leases.ttl_s, l1_gbps=l1_gbps)

@@ -356,4 +356,12 @@ async def start_socket_server(
 
 def _query_reply(res: QueryResult) -> bytes:
     status = LOADING if res.loading else 0
-    return QUERY_REPLY.pack(status, res.num_blocks, res.lease_id, res.lease_ttl_s)
+    return QUERY_REPLY.pack(
+        status,
+        res.num_blocks,
+        res.lease_id,
+        res.lease_ttl_s,
+        res.ready_blocks,
+        res.l1_gbps,
+        res.tier_gbps,
+    )

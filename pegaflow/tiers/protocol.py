@@ -16,6 +16,7 @@ brings them into reserved L1 slots meanwhile; the engine polls again.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Literal
 from pegaflow.cache.leases import DirectRead
 from pegaflow.cache.store_events import StoreListener
 from pegaflow.common.keys import BlockHash, Namespace
+from pegaflow.common.rate_meter import RateMeter
 
 if TYPE_CHECKING:
     from pegaflow.cache.instances import Instance
@@ -65,6 +67,12 @@ class Tier(StoreListener, ABC):
     medium: Medium
     # Its lookup may reserve L1 slots (evicting): the query pins its hits meanwhile.
     evicts_on_lookup: bool = False
+
+    @functools.cached_property
+    def rate(self) -> RateMeter:
+        """Its recent rate into L1 (or an engine), fed by the tier as each
+        load ends; query answers carry it to the connector's planner."""
+        return RateMeter()
 
     @abstractmethod
     def lookup(self, inst: Instance, hashes: list[BlockHash], start: int) -> Lookup:

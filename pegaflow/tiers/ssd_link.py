@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain, repeat
@@ -325,20 +326,30 @@ class SsdLink(Tier):
         self._loading.update(zip(keys, range(n, 0, -1), strict=True))
         slots = np.array([e.slots for e in entries], np.uint64)
         future = self.tier.load(digest, rest[:n], slots, slot_bytes)
-        task = asyncio.ensure_future(self._finish(entries, asyncio.wrap_future(future)))
+        finish = self._finish(
+            entries, asyncio.wrap_future(future), slots.size * slot_bytes
+        )
+        task = asyncio.ensure_future(finish)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         logger.debug("loading %d blocks from ssd", n)
         return n, True
 
     async def _finish(
-        self, entries: list[BlockEntry], result: asyncio.Future[SsdLoadResult]
+        self,
+        entries: list[BlockEntry],
+        result: asyncio.Future[SsdLoadResult],
+        nbytes: int,
     ) -> None:
         ok = np.zeros(len(entries), bool)
+        began = time.perf_counter()
         try:
             res = await result
             ok = res.ok
             self._metrics.prefetch_seconds.observe(res.seconds)
+            # As the engine sees it: from the query that started it, queueing
+            # behind other loads included.
+            self.rate.observe(nbytes, time.perf_counter() - began)
         except Exception:  # a background load: log it, the blocks become misses
             logger.exception("ssd load failed")
         finally:

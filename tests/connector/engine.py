@@ -139,9 +139,12 @@ class Engine:
         full_cuda_graph: bool = False,
         specs: dict[str, Any] | None = None,
         stages: int = 1,
+        forward_s_per_token: float = 0.0,
     ) -> None:
         self.config = config
         self.write_kv = write_kv  # off: scheduling only (benchmarks)
+        # A slower model: the fake forward takes this long per scheduled token.
+        self.forward_s_per_token = forward_s_per_token
         # As vLLM's runners with speculative decoding: transfer results are
         # collected before wait_for_save, which waits for the drafter.
         self.spec_decode_order = spec_decode_order
@@ -223,6 +226,10 @@ class Engine:
     @property
     def scheduler_connector(self) -> Any:
         return self.sched.connector
+
+    def planner_rate(self) -> float:
+        """The prefill rate the scheduler's fetch planner has learnt."""
+        return self.scheduler_connector._scheduler.planner.prefill_tokens_per_s
 
     def add(self, rid: str, tokens: list[int], max_tokens: int = 4) -> Request:
         req = Request(
@@ -338,6 +345,8 @@ class Engine:
     def _forward(
         self, so: Any, tables: dict[str, list[list[int]]], w: Any, names: list[str]
     ) -> None:
+        if self.forward_s_per_token:
+            time.sleep(self.forward_s_per_token * so.total_num_scheduled_tokens)
         for layer, name in enumerate(self.caches):
             if name not in names:
                 continue  # another stage's layer

@@ -123,6 +123,7 @@ def test_admission_plans_load_and_saves_the_rest() -> None:
             req_ids=[], new_block_ids=[], resumed_req_ids=set()
         ),
         num_scheduled_tokens={"r": 48},
+        total_num_scheduled_tokens=48,
     )
     plan = s.build_plan(so)
     assert [(j.lease_id, j.block_ids, j.sync) for j in plan.loads] == [
@@ -133,7 +134,9 @@ def test_admission_plans_load_and_saves_the_rest() -> None:
     req.num_computed_tokens = 80
     assert s.request_finished(req, ([10, 11, 12, 13, 14],)) is True
     assert s.build_plan(
-        SimpleNamespace(**{**vars(so), "num_scheduled_tokens": {}})
+        SimpleNamespace(
+            **{**vars(so), "num_scheduled_tokens": {}, "total_num_scheduled_tokens": 0}
+        )
     ).held == {"r"}
     # ... until the worker reports the save; then nothing is left.
     s.on_worker_report(WorkerReport({"r": 1}))

@@ -134,8 +134,14 @@ class RealEngine:
         `vllm:pegaflow_*`), as of the last step the engine logged."""
         return self.call("metrics")["metrics"]
 
-    def reset_prefix_cache(self) -> None:
-        assert self.call("reset_prefix_cache")["ok"], "vLLM kept its prefix cache"
+    def reset_prefix_cache(self, timeout_s: float = 60.0) -> None:
+        """vLLM refuses while a finished request still holds its blocks, which
+        it does until the engine's next steps see the request's Save end: ask
+        again until it agrees."""
+        deadline = time.monotonic() + timeout_s
+        while not self.call("reset_prefix_cache")["ok"]:
+            assert time.monotonic() < deadline, "vLLM kept its prefix cache"
+            time.sleep(0.05)
 
     def tail(self, lines: int = 60) -> str:
         self._err.flush()

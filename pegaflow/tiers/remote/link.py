@@ -323,6 +323,9 @@ class RemoteLink(Tier):
             # segment's thread returned, and only then are they freed.
             lost = sum(s.blocks for s, t in zip(plan, reads, strict=True) if t in late)
             self.metrics.failures.labels("deadline").inc(lost)
+            # What a query waiting for them saw: the tier's rate drops.
+            planned = len(entries) * ns.slot_bytes * ns.tp_size
+            self.rate.observe(planned, time.monotonic() - began)
             self._unloading(entries)
             self._remember(entries[0].key)
             await asyncio.wait(late)
@@ -339,6 +342,7 @@ class RemoteLink(Tier):
         self.metrics.hits.inc(good)
         self.metrics.bytes.inc(nbytes)
         self.metrics.fetch_seconds.observe(seconds)
+        self.rate.observe(nbytes, seconds)
         st = self.stats
         st.fetches += 1
         st.fetched_blocks += good
