@@ -1,11 +1,11 @@
-"""Scheduler half: prefix queries, load plans, save intents, held blocks.
+"""Scheduler half: admission of hits, load plans, save intents, held blocks.
 
 Runs in vLLM's engine-core process on the scheduler's thread, so every call is
-bounded: one query per waiting request and KV cache group (answer reused while
-fresh), no call at all while the server is known to be away, lease releases
-off-thread. A hybrid model's groups, and a pipeline's stages, are separate
-parts on the server (kv_groups.py); a hit is the longest prefix every part can
-restore. The stages' parts are known once a worker of each stage reported them.
+bounded: one query per waiting request and KV cache group (prefix_query.py;
+the answer reused while fresh). A hybrid model's groups, and a pipeline's
+stages, are separate parts on the server (kv_groups.py); a hit is the longest
+prefix every part can restore. The stages' parts are known once a worker of
+each stage reported them.
 """
 
 from __future__ import annotations
@@ -13,46 +13,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from pegaflow.client.pegaflow_client import PegaflowClient
-from pegaflow.common.errors import PegaflowError, ServerUnavailable, UnknownInstance
-from pegaflow.common.results import QueryResult
 
 from .extra_config import ConnectorConfig
-from .fetch_plan import FetchPlanner
 from .kv_groups import NULL_BLOCK, GroupRule, KVGroups, single_group
+from .prefix_query import Hit, Lease, PrefixQuery
 from .step_plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stats
 from .vllm_compat import block_table_updates
 
 logger = logging.getLogger(__name__)
-
-# Boundaries asked for a Mamba state, from the longest hit down: states exist
-# only where a step ended (vLLM's align mode), so a few tries find the last.
-MAX_STATE_PROBES = 4
-
-
-@dataclass(slots=True)
-class _Lease:
-    group: int  # vLLM's kv_cache_group_id
-    lease_id: int
-    first: int  # the group block the lease's first block stands for
-    count: int
-    stage: int = 0  # the pipeline stage whose part it leases
-
-
-@dataclass(slots=True)
-class _Hit:
-    """One query's answer for a request not yet admitted."""
-
-    local: int  # tokens vLLM had locally when asked
-    limit: int  # tokens we asked about end here
-    num_tokens: int  # hit beyond `local`
-    leases: list[_Lease]
-    at: float
-    is_async: bool = False
 
 
 @dataclass(slots=True)
@@ -62,10 +34,6 @@ class _Req:
     saved: list[int]  # per group: blocks [0, saved) are cached, loaded or saving
     pending: int = 0  # save-job reports still owed by the workers
     finished: bool = False
-
-
-class _Away(Exception):
-    """The server is away or asked us to come back: no hit now."""
 
 
 class SchedulerHalf:
@@ -90,17 +58,24 @@ class SchedulerHalf:
             config.addr, timeout_s=config.query_timeout_s
         )
         self.stats = new_stats()
-        self.planner = FetchPlanner(config.fetch_planner == "auto")
+        self.queries = PrefixQuery(
+            config,
+            instance_id,
+            self.client,
+            self.groups,
+            stages,
+            self._stage_groups,
+            self.stats,
+        )
+        self.planner = self.queries.planner
         self._reqs: dict[ReqId, _Req] = {}
-        self._hits: dict[ReqId, _Hit] = {}
+        self._hits: dict[ReqId, Hit] = {}
         self._loads: list[LoadJob] = []
         self._finish_saves: list[SaveJob] = []
         self._held: set[ReqId] = set()
         # Requests whose load failed: vLLM recomputes them, and asks us again;
         # a hit claimed again may fail the same way, forever.
         self._failed_loads: set[ReqId] = set()
-        self._away_until = 0.0  # no queries before this (server away)
-        self._releaser: ThreadPoolExecutor | None = None
 
     # -- admission ----------------------------------------------------------
     def num_new_matched_tokens(
@@ -124,8 +99,8 @@ class SchedulerHalf:
                 # Out of _hits before asking again: a `loading` answer stores
                 # nothing, and request_finished must not release it twice.
                 del self._hits[request.request_id]
-                self._release_all(hit.leases)
-            hit = self._query(request, local, limit, now)
+                self.queries.release_all(hit.leases)
+            hit = self.queries.query(request, local, limit, now)
             if hit is None:
                 return None, False  # the server is still pulling blocks in
             self._hits[request.request_id] = hit
@@ -134,188 +109,6 @@ class SchedulerHalf:
         sync_max = 0 if self.groups.hybrid else self.config.sync_load_max_tokens
         hit.is_async = hit.num_tokens > sync_max
         return hit.num_tokens, hit.is_async
-
-    def _query(self, request: Any, local: int, limit: int, now: float) -> _Hit | None:
-        miss = _Hit(local, limit, 0, [], now)
-        if (
-            limit <= local
-            or local % self.groups.alignment
-            or now < self._away_until
-            or self.config.mode == "save_only"
-            or (self.stages > 1 and len(self._stage_groups) < self.stages)
-        ):
-            return miss
-        leases: list[_Lease] = []
-        start = time.perf_counter()
-        try:
-            end = self._dense_hits(request, local, limit, leases)
-            if end is not None and end > local:
-                end = self._state_hits(request, local, end, leases)
-        except _Away:
-            self._release_all(leases)
-            return miss
-        finally:
-            self.stats["query_seconds"] += time.perf_counter() - start
-        if end is None:  # a tier is still pulling blocks in: ask again
-            self._release_all(leases)
-            return None
-        self.planner.forget(request.request_id)
-        self.stats["query_tokens"] += limit - local
-        if end <= local:
-            self._release_all(leases)
-            return miss
-        return _Hit(local, limit, end - local, leases, now)
-
-    def _dense_hits(
-        self, request: Any, local: int, end: int, leases: list[_Lease]
-    ) -> int | None:
-        """The longest prefix every prefix-queried group holds beyond `local`
-        (None: ask again later). A sliding-window group is asked for its whole
-        prefix too, as its blocks are saved as they fill."""
-        for rule in self.groups.rules:
-            if rule.sparse:
-                continue
-            lo, hi = local // rule.block_size, end // rule.block_size
-            answers = self._ask(request, rule, lo, hi)
-            if answers is None:
-                return None
-            leases += answers
-            held = min((lease.count for lease in answers), default=0)
-            end = min(end, (lo + held) * rule.block_size)
-            end -= end % self.groups.alignment
-            if end <= local:
-                return end
-        return end
-
-    def _state_hits(
-        self, request: Any, local: int, end: int, leases: list[_Lease]
-    ) -> int | None:
-        """The longest hit, at most `end`, at whose boundary every Mamba group
-        holds its state; a few boundaries are tried from the top."""
-        sparse = [rule for rule in self.groups.rules if rule.sparse]
-        for _ in range(MAX_STATE_PROBES if sparse else 1):
-            if end <= local:
-                return end
-            found: list[_Lease] = []
-            for rule in sparse:
-                hi = end // rule.block_size
-                answers = self._ask(request, rule, hi - 1, hi)
-                if answers is None:
-                    self._release_all(found)
-                    return None
-                found += answers
-                if not all(lease.count for lease in answers):
-                    break
-            else:
-                leases.extend(found)
-                return end
-            self._release_all(found)
-            end -= self.groups.alignment
-        return 0 if sparse else end
-
-    def _stages_of(self, group: int) -> list[int]:
-        if self.stages == 1:
-            return [0]
-        return sorted(s for s, gs in self._stage_groups.items() if group in gs)
-
-    def _ask(
-        self, request: Any, rule: GroupRule, lo: int, hi: int
-    ) -> list[_Lease] | None:
-        """Each stage's lease of this group's blocks [lo, hi) (count: the
-        prefix it holds), or None while one is still pulling them in; _Away
-        when one cannot answer."""
-        hashes = self.groups.hashes(rule, request.block_hashes)[lo:hi]
-        answers: list[_Lease] = []
-        for stage in self._stages_of(rule.index):
-            try:
-                res = self._ask_part(request, rule, stage, hashes)
-            except _Away:
-                self._release_all(answers)
-                raise
-            if res.loading:
-                res = self._pulling(request, rule, stage, hashes, res)
-            if res is None:
-                self._release_all(answers)
-                return None
-            res = self._worth_loading(rule, res)
-            answers.append(_Lease(rule.index, res.lease_id, lo, res.num_blocks, stage))
-        return answers
-
-    def _pulling(
-        self, request: Any, rule: GroupRule, stage: int, hashes: list[bytes], res: Any
-    ) -> Any:
-        """A tier pulls blocks in: None to wait for them, or the answer for
-        the blocks L1 holds now when waiting would not pay."""
-        est = self.planner.pulling(
-            request.request_id,
-            time.monotonic(),
-            res.num_blocks,
-            self._block_bytes(rule),
-            rule.block_size,
-            res.tier_gbps,
-            res.l1_gbps,
-        )
-        if est.decision == "load":
-            return None
-        self.stats["planner_gave_up"] += est.load_s < est.compute_s
-        self.stats["planner_recomputed_tokens"] += res.num_blocks * rule.block_size
-        self.planner.forget(request.request_id)
-        ready = min(res.ready_blocks, len(hashes))
-        if not ready:
-            return QueryResult(0, 0)
-        # L1's blocks alone (the pull goes on: a later request may use it).
-        res = self._ask_part(request, rule, stage, hashes[:ready])
-        return None if res.loading else res
-
-    def _worth_loading(self, rule: GroupRule, res: Any) -> Any:
-        """The answer, or a miss when recomputing its hit would be sooner."""
-        if not res.num_blocks:
-            return res
-        tokens = res.num_blocks * rule.block_size
-        est = self.planner.ready(
-            res.num_blocks, self._block_bytes(rule), rule.block_size, res.l1_gbps
-        )
-        if est.decision == "load":
-            self.stats["planner_loaded_tokens"] += tokens
-            self.stats["planner_predicted_load_seconds"] += est.load_s
-            return res
-        self.stats["planner_recomputed_tokens"] += tokens
-        self._release_ids([res.lease_id])
-        return QueryResult(0, 0)
-
-    def _block_bytes(self, rule: GroupRule) -> int:
-        """What one worker loads per block of the group (its stages load their
-        own layers side by side)."""
-        return rule.block_bytes // self.stages
-
-    def _ask_part(
-        self, request: Any, rule: GroupRule, stage: int, hashes: list[bytes]
-    ) -> Any:
-        instance = self.groups.part_instance(self.instance_id, rule, stage, self.stages)
-        now = time.monotonic()
-        try:
-            self.stats["queries"] += 1
-            # One hash function per engine: every hash has the first's length.
-            return self.client.query(instance, hashes, hash_len=len(hashes[0]))
-        except (ServerUnavailable, UnknownInstance) as exc:
-            # Server away or our workers not (re-)registered yet: misses for a
-            # while rather than a failed round trip per request per step.
-            self.stats["query_failures"] += 1
-            self._away_until = now + self.config.retry_interval_s
-            logger.warning(
-                "pegaflow query failed (%s); misses for %.1f s",
-                exc,
-                self.config.retry_interval_s,
-            )
-            raise _Away from None
-        except PegaflowError as exc:
-            # About this request (a prompt over the server's block limit, the
-            # lease cap reached): its miss alone, the next request asks.
-            self.stats["query_failures"] += 1
-            logger.warning(
-                "pegaflow query for %s failed (%s); a miss", request.request_id, exc
-            )
-            raise _Away from None
 
     def after_alloc(
         self, request: Any, block_ids: Sequence[Sequence[int]], num_external: int
@@ -334,14 +127,14 @@ class SchedulerHalf:
         end = hit.local + num_external
         st.saved = [end // rule.block_size for rule in self.groups.rules]
         if not num_external:
-            self._release_all(hit.leases)
+            self.queries.release_all(hit.leases)
             return
         jobs = self._load_jobs(st, hit, end)
         self._loads.extend(jobs)
         if jobs:
             self.stats["hit_tokens"] += num_external
 
-    def _load_jobs(self, st: _Req, hit: _Hit, end: int) -> list[LoadJob]:
+    def _load_jobs(self, st: _Req, hit: Hit, end: int) -> list[LoadJob]:
         """Per group, the blocks vLLM allocated in the hit (its null blocks are
         what the group's window no longer needs), from that group's lease."""
         rid, jobs = st.request.request_id, []
@@ -351,10 +144,10 @@ class SchedulerHalf:
             lo = max(hit.local, rule.first_needed_token(end)) // rule.block_size
             hi = min(end // rule.block_size, len(table))
             wanted = [p for p in range(lo, hi) if table[p] != NULL_BLOCK]
-            for stage in self._stages_of(rule.index) if wanted else []:
+            for stage in self.queries.stages_of(rule.index) if wanted else []:
                 lease = by_part.pop((stage, rule.index), None)
                 jobs.append(self._load_job(rid, rule, stage, lease, table, wanted, hit))
-        self._release_all(list(by_part.values()))  # what vLLM did not allocate
+        self.queries.release_all(list(by_part.values()))  # what vLLM did not allocate
         return jobs
 
     def _load_job(
@@ -362,10 +155,10 @@ class SchedulerHalf:
         rid: ReqId,
         rule: GroupRule,
         stage: int,
-        lease: _Lease | None,
+        lease: Lease | None,
         table: list[int],
         wanted: list[int],
-        hit: _Hit,
+        hit: Hit,
     ) -> LoadJob:
         first, last = wanted[0], wanted[-1]
         if (
@@ -384,8 +177,8 @@ class SchedulerHalf:
                 first,
                 last,
             )
-            self._release_all([lease] if lease else [])
-            lease = _Lease(rule.index, 0, first, len(wanted), stage)
+            self.queries.release_all([lease] if lease else [])
+            lease = Lease(rule.index, 0, first, len(wanted), stage)
         ids = [table[p] for p in wanted]
         return LoadJob(
             rid,
@@ -494,7 +287,7 @@ class SchedulerHalf:
         self.planner.forget(rid)
         hit = self._hits.pop(rid, None)
         if hit is not None:
-            self._release_all(hit.leases)
+            self.queries.release_all(hit.leases)
         st = self._reqs.get(rid)
         if st is None:
             return False
@@ -516,31 +309,14 @@ class SchedulerHalf:
         if not any(self.stats.values()):
             return None
         stats, self.stats = self.stats, new_stats()
+        self.queries.stats = self.stats
         return stats
-
-    def _release_all(self, leases: list[_Lease]) -> None:
-        self._release_ids([lease.lease_id for lease in leases if lease.lease_id])
-
-    def _release_ids(self, ids: list[int]) -> None:
-        if not ids:
-            return
-        if self._releaser is None:
-            self._releaser = ThreadPoolExecutor(1, "pegaflow-release")
-        for lease_id in ids:
-            self._releaser.submit(self._release_now, lease_id)
-
-    def _release_now(self, lease_id: int) -> None:
-        try:
-            self.client.release_lease(lease_id)
-        except PegaflowError as exc:  # expired or server gone: nothing pinned
-            logger.debug("release of lease %d: %s", lease_id, exc)
 
     def shutdown(self) -> None:
         for hit in self._hits.values():
-            self._release_all(hit.leases)
+            self.queries.release_all(hit.leases)
         self._hits.clear()
-        if self._releaser is not None:
-            self._releaser.shutdown(wait=True)
+        self.queries.shutdown()
         self.client.close()
 
 
