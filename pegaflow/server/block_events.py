@@ -116,12 +116,15 @@ class BlockEventHub(StoreListener):
         queries: PrefixQueries,
         max_watchers: int = 64,
         buffer_hashes: int = 1 << 16,
+        on_resync: Callable[[], None] = lambda: None,
     ) -> None:
+        """on_resync: told each time a stream fell behind (its backlog went)."""
         self._registry = registry
         self._store = store
         self._queries = queries
         self.max_watchers = max_watchers
         self.buffer_hashes = buffer_hashes
+        self._on_resync = on_resync
         self._by_ns: dict[int, set[Watcher]] = {}
         self._count = 0
 
@@ -199,6 +202,7 @@ class BlockEventHub(StoreListener):
                     if events:
                         await _send(write, pb.BlockEvents(events=events))
                 logger.debug("block events of %s: resync", watcher.instance_id)
+                self._on_resync()
         finally:
             self.unwatch(watcher)
 

@@ -161,7 +161,9 @@ class Engine:
             self.queries,
             config.max_block_watchers,
             config.block_events_buffer,
+            self.metrics.block_event_resyncs.inc,
         )
+        self.metrics.block_watchers.set_function(lambda: self.block_events.watchers)
         self.store.add_listener(self.block_events)
         self._seen = dataclasses.replace(self.store.counters)
         self._children: dict[str, tuple] = {}  # _account's labelled metrics

@@ -40,6 +40,17 @@ class Metrics:
             "pegaflow_resident_blocks", "complete blocks in L1", registry=r
         )
         self.leases = Gauge("pegaflow_active_leases", "leases held", registry=r)
+        self.block_watchers = Gauge(
+            "pegaflow_block_watchers",
+            "open WatchBlocks streams (KV events for routers)",
+            registry=r,
+        )
+        self.block_event_resyncs = Counter(
+            "pegaflow_block_event_resyncs",
+            "WatchBlocks streams that fell behind: backlog dropped, blocks held "
+            "sent again",
+            registry=r,
+        )
         self.tier_rates = Gauge(
             "pegaflow_tier_rate_gbps",
             "recent rate told to connectors with query answers (GB/s, 0 until "

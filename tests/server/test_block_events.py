@@ -181,6 +181,8 @@ def test_a_watcher_that_does_not_read_gets_a_resync(
         # The backlog went; the snapshot after it (and any events since)
         # told the reader all it missed.
         assert resyncs > 1
+        assert server.metric("pegaflow_block_event_resyncs_total") == resyncs - 1
+        assert server.metric("pegaflow_block_watchers") == 1
     finally:
         stream.cancel()
         channel.close()
