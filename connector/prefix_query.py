@@ -74,7 +74,12 @@ class PrefixQuery:
         self.stages = stages
         self._stage_groups = stage_groups
         self.stats = stats
-        self.planner = FetchPlanner(config.fetch_planner == "auto")
+        # A hybrid model's hit is priced per part here, which would price a
+        # Mamba state or a window's blocks as if they were the tokens they
+        # hold: its hits always load.
+        self.planner = FetchPlanner(
+            config.fetch_planner == "auto" and not groups.hybrid
+        )
         self._away_until = 0.0  # no queries before this (server away)
         self._releaser: ThreadPoolExecutor | None = None
 

@@ -96,7 +96,7 @@ class WorkerReport:
     # Requests whose load failed here (vLLM recomputes them): no more hits.
     failed_loads: set[ReqId] = field(default_factory=set)
     # Prefill steps timed since the last report (forward_timer.py).
-    forward_tokens: int = 0
+    forward_tokens: float = 0.0
     forward_seconds: float = 0.0
 
     def merge(self, other: WorkerReport) -> WorkerReport:

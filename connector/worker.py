@@ -330,7 +330,9 @@ class WorkerHalf:
         self._report.socket_path = socket
         report = self._report
         tokens, seconds = self._timer().take()
-        report.forward_tokens += tokens
+        # A stage computes its layers of every token: its share of the model
+        # (summed over stages and ranks, the rate is the whole model's).
+        report.forward_tokens += tokens / self.stages
         report.forward_seconds += seconds
         now = time.monotonic()
         timings_due = report.forward_tokens and now >= self._timings_due

@@ -15,6 +15,7 @@ from pegaflow.common.errors import (
     UnknownInstance,
 )
 from pegaflow.connector.extra_config import ConnectorConfig
+from pegaflow.connector.kv_groups import GroupRule, KVGroups
 from pegaflow.connector.scheduler import SchedulerHalf
 from pegaflow.connector.step_plan import WorkerReport
 
@@ -192,3 +193,31 @@ def test_a_per_request_query_error_is_that_requests_miss_alone() -> None:
     assert s.num_new_matched_tokens(request("after", 64), 0) == (0, False)
     assert client.asked == [3, 3, 3, 3]  # "after" was not asked: away
     assert s.stats["query_failures"] == 3
+
+
+def test_the_planner_recomputes_a_slow_hit_but_a_hybrid_model_loads() -> None:
+    """An L1 hit the server copies at 1 MB/s (3 MiB: 3 s) against a prefill of
+    1M tokens/s (48 tokens: 48 us): recomputed, its lease released. A hybrid
+    model's parts are not priced (a window's blocks are not their tokens):
+    the same answers load."""
+    cfg = ConnectorConfig(retry_interval_s=60)
+    slow = [QueryResult(3, 11, 30.0, l1_gbps=1e-3), QueryResult(3, 12, 30.0)]
+    full = GroupRule(0, "full", BS, 0, ("l0",), block_bytes=1 << 20)
+    window = GroupRule(1, "sliding", BS, 2 * BS, ("l1",), block_bytes=1 << 20)
+    prefill = WorkerReport(forward_tokens=1_000_000, forward_seconds=1.0)
+
+    client = FakeClient(slow[:1])
+    dense = KVGroups((full,), BS, BS)
+    s = SchedulerHalf(cfg, "engine", BS, num_workers=1, client=client, groups=dense)
+    s.on_worker_report(prefill)
+    assert s.num_new_matched_tokens(request("r", 64), 0) == (0, False)
+    s.shutdown()  # the release is off-thread: done once shut down
+    assert client.released == [11]
+    assert s.stats["planner_recomputed_tokens"] == 48
+
+    client = FakeClient(list(slow))
+    hybrid = KVGroups((full, window), BS, BS)
+    s = SchedulerHalf(cfg, "engine", BS, num_workers=1, client=client, groups=hybrid)
+    s.on_worker_report(prefill)
+    assert s.num_new_matched_tokens(request("r", 64), 0) == (48, True)
+    assert s.stats["planner_recomputed_tokens"] == 0
