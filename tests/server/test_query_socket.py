@@ -15,7 +15,7 @@ import pytest
 
 from pegaflow.client.pegaflow_client import PegaflowClient
 from pegaflow.common.errors import InvalidRequest, PermissionDenied, UnknownInstance
-from pegaflow.common.results import LoadItemResult
+from pegaflow.common.results import LoadItemResult, QueryResult
 from pegaflow.common.socket_frames import (
     HELLO_REPLY,
     QUERY_REPLY,
@@ -32,6 +32,7 @@ from pegaflow.common.socket_frames import (
 )
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+from pegaflow.server.socket_service import _query_reply
 from tests.kvbuf import LocalKV, hashes
 
 
@@ -245,3 +246,34 @@ def test_pipelined_frames_are_answered_in_order(server) -> None:
         assert b"frame.kind: 7" in reply
         last = len(reply) - QUERY_REPLY.size
         assert QUERY_REPLY.unpack_from(reply, last)[:2] == (0, 40)
+
+
+def test_query_answers_carry_the_servers_recent_rates(server) -> None:
+    """What the connector's fetch planner weighs: no L1 rate before this
+    kind of engine loaded anything; after a load, the same rate over the
+    socket and over gRPC. A `loading` answer's frame keeps its L1 blocks and
+    the pulling tier's rate."""
+    kv = LocalKV(page=1 << 16)  # 30 blocks x 4 layers: ~8 MB, timed loads
+    with PegaflowClient(server.addr) as client:
+        kv.register(client, "rated", "ns-rated")
+        hs = hashes(30)
+        client.save("rated", list(range(30)), hs)
+        stub = pb_grpc.PegaFlowStub(grpc.insecure_channel(server.addr))
+
+        def both() -> tuple[float, float]:
+            fast = client.query("rated", hs)
+            slow = stub.QueryPrefix(
+                pb.QueryPrefixRequest(instance_id="rated", block_hashes=hs), timeout=5
+            )
+            client.release_lease(fast.lease_id)
+            client.release_lease(slow.ready.lease_id)
+            return fast.l1_gbps, slow.ready.l1_gbps
+
+        assert both() == (0.0, 0.0)  # unknown: the connector then loads
+        hit = client.query("rated", hs)
+        client.load("rated", hit.lease_id, list(range(32, 62)))
+        fast, slow = both()
+        assert fast > 0 and fast == pytest.approx(slow, rel=1e-6)  # f32 on the wire
+    pulling = QueryResult(5, 0, 0.0, True, ready_blocks=3, l1_gbps=2.5, tier_gbps=0.5)
+    status, n, lease, _, ready, l1, tier = QUERY_REPLY.unpack(_query_reply(pulling))
+    assert (status, n, lease, ready, l1, tier) == (255, 5, 0, 3, 2.5, 0.5)
