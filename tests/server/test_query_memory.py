@@ -63,8 +63,8 @@ def test_concurrent_large_queries_for_no_instance_cost_little(
 ) -> None:
     """Regression: 64 concurrent 7.8 MiB queries for an unknown instance are
     each refused FAILED_PRECONDITION naming instance_id; the server's RSS
-    stays within +600 MiB meanwhile (was +1,300) and is back within +200 MiB
-    of its start within 20 s (~800 MiB stayed)."""
+    stays within 1.5x the bytes sent meanwhile (was 2.6x: +1,300 MiB) and is
+    back within +200 MiB of its start within 20 s (~800 MiB stayed)."""
     body = pb.QueryPrefixRequest(
         instance_id="nobody", block_hashes=[os.urandom(32) for _ in range(HASHES)]
     ).SerializeToString()
@@ -92,7 +92,12 @@ def test_concurrent_large_queries_for_no_instance_cost_little(
     assert {e.code() for e in errors} == {grpc.StatusCode.FAILED_PRECONDITION}
     assert all("instance_id: 'nobody'" in e.details() for e in errors)
     grew = peak[0] - rss0
-    assert grew < 600 * MiB, f"RSS peaked at +{grew // MiB} MiB"
+    # gRPC holds each request's bytes as they arrive, before any handler can
+    # refuse it: how many of the 64 are held at once depends on the machine
+    # (+450 to +650 MiB seen for these 499 MiB). What the fix removed is the
+    # parse and the per-hash objects on top of them (2.6x the bytes).
+    sent = CALLS * len(body)
+    assert grew < 1.5 * sent, f"RSS peaked at +{grew // MiB} MiB ({grew / sent:.2f}x)"
     deadline = time.monotonic() + 20
     while _rss(server.pid) - rss0 > 200 * MiB and time.monotonic() < deadline:
         time.sleep(0.2)
