@@ -3,7 +3,7 @@
 # yours): the gpu-marked tests and the transfer table, optionally beside another
 # tree of the project in the same run (an A/B).
 #
-#   bash benchmarks/gpu_runner.sh [tests] [gds] [transfer] [quick]
+#   bash benchmarks/gpu_runner.sh [tests] [gds] [transfer] [quick] [multi]
 #
 #   tests     pytest -m gpu over tests/kernels tests/gpu tests/connector
 #   gds       tests/gds (the SSD tier) on the kvikio backend, gpu tests too
@@ -11,6 +11,14 @@
 #             BASE_TGZ set, the same run in that tree (`git archive REV | gzip`)
 #             first, then this one, then both again on the Llama shape
 #   quick     transfer.py --quick instead (a smoke run)
+#   multi     with every visible GPU: tests/gpu/test_multi_gpu.py (TP 2/4/8
+#             ranks on their own GPUs, MLA, a rank SIGKILLed, --devices
+#             subsets; each skips naming the GPUs it lacks), then
+#             transfer_gpus.py --gpus N (aggregate save/load GB/s for 1, 2,
+#             4 .. N GPUs against their pinned ceilings and host memcpy)
+#
+# A multi-GPU machine (issue 32), one call for everything multi-GPU:
+#   OUT=$OUT bash benchmarks/gpu_runner.sh multi
 #
 # Environment: OUT (default /tmp/out) gets one JSON per transfer run, each
 # step's log and results.tgz of everything; CALL_S (default 570) bounds the
@@ -86,7 +94,22 @@ for what in "$@"; do
         step "transfer"; transfer_in "$ROOT" run "${extra[@]}"
       fi
       ;;
-    *) echo "unknown step: $what (tests, gds, transfer, quick)" >&2; exit 2 ;;
+    multi)
+      ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
+      step "multi-GPU tests, ${ngpu:-0} GPU(s) visible"
+      timeout "$(within 300)" python3 -m pytest -q -m gpu -rs -p no:cacheprovider \
+        tests/gpu/test_multi_gpu.py > "$OUT/multi_gpu_tests.log" 2>&1
+      echo "rc=$?"; tail -n 15 "$OUT/multi_gpu_tests.log"
+      step "transfer, ${ngpu:-0} GPU(s) at once"
+      if [ "${ngpu:-0}" -ge 1 ]; then
+        timeout "$(within 240)" python3 benchmarks/transfer_gpus.py --gpus "$ngpu" \
+          --out "$OUT" > "$OUT/transfer-gpus.log" 2>&1
+        echo "rc=$?"; tail -n 14 "$OUT/transfer-gpus.log" | cut -c1-220
+      else
+        echo "no GPU visible: skipped"
+      fi
+      ;;
+    *) echo "unknown step: $what (tests, gds, transfer, quick, multi)" >&2; exit 2 ;;
   esac
 done
 step "done"

@@ -95,10 +95,56 @@ def _settled(client: PegaflowClient, inst: str, hs: list[bytes]) -> QueryResult:
     return res
 
 
-def _first_hit(flags: list[str], eng: Engine, acked: list[bytes]) -> dict:
+class CudaReader:
+    """A GPU engine of the same namespace, its KV made and exported before the
+    server starts: what it times is the server's side (its CUDA bring-up)."""
+
+    def __init__(self, blocks: int) -> None:
+        import torch
+
+        from pegaflow.client.cuda_export import export_kv
+
+        self.buf = torch.zeros(LAYERS * blocks * PAGE, dtype=torch.uint8, device="cuda")
+        self.kv = export_kv(vllm_layer_views(self.buf, LAYERS, blocks, (PAGE,)))
+        self.blocks = blocks
+        self.got: dict = {}
+
+    def first_hit(
+        self, addr: str, start: float, acked: list[bytes], eng: Engine
+    ) -> None:
+        """Register (waits for the server's CUDA copy engine), load the first
+        batch into GPU blocks 0.., check every byte against the host engine."""
+        import torch
+
+        with PegaflowClient(addr, timeout_s=120) as client:
+            client.register_cuda("gpu-reader", "bench-restart", self.kv)
+            registered = time.perf_counter() - start
+            res = _settled(client, "gpu-reader", acked[:BATCH])
+            ids = np.arange(res.num_blocks)
+            client.load("gpu-reader", res.lease_id, ids)
+            torch.cuda.synchronize()
+            hit = time.perf_counter() - start
+            client.release_lease(res.lease_id)
+        got = self.buf.view(LAYERS, self.blocks, PAGE)[:, : len(ids)].cpu().numpy()
+        want = eng.buf.reshape(LAYERS, eng.blocks, PAGE)[:, ids % eng.blocks]
+        self.got = {
+            "cuda_registered_s": round(registered, 2),
+            "cuda_first_hit_s": round(hit, 2),
+            "cuda_hit_blocks": int(res.num_blocks),
+            "cuda_bytes_equal": bool(np.array_equal(got, want)),
+        }
+
+
+def _first_hit(
+    flags: list[str], eng: Engine, acked: list[bytes], gpu: CudaReader | None = None
+) -> dict:
     start = time.perf_counter()
     proc, addr = start_server(*flags)
     ready = time.perf_counter() - start
+    reader = None
+    if gpu is not None:  # beside the host engine, as a GPU engine would start
+        reader = threading.Thread(target=gpu.first_hit, args=(addr, start, acked, eng))
+        reader.start()
     with PegaflowClient(addr, timeout_s=120) as client:
         eng.register(client, "reader")
         first = _settled(client, "reader", acked[:BATCH])
@@ -112,6 +158,8 @@ def _first_hit(flags: list[str], eng: Engine, acked: list[bytes]) -> dict:
             if res.lease_id:
                 client.release_lease(res.lease_id)
         all_s = time.perf_counter() - start
+    if reader is not None:
+        reader.join()
     proc.send_signal(signal.SIGTERM)
     proc.wait(120)
     return {
@@ -120,6 +168,7 @@ def _first_hit(flags: list[str], eng: Engine, acked: list[bytes]) -> dict:
         "first_hit_blocks": first.num_blocks,
         "all_hit_s": round(all_s, 2),
         "hits": hits,
+        **(gpu.got if gpu is not None else {}),
     }
 
 
@@ -141,7 +190,9 @@ def fit(rows: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
-def run(size: int, mode: str, fill: float, directory: str) -> dict:
+def run(
+    size: int, mode: str, fill: float, directory: str, gpu: CudaReader | None = None
+) -> dict:
     path = os.path.join(directory, f"bench-restart-{os.getpid()}.pool")
     flags = ["--pool-size", str(size), "--pool-file", path, "--no-progress"]
     eng = Engine(256)
@@ -166,7 +217,7 @@ def run(size: int, mode: str, fill: float, directory: str) -> dict:
             writer.join()
             acked += out[0]
         proc.wait(120)
-        got = _first_hit(flags, eng, acked)
+        got = _first_hit(flags, eng, acked, gpu)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -190,12 +241,23 @@ def main() -> None:
     p.add_argument("--dir", default="/dev/shm")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--cuda-reader",
+        action="store_true",
+        help="also time a GPU engine's first hit (registration waits for the "
+        "server's CUDA bring-up); needs torch with CUDA",
+    )
     args = p.parse_args()
     sizes = [256 << 20] if args.quick else list(map(parse_size, args.sizes.split(",")))
+    gpu = CudaReader(BATCH) if args.cuda_reader else None
     rows = [
-        run(s, m, args.fill, args.dir) for s in sizes for m in ("sigterm", "sigkill")
+        run(s, m, args.fill, args.dir, gpu)
+        for s in sizes
+        for m in ("sigterm", "sigkill")
     ]
     cols = ["pool_gib", "stop", "acked_blocks", "ready_s", "first_hit_s", "all_hit_s"]
+    if gpu is not None:
+        cols += ["cuda_registered_s", "cuda_first_hit_s", "cuda_bytes_equal"]
     print(table(rows, [*cols, "hits", "recovered_share"]))
     slopes = fit(rows)
     for mode, f in slopes.items():

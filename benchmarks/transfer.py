@@ -10,6 +10,7 @@ poisoned other blocks, compared on the GPU.
     PYTHONPATH=$PWD python3 benchmarks/transfer.py --out DIR [--quick] [--prefill]
         [--copy-path auto|kernel|dma] [--copy-sm-cap N] [--tag NAME] [--sizes 1,64]
     ... --interference [--copy-paths kernel,dma,auto] [--copy-sm-caps 16,66]
+    ... --gpus N  (one engine per GPU, all at once: benchmarks/transfer_gpus.py)
 
 `--interference` is the engine-interference mode (benchmarks/interference.py):
 a bf16 matmul loop in a second process while saves, loads or both stream, for
@@ -363,10 +364,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="one more server flag, e.g. --server-arg=--use-hugepages (repeatable)",
     )
+    p.add_argument(
+        "--gpus",
+        type=_gpus,
+        default=1,
+        help="N > 1: every GPU saving or loading at once, aggregate GB/s for "
+        "1, 2, 4 .. N GPUs (benchmarks/transfer_gpus.py); default 1: this GPU",
+    )
     p.add_argument("--copy-path", choices=interference.PATHS, default="auto")
     p.add_argument("--copy-sm-cap", type=int, default=interference.DEFAULT_CAP)
     interference.add_arguments(p)
     return p
+
+
+def _gpus(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 16:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1..16 GPUs")
+    return int(text)
 
 
 def _sizes(text: str) -> list[int]:
@@ -418,7 +432,11 @@ def main(argv: list[str] | None = None) -> None:
     def save(payload: dict) -> Path:
         return write_json(name, payload, out)
 
-    if args.interference:
+    if args.gpus > 1:  # its own file name: transfer-gpusN[-TAG].json
+        from benchmarks import transfer_gpus
+
+        transfer_gpus.main(argv if argv is not None else sys.argv[1:])
+    elif args.interference:
         print(f"wrote {save(interference.run(args, save))}")
     else:
         print(f"wrote {save(run_shapes(args))}")

@@ -14,6 +14,7 @@ from enum import IntEnum
 from pegaflow.common.keys import BlockHash
 
 NsDigest = bytes
+MAX_CHANGES = 1 << 18  # hashes an Index records for watchers between two takes
 
 
 class State(IntEnum):
@@ -108,6 +109,42 @@ class Index:
         self.tables: dict[NsDigest, dict[BlockHash, Record]] = {}
         self.count = 0
         self.payload_bytes = 0
+        # While someone watches (pegaflow.server.block_events): runs of
+        # (stored?, namespace, hashes) since the last take_changes, in order,
+        # at most MAX_CHANGES hashes (past that: dropped, `overflowed`).
+        self.changes: list[tuple[bool, NsDigest, list[BlockHash]]] | None = None
+        self.changed = 0
+        self.overflowed = False
+
+    def _note(self, stored: bool, ns: NsDigest, hashes: list[BlockHash]) -> None:
+        if self.changes is None or self.overflowed:
+            return
+        if self.changed + len(hashes) > MAX_CHANGES:
+            self.changes.clear()
+            self.changed = 0
+            self.overflowed = True
+            return
+        last = self.changes[-1] if self.changes else None
+        if last is not None and last[0] == stored and last[1] == ns:
+            last[2].extend(hashes)
+        else:
+            self.changes.append((stored, ns, list(hashes)))
+        self.changed += len(hashes)
+
+    def track(self, on: bool) -> None:
+        """Record changes from now on (a fresh record), or stop."""
+        self.changes = [] if on else None
+        self.changed = 0
+        self.overflowed = False
+
+    def take_changes(self) -> tuple[list[tuple[bool, NsDigest, list[BlockHash]]], bool]:
+        """The changes recorded since the last call, and whether some were
+        lost (the record passed MAX_CHANGES); recording goes on afresh."""
+        if self.changes is None:
+            return [], False
+        got, lost = self.changes, self.overflowed
+        self.track(True)
+        return got, lost
 
     def get(self, ns: NsDigest, block_hash: BlockHash) -> Record | None:
         return self.tables.get(ns, {}).get(block_hash)
@@ -121,6 +158,7 @@ class Index:
         table[rec.block_hash] = rec
         self.count += 1
         self.payload_bytes += rec.payload_len
+        self._note(True, rec.ns_digest, [rec.block_hash])
 
     def put_run(self, run: list[Record]) -> None:
         """put() of each record; one C-level update when they share a
@@ -136,6 +174,7 @@ class Index:
             self.tables.setdefault(ns, table).update(zip(keys, run, strict=True))
             self.count += len(run)
             self.payload_bytes += sum(r.payload_len for r in run)
+            self._note(True, ns, keys)
             return
         for rec in run:
             self.put(rec)
@@ -149,6 +188,7 @@ class Index:
         if not table:
             del self.tables[rec.ns_digest]
         self._forget(rec)
+        self._note(False, rec.ns_digest, [rec.block_hash])
         return True
 
     def _forget(self, rec: Record) -> None:

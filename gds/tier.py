@@ -282,6 +282,25 @@ class SsdTier:
                 _release_range(slices, released, len(blocks))
 
     # -- lookup and load ---------------------------------------------------------------
+    def track_changes(self, on: bool) -> None:
+        """Record which blocks become readable or are dropped (KV events for
+        routers, pegaflow.server.block_events), or stop recording."""
+        with self.store.lock:
+            self.store.index.track(on)
+
+    def take_changes(
+        self,
+    ) -> tuple[list[tuple[bool, NsDigest, list[BlockHash]]], bool]:
+        """(stored?, namespace digest, hashes) runs in order since the last
+        call, and whether some were lost (too many between two calls)."""
+        with self.store.lock:
+            return self.store.index.take_changes()
+
+    def hashes(self, ns_digest: NsDigest) -> list[BlockHash]:
+        """Every block of the namespace the SSD holds now."""
+        with self.store.lock:
+            return list(self.store.index.tables.get(ns_digest, ()))
+
     def lookup(self, ns_digest: NsDigest, hashes: list[BlockHash]) -> int:
         """How many of hashes, from the first, are on SSD. Lock-free: a block may
         still be evicted before it is loaded (load then reports it missing)."""

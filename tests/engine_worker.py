@@ -37,6 +37,8 @@ def init(
     """KV in one of the layouts: LBNHC / BLNHC (vLLM 0.33, one int8 buffer with
     per-layer views), kv_first (older vLLM, [2, blocks, block_size, heads, head]
     per layer) or MLA (one buffer, per-layer [blocks, block_size, mla_dim])."""
+    if device != "cpu":  # a rank on GPU k, all GPUs visible (as vLLM's workers)
+        torch.cuda.set_device(device)
     dt = getattr(torch, dtype)
     item = torch.empty((), dtype=dt).element_size()
     gen = torch.Generator(device).manual_seed(seed)
@@ -143,9 +145,12 @@ def register(
     tp_rank: int = 0,
     tp_size: int = 1,
     session: bool = True,
+    replicated: bool = False,
 ) -> dict:
+    """replicated: every rank holds the same KV (MLA): one shard per block."""
     client = PegaflowClient(addr)
     mem = state["mem"]
+    more = {"replicated": True} if replicated else {}
     if state.get("device", "cpu") == "cpu":
         reg = client.register_host(
             instance,
@@ -155,6 +160,7 @@ def register(
             mem.layers,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            **more,
         )
     else:
         from pegaflow.client.cuda_export import IpcEvents
@@ -163,7 +169,7 @@ def register(
             state["events"] = IpcEvents(torch.device(state["device"]).index or 0)
         handles = state["events"].handles
         reg = client.register_cuda(
-            instance, namespace, mem, handles, tp_rank=tp_rank, tp_size=tp_size
+            instance, namespace, mem, handles, tp_rank=tp_rank, tp_size=tp_size, **more
         )
     state.update(client=client, instance=instance, rank=tp_rank)
     if session:

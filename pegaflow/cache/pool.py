@@ -12,7 +12,6 @@ import ctypes
 import errno
 import logging
 import mmap
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -180,6 +179,7 @@ class HostPool:
             self.close()
             raise
         self._registrar = registrar
+        self._config = config
         self.slabs = self._slabs()
         if self._touching is None:
             self.huge_share = huge_share(self.base, self.size)
@@ -193,6 +193,12 @@ class HostPool:
             config.use_hugepages,
             f", file {config.pool_file}" if config.pool_file else "",
         )
+
+    def pin(self, registrar: PoolRegistrar) -> None:
+        """Pin the pool for the GPUs after the start (pegaflow.server.cuda_bringup:
+        beside a serving server); close() unpins it."""
+        self._register(registrar, self._config)
+        self._registrar = registrar
 
     def _register(self, registrar: PoolRegistrar, config: PoolConfig) -> None:
         """Pin the pool for the GPUs. A pool file on a filesystem whose pages
@@ -285,13 +291,13 @@ class HostPool:
 def _open_file(config: PoolConfig, size: int, slab_bytes: int, align: int) -> PoolFile:
     from .pool_file import Geometry, PoolFile
 
+    def room() -> None:  # asked for a new pool only: a kept one is resident
+        available = _meminfo("MemAvailable")
+        if available is not None and size > available:
+            raise PoolTooLarge(size, available)
+
     geometry = Geometry(size, slab_bytes, align)
-    path = config.pool_file or ""
-    exists = os.path.exists(path) and os.path.getsize(path) == geometry.file_bytes
-    available = _meminfo("MemAvailable")
-    if not exists and available is not None and size > available:
-        raise PoolTooLarge(size, available)  # a file already there is resident
-    return PoolFile(path, geometry, config.on_mismatch)
+    return PoolFile(config.pool_file or "", geometry, config.on_mismatch, room)
 
 
 # Below this share of 2 MiB pages the start-up log warns (pegaflow.cache.hugepages).

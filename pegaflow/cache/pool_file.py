@@ -1,5 +1,7 @@
-"""The L1 pool in a file that outlives the server (--pool-file): /dev/shm, or a
-hugetlbfs mount with --use-hugepages.
+"""The L1 pool kept beyond the server (--pool-file): its bytes in a sealed memfd
+that a keeper process holds at PATH, a unix socket (pegaflow.cache.pool_keeper;
+the server's side: pegaflow.cache.pool_claim). A regular pool file at PATH, as
+servers before 2026-12-05 kept it, is adopted once (pegaflow.cache.pool_adopt).
 
 Layout: a superblock (format version and geometry), a slot header table (one
 row per 4 KiB granule of the data region: the row of a slot is the granule its
@@ -8,25 +10,35 @@ data region itself, aligned to the page size. What the rows say, and when, is
 pegaflow.cache.slot_log's; what a restarted server rebuilds from them is
 pegaflow.server.warm_restart's.
 
-One server per file: an exclusive flock, held while the mapping lives.
+One server per pool: the keeper hands it to one connection at a time, held
+while the mapping lives.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import logging
 import mmap
 import os
 import stat
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from pegaflow.common.private_files import check_private, open_private
 from pegaflow.common.settings import OnMismatch
+
+from .pool_claim import (
+    FLAG,
+    Claim,
+    PoolFileError,
+    Watch,
+    check_socket,
+    claim,
+    new_memfd,
+    publish,
+    swap,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +84,14 @@ ROW = np.dtype(
 )
 
 
-class PoolFileError(RuntimeError):
-    """--pool-file cannot be used; the message names the flag and the fix."""
+NOT_A_POOL = "not a pool"  # verdict(): bytes that are no pool, never overwritten
 
 
 @dataclass(frozen=True, slots=True)
 class Geometry:
     data_bytes: int
     slab_bytes: int
-    align: int  # 4 KiB, or 2 MiB on hugetlbfs
+    align: int  # 4 KiB, or 2 MiB with --use-hugepages (a hugetlb memfd)
 
     @property
     def rows(self) -> int:
@@ -97,23 +108,34 @@ class Geometry:
 
 
 class PoolFile:
-    """The open, locked, mapped file. `fresh`: its rows are all FREE (a new or
-    reinitialised file); otherwise they are what the last server left."""
+    """The pool claimed from its keeper and mapped. `fresh`: its rows are all
+    FREE (a new or reinitialised pool); otherwise they are what the last
+    server left. room(): raises when a new pool's memory is not there (a kept
+    one is resident already)."""
 
-    def __init__(self, path: str, geometry: Geometry, on_mismatch: OnMismatch) -> None:
+    def __init__(
+        self,
+        path: str,
+        geometry: Geometry,
+        on_mismatch: OnMismatch,
+        room: Callable[[], None] | None = None,
+    ) -> None:
         self.path = path
         self.geometry = geometry
-        self.fd = _open_locked(path)
+        self._room = room
+        held, self.fresh = self._acquire(on_mismatch)
+        self.fd = held.fd
         try:
-            self.fresh = self._check_or_init(on_mismatch)
             self.mmap = mmap.mmap(
                 self.fd,
                 geometry.file_bytes,
                 flags=mmap.MAP_SHARED,
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
             )
+            self.mmap[: _SUPER.size] = self.superblock()  # this server's pid
         except BaseException:
             os.close(self.fd)
+            held.sock.close()
             raise
         self.table = np.ndarray(
             geometry.rows, ROW, buffer=self.mmap, offset=SUPER_BYTES
@@ -121,67 +143,148 @@ class PoolFile:
         self.data = np.ndarray(
             geometry.data_bytes, np.uint8, self.mmap, geometry.data_offset
         )
+        self._watch = Watch(held, path, self.fd)
 
-    def _check_or_init(self, on_mismatch: OnMismatch) -> bool:
+    def _acquire(self, on_mismatch: OnMismatch) -> tuple[Claim, bool]:
+        path = self.path
+        try:
+            st: os.stat_result | None = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        except OSError as exc:
+            raise PoolFileError(f"{FLAG}: cannot use {path}: {exc}") from exc
+        if st is None:
+            return publish(path, self.new_pool()), True
+        if stat.S_ISREG(st.st_mode):
+            return self._adopt(on_mismatch)
+        if stat.S_ISLNK(st.st_mode):
+            raise PoolFileError(
+                f"{FLAG}: {path} is a symbolic link; name the path itself"
+            )
+        if not stat.S_ISSOCK(st.st_mode):
+            raise PoolFileError(
+                f"{FLAG}: {path} is neither a pool keeper's socket nor a pool "
+                "file; name another path"
+            )
+        check_socket(path, st)
+        held = claim(path)
+        if held is None:  # its keeper was killed while no server held the pool
+            logger.warning("%s: no keeper at %s; starting an empty pool", FLAG, path)
+            return publish(path, self.new_pool()), True
+        why = self.verdict(held.fd, os.fstat(held.fd).st_size)
+        if why is None:
+            return held, False
+        try:
+            self.refuse_or_warn(on_mismatch, why or "it holds no pool")
+            fd = self.new_pool()
+            try:
+                swap(held, fd, path)
+            except BaseException:
+                os.close(fd)
+                raise
+        except BaseException:
+            os.close(held.fd)
+            held.sock.close()
+            raise
+        os.close(held.fd)  # the old pool: freed once the keeper dropped it
+        return Claim(held.sock, fd, held.keeper_pid, held.ino), True
+
+    def _adopt(self, on_mismatch: OnMismatch) -> tuple[Claim, bool]:
+        """An old pool file at PATH (servers before 2026-12-05), once: its
+        bytes copied into a new memfd, whose keeper's socket replaces it."""
+        from .pool_adopt import copy_old, open_old
+
+        g, path = self.geometry, self.path
+        fd = open_old(path)
+        try:
+            size = os.fstat(fd).st_size
+            why = self.verdict(fd, size)
+            if why == NOT_A_POOL:
+                raise PoolFileError(
+                    f"{FLAG}: {path} is not a pool file ({size} B, no PEGAPOOL "
+                    "superblock); name a new path or an old pool file"
+                )
+            if why:
+                self.refuse_or_warn(on_mismatch, why)
+            mem = self.new_pool(allocate=why is not None)
+            try:
+                if why is None:
+                    logger.warning(
+                        "%s: adopting the pool file %s into a sealed memfd "
+                        "(once; PATH becomes its keeper's socket)",
+                        FLAG,
+                        path,
+                    )
+                    copy_old(fd, mem, g.data_offset, g.file_bytes, self._tear)
+                return publish(path, mem), why is not None
+            except BaseException:
+                os.close(mem)
+                raise
+        finally:
+            os.close(fd)
+
+    def _tear(self, src: int) -> None:
+        """An old file's LANDED rows (trusted without a checksum) become
+        WRITING before its bytes are given back chunk by chunk: a crash midway
+        then loses blocks at the next adoption, never serves zeroes."""
         g = self.geometry
-        size = os.fstat(self.fd).st_size
-        found = _read_super(self.fd)
+        with mmap.mmap(src, g.data_offset) as m:
+            rows = np.ndarray(g.rows, ROW, buffer=m, offset=SUPER_BYTES)
+            state = rows["state"]
+            state[state == LANDED] = WRITING
+            del rows, state
+
+    def new_pool(self, allocate: bool = True) -> int:
+        """A new sealed memfd of this geometry, rows FREE, its superblock
+        written (allocate=False: neither; an adoption fills it chunk by chunk)."""
+        g = self.geometry
+        if not allocate:
+            return new_memfd(g.file_bytes, g.align, allocate=False)
+        if self._room is not None:
+            self._room()
+        fd = new_memfd(g.file_bytes, g.align)
+        with mmap.mmap(fd, g.file_bytes) as m:
+            m[: _SUPER.size] = self.superblock()
+        return fd
+
+    def verdict(self, fd: int, size: int) -> str | None:
+        """None: a pool of this geometry and format; otherwise why not ("" for
+        an empty file, NOT_A_POOL for bytes that are no pool at all)."""
+        g = self.geometry
+        found = _read_super(fd, size)
         want = (VERSION, ROW_BYTES, GRANULE, g.data_bytes, g.slab_bytes, g.data_offset)
         if found == want and size == g.file_bytes:
-            self._write_super()  # this server's pid, for a second one's message
-            return False
+            return None
         if found == want:  # ours, cut short (or grown) since
-            why = (
+            return (
                 f"it is truncated to {size} B (or grown: this pool needs "
                 f"{g.file_bytes} B)"
             )
-        elif found is not None:
+        if found is not None:
             version, _, _, data, slab, _ = found
-            why = (
+            return (
                 f"it holds a pool of format {_format(version)}, {data} B in slabs "
                 f"of {slab} B; this server needs format {_format(VERSION)}, "
                 f"{g.data_bytes} B in slabs of {g.slab_bytes} B"
             )
-        elif size == 0:
-            why = ""
-        elif _magic_cut(self.fd, size):
-            why = f"it is truncated to {size} B, inside its superblock"
-        else:  # never overwritten, whatever --pool-on-mismatch says
+        if size == 0:
+            return ""
+        if _magic_cut(fd, size):
+            return f"it is truncated to {size} B, inside its superblock"
+        return NOT_A_POOL
+
+    def refuse_or_warn(self, on_mismatch: OnMismatch, why: str) -> None:
+        if on_mismatch == "refuse":
             raise PoolFileError(
-                f"--pool-file: {self.path} is not a pool file ({size} B, no "
-                "PEGAPOOL superblock); name a new file or an old pool file"
-            )
-        if why and on_mismatch == "refuse":
-            raise PoolFileError(
-                f"--pool-file: {self.path}: {why}; start with the same --pool-size "
+                f"{FLAG}: {self.path}: {why}; start with the same --pool-size "
                 "(and a server of that format), pass --pool-on-mismatch reinit "
-                "to start it afresh, or name another file"
+                "to start it afresh, or name another path"
             )
-        if why:
-            logger.warning("pool file %s: %s; reinitialising it", self.path, why)
-        self._init()
-        return True
+        logger.warning("pool file %s: %s; reinitialising it", self.path, why)
 
-    def _init(self) -> None:
-        os.ftruncate(self.fd, 0)  # drops the old pages: rows read FREE (zero)
-        try:
-            os.posix_fallocate(self.fd, 0, self.geometry.file_bytes)
-        except OSError as exc:
-            os.ftruncate(self.fd, 0)
-            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                free = os.statvfs(self.path)
-                raise PoolFileError(
-                    f"--pool-file: {self.path}: no room for "
-                    f"{self.geometry.file_bytes / (1 << 30):.2f} GiB there "
-                    f"({free.f_bavail * free.f_frsize / (1 << 30):.2f} GiB free); "
-                    "pass a smaller --pool-size or put the file elsewhere"
-                ) from exc
-            raise
-        self._write_super()
-
-    def _write_super(self) -> None:
+    def superblock(self) -> bytes:
         g = self.geometry
-        head = _SUPER.pack(
+        return _SUPER.pack(
             MAGIC,
             VERSION,
             ROW_BYTES,
@@ -191,10 +294,9 @@ class PoolFile:
             g.data_offset,
             os.getpid(),
         )
-        os.pwrite(self.fd, head, 0)
 
     def close(self) -> None:
-        """Unmaps and unlocks; the file and its bytes stay for the next server."""
+        """Unmaps and lets the keeper hand the pool to the next server."""
         if self.fd < 0:
             return
         del self.table, self.data
@@ -202,103 +304,14 @@ class PoolFile:
             self.mmap.close()
         except BufferError:  # a view is still alive; the OS unmaps it at exit
             logger.debug("pool file mapping still referenced at close")
+        self._watch.close()
         os.close(self.fd)
         self.fd = -1
-
-
-FLAG = "--pool-file"
 
 
 def _format(version: int) -> str:
     name = FORMATS.get(version)
     return f"{version} ({name})" if name else str(version)
-
-
-def _open_locked(path: str) -> int:
-    try:
-        fd = open_private(path, os.O_RDWR | os.O_CREAT, FLAG, PoolFileError)
-    except OSError as exc:
-        raise PoolFileError(f"{FLAG}: cannot open {path}: {exc}") from exc
-    try:
-        exposed = stat.S_IMODE(os.fstat(fd).st_mode) & 0o044
-        check_private(fd, path, FLAG, PoolFileError)
-    except PoolFileError:
-        os.close(fd)
-        raise
-    fd = _lock(fd, path)
-    if exposed:
-        fd = _replace(fd, path)
-    return fd
-
-
-def _replace(fd: int, path: str) -> int:
-    """A file others could read: whoever opened or mapped it then keeps
-    reading that file (its inode) whatever its mode says now, so every later
-    tenant's blocks would reach them. The pool starts on a new private file
-    at the path instead; the old one's blocks are dropped with it."""
-    logger.warning(
-        "%s: %s was readable by other users: a process that opened or mapped "
-        "it would keep reading it; starting on a new private file (its cached "
-        "blocks are dropped)",
-        FLAG,
-        path,
-    )
-    fresh_path = f"{path}.{os.getpid()}.new"
-    try:
-        fresh = open_private(
-            fresh_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FLAG, PoolFileError
-        )
-    except OSError as exc:
-        os.close(fd)
-        raise PoolFileError(f"{FLAG}: cannot create {fresh_path}: {exc}") from exc
-    try:
-        fresh = _lock(fresh, fresh_path)
-        os.rename(fresh_path, path)
-    except BaseException:
-        with contextlib.suppress(OSError):  # _lock closed it already, if it failed
-            os.close(fresh)
-        with contextlib.suppress(OSError):
-            os.unlink(fresh_path)
-        raise
-    finally:
-        os.close(fd)
-    return fresh
-
-
-def _lock(fd: int, path: str) -> int:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _flock_holder(fd)
-        os.close(fd)
-        owner = f" (pid {holder})" if holder else ""
-        raise PoolFileError(
-            f"--pool-file: {path} is locked by another process{owner}; two "
-            "servers cannot share one pool file: stop it, or give this one its "
-            "own file"
-        ) from None
-    return fd
-
-
-def _flock_holder(fd: int) -> int:
-    """The pid holding a flock on the file, from the kernel's /proc/locks (the
-    superblock's pid is only the last server's: another process, even
-    another user's, may hold the lock); 0 when it cannot be told."""
-    st = os.fstat(fd)
-    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    try:
-        with open("/proc/locks") as locks:
-            for line in locks:
-                parts = line.split()
-                if len(parts) > 5 and parts[1] == "FLOCK" and parts[5] == inode:
-                    return int(parts[4])
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def _has_super(fd: int) -> bool:
-    return os.fstat(fd).st_size >= _SUPER.size
 
 
 def _magic_cut(fd: int, size: int) -> bool:
@@ -308,8 +321,8 @@ def _magic_cut(fd: int, size: int) -> bool:
     return 0 < size < _SUPER.size and head == MAGIC[: len(head)] and len(head) >= 4
 
 
-def _read_super(fd: int) -> tuple[int, int, int, int, int, int] | None:
-    if not _has_super(fd):
+def _read_super(fd: int, size: int) -> tuple[int, int, int, int, int, int] | None:
+    if size < _SUPER.size:
         return None
     magic, version, row_bytes, granule, data, slab, offset, _ = _SUPER.unpack(
         os.pread(fd, _SUPER.size, 0)

@@ -114,6 +114,12 @@ class SlotLog:
         self._pending = 0  # rows queued for sealing, not yet sealed or dropped
         self._idle = threading.Condition(self._lock)
         self.sealed = 0
+        # Compiled now, at the server's start, not in the sealer's first run:
+        # importing numba and compiling the loop holds the GIL for seconds
+        # (ctypes' dlopen of llvmlite's 168 MB library holds it whole), and
+        # on a busy host that stalled the event loop, with an engine's first
+        # saves on it, for 13 s (a PP 2 engine's saves timed out).
+        checksum_rows.warm()
         self._thread = threading.Thread(
             target=self._seal_forever, name="pegaflow-sealer", daemon=True
         )

@@ -249,6 +249,9 @@ class CudaConfig:
     def __post_init__(self) -> None:
         if self.devices is not None and (not self.devices or min(self.devices) < 0):
             raise ValueError("devices: need CUDA ordinals >= 0")
+        if self.devices is not None and len(set(self.devices)) < len(self.devices):
+            # one GPU twice would get two copy states, the second one winning
+            raise ValueError(f"devices: {self.devices} names a GPU twice")
         check_int("max_ctas", self.max_ctas, 1, MAX_CTAS)
         check_seconds("event_timeout_s", self.event_timeout_s, 3600.0)
         if self.copy_path not in ("auto", "kernel", "dma"):

@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -151,7 +152,7 @@ class CudaCopyEngine:
             uuid = cuda_driver.device_uuid(ordinal)
             dev = _Device(ordinal, uuid, pool, self._k.stream(), self._k.stream())
             self._devices[uuid] = dev
-            self._warm_up(dev)
+            warm_up(self._k, dev.save)
             if self._dma is not None:
                 dev.flags = self._open_flags(dev)
         logger.info(
@@ -175,19 +176,6 @@ class CudaCopyEngine:
             logger.warning("copy engines unavailable, kernels only: %s", exc)
             self._policy = CopyPolicy("kernel")
             return None
-
-    def _warm_up(self, dev: _Device) -> None:
-        """Compile the kernel now (about a second), not in the first save.
-
-        On scratch memory, never the pool: a kept --pool-file holds the last
-        server's blocks, and a copy inside the pool changed the first slot's
-        bytes (its checksum then failed: one block lost per restart)."""
-        scratch = self._k.staging_buffer(32)
-        base = np.uint64(scratch.address)
-        one = np.ones(1, np.uint64) * np.uint64(16)
-        t = Transfers(np.array([base]), np.array([base + np.uint64(16)]), one)
-        self._k.copy_descriptors(scratch, scratch, t, stream=dev.save)
-        self._k.synchronize(dev.save)
 
     def _open_flags(self, dev: _Device) -> dict[CopyDirection, StreamFlag]:
         """A flag per stream, each written once here; {} (stream syncs only)
@@ -560,6 +548,21 @@ class CudaCopyEngine:
                     f"{self._timeout:g} s (engine gone mid-step?)"
                 )
             time.sleep(0 if waited < SPIN_S else POLL_S)
+
+
+def warm_up(k: ModuleType, stream: Any) -> None:
+    """Compile the copy kernel of backend `k` now (about a second), not in the
+    first save, and load it on `stream`.
+
+    On scratch memory, never the pool: a kept --pool-file holds the last
+    server's blocks, and a copy inside the pool changed the first slot's bytes
+    (its checksum then failed: one block lost per restart)."""
+    scratch = k.staging_buffer(32)
+    base = np.uint64(scratch.address)
+    one = np.ones(1, np.uint64) * np.uint64(16)
+    t = Transfers(np.array([base]), np.array([base + np.uint64(16)]), one)
+    k.copy_descriptors(scratch, scratch, t, stream=stream)
+    k.synchronize(stream)
 
 
 def _opened(fn: Any, handle: bytes, index: int) -> Any:

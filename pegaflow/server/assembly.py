@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib.util
 import logging
 import os
 import secrets
@@ -18,7 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pegaflow.cache.pool import HostPool
-from pegaflow.common import cuda_driver
+from pegaflow.common import cuda_driver, topology
 from pegaflow.common.cuda_driver import (
     POOL_CHUNK_BYTES,
     POOL_CHUNK_THREADS,
@@ -37,6 +39,7 @@ from pegaflow.tiers.ssd_link import SsdLink
 
 from . import gc_freeze as gcpolicy
 from .compat_metrics import OriginalMetrics, OriginalSsdMetrics
+from .cuda_bringup import CudaBringUp
 from .engine import Engine
 from .grpc_errors import ErrorInterceptor
 from .grpc_service import LocalEngines, PegaFlowServicer
@@ -59,6 +62,8 @@ Health = Callable[[], dict[str, object]]
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pegaflow.v1.PegaFlow"
+# A stop waits this long for the CUDA bring-up (pinning) before the pool closes.
+CUDA_JOIN_S = 60.0
 
 
 @dataclass(slots=True)
@@ -152,13 +157,16 @@ async def _assemble(
         engine.add_tier(link)
         engine.hit_rates.remote = link.probe  # the miss breakdown's "remote"
     started = time.monotonic()
-    copy_path = getattr(getattr(cuda, "policy", None), "report", None)
+
+    def copy_path() -> dict[str, object] | None:  # None until CUDA is up
+        built = cuda.engine() if cuda is not None else None
+        return built.policy.report() if built is not None else None
+
+    placement = topology.Placement(ordinals, engine.pool.base, engine.pool.size)
     stats = on_loop(
-        asyncio.get_running_loop(), lambda: engine_stats(engine, started, copy_path)
+        asyncio.get_running_loop(),
+        lambda: engine_stats(engine, started, copy_path, placement.report),
     )
-    if copy_path is not None:
-        faulted = getattr(cuda, "faulted", None)
-        metrics.registry.register(CopyPathCollector(copy_path, faulted))
     scrape = OncePerScrape(stats)
     metrics.registry.register(HitRateCollector(scrape.first))
     metrics.registry.register(OriginalMetrics(metrics, scrape.again))  # their names
@@ -200,15 +208,11 @@ def _bring_up(
     ordinals: list[int],
     metrics: Metrics,
     undo: contextlib.AsyncExitStack,
-) -> tuple[Engine, object, RecoveryReport | None, Health, list[Tier]]:
-    """SSD tier, pool (pre-touched), copy engines, the engine itself with its
-    SSD tiers (also returned in the order they were built), what a kept pool
-    file gave back, and /health's document."""
-    registrar = (
-        HostRegistrar(ordinals[0], POOL_CHUNK_BYTES, POOL_CHUNK_THREADS)
-        if ordinals
-        else None
-    )
+) -> tuple[Engine, CudaBringUp | None, RecoveryReport | None, Health, list[Tier]]:
+    """SSD tier, pool (pre-touched), copy engines (CUDA's coming up beside the
+    serving server), the engine itself with its SSD tiers (also returned in
+    the order they were built), what a kept pool file gave back, and
+    /health's document."""
     # The SSD tier first: its start-up errors (SsdError) then leave no pool.
     tier = SsdTier(config.ssd) if config.ssd is not None else None
     route = None
@@ -219,7 +223,7 @@ def _bring_up(
             tier.close()
             raise
     try:
-        pool = HostPool(config.pool, registrar)
+        pool = HostPool(config.pool)  # pinned by the CUDA bring-up
     except BaseException:
         if tier is not None:
             tier.close()
@@ -230,11 +234,22 @@ def _bring_up(
     copiers: dict[RegionKind, CopyEngine] = {
         "host": HostCopyEngine(threads=config.engine.copy_threads)
     }
-    cuda = _cuda_copier(config.cuda, pool, ordinals) if ordinals else None
-    if cuda is not None:
-        copiers["cuda"] = cuda
     engine = Engine(config.engine, pool, copiers, metrics)
     undo.callback(engine.close)
+    cuda = None
+    if ordinals:
+        cuda = _cuda_bringup(config.cuda, pool, ordinals, copiers, metrics)
+        undo.callback(cuda.join, CUDA_JOIN_S)  # before the pool unpins
+        engine.cuda_ready = cuda.ready
+        if route is not None and route.route == "direct":
+            try:  # the SSD tier's direct route needs it built
+                cuda.run_now()
+            except Exception as exc:  # a broken GPU stack: one line
+                raise StartupError(
+                    f"--devices: CUDA copy engine failed to start: {exc}"
+                ) from exc
+        else:
+            cuda.start(asyncio.get_running_loop())
     built: list[Tier] = []  # the engine's tiers, in the order they were built
     link = None
     if tier is not None:  # at most half the pool waits for the SSD writers
@@ -255,12 +270,13 @@ def _bring_up(
             "ssd hits of cuda engines: the %s route (%s)", route.route, route.reason
         )
         if route.route == "direct":  # asked first: its hits need no L1 slots
-            direct = ssd_direct.SsdDirect(link, cuda, metrics.ssd)
+            direct = ssd_direct.SsdDirect(link, cuda.engine(), metrics.ssd)
             undo.push_async_callback(direct.close)
             built.append(direct)
             engine.add_tier(direct)
     if link is not None:
         engine.add_tier(link)
+        engine.block_events.ssd = link  # its blocks, for KV-event watchers
         metrics.registry.register(SsdCollector(tier.stats))
         metrics.registry.register(OriginalSsdMetrics(tier.stats))
         logger.info(
@@ -334,23 +350,46 @@ def _cuda_devices(config: CudaConfig) -> list[int]:
         raise StartupError(str(exc)) from exc
 
 
-def _cuda_copier(config: CudaConfig, pool: HostPool, ordinals: list[int]) -> object:
-    try:  # imports numba-cuda: GPU hosts only
+def _cuda_bringup(
+    config: CudaConfig,
+    pool: HostPool,
+    ordinals: list[int],
+    copiers: dict[RegionKind, CopyEngine],
+    metrics: Metrics,
+) -> CudaBringUp:
+    """The pool pinned and the CUDA copy engine built (pegaflow.server.cuda_bringup);
+    a GPU stack missing its Python half fails the start here, in one line."""
+    if importlib.util.find_spec("numba") is None:  # numba-cuda is numba.cuda
+        exc = ImportError("No module named 'numba'")
+        raise StartupError(f"--devices: {exc}; {cuda_driver.hint(exc)}")
+    registrar = HostRegistrar(ordinals[0], POOL_CHUNK_BYTES, POOL_CHUNK_THREADS)
+
+    def warm() -> None:  # import numba-cuda and compile, beside the pinning
+        from pegaflow import kernels
+        from pegaflow.copiers.cuda_copier import warm_up
+
+        cuda_driver.set_device(ordinals[0])
+        k = kernels.backend("cuda")
+        warm_up(k, k.stream())
+
+    def build() -> CopyEngine:
         from pegaflow.copiers.contention import ContendedPolicy
         from pegaflow.copiers.cuda_copier import CudaCopyEngine
-    except ImportError as exc:
-        raise StartupError(f"--devices: {exc}; {cuda_driver.hint(exc)}") from exc
 
-    try:
+        topology.Placement(ordinals, pool.base, pool.size).log()  # pool pinned
         policy = ContendedPolicy.from_config(config)
         return CudaCopyEngine(
             pool.base, pool.size, ordinals, config.max_ctas, config.event_timeout_s,
             policy,
         )  # fmt: skip
-    except Exception as exc:  # a broken GPU stack: one line (the pool is undone)
-        raise StartupError(
-            f"--devices: CUDA copy engine failed to start: {exc}"
-        ) from exc
+
+    def install(built: CopyEngine) -> None:
+        copiers["cuda"] = built
+        metrics.registry.register(CopyPathCollector(built.policy.report, built.faulted))
+
+    return CudaBringUp(
+        ordinals[0], functools.partial(pool.pin, registrar), warm, build, install
+    )
 
 
 async def _sweep_forever(engine: Engine) -> None:

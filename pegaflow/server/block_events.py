@@ -15,9 +15,13 @@ not at all) loses its backlog and is sent a resync with the blocks held
 again, so a client that never reads costs one bounded buffer; one that takes
 no message for WRITE_STALL_S is ended.
 
-L1 only: the SSD tier drops blocks inside its ring without telling the loop,
-and peers' pools are the metaserver's; their tiers (BLOCK_TIER_SSD, _PEER)
-are in the protocol for later.
+The SSD tier's blocks come as events of tier SSD: while anyone watches, its
+index records what it commits and drops (pegaflow.gds), and the hub takes that
+record at each sweep (`poll_tiers`, every --lease-sweep-interval); a snapshot
+lists the namespace's SSD blocks after its L1 ones. A record that grew past
+its bound between two takes is dropped and every watcher resyncs. Peers'
+pools are the metaserver's: their tier (BLOCK_TIER_PEER) is in the protocol
+for later.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from itertools import islice
 from operator import attrgetter, itemgetter
+from typing import Protocol
 
 from pegaflow.cache.block_entry import BlockEntry
 from pegaflow.cache.block_store import BlockStore
@@ -44,7 +49,7 @@ from .query_path import PrefixQueries
 logger = logging.getLogger(__name__)
 
 STORED, REMOVED = pb.BlockEvent.STORED, pb.BlockEvent.REMOVED
-L1 = pb.BLOCK_TIER_L1
+L1, SSD = pb.BLOCK_TIER_L1, pb.BLOCK_TIER_SSD
 MAX_PER_INSTANCE = 4  # a scheduler's stream per part, and a reconnect's overlap
 BATCH_HASHES = 4096  # per message (~140 KB of 32-byte hashes)
 COALESCE_S = 0.02  # a message waits this long for more events once one came
@@ -56,6 +61,14 @@ _KEY = attrgetter("key")
 Write = Callable[[pb.BlockEvents], Awaitable[None]]
 
 
+class TierEvents(Protocol):
+    """A lower tier's block events (pegaflow.tiers.ssd_link.SsdLink)."""
+
+    def track(self, on: bool) -> None: ...
+    def take_events(self) -> tuple[list[tuple[bool, int, list[BlockHash]]], bool]: ...
+    def hashes(self, ns: Namespace) -> list[BlockHash]: ...
+
+
 @dataclass(slots=True, eq=False)
 class Watcher:
     """One stream's backlog: runs of (kind, hashes) in order, bounded."""
@@ -63,25 +76,29 @@ class Watcher:
     instance_id: str
     ns: Namespace
     limit: int  # hashes waiting before the backlog is dropped for a resync
-    runs: deque[tuple[int, list[BlockHash]]] = field(default_factory=deque)
+    runs: deque[tuple[int, int, list[BlockHash]]] = field(default_factory=deque)
     count: int = 0
     overflowed: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def add(self, kind: int, hashes: list[BlockHash]) -> None:
+    def add(self, kind: int, hashes: list[BlockHash], tier: int = L1) -> None:
         if self.overflowed:
             return
         if self.count + len(hashes) > self.limit:
-            self.runs.clear()
-            self.count = 0
-            self.overflowed = True
-            self.wake.set()
+            self.drop()
             return
-        if self.runs and self.runs[-1][0] == kind:
-            self.runs[-1][1].extend(hashes)
+        if self.runs and self.runs[-1][:2] == (kind, tier):
+            self.runs[-1][2].extend(hashes)
         else:
-            self.runs.append((kind, list(hashes)))
+            self.runs.append((kind, tier, list(hashes)))
         self.count += len(hashes)
+        self.wake.set()
+
+    def drop(self) -> None:
+        """The backlog is lost: the stream resyncs."""
+        self.runs.clear()
+        self.count = 0
+        self.overflowed = True
         self.wake.set()
 
     def restart(self) -> None:
@@ -94,15 +111,15 @@ class Watcher:
         """Up to n hashes from the front, in order."""
         out: list[pb.BlockEvent] = []
         while self.runs and n > 0:
-            kind, hashes = self.runs[0]
+            kind, tier, hashes = self.runs[0]
             if len(hashes) <= n:
                 self.runs.popleft()
                 part = hashes
             else:
-                part, self.runs[0] = hashes[:n], (kind, hashes[n:])
+                part, self.runs[0] = hashes[:n], (kind, tier, hashes[n:])
             n -= len(part)
             self.count -= len(part)
-            out.append(pb.BlockEvent(kind=kind, tier=L1, block_hashes=part))
+            out.append(pb.BlockEvent(kind=kind, tier=tier, block_hashes=part))
         return out
 
 
@@ -127,6 +144,7 @@ class BlockEventHub(StoreListener):
         self._on_resync = on_resync
         self._by_ns: dict[int, set[Watcher]] = {}
         self._count = 0
+        self.ssd: TierEvents | None = None  # set at start-up with an SSD tier
 
     @property
     def watchers(self) -> int:
@@ -152,6 +170,22 @@ class BlockEventHub(StoreListener):
             for watcher in watchers:
                 watcher.add(kind, hashes)
 
+    def poll_tiers(self) -> None:
+        """The SSD tier's changes since the last poll, to their watchers (the
+        sweep calls this)."""
+        if self.ssd is None or not self._count:
+            return
+        runs, lost = self.ssd.take_events()
+        if lost:  # too many changes between two polls: everyone resyncs
+            for watchers in self._by_ns.values():
+                for watcher in watchers:
+                    watcher.drop()
+            return
+        for stored, ns_id, hashes in runs:
+            kind = STORED if stored else REMOVED
+            for watcher in self._by_ns.get(ns_id, ()):
+                watcher.add(kind, hashes, SSD)
+
     # -- streams ---------------------------------------------------------------
     def watch(self, instance_id: str, ctx: CallContext) -> Watcher:
         """A new watcher of the instance's namespace, if the caller may ask
@@ -174,6 +208,8 @@ class BlockEventHub(StoreListener):
         watcher = Watcher(instance_id, inst.namespace, self.buffer_hashes)
         self._by_ns.setdefault(inst.namespace.id, set()).add(watcher)
         self._count += 1
+        if self._count == 1 and self.ssd is not None:
+            self.ssd.track(True)
         return watcher
 
     def unwatch(self, watcher: Watcher) -> None:
@@ -184,6 +220,8 @@ class BlockEventHub(StoreListener):
         if not watchers:
             del self._by_ns[watcher.ns.id]
         self._count -= 1
+        if self._count == 0 and self.ssd is not None:
+            self.ssd.track(False)
 
     async def serve(self, watcher: Watcher, write: Write) -> None:
         """Send the watcher's stream until the client goes (the caller's
@@ -236,14 +274,17 @@ class BlockEventHub(StoreListener):
                 part, found = found[:BATCH_HASHES], found[BATCH_HASHES:]
                 await _send(write, _stored(part))
             await asyncio.sleep(0)  # the loop serves saves and queries meanwhile
-        done = _stored(found) if found else pb.BlockEvents()
-        done.snapshot_done = True
-        await _send(write, done)
+        if found:
+            await _send(write, _stored(found))
+        on_ssd = self.ssd.hashes(watcher.ns) if self.ssd is not None else []
+        for i in range(0, len(on_ssd), BATCH_HASHES):
+            await _send(write, _stored(on_ssd[i : i + BATCH_HASHES], SSD))
+        await _send(write, pb.BlockEvents(snapshot_done=True))
 
 
-def _stored(hashes: list[BlockHash]) -> pb.BlockEvents:
+def _stored(hashes: list[BlockHash], tier: int = L1) -> pb.BlockEvents:
     return pb.BlockEvents(
-        events=[pb.BlockEvent(kind=STORED, tier=L1, block_hashes=hashes)]
+        events=[pb.BlockEvent(kind=STORED, tier=tier, block_hashes=hashes)]
     )
 
 

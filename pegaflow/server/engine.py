@@ -129,6 +129,9 @@ class Engine:
             config.max_large_requests, config.large_request_descriptors
         )
         self.metrics = metrics if metrics is not None else Metrics()
+        # While the GPU half of the start runs (pegaflow.server.cuda_bringup),
+        # what a CUDA engine's registration awaits first.
+        self.cuda_ready: Callable[[], Awaitable[None]] | None = None
         # The lower tiers in query order (add_tier, at start-up).
         self.tiers: list[Tier] = []
         self.namespaces = NamespaceReaper(
@@ -184,6 +187,12 @@ class Engine:
         self.store.add_listener(tier)
 
     # -- registration ---------------------------------------------------------
+    async def register_when_ready(self, spec: RegisterSpec, caller: Caller) -> Worker:
+        """register(), once the GPU half of the start is up for a CUDA engine."""
+        if spec.region_kind == "cuda" and self.cuda_ready is not None:
+            await self.cuda_ready()
+        return self.register(spec, caller)
+
     def register(self, spec: RegisterSpec, caller: Caller) -> Worker:
         worker = self.registry.register(spec, caller)
         self.namespaces.joined(worker.namespace)
@@ -489,6 +498,7 @@ class Engine:
             self.metrics.tier_rates.labels(label).set(meter.gbps)
         self.store.drop_stale(now - self.config.lease_ttl_s)
         self.hit_rates.flush()
+        self.block_events.poll_tiers()
 
     async def _copy(
         self,

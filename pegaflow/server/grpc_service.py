@@ -283,7 +283,8 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
         self, req: pb.RegisterInstanceRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterInstanceResponse:
         caller = tcp_peer(context.peer(), self.port)
-        worker = self._engine.register(spec_from_message(req), caller)
+        spec = spec_from_message(req)
+        worker = await self._engine.register_when_ready(spec, caller)
         return register_response(worker, self._pid, self.socket_path)
 
     async def Save(

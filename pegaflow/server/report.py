@@ -41,10 +41,13 @@ def engine_stats(
     engine: Engine,
     started: float,
     copy_path: Callable[[], dict[str, object]] | None = None,
+    topology: Callable[[], dict[str, object]] | None = None,
 ) -> Stats:
     """Pool, tiers, policy, the GPU copy path (`copy_path`: the CUDA copy
-    policy's report; None without a GPU), and per namespace: hits by tier,
-    misses by cause, hit rate beside its HyperLogLog ceiling per window."""
+    policy's report; None without a GPU), the NUMA placement of GPUs and pool
+    pages (`topology`: pegaflow.common.topology.Placement.report), and per
+    namespace: hits by tier, misses by cause, hit rate beside its HyperLogLog
+    ceiling per window."""
     namespaces = [ns.to_dict() for ns in engine.hit_rates.snapshot()]
     slabs = engine.pool.slabs
     counters = engine.store.counters
@@ -74,6 +77,7 @@ def engine_stats(
             },
         },
         "copy_path": copy_path() if copy_path is not None else None,
+        "topology": topology() if topology is not None else None,
         "hll": {
             "windows": list(hr.labels),
             "bucket_bits": hr.bucket_bits,
@@ -240,6 +244,8 @@ def health_report(
             # dict changing size under a Python loop would fail the probe.
             "workers": sum(map(len, [i.workers for i in list(instances.values())])),
             "cuda_mappings": getattr(cuda, "mapped_allocations", 0),
+            # starting | ready | failed: why (pegaflow.server.cuda_bringup)
+            "cuda_copy_engine": cuda.state() if hasattr(cuda, "state") else "off",
             "ssd_mode": ssd.mode if ssd else "off",
             "ssd_capacity_bytes": ssd.config.capacity_bytes if ssd else 0,
             "ssd_gpu_route": route.route if route else "off",

@@ -146,6 +146,28 @@ class SsdLink(Tier):
         on disk under the digest, found again when the name comes back."""
         self._namespaces.pop(ns_id, None)
 
+    # -- KV events (pegaflow.server.block_events) --------------------------------
+    def track(self, on: bool) -> None:
+        """Record which blocks the SSD gains and drops, or stop."""
+        self.tier.track_changes(on)
+
+    def take_events(self) -> tuple[list[tuple[bool, int, list[BlockHash]]], bool]:
+        """(stored?, namespace id, hashes) since the last call, in order, for
+        namespaces this server knows (those watched are: `hashes` named
+        them); and whether some were lost (the watchers then resync)."""
+        runs, lost = self.tier.take_changes()
+        ids = {digest: ns_id for ns_id, (digest, _) in self._namespaces.items()}
+        out = []
+        for stored, digest, hashes in runs:
+            ns_id = ids.get(digest)
+            if ns_id is not None:
+                out.append((stored, ns_id, hashes))
+        return out, lost
+
+    def hashes(self, ns: Namespace) -> list[BlockHash]:
+        """Every block of the namespace the SSD holds now."""
+        return self.tier.hashes(self._namespace(ns.id)[0])
+
     # -- eviction ---------------------------------------------------------------
     def evicting(self, entries: list[BlockEntry]) -> np.ndarray:
         """L1 evicts these ready blocks of one namespace (one eviction round):

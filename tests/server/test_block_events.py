@@ -36,8 +36,10 @@ class View:
 
     def __init__(self, client: PegaflowClient, instance: str) -> None:
         self.watch = client.watch_blocks(instance)
-        self.held: set[bytes] = set()
+        self.held: set[bytes] = set()  # in L1
         self.removed: set[bytes] = set()
+        self.on_ssd: set[bytes] = set()
+        self.ssd_removed: set[bytes] = set()
         self.resyncs = 0
         self.synced = False  # a snapshot completed
         self.error: PegaflowError | None = None
@@ -57,14 +59,17 @@ class View:
             if batch.resync:
                 self.resyncs += 1
                 self.held.clear()
+                self.on_ssd.clear()
                 self.synced = False
             for event in batch.events:
-                assert event.tier == "l1"
+                assert event.tier in ("l1", "ssd")
+                l1 = event.tier == "l1"
+                held = self.held if l1 else self.on_ssd
                 if event.kind == "stored":
-                    self.held.update(event.hashes)
+                    held.update(event.hashes)
                 else:
-                    self.held.difference_update(event.hashes)
-                    self.removed.update(event.hashes)
+                    held.difference_update(event.hashes)
+                    (self.removed if l1 else self.ssd_removed).update(event.hashes)
             self.synced |= batch.snapshot_done
 
     def wait(self, what: Callable[[View], bool]) -> None:
@@ -75,7 +80,11 @@ class View:
                     return
             assert self.error is None, self.error
             time.sleep(0.02)
-        raise AssertionError("the watcher never saw it")
+        raise AssertionError(
+            f"the watcher never saw it: {len(self.held)} in L1, {len(self.on_ssd)} "
+            f"on the SSD, {len(self.removed)} / {len(self.ssd_removed)} removed, "
+            f"{self.resyncs} resync(s), synced {self.synced}"
+        )
 
     def close(self) -> None:
         self.watch.cancel()
@@ -142,6 +151,45 @@ def test_watcher_sees_both_engines_saves_and_the_evictions(
         assert len(held) > 1000
         hit = b.call("query", hashes=[h.hex() for h in held[-100:]])
         assert hit["num_blocks"] == 100
+    finally:
+        view.close()
+        client.close()
+
+
+def test_ssd_blocks_are_events_of_their_own_tier(
+    server_factory: Callable[..., ServerProc],
+    engines: Callable[[], EngineProc],
+    tmp_path: Path,
+) -> None:
+    """Scenario: with write-behind to a small SSD tier, a watcher's snapshot
+    names the blocks the SSD holds (tier ssd) beside L1's; blocks written
+    after the watch come as ssd stored events, and those the SSD's ring
+    overwrites as ssd removed events, so the view of the SSD matches what
+    the server's SSD holds."""
+    server = server_factory(
+        *("--pool-size", "4mb", "--ssd-cache-path", str(tmp_path / "ssd0.bin")),
+        *("--ssd-cache-capacity", "4mb", "--ssd-backend", "posix"),
+        *("--ssd-write-on", "seal"),
+    )
+    a = _engine(engines, server, "engine-a")
+    before = _save(a, 50)
+    end = time.monotonic() + DEADLINE_S
+    while server.metric("pegaflow_ssd_blocks") < 50:
+        assert time.monotonic() < end, "write-behind never wrote the blocks"
+        time.sleep(0.05)
+    client = PegaflowClient(server.addr)
+    view = View(client, "engine-a")
+    try:
+        view.wait(lambda v: v.synced and set(before) <= v.on_ssd & v.held)
+        after = _save(a, 50)
+        view.wait(lambda v: set(after) <= v.on_ssd)
+        # A 4 MiB ring holds a few hundred records (a header page and a
+        # padded payload each): these overwrite the first ones.
+        _save(a, 1500)
+        view.wait(lambda v: set(before) <= v.ssd_removed)
+        view.wait(lambda v: not set(before) & v.on_ssd)
+        view.wait(lambda v: len(v.on_ssd) == server.metric("pegaflow_ssd_blocks"))
+        assert view.resyncs == 1
     finally:
         view.close()
         client.close()

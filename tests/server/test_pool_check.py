@@ -1,7 +1,7 @@
 """A warm restart serves before it has checked the whole kept pool file, and
 still never serves a block before that block's check (pegaflow.server.pool_check),
-after a SIGTERM and after a SIGKILL alike: real servers, a pool file in
-/dev/shm, a block damaged on disk while no server ran."""
+after a SIGTERM and after a SIGKILL alike: real servers, a kept pool at a path
+in /dev/shm, a block damaged in it while no server ran."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 
 from pegaflow.cache.pool_file import SEALED
 from pegaflow.client.pegaflow_client import PegaflowClient
+from tests.keeper_tools import mapped
 from tests.kvbuf import LocalKV
 from tests.procs import ServerProc
 from tests.server.test_pool_file import (
@@ -48,25 +49,23 @@ def tmp_path(tmp_path: Path) -> Iterator[Path]:
 
 def _all_sealed(path: Path, deadline_s: float = 60) -> None:
     """Wait until the live server's sealer has checksummed all N slots (the
-    file is shared: its rows are read as the server writes them)."""
+    pool is shared: its rows are read as the server writes them)."""
     deadline = time.monotonic() + deadline_s
-    while int((_rows(path)["state"] == SEALED).sum()) < N:
-        assert time.monotonic() < deadline, "slots not sealed after 60 s"
-        time.sleep(0.05)
+    with mapped(path) as m:
+        while int((_rows(m)["state"] == SEALED).sum()) < N:
+            assert time.monotonic() < deadline, "slots not sealed after 60 s"
+            time.sleep(0.05)
 
 
 def _damage(path: Path, h: bytes) -> None:
     """Flip one byte of the slot holding block `h`."""
-    rows = _rows(path)
-    sealed = np.flatnonzero(rows["state"] == SEALED).tolist()
-    (row,) = [i for i in sealed if bytes(rows["hash"][i][: rows["hash_len"][i]]) == h]
-    at = _data_offset(path) + int(rows["offset"][row]) + 999
-    del rows
-    with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x01]))
+    with mapped(path) as m:
+        rows = _rows(m)
+        sealed = np.flatnonzero(rows["state"] == SEALED).tolist()
+        hs = [bytes(rows["hash"][i][: rows["hash_len"][i]]) for i in sealed]
+        (row,) = [i for i, got in zip(sealed, hs, strict=True) if got == h]
+        m[_data_offset(m) + int(rows["offset"][row]) + 999] ^= 0x01
+        del rows
 
 
 def _load(client: PegaflowClient, kv: LocalKV, hs: list[bytes]) -> list[np.ndarray]:

@@ -1,6 +1,9 @@
 """Warm restart of L1 through real servers: --pool-file kept across SIGKILL and
-SIGTERM, damaged or torn slots dropped, one server per file, another geometry
-refused or reinitialised."""
+SIGTERM, damaged or torn slots dropped, one server per pool, another geometry
+refused or reinitialised, an old regular pool file adopted. The kept pool is a
+sealed memfd its keeper holds at PATH (tests/server/test_pool_keeper.py): the
+tests read and damage its bytes through the keeper's descriptor, as its owner
+could."""
 
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from pegaflow.cache.pool_file import (
 )
 from pegaflow.client.pegaflow_client import PegaflowClient
 from pegaflow.common.results import QueryResult
+from tests.keeper_tools import mapped, to_old_file
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import ROOT, ServerProc, _env
 
@@ -101,18 +105,17 @@ def _health(server: ServerProc) -> dict:
     return json.loads(server.get("/health")[1])
 
 
-def _super(path: Path) -> tuple:
-    with open(path, "rb") as f:
-        return _SUPER.unpack(f.read(_SUPER.size))
+def _super(m: mmap.mmap) -> tuple:
+    return _SUPER.unpack(m[: _SUPER.size])
 
 
-def _rows(path: Path) -> np.memmap:
-    rows = _super(path)[4] // GRANULE
-    return np.memmap(path, ROW, "r+", SUPER_BYTES, (rows,))
+def _rows(m: mmap.mmap) -> np.ndarray:
+    """The slot rows, a view of the mapped pool (writes go to the pool)."""
+    return np.ndarray((_super(m)[4] // GRANULE,), ROW, m, SUPER_BYTES)
 
 
-def _data_offset(path: Path) -> int:
-    return _super(path)[6]
+def _data_offset(m: mmap.mmap) -> int:
+    return _super(m)[6]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
@@ -145,23 +148,18 @@ def test_damaged_and_torn_slots_are_dropped_never_served(
     server = server_factory(*_flags(tmp_path))
     hs, want = _save(server, LocalKV(seed=2))
     server.stop(signal.SIGTERM)
-    path = tmp_path / "pool.bin"
-    rows = _rows(path)
-    hash_of = {
-        bytes(r["hash"][: r["hash_len"]]): i
-        for i, r in enumerate(rows)
-        if r["state"] == SEALED
-    }
-    assert len(hash_of) == N
-    at = _data_offset(path) + int(rows["offset"][hash_of[hs[10]]]) + 777
-    with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x40]))
-    rows["state"][hash_of[hs[20]]] = WRITING
-    rows.flush()
-    del rows
+    with mapped(tmp_path / "pool.bin") as m:
+        rows = _rows(m)
+        hash_of = {
+            bytes(r["hash"][: r["hash_len"]]): i
+            for i, r in enumerate(rows)
+            if r["state"] == SEALED
+        }
+        assert len(hash_of) == N
+        at = _data_offset(m) + int(rows["offset"][hash_of[hs[10]]]) + 777
+        m[at] ^= 0x40
+        rows["state"][hash_of[hs[20]]] = WRITING
+        del rows
     server = server_factory(*_flags(tmp_path))
     report = checked(server)
     assert (report["blocks"], report["bad_checksum"], report["torn"]) == (N - 2, 1, 1)
@@ -215,25 +213,23 @@ def test_another_geometry_is_refused_or_reinitialised(
     assert "reinitialising it" in server.log.read_text()
 
 
-def _as_format_1(path: Path) -> None:
-    """Rewrite a kept pool file as a server of format 1 left it: the same
-    layout, its SEALED rows' checksums blake3 (64 bits of it) over the row's
-    meta and the slot, and version 1 in the superblock."""
+def _as_format_1(m: mmap.mmap) -> None:
+    """Rewrite a kept pool as a server of format 1 left it: the same layout,
+    its SEALED rows' checksums blake3 (64 bits of it) over the row's meta and
+    the slot, and version 1 in the superblock."""
     blake3 = pytest.importorskip("blake3")
-    rows, offset = _rows(path), _data_offset(path)
+    rows, offset = _rows(m), _data_offset(m)
     raw = rows.view(np.uint8).reshape(len(rows), ROW.itemsize)
-    data = np.memmap(path, np.uint8, "r", offset, (_super(path)[4],))
+    data = np.ndarray((_super(m)[4],), np.uint8, m, offset)
     for i in np.flatnonzero(rows["state"] == SEALED).tolist():
         off, n = int(rows["offset"][i]), int(rows["slot_bytes"][i])
         h = blake3.blake3(raw[i, META_OFFSET:].tobytes())
         h.update(data[off : off + n])
         rows["checksum"][i] = int.from_bytes(h.digest(8), "little")
-    rows.flush()
     del rows, raw, data
-    head = list(_super(path))
+    head = list(_super(m))
     head[1] = 1
-    with open(path, "r+b") as f:
-        f.write(_SUPER.pack(*head))
+    m[: _SUPER.size] = _SUPER.pack(*head)
 
 
 def test_a_file_of_the_blake3_format_is_refused_or_reinitialised(
@@ -249,34 +245,39 @@ def test_a_file_of_the_blake3_format_is_refused_or_reinitialised(
     hs, want = _save(server, LocalKV(seed=5))
     server.stop(signal.SIGTERM)
     path = tmp_path / "pool.bin"
-    _as_format_1(path)
+    with mapped(path) as m:
+        _as_format_1(m)
     rc, err = _failed_start(*_flags(tmp_path, "--pool-on-mismatch", "refuse"))
     assert rc == 2 and "Traceback" not in err
     assert "format 1 (blake3 slot checksums)" in err
     assert f"format {VERSION} (xxh3-64 slot checksums)" in err
     assert "--pool-on-mismatch reinit" in err
-    assert _super(path)[1] == 1 and (_rows(path)["state"] == SEALED).sum() == N
+    with mapped(path) as m:  # refused: untouched
+        assert _super(m)[1] == 1 and (_rows(m)["state"] == SEALED).sum() == N
     server = server_factory(*_flags(tmp_path))
     report = _health(server)["pool_recovered"]
     assert (report["blocks"], report["bad_checksum"]) == (0, 0)
     assert _hits(server, hs, want) == 0
     log = server.log.read_text()
     assert "format 1 (blake3 slot checksums)" in log and "reinitialising it" in log
-    assert _super(path)[1] == VERSION
+    with mapped(path) as m:
+        assert _super(m)[1] == VERSION
 
 
 @pytest.mark.parametrize("size", [100, 16 << 10])
-def test_a_truncated_pool_file_is_named_and_reinitialised(
+def test_a_truncated_old_pool_file_is_named_and_reinitialised(
     server_factory, tmp_path: Path, size: int
 ) -> None:
-    """Scenario: a kept pool file truncated (to 100 B: under its 4 KiB
-    superblock page; to 16 KiB: its superblock whole). It was refused as "not
-    a pool file" even with --pool-on-mismatch reinit, without its size. Now
-    refuse names the size it has and the size it needs; reinit starts afresh."""
+    """Scenario: a pool file as servers before 2026-12-05 kept it (a regular
+    file), truncated (to 100 B: under its 4 KiB superblock page; to 16 KiB:
+    its superblock whole). It was refused as "not a pool file" even with
+    --pool-on-mismatch reinit, without its size. Now refuse names the size it
+    has and the size it needs; reinit starts afresh."""
     server = server_factory(*_flags(tmp_path))
     _save(server, LocalKV(seed=5))
     server.stop(signal.SIGTERM)
     path = tmp_path / "pool.bin"
+    to_old_file(path)
     os.truncate(path, size)
     rc, err = _failed_start(*_flags(tmp_path, "--pool-on-mismatch", "refuse"))
     line = err.strip().splitlines()[-1]
@@ -286,6 +287,7 @@ def test_a_truncated_pool_file_is_named_and_reinitialised(
     server = server_factory(*_flags(tmp_path))
     assert _health(server)["pool_recovered"]["blocks"] == 0
     assert "reinitialising it" in server.log.read_text()
+    assert path.is_socket()
 
 
 def test_a_short_file_that_is_no_pool_file_is_refused_naming_its_size(
@@ -299,15 +301,33 @@ def test_a_short_file_that_is_no_pool_file_is_refused_naming_its_size(
     assert path.read_bytes() == b"notes\n" * 10
 
 
+def test_an_old_pool_file_is_adopted_once_with_its_blocks(
+    server_factory, tmp_path: Path
+) -> None:
+    """Scenario: an upgrade. The pool file a server before 2026-12-05 left
+    (a regular file, 64 blocks, SIGKILL) is adopted: PATH becomes the keeper's
+    socket, and every block is served byte-equal."""
+    server = server_factory(*_flags(tmp_path))
+    hs, want = _save(server, LocalKV(seed=8))
+    server.stop(signal.SIGKILL)
+    path = tmp_path / "pool.bin"
+    to_old_file(path)
+    server = server_factory(*_flags(tmp_path))
+    assert "adopting the pool file" in server.log.read_text()
+    assert path.is_socket() and not list(tmp_path.glob("pool.bin.*"))
+    assert _hits(server, hs, want) == N
+
+
 def test_a_lock_held_by_another_process_names_that_process(
     server_factory, tmp_path: Path
 ) -> None:
-    """Scenario: another process (here not a server: any user's that may open
-    the file) holds a flock on a kept pool file; the refusal named the pid in
-    the superblock, the last server's, long gone."""
+    """Scenario: another process (here not a server: a server of the version
+    before 2026-12-05 holds it so) holds a flock on an old pool file; the
+    refusal named the pid in the superblock, the last server's, long gone."""
     server = server_factory(*_flags(tmp_path))
     stale = server.pid
     server.stop(signal.SIGTERM)
+    to_old_file(tmp_path / "pool.bin")
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import fcntl, sys, time; f = open(sys.argv[1], 'rb'); "
@@ -327,26 +347,26 @@ def test_a_lock_held_by_another_process_names_that_process(
 def test_a_pool_file_once_readable_by_others_is_replaced(
     server_factory, tmp_path: Path
 ) -> None:
-    """Scenario: a kept pool file was mode 0644; another user mapped it. The
+    """Scenario: an old pool file was mode 0644; another user mapped it. The
     server chmod'ed it 600 and kept the same inode, so that reader saw every
-    later tenant's blocks. Now the server starts on a new private file at the
-    path: the reader's mapping holds none of the blocks saved after."""
+    later tenant's blocks. Now its blocks are adopted into a new memfd and the
+    path becomes a socket: the reader's mapping holds none of the blocks saved
+    after."""
     server = server_factory(*_flags(tmp_path))
-    _save(server, LocalKV(seed=6))
+    hs, want = _save(server, LocalKV(seed=6))
     server.stop(signal.SIGTERM)
     path = tmp_path / "pool.bin"
+    to_old_file(path)
     path.chmod(0o644)
-    before = path.stat().st_ino
     with open(path, "rb") as f:
         seen = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)  # the other reader
     try:
         server = server_factory(*_flags(tmp_path))
-        assert "readable by other users" in server.log.read_text()
-        assert path.stat().st_ino != before
-        assert stat.S_IMODE(path.stat().st_mode) == 0o600
-        assert not list(tmp_path.glob("pool.bin.*.new"))
+        assert "was mode 644; now 600" in server.log.read_text()
+        assert path.is_socket() and stat.S_IMODE(path.lstat().st_mode) == 0o600
+        assert _hits(server, hs, want) == N  # its blocks, adopted
         hs, want = _save(server, LocalKV(seed=7))
-        assert _hits(server, hs, want) == N  # the new file serves
+        assert _hits(server, hs, want) == N  # the new pool serves
         page = want[0].tobytes()[:4096]
         assert seen.find(page) == -1  # and the old mapping never sees it
     finally:

@@ -12,6 +12,7 @@ from pegaflow.common.settings import (
     EngineConfig,
     HitRateConfig,
     PoolConfig,
+    parse_devices,
     parse_duration,
 )
 from pegaflow.server.cli import build_parser, config_from_args
@@ -112,3 +113,11 @@ def test_cli_names_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(ValueError) as info:
         config_from_args(args)
     assert flag_message(info.value).startswith(f"argument {flag}: ")
+
+
+def test_a_gpu_named_twice_is_refused() -> None:
+    """`--devices 0,0` would build two copy states for one GPU (the second
+    one winning); the flag's parser says so instead."""
+    with pytest.raises(ValueError, match="names a GPU twice"):
+        parse_devices("0,1,0")
+    assert parse_devices("1,0").devices == (1, 0)

@@ -4,6 +4,7 @@ cudaErrorInvalidValue and the server died with a traceback)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,15 @@ from pegaflow.cache.pool import HostPool
 from pegaflow.cache.pool_file import PoolFileError
 from pegaflow.common.cuda_driver import CudaError
 from pegaflow.common.settings import PoolConfig
+from tests.keeper_tools import free
+
+
+@pytest.fixture(autouse=True)
+def _free_keepers(tmp_path: Path) -> Iterator[None]:
+    """Each pool's keeper stopped (`rm PATH`) when its test ends."""
+    yield
+    for p in tmp_path.iterdir():
+        free(p)
 
 
 class RefusingRegistrar:

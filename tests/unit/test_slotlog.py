@@ -4,6 +4,7 @@ rebuilds from it (pegaflow.cache.slot_log, pegaflow.server.warm_restart)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +21,19 @@ from pegaflow.cache.slot_log import checksums
 from pegaflow.common.keys import Namespace
 from pegaflow.common.settings import PoolConfig
 from pegaflow.server.warm_restart import Recovered, recover
+from tests.keeper_tools import free
 
 SLOT = 16 << 10
 POOL = 4 << 20  # slabs of 256 KiB: 16 slots each, 256 slots in all
 SLAB = 256 << 10
+
+
+@pytest.fixture(autouse=True)
+def _free_keepers(tmp_path: Path) -> Iterator[None]:
+    """Each pool's keeper stopped (`rm PATH`) when its test ends."""
+    yield
+    for p in tmp_path.iterdir():
+        free(p)
 
 
 def _pool(path: Path) -> HostPool:
