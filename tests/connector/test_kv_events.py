@@ -156,6 +156,41 @@ def test_router_sees_other_engines_blocks_own_tokens_and_evictions(
         b.close()
 
 
+def test_blocks_on_the_ssd_tier_are_announced_under_storage(
+    pega_server: Callable[..., ServerProc],
+    tiny_model: Path,
+    router: tuple[str, Subscriber],
+    tmp_path: Path,
+) -> None:
+    """Scenario: the server writes every sealed block to its SSD tier too.
+    Engine B's router must see engine A's blocks under both mediums: the
+    pool's (CPU) and the SSD's (STORAGE, locality LOCAL), each once."""
+    pega_server(
+        *("--pool-size", "8mb", "--ssd-cache-path", str(tmp_path / "ssd0.bin")),
+        *("--ssd-cache-capacity", "32mb", "--ssd-backend", "posix"),
+        *("--ssd-write-on", "seal"),
+    )
+    endpoint, sub = router
+    rnd = random.Random(7)
+    a = Engine(vllm_config(tiny_model, FAST))
+    reqs = [
+        a.add(f"a{i}", [rnd.randrange(50, 950) for _ in range(100)]) for i in range(2)
+    ]
+    a.run()
+    a_hashes = _ext([h for r in reqs for h in r.block_hashes[: 99 // BLOCK]])
+    b = Engine(_with_events(vllm_config(tiny_model, FAST), endpoint))
+    try:
+        held = lambda m: {h for e in sub.stored(m) for h in e.block_hashes}  # noqa: E731
+        _until(b, sub, lambda: a_hashes <= held("CPU") and a_hashes <= held("STORAGE"))
+        on_ssd = [e for e in sub.stored("STORAGE") if a_hashes & set(e.block_hashes)]
+        assert all(e.locality == "LOCAL" and e.token_ids == [] for e in on_ssd)
+        stored = [h for e in sub.stored("STORAGE") for h in e.block_hashes]
+        assert len(stored) == len(set(stored))
+    finally:
+        a.close()
+        b.close()
+
+
 def test_after_a_server_restart_the_router_is_told_what_went(
     pega_server: Callable[..., ServerProc],
     tiny_model: Path,
