@@ -16,11 +16,11 @@ events wait for its next step, bounded by MAX_TRACKED blocks.
 
 Mediums follow vLLM's own offloading connector: the server's DRAM pool is
 `CPU` (locality `LOCAL`), its SSD `STORAGE`, a peer's pool `CPU` / `REMOTE`
-(the server streams L1 and SSD events; peers' pools are not streamed). Token ids are known for the blocks
-this engine saved itself (with their parent hash); other engines' blocks
-carry none, like vLLM's offloading placeholders (`token_ids=[]`,
-`block_size=0`, no parent). Watched: full-attention groups whose block is
-one hash block, of pipeline stage 0.
+(the server streams L1 and SSD events; peers' pools are not streamed). Token
+ids are known for the blocks this engine saved itself (with their parent
+hash); other engines' blocks carry none, like vLLM's offloading
+placeholders (`token_ids=[]`, `block_size=0`, no parent). Watched:
+full-attention groups whose block is one hash block, of pipeline stage 0.
 """
 
 from __future__ import annotations
