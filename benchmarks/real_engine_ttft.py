@@ -52,6 +52,11 @@ def server_copy(server: object) -> float:
     return server.metric("pegaflow_transfer_seconds_sum", 'direction="load"')
 
 
+def uptime() -> str:
+    """The host's load as `uptime` prints it: other sessions share the VM."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
 def phase(
     engine: RealEngine, server: object, n: int, tokens: int, seed: int
 ) -> dict[str, object]:
@@ -100,6 +105,7 @@ def phase(
         "server_copy_ms_per_prompt": ms * (copy_after - copy_before) / n,
         "cached_tokens": want_hit,
         "loadavg": os.getloadavg()[0],
+        "uptime": uptime(),
     }
 
 
@@ -115,6 +121,13 @@ def main() -> None:
         default=None,
         help="the connector's sync_load_max_tokens (default: the connector's)",
     )
+    ap.add_argument(
+        "--share-host-kv",
+        choices=("on", "off"),
+        default="on",
+        help="the connector's share_host_kv: the server maps the engine's KV "
+        "(memcpy) or copies with process_vm_* (off)",
+    )
     ap.add_argument("--json", type=Path, help="write the results here too")
     args = ap.parse_args()
     if args.repeats < 5:
@@ -128,10 +141,10 @@ def main() -> None:
             "PEGAFLOW_HOST": "http://127.0.0.1",
             "PEGAFLOW_PORT": server.addr.rsplit(":", 1)[1],
         }
-        options = {}
+        extra: dict[str, object] = {"share_host_kv": args.share_host_kv == "on"}
         if args.sync_load_max_tokens is not None:
-            extra = {"sync_load_max_tokens": args.sync_load_max_tokens}
-            options["kv_connector_extra_config"] = extra
+            extra["sync_load_max_tokens"] = args.sync_load_max_tokens
+        options = {"kv_connector_extra_config": extra}
         spec = EngineSpec(
             model=str(model),
             kv_cache_bytes=1 << 30,
@@ -139,7 +152,8 @@ def main() -> None:
             engine_args={"dtype": "float32"},
         )
         engine = RealEngine(spec, root / "engine.log", env)
-        results: dict[str, object] = {}
+        results: dict[str, object] = {"uptime_before": uptime()}
+        results["share_host_kv"] = args.share_host_kv
         try:
             engine.wait_ready()
             engine.generate([[1] * 64], 1)  # the first forward's one-time setup
@@ -154,6 +168,8 @@ def main() -> None:
         finally:
             engine.close()
             server.stop()
+        results["uptime_after"] = uptime()
+        results["server_shares"] = server.log.read_text().count(" B of KV memory")
     print(json.dumps(results, indent=1))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

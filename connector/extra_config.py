@@ -66,6 +66,9 @@ class ConnectorConfig:
     # tier rates against this engine's measured prefill rate; fetch_plan.py);
     # off: load every hit.
     fetch_planner: Planner = "auto"
+    # Host (CPU) KV: back it with a sealed memfd the server maps, so its
+    # copies are memcpy instead of process_vm_* (pegaflow.client.host_share).
+    share_host_kv: bool = True
     # A file holding the tenant secret: the HMAC key of the namespace digest,
     # so nobody without it can compute the namespace (and read its blocks).
     # Engines that share blocks share the secret. PEGAFLOW_TENANT_SECRET is

@@ -2,10 +2,13 @@
 
 The KV memory is described once; registering (and re-registering after the
 server restarted or our session dropped) only sends that description again.
-Host KV registers (pid, address, size) for process_vm_readv/writev; CUDA KV is
-the one other branch: IPC handles + interprocess events through
-`PegaflowClient.register_cuda`. MLA KV registers as replicated: the server keeps
-one shard per block, which any rank saves and every rank loads.
+Host KV registers (pid, address, size) for process_vm_readv/writev, and (unless
+share_host_kv is off) is first backed with a sealed memfd that every
+registration then hands the server to map, so its copies are memcpy
+(pegaflow.client.host_share); CUDA KV is the one other branch: IPC handles +
+interprocess events through `PegaflowClient.register_cuda`. MLA KV registers as
+replicated: the server keeps one shard per block, which any rank saves and
+every rank loads.
 
 A hybrid model registers once per KV cache group (its own instance id and
 namespace: the group's pages have their own geometry).
@@ -21,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from pegaflow.client.host_share import SharedMemory, share_memory
 from pegaflow.client.kv_layouts import describe
 from pegaflow.client.pegaflow_client import PegaflowClient, Session
 from pegaflow.common.errors import NotSupported, PegaflowError
@@ -30,6 +34,8 @@ from .kv_groups import GroupRule
 from .tensors import KVTensors, kv_tensors, namespace_digest, namespace_parts
 
 logger = logging.getLogger(__name__)
+
+Regions = tuple[tuple[int, int], ...]
 
 
 class Registrar:
@@ -61,6 +67,8 @@ class Registrar:
         self._register_fn: Any = None  # () -> Registration, set by describe()
         self._events: Any = None  # pegaflow.client.cuda_export.IpcEvents for CUDA KV
         self._device = "cpu"
+        self._host_regions: tuple[tuple[int, int], ...] = ()
+        self._shared: SharedMemory | None = None  # host KV's memfd, if any
         self._session: Session | None = None
         self._attempt: Future | None = None
         self._next_try = 0.0
@@ -91,6 +99,7 @@ class Registrar:
         self._device = kv.device
         if kv.device == "cpu":
             mem = describe(kv.tensors, kv_first=kv.kv_first)
+            self._host_regions = mem.regions
             self._register_fn = lambda: self.client.register_host(
                 self.instance_id,
                 self.namespace,
@@ -113,6 +122,18 @@ class Registrar:
             "yes" if self.config.tenant_secret else "no",
         )
         return kv
+
+    def back_with_memfd(self, shares: dict[Regions, SharedMemory | None]) -> None:
+        """Host KV: back it with a sealed memfd for the server to map (once
+        per set of regions: a hybrid model's groups overlay one buffer).
+        Only from register_kv_caches, before the engine writes KV: a write
+        while a chunk is copied and remapped would be lost."""
+        if not self._host_regions or not self.config.share_host_kv:
+            return
+        key = self._host_regions
+        if key not in shares:
+            shares[key] = share_memory(key)
+        self._shared = shares[key]
 
     def _describe_cuda(self, kv: KVTensors, signals: int) -> Any:
         try:
@@ -161,7 +182,30 @@ class Registrar:
         self.new_socket_path = reg.socket_path  # for the scheduler, once
         self.registered = True
         logger.info("pegaflow: registered %s rank %d", self.instance_id, self.tp_rank)
+        self._share()
         return True
+
+    def _share(self) -> None:
+        """Hand this registration the memfd; without it (an older server, no
+        socket, a refusal) copies stay on process_vm, as they were."""
+        shared = self._shared
+        if shared is None:
+            return
+        try:
+            got = self.client.share_host(
+                self.instance_id, self.tp_rank, shared.fd, shared.spans
+            )
+        except (PegaflowError, OSError) as exc:
+            logger.warning(
+                "pegaflow: the server did not map our KV memory (%s); its copies "
+                "use process_vm",
+                exc,
+            )
+            return
+        if got is None:
+            logger.info("pegaflow: no server socket: KV copies use process_vm")
+        else:
+            logger.info("pegaflow: the server maps %d B of our KV memory", got)
 
     def tick(self) -> None:
         """Once per step, on the engine's thread: notice a dropped session and

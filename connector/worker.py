@@ -9,9 +9,11 @@ and a lost registration is retried in the background until the server is back.
 
 Per step: one Save for every request's completed blocks, and one Load for every
 request's leases -- two when the step has both sync and async loads, so the
-forward never waits for an async load's bytes. A lease that is gone fails only
-its own request's blocks (get_block_ids_with_load_errors); a failed call fails
-every request it carried.
+forward never waits for an async load's bytes. A step with no forward (vLLM
+only starts the loads of requests it admitted) waits briefly for its async
+loads in get_finished, so a done load's request is scheduled in the next step.
+A lease that is gone fails only its own request's blocks
+(get_block_ids_with_load_errors); a failed call fails every request it carried.
 
 Replicated KV (MLA: every rank holds the same latent cache) is stored once: each
 rank saves the stripe [tp_rank::tp_size] of the step's blocks, and every rank
@@ -35,6 +37,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 from typing import Any
 
+from pegaflow.client.host_share import SharedMemory
 from pegaflow.client.pegaflow_client import COPY_GRACE_S, LoadItem, PegaflowClient
 from pegaflow.common.errors import PegaflowError, ServerUnavailable, UnknownInstance
 
@@ -51,6 +54,10 @@ IO_THREADS = 3
 TIMINGS_EVERY_S = 0.5  # forward timings are reported at most this often
 SPINS = 2000  # polls of a layer signal word before napping between polls
 NAP_S = 50e-6  # a save, a sync load and an async load in flight at once
+# A step with no forward (only async loads started) waits this long for them
+# in get_finished: a load done by then is reported in this step, so vLLM
+# schedules its request in the next one instead of a step later.
+SAME_STEP_WAIT_S = 0.05
 
 
 class WorkerHalf:
@@ -101,6 +108,8 @@ class WorkerHalf:
         # forward waits for the whole load at its first layer).
         self._sync: list[tuple[list[LoadJob], Future, int]] = []
         self._layer_seq = 0
+        # Async loads of a step without a forward: get_finished waits for them.
+        self._settle: list[Future] = []
         self._forward_timer: ForwardTimer | None = None
         self._timings_due = 0.0  # forward timings ride a report at most this often
         # Saves of blocks vLLM may free while their request runs (a window
@@ -119,6 +128,8 @@ class WorkerHalf:
         # failures per request (failed_recving), not per block.
         self._failed_reqs: set[ReqId] = set()
         self._report = WorkerReport()
+        # Host KV's sealed memfds, by the regions they back (registrar.py).
+        self._shares: dict[tuple[tuple[int, int], ...], SharedMemory | None] = {}
 
     @property
     def registrar(self) -> Registrar:
@@ -140,6 +151,8 @@ class WorkerHalf:
                 del self.parts[rule.index]
                 continue
             self.parts[rule.index].describe(layers, num_blocks, vllm_config)
+        for part in self.parts.values():  # now, before any forward writes KV
+            part.back_with_memfd(self._shares)
         self._report.stage_groups = {self.stage: tuple(sorted(self.parts))}
         for part in self.parts.values():
             part.register_now()
@@ -181,6 +194,8 @@ class WorkerHalf:
         async_reqs = {job.req_id for job in plan.loads if not job.sync}
         if async_reqs:
             fut = self._submit(self._load, later) if later else _done(set())
+            if not plan.scheduled_tokens:  # nothing else runs in this step
+                self._settle.append(fut)
             for rid in async_reqs:
                 jobs = [job for job in later if job.req_id == rid]
                 self._recving[rid] = (jobs, fut)
@@ -290,6 +305,9 @@ class WorkerHalf:
         return ids, hashes
 
     def get_finished(self) -> tuple[set[ReqId], set[ReqId]]:
+        if self._settle:  # bounded: a longer load is reported in a later step
+            wait_all(self._settle, timeout=SAME_STEP_WAIT_S)
+            self._settle = []
         for rid in list(self._saves):
             futures = self._saves[rid]
             done = [f for f in futures if f.done()]
@@ -475,6 +493,9 @@ class WorkerHalf:
         wait_all(pending, timeout=self._transfer_wait_s)
         for part in self.parts.values():
             part.close()
+        for shared in self._shares.values():
+            if shared is not None:
+                shared.close()  # the descriptor: the tensors keep the mapping
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
 

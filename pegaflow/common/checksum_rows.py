@@ -128,7 +128,15 @@ def rows(addrs: np.ndarray, lengths: int | np.ndarray) -> np.ndarray:
     process, read back to back): uint64 [rows]. `lengths` is every part's
     byte count, or one per part ([rows, parts]). The caller vouches that
     every part lies in memory it owns: nothing here can check an address."""
-    addrs = np.ascontiguousarray(addrs, np.uint64)
+    return _rows(addrs, lengths)
+
+
+def _rows(addrs: np.ndarray, lengths: int | np.ndarray) -> np.ndarray:
+    # Writable C arrays always: numba compiles one loop per argument type, a
+    # read-only array (np.broadcast_to's view of a full-shape `lengths`) is
+    # another type, and a loop compiled at a caller's first run instead of at
+    # warm() held the GIL for 13-24 s on a busy host (the event loop with it).
+    addrs = np.require(addrs, np.uint64, ["C", "W"])
     if addrs.ndim != 2:
         raise ValueError(f"addrs: need [rows, parts], got shape {addrs.shape}")
     sizes = np.asarray(lengths)
@@ -139,7 +147,7 @@ def rows(addrs: np.ndarray, lengths: int | np.ndarray) -> np.ndarray:
         )
     if sizes.size and (sizes.dtype.kind not in "iu" or sizes.min() < 0):
         raise ValueError("lengths: need byte counts (integers, none negative)")
-    sizes = np.ascontiguousarray(np.broadcast_to(sizes, addrs.shape), np.uint64)
+    sizes = np.array(np.broadcast_to(sizes, addrs.shape), np.uint64, order="C")
     out = np.empty(len(addrs), np.uint64)
     native = _native()
     if native is not None:
@@ -157,5 +165,12 @@ def rows(addrs: np.ndarray, lengths: int | np.ndarray) -> np.ndarray:
 
 def warm() -> bool:
     """Compile and check the loop now, not in a writer's first run: whether
-    the compiled loop is what rows() uses."""
-    return _native() is not None
+    the compiled loop is what rows() uses. One row through rows() itself, so
+    the loop compiled is the one rows() calls (the check above calls it with
+    arrays of its own); through _rows, so a caller's count of rows() calls
+    sees only its own."""
+    if _native() is None:
+        return False
+    data = np.zeros(16, np.uint8)
+    _rows(np.array([[data.ctypes.data]], np.uint64), 16)
+    return True

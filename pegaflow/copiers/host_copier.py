@@ -8,6 +8,13 @@ Calls are spread over a few threads because one syscall copies on one core (and
 ctypes releases the GIL around it).
 
 The syscalls themselves and their iovec helpers live in pegaflow.copiers.vm.
+
+An engine that also shared its KV memory as a sealed memfd (share(); the
+unix socket's share frame) is mapped into the server: runs inside that
+mapping are copied with memcpy (pegaflow.copiers.shared_kv, run_copy), the
+rest (a tensor's partial first and last pages, which stay the engine's
+private memory) with process_vm_* as before. Every check of a copy (bounds,
+deadline, a process that exited or exec'd) holds for both.
 """
 
 from __future__ import annotations
@@ -29,8 +36,11 @@ from pegaflow.common.errors import (
 from pegaflow.common.geometry import Transfers
 from pegaflow.common.pidfds import ProcessImage, exited
 from pegaflow.common.runs import merge_adjacent
+from pegaflow.common.share_frames import ShareSpan
 from pegaflow.common.thread_creds import EngineIds
 
+from .run_copy import copy_runs, run_loop
+from .shared_kv import SharedKV
 from .vm import (
     IOV_MAX,
     Direction,
@@ -66,6 +76,8 @@ class HostRegions:
     ids: EngineIds | None = None
     # The regions merged into sorted spans, for every copy's bounds check.
     spans: tuple[np.ndarray, np.ndarray] = field(init=False)
+    # The engine's memfd mapped into the server, once it shared one.
+    shared: SharedSlot = field(init=False)
 
     def __post_init__(self) -> None:
         if self.ids is None and self.image is not None:
@@ -73,6 +85,16 @@ class HostRegions:
         bases = np.array(self.bases, np.uint64)
         ends = bases + np.array(self.sizes, np.uint64)
         object.__setattr__(self, "spans", merge_spans(bases, ends))
+        object.__setattr__(self, "shared", SharedSlot())
+
+
+class SharedSlot:
+    """Set once, on the loop, while copies may run: they read it once each."""
+
+    __slots__ = ("kv",)
+
+    def __init__(self) -> None:
+        self.kv: SharedKV | None = None
 
 
 def _coalesce(
@@ -204,8 +226,40 @@ class HostCopyEngine:
         """Local -> engine: t.src is ours, t.dst lies in the engine process."""
         self._copy("scatter", regions, t.src, t.dst, t.nbytes, deadline)
 
+    def share(self, regions: HostRegions, fd: int, spans: tuple[ShareSpan, ...]) -> int:
+        """Map the engine's memfd (checked: pegaflow.copiers.shared_kv); copies
+        inside its spans are memcpy from now on. The bytes mapped. Off the
+        event loop: it reads the engine's maps and may compile."""
+        if regions.shared.kv is not None:
+            raise InvalidRequest(
+                f"share: process {regions.pid}'s registration already shares "
+                "its memory; register again to share another memfd"
+            )
+        # Compiled (or loaded from numba's cache) now, once, on this thread:
+        # not at start-up, so a server no CPU engine shares with never
+        # imports numba for it (~100 MiB), and not in the first copy's time.
+        run_loop()
+        kv = SharedKV(fd, spans, regions.pid, regions.spans)
+        try:  # the maps read were of the registered process and program
+            if regions.image is not None:
+                regions.image.check("share")
+        except BaseException:
+            kv.close()
+            raise
+        regions.shared.kv = kv
+        logger.info(
+            "pid %d shares %d B of KV memory (%d span(s))",
+            regions.pid,
+            kv.nbytes,
+            len(spans),
+        )
+        return kv.nbytes
+
     def close(self, regions: HostRegions) -> None:
-        """Host memory needs no unmapping; only the process's handles go."""
+        """After the last copy: the shared mapping and the process's handles go."""
+        kv, regions.shared.kv = regions.shared.kv, None
+        if kv is not None:
+            kv.close()
         if regions.image is not None:
             regions.image.close()
         logger.debug("close pid=%d", regions.pid)
@@ -237,46 +291,91 @@ class HostCopyEngine:
         if not n.size:
             return
         local, remote, n = _coalesce(local, remote, n)
+        # Gone, or another program (exec) or other rights since registering:
+        # the last check before the copies (the calls name it by its pid).
+        if regions.image is not None:
+            regions.image.check(op)
+        kv = regions.shared.kv
+        if kv is not None:
+            local, remote, n = self._copy_shared(op, kv, local, remote, n, deadline)
+        if n.size:
+            self._copy_vm(op, regions, local, remote, n, deadline)
+        self._check_after(op, regions)
+
+    def _copy_shared(
+        self,
+        op: Direction,
+        kv: SharedKV,
+        local: np.ndarray,
+        remote: np.ndarray,
+        n: np.ndarray,
+        deadline: float | None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copy the runs inside the engine's shared mapping; the rest's
+        (local, remote, n) are left for process_vm."""
+        mapped, inside = kv.translate(remote, n)
+        if inside.any():
+            there, here, k = mapped[inside], local[inside], n[inside]
+            dst, src = (here, there) if op == "gather" else (there, here)
+            total = int(k.sum())
+            parts = self._threads if total >= PARALLEL_MIN_BYTES else 1
+            if logger.isEnabledFor(logging.DEBUG):
+                msg = "%s: memcpy %d runs, %d bytes, %d part(s)"
+                logger.debug(msg, op, len(k), total, parts)
+            copy_runs(dst, src, k, op, deadline, self._pool, parts)
+        if inside.all():
+            return local[:0], remote[:0], n[:0]
+        out = ~inside
+        return local[out], remote[out], n[out]
+
+    def _copy_vm(
+        self,
+        op: Direction,
+        regions: HostRegions,
+        local: np.ndarray,
+        remote: np.ndarray,
+        n: np.ndarray,
+        deadline: float | None,
+    ) -> None:
         liov, riov = iovecs(local, n), iovecs(remote, n)
         total = int(n.sum())
         parts = _split(len(n), total, self._threads)
         if logger.isEnabledFor(logging.DEBUG):
             msg = "%s pid=%d: %d iovecs, %d call(s), %d bytes"
             logger.debug(msg, op, regions.pid, len(n), len(parts), total)
-        # Gone, or another program (exec) or other rights since registering:
-        # the last check before the calls, which name the process by its pid.
-        if regions.image is not None:
-            regions.image.check(op)
         # Each call acts as the engine's user (every thread switches for its
         # own call and back), so the kernel refuses, in the call itself, a
-        # program exec'd since that check with rights the user lacks.
+        # program exec'd since the image's check with rights the user lacks.
         pid, ids = regions.pid, regions.ids
         if self._pool is None or len(parts) == 1:
             for part in parts:
                 transfer(op, pid, liov[part], riov[part], deadline, ids=ids)
-        else:
-            # The calling thread copies the last part itself: one hand-off to
-            # a pool thread and back fewer (each needs the GIL on its way,
-            # which an SSD writer may hold), and no thread idle meanwhile.
-            futures = [
-                self._pool.submit(
-                    transfer, op, pid, liov[p], riov[p], deadline, ids=ids
-                )
-                for p in parts[:-1]
-            ]
-            try:
-                last = parts[-1]
-                transfer(op, pid, liov[last], riov[last], deadline, ids=ids)
-            finally:
-                wait(futures)  # never return while a chunk still writes
-            for f in futures:
-                f.result()
+            return
+        # The calling thread copies the last part itself: one hand-off to
+        # a pool thread and back fewer (each needs the GIL on its way,
+        # which an SSD writer may hold), and no thread idle meanwhile.
+        futures = [
+            self._pool.submit(transfer, op, pid, liov[p], riov[p], deadline, ids=ids)
+            for p in parts[:-1]
+        ]
+        try:
+            last = parts[-1]
+            transfer(op, pid, liov[last], riov[last], deadline, ids=ids)
+        finally:
+            wait(futures)  # never return while a chunk still writes
+        for f in futures:
+            f.result()
+
+    @staticmethod
+    def _check_after(op: Direction, regions: HostRegions) -> None:
         # The calls name the process by its pid. An engine that exited during
         # them may have handed that pid on, so what a save read may be another
         # process's memory: never published (and a load's failure is reported).
         # One that exec'd meanwhile: what a save read may be the new program's
         # (never published); a load reached it only if the program holds no
         # rights the engine's user lacks (the kernel refused it otherwise).
+        # Through a shared mapping the bytes are the engine's memfd's, but an
+        # engine gone or changed since is no engine to publish or load for.
         image = regions.image
         if image is not None and exited(image.pidfd):
             raise CopyFailed(f"{op}: engine process {regions.pid} exited mid-copy")

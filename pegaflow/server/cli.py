@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import logging.handlers
+import queue
 import sys
 from typing import TYPE_CHECKING
 
@@ -496,6 +499,51 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    listener = _log_off_the_loop()
+    try:
+        failed = _run(args, config, warnings)
+    finally:
+        listener.stop()  # every queued line written before the exit
+    if failed is not None:
+        print(f"pegaflow-server: {failed}", file=sys.stderr)  # names flag and fix
+        return 2
+    return 0
+
+
+LOG_BACKLOG = 100_000  # log lines waiting for a stuck stderr, at most
+
+
+class _DroppingQueueHandler(logging.handlers.QueueHandler):
+    def enqueue(self, record: logging.LogRecord) -> None:
+        # stderr stuck: losing lines beats growing forever
+        with contextlib.suppress(queue.Full):
+            self.queue.put_nowait(record)
+
+
+def _log_off_the_loop() -> logging.handlers.QueueListener:
+    """Log lines go through a queue to a thread that writes them: a write to
+    stderr can block for seconds (a file on a disk whose journal waits for
+    discards, a pipe nobody reads), and the event loop logs every save and
+    load at debug level: seen freezing the loop 12-33 s on a busy host, with
+    an engine's saves past their deadline. Lines are formatted where they
+    are logged (QueueHandler.prepare), so they keep their order and time.
+    Bounded: past LOG_BACKLOG lines waiting (stderr stuck for good) new lines
+    are dropped, not kept."""
+    root = logging.getLogger()
+    handlers = root.handlers[:]
+    q: queue.Queue[logging.LogRecord] = queue.Queue(LOG_BACKLOG)
+    for h in handlers:
+        root.removeHandler(h)
+    root.addHandler(_DroppingQueueHandler(q))
+    listener = logging.handlers.QueueListener(q, *handlers)
+    listener.start()
+    return listener
+
+
+def _run(
+    args: argparse.Namespace, config: ServerConfig, warnings: list[str]
+) -> str | None:
+    """Serve until stopped: None, or why the server could not start."""
     if args.peer_token is not None:
         warnings.append(
             "--peer-token is visible to every local user in `ps`; prefer "
@@ -517,12 +565,10 @@ def main(argv: list[str] | None = None) -> int:
         SsdError,
         StartupError,
     ) as exc:
-        print(f"pegaflow-server: {exc}", file=sys.stderr)  # names flag and fix
-        return 2
+        return str(exc)
     except OSError as exc:  # not foreseen: at least one line, not a traceback
-        print(f"pegaflow-server: cannot start: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return f"cannot start: {exc}"
+    return None
 
 
 if __name__ == "__main__":

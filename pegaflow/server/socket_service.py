@@ -7,6 +7,10 @@ It is also where the kernel tells the server who is asking (SO_PEERCRED), so
 host-memory engines register here. gRPC stays the reference API; the client
 (pegaflow.client.socket_transport) falls back to it. Frames:
 pegaflow.common.socket_frames.
+
+It is also the one way a host engine hands the server the sealed memfd behind
+its KV memory (pegaflow.server.socket_share): the descriptor travels with
+SCM_RIGHTS, from the registering process only (this connection's kernel pid).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pegaflow.common.errors import (
 )
 from pegaflow.common.identity import UNKNOWN, CallContext, Caller, unix_peer
 from pegaflow.common.results import QueryResult
+from pegaflow.common.share_frames import SHARE
 from pegaflow.common.socket_frames import (
     HELLO_REPLY,
     LOAD,
@@ -50,6 +55,7 @@ from pegaflow.common.socket_frames import (
 from pegaflow.daemon.boundary import guarded, guarded_sync
 
 from .socket_file import bind_private_unix, unlink_if_ours
+from .socket_share import FdLost, share
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -113,6 +119,7 @@ class _SocketProtocol(asyncio.Protocol):
         self._queued_bytes = 0
         self._reading = True
         self._writable = True
+        self._fd_wait = False  # a share's descriptor is read with recvmsg
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -217,7 +224,7 @@ class _SocketProtocol(asyncio.Protocol):
         full = self._queued_bytes > (
             QUEUED_PAUSE_BYTES // 2 if not self._reading else QUEUED_PAUSE_BYTES
         )
-        want = self._writable and not full
+        want = self._writable and not full and not self._fd_wait
         if want != self._reading:
             self._reading = want
             (
@@ -262,6 +269,13 @@ class _SocketProtocol(asyncio.Protocol):
     async def _answer(self, body: bytes | QueryResult) -> bytes:
         if isinstance(body, QueryResult):
             return await self._finish_query(body)
+        if body[:1] == bytes([SHARE]):
+            got = await guarded(self._metrics, "Share", "unix", self._share(body))
+            if isinstance(got, FdLost):  # the stream's state is unknown now
+                if not self._transport.is_closing():
+                    self._refuse(got.error)
+                return b""
+            return error_reply(got) if isinstance(got, PegaflowError) else got
         try:
             kind = kind_of(body)
         except PegaflowError as exc:
@@ -291,7 +305,7 @@ class _SocketProtocol(asyncio.Protocol):
         got = await guarded(self._metrics, "QueryMetaserver", "unix", res.pending())
         return error_reply(got) if isinstance(got, PegaflowError) else _query_reply(got)
 
-    def _register(self, body: bytes) -> bytes:
+    async def _register(self, body: bytes) -> bytes:
         from pegaflow.proto import pegaflow_pb2 as pb
 
         from .grpc_service import register_response, spec_from_message
@@ -304,7 +318,8 @@ class _SocketProtocol(asyncio.Protocol):
             raise InvalidRequest("register: not a RegisterInstanceRequest") from None
         if self._caller.pid == UNKNOWN:
             raise InvalidRequest("register: the kernel named no peer process")
-        worker = self._engine.register(spec_from_message(req), self._caller)
+        spec = spec_from_message(req)
+        worker = await self._engine.register_when_ready(spec, self._caller)
         info = self._shared.info
         response = register_response(worker, info.pid, info.path)
         return register_reply(response.SerializeToString())
@@ -324,14 +339,21 @@ class _SocketProtocol(asyncio.Protocol):
     async def _guarded(self, kind: int, body: bytes) -> bytes:
         """As gRPC's interceptor does (pegaflow.daemon.boundary)."""
         if kind == REGISTER:
-            work = self._register_async(body)
+            work = self._register(body)
         else:
             work = self._save(body) if kind == SAVE else self._load(body)
         got = await guarded(self._metrics, _METHODS[kind], "unix", work)
         return error_reply(got) if isinstance(got, PegaflowError) else got
 
-    async def _register_async(self, body: bytes) -> bytes:
-        return self._register(body)
+    async def _share(self, body: bytes) -> bytes | FdLost:
+        """pegaflow.server.socket_share, with this connection's descriptor
+        reading paused and resumed around it."""
+
+        def pause(paused: bool) -> None:
+            self._fd_wait = paused
+            self._flow()
+
+        return await share(self._engine, self._caller, body, self._transport, pause)
 
 
 _METHODS = {SAVE: "Save", LOAD: "Load", REGISTER: "RegisterInstance"}

@@ -3,8 +3,9 @@ server, with kv_transfer_config as a user writes it: engine A saves, engine B
 in another process hits; the hits survive a server SIGKILL on a pool file;
 a server dying mid-load means recompute, with the same outputs.
 
-Each case runs per model of cases.CASES (Llama and Gemma 3; the rest of the
-hybrid and pipeline-parallel matrix with PEGAFLOW_REAL_ENGINE_ALL=1).
+Each case runs per model of cases.CASES: the Llama, Gemma 3, gpt-oss,
+Qwen3-Next and the Llama in pipeline parallelism 2 (the Llama and Gemma 3
+only with PEGAFLOW_REAL_ENGINE_QUICK=1).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from tests.real_engine.engine import (
 # one full-attention layer of four moved its logprobs by 0.031 only.)
 SENSITIVITY = 10
 POLL_S = 0.05
+LOADED_HOST_DEADLINES = {"timeout_s": 30.0, "query_timeout_s": 30.0}
 
 
 def assert_same(got: list[Output], want: list[Output], what: str, tol: float) -> None:
@@ -116,7 +117,10 @@ class World:
         )
         return replace(base, **kwargs)
 
-    def start(self) -> None:
+    def launch(self) -> None:
+        """Write the model, start the server and spawn the engines; returns
+        while the engines import and load (start() waits for them), so the
+        suite launches the next model's world while this one's cases run."""
         model = self.case.build(self.root / "models")
         self.start_server()
         env = {
@@ -127,13 +131,20 @@ class World:
         # A: vLLM's defaults (load failures fail the request). B: the policy
         # docs/vllm.md recommends for a best-effort cache, and the fault hook
         # for the mid-load case (armed only when its trigger file is written).
+        # Both with deadlines for a loaded 2-core host (the next model's
+        # engines start beside these cases): a save past the default 10 s is
+        # lost for good (the worker re-registers; vLLM saves a block once), a
+        # query past 1 s is a miss, and on the dev VM a file write (vLLM's own
+        # logs, the engines' compile caches) can wait 12-33 s on a disk whose
+        # journal waits for discards. The checks stay what they are.
+        extra = {"kv_connector_extra_config": LOADED_HOST_DEADLINES}
         specs = {
             "control": self.spec(model),
-            "a": self.spec(model, kv_transfer_config=pega_transfer_config()),
+            "a": self.spec(model, kv_transfer_config=pega_transfer_config(**extra)),
             "b": self.spec(
                 model,
                 kv_transfer_config=pega_transfer_config(
-                    kv_load_failure_policy="recompute"
+                    kv_load_failure_policy="recompute", **extra
                 ),
             ),
         }
@@ -141,6 +152,12 @@ class World:
             trigger = self.trigger if name == "b" else None
             log = self.root / f"engine-{name}.log"
             self.engines[name] = RealEngine(spec, log, env, kill_trigger=trigger)
+
+    def start(self) -> None:
+        """Launched (or launch now), the engines ready, and the control's
+        outputs taken: the control then exits."""
+        if not self.engines:
+            self.launch()
         start_engines(*self.engines.values())
         self.batch = prompts(self.case)
         variant = first_block_changed(self.batch[0], self.case.block)

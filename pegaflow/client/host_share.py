@@ -1,0 +1,135 @@
+"""Back a host engine's KV memory with one sealed memfd, for the server to map
+(pegaflow.copiers.shared_kv): a load into it is then a memcpy in the server,
+not a process_vm_writev that pins each of the engine's pages under its mmap
+lock (the lock the engine's own allocations take every step).
+
+For each registered region, the whole pages inside it are copied into the
+file and the file is mapped over them (MAP_SHARED | MAP_FIXED), a chunk at a
+time (a chunk's old pages are freed as the next is copied: the engine never
+holds much more memory than before). Addresses stay the same, so the tensor,
+every view of it and every pointer vLLM's kernels hold stay valid.
+
+A region's partial first and last pages are left alone: their other bytes
+belong to the allocator (glibc keeps a chunk's header just before it) or to
+other allocations, which another thread may write while a page is copied and
+remapped, and which the server has no business seeing. The few KV bytes on
+those pages stay on the process_vm path (the server splits runs by span).
+
+Call it before the engine writes KV (at register_kv_caches): a write between
+a chunk's copy and its remap would be lost. The file is sealed against
+shrinking and growing, so the server's mapping can never SIGBUS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pegaflow.common.share_frames import ShareSpan
+
+logger = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+CHUNK_BYTES = 64 << 20  # copied and remapped at a time
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedMemory:
+    """The memfd (kept open: every registration, after a server restart too,
+    hands it over again) and what of this process's memory it backs."""
+
+    fd: int
+    spans: tuple[ShareSpan, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.size for s in self.spans)
+
+    def close(self) -> None:
+        """The descriptor only: the mappings keep the file while they last."""
+        os.close(self.fd)
+
+
+def whole_pages(regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(address, size) of the whole pages inside each region, if any."""
+    out = []
+    for addr, size in regions:
+        lo = -(-addr // PAGE) * PAGE
+        hi = (addr + size) // PAGE * PAGE
+        if hi > lo:
+            out.append((lo, hi - lo))
+    return out
+
+
+def share_memory(
+    regions: Sequence[tuple[int, int]], name: str = "pegaflow-kv"
+) -> SharedMemory | None:
+    """Back the whole pages of `regions` (this process's memory) with one
+    sealed memfd; None where there are none or the kernel refuses (the
+    memory then stays as it was, or partly remapped with the same bytes)."""
+    pages = whole_pages(regions)
+    if not pages:
+        return None
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except (OSError, AttributeError) as exc:
+        logger.info("pegaflow: no memfd (%s): KV stays on process_vm", exc)
+        return None
+    try:
+        spans = _fill_and_map(fd, pages)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except OSError as exc:
+        os.close(fd)
+        logger.warning("pegaflow: cannot share KV memory (%s): process_vm", exc)
+        return None
+    return SharedMemory(fd, spans)
+
+
+def _fill_and_map(fd: int, pages: list[tuple[int, int]]) -> tuple[ShareSpan, ...]:
+    os.ftruncate(fd, sum(n for _, n in pages))
+    spans, offset = [], 0
+    for addr, size in pages:
+        for at in range(0, size, CHUNK_BYTES):
+            n = min(CHUNK_BYTES, size - at)
+            _copy_in(fd, addr + at, n, offset + at)
+            _map_over(fd, addr + at, n, offset + at)
+        spans.append(ShareSpan(addr, offset, size))
+        offset += size
+    return tuple(spans)
+
+
+def _copy_in(fd: int, addr: int, n: int, offset: int) -> None:
+    view = memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
+    done = 0
+    while done < n:
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _map_over(fd: int, addr: int, n: int, offset: int) -> None:
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    # Populated: the engine's KV pages were all touched before (vLLM zeroes
+    # its cache), and the forward should not fault on them one by one now.
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_FIXED", 0x10)
+    flags |= getattr(mmap, "MAP_POPULATE", 0x8000)
+    got = _mmap(addr, n, prot, flags, fd, offset)
+    if got != addr:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap over {addr:#x}: {os.strerror(err)}")
