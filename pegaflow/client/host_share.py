@@ -27,6 +27,7 @@ import fcntl
 import logging
 import mmap
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,15 +80,109 @@ def whole_pages(regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+# Every memfd this process mapped over its memory, with what it backs: two
+# workers of one process (pipeline stages run side by side, tests) may name
+# the same pages. Mapping a second memfd over them would leave the first
+# one's server-side mapping looking at pages the engine no longer uses.
+_lock = threading.Lock()
+_backed: list[SharedMemory] = []
+
+
 def share_memory(
     regions: Sequence[tuple[int, int]], name: str = "pegaflow-kv"
 ) -> SharedMemory | None:
     """Back the whole pages of `regions` (this process's memory) with one
     sealed memfd; None where there are none or the kernel refuses (the
-    memory then stays as it was, or partly remapped with the same bytes)."""
+    memory then stays as it was, or partly remapped with the same bytes).
+    Pages another call backed already: that memfd again (its own
+    descriptor), if it backs all of them; None if only some."""
     pages = whole_pages(regions)
     if not pages:
         return None
+    with _lock:
+        _drop_stale()
+        for known in _backed:
+            spans = _within(known, pages)
+            if spans is not None:
+                return SharedMemory(os.dup(known.fd), spans)
+        if any(_overlap(known, pages) for known in _backed):
+            logger.info("pegaflow: KV pages partly shared already: process_vm")
+            return None
+        shared = _share_new(pages, name)
+        if shared is not None:
+            _backed.append(SharedMemory(os.dup(shared.fd), shared.spans))
+        return shared
+
+
+def _drop_stale() -> None:
+    """Forget memfds no longer mapped where they were (the memory was freed
+    and perhaps reused: its pages are not theirs any more)."""
+    if not _backed:
+        return
+    mapped = _mapped_by_inode()
+    keep = []
+    for known in _backed:
+        ranges = mapped.get(os.fstat(known.fd).st_ino, [])
+        if all(_covered(s.address, s.size, ranges) for s in known.spans):
+            keep.append(known)
+        else:
+            known.close()
+    _backed[:] = keep
+
+
+def _mapped_by_inode() -> dict[int, list[tuple[int, int]]]:
+    """inode -> [start, end) of this process's shared mappings of memfds."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or "s" not in parts[1] or "/memfd:" not in parts[5]:
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            out.setdefault(int(parts[4]), []).append((lo, hi))
+    return out
+
+
+def _covered(addr: int, size: int, ranges: list[tuple[int, int]]) -> bool:
+    """[addr, addr + size) lies inside the union of `ranges`."""
+    at, end = addr, addr + size
+    for lo, hi in sorted(ranges):
+        if lo <= at < hi:
+            at = hi
+        if at >= end:
+            return True
+    return at >= end
+
+
+def _within(
+    known: SharedMemory, pages: list[tuple[int, int]]
+) -> tuple[ShareSpan, ...] | None:
+    """`pages` as spans of `known`'s memfd, if it backs every one of them."""
+    out = []
+    for addr, size in pages:
+        span = next(
+            (
+                s
+                for s in known.spans
+                if s.address <= addr and addr + size <= s.address + s.size
+            ),
+            None,
+        )
+        if span is None:
+            return None
+        out.append(ShareSpan(addr, span.offset + addr - span.address, size))
+    return tuple(out)
+
+
+def _overlap(known: SharedMemory, pages: list[tuple[int, int]]) -> bool:
+    return any(
+        s.address < addr + size and addr < s.address + s.size
+        for s in known.spans
+        for addr, size in pages
+    )
+
+
+def _share_new(pages: list[tuple[int, int]], name: str) -> SharedMemory | None:
     try:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except (OSError, AttributeError) as exc:
