@@ -57,7 +57,7 @@ transfer_in() {
     python3 benchmarks/transfer.py --bringup-gib 0 --tag "$tag" --out "$OUT" "$@") \
     > "$OUT/transfer-$tag.log" 2>&1
   echo "rc=$?"
-  grep -E "^\| |p50|both" "$OUT/transfer-$tag.log" | cut -c1-150
+  grep -E " \| |p50|both" "$OUT/transfer-$tag.log" | cut -c1-150  # table rows
 }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
