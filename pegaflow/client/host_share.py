@@ -95,7 +95,7 @@ def share_memory(
     sealed memfd; None where there are none or the kernel refuses (the
     memory then stays as it was, or partly remapped with the same bytes).
     Pages another call backed already: that memfd again (its own
-    descriptor), if it backs all of them; None if only some."""
+    descriptor), if it backs all of them."""
     pages = whole_pages(regions)
     if not pages:
         return None
@@ -105,11 +105,16 @@ def share_memory(
             spans = _within(known, pages)
             if spans is not None:
                 return SharedMemory(os.dup(known.fd), spans)
-        if any(_overlap(known, pages) for known in _backed):
-            logger.info("pegaflow: KV pages partly shared already: process_vm")
-            return None
+        # Pages partly backed by an earlier memfd: memory that was freed and
+        # reused but is still mapped from it (glibc's heap keeps a small
+        # buffer's pages), as no live worker's regions overlap another's
+        # only in part. A new memfd over them; the old entries are dropped.
+        old = [known for known in _backed if _overlap(known, pages)]
         shared = _share_new(pages, name)
         if shared is not None:
+            for known in old:
+                _backed.remove(known)
+                known.close()
             _backed.append(SharedMemory(os.dup(shared.fd), shared.spans))
         return shared
 
