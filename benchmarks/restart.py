@@ -11,6 +11,11 @@ holds 256 blocks of 2 MiB (32 layers x 64 KiB, Llama-3.1-8B) and saves them
 again and again under fresh hashes until the pool is --fill full, never
 evicting; with sigkill a second thread keeps saving while the server is
 SIGKILLed. A block counts as acknowledged when its save returned.
+
+With --cuda-reader two GPU engines register beside the host engine as the
+server restarts: one loads the first batch saved (slots at the pool's start,
+the first chunks pinned), the other the last (slots far into the pool, whose
+chunks the server pins last unless a copy asks for them first).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class Engine:
         ).copy()
         self.mem = describe(vllm_layer_views(self.buf, LAYERS, blocks, (PAGE,)))
         self.blocks = blocks
+        self.block_of: dict[bytes, int] = {}  # each saved hash's block
 
     def register(self, client: PegaflowClient, inst: str) -> None:
         client.register_host(
@@ -74,6 +80,7 @@ def _fill(
             hs = [secrets.token_bytes(32) for _ in range(BATCH)]
             ids = np.arange(len(acked), len(acked) + BATCH) % eng.blocks
             if client.save(inst, ids, hs).stored == BATCH:
+                eng.block_of.update(zip(hs, ids.tolist(), strict=True))
                 acked += hs
     except PegaflowError:
         if not killed:  # only a save under the SIGKILL may fail
@@ -97,9 +104,10 @@ def _settled(client: PegaflowClient, inst: str, hs: list[bytes]) -> QueryResult:
 
 class CudaReader:
     """A GPU engine of the same namespace, its KV made and exported before the
-    server starts: what it times is the server's side (its CUDA bring-up)."""
+    server starts: what it times is the server's side (its CUDA bring-up).
+    `tail`: it loads the last batch saved instead of the first."""
 
-    def __init__(self, blocks: int) -> None:
+    def __init__(self, blocks: int, tail: bool = False) -> None:
         import torch
 
         from pegaflow.client.cuda_export import export_kv
@@ -107,42 +115,49 @@ class CudaReader:
         self.buf = torch.zeros(LAYERS * blocks * PAGE, dtype=torch.uint8, device="cuda")
         self.kv = export_kv(vllm_layer_views(self.buf, LAYERS, blocks, (PAGE,)))
         self.blocks = blocks
+        self.tail = tail
         self.got: dict = {}
 
     def first_hit(
         self, addr: str, start: float, acked: list[bytes], eng: Engine
     ) -> None:
-        """Register (waits for the server's CUDA copy engine), load the first
-        batch into GPU blocks 0.., check every byte against the host engine."""
+        """Register (waits for the server's CUDA copy engine), load one batch
+        into GPU blocks 0.., check every byte against the host engine."""
         import torch
 
+        name = "gpu-reader-tail" if self.tail else "gpu-reader"
+        hashes = acked[-BATCH:] if self.tail else acked[:BATCH]
         with PegaflowClient(addr, timeout_s=120) as client:
-            client.register_cuda("gpu-reader", "bench-restart", self.kv)
+            client.register_cuda(name, "bench-restart", self.kv)
             registered = time.perf_counter() - start
-            res = _settled(client, "gpu-reader", acked[:BATCH])
+            res = _settled(client, name, hashes)
             ids = np.arange(res.num_blocks)
-            client.load("gpu-reader", res.lease_id, ids)
+            client.load(name, res.lease_id, ids)
             torch.cuda.synchronize()  # the load consumed its lease (one rank)
             hit = time.perf_counter() - start
         got = self.buf.view(LAYERS, self.blocks, PAGE)[:, : len(ids)].cpu().numpy()
-        want = eng.buf.reshape(LAYERS, eng.blocks, PAGE)[:, ids % eng.blocks]
+        blocks = [eng.block_of[h] for h in hashes[: len(ids)]]
+        want = eng.buf.reshape(LAYERS, eng.blocks, PAGE)[:, blocks]
+        key = "cuda_tail" if self.tail else "cuda"
         self.got = {
-            "cuda_registered_s": round(registered, 2),
-            "cuda_first_hit_s": round(hit, 2),
-            "cuda_hit_blocks": int(res.num_blocks),
-            "cuda_bytes_equal": bool(np.array_equal(got, want)),
+            f"{key}_registered_s": round(registered, 2),
+            f"{key}_{'hit' if self.tail else 'first_hit'}_s": round(hit, 2),
+            f"{key}_hit_blocks": int(res.num_blocks),
+            f"{key}_bytes_equal": bool(np.array_equal(got, want)),
         }
 
 
 def _first_hit(
-    flags: list[str], eng: Engine, acked: list[bytes], gpu: CudaReader | None = None
+    flags: list[str], eng: Engine, acked: list[bytes], gpus: list[CudaReader]
 ) -> dict:
     start = time.perf_counter()
     proc, addr = start_server(*flags)
     ready = time.perf_counter() - start
-    reader = None
-    if gpu is not None:  # beside the host engine, as a GPU engine would start
-        reader = threading.Thread(target=gpu.first_hit, args=(addr, start, acked, eng))
+    readers = [  # beside the host engine, as GPU engines would start
+        threading.Thread(target=gpu.first_hit, args=(addr, start, acked, eng))
+        for gpu in gpus
+    ]
+    for reader in readers:
         reader.start()
     with PegaflowClient(addr, timeout_s=120) as client:
         eng.register(client, "reader")
@@ -157,7 +172,7 @@ def _first_hit(
             if res.lease_id:
                 client.release_lease(res.lease_id)
         all_s = time.perf_counter() - start
-    if reader is not None:
+    for reader in readers:
         reader.join()
     proc.send_signal(signal.SIGTERM)
     proc.wait(120)
@@ -167,7 +182,7 @@ def _first_hit(
         "first_hit_blocks": first.num_blocks,
         "all_hit_s": round(all_s, 2),
         "hits": hits,
-        **(gpu.got if gpu is not None else {}),
+        **{k: v for gpu in gpus for k, v in gpu.got.items()},
     }
 
 
@@ -190,7 +205,7 @@ def fit(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def run(
-    size: int, mode: str, fill: float, directory: str, gpu: CudaReader | None = None
+    size: int, mode: str, fill: float, directory: str, gpus: list[CudaReader]
 ) -> dict:
     path = os.path.join(directory, f"bench-restart-{os.getpid()}.pool")
     flags = ["--pool-size", str(size), "--pool-file", path, "--no-progress"]
@@ -216,7 +231,7 @@ def run(
             writer.join()
             acked += out[0]
         proc.wait(120)
-        got = _first_hit(flags, eng, acked, gpu)
+        got = _first_hit(flags, eng, acked, gpus)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -243,20 +258,22 @@ def main() -> None:
     p.add_argument(
         "--cuda-reader",
         action="store_true",
-        help="also time a GPU engine's first hit (registration waits for the "
-        "server's CUDA bring-up); needs torch with CUDA",
+        help="also time two GPU engines' first hits, on the first and on the "
+        "last batch saved (registration waits for the server's CUDA copy "
+        "engine, a load for the pool chunks it reads); needs torch with CUDA",
     )
     args = p.parse_args()
     sizes = [256 << 20] if args.quick else list(map(parse_size, args.sizes.split(",")))
-    gpu = CudaReader(BATCH) if args.cuda_reader else None
+    gpus = [CudaReader(BATCH), CudaReader(BATCH, tail=True)] if args.cuda_reader else []
     rows = [
-        run(s, m, args.fill, args.dir, gpu)
+        run(s, m, args.fill, args.dir, gpus)
         for s in sizes
         for m in ("sigterm", "sigkill")
     ]
     cols = ["pool_gib", "stop", "acked_blocks", "ready_s", "first_hit_s", "all_hit_s"]
-    if gpu is not None:
-        cols += ["cuda_registered_s", "cuda_first_hit_s", "cuda_bytes_equal"]
+    if gpus:
+        cols += ["cuda_registered_s", "cuda_first_hit_s", "cuda_bytes_equal",
+                 "cuda_tail_hit_s", "cuda_tail_bytes_equal"]  # fmt: skip
     print(table(rows, [*cols, "hits", "recovered_share"]))
     slopes = fit(rows)
     for mode, f in slopes.items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import mmap
 import threading
@@ -26,6 +27,7 @@ from pegaflow.common.mounts import filesystem_of
 from pegaflow.common.settings import PoolConfig
 
 from .hugepages import huge_share, thp_setting
+from .pin_chunks import ChunkPins, ChunkRegistrar
 from .slabs import SlabAllocator
 
 if TYPE_CHECKING:
@@ -159,6 +161,7 @@ class HostPool:
             self.array = self.file.data
         self.base = int(self.array.ctypes.data)
         self._registrar = None
+        self._pins: ChunkPins | None = None  # pin(): chunk by chunk
         self._touching: threading.Thread | None = None
         self._stop_touching = threading.Event()
         self.huge_share: float | None = None
@@ -194,30 +197,25 @@ class HostPool:
             f", file {config.pool_file}" if config.pool_file else "",
         )
 
-    def pin(self, registrar: PoolRegistrar) -> None:
-        """Pin the pool for the GPUs after the start (pegaflow.server.cuda_bringup:
-        beside a serving server); close() unpins it."""
-        self._register(registrar, self._config)
-        self._registrar = registrar
+    def pin(self, registrar: ChunkRegistrar) -> ChunkPins:
+        """Start pinning the pool for the GPUs chunk by chunk, beside a serving
+        server (pegaflow.server.cuda_bringup); the ChunkPins returned says which
+        chunks are pinned. close() stops it and unpins those."""
+        if not hasattr(self, "array"):  # a bring-up that outlived the stop
+            raise RuntimeError("pool: closed before it was pinned")
+        explain = functools.partial(_unpinnable, self._config)
+        self._pins = ChunkPins(self.base, self.size, registrar, explain)
+        self._pins.start()
+        return self._pins
 
     def _register(self, registrar: PoolRegistrar, config: PoolConfig) -> None:
-        """Pin the pool for the GPUs. A pool file on a filesystem whose pages
-        CUDA cannot pin (seen on the H200 host: a file under /tmp answered
-        cudaErrorInvalidValue, the same file in /dev/shm registered) is one
-        line naming the flag and the fix, not a traceback."""
+        """Pin the whole pool for the GPUs before the start."""
         try:
             registrar.register(self.base, self.size)
         except Exception as exc:
-            if config.pool_file is None:
+            if (error := _unpinnable(config, exc)) is exc:
                 raise
-            from .pool_file import PoolFileError
-
-            fs = filesystem_of(config.pool_file)
-            raise PoolFileError(
-                f"--pool-file: CUDA cannot pin the pages of {config.pool_file} "
-                f"({exc}; it lies on {fs}); put it on /dev/shm or a hugetlbfs "
-                "mount (with --use-hugepages)"
-            ) from None
+            raise error from None
 
     def _slabs(self) -> SlabAllocator:
         if self.file is None:
@@ -270,6 +268,9 @@ class HostPool:
             self._stop_touching.set()
             self._touching.join()
             self._touching = None
+        if self._pins is not None:  # stops it first: never mid-registration
+            self._pins.unpin()
+            self._pins = None
         if self._registrar is not None:
             self._registrar.unregister(self.base)
             self._registrar = None
@@ -286,6 +287,23 @@ class HostPool:
             self._mmap.close()
         except BufferError:  # a view is still alive; the OS frees it at exit
             logger.debug("pool mmap still referenced at close")
+
+
+def _unpinnable(config: PoolConfig, exc: BaseException) -> BaseException:
+    """A pool file on a filesystem whose pages CUDA cannot pin (seen on the
+    H200 host: a file under /tmp answered cudaErrorInvalidValue, the same file
+    in /dev/shm registered) is one line naming the flag and the fix, not a
+    traceback; any other failure is itself."""
+    if config.pool_file is None:
+        return exc
+    from .pool_file import PoolFileError
+
+    fs = filesystem_of(config.pool_file)
+    return PoolFileError(
+        f"--pool-file: CUDA cannot pin the pages of {config.pool_file} "
+        f"({exc}; it lies on {fs}); put it on /dev/shm or a hugetlbfs "
+        "mount (with --use-hugepages)"
+    )
 
 
 def _open_file(config: PoolConfig, size: int, slab_bytes: int, align: int) -> PoolFile:

@@ -306,7 +306,9 @@ class HostRegistrar:
     the pool becomes DMA-able and reachable zero-copy from every context.
 
     The region is registered in chunks (at most 64 GiB each) from `threads`
-    threads: pinning is page-table work the kernel can do in parallel.
+    threads: pinning is page-table work the kernel can do in parallel. A
+    restarted server pins chunk by chunk beside serving instead
+    (`register_chunk`, pegaflow.cache.pin_chunks).
     """
 
     def __init__(
@@ -315,21 +317,43 @@ class HostRegistrar:
         if not 0 < chunk_bytes <= REGISTER_CHUNK or threads < 1:
             raise ValueError("chunk_bytes: need 1..64 GiB; threads: need >= 1")
         self._ordinal = ordinal
-        self._chunk = chunk_bytes
-        self._threads = threads
+        self.chunk_bytes = chunk_bytes
+        self.threads = threads
         self._chunks: dict[int, list[int]] = {}
 
-    def _register_one(self, address: int, size: int) -> int:
+    def register_chunk(self, address: int, size: int) -> None:
+        """Pin one chunk. The copy engine reaches the pool through the device
+        alias of its base plus an offset, so every chunk, registered on its
+        own, must be reachable at its host address (UVA: H100, H200); one that
+        is not is unregistered and refused, never copied to."""
         rt = _rt()
         set_device(self._ordinal)  # each thread: the runtime's device
         flags = rt.cudaHostRegisterMapped | rt.cudaHostRegisterPortable
         check(rt.cudaHostRegister(address, size, flags), "cudaHostRegister")
+        try:
+            got = rt.cudaHostGetDevicePointer(address, 0)
+            alias = int(check(got, "cudaHostGetDevicePointer"))
+            if alias != address:
+                raise CudaError(
+                    f"cudaHostGetDevicePointer: pool chunk {address:#x} is at "
+                    f"{alias:#x} on device {self._ordinal}, not at its host address "
+                    "(the GPU cannot use host pointers for registered memory)"
+                )
+        except CudaError:
+            rt.cudaHostUnregister(address)
+            raise
+
+    def unregister_chunk(self, address: int) -> None:
+        check(_rt().cudaHostUnregister(address), "cudaHostUnregister")
+
+    def _register_one(self, address: int, size: int) -> int:
+        self.register_chunk(address, size)
         return address
 
     def register(self, address: int, size: int) -> None:
-        starts = list(range(address, address + size, self._chunk))
-        sizes = [min(self._chunk, address + size - a) for a in starts]
-        with ThreadPoolExecutor(self._threads) as pool:
+        starts = list(range(address, address + size, self.chunk_bytes))
+        sizes = [min(self.chunk_bytes, address + size - a) for a in starts]
+        with ThreadPoolExecutor(self.threads) as pool:
             futures = list(
                 map(pool.submit, [self._register_one] * len(starts), starts, sizes)
             )
@@ -343,4 +367,4 @@ class HostRegistrar:
 
     def unregister(self, address: int) -> None:
         for chunk in self._chunks.pop(address, []):
-            check(_rt().cudaHostUnregister(chunk), "cudaHostUnregister")
+            self.unregister_chunk(chunk)

@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -64,6 +64,17 @@ DEFAULT_CTAS = 66  # half the H200's SMs per direction (benchmarks/RESULTS.md)
 SPIN_S = 1e-3  # poll an engine's event without sleeping for this long
 POLL_S = 50e-6
 CLOSE_WAIT_S = 10.0  # a re-opened allocation waits this long for its old close
+
+
+class PoolPins(Protocol):
+    """Which chunks of the pool are pinned, while a restarted server still
+    pins it (pegaflow.cache.pin_chunks.ChunkPins)."""
+
+    complete: bool
+
+    def chunks_of(self, addresses: np.ndarray, nbytes: np.ndarray) -> np.ndarray: ...
+    def ready(self, chunks: np.ndarray) -> bool: ...
+    def wait(self, chunks: np.ndarray, deadline: float | None, what: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -119,6 +130,8 @@ class CudaRegions:
 
 
 class CudaCopyEngine:
+    _pins: PoolPins | None = None  # None: the whole pool was pinned before
+
     def __init__(
         self,
         pool_base: int,
@@ -127,9 +140,13 @@ class CudaCopyEngine:
         max_ctas: int = DEFAULT_CTAS,
         event_timeout_s: float = 10.0,
         policy: CopyPolicy | None = None,
+        pins: PoolPins | None = None,
     ) -> None:
+        """pins: the pool's chunks pinned so far, where it is pinned beside
+        serving; each copy waits for those it touches (`_pool_pinned`)."""
         if not ordinals:
             raise ValueError("ordinals: need at least one CUDA device")
+        self._pins = pins
         self._k = kernels.backend("cuda")
         self._ctas = max_ctas
         self._policy = policy or CopyPolicy()
@@ -333,7 +350,7 @@ class CudaCopyEngine:
             with self._faults.noted(dev.ordinal):
                 self._wait_event(self._event(regions, wait_event))
         deadlines.check(deadline, "save")
-        self._copy_now("save", regions, t)
+        self._copy_now("save", regions, t, deadline)
 
     def event_done(self, regions: CudaRegions, wait_event: int) -> bool:
         """Whether the engine's event `wait_event` (1-based) completed: a save
@@ -359,15 +376,20 @@ class CudaCopyEngine:
         dev = regions.device
         cuda_driver.set_device(dev.ordinal)
         deadlines.check(deadline, "load")
-        self._copy_now("load", regions, t)
+        self._copy_now("load", regions, t, deadline)
 
     def _copy_now(
-        self, direction: CopyDirection, regions: CudaRegions, t: Transfers
+        self,
+        direction: CopyDirection,
+        regions: CudaRegions,
+        t: Transfers,
+        deadline: float | None = None,
     ) -> None:
         """Queue the batch and wait for it here (a copy thread, or the loop
         for a small one)."""
         dev = regions.device
         self._faults.check(dev.ordinal)
+        self._pool_pinned(direction, t, deadline, wait=True)
         path = self._policy.choose_for(direction, t, dev.ordinal)
         key = (dev.ordinal, direction)
         self._flights.add(key, +1)
@@ -417,6 +439,8 @@ class CudaCopyEngine:
         says it runs longer than measured.LOOP_MAX_S."""
         dev = regions.device
         self._faults.check(dev.ordinal)
+        if not self._pool_pinned(direction, t, deadline, wait=False):
+            return None  # a copy thread waits for its chunks, not the loop
         path = self._policy.choose_for(direction, t, dev.ordinal)
         rate = self._rates.rate((dev.ordinal, direction, path), t.total_bytes)
         if rate is not None and t.total_bytes / rate > measured.LOOP_MAX_S:
@@ -446,8 +470,35 @@ class CudaCopyEngine:
 
     def busy(self, regions: CudaRegions, direction: CopyDirection) -> bool:
         """Whether a copy started now on the event loop could wait there
-        (gpu_state.InFlight.busy): such a copy goes by a copy thread."""
+        (gpu_state.InFlight.busy): such a copy goes by a copy thread. So
+        could any copy while the pool is still being pinned: it goes by
+        launch, which asks for its chunks without waiting."""
+        if self._pins is not None and not self._pins.complete:
+            return True
         return self._flights.busy((regions.device.ordinal, direction))
+
+    def _pool_pinned(
+        self,
+        direction: CopyDirection,
+        t: Transfers,
+        deadline: float | None,
+        wait: bool,
+    ) -> bool:
+        """Whether the pool chunks the copy's slots lie in are pinned (they
+        are pinned next if not). A kernel or DMA on an unpinned one would
+        break the context for good. wait: block this thread until they are,
+        at most until the deadline (DeadlineExceeded: nothing copied), or
+        until pinning failed (DeviceBroken)."""
+        pins = self._pins
+        if pins is None or pins.complete:
+            return True
+        slots = t.dst if direction == "save" else t.src
+        chunks = pins.chunks_of(slots, t.nbytes)
+        if not wait:
+            return pins.ready(chunks)
+        pins.wait(chunks, deadline, direction)
+        deadlines.check(deadline, direction)  # pinned as the deadline passed
+        return True
 
     def launched_done(self, launched: Launched) -> bool:
         """Whether the batch finished; a fault in it raises CopyFailed."""

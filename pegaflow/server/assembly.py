@@ -19,6 +19,7 @@ from http.server import ThreadingHTTPServer
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pegaflow.cache.pin_chunks import ChunkPins
 from pegaflow.cache.pool import HostPool
 from pegaflow.common import cuda_driver, topology
 from pegaflow.common.cuda_driver import (
@@ -357,8 +358,9 @@ def _cuda_bringup(
     copiers: dict[RegionKind, CopyEngine],
     metrics: Metrics,
 ) -> CudaBringUp:
-    """The pool pinned and the CUDA copy engine built (pegaflow.server.cuda_bringup);
-    a GPU stack missing its Python half fails the start here, in one line."""
+    """The pool pinned chunk by chunk and the CUDA copy engine built over it
+    (pegaflow.server.cuda_bringup); a GPU stack missing its Python half fails
+    the start here, in one line."""
     if importlib.util.find_spec("numba") is None:  # numba-cuda is numba.cuda
         exc = ImportError("No module named 'numba'")
         raise StartupError(f"--devices: {exc}; {cuda_driver.hint(exc)}")
@@ -372,15 +374,15 @@ def _cuda_bringup(
         k = kernels.backend("cuda")
         warm_up(k, k.stream())
 
-    def build() -> CopyEngine:
+    def build(pins: ChunkPins) -> CopyEngine:  # the pool's first chunk pinned
         from pegaflow.copiers.contention import ContendedPolicy
         from pegaflow.copiers.cuda_copier import CudaCopyEngine
 
-        topology.Placement(ordinals, pool.base, pool.size).log()  # pool pinned
+        topology.Placement(ordinals, pool.base, pool.size).log()
         policy = ContendedPolicy.from_config(config)
         return CudaCopyEngine(
             pool.base, pool.size, ordinals, config.max_ctas, config.event_timeout_s,
-            policy,
+            policy, pins,
         )  # fmt: skip
 
     def install(built: CopyEngine) -> None:

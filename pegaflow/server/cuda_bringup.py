@@ -1,15 +1,18 @@
 """The GPU half of a start, on threads beside a server that already serves.
 
 Host engines and queries need neither the pinned pool nor the CUDA copy
-engine, yet both used to come before a (re)started server's first answer: on
-the H200 host pinning a kept 16 GiB pool file (cudaHostRegister, which faults
-in and pins every page) took ~2 s and importing numba-cuda and compiling the
-copy kernel ~3 s more (benchmarks/RESULTS.md, "Warm restart"). Here the pool
-is pinned on one thread while the kernel compiles on another; the CUDA copy
-engine is built once both are done, and joins the engine's copiers on the
-event loop. A CUDA engine's registration waits for that (`ready`); a failure
-is kept, reported by /health as degraded, and named to every CUDA engine that
-registers after it.
+engine, so neither comes before a (re)started server's first answer; nor
+does a CUDA engine wait for the whole pool: pinning all of it
+(cudaHostRegister, ~0.1 s a GiB on the H100 host) put a GPU engine's first
+hit 10.2 s after the exec at 64 GiB (benchmarks/RESULTS.md, "Warm restart").
+The pool is pinned chunk by chunk (pegaflow.cache.pin_chunks) while
+numba-cuda is imported and the copy kernel compiled; the CUDA copy engine is
+built once those are done and the chunks its construction reads are pinned
+(`needs`: the pool's base, whose device alias it takes), and joins the
+engine's copiers on the event loop. A CUDA engine's registration waits for
+that (`ready`); each copy then waits only for the chunks it touches. A
+failure, of the start or of any chunk, is kept, reported by /health as
+degraded, and named to every CUDA engine that registers after it.
 """
 
 from __future__ import annotations
@@ -19,32 +22,41 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
+from pegaflow.cache.pin_chunks import ChunkPins
 from pegaflow.common.errors import DeviceBroken
 
 logger = logging.getLogger(__name__)
 
-Build = Callable[[], Any]  # the CUDA copy engine, once the pool is pinned
+Build = Callable[[ChunkPins], Any]  # the CUDA copy engine, over the pins
+FIRST_CHUNK = (0,)  # what CudaCopyEngine() reads: the alias of the pool's base
 
 
 class CudaBringUp:
-    """`pin` (the pool's registration), `warm` (import and compile) and then
-    `build`; `install` gets the built engine on the event loop."""
+    """`pin` (starts the pool's pinning), `warm` (import and compile) and then
+    `build` once the `needs` chunks are pinned; `install` gets the built engine
+    on the event loop."""
 
     def __init__(
         self,
         ordinal: int,
-        pin: Callable[[], None],
+        pin: Callable[[], ChunkPins],
         warm: Callable[[], None],
         build: Build,
         install: Callable[[Any], None],
+        needs: Sequence[int] = FIRST_CHUNK,
     ) -> None:
         self._ordinal = ordinal  # the first GPU served: /health names it
         self._pin, self._warm, self._build, self._install = pin, warm, build, install
+        self._needs = np.asarray(needs, np.int64)
         self._done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._thread: threading.Thread | None = None
+        self._pins: ChunkPins | None = None
+        self._stopping = False
         self.seconds: float | None = None  # start -> built, for the log and /health
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -54,8 +66,9 @@ class CudaBringUp:
         self._thread.start()
 
     def run_now(self) -> Any:
-        """The whole bring-up on this thread (a start that needs the copy
-        engine before it serves: the SSD tier's direct route to GPUs)."""
+        """The whole bring-up on this thread, every chunk pinned first (a start
+        that needs the copy engine before it serves: the SSD tier's direct
+        route to GPUs)."""
         self._run(None)
         if (exc := self._done.exception()) is not None:
             raise exc
@@ -64,19 +77,33 @@ class CudaBringUp:
     def _run(self, loop: asyncio.AbstractEventLoop | None) -> None:
         start = time.perf_counter()
         try:
+            pins = self._pins = self._pin()
             with concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="pegaflow-cuda-warm"
             ) as side:
                 warmed = side.submit(self._warm)
-                self._pin()
+                if loop is None:
+                    pins.wait_all()
+                else:
+                    pins.wait(self._needs, None, "the CUDA copy engine's start")
                 warmed.result()
-            engine = self._build()
+            engine = self._build(pins)
         except BaseException as exc:  # kept, and named to CUDA engines
-            logger.error("CUDA copy engine failed to start: %s", exc, exc_info=True)
-            self._done.set_exception(exc)
+            pinning = None if self._pins is None else self._pins.failure
+            cause = pinning or exc  # the cause, not the wait that saw it
+            if self._stopping:
+                logger.info("CUDA copy engine not started: the server stopped")
+            else:
+                logger.error("CUDA copy engine not started: %s", cause, exc_info=exc)
+            self._done.set_exception(cause)
             return
         self.seconds = time.perf_counter() - start
-        logger.info("CUDA copy engine ready in %.2f s", self.seconds)
+        logger.info(
+            "CUDA copy engine ready in %.2f s (pool chunks pinned: %d of %d)",
+            self.seconds,
+            int(pins.pinned.sum()),
+            pins.count,
+        )
         if loop is None:
             self._install(engine)
             self._done.set_result(engine)
@@ -93,40 +120,52 @@ class CudaBringUp:
 
     async def ready(self) -> None:
         """Once the copy engine serves; DeviceBroken naming the cause if it
-        never will. A cancelled wait (the RPC's deadline) leaves it running."""
+        never will (or a chunk of the pool could not be pinned). A cancelled
+        wait (the RPC's deadline) leaves it running."""
         try:
             await asyncio.shield(asyncio.wrap_future(self._done))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
+        except Exception:  # named below
+            pass
+        if (exc := self._failure()) is not None:
             raise DeviceBroken(
                 f"regions: the server's CUDA copy engine failed to start ({exc}); "
                 "see the server's log, or restart it with --devices none to serve "
                 "host engines only"
-            ) from None
+            )
+
+    def _failure(self) -> BaseException | None:
+        """The start's failure, else the pinning's (which may come later)."""
+        if self._done.done() and (exc := self._done.exception()) is not None:
+            return exc
+        return None if self._pins is None else self._pins.failure
 
     def engine(self) -> Any | None:
-        """The built copy engine; None while starting or after a failure."""
+        """The built copy engine; None while starting or after a failed start."""
         if not self._done.done() or self._done.exception() is not None:
             return None
         return self._done.result()
 
     def state(self) -> str:
         """'starting', 'ready' or 'failed: <why>' (/health)."""
-        if not self._done.done():
-            return "starting"
-        exc = self._done.exception()
-        return "ready" if exc is None else f"failed: {exc}"
+        if (exc := self._failure()) is not None:
+            return f"failed: {exc}"
+        return "ready" if self._done.done() else "starting"
+
+    def pinning(self) -> dict[str, object] | None:
+        """/health's pinning progress: chunks pinned of all; None before it
+        started."""
+        return None if self._pins is None else self._pins.report()
 
     @property
     def faults(self) -> dict[int, str]:
-        """/health's CUDA faults: the copy engine's, or the start-up's."""
+        """/health's CUDA faults: the copy engine's, and the start-up's."""
         engine = self.engine()
-        if engine is not None:
-            return engine.faults
-        if not self._done.done():
-            return {}
-        return {self._ordinal: f"CUDA start-up: {self._done.exception()}"}
+        faults = {} if engine is None else dict(engine.faults)
+        if (exc := self._failure()) is not None:
+            faults.setdefault(self._ordinal, f"CUDA start-up: {exc}")
+        return faults
 
     @property
     def mapped_allocations(self) -> int:
@@ -134,6 +173,11 @@ class CudaBringUp:
         return 0 if engine is None else engine.mapped_allocations
 
     def join(self, timeout_s: float | None = None) -> None:
-        """Before the pool closes: it must not be unpinned mid-registration."""
+        """Before the pool closes: no chunk is pinned after this returns (the
+        ones being pinned finish; the rest are dropped), and the start is
+        given `timeout_s` to end."""
+        self._stopping = True
+        if self._pins is not None:
+            self._pins.stop()
         if self._thread is not None:
             self._thread.join(timeout_s)

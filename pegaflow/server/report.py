@@ -246,6 +246,7 @@ def health_report(
             "cuda_mappings": getattr(cuda, "mapped_allocations", 0),
             # starting | ready | failed: why (pegaflow.server.cuda_bringup)
             "cuda_copy_engine": cuda.state() if hasattr(cuda, "state") else "off",
+            "cuda_pool_pinning": cuda.pinning() if hasattr(cuda, "pinning") else None,
             "ssd_mode": ssd.mode if ssd else "off",
             "ssd_capacity_bytes": ssd.config.capacity_bytes if ssd else 0,
             "ssd_gpu_route": route.route if route else "off",

@@ -1,44 +1,56 @@
 """The GPU half of a start beside a serving server (pegaflow.server.cuda_bringup):
-its steps' order, what a CUDA engine's registration waits for, and a failure
-kept and named. The steps are plain functions here; the real ones (pinning,
+its steps' order, what a CUDA engine's registration waits for (the pool's
+first chunk pinned and the kernel compiled, not the whole pool), and a
+failure kept and named. Warm-up and build are plain functions and the
+registrar a stand-in (tests/unit/test_pin_chunks.py); the real ones (pinning,
 numba-cuda, the copy engine) run in the gpu-marked server tests."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 
+from pegaflow.cache.pin_chunks import ChunkPins
+from pegaflow.common.cuda_driver import CudaError
 from pegaflow.common.errors import DeviceBroken
 from pegaflow.server.cuda_bringup import CudaBringUp
+from tests.unit.test_pin_chunks import CHUNK, FakeRegistrar
 
 WAIT_S = 30.0
 
 
 class Steps:
-    """pin and warm each block until released; build returns a marker."""
+    """The pool's chunk 0 and warm each block until released (pinning any
+    chunk listed in `held` too); build returns a marker, noting the pins."""
 
-    def __init__(self, fail: str = "") -> None:
-        self.pin_started = threading.Event()
+    def __init__(self, fail: int | None = None, held: tuple[int, ...] = ()) -> None:
+        self.registrar = FakeRegistrar(held=(0, *held), fail=fail)
         self.warm_started = threading.Event()
-        self.release = threading.Event()
+        self.released = threading.Event()
         self.installed: list[object] = []
         self.install_thread: list[threading.Thread] = []
-        self.fail = fail
-        self.built = object()
+        self.built = SimpleNamespace(faults={}, mapped_allocations=0)
+        self.pins: ChunkPins | None = None
+        self.pinned_at_build: list[int] = []
 
-    def pin(self) -> None:
-        self.pin_started.set()
-        assert self.release.wait(WAIT_S)
-        if self.fail == "pin":
-            raise OSError("cudaHostRegister: cudaErrorInvalidValue")
+    def release(self) -> None:
+        self.released.set()
+        self.registrar.release(0)
+
+    def pin(self) -> ChunkPins:
+        self.pins = ChunkPins(self.registrar.base, 8 * CHUNK, self.registrar)
+        self.pins.start()
+        return self.pins
 
     def warm(self) -> None:
         self.warm_started.set()
-        assert self.release.wait(WAIT_S)
+        assert self.released.wait(WAIT_S)
 
-    def build(self) -> object:
+    def build(self, pins: ChunkPins) -> object:
+        self.pinned_at_build = pins.pinned.nonzero()[0].tolist()
         return self.built
 
     def install(self, engine: object) -> None:
@@ -59,12 +71,12 @@ def test_pinning_and_compiling_overlap_and_registration_waits_for_both() -> None
         bringup = steps.bringup()
         bringup.start(asyncio.get_running_loop())
         waiting = asyncio.create_task(bringup.ready())
-        for started in (steps.pin_started, steps.warm_started):
-            assert await asyncio.to_thread(started.wait, WAIT_S)
+        await asyncio.to_thread(steps.registrar.wait_started, 0)
+        assert await asyncio.to_thread(steps.warm_started.wait, WAIT_S)
         await asyncio.sleep(0.05)
         assert not waiting.done() and bringup.state() == "starting"
         assert bringup.engine() is None and bringup.faults == {}
-        steps.release.set()
+        steps.release()
         await asyncio.wait_for(waiting, WAIT_S)
         assert steps.installed == [steps.built]
         assert steps.install_thread == [threading.current_thread()]
@@ -78,8 +90,8 @@ def test_a_failed_bringup_is_named_to_engines_and_health() -> None:
     """A pool that cannot be pinned: nothing installed; every later CUDA
     registration gets DeviceBroken (UNAVAILABLE) naming the cause and the
     fix; /health's faults name the first GPU."""
-    steps = Steps(fail="pin")
-    steps.release.set()
+    steps = Steps(fail=0)
+    steps.release()
 
     async def scenario() -> None:
         bringup = steps.bringup()
@@ -107,7 +119,7 @@ def test_a_cancelled_wait_leaves_the_bringup_running() -> None:
         bringup.start(asyncio.get_running_loop())
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(bringup.ready(), 0.05)
-        steps.release.set()
+        steps.release()
         await asyncio.wait_for(bringup.ready(), WAIT_S)
         assert steps.installed == [steps.built]
 
@@ -116,13 +128,95 @@ def test_a_cancelled_wait_leaves_the_bringup_running() -> None:
 
 def test_run_now_builds_on_the_calling_thread_or_raises() -> None:
     """The start that needs the engine before serving (the SSD tier's direct
-    route) gets it, or the cause to fail the start with."""
+    route) gets it, every chunk pinned first, or the cause to fail the
+    start with."""
     ok = Steps()
-    ok.release.set()
+    ok.release()
     assert ok.bringup().run_now() is ok.built
     assert ok.install_thread == [threading.current_thread()]
-    bad = Steps(fail="pin")
-    bad.release.set()
-    with pytest.raises(OSError, match="cudaErrorInvalidValue"):
+    assert ok.pinned_at_build == list(range(8))  # every chunk before it serves
+    bad = Steps(fail=5)
+    bad.release()
+    with pytest.raises(CudaError, match="cudaErrorInvalidValue"):
         bad.bringup().run_now()
     assert bad.installed == []
+
+
+def test_a_cuda_engine_registers_before_the_whole_pool_is_pinned(caplog) -> None:
+    """The copy engine is built once the kernel compiled and the pool's first
+    chunk is pinned (what its construction reads), not the whole pool: with
+    chunk 1 still pinning, a CUDA registration is let in; /health shows the
+    progress, and the log says when every chunk is pinned and how long it
+    took."""
+    caplog.set_level("INFO", "pegaflow.cache.pin_chunks")
+    steps = Steps(held=(1,))
+
+    async def scenario() -> None:
+        bringup = steps.bringup()
+        assert bringup.pinning() is None
+        bringup.start(asyncio.get_running_loop())
+        steps.release()
+        await asyncio.wait_for(bringup.ready(), WAIT_S)
+        assert steps.pinned_at_build == [0] and bringup.state() == "ready"
+        progress = bringup.pinning()
+        assert progress == {"chunks_pinned": 1, "chunks": 8, "seconds": None,
+                            "failed": None}  # fmt: skip
+        steps.registrar.release(1)
+        await asyncio.to_thread(steps.pins.wait_all)
+        progress = bringup.pinning()
+        assert progress["chunks_pinned"] == 8 and progress["seconds"] is not None
+        bringup.join(WAIT_S)
+
+    asyncio.run(scenario())
+    assert any("pool pinned for the GPUs: 8 chunk(s)" in r.message
+               for r in caplog.records)  # fmt: skip
+
+
+def test_a_chunk_failing_after_the_start_is_named_to_engines_and_health() -> None:
+    """Chunk 1 refused after the copy engine was installed: it stays (copies
+    of chunk 0 go on), but registrations from then on get DeviceBroken
+    naming the cause, and /health says failed, with the fault and the
+    pinning's failure."""
+    steps = Steps(held=(1,), fail=1)
+
+    async def scenario() -> None:
+        bringup = steps.bringup()
+        bringup.start(asyncio.get_running_loop())
+        steps.release()
+        await asyncio.wait_for(bringup.ready(), WAIT_S)
+        assert bringup.faults == {}
+        steps.registrar.release(1)
+        with pytest.raises(DeviceBroken, match="cudaErrorInvalidValue"):
+            await asyncio.to_thread(steps.pins.wait_all)
+        with pytest.raises(DeviceBroken, match="cudaErrorInvalidValue"):
+            await asyncio.wait_for(bringup.ready(), WAIT_S)
+        assert bringup.engine() is steps.built
+        assert bringup.state().startswith("failed: ")
+        assert "cudaErrorInvalidValue" in bringup.faults[3]
+        assert "cudaErrorInvalidValue" in str(bringup.pinning()["failed"])
+        bringup.join(WAIT_S)
+
+    asyncio.run(scenario())
+
+
+def test_a_stop_mid_pinning_pins_no_more() -> None:
+    """join() (the stop, before the pool unpins) lets the chunk being pinned
+    finish and pins nothing after it."""
+    steps = Steps(held=(1,))
+
+    async def scenario() -> None:
+        bringup = steps.bringup()
+        bringup.start(asyncio.get_running_loop())
+        steps.release()
+        await asyncio.wait_for(bringup.ready(), WAIT_S)
+        steps.registrar.wait_started(1)
+        joining = asyncio.create_task(asyncio.to_thread(bringup.join, WAIT_S))
+        await asyncio.sleep(0.05)
+        assert not joining.done()  # chunk 1 is being registered
+        steps.registrar.release(1)
+        await asyncio.wait_for(joining, WAIT_S)
+        assert steps.registrar.registered == [0, 1]
+        await asyncio.sleep(0.05)
+        assert steps.registrar.started == [0, 1]
+
+    asyncio.run(scenario())
