@@ -17,6 +17,7 @@ namespace: the group's pages have their own geometry).
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,6 +37,16 @@ from .tensors import KVTensors, kv_tensors, namespace_digest, namespace_parts
 logger = logging.getLogger(__name__)
 
 Regions = tuple[tuple[int, int], ...]
+
+
+def signal_words(layers: int, host: bool) -> np.ndarray:
+    """The words the server writes as each layer of a sync load lands. A host
+    engine's sit on pages of their own, which back_with_memfd can share with
+    the server without sharing anything else of this process."""
+    if not host or not layers:
+        return np.zeros(layers, np.uint64)
+    pages = mmap.mmap(-1, -(-8 * layers // mmap.PAGESIZE) * mmap.PAGESIZE)
+    return np.frombuffer(pages, np.uint64, count=layers)  # keeps `pages`
 
 
 class Registrar:
@@ -79,7 +90,7 @@ class Registrar:
         kv = kv_tensors(kv_caches, num_blocks)
         # kv.tensors keep kv_caches' order: layer i is the i-th name.
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
-        self.layer_signals = np.zeros(len(kv.tensors), np.uint64)
+        self.layer_signals = signal_words(len(kv.tensors), kv.device == "cpu")
         signals = self.layer_signals.ctypes.data
         parts = namespace_parts(vllm_config, kv, self.config.namespace_salt)
         if self.group is not None:
@@ -123,14 +134,26 @@ class Registrar:
         )
         return kv
 
-    def back_with_memfd(self, shares: dict[Regions, SharedMemory | None]) -> None:
+    def back_with_memfd(
+        self, shares: dict[Regions, SharedMemory | None], with_signals: bool = True
+    ) -> None:
         """Host KV: back it with a sealed memfd for the server to map (once
         per set of regions: a hybrid model's groups overlay one buffer).
         Only from register_kv_caches, before the engine writes KV: a write
-        while a chunk is copied and remapped would be lost."""
+        while a chunk is copied and remapped would be lost. with_signals:
+        the layer signal words' own pages go in the memfd too, so the server
+        stores each layer's word without a system call; only where no other
+        registration of this process backs the same KV (one group, one
+        stage), as a second memfd mapped over shared pages would cut the
+        first one's server mapping off from them."""
         if not self._host_regions or not self.config.share_host_kv:
             return
         key = self._host_regions
+        if with_signals and self.layer_signals.size:
+            words = self.layer_signals.ctypes.data, self.layer_signals.nbytes
+            if words[0] % mmap.PAGESIZE == 0:  # their own pages (signal_words)
+                pages = -(-words[1] // mmap.PAGESIZE) * mmap.PAGESIZE
+                key += ((words[0], pages),)
         if key not in shares:
             shares[key] = share_memory(key)
         self._shared = shares[key]

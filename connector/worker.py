@@ -58,6 +58,9 @@ NAP_S = 50e-6  # a save, a sync load and an async load in flight at once
 # in get_finished: a load done by then is reported in this step, so vLLM
 # schedules its request in the next one instead of a step later.
 SAME_STEP_WAIT_S = 0.05
+# The longest a step's start waits for its sync load's I/O thread to take over
+# (one busy with another call keeps it waiting; the layer waits cover the rest).
+HANDOFF_WAIT_S = 0.005
 
 
 class WorkerHalf:
@@ -151,8 +154,9 @@ class WorkerHalf:
                 del self.parts[rule.index]
                 continue
             self.parts[rule.index].describe(layers, num_blocks, vllm_config)
+        alone = not self.groups.hybrid and self.stages == 1
         for part in self.parts.values():  # now, before any forward writes KV
-            part.back_with_memfd(self._shares)
+            part.back_with_memfd(self._shares, with_signals=alone)
         self._report.stage_groups = {self.stage: tuple(sorted(self.parts))}
         for part in self.parts.values():
             part.register_now()
@@ -190,7 +194,16 @@ class WorkerHalf:
             if layer_waits and signals:
                 self._layer_seq += 1
                 seq = self._layer_seq
-            self._sync.append((sync, self._submit(self._load, sync, seq), seq))
+            sent = threading.Event()
+            self._sync.append((sync, self._submit(self._load, sync, seq, sent), seq))
+            if seq:
+                # The forward reads layer 0 within ~1 ms, and the Load is not
+                # out until the I/O thread runs, which needs this thread's GIL
+                # and (vLLM pins the worker to its cores) often its CPU: both
+                # are handed over now, by waiting, not at Python's next switch
+                # interval or a layer wait's nap (the server's copy started
+                # ~2.4 ms late on the CPU engine, the forward waiting for it).
+                sent.wait(HANDOFF_WAIT_S)
         async_reqs = {job.req_id for job in plan.loads if not job.sync}
         if async_reqs:
             fut = self._submit(self._load, later) if later else _done(set())
@@ -386,18 +399,32 @@ class WorkerHalf:
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         return self._pool.submit(fn, *args)
 
-    def _load(self, jobs: list[LoadJob], layer_seq: int = 0) -> set[ReqId]:
-        """One Load per group for the jobs; the requests that did not load."""
+    def _load(
+        self,
+        jobs: list[LoadJob],
+        layer_seq: int = 0,
+        sent: threading.Event | None = None,
+    ) -> set[ReqId]:
+        """One Load per group for the jobs; the requests that did not load.
+        sent: set as the first Load goes out (or once there is none)."""
         # Lease 0: the scheduler could not lease what vLLM allocated.
         failed = {job.req_id for job in jobs if not job.lease_id}
-        for group, part in self.parts.items():
-            batch = [job for job in jobs if job.group == group and job.lease_id]
-            if batch:
-                failed |= self._load_part(part, batch, layer_seq)
+        try:
+            for group, part in self.parts.items():
+                batch = [job for job in jobs if job.group == group and job.lease_id]
+                if batch:
+                    failed |= self._load_part(part, batch, layer_seq, sent)
+        finally:
+            if sent is not None:
+                sent.set()
         return failed
 
     def _load_part(
-        self, part: Registrar, jobs: list[LoadJob], layer_seq: int
+        self,
+        part: Registrar,
+        jobs: list[LoadJob],
+        layer_seq: int,
+        sent: threading.Event | None = None,
     ) -> set[ReqId]:
         start = time.perf_counter()
         items = [
@@ -406,6 +433,8 @@ class WorkerHalf:
         try:
             if not part.registered:
                 raise UnknownInstance("not registered with the server")
+            if sent is not None:  # the engine thread resumes at our next syscall
+                sent.set()
             res = self.client.load_many(
                 part.instance_id, items, tp_rank=self.tp_rank, layer_seq=layer_seq
             )

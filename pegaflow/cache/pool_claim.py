@@ -22,7 +22,9 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from .pool_keeper import HELD, OK, SEALS, SWAP, UID, inode, peer, sealed
+from pegaflow.common.memfd import SEALS, sealed
+
+from .pool_keeper import HELD, OK, SWAP, UID, inode, peer
 
 logger = logging.getLogger(__name__)
 

@@ -15,15 +15,14 @@ Run as `python -m pegaflow.cache.pool_keeper PATH FD` with the memfd at FD (the
 client side, pegaflow.cache.pool_claim, starts it): it forks the keeper proper
 (setsid, stdio on /dev/null, cwd /), which binds a temporary name beside PATH
 and renames it over PATH; the launcher then exits 0, or 2 with one line on
-stderr. Standard library
-only: it keeps none of the server's state (gRPC, CUDA, the pool's mapping).
+stderr. Standard library only (pegaflow.common.memfd is too): it keeps none of
+the server's state (gRPC, CUDA, the pool's mapping).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import os
 import selectors
 import socket
@@ -31,11 +30,12 @@ import stat
 import struct
 import sys
 
+from pegaflow.common.memfd import sealed
+
 # Frames (SOCK_SEQPACKET: one message each). Keeper to client: OK with the
 # memfd; HELD <pid>; UID <uid> (refused). Client to keeper: SWAP with a new
 # memfd (another geometry) -> OK, or NO <why>.
 OK, HELD, UID, SWAP, NO = b"OK", b"HELD", b"UID", b"SWAP", b"NO"
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 NAME = b"pegaflow-keeper"  # /proc/PID/comm: `pgrep pegaflow-keeper`
 WATCH_S = 1.0  # how often PATH is stat'ed: a cheap call a second, no busy loop
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
@@ -46,14 +46,6 @@ def peer(conn: socket.socket) -> tuple[int, int]:
     raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     pid, uid, _ = _PEERCRED.unpack(raw)
     return pid, uid
-
-
-def sealed(fd: int) -> bool:
-    """A memfd that can never shrink or grow, nor be unsealed."""
-    try:
-        return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
-    except OSError:  # not a memfd (or shmem) at all
-        return False
 
 
 def inode(path: str) -> tuple[int, int] | None:

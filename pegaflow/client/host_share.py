@@ -31,25 +31,13 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pegaflow.common.memfd import SEALS, map_shared
 from pegaflow.common.share_frames import ShareSpan
 
 logger = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
 CHUNK_BYTES = 64 << 20  # copied and remapped at a time
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_mmap = _libc.mmap
-_mmap.restype = ctypes.c_void_p
-_mmap.argtypes = (
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +198,9 @@ def _fill_and_map(fd: int, pages: list[tuple[int, int]]) -> tuple[ShareSpan, ...
         for at in range(0, size, CHUNK_BYTES):
             n = min(CHUNK_BYTES, size - at)
             _copy_in(fd, addr + at, n, offset + at)
-            _map_over(fd, addr + at, n, offset + at)
+            # Populated: the engine's KV pages were all touched before (vLLM
+            # zeroes its cache), and the forward should not fault on them now.
+            map_shared(fd, n, offset + at, at=addr + at)
         spans.append(ShareSpan(addr, offset, size))
         offset += size
     return tuple(spans)
@@ -221,15 +211,3 @@ def _copy_in(fd: int, addr: int, n: int, offset: int) -> None:
     done = 0
     while done < n:
         done += os.pwrite(fd, view[done:], offset + done)
-
-
-def _map_over(fd: int, addr: int, n: int, offset: int) -> None:
-    prot = mmap.PROT_READ | mmap.PROT_WRITE
-    # Populated: the engine's KV pages were all touched before (vLLM zeroes
-    # its cache), and the forward should not fault on them one by one now.
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_FIXED", 0x10)
-    flags |= getattr(mmap, "MAP_POPULATE", 0x8000)
-    got = _mmap(addr, n, prot, flags, fd, offset)
-    if got != addr:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap over {addr:#x}: {os.strerror(err)}")

@@ -39,7 +39,7 @@ from pegaflow.common.runs import merge_adjacent
 from pegaflow.common.share_frames import ShareSpan
 from pegaflow.common.thread_creds import EngineIds
 
-from .run_copy import copy_runs, run_loop
+from .run_copy import copy_layers, copy_runs, layer_loop, run_loop
 from .shared_kv import SharedKV
 from .vm import (
     IOV_MAX,
@@ -226,10 +226,52 @@ class HostCopyEngine:
         """Local -> engine: t.src is ours, t.dst lies in the engine process."""
         self._copy("scatter", regions, t.src, t.dst, t.nbytes, deadline)
 
-    def share(self, regions: HostRegions, fd: int, spans: tuple[ShareSpan, ...]) -> int:
+    def scatter_layers(
+        self,
+        regions: HostRegions,
+        t: Transfers,
+        edges: np.ndarray,
+        signals: object,
+        seq: int,
+        deadline: float | None = None,
+    ) -> bool:
+        """A layer-wise load in one call (pegaflow.copiers.run_copy.copy_layers)
+        where every run and every signal word lies in the engine's shared
+        mapping; False, having done nothing, where not (the caller goes
+        layer by layer). t is sorted by layer: layer l is edges[l]..edges[l + 1]."""
+        kv = regions.shared.kv
+        words_of = getattr(signals, "shared_words", None)
+        words = None if words_of is None else words_of()
+        if kv is None or words is None or len(edges) != len(words) + 1:
+            return False
+        n = np.asarray(t.nbytes, np.uint64)
+        remote = np.asarray(t.dst, np.uint64)
+        self._check_bounds("scatter", regions, remote, n)
+        there, inside = kv.translate(remote, n)
+        if not inside.all():
+            return False
+        if regions.image is not None:  # as _copy: the last check before it
+            regions.image.check("scatter")
+        src = np.asarray(t.src, np.uint64)
+        if logger.isEnabledFor(logging.DEBUG):
+            msg = "scatter: %d layers in one call, %d runs, %d bytes"
+            logger.debug(msg, len(words), len(n), int(n.sum()))
+        copy_layers(there, src, n, edges, words, seq, "scatter", deadline)
+        self._check_after("scatter", regions)
+        return True
+
+    def share(
+        self,
+        regions: HostRegions,
+        fd: int,
+        spans: tuple[ShareSpan, ...],
+        signals: object = None,
+    ) -> int:
         """Map the engine's memfd (checked: pegaflow.copiers.shared_kv); copies
         inside its spans are memcpy from now on. The bytes mapped. Off the
-        event loop: it reads the engine's maps and may compile."""
+        event loop: it reads the engine's maps and may compile. signals: the
+        worker's layer signal words (pegaflow.copiers.layer_signals), which
+        the memfd may hold too; they are then written through the mapping."""
         if regions.shared.kv is not None:
             raise InvalidRequest(
                 f"share: process {regions.pid}'s registration already shares "
@@ -239,7 +281,12 @@ class HostCopyEngine:
         # not at start-up, so a server no CPU engine shares with never
         # imports numba for it (~100 MiB), and not in the first copy's time.
         run_loop()
-        kv = SharedKV(fd, spans, regions.pid, regions.spans)
+        words = getattr(signals, "span", None)
+        if words is not None and getattr(signals, "pid", None) == regions.pid:
+            layer_loop()
+        else:
+            words = None
+        kv = SharedKV(fd, spans, regions.pid, regions.spans, words)
         try:  # the maps read were of the registered process and program
             if regions.image is not None:
                 regions.image.check("share")
@@ -247,6 +294,8 @@ class HostCopyEngine:
             kv.close()
             raise
         regions.shared.kv = kv
+        if words is not None:
+            signals.attach(kv)  # type: ignore[union-attr]
         logger.info(
             "pid %d shares %d B of KV memory (%d span(s))",
             regions.pid,

@@ -28,6 +28,12 @@ CHUNK_RUNS = 1024
 _FALLBACK = "shared-memory copies call memmove from Python per run"
 
 RunLoop = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+# (dst, src, nbytes, edges, words, first, seq): layer first + j's runs are
+# edges[j]..edges[j + 1], then seq is stored at words[first + j]
+LayerLoop = Callable[
+    [np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, np.uint64],
+    None,
+]
 
 
 def _python_loop(dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> None:
@@ -35,8 +41,26 @@ def _python_loop(dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> None:
         ctypes.memmove(d, s, k)
 
 
+def _python_layers(
+    dst: np.ndarray,
+    src: np.ndarray,
+    n: np.ndarray,
+    edges: np.ndarray,
+    words: np.ndarray,
+    first: int,
+    seq: np.uint64,
+) -> None:
+    for j in range(len(edges) - 1):
+        a, b = int(edges[j]), int(edges[j + 1])
+        _python_loop(dst[a:b], src[a:b], n[a:b])
+        # ctypes.memmove is libc's: its non-temporal path ends in a fence,
+        # and x86 keeps the word's store behind the copy's ordinary ones.
+        ctypes.c_uint64.from_address(int(words[first + j])).value = int(seq)
+
+
 _lock = threading.Lock()
 _loop: list[RunLoop] = []  # the one loop, once made
+_layers: list[LayerLoop] = []
 
 
 def run_loop() -> RunLoop:
@@ -46,6 +70,28 @@ def run_loop() -> RunLoop:
         if not _loop:
             _loop.append(_make_loop())
         return _loop[0]
+
+
+def layer_loop() -> LayerLoop:
+    """The compiled layer-by-layer loop, else its Python twin."""
+    with _lock:
+        if not _layers:
+            _layers.append(_make_layer_loop())
+        return _layers[0]
+
+
+def _make_layer_loop() -> LayerLoop:
+    try:
+        from .memcpy_loop import copy_layers
+    except ImportError as exc:
+        logger.info("%s (%s)", _FALLBACK, exc)
+        return _python_layers
+    try:
+        _self_check_layers(copy_layers)
+    except Exception as exc:  # an optional speed-up: fall back, never fail
+        logger.warning("%s: %s", _FALLBACK, exc)
+        return _python_layers
+    return copy_layers
 
 
 def _make_loop() -> RunLoop:
@@ -73,6 +119,52 @@ def _self_check(loop: RunLoop) -> None:
     want[4000:7000], want[0:7] = src[0:3000], src[100:107]
     if not np.array_equal(dst, want):
         raise ValueError("the compiled memcpy loop copied other bytes")
+
+
+def _self_check_layers(loop: LayerLoop) -> None:
+    """Two layers of runs, the second empty, from the third word on."""
+    src = np.random.default_rng(1).integers(0, 256, 4096, np.uint8)
+    dst = np.zeros_like(src)
+    words = np.zeros(4, np.uint64)
+    at = words.ctypes.data + 8 * np.arange(4, dtype=np.uint64)
+    s = src.ctypes.data + np.array([0, 3000], np.uint64)
+    d = dst.ctypes.data + np.array([1000, 0], np.uint64)
+    edges = np.array([0, 2, 2], np.int64)
+    loop(d, s, np.array([900, 96], np.uint64), edges, at, 2, np.uint64(7))
+    want = np.zeros_like(src)
+    want[1000:1900], want[0:96] = src[0:900], src[3000:3096]
+    if not np.array_equal(dst, want) or words.tolist() != [0, 0, 7, 7]:
+        raise ValueError("the compiled layer loop copied other bytes")
+
+
+def copy_layers(
+    dst: np.ndarray,
+    src: np.ndarray,
+    nbytes: np.ndarray,
+    edges: np.ndarray,
+    words: np.ndarray,
+    seq: int,
+    op: str,
+    deadline: float | None,
+) -> None:
+    """Layer l's runs (edges[l]..edges[l + 1]), then seq into words[l], for
+    every layer, on this thread: the engine's forward reads layer l as soon
+    as its word says so, so the layers go in order, not split over threads.
+    The deadline is checked before each group of layers of at most
+    CHUNK_RUNS runs, as copy_runs checks it."""
+    loop = layer_loop()
+    dst, src, nbytes, words = (
+        np.ascontiguousarray(a, np.uint64) for a in (dst, src, nbytes, words)
+    )
+    edges = np.ascontiguousarray(edges, np.int64)
+    layers = len(edges) - 1
+    most = int(np.diff(edges).max()) if layers else 0
+    step = max(1, CHUNK_RUNS // max(1, most))
+    value = np.uint64(seq)
+    for first in range(0, layers, step):
+        deadlines.check(deadline, op)
+        last = min(first + step, layers)
+        loop(dst, src, nbytes, edges[first : last + 1], words, first, value)
 
 
 def split_by_bytes(nbytes: np.ndarray, parts: int) -> list[slice]:

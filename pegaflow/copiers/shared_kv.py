@@ -16,8 +16,9 @@ Checks, once, before anything is mapped (each refusal names the field):
   engine can never truncate the file under the server's mapping (a SIGBUS),
   and not sealed against writes (the server's loads write);
 - every span is page aligned, inside the file, inside the regions the
-  engine registered (where the bounds checks of every copy already keep
-  each run), disjoint from the others;
+  engine registered or on the pages of its layer signal words (where the
+  bounds checks of every copy already keep each KV run), disjoint from the
+  others;
 - the engine maps the file there: /proc/<pid>/maps shows the file's device
   and inode, shared and read-write, at the span's offset. (What the engine
   maps there later is its own business: it can only make its own loads
@@ -26,7 +27,6 @@ Checks, once, before anything is mapped (each refusal names the field):
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import logging
 import mmap
@@ -36,30 +36,14 @@ import stat
 import numpy as np
 
 from pegaflow.common.errors import InvalidRequest
+from pegaflow.common.memfd import SEALS, map_shared, unmap
 from pegaflow.common.share_frames import ShareSpan
 
-from .vm import first_outside, read_maps
+from .vm import first_outside, merge_spans, read_maps
 
 logger = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
-REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_mmap = _libc.mmap
-_mmap.restype = ctypes.c_void_p
-_mmap.argtypes = (
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-)
-_munmap = _libc.munmap
-_munmap.restype = ctypes.c_int
-_munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class SharedKV:
@@ -71,19 +55,23 @@ class SharedKV:
         spans: tuple[ShareSpan, ...],
         pid: int,
         region_spans: tuple[np.ndarray, np.ndarray],
+        signal_words: tuple[int, int] | None = None,
     ) -> None:
+        """signal_words: (address, bytes) of the worker's layer signal words,
+        whose pages a span may cover too (the engine's loads wait on them)."""
         st = check_memfd(fd)
+        if signal_words is not None:
+            region_spans = with_pages_of(region_spans, *signal_words)
         check_spans(spans, st.st_size, region_spans)
         check_engine_maps(pid, spans, st)
         self.size = max(s.offset + s.size for s in spans)
-        prot = mmap.PROT_READ | mmap.PROT_WRITE
         # Populated now, once: a copy never takes a page fault per 4 KiB
         # page of the engine's KV (~6,000 for a 24 MB load) on its first touch.
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0x8000)
-        base = _mmap(None, self.size, prot, flags, fd, 0)
-        if base is None or base == MAP_FAILED:
-            err = ctypes.get_errno()
-            raise InvalidRequest(f"share.fd: cannot map it ({os.strerror(err)})")
+        try:
+            base = map_shared(fd, self.size)
+        except OSError as exc:
+            why = os.strerror(exc.errno or 0)
+            raise InvalidRequest(f"share.fd: cannot map it ({why})") from None
         self.base: int | None = base
         order = sorted(spans, key=lambda s: s.address)
         self.starts = np.array([s.address for s in order], np.uint64)
@@ -108,7 +96,7 @@ class SharedKV:
     def close(self) -> None:
         """After the last copy through it (the worker's active_ops say when)."""
         if self.base is not None:
-            _munmap(self.base, self.size)
+            unmap(self.base, self.size)
             self.base = None
 
 
@@ -124,7 +112,7 @@ def check_memfd(fd: int) -> os.stat_result:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError as exc:
         raise InvalidRequest(f"share.fd: no seals ({exc}); not a memfd") from None
-    if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+    if seals & SEALS != SEALS:
         raise InvalidRequest(
             f"share.fd: seals {seals:#x} lack F_SEAL_SHRINK | F_SEAL_GROW | "
             "F_SEAL_SEAL: the engine could shrink the file under the server's "
@@ -143,6 +131,17 @@ def check_memfd(fd: int) -> os.stat_result:
             "write every byte before sharing it"
         )
     return st
+
+
+def with_pages_of(
+    spans: tuple[np.ndarray, np.ndarray], address: int, nbytes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The merged spans and the whole pages holding [address, +nbytes)."""
+    lo = address // PAGE * PAGE
+    hi = -(-(address + nbytes) // PAGE) * PAGE
+    starts = np.append(spans[0], np.uint64(lo))
+    ends = np.append(spans[1], np.uint64(hi))
+    return merge_spans(starts, ends)
 
 
 def check_spans(

@@ -92,7 +92,8 @@ async def share(
                 f"instance_id: {req.instance_id!r} rank {req.tp_rank} is no "
                 "longer registered"
             )
-        work = asyncio.to_thread(map_it, worker.handle, fd, req.spans)
+        signals = worker.signals  # the memfd may hold its words too
+        work = asyncio.to_thread(map_it, worker.handle, fd, req.spans, signals)
         nbytes = await _uncancellable(work)
     finally:
         registry.finish_op(worker)

@@ -8,17 +8,16 @@ Excluded by default (marker `gpu`); on the H200 test machine:
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.gpu.conftest import LLAMA, health, tokens, wait_for
 from tests.procs import EngineProc, ServerProc, start_server
 
 pytestmark = pytest.mark.gpu
 
-LLAMA = dict(layers=4, blocks=64, heads=8, block_size=16, head=128)
 CASES = [
     (layout, dtype)
     for layout in ("LBNHC", "BLNHC", "kv_first", "MLA")
@@ -42,38 +41,6 @@ def pair(server: ServerProc) -> Iterator[tuple[EngineProc, EngineProc]]:
     yield a, b
     a.close()
     b.close()
-
-
-@pytest.fixture
-def engine() -> Iterator[Callable[..., EngineProc]]:
-    made: list[EngineProc] = []
-
-    def make(**kw: object) -> EngineProc:
-        made.append(EngineProc(**kw))
-        return made[-1]
-
-    yield make
-    for proc in made:
-        proc.close()
-
-
-def health(server: ServerProc) -> dict:
-    status, body = server.get("/health")
-    assert status == 200
-    return json.loads(body)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
-def tokens(n: int) -> list[str]:
-    return [secrets.token_hex(32) for _ in range(n)]
 
 
 def setup(e: EngineProc, srv: ServerProc, name: str, ns: str, **init: object) -> None:

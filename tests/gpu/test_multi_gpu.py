@@ -10,20 +10,17 @@ Excluded by default (marker `gpu`); on a multi-GPU machine:
 
 from __future__ import annotations
 
-import json
-import secrets
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from tests.gpu.conftest import LLAMA, health, tokens, wait_for
 from tests.procs import EngineProc, ServerProc, start_server
 
 pytestmark = pytest.mark.gpu
 
-LLAMA = dict(layers=4, blocks=64, heads=8, block_size=16, head=128)  # 16 MiB
 N = 40  # blocks per save: 10 MiB a rank
 BIG = dict(layers=32, blocks=1024, heads=8, block_size=16, head=128)  # 2 GiB
 
@@ -53,38 +50,6 @@ def server(gpu: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
     )
     yield srv
     srv.stop()
-
-
-@pytest.fixture
-def engine() -> Iterator[Callable[..., EngineProc]]:
-    made: list[EngineProc] = []
-
-    def make(**kw: object) -> EngineProc:
-        made.append(EngineProc(**kw))
-        return made[-1]
-
-    yield make
-    for proc in made:
-        proc.close()
-
-
-def health(server: ServerProc) -> dict:
-    status, body = server.get("/health")
-    assert status == 200, body
-    return json.loads(body)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
-def tokens(n: int) -> list[str]:
-    return [secrets.token_hex(32) for _ in range(n)]
 
 
 def on_each(procs: list[EngineProc], op: str, **kw: object) -> list[dict]:

@@ -4,12 +4,14 @@ bytes have landed, so an engine can start layer l while later layers copy."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 
 import numpy as np
 import pytest
 
+from pegaflow.client.host_share import share_memory
 from pegaflow.client.pegaflow_client import LoadItem, PegaflowClient
 from pegaflow.common.errors import InvalidRequest
 from tests.kvbuf import LocalKV, hashes
@@ -104,3 +106,41 @@ def test_layer_signals_are_checked(server) -> None:
 
 def _host(kv: LocalKV) -> tuple:
     return os.getpid(), kv.mem.regions, kv.mem.layers
+
+
+def test_shared_signal_words_are_stored_through_the_mapping(server) -> None:
+    """An engine whose memfd holds its KV and its signal words' own page: the
+    server copies every layer and stores every word through its mapping in
+    one call, each word still after its layer's bytes; a load that reaches
+    the buffer's partial pages (process_vm) goes layer by layer instead,
+    its words still stored through the mapping."""
+    src, dst = LocalKV(LAYERS, BLOCKS, PAGE, seed=1), LocalKV(LAYERS, BLOCKS, PAGE, 2)
+    assert dst.mem.regions[0][0] % mmap.PAGESIZE, "want partial first/last pages"
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    signals = np.frombuffer(page, np.uint64, count=LAYERS)
+    hs = hashes(32)
+    with PegaflowClient(server.addr) as client:
+        src.register(client, "a", "ns")
+        client.register_host("b", "ns", *_host(dst), layer_signals=signals.ctypes.data)
+        words = ((signals.ctypes.data, mmap.PAGESIZE),)
+        shared = share_memory(dst.mem.regions + words)
+        assert shared is not None
+        assert client.share_host("b", 0, shared.fd, shared.spans) == shared.nbytes
+        client.save("a", list(range(32)), hs)
+        ids = list(range(32))
+        dst_ids = [62 - i for i in ids]  # clear of the partial pages
+        hit = client.query("b", hs)
+        watcher = Watcher(signals, 5, dst, src, [ids, dst_ids])
+        watcher.start()
+        res = client.load_many("b", [LoadItem(hit.lease_id, dst_ids)], layer_seq=5)
+        assert res.loaded == 32
+        watcher.join(10)
+        assert watcher.seen == list(range(LAYERS)) and watcher.wrong == []
+        log = server.log.read_text()
+        assert f"scatter: {LAYERS} layers in one call, {LAYERS * 32} runs" in log
+        hit = client.query("b", hs[:2])  # onto blocks 0 and 63: partial pages
+        assert client.load("b", hit.lease_id, [0, 63], layer_seq=6).loaded == 2
+        assert (signals == 6).all()
+        for b, want in ((0, 0), (63, 1)):
+            assert np.array_equal(dst.block(b), src.block(want)), b
+    assert server.log.read_text().count("layers in one call") == 1

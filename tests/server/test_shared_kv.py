@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pegaflow.client.host_share import SEALS, _fill_and_map, share_memory, whole_pages
+from pegaflow.client.host_share import _fill_and_map, share_memory, whole_pages
 from pegaflow.client.pegaflow_client import PegaflowClient
 from pegaflow.common.errors import InvalidRequest, PermissionDenied
+from pegaflow.common.memfd import SEALS
 from pegaflow.common.share_frames import ShareSpan
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import ROOT, _env
