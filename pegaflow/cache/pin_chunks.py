@@ -52,7 +52,9 @@ class ChunkPins:
         size: int,
         registrar: ChunkRegistrar,
         explain: Explain | None = None,
+        hold: bool = False,
     ) -> None:
+        """hold: pin only the chunks copies ask for until release()."""
         self.base, self.size = base, size
         self.chunk_bytes = registrar.chunk_bytes
         self._registrar = registrar
@@ -67,6 +69,7 @@ class ChunkPins:
         self._urgent: collections.deque[int] = collections.deque()
         self._next = 0  # the next chunk in address order
         self._stopping = False
+        self._held = hold
         self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._start = 0.0
@@ -128,6 +131,12 @@ class ChunkPins:
         one was not."""
         self.wait(np.arange(self.count), None, "pinning the pool")
 
+    def release(self) -> None:
+        """Pin the rest in address order too (after hold)."""
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
     def stop(self) -> None:
         """Pin no more chunks; returns once those being pinned are done."""
         with self._cond:
@@ -168,13 +177,17 @@ class ChunkPins:
 
     def _take(self) -> int | None:
         with self._cond:
-            if self._stopping or self.failure is not None:
-                return None
-            while self._urgent:
-                k = self._urgent.popleft()
-                if not self._taken[k]:
-                    self._taken[k] = True
-                    return k
+            while True:
+                if self._stopping or self.failure is not None:
+                    return None
+                while self._urgent:
+                    k = self._urgent.popleft()
+                    if not self._taken[k]:
+                        self._taken[k] = True
+                        return k
+                if not self._held:
+                    break
+                self._cond.wait()  # an urgent chunk, release() or stop()
             while self._next < self.count and self._taken[self._next]:
                 self._next += 1
             if self._next == self.count:
@@ -220,6 +233,8 @@ class ChunkPins:
         new = chunks[~(self._taken[chunks] | self._urged[chunks])]
         self._urged[new] = True
         self._urgent.extend(new.tolist())
+        if new.size:
+            self._cond.notify_all()  # held threads take them
 
     def _refuse(self, missing: np.ndarray, what: str) -> None:
         """Raise if the missing chunks will never be pinned (under the lock)."""

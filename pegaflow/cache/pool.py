@@ -197,14 +197,14 @@ class HostPool:
             f", file {config.pool_file}" if config.pool_file else "",
         )
 
-    def pin(self, registrar: ChunkRegistrar) -> ChunkPins:
+    def pin(self, registrar: ChunkRegistrar, hold: bool = False) -> ChunkPins:
         """Start pinning the pool for the GPUs chunk by chunk, beside a serving
         server (pegaflow.server.cuda_bringup); the ChunkPins returned says which
         chunks are pinned. close() stops it and unpins those."""
         if not hasattr(self, "array"):  # a bring-up that outlived the stop
             raise RuntimeError("pool: closed before it was pinned")
         explain = functools.partial(_unpinnable, self._config)
-        self._pins = ChunkPins(self.base, self.size, registrar, explain)
+        self._pins = ChunkPins(self.base, self.size, registrar, explain, hold)
         self._pins.start()
         return self._pins
 

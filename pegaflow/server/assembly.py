@@ -390,7 +390,11 @@ def _cuda_bringup(
         metrics.registry.register(CopyPathCollector(built.policy.report, built.faulted))
 
     return CudaBringUp(
-        ordinals[0], functools.partial(pool.pin, registrar), warm, build, install
+        ordinals[0],
+        functools.partial(pool.pin, registrar, hold=True),
+        warm,
+        build,
+        install,
     )
 
 

@@ -77,16 +77,23 @@ class CudaBringUp:
     def _run(self, loop: asyncio.AbstractEventLoop | None) -> None:
         start = time.perf_counter()
         try:
+            # Held: only the chunks asked for are pinned while numba-cuda is
+            # imported and the kernel compiled. Pinning takes the mmap lock
+            # the compile's allocations need: with the whole pool pinning
+            # beside it a GPU engine's registration came 5.2 s (16 GiB) to
+            # 10 s (64 GiB) after the exec, growing with the pool (H100).
             pins = self._pins = self._pin()
             with concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="pegaflow-cuda-warm"
             ) as side:
                 warmed = side.submit(self._warm)
                 if loop is None:
+                    pins.release()
                     pins.wait_all()
                 else:
                     pins.wait(self._needs, None, "the CUDA copy engine's start")
                 warmed.result()
+            pins.release()
             engine = self._build(pins)
         except BaseException as exc:  # kept, and named to CUDA engines
             pinning = None if self._pins is None else self._pins.failure

@@ -393,3 +393,20 @@ def test_each_chunk_must_be_reachable_at_its_host_address(
     chunks = [BASE, BASE + CHUNK, BASE + 2 * CHUNK]
     assert sorted(a for c, a in rt.calls[2:] if c == "register") == chunks
     assert sorted(a for c, a in rt.calls[2:] if c == "unregister") == chunks
+
+
+def test_held_pins_only_what_copies_ask_for_until_released() -> None:
+    """hold: while the kernel compiles, only the chunks a wait names are
+    pinned (the rest would hold the mmap lock the compile needs); release()
+    pins the rest in address order."""
+    reg = FakeRegistrar(threads=2)
+    pins = _pins(reg, 6, hold=True)
+    try:
+        pins.wait(pins.chunks_of(_at(4), PAGE), time.monotonic() + WAIT_S, "load")
+        time.sleep(0.05)  # a background chunk would have started by now
+        assert reg.registered == [4] and not pins.complete
+        pins.release()
+        pins.wait_all()
+        assert sorted(reg.registered) == list(range(6)) and pins.complete
+    finally:
+        pins.stop()
