@@ -77,9 +77,12 @@ def _fill(
     try:
         eng.register(client, inst)
         while len(acked) < target and not stop.is_set():
-            hs = [secrets.token_bytes(32) for _ in range(BATCH)]
-            ids = np.arange(len(acked), len(acked) + BATCH) % eng.blocks
-            if client.save(inst, ids, hs).stored == BATCH:
+            # Never past the target: more than the pool holds would be evicted,
+            # acknowledged yet gone before any restart (not a loss of it).
+            n = min(BATCH, target - len(acked))
+            hs = [secrets.token_bytes(32) for _ in range(n)]
+            ids = np.arange(len(acked), len(acked) + n) % eng.blocks
+            if client.save(inst, ids, hs).stored == n:
                 eng.block_of.update(zip(hs, ids.tolist(), strict=True))
                 acked += hs
     except PegaflowError:
