@@ -7,10 +7,8 @@ with CUDA IPC and the pool, registered mapped (cudaHostRegister). Saves and
 loads run on separate streams with a capped grid each, so both directions
 overlap and the engine keeps most SMs.
 
-Each allocation an engine exports is opened once per server (refcounted by
-its handle), however many regions or re-registrations name it, and closed on a
-background thread when its last worker goes away: cudaIpcCloseMemHandle may
-synchronize the device, which must never stall the RPC loop.
+Each allocation an engine exports is opened once per server and closed
+after its last worker (pegaflow.copiers.ipc_mappings).
 
 A save may name an engine's interprocess event (`wait_event`). The server polls
 that event from the copy thread and launches once it completed, bounded by
@@ -36,8 +34,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import queue
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -55,6 +51,7 @@ from . import dma, measured
 from .completion import StreamFlag
 from .copier import CudaExport
 from .gpu_state import Faults, InFlight, Rates
+from .ipc_mappings import IpcMappings, opened
 from .measured import COMPLETION, FLAG_MAX_BYTES
 from .path_choice import CopyDirection, CopyPath, CopyPolicy
 
@@ -63,7 +60,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_CTAS = 66  # half the H200's SMs per direction (benchmarks/RESULTS.md)
 SPIN_S = 1e-3  # poll an engine's event without sleeping for this long
 POLL_S = 50e-6
-CLOSE_WAIT_S = 10.0  # a re-opened allocation waits this long for its old close
 
 
 class PoolPins(Protocol):
@@ -111,13 +107,6 @@ class Launched:
 
 
 @dataclass(slots=True)
-class _Mapping:
-    pointer: int  # where the allocation is mapped in the server
-    size: int
-    refs: int
-
-
-@dataclass(slots=True)
 class CudaRegions:
     """One worker's opened GPU memory (the handle Registry keeps)."""
 
@@ -154,15 +143,10 @@ class CudaCopyEngine:
         self._attrs: dict[tuple[CopyDirection, int], dma.MemcpyAttributes] = {}
         self._timeout = event_timeout_s
         self._devices: dict[bytes, _Device] = {}
-        self._mappings: dict[tuple[bytes, bytes], _Mapping] = {}
-        self._closing: dict[tuple[bytes, bytes], _Mapping] = {}
-        self._lock = threading.Lock()
+        self._ipc = IpcMappings()
         self._flights = InFlight()  # per (device, direction): launch, busy
         self._rates = Rates()  # per (device, direction, path): launch's estimate
         self._faults = Faults()
-        # A daemon thread: a close that never returns must not block exit.
-        self._reaper: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        threading.Thread(target=self._reap, daemon=True, name="cuda-close").start()
         for ordinal in ordinals:  # one to a few GPUs, at start-up
             cuda_driver.set_device(ordinal)
             pool = self._k.wrap(pool_base, pool_size, mapped=True)
@@ -229,7 +213,7 @@ class CudaCopyEngine:
     @property
     def mapped_allocations(self) -> int:
         """Engine allocations currently IPC-mapped into the server."""
-        return len(self._mappings) + len(self._closing)
+        return len(self._ipc)
 
     # -- open / close -----------------------------------------------------------
     def open(
@@ -254,7 +238,7 @@ class CudaCopyEngine:
                 zip(cuda.ipc_handles, regions, strict=True)
             ):
                 key = (cuda.device_uuid, handle)
-                mapping = self._acquire(key, i)
+                mapping = self._ipc.acquire(key, i)
                 keys.append(key)
                 if offset + size > mapping.size:
                     raise InvalidRequest(
@@ -263,7 +247,7 @@ class CudaCopyEngine:
                     )
                 bases.append(mapping.pointer + offset)
             for i, handle in enumerate(cuda.event_handles):
-                events.append(_opened(cuda_driver.open_ipc_event, handle, i))
+                events.append(opened(cuda_driver.open_ipc_event, handle, i))
             lo = min(bases)
             hi = max(b + size for b, (_, size) in zip(bases, regions, strict=True))
             if lo % 16 or hi - lo < 16:  # the copy kernels' 16-byte path
@@ -273,64 +257,15 @@ class CudaCopyEngine:
                 )
             buffer = self._k.wrap(lo, hi - lo)
         except BaseException:
-            self._release_all(dev.ordinal, keys, events)
+            self._ipc.release_all(dev.ordinal, keys, events)
             raise
         sizes = tuple(size for _, size in regions)
         return CudaRegions(dev, tuple(keys), tuple(bases), sizes, buffer, tuple(events))
 
-    def _acquire(self, key: tuple[bytes, bytes], index: int) -> _Mapping:
-        deadline = time.monotonic() + CLOSE_WAIT_S
-        while key in self._closing:  # re-registered right after unregistering
-            if time.monotonic() > deadline:
-                raise CopyFailed(f"regions[{index}]: its old mapping is still closing")
-            time.sleep(1e-3)
-        with self._lock:
-            mapping = self._mappings.get(key)
-            if mapping is None:
-                pointer = _opened(cuda_driver.open_ipc_memory, key[1], index)
-                _, size = cuda_driver.address_range(pointer)
-                mapping = self._mappings[key] = _Mapping(pointer, size, 0)
-                logger.debug("mapped allocation at %#x (%d bytes)", pointer, size)
-            mapping.refs += 1
-            return mapping
-
-    def _release_all(
-        self, ordinal: int, keys: list[tuple[bytes, bytes]], events: list[Any]
-    ) -> None:
-        """Drop references now; destroy events and unmap on the reaper thread."""
-        unmap = []
-        with self._lock:
-            for key in keys:
-                mapping = self._mappings[key]
-                mapping.refs -= 1
-                if mapping.refs == 0:
-                    unmap.append(key)
-                    self._closing[key] = self._mappings.pop(key)
-        if unmap or events:
-            self._reaper.put((ordinal, unmap, events))
-
-    def _reap(self) -> None:
-        """Destroy events and unmap allocations, one worker's batch at a time."""
-        while True:
-            ordinal, keys, events = self._reaper.get()
-            try:
-                cuda_driver.set_device(ordinal)
-                for event in events:
-                    cuda_driver.destroy_event(event)
-            except Exception:  # a background loop: log, keep serving
-                logger.exception("destroying a worker's CUDA events failed")
-            for key in keys:
-                try:
-                    cuda_driver.close_ipc_memory(self._closing[key].pointer)
-                except Exception:
-                    logger.exception("closing a worker's CUDA mapping failed")
-                with self._lock:
-                    del self._closing[key]
-
     def close(self, regions: CudaRegions) -> None:
         """Drop the worker's events and mappings; runs once no copy is active."""
         ordinal = regions.device.ordinal
-        self._release_all(ordinal, list(regions.keys), list(regions.events))
+        self._ipc.release_all(ordinal, list(regions.keys), list(regions.events))
 
     # -- copies -----------------------------------------------------------------
     def gather(
@@ -614,14 +549,3 @@ def warm_up(k: ModuleType, stream: Any) -> None:
     t = Transfers(np.array([base]), np.array([base + np.uint64(16)]), one)
     k.copy_descriptors(scratch, scratch, t, stream=stream)
     k.synchronize(stream)
-
-
-def _opened(fn: Any, handle: bytes, index: int) -> Any:
-    """Open an IPC handle; a handle that does not open is the client's error."""
-    try:
-        return fn(handle)
-    except cuda_driver.CudaError as exc:
-        field = "event_handles" if fn is cuda_driver.open_ipc_event else "regions"
-        raise InvalidRequest(
-            f"{field}[{index}]: cannot open the handle ({exc})"
-        ) from None
