@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any
 
 import numpy as np
 
@@ -68,7 +69,7 @@ def run_loop() -> RunLoop:
     made once, whichever thread asks first (the others wait for it)."""
     with _lock:
         if not _loop:
-            _loop.append(_make_loop())
+            _loop.append(_compiled("copy_runs", _self_check, _python_loop))
         return _loop[0]
 
 
@@ -76,36 +77,24 @@ def layer_loop() -> LayerLoop:
     """The compiled layer-by-layer loop, else its Python twin."""
     with _lock:
         if not _layers:
-            _layers.append(_make_layer_loop())
+            _layers.append(_compiled("copy_layers", _self_check_layers, _python_layers))
         return _layers[0]
 
 
-def _make_layer_loop() -> LayerLoop:
+def _compiled(name: str, check: Callable[[Any], None], fallback: Any) -> Any:
+    """memcpy_loop's `name`, checked against numpy once, else `fallback`."""
     try:
-        from .memcpy_loop import copy_layers
+        from . import memcpy_loop  # numba: not a base dependency
     except ImportError as exc:
         logger.info("%s (%s)", _FALLBACK, exc)
-        return _python_layers
+        return fallback
+    loop = getattr(memcpy_loop, name)
     try:
-        _self_check_layers(copy_layers)
+        check(loop)
     except Exception as exc:  # an optional speed-up: fall back, never fail
         logger.warning("%s: %s", _FALLBACK, exc)
-        return _python_layers
-    return copy_layers
-
-
-def _make_loop() -> RunLoop:
-    try:
-        from .memcpy_loop import copy_runs
-    except ImportError as exc:  # numba missing: it is not a base dependency
-        logger.info("%s (%s)", _FALLBACK, exc)
-        return _python_loop
-    try:
-        _self_check(copy_runs)
-    except Exception as exc:  # an optional speed-up: fall back, never fail
-        logger.warning("%s: %s", _FALLBACK, exc)
-        return _python_loop
-    return copy_runs
+        return fallback
+    return loop
 
 
 def _self_check(loop: RunLoop) -> None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import secrets
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.procs import EngineProc, ServerProc
+from tests.procs import EngineProc, ServerProc, wait_until
 
 LLAMA = dict(layers=4, blocks=64, heads=8, block_size=16, head=128)  # 16 MiB
 
@@ -37,12 +36,7 @@ def health(server: ServerProc) -> dict:
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+    return wait_until(predicate, timeout)
 
 
 def tokens(n: int) -> list[str]:

@@ -15,16 +15,7 @@ import pegaflow.client.pegaflow_client
 from pegaflow.client.pegaflow_client import PegaflowClient
 from pegaflow.common.errors import UnknownInstance
 from tests.kvbuf import LocalKV, hashes
-from tests.procs import ROOT, _env
-
-
-def _wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
+from tests.procs import ROOT, _env, wait_until
 
 
 def test_sigkilled_engine_is_dropped_and_blocks_kept(server, engines) -> None:
@@ -45,7 +36,7 @@ def test_sigkilled_engine_is_dropped_and_blocks_kept(server, engines) -> None:
     a.call("query", hashes=hs)  # a lease owned by a
     assert server.metric("pegaflow_active_leases") == 1
     a.kill()
-    assert _wait_for(lambda: server.metric("pegaflow_registered_workers") == 0)
+    assert wait_until(lambda: server.metric("pegaflow_registered_workers") == 0)
     assert server.metric("pegaflow_active_leases") == 0  # its leases went with it
     assert server.metric("pegaflow_resident_blocks") == 8  # its blocks did not
     with (
@@ -66,7 +57,7 @@ def test_session_close_drops_worker_and_reregister_survives(server) -> None:
         assert client.query("e", hashes(1)).num_blocks == 0
         session = client.open_session("e")
         session.close()
-        assert _wait_for(lambda: server.metric("pegaflow_registered_workers") == 0)
+        assert wait_until(lambda: server.metric("pegaflow_registered_workers") == 0)
 
 
 def test_health_and_metrics_endpoints(server) -> None:

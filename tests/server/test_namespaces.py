@@ -7,7 +7,6 @@ import hashlib
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 from pegaflow.client.pegaflow_client import PegaflowClient
 from pegaflow.common.errors import InvalidRequest
 from tests.kvbuf import LocalKV, hashes
-from tests.procs import ROOT, ServerProc, _env
+from tests.procs import ROOT, ServerProc, _env, wait_until
 from tests.server.test_ssd_tier import _flags, _until_ready, _wait_flushed
 
 CYCLES = 200
@@ -41,15 +40,6 @@ def _health(server: ServerProc) -> dict:
 
 def _stats(server: ServerProc) -> dict:
     return json.loads(server.get("/stats")[1])  # also replays the hit-rate log
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def _cycle(client: PegaflowClient, kv: LocalKV, name: str) -> None:
@@ -136,7 +126,7 @@ def test_namespace_freed_with_its_last_block_finds_its_ssd_blocks(
             client.save("f", list(range(64)), hashes(64))
         _wait_flushed(server)
         assert server.metric("pegaflow_ssd_blocks") >= 64
-        assert _wait_for(lambda: _health(server)["namespaces"] == 1)
+        assert wait_until(lambda: _health(server)["namespaces"] == 1)
         kv2.register(client, "b", "ns-ssd")
         res = _until_ready(client, "b", first)
         assert res.num_blocks == 64
