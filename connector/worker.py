@@ -38,15 +38,16 @@ from concurrent.futures import wait as wait_all
 from typing import Any
 
 from pegaflow.client.host_share import SharedMemory
-from pegaflow.client.pegaflow_client import COPY_GRACE_S, LoadItem, PegaflowClient
-from pegaflow.common.errors import PegaflowError, ServerUnavailable, UnknownInstance
+from pegaflow.client.pegaflow_client import COPY_GRACE_S, PegaflowClient
+from pegaflow.common.errors import ServerUnavailable
 
 from .extra_config import ConnectorConfig
 from .forward_timer import ForwardTimer
 from .io_threads import io_pool
 from .kv_groups import KVGroups, single_group
 from .registrar import Registrar
-from .step_plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport, new_stats
+from .server_calls import ServerCalls
+from .step_plan import LoadJob, ReqId, SaveJob, StepPlan, WorkerReport
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,6 @@ class WorkerHalf:
         self.stages = stages
         self.groups = groups or single_group(1)
         self.client = client or PegaflowClient(config.addr, timeout_s=config.timeout_s)
-        self.stats = new_stats()
-        self._stats_lock = threading.Lock()  # IO threads add to the counters
         self._pool = io_pool(IO_THREADS, "pegaflow-io")
         # One registration per KV cache group, by vLLM's group id.
         self.parts = {
@@ -99,6 +98,7 @@ class WorkerHalf:
             )
             for rule in self.groups.rules
         }
+        self._calls = ServerCalls(self.client, tp_rank, self.parts)
         # Until a Save ended, per save job: from start_load on, as vLLM may ask
         # get_finished before wait_for_save (speculative decoding defers that
         # past the drafter); a planned save's future ends with its Save's.
@@ -195,7 +195,9 @@ class WorkerHalf:
                 self._layer_seq += 1
                 seq = self._layer_seq
             sent = threading.Event()
-            self._sync.append((sync, self._submit(self._load, sync, seq, sent), seq))
+            self._sync.append(
+                (sync, self._submit(self._calls.load, sync, seq, sent), seq)
+            )
             if seq:
                 # The forward reads layer 0 within ~1 ms, and the Load is not
                 # out until the I/O thread runs, which needs this thread's GIL
@@ -206,7 +208,7 @@ class WorkerHalf:
                 sent.wait(HANDOFF_WAIT_S)
         async_reqs = {job.req_id for job in plan.loads if not job.sync}
         if async_reqs:
-            fut = self._submit(self._load, later) if later else _done(set())
+            fut = self._submit(self._calls.load, later) if later else _done(set())
             if not plan.scheduled_tokens:  # nothing else runs in this step
                 self._settle.append(fut)
             for rid in async_reqs:
@@ -277,7 +279,7 @@ class WorkerHalf:
         if not batches:  # still reported done, as every rank's save is
             planned.set_result(None)
             return
-        fut = self._submit(self._save_parts, batches)
+        fut = self._submit(self._calls.save_parts, batches)
         fut.add_done_callback(lambda _: planned.set_result(None))
         if any(self.groups.rule(job.group).volatile for job in plan.saves):
             self._volatile.append(fut)
@@ -303,7 +305,7 @@ class WorkerHalf:
             return
         plan, planned = self._planned
         self._planned = None
-        self._count(saves_skipped=sum(len(job.block_ids) for job in plan.saves))
+        self._calls.count(saves_skipped=sum(len(job.block_ids) for job in plan.saves))
         planned.set_result(None)
 
     def _stripe(
@@ -388,71 +390,16 @@ class WorkerHalf:
             self._forward_timer = ForwardTimer(device)
         return self._forward_timer
 
+    @property
+    def stats(self) -> dict[str, float]:
+        return self._calls.stats
+
     def take_stats(self) -> dict[str, float] | None:
-        with self._stats_lock:
-            if not any(self.stats.values()):
-                return None
-            stats, self.stats = self.stats, new_stats()
-        return stats
+        return self._calls.take_stats()
 
     # -- RPCs, on the pool --------------------------------------------------
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         return self._pool.submit(fn, *args)
-
-    def _load(
-        self,
-        jobs: list[LoadJob],
-        layer_seq: int = 0,
-        sent: threading.Event | None = None,
-    ) -> set[ReqId]:
-        """One Load per group for the jobs; the requests that did not load.
-        sent: set as the first Load goes out (or once there is none)."""
-        # Lease 0: the scheduler could not lease what vLLM allocated.
-        failed = {job.req_id for job in jobs if not job.lease_id}
-        try:
-            for group, part in self.parts.items():
-                batch = [job for job in jobs if job.group == group and job.lease_id]
-                if batch:
-                    failed |= self._load_part(part, batch, layer_seq, sent)
-        finally:
-            if sent is not None:
-                sent.set()
-        return failed
-
-    def _load_part(
-        self,
-        part: Registrar,
-        jobs: list[LoadJob],
-        layer_seq: int,
-        sent: threading.Event | None = None,
-    ) -> set[ReqId]:
-        start = time.perf_counter()
-        items = [
-            LoadItem(job.lease_id, job.block_ids, job.lease_offset) for job in jobs
-        ]
-        try:
-            if not part.registered:
-                raise UnknownInstance("not registered with the server")
-            if sent is not None:  # the engine thread resumes at our next syscall
-                sent.set()
-            res = self.client.load_many(
-                part.instance_id, items, tp_rank=self.tp_rank, layer_seq=layer_seq
-            )
-        except PegaflowError as exc:
-            self._failed("load", exc, part, len(jobs))
-            return {job.req_id for job in jobs}
-        for i in res.failed:  # lease expired or released: that request only
-            logger.warning(
-                "pegaflow load of %s failed: %s", jobs[i].req_id, res.items[i].error
-            )
-        self._count(
-            load_seconds=time.perf_counter() - start,
-            load_blocks=res.loaded,
-            load_bytes=res.bytes,
-            load_failures=len(res.failed),
-            layerwise_loads=bool(layer_seq),
-        )
-        return {jobs[i].req_id for i in res.failed}
 
     def _load_failures(self, fut: Future, jobs: list[LoadJob]) -> set[ReqId]:
         """Wait for a Load (at least as long as the client would); all its
@@ -466,53 +413,10 @@ class WorkerHalf:
             if not fut.cancel():
                 with contextlib.suppress(TimeoutError):
                     return fut.result(timeout=self.config.timeout_s + COPY_GRACE_S)
-            self._failed("load", ServerUnavailable("no answer before the deadline"))
-            return {job.req_id for job in jobs}
-
-    def _save_parts(
-        self, batches: list[tuple[Registrar, list[int], list[bytes], int]]
-    ) -> None:
-        for part, ids, hashes, wait_event in batches:
-            self._save(part, ids, hashes, wait_event)
-
-    def _save(
-        self, part: Registrar, ids: list[int], hashes: list[bytes], wait_event: int
-    ) -> None:
-        if not part.registered:
-            self._count(saves_skipped=len(ids))  # a future miss, nothing more
-            return
-        start = time.perf_counter()
-        extra = {"wait_event": wait_event} if wait_event else {}
-        try:
-            res = self.client.save(
-                part.instance_id, ids, hashes, tp_rank=self.tp_rank, **extra
+            self._calls.failed(
+                "load", ServerUnavailable("no answer before the deadline")
             )
-        except PegaflowError as exc:
-            self._failed("save", exc, part)
-            return
-        self._count(
-            save_seconds=time.perf_counter() - start,
-            save_blocks=res.stored,
-            save_bytes=res.stored * part.slot_bytes,
-        )
-
-    def _count(self, **values: float) -> None:
-        with self._stats_lock:
-            for key, value in values.items():
-                self.stats[key] += value
-
-    def _failed(
-        self,
-        op: str,
-        exc: PegaflowError,
-        part: Registrar | None = None,
-        n: int = 1,
-    ) -> None:
-        self._count(**{f"{op}_failures": n})
-        logger.warning("pegaflow %s failed: %s", op, exc)
-        if isinstance(exc, ServerUnavailable | UnknownInstance):
-            for lost in [part] if part is not None else self.parts.values():
-                lost.lost(str(exc))
+            return {job.req_id for job in jobs}
 
     def shutdown(self) -> None:
         self._skip_planned()
