@@ -75,7 +75,46 @@ def serve(e: Engine, batch: dict[str, list[int]], max_tokens: int = 4) -> None:
     for rid, tokens in batch.items():
         e.add(rid, tokens, max_tokens)
     e.run()
-    assert e.errors == []
+    assert e.errors == [], memory_report(e)
+
+
+def memory_report(e: Engine) -> str:
+    """Where each worker's KV lies and what maps it now: a wrong page after a
+    load through the shared memfd points at a mapping that moved (a CI run of
+    test_pipeline_stages once had every stage-0 page wrong, stage 1 right)."""
+    from pegaflow.client import host_share
+
+    lines = []
+    for s, w in enumerate(e.workers):
+        for g, part in w._worker.parts.items():
+            shared = part._shared
+            spans = (
+                None
+                if shared is None
+                else [(hex(x.address), x.size, x.offset) for x in shared.spans]
+            )
+            lines.append(
+                f"stage {s} group {g}: regions "
+                f"{[(hex(a), n) for a, n in part._host_regions]} "
+                f"memfd spans {spans} signals "
+                f"{hex(part.layer_signals.ctypes.data)}"
+            )
+    known = [[(hex(x.address), x.size) for x in k.spans] for k in host_share._backed]
+    lines.append(f"registry: {known}")
+    lo = min(
+        (
+            a
+            for w in e.workers
+            for p in w._worker.parts.values()
+            for a, _ in p._host_regions
+        ),
+        default=0,
+    )
+    with open("/proc/self/maps") as maps:
+        near = [
+            ln.strip() for ln in maps if abs(int(ln.split("-")[0], 16) - lo) < 1 << 26
+        ]
+    return "\n".join(lines + near[:40])
 
 
 def serve_hitting(b: Engine, batch: dict[str, list[int]]) -> dict[str, list]:
