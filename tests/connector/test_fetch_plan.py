@@ -68,8 +68,8 @@ def test_engines_recompute_a_slow_pull_and_load_a_fast_one(
 ) -> None:
     """Scenario: A saves three batches, on the SSD too; the server restarts
     with an empty pool, so they are on the SSD only. A fast engine (a forward
-    that costs nothing) loads the first batch from the SSD (no rates known
-    yet), after which the server knows the SSD's rate: it recomputes the
+    that costs nothing) loads the first batch, one prompt, from the SSD (no
+    rates known while it waits), after which the server knows the SSD's rate: it recomputes the
     second instead of waiting for it. A slow engine (2 ms per token) waits
     for the third batch's pull and loads it byte-equal, and loads the second
     from L1 (the fast engine's declined pull still landed there)."""
@@ -79,7 +79,10 @@ def test_engines_recompute_a_slow_pull_and_load_a_fast_one(
     from tests.connector.test_two_engines import FAST, hit_tokens, prompts, serve
 
     flags = _flags(tmp_path / "ssd.bin")
-    batches = [prompts(40 + i, n=2) for i in range(3)]
+    # The first batch is one prompt: a planner re-asks while a pull runs, so a
+    # second prompt still pulling after the first one's load would be weighed
+    # with both rates known by then (and recomputed by this free forward).
+    batches = [prompts(40 + i, n=1 if i == 0 else 2) for i in range(3)]
     server = pega_server(*flags)
     a = Engine(vllm_config(tiny_model, FAST))
     for batch in batches:
