@@ -459,7 +459,10 @@ class Engine:
                 want = fake_kv_batch(values, layer, kv.shape[1], kv.shape[3])
                 got = kv[table[k]].permute(1, 0, 2)
                 if not torch.equal(got, want):
-                    bad.append(f"{rid} block {k} (id {table[k]}) layer {layer}")
+                    what = (
+                        _what_is_there(got, seq, k, len(self.caches)) if not bad else ""
+                    )
+                    bad.append(f"{rid} block {k} (id {table[k]}) layer {layer}{what}")
         return bad
 
     def run(self, max_steps: int = 2000) -> dict[str, list[int]]:
@@ -502,6 +505,23 @@ class Engine:
         for w in self.workers:
             w.shutdown()
         self.sched.shutdown()
+
+
+def _what_is_there(got: torch.Tensor, seq: Seq, block: int, layers: int) -> str:
+    """For a wrong page: whether it holds nothing, or the fake KV of another
+    layer or block of the same request (a load landing in the wrong place)."""
+    if not got.any():
+        return " (all zero: never written)"
+    heads, width = got.shape[1], got.shape[2]
+    for k in range(block + 2):
+        pos = range(k * BLOCK, (k + 1) * BLOCK)
+        if pos[-1] >= len(seq.tokens):
+            break
+        values = torch.tensor([seq.value(p) for p in pos], dtype=torch.int64)
+        for layer in range(layers):
+            if torch.equal(got, fake_kv_batch(values, layer, heads, width)):
+                return f" (holds block {k} layer {layer})"
+    return " (holds none of this request's blocks)"
 
 
 def fake_kv_batch(
