@@ -3,9 +3,9 @@
 not a process_vm_writev that pins each of the engine's pages under its mmap
 lock (the lock the engine's own allocations take every step).
 
-For each registered region, the whole pages inside it are copied into the
-file and the file is mapped over them (MAP_SHARED | MAP_FIXED), a chunk at a
-time (a chunk's old pages are freed as the next is copied: the engine never
+For each registered region, the whole anonymous pages inside it are copied
+into the file and the file is mapped over them (MAP_SHARED | MAP_FIXED), a
+chunk at a time (a chunk's old pages are freed as the next is copied: the engine never
 holds much more memory than before). Addresses stay the same, so the tensor,
 every view of it and every pointer vLLM's kernels hold stay valid.
 
@@ -13,7 +13,8 @@ A region's partial first and last pages are left alone: their other bytes
 belong to the allocator (glibc keeps a chunk's header just before it) or to
 other allocations, which another thread may write while a page is copied and
 remapped, and which the server has no business seeing. The few KV bytes on
-those pages stay on the process_vm path (the server splits runs by span).
+those pages stay on the process_vm path (the server splits runs by span),
+as do pages some other file backs (share_memory says which).
 
 Call it before the engine writes KV (at register_kv_caches): a write between
 a chunk's copy and its remap would be lost. The file is sealed against
@@ -68,12 +69,27 @@ def whole_pages(regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-# Every memfd this process mapped over its memory, with what it backs: two
-# workers of one process (pipeline stages run side by side, tests) may name
-# the same pages. Mapping a second memfd over them would leave the first
-# one's server-side mapping looking at pages the engine no longer uses.
+# The memfds this process mapped over its memory, by inode, each kept open
+# while any of its pages are still mapped here. Two workers of one process
+# (pipeline stages, hybrid groups, tests) may name the same pages, and an
+# engine's buffer may land on pages a freed one left mapped from its memfd: a
+# page already backed by a memfd is never mapped over again, as a live
+# registration's server mapping may rely on it (a remap would leave that
+# mapping looking at pages the engine no longer uses: its loads would vanish,
+# its saves read stale bytes).
 _lock = threading.Lock()
-_backed: list[SharedMemory] = []
+_held: dict[int, int] = {}  # inode -> descriptor
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """Part of a page range and what backs it now."""
+
+    address: int
+    size: int
+    inode: int  # a memfd of ours (in _held), or 0
+    offset: int  # in that memfd
+    fresh: bool  # anonymous memory: free to move into a new memfd
 
 
 def share_memory(
@@ -82,97 +98,98 @@ def share_memory(
     """Back the whole pages of `regions` (this process's memory) with one
     sealed memfd; None where there are none or the kernel refuses (the
     memory then stays as it was, or partly remapped with the same bytes).
-    Pages another call backed already: that memfd again (its own
-    descriptor), if it backs all of them."""
+
+    Anonymous pages go into a new memfd. Pages a memfd of ours backs already
+    are never remapped: with no anonymous pages, the memfd backing the most
+    of them is handed over again (its own descriptor). Pages backed by
+    another memfd, or by any other file, are left out: the server reaches
+    them through process_vm (it splits runs by span)."""
     pages = whole_pages(regions)
     if not pages:
         return None
     with _lock:
-        _drop_stale()
-        for known in _backed:
-            spans = _within(known, pages)
-            if spans is not None:
-                return SharedMemory(os.dup(known.fd), spans)
-        # Pages partly backed by an earlier memfd: memory that was freed and
-        # reused but is still mapped from it (glibc's heap keeps a small
-        # buffer's pages), as no live worker's regions overlap another's
-        # only in part. A new memfd over them; the old entries are dropped.
-        old = [known for known in _backed if _overlap(known, pages)]
-        shared = _share_new(pages, name)
-        if shared is not None:
-            for known in old:
-                _backed.remove(known)
-                known.close()
-            _backed.append(SharedMemory(os.dup(shared.fd), shared.spans))
-        return shared
+        maps = _memory_maps()
+        _forget_unmapped(maps)
+        pieces = [p for addr, size in pages for p in _pieces(addr, size, maps)]
+        fresh = _merged([(p.address, p.size) for p in pieces if p.fresh])
+        if fresh:
+            shared = _share_new(fresh, name)
+            if shared is not None:
+                _held[os.fstat(shared.fd).st_ino] = os.dup(shared.fd)
+            return shared
+        by_inode: dict[int, list[_Piece]] = {}
+        for p in pieces:
+            if p.inode:
+                by_inode.setdefault(p.inode, []).append(p)
+        if not by_inode:
+            return None
+        inode = max(by_inode, key=lambda i: sum(p.size for p in by_inode[i]))
+        spans = tuple(ShareSpan(p.address, p.offset, p.size) for p in by_inode[inode])
+        return SharedMemory(os.dup(_held[inode]), spans)
 
 
-def _drop_stale() -> None:
-    """Forget memfds no longer mapped where they were (the memory was freed
-    and perhaps reused: its pages are not theirs any more)."""
-    if not _backed:
-        return
-    mapped = _mapped_by_inode()
-    keep = []
-    for known in _backed:
-        ranges = mapped.get(os.fstat(known.fd).st_ino, [])
-        if all(_covered(s.address, s.size, ranges) for s in known.spans):
-            keep.append(known)
-        else:
-            known.close()
-    _backed[:] = keep
+# (start, end, inode, file offset, kind) of this process's mappings, sorted.
+_Map = tuple[int, int, int, int, str]
 
 
-def _mapped_by_inode() -> dict[int, list[tuple[int, int]]]:
-    """inode -> [start, end) of this process's shared mappings of memfds."""
-    out: dict[int, list[tuple[int, int]]] = {}
+def _memory_maps() -> list[_Map]:
+    """kind: "ours" (a shared mapping of a memfd in _held), "anon" (private
+    or shared anonymous memory), "other" (any other file)."""
+    out = []
     with open("/proc/self/maps") as maps:
         for line in maps:
             parts = line.split(maxsplit=5)
-            if len(parts) < 6 or "s" not in parts[1] or "/memfd:" not in parts[5]:
-                continue
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            out.setdefault(int(parts[4]), []).append((lo, hi))
+            inode, path = int(parts[4]), parts[5].strip() if len(parts) > 5 else ""
+            shared = parts[1][3] == "s"
+            if shared and inode in _held and path.startswith("/memfd:"):
+                kind = "ours"
+            elif inode == 0 or (shared and path == "/dev/zero (deleted)"):
+                kind = "anon"
+            else:
+                kind = "other"
+            out.append((lo, hi, inode, int(parts[2], 16), kind))
     return out
 
 
-def _covered(addr: int, size: int, ranges: list[tuple[int, int]]) -> bool:
-    """[addr, addr + size) lies inside the union of `ranges`."""
-    at, end = addr, addr + size
-    for lo, hi in sorted(ranges):
-        if lo <= at < hi:
-            at = hi
-        if at >= end:
-            return True
-    return at >= end
+def _forget_unmapped(maps: list[_Map]) -> None:
+    """Close the memfds no page of this process is mapped from any more."""
+    mapped = {inode for _, _, inode, _, kind in maps if kind == "ours"}
+    for inode in [i for i in _held if i not in mapped]:
+        os.close(_held.pop(inode))
 
 
-def _within(
-    known: SharedMemory, pages: list[tuple[int, int]]
-) -> tuple[ShareSpan, ...] | None:
-    """`pages` as spans of `known`'s memfd, if it backs every one of them."""
+def _pieces(addr: int, size: int, maps: list[_Map]) -> list[_Piece]:
+    """[addr, addr + size) split by what backs it; unmapped gaps are left
+    out (nothing to share there)."""
     out = []
-    for addr, size in pages:
-        span = next(
-            (
-                s
-                for s in known.spans
-                if s.address <= addr and addr + size <= s.address + s.size
-            ),
-            None,
+    end = addr + size
+    for lo, hi, inode, offset, kind in maps:
+        a, b = max(lo, addr), min(hi, end)
+        if a >= b:
+            continue
+        ours = kind == "ours"
+        out.append(
+            _Piece(
+                a,
+                b - a,
+                inode if ours else 0,
+                offset + (a - lo) if ours else 0,
+                kind == "anon",
+            )
         )
-        if span is None:
-            return None
-        out.append(ShareSpan(addr, span.offset + addr - span.address, size))
-    return tuple(out)
+    return out
 
 
-def _overlap(known: SharedMemory, pages: list[tuple[int, int]]) -> bool:
-    return any(
-        s.address < addr + size and addr < s.address + s.size
-        for s in known.spans
-        for addr, size in pages
-    )
+def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent (address, size) runs joined (runs in address order)."""
+    out: list[tuple[int, int]] = []
+    for addr, size in runs:
+        if out and out[-1][0] + out[-1][1] == addr:
+            out[-1] = (out[-1][0], out[-1][1] + size)
+        else:
+            out.append((addr, size))
+    return out
 
 
 def _share_new(pages: list[tuple[int, int]], name: str) -> SharedMemory | None:

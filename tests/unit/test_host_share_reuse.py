@@ -1,45 +1,87 @@
 """pegaflow.client.host_share's process-wide record of the memfds it mapped
 over this process's memory: pages a second caller names again get the same
-memfd; pages partly backed by an older memfd (memory freed and reused, still
-mapped from it) get a new one, not a refusal (seen: a test buffer from
-glibc's heap landing over a freed one's pages; CI's run of test_shared_kv
-failed with no share)."""
+memfd; a page a memfd of ours already backs is never mapped over again, as a
+live registration's server mapping may rely on it (seen: a pipeline-parallel
+test engine whose stage-0 loads all vanished, every page zero, after the
+second stage's registration remapped the pages the first had shared)."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 
 import numpy as np
 
-from pegaflow.client.host_share import PAGE, share_memory
+from pegaflow.client.host_share import PAGE, SharedMemory, share_memory
+from pegaflow.common.memfd import unmap
 
 
 def _region(pages: int) -> tuple[mmap.mmap, np.ndarray]:
-    m = mmap.mmap(-1, pages * PAGE)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # as glibc's heap
+    m = mmap.mmap(-1, pages * PAGE, flags=flags)
     arr = np.frombuffer(m, np.uint8)
     arr[:] = np.random.default_rng(pages).integers(0, 256, arr.size, np.uint8)
     return m, arr
 
 
-def test_the_same_pages_reuse_the_memfd_and_a_partial_overlap_gets_a_new_one() -> None:
+def _backs(shared: SharedMemory, arr: np.ndarray, page: int) -> bool:
+    """A write through the memfd shows at arr's page `page`."""
+    at = arr.ctypes.data + page * PAGE
+    span = next(s for s in shared.spans if s.address <= at < s.address + s.size)
+    mark = os.urandom(16)
+    os.pwrite(shared.fd, mark, span.offset + at - span.address)
+    return bytes(arr[page * PAGE : page * PAGE + 16]) == mark
+
+
+def test_the_same_pages_reuse_the_memfd_and_backed_pages_stay_backed() -> None:
     m, arr = _region(16)
     base = arr.ctypes.data
     want = arr.copy()
     first = share_memory([(base, 8 * PAGE)])
     assert first is not None and first.nbytes == 8 * PAGE
+    assert np.array_equal(arr, want)  # every byte where it was
     again = share_memory([(base + PAGE, 2 * PAGE)])  # inside the first
     assert again is not None and again.fd != first.fd
     assert os.fstat(again.fd).st_ino == os.fstat(first.fd).st_ino
     assert again.spans[0].offset == PAGE
-    later = share_memory([(base + 4 * PAGE, 8 * PAGE)])  # half on the first
+    # Half on the first: only the other half goes into a new memfd.
+    later = share_memory([(base + 4 * PAGE, 8 * PAGE)])
     assert later is not None
     assert os.fstat(later.fd).st_ino != os.fstat(first.fd).st_ino
-    assert np.array_equal(arr, want)  # every byte where it was
-    # The new memfd is what the process reads now: a write through it shows.
-    os.pwrite(later.fd, b"\x5a" * 16, 0)
-    assert bytes(arr[4 * PAGE : 4 * PAGE + 16]) == b"\x5a" * 16
+    assert [(s.address, s.size) for s in later.spans] == [(base + 8 * PAGE, 4 * PAGE)]
+    assert _backs(first, arr, 4) and _backs(first, arr, 7)
+    assert _backs(later, arr, 8) and _backs(later, arr, 11)
     for shared in (first, again, later):
+        shared.close()
+    del arr
+    m.close()
+
+
+def test_a_memfd_partly_unmapped_elsewhere_still_backs_its_live_pages() -> None:
+    """A freed engine's memfd spans pages 0-11; a new engine's buffer lands on
+    pages 0-7 and its first part reuses it; then the allocator hands pages
+    8-11 back (heap trim). The second part must get the same memfd: mapping a
+    new one over pages 0-7 would cut the first part's server mapping off."""
+    m, arr = _region(16)
+    base = arr.ctypes.data
+    dead = share_memory([(base, 12 * PAGE)])
+    assert dead is not None
+    stage0 = share_memory([(base, 8 * PAGE)])
+    assert stage0 is not None
+    unmap(base + 8 * PAGE, 4 * PAGE)
+    anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10  # MAP_FIXED: regrown
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t) + (ctypes.c_int,) * 3
+    libc.mmap.argtypes += (ctypes.c_long,)
+    got = libc.mmap(base + 8 * PAGE, 4 * PAGE, 3, anon, -1, 0)
+    assert got == base + 8 * PAGE
+    stage1 = share_memory([(base, 8 * PAGE)])
+    assert stage1 is not None
+    assert os.fstat(stage1.fd).st_ino == os.fstat(stage0.fd).st_ino
+    assert _backs(stage0, arr, 0) and _backs(stage0, arr, 7)
+    for shared in (dead, stage0, stage1):
         shared.close()
     del arr
     m.close()
