@@ -39,11 +39,12 @@ logger = logging.getLogger(__name__)
 Regions = tuple[tuple[int, int], ...]
 
 
-def signal_words(layers: int, host: bool) -> np.ndarray:
-    """The words the server writes as each layer of a sync load lands. A host
-    engine's sit on pages of their own, which back_with_memfd can share with
-    the server without sharing anything else of this process."""
-    if not host or not layers:
+def signal_words(layers: int, own_pages: bool) -> np.ndarray:
+    """The words the server writes as each layer of a sync load lands. On
+    pages of their own where back_with_memfd will share them with the server
+    (a host engine's only registration): nothing else of this process is
+    shared with them."""
+    if not own_pages or not layers:
         return np.zeros(layers, np.uint64)
     pages = mmap.mmap(-1, -(-8 * layers // mmap.PAGESIZE) * mmap.PAGESIZE)
     return np.frombuffer(pages, np.uint64, count=layers)  # keeps `pages`
@@ -85,12 +86,19 @@ class Registrar:
         self._next_try = 0.0
 
     def describe(
-        self, kv_caches: dict[str, Any], num_blocks: int, vllm_config: Any
+        self,
+        kv_caches: dict[str, Any],
+        num_blocks: int,
+        vllm_config: Any,
+        shared_signals: bool = True,
     ) -> KVTensors:
+        """shared_signals: back_with_memfd will put the layer signal words in
+        the KV's memfd (host KV only)."""
         kv = kv_tensors(kv_caches, num_blocks)
         # kv.tensors keep kv_caches' order: layer i is the i-th name.
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
-        self.layer_signals = signal_words(len(kv.tensors), kv.device == "cpu")
+        own_pages = shared_signals and kv.device == "cpu"
+        self.layer_signals = signal_words(len(kv.tensors), own_pages)
         signals = self.layer_signals.ctypes.data
         parts = namespace_parts(vllm_config, kv, self.config.namespace_salt)
         if self.group is not None:

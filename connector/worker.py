@@ -144,6 +144,9 @@ class WorkerHalf:
     ) -> None:
         """Describe the KV memory once and register; a server that is away
         now is retried from later steps (the engine runs with misses)."""
+        # One group on one stage: the only registration of this KV in the
+        # process, so its layer signal words may share the KV's memfd.
+        alone = not self.groups.hybrid and self.stages == 1
         for rule in self.groups.rules:
             if self.groups.hybrid or self.stages > 1:
                 names = set(rule.layer_names)
@@ -153,8 +156,8 @@ class WorkerHalf:
             if not layers:  # none of this group's layers on this stage
                 del self.parts[rule.index]
                 continue
-            self.parts[rule.index].describe(layers, num_blocks, vllm_config)
-        alone = not self.groups.hybrid and self.stages == 1
+            part = self.parts[rule.index]
+            part.describe(layers, num_blocks, vllm_config, shared_signals=alone)
         for part in self.parts.values():  # now, before any forward writes KV
             part.back_with_memfd(self._shares, with_signals=alone)
         self._report.stage_groups = {self.stage: tuple(sorted(self.parts))}

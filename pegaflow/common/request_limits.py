@@ -21,7 +21,7 @@ count to the bytes moved, so one-byte segments turned a 16 MiB pool into
 - at most `slots` requests above `threshold` descriptors copy at once
   (LargeRequestGate); the others wait their turn, up to their deadline. Saves
   are bounded together anyway (each holds the pool slots it fills); loads of
-  one lease are not. The gate sits in Engine._copy, so it bounds the copies'
+  one lease are not. The gate sits in CopyDispatch.run, so it bounds the copies'
   working memory (bounds checks, iovecs, staging) and threads, but a queued
   request's table is already built: at most max_concurrent_rpcs of them,
   each under a small fraction of the pool.

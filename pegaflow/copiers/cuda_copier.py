@@ -18,8 +18,8 @@ reaching it hung the server: its cancelled Save released the worker while the
 copy still sat on the stream behind a wait that never ends, and the IPC close
 (a device-wide synchronization) then blocked the RPC loop for good. Polling
 never leaves work waiting on another process in the server's context (and
-Engine._copy now outlives a cancelled RPC). The engine itself never syncs; the
-copy starts within ~50 us of its event completing.
+a copy of pegaflow.server.copy_dispatch outlives a cancelled RPC). The engine
+itself never syncs; the copy starts within ~50 us of its event completing.
 
 Each batch moves by kernel or by the copy engines (pegaflow.copiers.dma),
 chosen per batch from its shape by a CopyPolicy: copy engines for saves of a

@@ -2,29 +2,25 @@
 
 Metadata changes run on one thread (the asyncio loop); only byte copies leave it,
 for a worker thread or a GPU stream the loop launched them on
-(pegaflow.copiers.copy_wait),
-with every block they touch pinned. Between the awaits the bookkeeping is
-therefore atomic without locks.
+(pegaflow.server.copy_dispatch), with every block they touch pinned. Between
+the awaits the bookkeeping is therefore atomic without locks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from operator import attrgetter, itemgetter
-from typing import TypeVar
 
 import numpy as np
 
-from pegaflow.cache.block_store import BlockEntry, BlockStore
+from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.eviction import EvictionPolicy
 from pegaflow.cache.instances import Instance, Registry, Worker
-from pegaflow.cache.leases import Lease, LeaseTable
+from pegaflow.cache.leases import LeaseTable
 from pegaflow.cache.miss_reasons import HitRateTracker, RecordingPolicy
 from pegaflow.cache.pool import HostPool
 from pegaflow.cache.prefix_eviction import make_policy
@@ -36,10 +32,9 @@ from pegaflow.common.errors import (
     InvalidRequest,
     LeaseNotFound,
 )
-from pegaflow.common.geometry import Transfers, check_block_ids, check_distinct
+from pegaflow.common.geometry import check_block_ids
 from pegaflow.common.identity import CallContext, Caller
 from pegaflow.common.keys import BlockHash, LoadSpec, PackedHashes
-from pegaflow.common.pidfds import ProcessChanged
 from pegaflow.common.rate_meter import RateMeter
 from pegaflow.common.request_limits import LargeRequestGate, RequestCaps
 from pegaflow.common.results import (
@@ -49,48 +44,18 @@ from pegaflow.common.results import (
     SaveResult,
 )
 from pegaflow.common.settings import EngineConfig
-from pegaflow.copiers import copy_wait
 from pegaflow.copiers.copier import CopyEngine, RegionKind
 from pegaflow.copiers.layer_signals import LayerSignals, scatter_by_layer
 from pegaflow.tiers.protocol import Tier
 
 from .block_events import BlockEventHub
+from .copy_dispatch import CopyDispatch, uncancellable
+from .load_items import LoadItem, l1_transfers, plan_item
 from .metrics import Metrics
 from .namespaces import NamespaceReaper
 from .query_path import PrefixQueries, check_hashes
 
 logger = logging.getLogger(__name__)
-
-_SLOTS = attrgetter("slots")
-T = TypeVar("T")
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class LoadItem:
-    """One item of a Load: its leased L1 blocks into block_ids, then the
-    blocks a tier reads straight in (Lease.direct) into direct_ids."""
-
-    lease: Lease
-    entries: list[BlockEntry]
-    block_ids: np.ndarray
-    direct: list[BlockHash]
-    direct_ids: np.ndarray
-
-
-async def _uncancellable(work: Awaitable[T]) -> T:
-    """Await a copy thread; if the RPC is cancelled (its client died), still
-    wait for the thread before re-raising. The thread keeps reading or writing
-    the worker's memory and the pool slots: freeing either first (unmapping
-    the engine's IPC memory, reusing the slots) would let it copy into memory
-    that is gone or taken. Seen on the H200: an engine SIGKILLed mid-save."""
-    task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait({task})
-        if not task.cancelled() and task.exception() is not None:
-            logger.debug("copy of a cancelled RPC failed: %s", task.exception())
-        raise
 
 
 class Engine:
@@ -170,8 +135,13 @@ class Engine:
         self.store.add_listener(self.block_events)
         self._seen = dataclasses.replace(self.store.counters)
         self._children: dict[str, tuple] = {}  # _account's labelled metrics
-        waits = self.metrics.copy_waits  # labels() costs a few us: once each
-        self._waits = {way: waits.labels(way) for way in ("loop", "late", "thread")}
+        self.copies = CopyDispatch(
+            self.registry,
+            self.gate,
+            config.inline_copy_bytes,
+            self.metrics,
+            lambda w: self.unregister(w.instance_id, w.tp_rank),
+        )
         self.metrics.bind_gauges(
             pool.size,
             lambda: pool.slabs.used_bytes,
@@ -261,7 +231,7 @@ class Engine:
                 inline = False
             else:
                 inline = True
-            seconds = await self._copy(
+            seconds = await self.copies.run(
                 worker, gather, transfers, inline, ctx.deadline,
                 launch_as="save" if inline else None,
             )  # fmt: skip
@@ -345,11 +315,11 @@ class Engine:
                 plans.append(None)
                 errors.append(f"{field}{exc}")
                 continue
-            plans.append(self._load_item(worker, lease, offset, block_ids, field))
+            plans.append(plan_item(worker, lease, offset, block_ids, field))
             errors.append("")
         live = [p for p in plans if p is not None]
         entries = [e for p in live for e in p.entries]
-        transfers = self._load_transfers(worker, live, entries)
+        transfers = l1_transfers(worker, live, entries)
         scatter = functools.partial(worker.copier.scatter, deadline=ctx.deadline)
         if layer_seq:
             scatter = functools.partial(
@@ -367,7 +337,7 @@ class Engine:
             landed = await self._load_direct(worker, live, ctx.deadline)
             # Layer by layer the engine waits on each signal, not on this loop.
             if entries or layer_seq:  # (the signals go out even with no copy)
-                seconds = await self._copy(
+                seconds = await self.copies.run(
                     worker, scatter, transfers, not layer_seq, ctx.deadline,
                     launch_as=None if layer_seq else "load",
                 )  # fmt: skip
@@ -400,39 +370,6 @@ class Engine:
         loaded = sum(r.loaded for r in results)
         return LoadBatchResult(loaded, sum(r.bytes for r in results), tuple(results))
 
-    @staticmethod
-    def _load_item(
-        worker: Worker, lease: Lease, offset: int, block_ids: np.ndarray, field: str
-    ) -> LoadItem:
-        if lease.owner != worker.instance_id:
-            raise InvalidRequest(
-                f"{field}lease_id: lease belongs to {lease.owner!r}, "
-                f"not {worker.instance_id!r}"
-            )
-        if lease.namespace_id != worker.namespace.id:
-            # The instance re-registered with another geometry since the query:
-            # the leased slots are not laid out as this worker's blocks.
-            raise InvalidRequest(
-                f"{field}lease_id: leased under another registration of "
-                f"{worker.instance_id!r}; query again"
-            )
-        end = offset + len(block_ids)
-        if end > lease.blocks:
-            raise InvalidRequest(
-                f"{field}block_ids: lease_offset {offset} + {len(block_ids)} blocks "
-                f"exceeds the {lease.blocks} leased blocks"
-            )
-        check_block_ids(block_ids, worker.geometry.num_blocks, f"{field}block_ids")
-        in_l1 = len(lease.entries)
-        cut = max(0, min(len(block_ids), in_l1 - offset))
-        return LoadItem(
-            lease,
-            lease.entries[offset : offset + cut],
-            block_ids[:cut],
-            lease.direct[max(0, offset - in_l1) : max(0, end - in_l1)],
-            block_ids[cut:],
-        )
-
     async def _load_direct(
         self, worker: Worker, live: list[LoadItem], deadline: float | None
     ) -> dict[int, int]:
@@ -450,7 +387,7 @@ class Engine:
                 mine = [p for p in wanted if id(p.lease.read) == key]
                 hashes = [h for p in mine for h in p.direct]
                 ids = np.concatenate([p.direct_ids for p in mine])
-                ok = await _uncancellable(read(worker, hashes, ids, deadline))
+                ok = await uncancellable(read(worker, hashes, ids, deadline))
                 parts = np.split(ok, np.cumsum([len(p.direct) for p in mine])[:-1])
                 landed.update(
                     (id(p), int(n.sum())) for p, n in zip(mine, parts, strict=True)
@@ -458,23 +395,6 @@ class Engine:
         finally:
             self.registry.finish_op(worker)
         return landed
-
-    @staticmethod
-    def _load_transfers(
-        worker: Worker, live: list[LoadItem], entries: list[BlockEntry]
-    ) -> Transfers:
-        """One descriptor table for every item's L1 blocks: one copy, one
-        kernel launch."""
-        if not live:
-            return worker.geometry.slots_to_engine(*[np.zeros(0, np.uint64)] * 2)
-        ids = np.concatenate([p.block_ids for p in live])
-        direct = [p.direct_ids for p in live if p.direct]
-        check_distinct(np.concatenate([ids, *direct]) if direct else ids, "block_ids")
-        # Each block's slot of the worker's shard (0 for MLA), in one
-        # C-level pass: no [blocks, shards] array of Python lists first.
-        shard = map(itemgetter(worker.shard), map(_SLOTS, entries))
-        slots = np.fromiter(shard, np.uint64, len(entries))
-        return worker.geometry.slots_to_engine(slots, ids)
 
     def _load_gbps(self, instance: Instance) -> float:
         """The recent rate of loads by this instance's kind of copy (0.0:
@@ -499,69 +419,6 @@ class Engine:
         self.store.drop_stale(now - self.config.lease_ttl_s)
         self.hit_rates.flush()
         self.block_events.poll_tiers()
-
-    async def _copy(
-        self,
-        worker: Worker,
-        fn: Callable[[object, Transfers], None],
-        t: Transfers,
-        inline: bool = True,
-        deadline: float | None = None,
-        launch_as: str | None = None,
-    ) -> float:
-        """deadline: time.monotonic() seconds; no copy starts after it.
-        launch_as ("save" or "load"): `fn` is that plain direction, which a
-        copier that launches (the CUDA one) may queue from here and the loop
-        wait for (pegaflow.copiers.copy_wait) instead of a copy thread."""
-        worker.active_ops += 1  # before the gate: keeps the memory open meanwhile
-        start = time.perf_counter()
-        try:
-            async with self.gate.admit(len(t), deadline):
-                small = t.total_bytes <= self.config.inline_copy_bytes
-                if inline and small and not self._stream_busy(worker, launch_as):
-                    fn(worker.handle, t)
-                elif launched := self._launch(worker, launch_as, t, deadline):
-                    settle = copy_wait.settle(worker.copier, launched)
-                    on_loop = await _uncancellable(settle)
-                    self._waits["loop" if on_loop else "late"].inc()
-                else:
-                    await _uncancellable(asyncio.to_thread(fn, worker.handle, t))
-                    self._waits["thread"].inc()
-        except ProcessChanged as exc:
-            # Its process exec'd or changed rights since it registered: the
-            # registration ends, leases and all, as if its session closed.
-            if self.registry.is_current(worker):
-                logger.warning(
-                    "%s rank %d: %s", worker.instance_id, worker.tp_rank, exc
-                )
-                self.unregister(worker.instance_id, worker.tp_rank)
-            raise
-        finally:
-            self.registry.finish_op(worker)
-        return time.perf_counter() - start
-
-    @staticmethod
-    def _stream_busy(worker: Worker, direction: str | None) -> bool:
-        """A GPU stream with a copy in flight: an inline copy queued behind it
-        would hold the loop until both are done (a 640-block load: ~27 ms)."""
-        busy = getattr(worker.copier, "busy", None)
-        return (
-            busy is not None
-            and direction is not None
-            and busy(worker.handle, direction)
-        )
-
-    def _launch(
-        self,
-        worker: Worker,
-        launch_as: str | None,
-        t: Transfers,
-        deadline: float | None,
-    ) -> copy_wait.Launched | None:
-        if launch_as is None:
-            return None
-        launch = getattr(worker.copier, "launch", None)
-        return None if launch is None else launch(launch_as, worker.handle, t, deadline)
 
     def _account(self, direction: str, blocks: int, nbytes: int, sec: float) -> None:
         children = self._children.get(direction)

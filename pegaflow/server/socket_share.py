@@ -17,9 +17,9 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from pegaflow.common import deadlines
 from pegaflow.common.errors import (
@@ -38,10 +38,11 @@ from pegaflow.common.share_frames import (
     decode_share,
 )
 
+from .copy_dispatch import uncancellable
+
 if TYPE_CHECKING:
     from .engine import Engine
 
-T = TypeVar("T")
 # How long a share waits for its descriptor after READY (the request's
 # deadline, if sooner): the engine sends it at once.
 FD_WAIT_S = 5.0
@@ -94,7 +95,7 @@ async def share(
             )
         signals = worker.signals  # the memfd may hold its words too
         work = asyncio.to_thread(map_it, worker.handle, fd, req.spans, signals)
-        nbytes = await _uncancellable(work)
+        nbytes = await uncancellable(work)
     finally:
         registry.finish_op(worker)
         os.close(fd)  # the mapping keeps the file
@@ -150,14 +151,3 @@ async def receive_fd(
         )
     pause(False)
     return fds[0]
-
-
-async def _uncancellable(work: Awaitable[T]) -> T:
-    """A mapping being made finishes (and is recorded, for close to unmap)
-    even if the connection's task is cancelled meanwhile."""
-    task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait({task})
-        raise

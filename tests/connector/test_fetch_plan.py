@@ -69,10 +69,11 @@ def test_engines_recompute_a_slow_pull_and_load_a_fast_one(
     """Scenario: A saves three batches, on the SSD too; the server restarts
     with an empty pool, so they are on the SSD only. A fast engine (a forward
     that costs nothing) loads the first batch, one prompt, from the SSD (no
-    rates known while it waits), after which the server knows the SSD's rate: it recomputes the
-    second instead of waiting for it. A slow engine (2 ms per token) waits
-    for the third batch's pull and loads it byte-equal, and loads the second
-    from L1 (the fast engine's declined pull still landed there)."""
+    rates known while it waits), after which the server knows the SSD's
+    rate: it recomputes the second instead of waiting for it. A slow engine
+    (2 ms per token) waits for the third batch's pull and loads it
+    byte-equal, and loads the second from L1 (the fast engine's declined pull
+    still landed there)."""
     needs_vllm()
     from tests.connector.engine import Engine, vllm_config
     from tests.connector.test_restart import _written

@@ -1,4 +1,5 @@
-"""Engine._copy goes through the large-request gate (pegaflow.common.request_limits)."""
+"""The server's copies (pegaflow.server.copy_dispatch) go through the large-request
+gate (pegaflow.common.request_limits)."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def test_a_traced_server_counts_each_request(tmp_path) -> None:
     save = got["pegaflow.server.engine:Engine.save"]
     assert save["calls"] == 3 and save["threads"] == ["MainThread"]
     assert 0 < save["min_us"] <= save["p50_us"] <= save["p90_us"]
-    assert got["pegaflow.server.engine:Engine._copy"]["calls"] == 3
+    assert got["pegaflow.server.copy_dispatch:CopyDispatch.run"]["calls"] == 3
     assert "pegaflow.server.engine:Engine.load" not in got  # only what ran is listed
     # Sync calls also carry their time off the CPU; coroutines cannot.
     copy = got[TRANSFER]

@@ -1,0 +1,119 @@
+"""How the server runs one copy between the pool and an engine.
+
+Small copies run inline on the event loop (unless the engine's GPU stream
+already holds one: queued behind it, the loop would wait for both); a copier
+that launches (the CUDA one) queues the copy from the loop and the loop
+awaits its completion (pegaflow.copiers.copy_wait); the rest run on a copy
+thread. Every way passes the large-request gate first and keeps the worker's
+memory open (its active_ops) until the copy ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from pegaflow.cache.instances import Registry, Worker
+from pegaflow.common.geometry import Transfers
+from pegaflow.common.pidfds import ProcessChanged
+from pegaflow.common.request_limits import LargeRequestGate
+from pegaflow.copiers import copy_wait
+
+from .metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def uncancellable(work: Awaitable[T]) -> T:
+    """Await work that must finish even if the RPC is cancelled (its client
+    died): still wait for it before re-raising. A copy thread keeps reading
+    or writing the worker's memory and the pool slots, and a mapping being
+    made must be recorded for close to unmap: freeing either first (unmapping
+    the engine's IPC memory, reusing the slots) would let it copy into memory
+    that is gone or taken. Seen on the H200: an engine SIGKILLed mid-save."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("work of a cancelled RPC failed: %s", task.exception())
+        raise
+
+
+class CopyDispatch:
+    def __init__(
+        self,
+        registry: Registry,
+        gate: LargeRequestGate,
+        inline_copy_bytes: int,
+        metrics: Metrics,
+        process_changed: Callable[[Worker], None],
+    ) -> None:
+        """process_changed: drops a worker whose process exec'd or changed
+        rights since it registered (its copy raised ProcessChanged)."""
+        self._registry = registry
+        self._gate = gate
+        self._inline_bytes = inline_copy_bytes
+        self._process_changed = process_changed
+        waits = metrics.copy_waits  # labels() costs a few us: once each
+        self._waits = {way: waits.labels(way) for way in ("loop", "late", "thread")}
+
+    async def run(
+        self,
+        worker: Worker,
+        fn: Callable[[object, Transfers], None],
+        t: Transfers,
+        inline: bool = True,
+        deadline: float | None = None,
+        launch_as: str | None = None,
+    ) -> float:
+        """The copy's seconds. deadline: time.monotonic() seconds; no copy
+        starts after it. launch_as ("save" or "load"): `fn` is that plain
+        direction, which a copier that launches may queue from here."""
+        worker.active_ops += 1  # before the gate: keeps the memory open meanwhile
+        start = time.perf_counter()
+        try:
+            async with self._gate.admit(len(t), deadline):
+                small = t.total_bytes <= self._inline_bytes
+                if inline and small and not _stream_busy(worker, launch_as):
+                    fn(worker.handle, t)
+                elif launched := _launch(worker, launch_as, t, deadline):
+                    settle = copy_wait.settle(worker.copier, launched)
+                    on_loop = await uncancellable(settle)
+                    self._waits["loop" if on_loop else "late"].inc()
+                else:
+                    await uncancellable(asyncio.to_thread(fn, worker.handle, t))
+                    self._waits["thread"].inc()
+        except ProcessChanged as exc:
+            # Its registration ends, leases and all, as if its session closed.
+            if self._registry.is_current(worker):
+                logger.warning(
+                    "%s rank %d: %s", worker.instance_id, worker.tp_rank, exc
+                )
+                self._process_changed(worker)
+            raise
+        finally:
+            self._registry.finish_op(worker)
+        return time.perf_counter() - start
+
+
+def _stream_busy(worker: Worker, direction: str | None) -> bool:
+    """A GPU stream with a copy in flight: an inline copy queued behind it
+    would hold the loop until both are done (a 640-block load: ~27 ms)."""
+    busy = getattr(worker.copier, "busy", None)
+    return busy is not None and direction is not None and busy(worker.handle, direction)
+
+
+def _launch(
+    worker: Worker, launch_as: str | None, t: Transfers, deadline: float | None
+) -> copy_wait.Launched | None:
+    if launch_as is None:
+        return None
+    launch = getattr(worker.copier, "launch", None)
+    return None if launch is None else launch(launch_as, worker.handle, t, deadline)
