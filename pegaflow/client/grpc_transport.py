@@ -21,6 +21,7 @@ from typing import Protocol
 import grpc
 import numpy as np
 
+from pegaflow.common.channels import channel_options
 from pegaflow.common.errors import PegaflowError, from_status
 from pegaflow.common.keys import BlockHash, LoadSpec
 from pegaflow.common.results import (
@@ -85,11 +86,7 @@ class GrpcTransport:
 
     def __init__(self, addr: str, max_message_bytes: int) -> None:
         self.channel = grpc.insecure_channel(
-            addr,
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-            ],
+            addr, options=channel_options(max_message_bytes)
         )
         self.stub = pb_grpc.PegaFlowStub(self.channel)
 

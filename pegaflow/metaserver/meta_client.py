@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from pegaflow.common import peer_auth
+from pegaflow.common.channels import channel_options
 from pegaflow.proto import metaserver_pb2 as pb
 from pegaflow.proto import metaserver_pb2_grpc as pb_grpc
 
@@ -39,11 +40,7 @@ class MetaClient:
         self.timeout_s = timeout_s
         self._metadata = peer_auth.metadata(token)
         self._channel = grpc.insecure_channel(
-            self.addr,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
+            self.addr, options=channel_options(MAX_MESSAGE_BYTES)
         )
         self.stub = pb_grpc.MetaServerStub(self._channel)
 

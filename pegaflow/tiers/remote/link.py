@@ -47,6 +47,7 @@ from pegaflow.cache.block_store import BlockEntry, BlockStore
 from pegaflow.cache.instances import Instance
 from pegaflow.cache.pool import HostPool
 from pegaflow.common import peer_auth
+from pegaflow.common.channels import channel_options
 from pegaflow.common.keys import BlockHash, Key, Namespace, namespace_digest
 from pegaflow.metaserver.meta_client import pack
 from pegaflow.proto import metaserver_pb2 as meta_pb
@@ -123,7 +124,7 @@ class RemoteLink(Tier):
         self.quarantined_bytes = 0
         self.stats = RemoteStats()
         addr = config.metaserver_host_port
-        self._meta_channel = grpc.aio.insecure_channel(addr)
+        self._meta_channel = grpc.aio.insecure_channel(addr, options=channel_options())
         self._meta = meta_grpc.MetaServerStub(self._meta_channel)
         self._meta_metadata = peer_auth.metadata(config.token)
         self._peers = PeerChannels(config.token)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from pegaflow.common import peer_auth
+from pegaflow.common.channels import RECONNECT
 from pegaflow.proto import peer_pb2 as pb
 from pegaflow.proto import peer_pb2_grpc as pb_grpc
 
@@ -94,9 +95,8 @@ class PeerChannels:
         if len(self._stubs) >= MAX_CHANNELS:
             _, old = self._stubs.popitem(last=False)
             _close_soon(old.channel)
-        channel = grpc.aio.insecure_channel(
-            addr, options=[("grpc.max_receive_message_length", 64 << 20)]
-        )
+        options = [*RECONNECT, ("grpc.max_receive_message_length", 64 << 20)]
+        channel = grpc.aio.insecure_channel(addr, options=options)
         held = _Channel(channel, pb_grpc.PeerStub(channel), incarnation or 0)
         self._stubs[addr] = held
         return held.stub
