@@ -99,11 +99,11 @@ def share_memory(
     sealed memfd; None where there are none or the kernel refuses (the
     memory then stays as it was, or partly remapped with the same bytes).
 
-    Anonymous pages go into a new memfd. Pages a memfd of ours backs already
-    are never remapped: with no anonymous pages, the memfd backing the most
-    of them is handed over again (its own descriptor). Pages backed by
-    another memfd, or by any other file, are left out: the server reaches
-    them through process_vm (it splits runs by span)."""
+    Pages a memfd of ours backs already are never remapped. The most bytes
+    win: the anonymous pages, moved into a new memfd, or the pages one memfd
+    of ours backs, handed over again (its own descriptor). The rest (and
+    pages any other file backs) are left out: the server reaches them
+    through process_vm (it splits runs by span)."""
     pages = whole_pages(regions)
     if not pages:
         return None
@@ -112,18 +112,19 @@ def share_memory(
         _forget_unmapped(maps)
         pieces = [p for addr, size in pages for p in _pieces(addr, size, maps)]
         fresh = _merged([(p.address, p.size) for p in pieces if p.fresh])
-        if fresh:
-            shared = _share_new(fresh, name)
-            if shared is not None:
-                _held[os.fstat(shared.fd).st_ino] = os.dup(shared.fd)
-            return shared
         by_inode: dict[int, list[_Piece]] = {}
         for p in pieces:
             if p.inode:
                 by_inode.setdefault(p.inode, []).append(p)
-        if not by_inode:
+        held = {i: sum(p.size for p in ps) for i, ps in by_inode.items()}
+        inode = max(held, key=held.__getitem__, default=0)
+        if fresh and sum(n for _, n in fresh) >= held.get(inode, 0):
+            shared = _share_new(fresh, name)
+            if shared is not None:
+                _held[os.fstat(shared.fd).st_ino] = os.dup(shared.fd)
+            return shared
+        if not inode:
             return None
-        inode = max(by_inode, key=lambda i: sum(p.size for p in by_inode[i]))
         spans = tuple(ShareSpan(p.address, p.offset, p.size) for p in by_inode[inode])
         return SharedMemory(os.dup(_held[inode]), spans)
 

@@ -52,7 +52,12 @@ def test_the_same_pages_reuse_the_memfd_and_backed_pages_stay_backed() -> None:
     assert [(s.address, s.size) for s in later.spans] == [(base + 8 * PAGE, 4 * PAGE)]
     assert _backs(first, arr, 4) and _backs(first, arr, 7)
     assert _backs(later, arr, 8) and _backs(later, arr, 11)
-    for shared in (first, again, later):
+    # Mostly on the first: that memfd again, the one anonymous page left out.
+    most = share_memory([(base + 5 * PAGE, 3 * PAGE), (base + 13 * PAGE, PAGE)])
+    assert most is not None
+    assert os.fstat(most.fd).st_ino == os.fstat(first.fd).st_ino
+    assert [(s.address, s.size) for s in most.spans] == [(base + 5 * PAGE, 3 * PAGE)]
+    for shared in (first, again, later, most):
         shared.close()
     del arr
     m.close()
