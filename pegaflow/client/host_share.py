@@ -29,6 +29,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,10 +42,11 @@ PAGE = mmap.PAGESIZE
 CHUNK_BYTES = 64 << 20  # copied and remapped at a time
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class SharedMemory:
     """The memfd (kept open: every registration, after a server restart too,
-    hands it over again) and what of this process's memory it backs."""
+    hands it over again) and what of this process's memory it backs. Its
+    pages count as in use while this object lives (share_memory)."""
 
     fd: int
     spans: tuple[ShareSpan, ...]
@@ -69,16 +71,18 @@ def whole_pages(regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-# The memfds this process mapped over its memory, by inode, each kept open
-# while any of its pages are still mapped here. Two workers of one process
-# (pipeline stages, hybrid groups, tests) may name the same pages, and an
-# engine's buffer may land on pages a freed one left mapped from its memfd: a
-# page already backed by a memfd is never mapped over again, as a live
-# registration's server mapping may rely on it (a remap would leave that
-# mapping looking at pages the engine no longer uses: its loads would vanish,
-# its saves read stale bytes).
+# The memfds this process mapped over its memory, by inode: the descriptor,
+# kept open while any of its pages are still mapped here, and the
+# SharedMemory objects handed out for it that still live. Two workers of one
+# process (pipeline stages, hybrid groups, tests) may name the same pages,
+# and an engine's buffer may land on pages a freed one left mapped from its
+# memfd. A page backed by a memfd in use is never mapped over again: a live
+# registration's server mapping relies on it (a remap would leave that
+# mapping looking at pages the engine no longer uses: its loads would
+# vanish, its saves read stale bytes). A memfd no SharedMemory uses any more
+# is memory like any other.
 _lock = threading.Lock()
-_held: dict[int, int] = {}  # inode -> descriptor
+_held: dict[int, tuple[int, weakref.WeakSet[SharedMemory]]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +91,9 @@ class _Piece:
 
     address: int
     size: int
-    inode: int  # a memfd of ours (in _held), or 0
+    inode: int  # a memfd of ours in use, or 0
     offset: int  # in that memfd
-    fresh: bool  # anonymous memory: free to move into a new memfd
+    fresh: bool  # anonymous or unused: free to move into a new memfd
 
 
 def share_memory(
@@ -99,11 +103,12 @@ def share_memory(
     sealed memfd; None where there are none or the kernel refuses (the
     memory then stays as it was, or partly remapped with the same bytes).
 
-    Pages a memfd of ours backs already are never remapped. The most bytes
-    win: the anonymous pages, moved into a new memfd, or the pages one memfd
-    of ours backs, handed over again (its own descriptor). The rest (and
-    pages any other file backs) are left out: the server reaches them
-    through process_vm (it splits runs by span)."""
+    Pages a memfd in use backs are never remapped. The most bytes win: the
+    free pages (anonymous, or a memfd's no SharedMemory uses), moved into a
+    new memfd, or the pages one memfd in use backs, handed over again (its
+    own descriptor). The rest (and pages any other file backs) are left
+    out: the server reaches them through process_vm (it splits runs by
+    span)."""
     pages = whole_pages(regions)
     if not pages:
         return None
@@ -121,12 +126,16 @@ def share_memory(
         if fresh and sum(n for _, n in fresh) >= held.get(inode, 0):
             shared = _share_new(fresh, name)
             if shared is not None:
-                _held[os.fstat(shared.fd).st_ino] = os.dup(shared.fd)
+                users: weakref.WeakSet[SharedMemory] = weakref.WeakSet([shared])
+                _held[os.fstat(shared.fd).st_ino] = (os.dup(shared.fd), users)
             return shared
         if not inode:
             return None
+        fd, users = _held[inode]
         spans = tuple(ShareSpan(p.address, p.offset, p.size) for p in by_inode[inode])
-        return SharedMemory(os.dup(_held[inode]), spans)
+        shared = SharedMemory(os.dup(fd), spans)
+        users.add(shared)
+        return shared
 
 
 # (start, end, inode, file offset, kind) of this process's mappings, sorted.
@@ -135,7 +144,8 @@ _Map = tuple[int, int, int, int, str]
 
 def _memory_maps() -> list[_Map]:
     """kind: "ours" (a shared mapping of a memfd in _held), "anon" (private
-    or shared anonymous memory), "other" (any other file)."""
+    or shared anonymous memory), "other" (any other file). An "ours" in use
+    is "live"."""
     out = []
     with open("/proc/self/maps") as maps:
         for line in maps:
@@ -144,7 +154,7 @@ def _memory_maps() -> list[_Map]:
             inode, path = int(parts[4]), parts[5].strip() if len(parts) > 5 else ""
             shared = parts[1][3] == "s"
             if shared and inode in _held and path.startswith("/memfd:"):
-                kind = "ours"
+                kind = "live" if _held[inode][1] else "ours"
             elif inode == 0 or (shared and path == "/dev/zero (deleted)"):
                 kind = "anon"
             else:
@@ -155,9 +165,9 @@ def _memory_maps() -> list[_Map]:
 
 def _forget_unmapped(maps: list[_Map]) -> None:
     """Close the memfds no page of this process is mapped from any more."""
-    mapped = {inode for _, _, inode, _, kind in maps if kind == "ours"}
+    mapped = {inode for _, _, inode, _, kind in maps if kind in ("ours", "live")}
     for inode in [i for i in _held if i not in mapped]:
-        os.close(_held.pop(inode))
+        os.close(_held.pop(inode)[0])
 
 
 def _pieces(addr: int, size: int, maps: list[_Map]) -> list[_Piece]:
@@ -169,14 +179,14 @@ def _pieces(addr: int, size: int, maps: list[_Map]) -> list[_Piece]:
         a, b = max(lo, addr), min(hi, end)
         if a >= b:
             continue
-        ours = kind == "ours"
+        live = kind == "live"
         out.append(
             _Piece(
                 a,
                 b - a,
-                inode if ours else 0,
-                offset + (a - lo) if ours else 0,
-                kind == "anon",
+                inode if live else 0,
+                offset + (a - lo) if live else 0,
+                kind in ("anon", "ours"),
             )
         )
     return out

@@ -65,13 +65,17 @@ def test_the_same_pages_reuse_the_memfd_and_backed_pages_stay_backed() -> None:
 
 def test_a_memfd_partly_unmapped_elsewhere_still_backs_its_live_pages() -> None:
     """A freed engine's memfd spans pages 0-11; a new engine's buffer lands on
-    pages 0-7 and its first part reuses it; then the allocator hands pages
-    8-11 back (heap trim). The second part must get the same memfd: mapping a
-    new one over pages 0-7 would cut the first part's server mapping off."""
+    pages 0-7 and its first part shares them; then the allocator hands pages
+    8-11 back (heap trim). The second part must get the first part's memfd:
+    mapping a new one over pages 0-7 would cut the first part's server
+    mapping off (the old code did, having reused the freed engine's memfd
+    and then found it partly unmapped)."""
     m, arr = _region(16)
     base = arr.ctypes.data
     dead = share_memory([(base, 12 * PAGE)])
     assert dead is not None
+    dead.close()
+    del dead  # its engine is gone: its memfd's pages are free again
     stage0 = share_memory([(base, 8 * PAGE)])
     assert stage0 is not None
     unmap(base + 8 * PAGE, 4 * PAGE)
@@ -86,7 +90,28 @@ def test_a_memfd_partly_unmapped_elsewhere_still_backs_its_live_pages() -> None:
     assert stage1 is not None
     assert os.fstat(stage1.fd).st_ino == os.fstat(stage0.fd).st_ino
     assert _backs(stage0, arr, 0) and _backs(stage0, arr, 7)
-    for shared in (dead, stage0, stage1):
+    for shared in (stage0, stage1):
         shared.close()
+    del arr
+    m.close()
+
+
+def test_pages_of_a_memfd_no_longer_in_use_move_into_a_new_one() -> None:
+    """A SharedMemory that no longer lives (its engine closed) keeps no claim:
+    a buffer landing on its pages gets a memfd of its own, bytes intact."""
+    m, arr = _region(8)
+    base = arr.ctypes.data
+    old = share_memory([(base, 8 * PAGE)])
+    assert old is not None
+    old_inode = os.fstat(old.fd).st_ino
+    old.close()
+    del old
+    want = arr.copy()
+    new = share_memory([(base, 8 * PAGE)])
+    assert new is not None and new.nbytes == 8 * PAGE
+    assert os.fstat(new.fd).st_ino != old_inode
+    assert np.array_equal(arr, want)
+    assert _backs(new, arr, 0) and _backs(new, arr, 7)
+    new.close()
     del arr
     m.close()
