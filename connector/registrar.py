@@ -20,7 +20,7 @@ import logging
 import mmap
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -251,6 +251,17 @@ class Registrar:
             return
         if self._register_fn is not None and time.monotonic() >= self._next_try:
             self._attempt = self._pool.submit(self.register_now)
+
+    def wait_registered(self) -> bool:
+        """Registered, or, while an attempt is under way, once it ends
+        (bounded by the client's deadline): the server counts a registration
+        from its RegisterKV on, and the scheduler may lease this part's
+        blocks before the attempt has opened its session. A Load then waits
+        for it instead of throwing away hits that were granted."""
+        attempt = self._attempt  # set and cleared on the engine's thread
+        if not self.registered and attempt is not None:
+            wait([attempt], timeout=self.config.timeout_s)
+        return self.registered
 
     def lost(self, reason: str) -> None:
         if self.registered:

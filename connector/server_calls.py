@@ -66,7 +66,7 @@ class ServerCalls:
             LoadItem(job.lease_id, job.block_ids, job.lease_offset) for job in jobs
         ]
         try:
-            if not part.registered:
+            if not part.wait_registered():
                 raise UnknownInstance("not registered with the server")
             if sent is not None:  # the engine thread resumes at our next syscall
                 sent.set()

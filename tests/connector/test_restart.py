@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -158,3 +159,53 @@ def test_ssd_write_on_evict_without_pool_file_loses_dram_blocks(
     for rid, tokens in batch.items():
         computed = [p for p in b.seqs[rid].computed if p < len(tokens)]
         assert len(computed) == len(tokens), rid
+
+
+def test_loads_granted_while_engine_b_reregisters_wait_for_it(
+    pega_server: Callable[..., ServerProc], tiny_model: Path, shm_dir: Path
+) -> None:
+    """Scenario: engine B runs through a server SIGKILL and a restart on the
+    pool file. The new server counts B's registration from its RegisterKV on,
+    so B's scheduler may be granted hits while B's worker is still opening
+    its session (seen in the real-engine suite on a busy host: every load
+    failed "not registered", B recomputed all of it). The worker's Load waits
+    for that attempt instead, and B loads every block, byte-equal."""
+    flags = ["--pool-file", str(shm_dir / "pool.bin")]
+    batch = prompts(22)
+    server = pega_server(*flags)
+    a = Engine(vllm_config(tiny_model, FAST))
+    serve(a, batch)
+    a.assert_clean()
+    a.close()
+    b = Engine(vllm_config(tiny_model, FAST))
+    b.step()  # registered, the query socket known
+    registrar = b.worker._worker.registrar
+    assert registrar.registered
+    server.stop(signal.SIGKILL)
+    server = pega_server(*flags)
+
+    opened = threading.Event()
+    session_gate = threading.Event()
+    open_session = registrar.client.open_session
+
+    def gated_open_session(*args: object, **kwargs: object) -> object:
+        opened.set()
+        session_gate.wait(30)
+        return open_session(*args, **kwargs)
+
+    registrar.client.open_session = gated_open_session  # type: ignore[method-assign]
+    deadline = time.monotonic() + 20
+    while not opened.is_set():  # the lost session noticed, an attempt under way
+        assert time.monotonic() < deadline, "B never tried to re-register"
+        b.step()
+        time.sleep(0.01)
+    assert json.loads(server.get("/health")[1])["workers"] == 1
+    assert not registrar.registered
+    threading.Timer(0.5, session_gate.set).start()
+    serve(b, {f"{rid}-b": t for rid, t in batch.items()})
+    counters = b.counters()
+    assert counters["load_failures"] == 0
+    assert counters["hit_tokens"] == sum(hit_tokens(t, len(t)) for t in batch.values())
+    assert registrar.registered
+    b.assert_clean()
+    b.close()

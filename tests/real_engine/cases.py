@@ -55,9 +55,11 @@ class Case:
         return 1e-3 if self.dtype == "float32" else 1e-2
 
     @property
-    def ranks(self) -> int:
-        """Worker processes, each registering with the server."""
-        return int(self.engine_args.get("pipeline_parallel_size", 1))
+    def registrations(self) -> int:
+        """What the server counts as workers once an engine is registered:
+        one per part (each KV cache group of each pipeline stage registers on
+        its own; no tensor parallelism here)."""
+        return self.parts
 
     def prompt_lengths(self) -> list[int]:
         """Not multiples of the block, and short of the next block boundary by

@@ -189,14 +189,16 @@ class World:
         """Engine B with vLLM's prefix cache empty and registered with the
         (possibly restarted) server: an idle engine takes no steps, and its
         worker re-registers from a step, so B serves a one-token prompt (no
-        full block: no query, no save) until the server counts its worker."""
+        full block: no query, no save) until the server counts every part of
+        it (a hybrid model's groups re-register one by one, and a query for
+        a part not yet back is a miss for the whole prefix)."""
         b = self.engines["b"]
         b.reset_prefix_cache()
         wait_for(
             "engine B registered with the server",
             lambda: (
                 b.generate([[1, 2, 3]], 1)
-                and self.health()["workers"] >= self.case.ranks
+                and self.health()["workers"] >= self.case.registrations
             ),
         )
         return b
