@@ -144,3 +144,21 @@ def test_auto_rows_carry_the_servers_path_counts() -> None:
     assert kernel["dma_share"] == 0.0 and kernel["switches"] == 0
     lines = table([settled, dma, kernel], interference.COLUMNS).splitlines()
     assert "settled" in lines[2] and "0.75" in lines[2]
+
+
+def test_the_originals_benchmark_parses_and_names_a_missing_install(
+    tmp_path: Path,
+) -> None:
+    """benchmarks/transfer_original.py (the Rust PegaFlow 0.25.1 on the same
+    workload) reads its flags without the original or torch, and a --site
+    without the wheel's server binary is an exit naming it, before anything
+    starts."""
+    script = ROOT / "benchmarks" / "transfer_original.py"
+    got = subprocess.run(
+        [sys.executable, str(script), "--site", str(tmp_path), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert got.returncode == 1
+    assert "pegaflow-server-py" in got.stdout + got.stderr
+    assert not list(tmp_path.iterdir())  # nothing written, nothing started
