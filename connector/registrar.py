@@ -257,9 +257,11 @@ class Registrar:
         (bounded by the client's deadline): the server counts a registration
         from its RegisterKV on, and the scheduler may lease this part's
         blocks before the attempt has opened its session. A Load then waits
-        for it instead of throwing away hits that were granted."""
+        for it instead of throwing away hits that were granted; not for one
+        still queued: it shares the I/O pool, so it may be waiting for this
+        very thread."""
         attempt = self._attempt  # set and cleared on the engine's thread
-        if not self.registered and attempt is not None:
+        if not self.registered and attempt is not None and attempt.running():
             wait([attempt], timeout=self.config.timeout_s)
         return self.registered
 

@@ -209,3 +209,29 @@ def test_loads_granted_while_engine_b_reregisters_wait_for_it(
     assert registrar.registered
     b.assert_clean()
     b.close()
+
+
+def test_a_load_does_not_wait_for_a_registration_queued_behind_it() -> None:
+    """The registration attempt shares the worker's I/O pool with the loads:
+    one still queued may be waiting for the very thread a load holds, so the
+    load fails at once (vLLM recomputes), never after the whole deadline."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pegaflow.connector.extra_config import parse_config
+    from pegaflow.connector.registrar import Registrar
+
+    pool = ThreadPoolExecutor(1)
+    registrar = Registrar(None, parse_config({"timeout_s": 5.0}), "i", 0, 1, pool)
+    go = threading.Event()
+
+    def load() -> tuple[bool, float]:
+        go.wait(5)
+        start = time.monotonic()
+        return registrar.wait_registered(), time.monotonic() - start
+
+    loading = pool.submit(load)
+    registrar._attempt = pool.submit(lambda: None)  # queued behind the load
+    go.set()
+    registered, waited = loading.result(timeout=30)
+    assert not registered and waited < 1.0
+    pool.shutdown()
