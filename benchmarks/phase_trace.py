@@ -54,7 +54,7 @@ TARGETS = (
     "pegaflow.kernels.cuda:gather",
     "pegaflow.kernels.cuda:synchronize",
     "pegaflow.kernels.launch_state:StreamTables.next",
-    "pegaflow.kernels.driver_launch:DriverLaunch.__call__",
+    "pegaflow.kernels.device_driver:Stream.launch",
     "pegaflow.kernels.table_jit:checked_table",
     "pegaflow.cache.block_store:BlockStore.reserve_save",
     "pegaflow.cache.block_store:BlockStore.finish_save",

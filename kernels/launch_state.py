@@ -6,8 +6,8 @@ an event after each launch guarding its reuse. Their lock orders launches on
 that stream alone: a launch waiting for its table (the kernel before last on
 that stream still reading it) holds up no other stream's launches.
 
-numba.cuda's objects come in from pegaflow.kernels.cuda, the one module that
-imports it: tables are made by the factory it passes.
+Tables are made by the factory pegaflow.kernels.cuda passes (the driver's
+or the simulator's, pegaflow.kernels.device_driver / device_sim).
 """
 
 from __future__ import annotations

@@ -25,19 +25,14 @@ class DeviceFetch:
         self._k = kernels.backend("cuda")
         self._ctas = max_ctas
         self._stream = self._k.stream()
-        self._host: Any = None
         self._buf: Any = None
         self._view = memoryview(b"")
         self._grow(capacity)
 
     def _grow(self, nbytes: int) -> None:
-        from numba import cuda  # lazily, as pegaflow.kernels.cuda
-
         size = max(nbytes, 4096)
-        self._host = cuda.mapped_array(size, np.uint8)  # pinned, device-mapped
-        address = int(self._host.ctypes.data)
-        self._buf = self._k.wrap(address, size, mapped=True)
-        # A plain view of it (numba's simulator hands out a wrapper object).
+        self._buf = self._k.mapped_buffer(size)  # pinned, device-mapped
+        address = self._buf.address
         self._view = memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
 
     def __call__(self, src: np.ndarray, nbytes: np.ndarray, total: int) -> memoryview:
