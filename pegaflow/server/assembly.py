@@ -366,7 +366,7 @@ def _cuda_bringup(
         raise StartupError(f"--devices: {exc}; {cuda_driver.hint(exc)}")
     registrar = HostRegistrar(ordinals[0], POOL_CHUNK_BYTES, POOL_CHUNK_THREADS)
 
-    def warm() -> None:  # import numba-cuda and compile, beside the pinning
+    def warm() -> None:  # load (or compile) the copy kernel, beside the pinning
         from pegaflow import kernels
         from pegaflow.copiers.cuda_copier import warm_up
 

@@ -5,8 +5,9 @@ engine, so neither comes before a (re)started server's first answer; nor
 does a CUDA engine wait for the whole pool: pinning all of it
 (cudaHostRegister, ~0.1 s a GiB on the H100 host) put a GPU engine's first
 hit 10.2 s after the exec at 64 GiB (benchmarks/RESULTS.md, "Warm restart").
-The pool is pinned chunk by chunk (pegaflow.cache.pin_chunks) while
-numba-cuda is imported and the copy kernel compiled; the CUDA copy engine is
+The pool is pinned chunk by chunk (pegaflow.cache.pin_chunks) while the
+copy kernel is loaded (from pegaflow.kernels.cubin_cache, or compiled by
+numba-cuda at an architecture's first start); the CUDA copy engine is
 built once those are done and the chunks its construction reads are pinned
 (`needs`: the pool's base, whose device alias it takes), and joins the
 engine's copiers on the event loop. A CUDA engine's registration waits for
@@ -77,8 +78,8 @@ class CudaBringUp:
     def _run(self, loop: asyncio.AbstractEventLoop | None) -> None:
         start = time.perf_counter()
         try:
-            # Held: only the chunks asked for are pinned while numba-cuda is
-            # imported and the kernel compiled. Pinning takes the mmap lock
+            # Held: only the chunks asked for are pinned while the kernel
+            # loads (or numba-cuda compiles it). Pinning takes the mmap lock
             # the compile's allocations need: with the whole pool pinning
             # beside it a GPU engine's registration came 5.2 s (16 GiB) to
             # 10 s (64 GiB) after the exec, growing with the pool (H100).
