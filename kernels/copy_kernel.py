@@ -204,4 +204,6 @@ def image() -> tuple[bytes, str]:
     library = compiled._codelibrary  # numba-cuda 0.30: no public cubin call
     if getattr(library, "_setup_functions", None):
         raise RuntimeError("the copy kernel needs module setup: numba launches it")
-    return bytes(library.get_cubin()), str(library._entry_name)
+    cubin = library.get_cubin()
+    cubin = getattr(cubin, "code", cubin)  # newer numba-cuda: a cuda.core ObjectCode
+    return bytes(cubin), str(library._entry_name)

@@ -109,33 +109,33 @@ def kernel_function() -> Any:
 class Stream:
     """A stream of the current context, its copy kernel and its launch
     parameters. `handle` is the CUstream as an integer (what the copy engine
-    passes to other driver calls)."""
+    passes to other driver calls). Driver calls only, as numba made them
+    (cuStreamCreate(0): ordered after the legacy default stream)."""
 
-    __slots__ = ("__weakref__", "_cu", "_function", "_pointers", "_values", "handle",
-                 "raw")  # fmt: skip
+    __slots__ = ("__weakref__", "_function", "_params", "_values", "handle", "raw")
 
     def __init__(self) -> None:
         self._function = kernel_function()
-        self.raw = check(rt.cudaStreamCreate(), "cudaStreamCreate")
+        self.raw = check(dr.cuStreamCreate(0), "cuStreamCreate")
         self.handle = int(self.raw)
-        self._cu = dr.CUstream(self.handle)
+        weakref.finalize(self, _quiet, dr.cuStreamDestroy, self.raw)
         self._values = np.zeros(PARAMS, np.uint64)
         base = np.uint64(self._values.ctypes.data)
-        self._pointers = np.arange(PARAMS, dtype=np.uint64) * np.uint64(8) + base
-        weakref.finalize(self, _quiet, rt.cudaStreamDestroy, self.raw)
+        pointers = np.arange(PARAMS, dtype=np.uint64) * np.uint64(8) + base
+        self._params = (pointers, int(pointers.ctypes.data))
 
     def launch(self, blocks: int, threads: int, args: tuple[int, ...]) -> None:
         self._values[:] = args
         check(
             dr.cuLaunchKernel(
-                self._function, blocks, 1, 1, threads, 1, 1, 0, self._cu,
-                int(self._pointers.ctypes.data), 0,
+                self._function, blocks, 1, 1, threads, 1, 1, 0, self.raw,
+                self._params[1], 0,
             ),
             "kernel launch",
         )  # fmt: skip
 
     def synchronize(self) -> None:
-        check(rt.cudaStreamSynchronize(self.raw), "stream")
+        check(dr.cuStreamSynchronize(self.raw), "stream")
 
 
 class Event:
@@ -144,16 +144,15 @@ class Event:
     __slots__ = ("__weakref__", "_raw")
 
     def __init__(self) -> None:
-        self._raw = check(
-            rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "cudaEventCreate"
-        )
-        weakref.finalize(self, _quiet, rt.cudaEventDestroy, self._raw)
+        flags = dr.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self._raw = check(dr.cuEventCreate(flags), "cuEventCreate")
+        weakref.finalize(self, _quiet, dr.cuEventDestroy, self._raw)
 
     def record(self, stream: Stream) -> None:
-        check(rt.cudaEventRecord(self._raw, stream.raw), "cudaEventRecord")
+        check(dr.cuEventRecord(self._raw, stream.raw), "cuEventRecord")
 
     def synchronize(self) -> None:
-        check(rt.cudaEventSynchronize(self._raw), "cudaEventSynchronize")
+        check(dr.cuEventSynchronize(self._raw), "cuEventSynchronize")
 
 
 class MappedHost:

@@ -15,7 +15,6 @@ import ctypes
 import pytest
 
 d = pytest.importorskip("cuda.bindings.driver")
-rt = pytest.importorskip("cuda.bindings.runtime")
 
 from pegaflow.kernels import device_driver  # noqa: E402
 
@@ -31,10 +30,10 @@ def streams(monkeypatch):
     handles = iter(range(100, 200))
     monkeypatch.setattr(device_driver, "kernel_function", lambda: "kernel")
     monkeypatch.setattr(
-        device_driver.rt, "cudaStreamCreate",
-        lambda: (rt.cudaError_t.cudaSuccess, rt.cudaStream_t(next(handles))),
+        device_driver.dr, "cuStreamCreate",
+        lambda flags: (d.CUresult.CUDA_SUCCESS, d.CUstream(next(handles))),
     )  # fmt: skip
-    monkeypatch.setattr(device_driver.rt, "cudaStreamDestroy", lambda s: None)
+    monkeypatch.setattr(device_driver.dr, "cuStreamDestroy", lambda s: None)
     return device_driver.Stream
 
 
