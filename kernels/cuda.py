@@ -39,7 +39,7 @@ from pegaflow.common.geometry import Transfers
 from . import table_jit
 from .base import CopyKernels
 from .launch_state import StreamTables
-from .plan import Buffer
+from .plan import Buffer, descriptor_table, split_table
 
 
 def _simulator_on() -> bool:
@@ -150,7 +150,7 @@ class CudaKernels(CopyKernels):
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()  # guards the dict of streams only
-        table_jit.compiled()  # compiled or loaded now, not on the first copy
+        table_jit.load_in_background()  # numpy checks meanwhile (_checked, _split)
 
     def _tables(self, stream: Any) -> StreamTables:
         with self._lock:
@@ -169,22 +169,33 @@ class CudaKernels(CopyKernels):
         width: int,
     ) -> None:
         rows = SIM_SPLIT_ROWS if SIMULATED else _default_blocks()
-        n, piece = table_jit.split_rows(table, rows, MIN_PIECE)
+        if table_jit.ready():
+            n, piece = table_jit.split_rows(table, rows, MIN_PIECE)
+            split = None
+        else:  # the compiled loops still loading (a start): their numpy twin
+            split = split_table(table, rows, MIN_PIECE)
+            n, piece = split.shape[1], 0
         if not n:
             return
         blocks = min(n, max_blocks or _default_blocks())
         mine = self._tables(stream)
         with mine.lock:  # table choice, fill and launch: one thread at a time
             tab = mine.next(n, _table)
-            table_jit.write_split(table, piece, tab.rows)
+            if split is None:
+                table_jit.write_split(table, piece, tab.rows)
+            else:
+                tab.rows[:, :n] = split
             device.launch(blocks, THREADS, stream, src, dst, tab, n, width)
             tab.done.record(stream)
         logger.debug("copy %d descriptors, %d blocks", n, blocks)
 
     def _checked(self, src: Buffer, dst: Buffer, t: Transfers) -> np.ndarray:
         """The numpy checks as one compiled call (pegaflow.kernels.table_jit):
-        ~20 numpy calls were ~100 µs of a 1-block copy on the H200."""
-        return table_jit.checked_table(src, dst, t)
+        ~20 numpy calls were ~100 µs of a 1-block copy on the H200. Until
+        the compiled loops are loaded, the numpy checks themselves."""
+        if table_jit.ready():
+            return table_jit.checked_table(src, dst, t)
+        return descriptor_table(src, dst, t)
 
 
 _kernels = CudaKernels()

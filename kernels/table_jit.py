@@ -16,7 +16,8 @@ the field and index (checked_table).
 
 from __future__ import annotations
 
-import functools
+import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,8 @@ from pegaflow.common.errors import InternalError
 from pegaflow.common.jit import njit
 
 from .plan import PIECE_ALIGN, check_arrays, descriptor_table
+
+logger = logging.getLogger(__name__)
 
 OK, OUT_OF_RANGE, OVERLAP = 0, -1, -2
 # The overlap check's map of seen pages: at most this many cells, or this
@@ -191,10 +194,45 @@ def _merge_cut(
     return out_d[:r], out_s[:r], out_n[:r]
 
 
-@functools.cache
+_compiled: tuple[Callable[..., Any], ...] | None = None
+_compile_lock = threading.Lock()
+
+
 def compiled() -> tuple[Callable[..., Any], ...]:
     """(check_into, split_count, split_into, merge_cut), numba-compiled (cached on disk;
-    the first call of a process compiles or loads them)."""
+    the first call of a process compiles or loads them, once for all threads)."""
+    global _compiled
+    got = _compiled
+    if got is None:
+        with _compile_lock:
+            got = _compiled = _compiled or _compile()
+    return got
+
+
+def ready() -> bool:
+    """Whether compiled() returns at once (pegaflow.kernels.cuda checks
+    tables with plan's numpy twins until then)."""
+    return _compiled is not None
+
+
+def load_in_background() -> None:
+    """compiled() on a thread: `import numba` and loading its cache took
+    1.0-1.4 s of a GPU engine's wait after a restart on the H200
+    (benchmarks/RESULTS.md, "Warm restart"), where the first copies need
+    only the numpy checks. A failure is logged; callers of compiled() then
+    meet it themselves."""
+
+    def load() -> None:
+        try:
+            compiled()
+        except Exception:
+            logger.exception("the descriptor checks' compiled loops did not load")
+
+    if _compiled is None:
+        threading.Thread(target=load, name="pegaflow-table-jit", daemon=True).start()
+
+
+def _compile() -> tuple[Callable[..., Any], ...]:
 
     # Explicit signatures: compiled (or loaded from the cache) here, at the
     # server's start, never on a first copy; any array layout is accepted.
@@ -235,6 +273,9 @@ def checked_table(src: Any, dst: Any, t: Any) -> np.ndarray:
         descriptor_table(src, dst, t)
         raise InternalError("transfers: refused by the compiled check only")
     return table
+
+
+compiled.__wrapped__ = _compile  # type: ignore[attr-defined]  # a fresh compile
 
 
 def split_rows(table: np.ndarray, rows: int, min_piece: int) -> tuple[int, int]:

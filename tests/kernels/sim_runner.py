@@ -28,6 +28,7 @@ if hasattr(np, "row_stack"):
 from pegaflow import kernels  # noqa: E402
 from pegaflow.common.errors import InternalError  # noqa: E402
 from pegaflow.common.geometry import Transfers  # noqa: E402
+from pegaflow.kernels import table_jit  # noqa: E402
 from tests.kernels.kernel_cases import (  # noqa: E402
     all_cases,
     check,
@@ -139,15 +140,43 @@ def a_waiting_stream_holds_no_other() -> None:
     check(case, got["free"])
 
 
+def numpy_checks_before_compiled_loops() -> None:
+    """Until table_jit's compiled loops are loaded (a server's start loads
+    them on a thread), tables are checked and split by plan's numpy twins:
+    the same bytes, the same refusals."""
+    from pegaflow.kernels import cuda as backend
+
+    k = kernels.backend("cuda")
+    calls: list[str] = []
+    saved = table_jit.ready, backend.descriptor_table, backend.split_table
+
+    def counted(name: str, fn: Callable) -> Callable:
+        return lambda *a: calls.append(name) or fn(*a)
+
+    table_jit.ready = lambda: False
+    backend.descriptor_table = counted("check", saved[1])
+    backend.split_table = counted("split", saved[2])
+    try:
+        alloc = host_alloc(k)
+        for case in all_cases()[:4]:
+            check(case, run_case(k, case, alloc, alloc))
+        rejects_bad_requests()
+    finally:
+        table_jit.ready, backend.descriptor_table, backend.split_table = saved
+    assert {"check", "split"} <= set(calls), calls
+
+
 def main(shard: int, shards: int) -> dict[str, str]:
     k = kernels.backend("cuda")
     assert k.SIMULATED, "simulator not active"
+    table_jit.compiled()  # every case below on the compiled checks
     alloc = host_alloc(k)
     jobs: list[tuple[str, Callable[[], None]]] = [
         ("shim_installed", shim_installed),
         ("rejects_bad_requests", rejects_bad_requests),
         ("tables_per_stream_object", tables_per_stream_object),
         ("a_waiting_stream_holds_no_other", a_waiting_stream_holds_no_other),
+        ("numpy_checks_before_compiled_loops", numpy_checks_before_compiled_loops),
     ]
     for case in all_cases():
         jobs.append((case.name, lambda c=case: check(c, run_case(k, c, alloc, alloc))))

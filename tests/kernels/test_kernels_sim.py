@@ -20,7 +20,7 @@ from tests.kernels.kernel_cases import all_cases
 RUNNER = Path(__file__).with_name("sim_runner.py")
 SHARDS = 2
 NAMES = ["shim_installed", "rejects_bad_requests", "tables_per_stream_object"]
-NAMES += ["a_waiting_stream_holds_no_other"]
+NAMES += ["a_waiting_stream_holds_no_other", "numpy_checks_before_compiled_loops"]
 NAMES += [c.name for c in all_cases()]
 
 
