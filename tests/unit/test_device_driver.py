@@ -81,3 +81,62 @@ def test_a_failed_launch_names_the_cuda_error(monkeypatch, streams) -> None:
     )  # fmt: skip
     with pytest.raises(device_driver.CudaError, match="kernel launch: .*INVALID_VALUE"):
         streams().launch(1, 32, (0,) * 8)
+
+
+@pytest.fixture
+def no_gpu_context(monkeypatch):
+    """kernel_function's context and architecture calls, without a GPU."""
+    monkeypatch.setattr(device_driver, "_functions", {})
+    monkeypatch.setattr(device_driver.rt, "cudaFree", lambda p: (0,))
+    monkeypatch.setattr(
+        device_driver.dr, "cuCtxGetCurrent",
+        lambda: (d.CUresult.CUDA_SUCCESS, d.CUcontext(77)),
+    )  # fmt: skip
+    monkeypatch.setattr(device_driver, "_arch", lambda: "sm_90")
+
+
+def test_a_cached_image_the_driver_refuses_is_compiled_again(
+    monkeypatch, no_gpu_context
+) -> None:
+    asked = []
+
+    def load_or_compile(arch, compile_image, fresh=False):
+        asked.append(fresh)
+        return (b"fresh" if fresh else b"stale", "entry")
+
+    def load(image):
+        if image == b"stale":
+            return (d.CUresult.CUDA_ERROR_INVALID_IMAGE, None)
+        return (d.CUresult.CUDA_SUCCESS, d.CUmodule(5))
+
+    monkeypatch.setattr(device_driver.cubin_cache, "load_or_compile", load_or_compile)
+    monkeypatch.setattr(device_driver.dr, "cuModuleLoadData", load)
+    monkeypatch.setattr(
+        device_driver.dr, "cuModuleGetFunction",
+        lambda module, name: (d.CUresult.CUDA_SUCCESS, d.CUfunction(9)),
+    )  # fmt: skip
+    first = device_driver.kernel_function()
+    assert asked == [False, True] and int(first) == 9
+    assert device_driver.kernel_function() is first  # once per context
+    assert asked == [False, True]
+
+
+def test_importing_the_cuda_backend_imports_no_numba_cuda() -> None:
+    """A warm restart's GPU half must not pay numba-cuda's import (~1.5 s on
+    the H100 host): only a compile of the kernel brings it in."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pegaflow import kernels; k = kernels.backend('cuda'); "
+        "assert not k.SIMULATED; kernels.table_jit.compiled(); "
+        "print(sorted(m for m in sys.modules if m.startswith('numba.cuda')))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env,
+        timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
