@@ -2,8 +2,11 @@
 engine KV memory and pool slots in one launch.
 
 Two backends expose the same functions: `cpu` (numpy/numba-CPU, always
-importable, the reference) and `cuda` (numba CUDA; importing it imports
-numba.cuda). Pick one once from config with `backend()`; never probe per call.
+importable, the reference) and `cuda` (the copy kernel written in numba CUDA,
+loaded and launched through the driver: importing it imports cuda-python,
+and numba-cuda only under the simulator or to compile the kernel once, see
+cubin_cache). Pick one once from config with `backend()`; never probe per
+call.
 
     k = backend("cuda")
     engine = k.wrap(ipc_pointer, size)                  # device memory
