@@ -139,7 +139,8 @@ def qwen3_next(root: Path) -> Path:
     """Gated DeltaNet (linear attention: MambaSpec groups, align mode) on two
     layers, full attention on two. The CPU build needs bf16, linear key/value
     head dims 128 and at least one MoE layer (layer 3 here); vLLM raises the
-    block size to 160 here, so an attention page holds a Mamba state page."""
+    block size to 288 here (with the float32 SSM state the case names), so an
+    attention page holds a Mamba state page."""
     from transformers import Qwen3NextConfig
 
     config = Qwen3NextConfig(
