@@ -157,7 +157,7 @@ def _decode(data: bytes, path: Path) -> tuple[bytes, str] | None:
     return rest[name_len:], entry
 
 
-def encode(cubin: bytes, entry: str) -> bytes:
+def _encode(cubin: bytes, entry: str) -> bytes:
     rest = entry.encode("ascii") + cubin
     return _HEADER.pack(MAGIC, hashlib.sha256(rest).digest(), len(entry)) + rest
 
@@ -174,7 +174,7 @@ def _write(directory: Path, path: Path, cubin: bytes, entry: str) -> None:
             0o600,
         )  # fmt: skip
         try:
-            data = memoryview(encode(cubin, entry))
+            data = memoryview(_encode(cubin, entry))
             while data:
                 data = data[os.write(fd, data) :]
         finally:

@@ -136,7 +136,8 @@ def _default_blocks() -> int:
 
 
 def _table(rows: int) -> Any:
-    return device.table(rows, TABLE_MIN_ROWS)
+    """A stream's descriptor table for at least `rows` (a power of two)."""
+    return device.Table(max(TABLE_MIN_ROWS, 1 << (rows - 1).bit_length()))
 
 
 class CudaKernels(CopyKernels):
@@ -150,7 +151,7 @@ class CudaKernels(CopyKernels):
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()  # guards the dict of streams only
-        table_jit.load_in_background()  # numpy checks meanwhile (_checked, _split)
+        table_jit.load_in_background()  # numpy twins meanwhile (_checked, _launch)
 
     def _tables(self, stream: Any) -> StreamTables:
         with self._lock:

@@ -176,8 +176,8 @@ class Table:
 
     __slots__ = ("arg", "cap", "done", "mem", "rows")
 
-    def __init__(self, rows: int, min_rows: int) -> None:
-        self.cap = max(min_rows, 1 << (rows - 1).bit_length())
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
         self.mem = MappedHost(3 * 8 * self.cap)
         self.rows = self.mem.array.view(np.int64).reshape(3, self.cap)
         self.done = Event()
@@ -226,10 +226,6 @@ def synchronize(stream: Stream) -> None:
     stream.synchronize()
 
 
-def table(rows: int, min_rows: int) -> Table:
-    return Table(rows, min_rows)
-
-
 def launch(
     blocks: int, threads: int, stream: Stream, src: Buffer, dst: Buffer,
     tab: Table, n: int, width: int,
@@ -238,16 +234,8 @@ def launch(
     stream.launch(blocks, threads, (a, b, a, b, tab.arg, n, tab.cap, width))
 
 
-_sm_counts: dict[int, int] = {}
-
-
 def sm_count() -> int:
     """Streaming multiprocessors of the current device."""
     device = check(rt.cudaGetDevice(), "cudaGetDevice")
-    count = _sm_counts.get(device)
-    if count is None:
-        attr = rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount
-        count = _sm_counts[device] = int(
-            check(rt.cudaDeviceGetAttribute(attr, device), "SM count")
-        )
-    return count
+    attr = rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount
+    return int(check(rt.cudaDeviceGetAttribute(attr, device), "SM count"))

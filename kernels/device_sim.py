@@ -44,15 +44,11 @@ def synchronize(stream: Any) -> None:
 class Table:
     __slots__ = ("arg", "cap", "done", "rows")
 
-    def __init__(self, rows: int, min_rows: int) -> None:
-        self.cap = max(min_rows, 1 << (rows - 1).bit_length())
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
         self.arg = cuda.mapped_array(3 * self.cap, np.int64)
         self.rows = np.asarray(self.arg).reshape(3, self.cap)
         self.done = cuda.event()
-
-
-def table(rows: int, min_rows: int) -> Table:
-    return Table(rows, min_rows)
 
 
 def launch(

@@ -257,6 +257,9 @@ def _compile() -> tuple[Callable[..., Any], ...]:
     )
 
 
+compiled.__wrapped__ = _compile  # type: ignore[attr-defined]  # a fresh compile
+
+
 def checked_table(src: Any, dst: Any, t: Any) -> np.ndarray:
     """descriptor_table's int64 [3, n] (src offset, dst offset, nbytes), every
     range checked, by one compiled call; InternalError naming the field and
@@ -273,9 +276,6 @@ def checked_table(src: Any, dst: Any, t: Any) -> np.ndarray:
         descriptor_table(src, dst, t)
         raise InternalError("transfers: refused by the compiled check only")
     return table
-
-
-compiled.__wrapped__ = _compile  # type: ignore[attr-defined]  # a fresh compile
 
 
 def split_rows(table: np.ndarray, rows: int, min_piece: int) -> tuple[int, int]:
