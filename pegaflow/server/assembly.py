@@ -421,6 +421,8 @@ async def serve(config: ServerConfig) -> None:
         if running.http
         else "off"
     )
+    for handler in logging.getLogger().handlers:  # the start's lines before READY
+        handler.flush()
     print(f"READY grpc={host}:{running.port} http={http} pid={os.getpid()}", flush=True)
     logger.info("serving on %s:%d (http %s)", host, running.port, http)
     await stop.wait()
