@@ -9,14 +9,17 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import IO
 
 from pegaflow.demo.spawn import spawn_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_server(*args: str) -> tuple[subprocess.Popen, str]:
-    return spawn_server("--no-http", "--log-level", "warning", *args)
+def start_server(
+    *args: str, stderr: IO[bytes] | None = None
+) -> tuple[subprocess.Popen, str]:
+    return spawn_server("--no-http", "--log-level", "warning", *args, stderr=stderr)
 
 
 def metric_lines(http: str, timeout: float = 10) -> list[str]:

@@ -26,6 +26,7 @@ import os
 import secrets
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -150,11 +151,29 @@ class CudaReader:
         }
 
 
+def _start_steps(log: str) -> dict[str, str]:
+    """The restarted server's own account of its start (pegaflow.server.
+    start_clock): its steps to READY, and the CUDA bring-up's."""
+    out = {}
+    for line in log.splitlines():
+        for key, marker in (
+            ("server_start", "started in "),
+            ("cuda_bringup", "CUDA copy engine ready in "),
+            ("pinned", "pool pinned for the GPUs: "),
+            ("checked", "pool file: checked in "),
+            ("xxh3", "xxh3 row loop compiled in "),
+        ):
+            if marker in line:  # the log's clock (ms) ends each: when it came
+                out[key] = f"{line.split(marker, 1)[1]} (at {line[11:23]})"
+    return out
+
+
 def _first_hit(
     flags: list[str], eng: Engine, acked: list[bytes], gpus: list[CudaReader]
 ) -> dict:
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (read after the stop, then closed)
     start = time.perf_counter()
-    proc, addr = start_server(*flags)
+    proc, addr = start_server(*flags, "--log-level", "info", stderr=log)
     ready = time.perf_counter() - start
     readers = [  # beside the host engine, as GPU engines would start
         threading.Thread(target=gpu.first_hit, args=(addr, start, acked, eng))
@@ -179,6 +198,9 @@ def _first_hit(
         reader.join()
     proc.send_signal(signal.SIGTERM)
     proc.wait(120)
+    log.seek(0)
+    steps = _start_steps(log.read().decode(errors="replace"))
+    log.close()
     return {
         "ready_s": round(ready, 2),
         "first_hit_s": round(hit_s, 2),
@@ -186,6 +208,7 @@ def _first_hit(
         "all_hit_s": round(all_s, 2),
         "hits": hits,
         **{k: v for gpu in gpus for k, v in gpu.got.items()},
+        **steps,
     }
 
 
@@ -259,6 +282,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default=None)
     p.add_argument(
+        "--stops", default="sigterm,sigkill", help="how the first server stops"
+    )
+    p.add_argument(
         "--cuda-reader",
         action="store_true",
         help="also time two GPU engines' first hits, on the first and on the "
@@ -271,7 +297,7 @@ def main() -> None:
     rows = [
         run(s, m, args.fill, args.dir, gpus)
         for s in sizes
-        for m in ("sigterm", "sigkill")
+        for m in args.stops.split(",")
     ]
     cols = ["pool_gib", "stop", "acked_blocks", "ready_s", "first_hit_s", "all_hit_s"]
     if gpus:

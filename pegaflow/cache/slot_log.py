@@ -114,12 +114,14 @@ class SlotLog:
         self._pending = 0  # rows queued for sealing, not yet sealed or dropped
         self._idle = threading.Condition(self._lock)
         self.sealed = 0
-        # Compiled now, at the server's start, not in the sealer's first run:
-        # importing numba and compiling the loop holds the GIL for seconds
-        # (ctypes' dlopen of llvmlite's 168 MB library holds it whole), and
-        # on a busy host that stalled the event loop, with an engine's first
-        # saves on it, for 13 s (a PP 2 engine's saves timed out).
-        checksum_rows.warm()
+        # Compiled on a thread of its own, never in the sealer's run: in
+        # the sealer's first run (a loop compiled there for another argument
+        # type) numba's import and compile held the GIL on a busy host for
+        # 13 s, with an engine's first saves on the event loop (a PP 2
+        # engine's saves timed out). Not before the server serves either: a
+        # restart's first answer waited ~1 s for it. Until it is ready the
+        # sealer hashes a python-xxhash call per slot.
+        checksum_rows.warm_in_background()
         self._thread = threading.Thread(
             target=self._seal_forever, name="pegaflow-sealer", daemon=True
         )

@@ -14,6 +14,14 @@ run hashes in one stretch without the GIL, bytes as
 The loop is compared with python-xxhash once, when compiled. Where that
 library lacks the symbols (another build of python-xxhash), numba is absent
 or the comparison fails (warned), rows() makes one xxh3_64_parts call per row.
+
+Only warm() compiles, never a caller of rows(): importing numba and compiling
+holds the GIL for about a second (ctypes' dlopen of llvmlite's 168 MB library
+holds it whole), which must not land in a writer's run. A server compiles on
+a thread of its own once it serves (warm_in_background): compiling first put
+~1 s of a restarted server's ~1.6 s before READY (dev VM, 2026-12-06); until
+the loop is ready, rows() hashes one python-xxhash call per row, the same
+values.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import ctypes
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -149,7 +158,7 @@ def _rows(addrs: np.ndarray, lengths: int | np.ndarray) -> np.ndarray:
         raise ValueError("lengths: need byte counts (integers, none negative)")
     sizes = np.array(np.broadcast_to(sizes, addrs.shape), np.uint64, order="C")
     out = np.empty(len(addrs), np.uint64)
-    native = _native()
+    native = _native() if _warmed.is_set() else None  # never compiled here
     if native is not None:
         lib, rows_into = native
         rows_into(_state(lib), addrs, sizes, out)
@@ -163,14 +172,37 @@ def _rows(addrs: np.ndarray, lengths: int | np.ndarray) -> np.ndarray:
     return out
 
 
+_warmed = threading.Event()  # warm() compiled (or gave up on) the loop
+_warming_lock = threading.Lock()
+_warming: threading.Thread | None = None
+
+
 def warm() -> bool:
-    """Compile and check the loop now, not in a writer's first run: whether
-    the compiled loop is what rows() uses. One row through rows() itself, so
+    """Compile and check the loop now, on this thread: whether the compiled
+    loop is what rows() uses from now on. One row through rows() itself, so
     the loop compiled is the one rows() calls (the check above calls it with
     arrays of its own); through _rows, so a caller's count of rows() calls
     sees only its own."""
-    if _native() is None:
-        return False
+    start = time.perf_counter()
+    try:
+        if _native() is None:
+            return False
+    finally:
+        _warmed.set()
     data = np.zeros(16, np.uint8)
     _rows(np.array([[data.ctypes.data]], np.uint64), 16)
+    logger.info("xxh3 row loop compiled in %.2f s", time.perf_counter() - start)
     return True
+
+
+def warm_in_background() -> threading.Thread:
+    """warm() on a thread of its own, started once per process (later calls
+    return the same thread); rows() hashes without it until it is done."""
+    global _warming
+    with _warming_lock:
+        if _warming is None:
+            _warming = threading.Thread(
+                target=warm, name="pegaflow-xxh3-warm", daemon=True
+            )
+            _warming.start()
+        return _warming

@@ -39,6 +39,7 @@ from pegaflow.tiers.protocol import Tier
 from pegaflow.tiers.ssd_link import SsdLink
 
 from . import gc_freeze as gcpolicy
+from . import start_clock
 from .compat_metrics import OriginalMetrics, OriginalSsdMetrics
 from .cuda_bringup import CudaBringUp
 from .engine import Engine
@@ -118,6 +119,7 @@ async def _assemble(
     config: ServerConfig, undo: contextlib.AsyncExitStack
 ) -> RunningServer:
     ordinals = _cuda_devices(config.cuda)
+    start_clock.mark("gpu probe")
     remote_host = None
     if config.remote is not None:  # before anything binds: a bad --addr fails fast
         from pegaflow.tiers.remote import bringup
@@ -133,6 +135,7 @@ async def _assemble(
     http = _bind_http(config.http_addr) if config.http_addr is not None else None
     if http is not None:
         undo.callback(http.server_close)
+    start_clock.mark("bind")
     engine, cuda, recovery, health_doc, built = _bring_up(
         config, ordinals, metrics, undo
     )
@@ -182,6 +185,7 @@ async def _assemble(
         socket_server = await start_socket_server(socket_path, engine, info)
         undo.callback(_close_socket_server, socket_server, socket_path)
     await server.start()
+    start_clock.mark("grpc start")
     for tier in built:  # after the start: on few cores it would slow it down
         if isinstance(tier, PoolCheck):
             tier.start(asyncio.get_running_loop(), config.pool.prefault_threads)
@@ -230,6 +234,7 @@ def _bring_up(
             tier.close()
         raise
     undo.callback(pool.close)
+    start_clock.mark("pool")
     if tier is not None:  # the tier reads pool slots: it closes first
         undo.callback(tier.close)
     copiers: dict[RegionKind, CopyEngine] = {
@@ -242,6 +247,8 @@ def _bring_up(
         cuda = _cuda_bringup(config.cuda, pool, ordinals, copiers, metrics)
         undo.callback(cuda.join, CUDA_JOIN_S)  # before the pool unpins
         engine.cuda_ready = cuda.ready
+        if pool.file is not None and not pool.file.fresh:
+            cuda.hold_pins_until_released()  # by the kept blocks' check, below
         if route is not None and route.route == "direct":
             try:  # the SSD tier's direct route needs it built
                 cuda.run_now()
@@ -251,6 +258,7 @@ def _bring_up(
                 ) from exc
         else:
             cuda.start(asyncio.get_running_loop())
+    start_clock.mark("engine")
     built: list[Tier] = []  # the engine's tiers, in the order they were built
     link = None
     if tier is not None:  # at most half the pool waits for the SSD writers
@@ -266,6 +274,12 @@ def _bring_up(
             undo.push_async_callback(check.close)
             built.append(check)
             engine.add_tier(check)  # started once the server serves
+        if cuda is not None:
+            if check is None:
+                cuda.release_pins()
+            else:
+                check.when_done(cuda.release_pins)
+        start_clock.mark("pool file rows")
     if route is not None:
         logger.info(
             "ssd hits of cuda engines: the %s route (%s)", route.route, route.reason
@@ -421,9 +435,15 @@ async def serve(config: ServerConfig) -> None:
         if running.http
         else "off"
     )
+    start_clock.mark("serving")
+    logger.info("started in %s", start_clock.describe())
     for handler in logging.getLogger().handlers:  # the start's lines before READY
         handler.flush()
-    print(f"READY grpc={host}:{running.port} http={http} pid={os.getpid()}", flush=True)
+    took = f"start_s={start_clock.since_exec_now():.2f}"
+    print(
+        f"READY grpc={host}:{running.port} http={http} pid={os.getpid()} {took}",
+        flush=True,
+    )
     logger.info("serving on %s:%d (http %s)", host, running.port, http)
     await stop.wait()
     logger.info("stopping")

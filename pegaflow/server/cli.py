@@ -21,7 +21,7 @@ from pegaflow.common.settings import (
 )
 from pegaflow.daemon.startup import StartupError
 
-from . import compat_flags, remote_flags
+from . import compat_flags, remote_flags, start_clock
 from .server_config import ServerConfig
 from .server_flags import build_parser, flag_message
 
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         from .status_command import main as status_main
 
         return status_main(argv[1:])
+    start_clock.mark("interpreter and imports")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.enable_prometheus and args.no_http:
@@ -205,7 +206,10 @@ def _run(
     from pegaflow.cache.pool_file import PoolFileError
     from pegaflow.gds import SsdError
 
+    start_clock.mark("flags")
     from .assembly import serve  # grpc/numpy import after argument errors
+
+    start_clock.mark("server imports")
 
     try:
         asyncio.run(serve(config))

@@ -31,6 +31,8 @@ import numpy as np
 from pegaflow.cache.pin_chunks import ChunkPins
 from pegaflow.common.errors import DeviceBroken
 
+from . import start_clock
+
 logger = logging.getLogger(__name__)
 
 Build = Callable[[ChunkPins], Any]  # the CUDA copy engine, over the pins
@@ -55,10 +57,16 @@ class CudaBringUp:
         self._pin, self._warm, self._build, self._install = pin, warm, build, install
         self._needs = np.asarray(needs, np.int64)
         self._done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        # Set: the rest of the pool may pin once the engine is built. A
+        # restart holds it until its check of the kept blocks is done
+        # (hold_pins_until_released).
+        self._pins_gate = threading.Event()
+        self._pins_gate.set()
         self._thread: threading.Thread | None = None
         self._pins: ChunkPins | None = None
         self._stopping = False
         self.seconds: float | None = None  # start -> built, for the log and /health
+        self.steps: dict[str, float] = {}  # step -> its end, seconds since exec
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._thread = threading.Thread(
@@ -87,15 +95,19 @@ class CudaBringUp:
             with concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="pegaflow-cuda-warm"
             ) as side:
-                warmed = side.submit(self._warm)
+                warmed = side.submit(self._step, "kernel loaded", self._warm)
                 if loop is None:
                     pins.release()
                     pins.wait_all()
                 else:
                     pins.wait(self._needs, None, "the CUDA copy engine's start")
+                self._step("first chunks pinned", lambda: None)
                 warmed.result()
-            pins.release()
-            engine = self._build(pins)
+            # Built before the rest of the pool pins: its driver calls (streams,
+            # the pool's device alias, a warm-up launch) queued behind 8
+            # threads' cudaHostRegister of 1 GiB chunks; at 48 GiB a GPU
+            # engine registered 3-4 s after the host's first hit (H200).
+            engine = self._step("built", lambda: self._build(pins))
         except BaseException as exc:  # kept, and named to CUDA engines
             pinning = None if self._pins is None else self._pins.failure
             cause = pinning or exc  # the cause, not the wait that saw it
@@ -107,10 +119,12 @@ class CudaBringUp:
             return
         self.seconds = time.perf_counter() - start
         logger.info(
-            "CUDA copy engine ready in %.2f s (pool chunks pinned: %d of %d)",
+            "CUDA copy engine ready in %.2f s (pool chunks pinned: %d of %d); "
+            "seconds since exec: %s",
             self.seconds,
             int(pins.pinned.sum()),
             pins.count,
+            ", ".join(f"{step} {at:.2f}" for step, at in self.steps.items()),
         )
         if loop is None:
             self._install(engine)
@@ -125,6 +139,26 @@ class CudaBringUp:
             loop.call_soon_threadsafe(install)
         except RuntimeError:  # the loop closed: the server stopped meanwhile
             self._done.set_result(engine)
+        self._pins_gate.wait()
+        pins.release()
+
+    def hold_pins_until_released(self) -> None:
+        """Before start(): after the build, pin only the chunks copies ask
+        for until release_pins(). A restart's check of its kept blocks reads
+        the pool while the rest of it would pin: beside 8 threads' 1 GiB
+        cudaHostRegister calls, a host engine's first hit and a GPU engine's
+        registration both waited for the whole pool to pin (3.5 / 7 s
+        after the exec at 16 / 48 GiB, H100, 2026-12-06)."""
+        self._pins_gate.clear()
+
+    def release_pins(self) -> None:
+        """Pin the rest of the pool now (the restart's check is done)."""
+        self._pins_gate.set()
+
+    def _step(self, name: str, fn: Callable[[], Any]) -> Any:
+        result = fn()
+        self.steps[name] = start_clock.since_exec_now()
+        return result
 
     async def ready(self) -> None:
         """Once the copy engine serves; DeviceBroken naming the cause if it
@@ -185,6 +219,7 @@ class CudaBringUp:
         ones being pinned finish; the rest are dropped), and the start is
         given `timeout_s` to end."""
         self._stopping = True
+        self._pins_gate.set()  # a thread waiting on it ends (stop() pins no more)
         if self._pins is not None:
             self._pins.stop()
         if self._thread is not None:

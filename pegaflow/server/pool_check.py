@@ -113,7 +113,16 @@ class PoolCheck(Tier):
         self._threads: list[threading.Thread] = []
         self._apply: Callable[[np.ndarray, np.ndarray], None] = self._publish
         self._started = time.perf_counter()
+        self._when_done: list[Callable[[], None]] = []
         report.unchecked = len(pending.entries)
+
+    def when_done(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the event loop) once every block was checked;
+        at once if none is left."""
+        if self.outcome.check_seconds is not None:
+            callback()
+        else:
+            self._when_done.append(callback)
 
     # -- the tier ---------------------------------------------------------------
     def lookup(self, inst: Instance, hashes: list[BlockHash], start: int) -> Lookup:
@@ -266,6 +275,9 @@ class PoolCheck(Tier):
             r.bytes / (1 << 30),
             r.bad_checksum,
         )
+        callbacks, self._when_done = self._when_done, []
+        for callback in callbacks:
+            callback()
 
 
 def _drop(batch: np.ndarray, ok: np.ndarray) -> None:

@@ -18,7 +18,7 @@ from tests.gil import turns_while
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "fallback":
         monkeypatch.setattr(checksum_rows, "_native", lambda: None)
-    elif checksum_rows._native() is None:
+    elif not checksum_rows.warm():
         pytest.skip("no numba or no XXH3 state API in python-xxhash here")
     return str(request.param)
 
@@ -159,3 +159,45 @@ def test_a_library_that_hashes_otherwise_is_not_used(
         assert checksum_rows.rows(slots, 5000).tolist() == want
     finally:
         checksum_rows._native.cache_clear()
+
+
+def test_rows_never_compile_on_the_callers_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before warm() ran, rows() hashes through python-xxhash: compiling there
+    held the GIL for seconds in a writer's run (the event loop with it)."""
+
+    def no_compile() -> None:
+        raise AssertionError("rows() compiled the loop on the caller's thread")
+
+    monkeypatch.setattr(checksum_rows, "_warmed", threading.Event())
+    monkeypatch.setattr(checksum_rows, "_native", no_compile)
+    slots, _pool, want = _rows(np.random.default_rng(4), 5, 3, 700)
+    assert checksum_rows.rows(slots, 700).tolist() == want
+
+
+def test_a_background_warm_hands_rows_the_compiled_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """warm_in_background() compiles on its own thread, once per process;
+    rows() takes the loop from then on (its values the same)."""
+    if importlib.util.find_spec("numba") is None:
+        pytest.skip("numba is not installed here")
+    monkeypatch.setattr(checksum_rows, "_warmed", threading.Event())
+    monkeypatch.setattr(checksum_rows, "_warming", None)
+    calls = {"native": 0}
+    real = checksum_rows._native
+
+    def counted() -> object:
+        calls["native"] += 1
+        return real()
+
+    monkeypatch.setattr(checksum_rows, "_native", counted)
+    first = checksum_rows.warm_in_background()
+    assert checksum_rows.warm_in_background() is first
+    first.join(120)
+    assert first.name == "pegaflow-xxh3-warm" and not first.is_alive()
+    before = calls["native"]
+    slots, _pool, want = _rows(np.random.default_rng(5), 4, 2, 3000)
+    assert checksum_rows.rows(slots, 3000).tolist() == want
+    assert calls["native"] == before + 1  # rows() went to the compiled loop

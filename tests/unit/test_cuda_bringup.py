@@ -11,6 +11,7 @@ import asyncio
 import threading
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from pegaflow.cache.pin_chunks import ChunkPins
@@ -26,8 +27,12 @@ class Steps:
     """The pool's chunk 0 and warm each block until released (pinning any
     chunk listed in `held` too); build returns a marker, noting the pins."""
 
-    def __init__(self, fail: int | None = None, held: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, fail: int | None = None, held: tuple[int, ...] = (), hold: bool = False
+    ) -> None:
+        """hold: pins held as the server's start makes them (ChunkPins hold)."""
         self.registrar = FakeRegistrar(held=(0, *held), fail=fail)
+        self.hold = hold
         self.warm_started = threading.Event()
         self.released = threading.Event()
         self.installed: list[object] = []
@@ -41,7 +46,9 @@ class Steps:
         self.registrar.release(0)
 
     def pin(self) -> ChunkPins:
-        self.pins = ChunkPins(self.registrar.base, 8 * CHUNK, self.registrar)
+        self.pins = ChunkPins(
+            self.registrar.base, 8 * CHUNK, self.registrar, hold=self.hold
+        )
         self.pins.start()
         return self.pins
 
@@ -218,5 +225,77 @@ def test_a_stop_mid_pinning_pins_no_more() -> None:
         assert steps.registrar.registered == [0, 1]
         await asyncio.sleep(0.05)
         assert steps.registrar.started == [0, 1]
+
+    asyncio.run(scenario())
+
+
+def test_the_copy_engine_is_built_before_the_rest_of_the_pool_pins() -> None:
+    """Only the chunks the start asked for are pinned until the copy engine
+    is built: its driver calls queued behind the other chunks'
+    cudaHostRegister (a GPU engine registered 3-4 s after the host engine's
+    first hit at 48 GiB, H200). The rest pin right after."""
+    steps = Steps(hold=True)
+    seen: list[list[int]] = []
+
+    def build(pins: ChunkPins) -> object:
+        with steps.registrar.began:  # a pinning thread let go would start at once
+            steps.registrar.began.wait_for(lambda: 1 in steps.registrar.started, 0.5)
+            seen.append(list(steps.registrar.started))
+        return steps.built
+
+    steps.build = build  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        bringup = steps.bringup()
+        bringup.start(asyncio.get_running_loop())
+        steps.release()
+        await asyncio.wait_for(bringup.ready(), WAIT_S)
+        await asyncio.to_thread(steps.pins.wait_all)
+        bringup.join(WAIT_S)
+
+    asyncio.run(scenario())
+    assert seen == [[0]], f"chunks started before the build: {seen}"
+    assert sorted(steps.registrar.registered) == list(range(8))
+
+
+def test_a_restart_holds_the_rest_of_the_pool_until_its_check_is_done() -> None:
+    """hold_pins_until_released: after the build only the chunks copies ask
+    for pin (a restart's check reads the pool meanwhile: beside the bulk
+    pinning, its first hit and a GPU registration waited for the whole pool);
+    release_pins lets the rest pin."""
+    steps = Steps(hold=True)
+
+    async def scenario() -> None:
+        bringup = steps.bringup()
+        bringup.hold_pins_until_released()
+        bringup.start(asyncio.get_running_loop())
+        steps.release()
+        await asyncio.wait_for(bringup.ready(), WAIT_S)
+        with steps.registrar.began:
+            steps.registrar.began.wait_for(lambda: 1 in steps.registrar.started, 0.5)
+        assert steps.registrar.started == [0]
+        asked = np.array([5])
+        await asyncio.to_thread(steps.pins.wait, asked, None, "a copy")
+        assert sorted(steps.registrar.started) == [0, 5]  # asked for: pinned
+        bringup.release_pins()
+        await asyncio.to_thread(steps.pins.wait_all)
+        bringup.join(WAIT_S)
+
+    asyncio.run(scenario())
+    assert sorted(steps.registrar.registered) == list(range(8))
+
+
+def test_a_stop_while_pins_are_held_ends_the_bringup() -> None:
+    """join() lets a bring-up thread waiting on held pins end."""
+    steps = Steps(hold=True)
+
+    async def scenario() -> None:
+        bringup = steps.bringup()
+        bringup.hold_pins_until_released()
+        bringup.start(asyncio.get_running_loop())
+        steps.release()
+        await asyncio.wait_for(bringup.ready(), WAIT_S)
+        bringup.join(WAIT_S)
+        assert not bringup._thread.is_alive()
 
     asyncio.run(scenario())

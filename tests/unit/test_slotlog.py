@@ -255,3 +255,72 @@ def test_a_damaged_slot_or_row_fails_its_checksum_and_is_dropped(
             assert np.array_equal(pool.view(found[0].slots[0], SLOT), want[i])
     assert pool.file.table["state"][[rows[3], rows[5]]].tolist() == [FREE, FREE]
     pool.close()
+
+
+def test_a_file_pool_opens_without_waiting_for_the_checksum_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sealer's compiled checksum loop (numba: ~1 s of a restart's ~1.6 s
+    to READY on the dev VM) is compiled beside the serving server: the pool
+    opens while the compile still runs, and seals meanwhile through
+    python-xxhash."""
+    import threading
+
+    from pegaflow.common import checksum_rows
+
+    release = threading.Event()
+
+    def slow_compile() -> None:  # stands in for numba, until released
+        release.wait(60)
+        return None
+
+    monkeypatch.setattr(checksum_rows, "_native", slow_compile)
+    monkeypatch.setattr(checksum_rows, "_warmed", threading.Event())
+    monkeypatch.setattr(checksum_rows, "_warming", None)
+    opened: list[HostPool] = []
+    opener = threading.Thread(target=lambda: opened.append(_pool(tmp_path / "p")))
+    opener.start()
+    opener.join(30)
+    try:
+        assert opened, "the pool waited for the checksum loop's compile"
+        assert not checksum_rows._warmed.is_set()
+        data = np.random.default_rng(3).integers(0, 256, 3 * SLOT, np.uint8)
+        want = [
+            xxhash.xxh3_64_intdigest(data[i * SLOT : (i + 1) * SLOT]) for i in range(3)
+        ]
+        addrs = data.ctypes.data + np.arange(3, dtype=np.uint64)[:, None] * SLOT
+        assert checksum_rows.rows(addrs, SLOT).tolist() == want
+    finally:
+        release.set()
+        opener.join(30)
+        for pool in opened:
+            pool.close()
+
+
+def test_a_checks_callbacks_run_once_every_kept_block_was_checked(
+    tmp_path: Path,
+) -> None:
+    """PoolCheck.when_done: the server lets the rest of the pool pin for the
+    GPUs only once the restart's check is over; a callback given after that
+    runs at once."""
+    from pegaflow.server.warm_restart import find
+
+    path = tmp_path / "pool.bin"
+    pool = _pool(path)
+    store = BlockStore(pool.slabs, LRUPolicy())
+    hashes = [i.to_bytes(4, "little") for i in range(8)]
+    store.finish_save(store.reserve_save(_ns(), 0, hashes, np.arange(2)), True)
+    assert pool.log.drain(30)
+    pool.close()
+    pool = _pool(path)
+    store = BlockStore(pool.slabs, LRUPolicy())
+    check = find(pool, store, Recovered(Registry({})))
+    assert check is not None
+    calls: list[str] = []
+    check.when_done(lambda: calls.append("early"))
+    assert calls == []
+    check.run_here()
+    assert calls == ["early"] and check.outcome.unchecked == 0
+    check.when_done(lambda: calls.append("late"))
+    assert calls == ["early", "late"]
+    pool.close()
