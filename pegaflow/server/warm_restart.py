@@ -97,14 +97,17 @@ def find(
     if pool.file is None or pool.file.fresh:
         return None
     t = pool.file.table
-    state = t["state"]
+    # One strided read of the rows (a 4-byte field every 128 bytes), the
+    # passes below over 4 bytes a row: 3x quicker than each pass reading
+    # the table (4 GiB: 25-34 ms against 75-95, dev VM).
+    state = t["state"].copy()
     torn = int(np.count_nonzero(state == WRITING))
-    rows = _plausible(t, pool)
+    rows = _plausible(t, state, pool)
     unsealed = int(np.count_nonzero(state[rows] == LANDED))
     pending, kept, spaces, incomplete = _adopt(pool, store, recovered, rows)
-    reset = np.ones(len(t), bool)
-    reset[kept] = False
-    t["state"][reset & (state != FREE)] = FREE
+    stale = state != FREE
+    stale[kept] = False
+    t["state"][np.flatnonzero(stale)] = FREE
     blocks = len(pending.entries) + pending.ready
     report = RecoveryReport(
         blocks,
@@ -143,9 +146,10 @@ def recover(pool: HostPool, store: BlockStore, recovered: Recovered) -> Recovery
     return check.outcome
 
 
-def _plausible(t: np.ndarray, pool: HostPool) -> np.ndarray:
-    """Rows LANDED or SEALED whose fields describe a slot this pool can hold."""
-    idx = np.flatnonzero((t["state"] == LANDED) | (t["state"] == SEALED))
+def _plausible(t: np.ndarray, state: np.ndarray, pool: HostPool) -> np.ndarray:
+    """Rows LANDED or SEALED (`state`: the rows' states) whose fields
+    describe a slot this pool can hold."""
+    idx = np.flatnonzero((state == LANDED) | (state == SEALED))
     r = t[idx]
     off, n = r["offset"], r["slot_bytes"]
     slab = np.uint64(pool.slab_bytes)
