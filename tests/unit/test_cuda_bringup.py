@@ -258,6 +258,16 @@ def test_the_copy_engine_is_built_before_the_rest_of_the_pool_pins() -> None:
     assert sorted(steps.registrar.registered) == list(range(8))
 
 
+async def _held_and_ready(steps: Steps) -> CudaBringUp:
+    """A bring-up holding the bulk pinning (as a restart's does), built."""
+    bringup = steps.bringup()
+    bringup.hold_pins_until_released()
+    bringup.start(asyncio.get_running_loop())
+    steps.release()
+    await asyncio.wait_for(bringup.ready(), WAIT_S)
+    return bringup
+
+
 def test_a_restart_holds_the_rest_of_the_pool_until_its_check_is_done() -> None:
     """hold_pins_until_released: after the build only the chunks copies ask
     for pin (a restart's check reads the pool meanwhile: beside the bulk
@@ -266,11 +276,7 @@ def test_a_restart_holds_the_rest_of_the_pool_until_its_check_is_done() -> None:
     steps = Steps(hold=True)
 
     async def scenario() -> None:
-        bringup = steps.bringup()
-        bringup.hold_pins_until_released()
-        bringup.start(asyncio.get_running_loop())
-        steps.release()
-        await asyncio.wait_for(bringup.ready(), WAIT_S)
+        bringup = await _held_and_ready(steps)
         with steps.registrar.began:
             steps.registrar.began.wait_for(lambda: 1 in steps.registrar.started, 0.5)
         assert steps.registrar.started == [0]
@@ -290,11 +296,7 @@ def test_a_stop_while_pins_are_held_ends_the_bringup() -> None:
     steps = Steps(hold=True)
 
     async def scenario() -> None:
-        bringup = steps.bringup()
-        bringup.hold_pins_until_released()
-        bringup.start(asyncio.get_running_loop())
-        steps.release()
-        await asyncio.wait_for(bringup.ready(), WAIT_S)
+        bringup = await _held_and_ready(steps)
         bringup.join(WAIT_S)
         assert not bringup._thread.is_alive()
 
