@@ -34,6 +34,7 @@ class ServerProc:
     pid: int
     log: Path
     args: list[str] = field(default_factory=list)
+    start_s: float | None = None  # READY's: seconds from the exec to READY
 
     def get(self, path: str) -> tuple[int, bytes]:
         try:
@@ -102,7 +103,13 @@ def start_server(
         raise RuntimeError(f"server did not start: {line!r}\n{log.read_text()}")
     fields = dict(part.split("=", 1) for part in line.split()[1:])
     return ServerProc(
-        proc, fields["grpc"], fields["http"], int(fields["pid"]), log, argv
+        proc,
+        fields["grpc"],
+        fields["http"],
+        int(fields["pid"]),
+        log,
+        argv,
+        float(fields["start_s"]),
     )
 
 
