@@ -54,4 +54,5 @@ def test_a_servers_ready_line_and_log_name_its_start(tmp_path: Path) -> None:
     steps = dict(part.rsplit(" ", 1) for part in line.group(2).split(", "))
     assert {"interpreter and imports", "pool", "grpc start", "serving"} <= set(steps)
     assert abs(sum(map(float, steps.values())) - total) < 0.1
-    assert server.start_s is not None and abs(server.start_s - total) < 0.1
+    # READY comes after the log is flushed (at most 1 s on a stuck stderr)
+    assert server.start_s is not None and total - 0.01 <= server.start_s < total + 2
