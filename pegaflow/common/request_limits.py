@@ -48,7 +48,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import DeadlineExceeded, InvalidRequest, Overloaded
@@ -166,22 +166,11 @@ class LargeRequestGate:
     def waiting(self) -> int:
         return sum(not w.done() for w in self._waiters)
 
-    @contextlib.asynccontextmanager
-    async def admit(
-        self, descriptors: int, deadline: float | None = None
-    ) -> AsyncIterator[None]:
-        """deadline: time.monotonic() seconds; DeadlineExceeded once it passed
-        before the work could start (at once for a request already late)."""
-        if deadline is not None and time.monotonic() >= deadline:
-            raise DeadlineExceeded("deadline: passed before the copy could start")
-        if descriptors <= self.threshold:
-            yield
-            return
-        await self._acquire(descriptors, deadline)
-        try:
-            yield
-        finally:
-            self._release()
+    def admit(self, descriptors: int, deadline: float | None = None) -> _Admission:
+        """`async with gate.admit(n, deadline):` the work. deadline:
+        time.monotonic() seconds; DeadlineExceeded once it passed before the
+        work could start (at once for a request already late)."""
+        return _Admission(self, descriptors, deadline)
 
     async def _acquire(self, descriptors: int, deadline: float | None) -> None:
         if self._free and not self._waiters:
@@ -217,6 +206,35 @@ class LargeRequestGate:
                 turn.set_result(None)  # the slot passes straight to the next
                 return
         self._free += 1
+
+
+class _Admission:
+    """One request's pass through a LargeRequestGate. A class, not an
+    asynccontextmanager: every save and load enters one, and the async
+    generator behind that decorator cost ~10 us a request (asyncio's
+    first-iteration hook; dev VM, benchmarks/bookkeeping.py)."""
+
+    __slots__ = ("_deadline", "_descriptors", "_gate", "_held")
+
+    def __init__(
+        self, gate: LargeRequestGate, descriptors: int, deadline: float | None
+    ) -> None:
+        self._gate, self._descriptors, self._deadline = gate, descriptors, deadline
+        self._held = False
+
+    async def __aenter__(self) -> None:
+        deadline = self._deadline
+        if deadline is not None and time.monotonic() >= deadline:
+            raise DeadlineExceeded("deadline: passed before the copy could start")
+        if self._descriptors <= self._gate.threshold:
+            return
+        await self._gate._acquire(self._descriptors, deadline)
+        self._held = True
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._held:
+            self._held = False
+            self._gate._release()
 
 
 class RequestBytesBudget:

@@ -10,6 +10,7 @@ from pegaflow.cache.registration_checks import validate_layers
 from pegaflow.client.kv_layouts import describe, vllm_layer_views
 from pegaflow.common.errors import InvalidRequest
 from pegaflow.common.geometry import (
+    SMALL_IDS,
     KVGeometry,
     LayerLayout,
     Segment,
@@ -105,6 +106,23 @@ def test_check_block_ids() -> None:
         check_block_ids(np.array([0, 4]), 4, "block_ids")
     with pytest.raises(InvalidRequest, match="block id -1"):
         check_block_ids(np.array([-1]), 4, "block_ids")
+
+
+@pytest.mark.parametrize("n", [1, SMALL_IDS, SMALL_IDS + 1, 300])
+def test_check_block_ids_small_and_large_requests_alike(n: int) -> None:
+    """Few ids are checked as Python ints, many with numpy: the same verdict
+    and the same first bad id, whatever the dtype."""
+    for dtype in (np.int64, np.uint64, np.int32):
+        ids = np.arange(n, dtype=dtype)
+        check_block_ids(ids, n, "block_ids")
+        with pytest.raises(InvalidRequest, match=f"block id {n - 1} outside"):
+            check_block_ids(ids, n - 1, "block_ids")
+    huge = np.full(n, np.iinfo(np.uint64).max, np.uint64)
+    with pytest.raises(InvalidRequest, match="block id 18446744073709551615"):
+        check_block_ids(huge, 10, "block_ids")
+    negative = np.arange(n, dtype=np.int64) - 1
+    with pytest.raises(InvalidRequest, match="block id -1 outside"):
+        check_block_ids(negative, n + 1, "block_ids")
 
 
 def test_page_skew_follows_engine_alignment() -> None:
