@@ -247,7 +247,7 @@ def _bring_up(
         cuda = _cuda_bringup(config.cuda, pool, ordinals, copiers, metrics)
         undo.callback(cuda.join, CUDA_JOIN_S)  # before the pool unpins
         engine.cuda_ready = cuda.ready
-        if pool.file is not None and not pool.file.fresh:
+        if pool.file is not None:
             cuda.hold_pins_until_released()  # by the kept blocks' check, below
         if route is not None and route.route == "direct":
             try:  # the SSD tier's direct route needs it built

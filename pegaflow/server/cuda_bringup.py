@@ -101,7 +101,7 @@ class CudaBringUp:
                     pins.wait_all()
                 else:
                     pins.wait(self._needs, None, "the CUDA copy engine's start")
-                self._step("first chunks pinned", lambda: None)
+                self._mark("first chunks pinned")
                 warmed.result()
             # Built before the rest of the pool pins: its driver calls (streams,
             # the pool's device alias, a warm-up launch) queued behind 8
@@ -157,8 +157,11 @@ class CudaBringUp:
 
     def _step(self, name: str, fn: Callable[[], Any]) -> Any:
         result = fn()
-        self.steps[name] = start_clock.since_exec_now()
+        self._mark(name)
         return result
+
+    def _mark(self, name: str) -> None:
+        self.steps[name] = start_clock.since_exec_now()
 
     async def ready(self) -> None:
         """Once the copy engine serves; DeviceBroken naming the cause if it
