@@ -358,7 +358,7 @@ class BlockStore(TierLoads):
             self.counters.evictions += len(victims)
             got.append(self.slabs.allocate(cls, short))
             short -= len(got[-1])
-        return np.concatenate(got)
+        return got[0] if len(got) == 1 else np.concatenate(got)
 
     def _remove(self, keys: list[Key]) -> None:
         entries = list(map(self.entries.pop, keys))

@@ -9,6 +9,7 @@ import numpy as np
 SlotClass = tuple[int, int]  # (slot bytes, offset of slot 0 inside its slab)
 # Frees of this many slots go slab by slab (SlabAllocator._free_batch).
 _BATCH_FREE = 16
+_SMALL_TAKE = 16  # slots taken from one slab, addressed without numpy
 
 
 class SlabAllocator:
@@ -64,9 +65,15 @@ class SlabAllocator:
             # freed slots come back in any order): consecutive blocks then
             # coalesce into long iovecs (and DMA runs) with the engine's pages.
             take.sort()
-            out.append(start + np.asarray(take, np.uint64) * np.uint64(slot_bytes))
+            if len(take) <= _SMALL_TAKE:  # a 1-block save: Python ints are cheaper
+                out.append(np.array([start + i * slot_bytes for i in take], np.uint64))
+            else:
+                out.append(start + np.asarray(take, np.uint64) * np.uint64(slot_bytes))
             need -= len(take)
-        got = np.concatenate(out) if out else np.empty(0, np.uint64)
+        if len(out) == 1:
+            got = out[0]
+        else:
+            got = np.concatenate(out) if out else np.empty(0, np.uint64)
         self.used_bytes += len(got) * slot_bytes
         return got
 

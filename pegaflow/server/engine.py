@@ -437,14 +437,24 @@ class Engine:
         )
 
     def _sync_counters(self) -> None:
+        """The store's counters into the metrics. In a full pool every save
+        evicts: only the counters that moved are touched (labels() and
+        dataclasses.replace cost ~7 us a save, dev VM)."""
         c, seen = self.store.counters, self._seen
-        if c == seen:  # most saves evict and refuse nothing
+        if c == seen:  # a pool with room: nothing evicted or refused
             return
-        self.metrics.evictions.inc(c.evictions - seen.evictions)
-        rej = self.metrics.admission_rejections
-        rej.labels("tinylfu").inc(c.admission_rejections - seen.admission_rejections)
-        rej.labels("pool_full").inc(c.pool_full_rejections - seen.pool_full_rejections)
-        self._seen = dataclasses.replace(c)
+        if c.evictions != seen.evictions:
+            self.metrics.evictions.inc(c.evictions - seen.evictions)
+            seen.evictions = c.evictions
+        for kind, now, before in (
+            ("tinylfu", c.admission_rejections, seen.admission_rejections),
+            ("pool_full", c.pool_full_rejections, seen.pool_full_rejections),
+        ):
+            if now != before:
+                self.metrics.admission_rejections.labels(kind).inc(now - before)
+        seen.admission_rejections = c.admission_rejections
+        seen.pool_full_rejections = c.pool_full_rejections
+        seen.stale_dropped = c.stale_dropped
 
     def close(self) -> None:
         """After the tiers closed: their reads may use workers' mappings."""
