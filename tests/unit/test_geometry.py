@@ -157,6 +157,30 @@ def test_layer_rows_match_isin() -> None:
     assert back.src.tolist() == full.dst.tolist() and len(back) == 20
 
 
+def test_a_one_block_table_is_the_first_block_of_a_longer_one() -> None:
+    """The 1-block tables (1-D, sharing the page sizes) hold the rows a
+    2-block table holds for that block, and nothing can write through them."""
+    segs = (Segment(0, 1024), Segment(4096, 512))
+    layers = tuple(LayerLayout(0, i * 65536, 8, 8192, segs) for i in range(5))
+    g = KVGeometry(layers, [0x100000])
+    slots = np.array([0x900000, 0x800000], np.uint64)
+    for ids in (np.array([6, 2]), np.array([6, 2], np.int32)):
+        pairs = (
+            (g.slots_to_engine(slots[:1], ids[:1]), g.slots_to_engine(slots, ids)),
+            (
+                g.engine_to_slots(ids[:1], slots[:1], np.arange(5)),
+                g.engine_to_slots(ids, slots, np.arange(5)),
+            ),
+        )
+        for one, two in pairs:
+            for field in ("src", "dst", "nbytes"):
+                a, b = getattr(one, field), getattr(two, field)
+                assert a.dtype == np.uint64 and a.tolist() == b.tolist()[: len(a)]
+            assert len(one) == 10 and one.total_bytes == 5 * 1536
+            with pytest.raises(ValueError):
+                one.nbytes[0] = 1
+
+
 def _overlaps_by_brute_force(layers: tuple[LayerLayout, ...]) -> bool:
     pages = sorted(
         (lay.region_index, lay.offset + b * lay.block_stride + seg.offset, seg.size)
