@@ -99,8 +99,6 @@ class KVGeometry:
         self.layer_rows = np.repeat(np.arange(len(layers)), seg_counts)
         self._all_rows = np.arange(rows)
         self._layer_ids = np.arange(len(layers))
-        # A 1-block table shares this array (Transfers are never written).
-        self.seg_bytes.flags.writeable = False
 
     def engine_to_slots(
         self, block_ids: np.ndarray, slot_addrs: np.ndarray, layer_ids: np.ndarray
@@ -130,7 +128,8 @@ class KVGeometry:
             slot_offset, seg = self.slot_offset, self.seg_bytes
             if len(block_ids) == 1:  # a decode step's block: 1-D, no broadcast
                 eng = offset + stride * np.uint64(block_ids[0])
-                return Transfers(eng, slot_offset + np.uint64(slot_addrs[0]), seg)
+                slot = slot_offset + np.uint64(slot_addrs[0])
+                return Transfers(eng, slot, seg.copy())
         else:
             offset, stride = self.engine_offset[rows], self.block_stride[rows]
             slot_offset, seg = self.slot_offset[rows], self.seg_bytes[rows]
