@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from collections import deque
-from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pegaflow.common import deadlines
 from pegaflow.common.errors import (
@@ -209,10 +207,7 @@ class _SocketProtocol(asyncio.Protocol):
             self._queued_bytes += len(body)
         self._flow()
         if self._task is None:
-            task = _start_now(self._drain())
-            # Started eagerly, it may have answered everything (its finally
-            # cleared _task before this assignment).
-            self._task = None if task.done() else task
+            self._task = asyncio.ensure_future(self._drain())
 
     def pause_writing(self) -> None:
         self._writable = False
@@ -362,19 +357,6 @@ class _SocketProtocol(asyncio.Protocol):
 
 
 _METHODS = {SAVE: "Save", LOAD: "Load", REGISTER: "RegisterInstance"}
-
-
-def _start_now(work: Coroutine[Any, Any, None]) -> asyncio.Task:
-    """A task that runs at once, up to its first wait (Python >= 3.12): a
-    save or load whose copy runs inline is answered from the read callback,
-    without the loop iteration a scheduled task waits for (~10-20 us of a
-    ~0.25 ms 1-block load on the H100 host). Python 3.11 schedules it."""
-    if _EAGER:
-        return asyncio.Task(work, loop=asyncio.get_running_loop(), eager_start=True)
-    return asyncio.ensure_future(work)
-
-
-_EAGER = sys.version_info >= (3, 12)
 
 
 async def start_socket_server(
