@@ -104,7 +104,14 @@ class Engine:
     """One engine's KV in GPU memory, registered with the server over CUDA IPC."""
 
     def __init__(
-        self, addr: str, http: str, name: str, layers: int, page: int, n_max: int
+        self,
+        addr: str,
+        http: str,
+        name: str,
+        layers: int,
+        page: int,
+        n_max: int,
+        busy_poll_us: int = 0,
     ) -> None:
         import torch
 
@@ -117,7 +124,7 @@ class Engine:
         self.view = self.buf.view(layers, self.blocks, page)
         views = vllm_layer_views(self.buf, layers, self.blocks, (page,))
         self.events = IpcEvents(0)
-        self.client = PegaflowClient(addr, timeout_s=300)
+        self.client = PegaflowClient(addr, timeout_s=300, busy_poll_us=busy_poll_us)
         kv = export_kv(views)
         self.client.register_cuda(name, f"ns-{name}", kv, self.events.handles)
         self.name = name
@@ -196,10 +203,11 @@ def bench_shape(
     min_reps: int = 3,
     lat_reps: int = 200,
     lat_gap_s: float = 0.0,
+    busy_poll_us: int = 0,
 ) -> tuple[list[dict], dict]:
     name, layers, page = shape
     addr, http = addrs
-    eng = Engine(addr, http, name, layers, page, max(sizes))
+    eng = Engine(addr, http, name, layers, page, max(sizes), busy_poll_us)
     rows = []
     for n in sizes:
         for contiguous in (True, False):
@@ -350,6 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the server under cProfile, its stats written to this file",
     )
     p.add_argument(
+        "--busy-poll-us",
+        type=int,
+        default=0,
+        help="the engine's client polls for each reply this long before "
+        "sleeping (PegaflowClient(busy_poll_us=...); default 0)",
+    )
+    p.add_argument(
         "--lat-gap-ms",
         type=float,
         default=0.0,
@@ -471,13 +486,14 @@ def run_shapes(args: argparse.Namespace) -> dict:
 
     ceil = {"pinned": torch.empty(2 << 30, dtype=torch.int8, pin_memory=True)}
     rows, extra = [], {"copy_path": args.copy_path, "copy_sm_cap": args.copy_sm_cap,
-                       "server_args": args.server_arg}  # fmt: skip
+                       "server_args": args.server_arg,
+                       "busy_poll_us": args.busy_poll_us}  # fmt: skip
     try:
         for shape in SHAPES:
             if shape[0] in args.shapes.split(","):
                 got, more = bench_shape(
                     (addr, http), shape, sizes, ceil, args.min_reps, args.lat_reps,
-                    args.lat_gap_ms * 1e-3,
+                    args.lat_gap_ms * 1e-3, args.busy_poll_us,
                 )  # fmt: skip
                 rows += got
                 extra |= more

@@ -55,7 +55,9 @@ class SchedulerHalf:
         self._stage_groups: dict[int, frozenset[int]] = {}
         self.num_workers = num_workers
         self.client = client or PegaflowClient(
-            config.addr, timeout_s=config.query_timeout_s
+            config.addr,
+            timeout_s=config.query_timeout_s,
+            busy_poll_us=config.busy_poll_us,
         )
         self.stats = new_stats()
         self.queries = PrefixQuery(

@@ -83,7 +83,9 @@ class WorkerHalf:
         self.stage = stage
         self.stages = stages
         self.groups = groups or single_group(1)
-        self.client = client or PegaflowClient(config.addr, timeout_s=config.timeout_s)
+        self.client = client or PegaflowClient(
+            config.addr, timeout_s=config.timeout_s, busy_poll_us=config.busy_poll_us
+        )
         self._pool = io_pool(IO_THREADS, "pegaflow-io")
         # One registration per KV cache group, by vLLM's group id.
         self.parts = {

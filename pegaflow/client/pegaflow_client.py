@@ -30,6 +30,7 @@ from pegaflow.common.results import (
 from pegaflow.common.share_frames import ShareRequest, ShareSpan
 from pegaflow.proto import pegaflow_pb2 as pb
 
+from . import busy_poll
 from .block_watch import BlockWatch
 from .grpc_transport import GrpcTransport, LoadCall, QueryCall, SaveCall, Transport
 from .registration_messages import allow_ptrace_from, cuda_request, host_request
@@ -61,13 +62,20 @@ class PegaflowClient:
         max_message_bytes: int = 8
         << 20,  # the server's (pegaflow.common.request_limits)
         copy_grace_s: float = COPY_GRACE_S,
+        busy_poll_us: int = 0,
     ) -> None:
+        """busy_poll_us: over the unix socket, poll for each reply this long
+        (GIL released) before sleeping on it: lower latency for a busy core
+        (pegaflow.client.busy_poll); 0, the default, sleeps at once."""
         self.addr = addr
         self.timeout_s = timeout_s
         self.copy_grace_s = copy_grace_s
+        busy_poll.check_busy_poll_us(busy_poll_us, "busy_poll_us")
+        if busy_poll_us:
+            busy_poll.warm()
         self._grpc = GrpcTransport(addr, max_message_bytes)
         self._socket = SocketTransport(
-            lambda: self._grpc.server_info(self.timeout_s), timeout_s
+            lambda: self._grpc.server_info(self.timeout_s), timeout_s, busy_poll_us
         )
         self._socket_wanted = False  # a registration or use_socket() asked for it
         self._socket_off = False  # disable_socket(): gRPC for everything

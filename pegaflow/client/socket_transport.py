@@ -48,6 +48,7 @@ from pegaflow.common.socket_frames import (
 )
 from pegaflow.proto import pegaflow_pb2 as pb
 
+from . import busy_poll
 from .grpc_transport import LoadCall, QueryCall, SaveCall
 
 logger = logging.getLogger(__name__)
@@ -64,10 +65,18 @@ class SocketClient:
     random id from the hello), so a socket planted at that path gets nothing."""
 
     def __init__(
-        self, path: str, timeout_s: float, server_id: bytes, server_pid: int
+        self,
+        path: str,
+        timeout_s: float,
+        server_id: bytes,
+        server_pid: int,
+        busy_poll_us: int = 0,
     ) -> None:
+        """busy_poll_us: poll for each reply this long before sleeping on it
+        (pegaflow.client.busy_poll)."""
         self._path = path
         self._timeout_s = timeout_s
+        self._busy_poll_ns = busy_poll_us * 1000
         self._server_id = server_id
         self._server_pid = server_pid
         self._local = threading.local()
@@ -181,6 +190,8 @@ class SocketClient:
     ) -> tuple[int, bytearray]:
         # Every reply is at least 5 bytes and the only one in flight on
         # this connection: the first recv (4 KiB) usually takes it whole.
+        if self._busy_poll_ns:
+            busy_poll.wait_readable(sock.fileno(), self._busy_poll_ns)
         reply = self._recv(sock, 5, bytearray())
         status = reply[0]
         if status in (0, LOADING):
@@ -232,10 +243,14 @@ class SocketTransport:
     dropped and raises the typed timeout error."""
 
     def __init__(
-        self, server_info: Callable[[], pb.ServerInfoResponse], timeout_s: float
+        self,
+        server_info: Callable[[], pb.ServerInfoResponse],
+        timeout_s: float,
+        busy_poll_us: int = 0,
     ) -> None:
         self._ask = server_info  # gRPC's ServerInfo
         self._timeout_s = timeout_s
+        self._busy_poll_us = busy_poll_us
         self.server: pb.ServerInfoResponse | None = None  # whom it must reach
         self._frames: SocketClient | None = None
         self._retry_at = 0.0
@@ -347,7 +362,7 @@ class SocketTransport:
                 try:
                     self._frames = SocketClient(
                         info.socket_path, self._timeout_s, info.server_id,
-                        info.server_pid,
+                        info.server_pid, self._busy_poll_us,
                     )  # fmt: skip
                 except PegaflowError as exc:  # the server answered: a refusal
                     self.refusal = exc

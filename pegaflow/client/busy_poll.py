@@ -1,0 +1,87 @@
+"""Waiting for a socket reply by polling it for a while, with the GIL released.
+
+A client blocked in recv() sleeps, and its CPU may go idle; the server's
+reply then waits for the thread to be woken and its core to come back. On the
+H100 host (benchmarks/RESULTS.md, "Busy polling", 2026-12-06) polling the
+socket until the reply came took 0.07-0.16 ms off a 1-block load or save
+(0.41-0.43 -> 0.29-0.35 ms load, 0.51-0.55 -> 0.35-0.42 ms event-ordered
+save); polling in the server's event loop as well gained nothing.
+
+The poll is a compiled loop (numba, nogil) of recv(MSG_PEEK | MSG_DONTWAIT)
+calls: a Python loop would hold the GIL between its calls and stall the
+engine's other threads (a vLLM worker issues its RPCs from I/O threads while
+its main thread runs the forward). It still keeps one core busy for up to the
+poll's length on each RPC, so it is off unless asked for (`busy_poll_us`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import socket
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+MAX_BUSY_POLL_US = 10_000  # a longer poll is a spinning core, not a latency win
+_PEEK_DONTWAIT = socket.MSG_PEEK | socket.MSG_DONTWAIT
+_CLOCK_MONOTONIC = 1  # Linux's clockid
+
+
+def check_busy_poll_us(value: object, field: str) -> int:
+    """`value` as whole microseconds in [0, MAX_BUSY_POLL_US]; ValueError
+    naming `field` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field}: expected whole microseconds, got {value!r}")
+    if not 0 <= value <= MAX_BUSY_POLL_US:
+        raise ValueError(f"{field}: must lie in [0, {MAX_BUSY_POLL_US}], got {value}")
+    return value
+
+
+@functools.cache
+def _poller() -> Any:
+    """The compiled loop (~0.5 s to compile, once per process)."""
+    from numba import njit
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    # Addresses as size_t: the same register as a pointer on every ABI we
+    # build for, and what numba passes without casts.
+    recv = libc.recv
+    recv.argtypes = (ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int)
+    recv.restype = ctypes.c_ssize_t
+    clock = libc.clock_gettime
+    clock.argtypes = (ctypes.c_int, ctypes.c_size_t)
+    clock.restype = ctypes.c_int
+
+    @njit(nogil=True)
+    def poll(fd: int, spin_ns: int, scratch: np.ndarray) -> bool:
+        """True once fd has bytes to read or its peer closed it; False
+        after spin_ns without. scratch: int64[3] (a timespec, a peek byte)."""
+        at = scratch.ctypes.data
+        clock(_CLOCK_MONOTONIC, at)
+        end = scratch[0] * 1_000_000_000 + scratch[1] + spin_ns
+        while True:
+            if recv(fd, at + 16, 1, _PEEK_DONTWAIT) >= 0:  # 0: closed, say so
+                return True
+            clock(_CLOCK_MONOTONIC, at)
+            if scratch[0] * 1_000_000_000 + scratch[1] >= end:
+                return False
+
+    return poll
+
+
+def warm() -> None:
+    """Compile the loop now, not in the first RPC that polls."""
+    a, b = socket.socketpair()
+    with a, b:
+        wait_readable(a.fileno(), 1)
+
+
+def wait_readable(fd: int, spin_ns: int) -> bool:
+    """Poll fd for up to spin_ns with the GIL released: True when a recv
+    would not block (bytes, or the peer closed). An error on fd (closed,
+    not a socket) polls until the time is up; the caller's recv raises it."""
+    return bool(_poller()(fd, spin_ns, np.zeros(3, np.int64)))

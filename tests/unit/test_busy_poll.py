@@ -1,0 +1,107 @@
+"""Busy polling of socket replies (pegaflow.client.busy_poll): what the poll
+reports, that it lets other threads run, the option's bounds, and real
+saves and loads through a real server with it on."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from connector.extra_config import parse_config
+from pegaflow.client import busy_poll
+from pegaflow.client.pegaflow_client import PegaflowClient
+from tests.kvbuf import LocalKV, hashes
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair()
+    with a, b:
+        yield a, b
+
+
+def test_it_reports_bytes_sent_while_it_polls(pair) -> None:
+    a, b = pair
+    timer = threading.Timer(0.02, b.send, (b"x",))
+    timer.start()
+    try:
+        assert busy_poll.wait_readable(a.fileno(), 5_000_000_000)
+    finally:
+        timer.cancel()
+    assert a.recv(1) == b"x"  # peeked, not taken
+
+
+def test_it_gives_up_after_its_time_with_nothing_to_read(pair) -> None:
+    a, _ = pair
+    start = time.monotonic()
+    assert not busy_poll.wait_readable(a.fileno(), 30_000_000)
+    assert time.monotonic() - start >= 0.029
+
+
+def test_a_closed_peer_reads_as_ready(pair) -> None:
+    """recv() then returns b"" at once, and the client reports the close."""
+    a, b = pair
+    b.close()
+    assert busy_poll.wait_readable(a.fileno(), 5_000_000_000)
+    assert a.recv(1) == b""
+
+
+def test_a_bad_descriptor_only_costs_the_poll() -> None:
+    """The caller's recv() raises the error itself."""
+    start = time.monotonic()
+    assert not busy_poll.wait_readable(-1, 10_000_000)
+    assert time.monotonic() - start < 5
+
+
+def test_other_threads_hold_the_gil_meanwhile(pair) -> None:
+    """A thread that needs the GIL finishes its work while another polls for
+    10 s: a poll holding the GIL would hold it up for Python's 5 ms switch
+    interval per turn, or the whole poll."""
+    a, b = pair
+    done = threading.Event()
+
+    def work() -> None:
+        for _ in range(2000):  # 2000 GIL hand-offs
+            time.sleep(0)
+        done.set()
+        b.send(b"x")  # ends the poll
+
+    thread = threading.Thread(target=work)
+    start = time.monotonic()
+    thread.start()
+    assert busy_poll.wait_readable(a.fileno(), 10_000_000_000)
+    thread.join()
+    assert done.is_set() and time.monotonic() - start < 9
+
+
+@pytest.mark.parametrize("bad", [-1, busy_poll.MAX_BUSY_POLL_US + 1, 1.5, True, "5"])
+def test_the_option_is_whole_microseconds_within_bounds(bad: object) -> None:
+    with pytest.raises(ValueError, match="busy_poll_us"):
+        PegaflowClient("127.0.0.1:1", busy_poll_us=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kv_connector_extra_config.busy_poll_us"):
+        parse_config({"busy_poll_us": bad})
+    assert parse_config({"busy_poll_us": 500}).busy_poll_us == 500
+
+
+def test_saves_queries_and_loads_with_busy_polling_land_every_byte(server) -> None:
+    """Replies that come within the poll and after it (a 2 us poll) alike."""
+    a, b = LocalKV(seed=3), LocalKV(seed=4)
+    hs = hashes(8)
+    for us, first in ((busy_poll.MAX_BUSY_POLL_US, 0), (2, 4)):
+        with PegaflowClient(server.addr, busy_poll_us=us) as client:
+            a.register(client, f"a{us}", "ns")
+            b.register(client, f"b{us}", "ns")
+            mine = hs[first : first + 4]
+            assert client.save(f"a{us}", list(range(first, first + 4)), mine).stored
+            hit = client.query(f"b{us}", mine)
+            assert hit.num_blocks == 4
+            client.load(f"b{us}", hit.lease_id, list(range(20 + first, 24 + first)))
+    for i in range(8):
+        assert np.array_equal(b.block(20 + i), a.block(i)), i
+    assert server.metric(
+        "pegaflow_rpc_seconds_count", 'code="OK",method="Load",transport="unix"'
+    ) == pytest.approx(2)
