@@ -3,6 +3,8 @@ single-thread memcpy of the same bytes; QueryPrefix latency; pool bring-up.
 
     python benchmarks/host_path.py                  # full run (~4 GiB of RAM)
     python benchmarks/host_path.py --quick          # small, for a smoke check
+    python benchmarks/host_path.py --round-trips 2000 --busy-poll-us 500
+                                                    # 1-block latency, busy polling
 """
 
 from __future__ import annotations
@@ -88,6 +90,56 @@ def bench_copies(addr: str, layers: int, sizes: list[int], reps: int) -> list[di
             )
             print(f"  {n} blocks done", file=sys.stderr)
     return rows
+
+
+def bench_round_trips(addr: str, layers: int, reps: int, busy_us: int) -> list[dict]:
+    """1-block save, query and load P50 (ms) at the client, with replies slept
+    on and busy-polled for busy_us (PegaflowClient(busy_poll_us=...)): two
+    clients, one instance each over the same memory, taking turns."""
+    blocks = 64
+    buf = np.empty(layers * blocks * PAGE, np.uint8)
+    buf[:] = np.frombuffer(np.random.default_rng(2).bytes(buf.nbytes), np.uint8)
+    views = vllm_layer_views(buf, layers, blocks, (PAGE,))
+    mem = describe(views)
+    clients = {
+        us: PegaflowClient(addr, timeout_s=60, busy_poll_us=us) for us in (0, busy_us)
+    }
+    times: dict[int, dict[str, list[float]]] = {
+        us: {"save": [], "query": [], "load": []} for us in clients
+    }
+    try:
+        for us, client in clients.items():
+            client.register_host(
+                f"rt{us}", "bench-rt", os.getpid(), mem.regions, mem.layers
+            )
+        for rep in range(reps + 20):  # 20 untimed turns first
+            for us, client in clients.items():
+                name, hashes = f"rt{us}", [secrets.token_bytes(32)]
+                t0 = time.perf_counter()
+                client.save(name, np.array([rep % 32]), hashes)
+                t1 = time.perf_counter()
+                hit = client.query(name, hashes)
+                t2 = time.perf_counter()
+                client.load(name, hit.lease_id, np.array([32 + rep % 32]))
+                t3 = time.perf_counter()
+                if rep >= 20:
+                    for kind, took in zip(
+                        times[us], (t1 - t0, t2 - t1, t3 - t2), strict=True
+                    ):
+                        times[us][kind].append(took)
+        for layer in (0, layers - 1):  # the last turn's bytes
+            assert np.array_equal(views[layer][32 + (rep % 32)], views[layer][rep % 32])
+    finally:
+        for client in clients.values():
+            client.close()
+    return [
+        {"busy_poll_us": us, "reps": reps}
+        | {
+            f"{kind}_p50_ms": round(float(np.median(t)) * 1e3, 3)
+            for kind, t in got.items()
+        }
+        for us, got in times.items()
+    ]
 
 
 def _latency_ms(fn: object, reps: int) -> tuple[float, float]:
@@ -188,7 +240,18 @@ def main() -> int:
         default=0,
         help="also time the largest query with this many other blocks resident",
     )
+    p.add_argument(
+        "--round-trips",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only N 1-block save/query/load round trips, replies slept on and "
+        "busy-polled (--busy-poll-us) taking turns",
+    )
+    p.add_argument("--busy-poll-us", type=int, default=500)
     args = p.parse_args()
+    if args.round_trips and args.busy_poll_us <= 0:
+        p.error("--busy-poll-us: need > 0 to compare with sleeping on replies")
     layers = 4 if args.quick else 32
     sizes = [1, 16, 64] if args.quick else [1, 4, 16, 64, 256, 1024]
     qsizes = [64, 640] if args.quick else [64, 640, 2560]
@@ -197,6 +260,17 @@ def main() -> int:
     proc, addr = start_server(
         "--pool-size", pool, "--copy-threads", args.copy_threads, "--no-progress"
     )
+    if args.round_trips:
+        try:
+            rows = bench_round_trips(addr, layers, args.round_trips, args.busy_poll_us)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        payload = {"command": " ".join(sys.argv), "layers": layers, "round_trips": rows}
+        out = write_json("host_path_round_trips", payload, args.json)
+        print(table(rows, list(rows[0])))
+        print(f"JSON: {out}")
+        return 0
     try:
         copies = [] if args.queries_only else bench_copies(addr, layers, sizes, reps)
         queries = bench_queries(addr, qsizes, 50 if args.quick else 300, args.resident)
