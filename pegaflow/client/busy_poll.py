@@ -12,7 +12,10 @@ The poll is a compiled loop (numba, nogil) of recv(MSG_PEEK | MSG_DONTWAIT)
 calls: a Python loop would hold the GIL between its calls and stall the
 engine's other threads (a vLLM worker issues its RPCs from I/O threads while
 its main thread runs the forward). It still keeps one core busy for up to the
-poll's length on each RPC, so it is off unless asked for (`busy_poll_us`).
+poll's length on each RPC, so it is off unless asked for (`busy_poll_us`),
+and a kind of request whose replies lately took longer than the poll is not
+polled for (ReplyPoller): a 64-block save (~3 ms) would spend the whole poll
+and then sleep anyway.
 """
 
 from __future__ import annotations
@@ -86,3 +89,26 @@ def wait_readable(fd: int, spin_ns: int) -> bool:
     would not block (bytes, or the peer closed). An error on fd (closed,
     not a socket) polls until the time is up; the caller's recv raises it."""
     return bool(_poller()(fd, spin_ns, np.zeros(3, np.int64)))
+
+
+class ReplyPoller:
+    """Busy polling per kind of request: polled for while its recent round
+    trips (a moving average, the poll's own time included) fit the poll."""
+
+    __slots__ = ("_ns", "_recent")
+
+    def __init__(self, busy_poll_us: int) -> None:
+        self._ns = busy_poll_us * 1000
+        self._recent: dict[object, float] = {}  # kind -> round trip, ns
+
+    def wait(self, fd: int, kind: object) -> None:
+        """Before the blocking recv of a reply to a request of `kind`."""
+        if self._ns and self._recent.get(kind, 0.0) <= self._ns:
+            wait_readable(fd, self._ns)
+
+    def took(self, kind: object, ns: int) -> None:
+        """A reply to `kind` came `ns` after its request went out. Races
+        between threads only blur the average."""
+        if self._ns:
+            last = self._recent.get(kind)
+            self._recent[kind] = ns if last is None else last + (ns - last) / 8

@@ -78,6 +78,33 @@ def test_other_threads_hold_the_gil_meanwhile(pair) -> None:
     assert done.is_set() and time.monotonic() - start < 9
 
 
+def test_a_kind_of_request_slower_than_the_poll_is_no_longer_polled(pair) -> None:
+    """A 64-block save's reply (~3 ms) would spend the whole poll and then be
+    slept on anyway: once its kind's recent round trips pass the poll, the
+    poller sleeps at once; a kind within the poll is still polled for."""
+    a, _ = pair
+    poller = busy_poll.ReplyPoller(300_000)  # 0.3 s
+    poller.took("slow", 2_000_000_000)
+    for _ in range(3):
+        poller.took("fast", 100_000)
+    start = time.monotonic()
+    poller.wait(a.fileno(), "slow")  # nothing to read: no poll, no wait
+    assert time.monotonic() - start < 0.15
+    start = time.monotonic()
+    poller.wait(a.fileno(), "fast")  # nothing to read: the whole poll
+    assert time.monotonic() - start >= 0.29
+    for _ in range(40):  # the slow kind speeds up: polled for again
+        poller.took("slow", 100_000)
+    start = time.monotonic()
+    poller.wait(a.fileno(), "slow")
+    assert time.monotonic() - start >= 0.29
+    idle = busy_poll.ReplyPoller(0)  # off: never polls, learns nothing
+    idle.took("fast", 1)
+    start = time.monotonic()
+    idle.wait(a.fileno(), "fast")
+    assert time.monotonic() - start < 0.15
+
+
 @pytest.mark.parametrize("bad", [-1, busy_poll.MAX_BUSY_POLL_US + 1, 1.5, True, "5"])
 def test_the_option_is_whole_microseconds_within_bounds(bad: object) -> None:
     with pytest.raises(ValueError, match="busy_poll_us"):
