@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import socket
 from typing import Any
 
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 MAX_BUSY_POLL_US = 10_000  # a longer poll is a spinning core, not a latency win
 _PEEK_DONTWAIT = socket.MSG_PEEK | socket.MSG_DONTWAIT
@@ -48,7 +45,13 @@ def check_busy_poll_us(value: object, field: str) -> int:
 @functools.cache
 def _poller() -> Any:
     """The compiled loop (~0.5 s to compile, once per process)."""
-    from numba import njit
+    try:
+        from numba import njit
+    except ImportError:  # an optional dependency (vLLM installs it)
+        raise RuntimeError(
+            "busy_poll_us: the poll is compiled with numba, which is not "
+            "installed: pip install numba, or set busy_poll_us to 0"
+        ) from None
 
     libc = ctypes.CDLL(None, use_errno=True)
     # Addresses as size_t: the same register as a pointer on every ABI we
