@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# A server that serves no GPU answers a CPU test the same on a GPU host as on
+# CI: with --devices auto there, its CUDA bring-up (after READY) grew the RSS
+# that memory tests measure by 190-360 MiB, and a CUDA registration met a
+# served GPU (H100 host, 2026-12-06).
+HOST_ONLY = ("--devices", "none")
 
 
 def _env() -> dict[str, str]:

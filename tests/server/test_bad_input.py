@@ -25,7 +25,7 @@ from pegaflow.client.pegaflow_client import PegaflowClient, allow_ptrace_from
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from tests.kvbuf import LocalKV, hashes
-from tests.procs import ServerProc, start_server
+from tests.procs import HOST_ONLY, ServerProc, start_server
 
 Code = grpc.StatusCode
 TIMEOUT_S = 10.0
@@ -54,15 +54,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     # Registrations here are raw gRPC: host memory over TCP must be allowed
     # (the caller's uid is then checked; tests/server/test_trust.py covers the
     # refusals of the default).
-    # --devices none: the same answers on a GPU host (a CUDA registration is
-    # then refused for want of a served GPU there too, not for its UUID).
     server = start_server(
         tmp_path_factory.mktemp("bad-input"),
         "--pool-size",
         "64mb",
         "--allow-tcp-host-engines",
-        "--devices",
-        "none",
+        *HOST_ONLY,
     )
     allow_ptrace_from(server.pid)  # raw registrations skip the client's prctl
     channel = grpc.insecure_channel(server.addr)

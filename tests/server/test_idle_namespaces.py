@@ -18,7 +18,7 @@ import pytest
 
 from pegaflow.client.pegaflow_client import PegaflowClient
 from tests.kvbuf import LocalKV, hashes
-from tests.procs import ServerProc, start_server
+from tests.procs import HOST_ONLY, ServerProc, start_server
 
 IDLE = 300
 KiB, MiB = 1 << 10, 1 << 20
@@ -34,7 +34,7 @@ def _rss(pid: int) -> int:
 
 @pytest.fixture
 def server(tmp_path) -> Iterator[ServerProc]:
-    srv = start_server(tmp_path, "--pool-size", "64mb")
+    srv = start_server(tmp_path, "--pool-size", "64mb", *HOST_ONLY)
     yield srv
     srv.stop()
 

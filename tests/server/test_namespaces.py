@@ -16,7 +16,7 @@ import pytest
 from pegaflow.client.pegaflow_client import PegaflowClient
 from pegaflow.common.errors import InvalidRequest
 from tests.kvbuf import LocalKV, hashes
-from tests.procs import ROOT, ServerProc, _env, wait_until
+from tests.procs import HOST_ONLY, ROOT, ServerProc, _env, wait_until
 from tests.server.test_ssd_tier import _flags, _until_ready, _wait_flushed
 
 CYCLES = 200
@@ -46,6 +46,11 @@ def _cycle(client: PegaflowClient, kv: LocalKV, name: str) -> None:
     kv.register(client, name, name)
     client.query(name, hashes(64))  # misses: hit-rate state for the namespace
     client.unregister(name)
+
+
+@pytest.fixture
+def server(server_factory: Callable[..., ServerProc]) -> ServerProc:
+    return server_factory("--pool-size", "64mb", *HOST_ONLY)
 
 
 def test_namespaces_of_departed_engines_are_freed(server: ServerProc) -> None:

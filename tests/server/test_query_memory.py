@@ -25,7 +25,7 @@ import pytest
 from pegaflow.client.pegaflow_client import PegaflowClient
 from pegaflow.proto import pegaflow_pb2 as pb
 from tests.kvbuf import LocalKV, hashes
-from tests.procs import ServerProc, start_server
+from tests.procs import HOST_ONLY, ServerProc, start_server
 
 MiB = 1 << 20
 CALLS = 64
@@ -42,7 +42,7 @@ def _rss(pid: int) -> int:
 
 @pytest.fixture
 def server(tmp_path) -> Iterator[ServerProc]:
-    srv = start_server(tmp_path, "--pool-size", "16mb")
+    srv = start_server(tmp_path, "--pool-size", "16mb", *HOST_ONLY)
     yield srv
     srv.stop()
 

@@ -24,7 +24,7 @@ from pegaflow.common.geometry import LayerLayout, Segment
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
 from tests.kvbuf import LocalKV, hashes
-from tests.procs import ServerProc, start_server
+from tests.procs import HOST_ONLY, ServerProc, start_server
 
 TIMEOUT_S = 60.0
 POOL = 128 << 20  # slabs of 8 MiB: one slot each for the 8 MiB blocks below
@@ -33,7 +33,9 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    srv = start_server(tmp_path_factory.mktemp("caps"), "--pool-size", str(POOL))
+    srv = start_server(
+        tmp_path_factory.mktemp("caps"), "--pool-size", str(POOL), *HOST_ONLY
+    )
     yield srv
     srv.stop()
 

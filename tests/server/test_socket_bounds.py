@@ -26,14 +26,12 @@ from pegaflow.common.socket_frames import (
     encode_load,
 )
 from tests.kvbuf import LocalKV, hashes
-from tests.procs import ServerProc, start_server
+from tests.procs import HOST_ONLY, ServerProc, start_server
 
 
 @pytest.fixture
 def server(tmp_path) -> Iterator[ServerProc]:
-    # --devices none: on a GPU host the CUDA bring-up (after READY) grew
-    # the RSS these tests measure by ~100-240 MiB (H100, Python 3.12).
-    proc = start_server(tmp_path, "--pool-size", "16mb", "--devices", "none")
+    proc = start_server(tmp_path, "--pool-size", "16mb", *HOST_ONLY)
     yield proc
     proc.stop()
 
