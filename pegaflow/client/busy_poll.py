@@ -98,20 +98,20 @@ class ReplyPoller:
     """Busy polling per kind of request: polled for while its recent round
     trips (a moving average, the poll's own time included) fit the poll."""
 
-    __slots__ = ("_ns", "_recent")
+    __slots__ = ("_ns", "_recent", "on")
 
     def __init__(self, busy_poll_us: int) -> None:
         self._ns = busy_poll_us * 1000
+        self.on = busy_poll_us > 0  # off: callers skip wait() and took()
         self._recent: dict[object, float] = {}  # kind -> round trip, ns
 
     def wait(self, fd: int, kind: object) -> None:
         """Before the blocking recv of a reply to a request of `kind`."""
-        if self._ns and self._recent.get(kind, 0.0) <= self._ns:
+        if self.on and self._recent.get(kind, 0.0) <= self._ns:
             wait_readable(fd, self._ns)
 
     def took(self, kind: object, ns: int) -> None:
         """A reply to `kind` came `ns` after its request went out. Races
         between threads only blur the average."""
-        if self._ns:
-            last = self._recent.get(kind)
-            self._recent[kind] = ns if last is None else last + (ns - last) / 8
+        last = self._recent.get(kind)
+        self._recent[kind] = ns if last is None else last + (ns - last) / 8

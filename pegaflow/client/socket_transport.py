@@ -174,15 +174,16 @@ class SocketClient:
         full_size: Callable[[bytearray], int] | None = None,
     ) -> tuple[int, bytearray]:
         sock = self._conn()
-        # The request's kind and size class: a 1-block save is answered in
-        # ~0.4 ms, a 64-block one in ~3.5 (H100 host).
-        kind = (frame[4], len(frame).bit_length())
+        # With busy polling, the request's kind and size class: a 1-block
+        # save is answered in ~0.4 ms, a 64-block one in ~3.5 (H100 host).
+        kind = (frame[4], len(frame).bit_length()) if self._poller.on else None
         try:
             sock.settimeout(max(wait_s, 1e-3))
             sent = time.perf_counter_ns()
             sock.sendall(frame)
             got = self._read_reply(sock, ok_size, full_size, kind)
-            self._poller.took(kind, time.perf_counter_ns() - sent)
+            if kind is not None:
+                self._poller.took(kind, time.perf_counter_ns() - sent)
             return got
         except OSError:  # an error reply leaves the connection usable
             self._forget(sock)  # half a reply may be left in it
@@ -195,7 +196,7 @@ class SocketClient:
         full_size: Callable[[bytearray], int] | None,
         kind: object = None,
     ) -> tuple[int, bytearray]:
-        """kind: the request's, for busy polling (None: a share's steps)."""
+        """kind: the request's, for busy polling (None: no polling)."""
         # Every reply is at least 5 bytes and the only one in flight on
         # this connection: the first recv (4 KiB) usually takes it whole.
         if kind is not None:

@@ -211,7 +211,7 @@ class LargeRequestGate:
 class _Admission:
     """One request's pass through a LargeRequestGate. A class, not an
     asynccontextmanager: every save and load enters one, and the async
-    generator behind that decorator cost ~10 us a request (asyncio's
+    generator behind that decorator cost ~5 us a request (asyncio's
     first-iteration hook; dev VM, benchmarks/bookkeeping.py)."""
 
     __slots__ = ("_deadline", "_descriptors", "_gate", "_held")

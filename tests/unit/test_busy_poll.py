@@ -98,8 +98,8 @@ def test_a_kind_of_request_slower_than_the_poll_is_no_longer_polled(pair) -> Non
     start = time.monotonic()
     poller.wait(a.fileno(), "slow")
     assert time.monotonic() - start >= 0.29
-    idle = busy_poll.ReplyPoller(0)  # off: never polls, learns nothing
-    idle.took("fast", 1)
+    idle = busy_poll.ReplyPoller(0)  # off: never polls; callers skip took()
+    assert not idle.on and poller.on
     start = time.monotonic()
     idle.wait(a.fileno(), "fast")
     assert time.monotonic() - start < 0.15
