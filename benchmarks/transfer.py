@@ -350,7 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--min-reps", type=int, default=3, help="timed reps per N at least")
     p.add_argument(
-        "--lat-reps", type=int, default=200, help="1-block round trips timed per kind"
+        "--lat-reps",
+        type=_at_least_one,
+        default=200,
+        help="1-block round trips timed per kind",
     )
     p.add_argument(
         "--profile-server",
@@ -406,6 +409,16 @@ def _gpus(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= 16:
         raise argparse.ArgumentTypeError(f"{text!r}: need 1..16 GPUs")
     return int(text)
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: need an integer >= 1")
+    return n
 
 
 def _sizes(text: str) -> list[int]:
