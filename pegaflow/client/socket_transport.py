@@ -181,7 +181,7 @@ class SocketClient:
             sock.settimeout(max(wait_s, 1e-3))
             sent = time.perf_counter_ns()
             sock.sendall(frame)
-            got = self._read_reply(sock, ok_size, full_size, kind)
+            got = self._read_reply(sock, ok_size, full_size, kind, sent)
             if kind is not None:
                 self._poller.took(kind, time.perf_counter_ns() - sent)
             return got
@@ -195,12 +195,14 @@ class SocketClient:
         ok_size: int,
         full_size: Callable[[bytearray], int] | None,
         kind: object = None,
+        sent_ns: int = 0,
     ) -> tuple[int, bytearray]:
-        """kind: the request's, for busy polling (None: no polling)."""
+        """kind: the request's, for busy polling (None: no polling), sent at
+        sent_ns (time.perf_counter_ns())."""
         # Every reply is at least 5 bytes and the only one in flight on
         # this connection: the first recv (4 KiB) usually takes it whole.
         if kind is not None:
-            self._poller.wait(sock.fileno(), kind)
+            self._poller.wait(sock.fileno(), kind, sent_ns)
         reply = self._recv(sock, 5, bytearray())
         status = reply[0]
         if status in (0, LOADING):

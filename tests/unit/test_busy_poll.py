@@ -78,31 +78,45 @@ def test_other_threads_hold_the_gil_meanwhile(pair) -> None:
     assert done.is_set() and time.monotonic() - start < 9
 
 
-def test_a_kind_of_request_slower_than_the_poll_is_no_longer_polled(pair) -> None:
-    """A 64-block save's reply (~3 ms) would spend the whole poll and then be
-    slept on anyway: once its kind's recent round trips pass the poll, the
-    poller sleeps at once; a kind within the poll is still polled for."""
+def _waited(poller: busy_poll.ReplyPoller, fd: int, kind: str, sent_ns: int) -> float:
+    start = time.monotonic()
+    poller.wait(fd, kind, sent_ns)
+    return time.monotonic() - start
+
+
+def test_a_reply_is_polled_for_around_the_time_it_is_due(pair) -> None:
+    """A kind first seen is polled for the poll's length; a kind whose
+    replies take longer than the poll (a 64-block load, ~3 ms) sleeps until
+    the poll's length before its reply is due and polls until as long after;
+    a reply already late is slept on at once."""
     a, _ = pair
-    poller = busy_poll.ReplyPoller(300_000)  # 0.3 s
-    poller.took("slow", 2_000_000_000)
-    for _ in range(3):
-        poller.took("fast", 100_000)
-    start = time.monotonic()
-    poller.wait(a.fileno(), "slow")  # nothing to read: no poll, no wait
-    assert time.monotonic() - start < 0.15
-    start = time.monotonic()
-    poller.wait(a.fileno(), "fast")  # nothing to read: the whole poll
-    assert time.monotonic() - start >= 0.29
-    for _ in range(40):  # the slow kind speeds up: polled for again
-        poller.took("slow", 100_000)
-    start = time.monotonic()
-    poller.wait(a.fileno(), "slow")
-    assert time.monotonic() - start >= 0.29
+    poller = busy_poll.ReplyPoller(50_000)  # 50 ms
+    assert 0.049 <= _waited(poller, a.fileno(), "new", time.perf_counter_ns()) < 0.15
+    poller.took("slow", 400_000_000)  # 0.4 s
+    waited = _waited(poller, a.fileno(), "slow", time.perf_counter_ns())
+    assert 0.44 <= waited < 0.6  # asleep until 0.35 s, polled until 0.45
+    late = time.perf_counter_ns() - 1_000_000_000
+    assert _waited(poller, a.fileno(), "slow", late) < 0.05
+    for _ in range(60):  # the kind speeds up: polled for from the start
+        poller.took("slow", 1_000_000)
+    assert 0.049 <= _waited(poller, a.fileno(), "slow", time.perf_counter_ns()) < 0.15
     idle = busy_poll.ReplyPoller(0)  # off: never polls; callers skip took()
     assert not idle.on and poller.on
-    start = time.monotonic()
-    idle.wait(a.fileno(), "fast")
-    assert time.monotonic() - start < 0.15
+    assert _waited(idle, a.fileno(), "new", time.perf_counter_ns()) < 0.05
+
+
+def test_a_reply_that_comes_early_ends_the_sleep_before_the_poll(pair) -> None:
+    """The sleep before a slow kind's poll wakes when the reply comes."""
+    a, b = pair
+    poller = busy_poll.ReplyPoller(50_000)
+    poller.took("slow", 2_000_000_000)  # due in 2 s: asleep until 1.95 s
+    timer = threading.Timer(0.1, b.send, (b"x",))
+    timer.start()
+    try:
+        assert _waited(poller, a.fileno(), "slow", time.perf_counter_ns()) < 1.0
+    finally:
+        timer.cancel()
+    assert a.recv(1) == b"x"
 
 
 @pytest.mark.parametrize("bad", [-1, busy_poll.MAX_BUSY_POLL_US + 1, 1.5, True, "5"])
