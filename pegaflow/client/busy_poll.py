@@ -1,12 +1,12 @@
 """Waiting for a socket reply by polling it for a while, with the GIL released.
 
 A client blocked in recv() sleeps, and its CPU may go idle; the server's
-reply then waits for the thread to be woken and its core to come back. On the
-H100 host (benchmarks/RESULTS.md, "Small batches ... session 10",
-2026-12-06) polling the socket until the reply came took 0.07-0.16 ms off a
-1-block load or save (0.41-0.43 -> 0.29-0.35 ms load, 0.51-0.55 ->
-0.35-0.42 ms event-ordered save; measured with a Python loop in place of
-this one); polling in the server's event loop as well gained nothing.
+reply then waits for the thread to be woken and its core to come back. On
+one H100 host (benchmarks/RESULTS.md, "Small batches", 2026-12-06) polling
+the socket until the reply came took 0.07-0.16 ms off a 1-block load or save
+(a Python loop in place of this one); on another, this loop took ~0.01 ms
+off the load: what a sleeping client costs depends on the host. Polling in
+the server's event loop as well gained nothing.
 
 The poll is a compiled loop (numba, nogil) of recv(MSG_PEEK | MSG_DONTWAIT)
 calls: a Python loop would hold the GIL between its calls and stall the
