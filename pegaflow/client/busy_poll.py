@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import select
 import socket
 import time
 from typing import Any
@@ -32,6 +31,7 @@ import numpy as np
 MAX_BUSY_POLL_US = 10_000  # a longer poll is a spinning core, not a latency win
 _PEEK_DONTWAIT = socket.MSG_PEEK | socket.MSG_DONTWAIT
 _CLOCK_MONOTONIC = 1  # Linux's clockid
+_POLLIN = 1
 
 
 def check_busy_poll_us(value: object, field: str) -> int:
@@ -45,8 +45,8 @@ def check_busy_poll_us(value: object, field: str) -> int:
 
 
 @functools.cache
-def _poller() -> Any:
-    """The compiled loop (~0.5 s to compile, once per process)."""
+def _compiled() -> tuple[Any, Any]:
+    """The compiled poll and sleep (~0.5 s to compile, once per process)."""
     try:
         from numba import njit
     except ImportError:  # an optional dependency (vLLM installs it)
@@ -64,6 +64,11 @@ def _poller() -> Any:
     clock = libc.clock_gettime
     clock.argtypes = (ctypes.c_int, ctypes.c_size_t)
     clock.restype = ctypes.c_int
+    # ppoll, not select (fds past 1023 fail there: a vLLM worker holds many)
+    # nor poll (whole milliseconds: a 3 ms reply's sleep would overshoot).
+    ppoll = libc.ppoll
+    ppoll.argtypes = (ctypes.c_size_t, ctypes.c_ulong, ctypes.c_size_t, ctypes.c_size_t)
+    ppoll.restype = ctypes.c_int
 
     @njit(nogil=True)
     def poll(fd: int, spin_ns: int, scratch: np.ndarray) -> bool:
@@ -79,21 +84,38 @@ def _poller() -> Any:
             if scratch[0] * 1_000_000_000 + scratch[1] >= end:
                 return False
 
-    return poll
+    @njit(nogil=True)
+    def sleep(fd: int, ns: int, scratch: np.ndarray) -> bool:
+        """Blocks until fd is readable (True) or ns passed (False; an
+        interrupted sleep too). scratch: int64[3] (a timespec, a pollfd)."""
+        scratch[0] = ns // 1_000_000_000
+        scratch[1] = ns % 1_000_000_000
+        scratch[2] = fd | (_POLLIN << 32)  # struct pollfd: fd, events, revents
+        at = scratch.ctypes.data
+        return ppoll(at + 16, 1, at, 0) > 0
+
+    return poll, sleep
 
 
 def warm() -> None:
-    """Compile the loop now, not in the first RPC that polls."""
+    """Compile the loops now, not in the first RPC that polls."""
     a, b = socket.socketpair()
     with a, b:
         wait_readable(a.fileno(), 1)
+        sleep_until_readable(a.fileno(), 1)
 
 
 def wait_readable(fd: int, spin_ns: int) -> bool:
     """Poll fd for up to spin_ns with the GIL released: True when a recv
     would not block (bytes, or the peer closed). An error on fd (closed,
     not a socket) polls until the time is up; the caller's recv raises it."""
-    return bool(_poller()(fd, spin_ns, np.zeros(3, np.int64)))
+    return bool(_compiled()[0](fd, spin_ns, np.zeros(3, np.int64)))
+
+
+def sleep_until_readable(fd: int, ns: int) -> bool:
+    """Sleep (the GIL released) until fd is readable, at most ns: True
+    when it is (or fd is not open: the caller's recv raises that)."""
+    return bool(_compiled()[1](fd, ns, np.zeros(3, np.int64)))
 
 
 class ReplyPoller:
@@ -118,7 +140,7 @@ class ReplyPoller:
         due = sent_ns + int(self._recent.get(kind, 0.0))
         now = time.perf_counter_ns()
         if now < due - self._ns:
-            if select.select((fd,), (), (), (due - self._ns - now) * 1e-9)[0]:
+            if sleep_until_readable(fd, due - self._ns - now):
                 return
             now = time.perf_counter_ns()
         if now < due + self._ns:

@@ -4,6 +4,8 @@ saves and loads through a real server with it on."""
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import threading
 import time
@@ -15,6 +17,8 @@ from connector.extra_config import parse_config
 from pegaflow.client import busy_poll
 from pegaflow.client.pegaflow_client import PegaflowClient
 from tests.kvbuf import LocalKV, hashes
+
+HIGH_FD = 1500  # past select()'s FD_SETSIZE
 
 
 @pytest.fixture
@@ -117,6 +121,31 @@ def test_a_reply_that_comes_early_ends_the_sleep_before_the_poll(pair) -> None:
     finally:
         timer.cancel()
     assert a.recv(1) == b"x"
+
+
+def test_a_socket_numbered_past_1023_sleeps_and_wakes_as_any(pair) -> None:
+    """A vLLM worker holds many fds: its socket may be numbered past
+    select()'s 1023, where the sleep before a slow kind's poll once raised
+    ValueError."""
+    a, b = pair
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft <= HIGH_FD:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    high = os.dup2(a.fileno(), HIGH_FD)
+    try:
+        poller = busy_poll.ReplyPoller(50_000)
+        poller.took("slow", 2_000_000_000)
+        timer = threading.Timer(0.1, b.send, (b"x",))
+        timer.start()
+        try:
+            assert _waited(poller, high, "slow", time.perf_counter_ns()) < 1.0
+        finally:
+            timer.cancel()
+        assert os.read(high, 1) == b"x"
+        assert not busy_poll.sleep_until_readable(high, 20_000_000)  # drained
+    finally:
+        os.close(high)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 @pytest.mark.parametrize("bad", [-1, busy_poll.MAX_BUSY_POLL_US + 1, 1.5, True, "5"])
