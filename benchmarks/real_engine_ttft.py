@@ -128,6 +128,14 @@ def main() -> None:
         help="the connector's share_host_kv: the server maps the engine's KV "
         "(memcpy) or copies with process_vm_* (off)",
     )
+    ap.add_argument(
+        "--server-session",
+        choices=("shared", "own"),
+        default="shared",
+        help="the server in this benchmark's session, beside the engine and "
+        "the burners (one autogroup: the kernel shares the CPU among their "
+        "tasks), or in a session of its own (setsid), as a daemon runs",
+    )
     ap.add_argument("--json", type=Path, help="write the results here too")
     args = ap.parse_args()
     if args.repeats < 5:
@@ -136,7 +144,10 @@ def main() -> None:
         root = Path(tmp)
         model = llama(root, hidden=args.hidden, layers=args.layers, kv_heads=4)
         # tests.procs starts servers at debug level: info, as deployed
-        server = start_server(root, "--pool-size", "2gb", "--log-level", "info")
+        prefix = ("setsid",) if args.server_session == "own" else ()
+        server = start_server(
+            root, "--pool-size", "2gb", "--log-level", "info", prefix=prefix
+        )
         env = {
             "PEGAFLOW_HOST": "http://127.0.0.1",
             "PEGAFLOW_PORT": server.addr.rsplit(":", 1)[1],
@@ -154,6 +165,7 @@ def main() -> None:
         engine = RealEngine(spec, root / "engine.log", env)
         results: dict[str, object] = {"uptime_before": uptime()}
         results["share_host_kv"] = args.share_host_kv
+        results["server_session"] = args.server_session
         try:
             engine.wait_ready()
             engine.generate([[1] * 64], 1)  # the first forward's one-time setup
