@@ -24,27 +24,39 @@ from tests.remote.netns import Netns, NetnsUnavailable, Node
 from tests.server.test_trust import assert_only_the_owner_queries, needs_root, tenant
 
 PROBE = (
-    "import faulthandler, grpc\n"
+    "import faulthandler, grpc, threading\n"
     # A hang shows where: every thread's stack on stderr, then exit 1.
     "faulthandler.dump_traceback_later(45, exit=True)\n"
     "from pegaflow.proto import pegaflow_pb2 as pb, pegaflow_pb2_grpc as pbg\n"
-    "stub = pbg.PegaFlowStub(grpc.insecure_channel({addr!r}))\n"
-    "for name, call, req in [\n"
-    "    ('info', stub.ServerInfo, pb.ServerInfoRequest()),\n"
-    "    ('query', stub.QueryPrefix, pb.QueryPrefixRequest(instance_id='tenant', "
+    "def probe(channel):\n"
+    "    stub = pbg.PegaFlowStub(channel)\n"
+    "    for name, call, req in [\n"
+    "        ('info', stub.ServerInfo, pb.ServerInfoRequest()),\n"
+    "        ('query', stub.QueryPrefix, pb.QueryPrefixRequest(instance_id='tenant', "
     "block_hashes={wire!r})),\n"
-    "    ('release', stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=1)),\n"
-    "]:\n"
+    "        ('release', stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=1)),\n"
+    "    ]:\n"
+    "        try:\n"
+    "            r = call(req, timeout=10)\n"
+    "            ready = getattr(getattr(r, 'ready', None), 'num_blocks', '')\n"
+    "            print(name, 'OK', ready)\n"
+    "        except grpc.RpcError as e:\n"
+    "            print(name, e.code().name, e.details())\n"
+    "    session = stub.Session(iter([pb.SessionPing(instance_id='tenant')]), "
+    "timeout=10)\n"
     "    try:\n"
-    "        r = call(req, timeout=10)\n"
-    "        print(name, 'OK', getattr(getattr(r, 'ready', None), 'num_blocks', ''))\n"
+    "        print('session OK', len(list(session)))\n"
     "    except grpc.RpcError as e:\n"
-    "        print(name, e.code().name, e.details())\n"
-    "session = stub.Session(iter([pb.SessionPing(instance_id='tenant')]), timeout=10)\n"
-    "try:\n"
-    "    print('session OK', len(list(session)))\n"
-    "except grpc.RpcError as e:\n"
-    "    print('session', e.code().name, e.details())\n"
+    "        print('session', e.code().name, e.details())\n"
+    # Every call object and grpc thread ends before the interpreter does: a
+    # stream's __del__ at exit waited forever on a lock that one of grpc's
+    # daemon threads took as finalization began (CI, 2026-12-06; ~1 in 1,500
+    # probes on a loaded 2-core VM).
+    "with grpc.insecure_channel({addr!r}) as channel:\n"
+    "    probe(channel)\n"
+    "for thread in threading.enumerate():\n"
+    "    if thread is not threading.main_thread():\n"
+    "        thread.join(30)\n"
 )
 
 # Many refused Session streams from another host, each after a refused unary
