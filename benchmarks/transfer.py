@@ -22,6 +22,7 @@ import without it.
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
 import socket
 import statistics
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -78,6 +80,15 @@ def server_sums(http: str) -> dict[str, float]:
             if line.startswith(prefix):
                 got[key] += float(line[len(prefix) :])
     return got
+
+
+def path_race(http: str) -> list[dict] | None:
+    """GPU 0's copy-path race under --copy-path auto, per size class: each
+    path's best GB/s and the winner (pegaflow.copiers.path_race); None
+    where a path is forced."""
+    with urllib.request.urlopen(f"http://{http}/stats", timeout=10) as r:
+        gpu = ((json.load(r).get("copy_path") or {}).get("devices") or {}).get("0")
+    return None if gpu is None else gpu.get("classes")
 
 
 # With an SSD tier (--server-arg=--ssd-cache-path=...): what the writers did
@@ -512,6 +523,7 @@ def run_shapes(args: argparse.Namespace) -> dict:
                 extra |= more
         if any("--ssd-cache-path" in arg for arg in args.server_arg):
             extra |= ssd_counts(http)
+        extra["path_race"] = path_race(http)
     finally:
         stop_server(proc)
     del ceil

@@ -48,6 +48,7 @@ from pegaflow.common.geometry import Transfers
 
 from . import measured
 from .path_choice import CopyDirection, CopyPath, CopyPolicy
+from .path_race import PathRace
 
 if TYPE_CHECKING:
     from pegaflow.common.settings import CudaConfig
@@ -121,19 +122,20 @@ class Contention:
         nbytes: int,
         start: float,
         end: float,
-    ) -> None:
+    ) -> bool:
         """A batch of this GPU finished: queued at `start`, seen done at `end`
         (perf_counter seconds). One that started before the previous batch of
-        its stream ended waited behind it: counted, not timed."""
+        its stream ended waited behind it: counted, not timed. Returns whether
+        it ran alone (its time is its own)."""
         with self._lock:
             self.batches[path] += 1
             self.bytes[path] += nbytes
             alone = start >= self._last_end.get(direction, -math.inf)
             self._last_end[direction] = max(end, self._last_end.get(direction, end))
             if path != "kernel" or not alone or end <= start:
-                return
+                return alone
             if not self.eligible(pages, nbytes):
-                return
+                return alone
             rate = nbytes / (end - start)
             best = self._best.setdefault(
                 (direction, (nbytes // pages).bit_length()), np.zeros(CLASSES)
@@ -143,6 +145,7 @@ class Contention:
             best[size] = max(best[size], rate)
             if reference > 0:  # a class's first sample only calibrates
                 self._judge(min(rate / reference, 1.0))
+            return alone
 
     def _judge(self, ratio: float) -> None:
         if self.choice == "kernel":
@@ -170,8 +173,10 @@ class Contention:
 
 
 class ContendedPolicy(CopyPolicy):
-    """CopyPolicy "auto" whose kernel batches move to copy engines on a GPU
-    where `Contention` sees another context computing."""
+    """CopyPolicy "auto": of the batches the crossover table gives to kernels,
+    a size class where copy engines proved faster on this GPU goes to them
+    (path_race.PathRace), and the rest move to copy engines while
+    `Contention` sees another context computing."""
 
     def __init__(
         self,
@@ -183,8 +188,10 @@ class ContendedPolicy(CopyPolicy):
         super().__init__("auto", crossovers)
         check_ratio(ratio)
         self._make = lambda: Contention(ratio, probe_s, clock=clock)
+        self._make_race = lambda: PathRace(clock=clock)
         self.ratio = ratio
         self.gpus: dict[int, Contention] = {}
+        self.races: dict[int, PathRace] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -202,12 +209,22 @@ class ContendedPolicy(CopyPolicy):
                 gpu = self.gpus.setdefault(device, self._make())
         return gpu
 
+    def _race(self, device: int) -> PathRace:
+        race = self.races.get(device)
+        if race is None:
+            with self._lock:
+                race = self.races.setdefault(device, self._make_race())
+        return race
+
     def choose_for(
         self, direction: CopyDirection, t: Transfers, device: int = 0
     ) -> CopyPath:
         path = super().choose_for(direction, t, device)
         if path == "dma":
             return path
+        raced = self._race(device).choose(direction, len(t), t.total_bytes)
+        if raced is not None:
+            return raced
         return self._gpu(device).choose(len(t), t.total_bytes)
 
     def observe(
@@ -220,8 +237,14 @@ class ContendedPolicy(CopyPolicy):
         end: float,
     ) -> None:
         gpu = self._gpu(device)
-        gpu.observe(direction, path, len(t), t.total_bytes, start, end)
+        if gpu.observe(direction, path, len(t), t.total_bytes, start, end):
+            self._race(device).observe(
+                direction, path, len(t), t.total_bytes, end - start
+            )
 
     def report(self) -> dict[str, object]:
-        gpus = {str(d): g.report() for d, g in sorted(self.gpus.items())}
+        gpus = {
+            str(d): {**g.report(), **self._race(d).report()}
+            for d, g in sorted(self.gpus.items())
+        }
         return {"setting": "auto", "contention_ratio": self.ratio, "devices": gpus}

@@ -252,16 +252,29 @@ class CopyPathCollector:
             "GPU copy bytes by path",
             labels=["device", "path"],
         )
+        on_dma = GaugeMetricFamily(
+            "pegaflow_copy_classes_on_dma",
+            "batch size classes where auto found copy engines faster than "
+            "kernels on this GPU (timed on its own copies)",
+            labels=["device"],
+        )
+        race_probes = CounterMetricFamily(
+            "pegaflow_copy_race_probes",
+            "batches auto sent by the other path to time it against the one it takes",
+            labels=["device", "path"],
+        )
         for device, gpu in rep.get("devices", {}).items():
             dma.add_metric([device], float(gpu["choice"] == "dma"))
             ratio.add_metric([device], gpu["kernel_ratio"])
             switches.add_metric([device, "dma"], gpu["switches_to_dma"])
             switches.add_metric([device, "kernel"], gpu["switches_to_kernel"])
             probes.add_metric([device], gpu["probes"])
+            on_dma.add_metric([device], gpu["classes_on_dma"])
             for path in ("kernel", "dma"):
                 batches.add_metric([device, path], gpu["batches"][path])
                 moved.add_metric([device, path], gpu["bytes"][path])
-        yield from (dma, ratio, switches, probes, batches, moved)
+                race_probes.add_metric([device, path], gpu["race_probes"][path])
+        yield from (dma, ratio, switches, probes, batches, moved, on_dma, race_probes)
         if self._faults is not None:
             broken = GaugeMetricFamily(
                 "pegaflow_cuda_faulted",
