@@ -47,7 +47,13 @@ import numpy as np
 from pegaflow.common.geometry import Transfers
 
 from . import measured
-from .path_choice import CopyDirection, CopyPath, CopyPolicy
+from .path_choice import (
+    TIMED_MIN_BYTES,
+    TIMED_MIN_PAGES,
+    CopyDirection,
+    CopyPath,
+    CopyPolicy,
+)
 from .path_race import PathRace
 
 if TYPE_CHECKING:
@@ -57,8 +63,6 @@ if TYPE_CHECKING:
 
 # The switching ratio: measured.CONTENTION_RATIO (the H200's figures are there).
 PROBE_S = 1.0  # a contended 640-block kernel probe (~60 ms) shares 6 % of a second
-MIN_PAGES = 64
-MIN_BYTES = 4 << 20  # ~0.1 ms of copy: launch and wake-up jitter stay small
 ALPHA = 0.5  # two contended samples in a row switch; one outlier does not
 CLASSES = 64  # log2 of a batch's bytes
 
@@ -77,8 +81,8 @@ class Contention:
         self,
         ratio: float = measured.CONTENTION_RATIO,
         probe_s: float = PROBE_S,
-        min_pages: int = MIN_PAGES,
-        min_bytes: int = MIN_BYTES,
+        min_pages: int = TIMED_MIN_PAGES,
+        min_bytes: int = TIMED_MIN_BYTES,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         check_ratio(ratio)

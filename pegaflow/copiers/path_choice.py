@@ -24,6 +24,11 @@ if TYPE_CHECKING:  # values the server passes in; no import of its config
 
 CopyDirection = dma.Direction  # save: GPU -> pool, load: pool -> GPU
 
+# Below these a batch's rate is mostly launch and wake-up latency (~0.1 ms of
+# copy at 4 MiB): auto times neither its contention nor its race on it.
+TIMED_MIN_PAGES = 64
+TIMED_MIN_BYTES = 4 << 20
+
 
 class CopyPolicy:
     """Kernel or copy engines for one batch, from its direction, page count and

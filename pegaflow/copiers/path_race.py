@@ -36,15 +36,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .measured import CopyPath
-from .path_choice import CopyDirection
+from .path_choice import TIMED_MIN_BYTES, TIMED_MIN_PAGES, CopyDirection
 
 PROBE_S = 1.0  # an unsettled class past FAST_PROBES: one probe a second
 FAST_PROBES = 12  # an unsettled class's first probes go at once, back to back
 REPROBE_S = 30.0  # then the losing path, to keep its best honest
 SAMPLES = 3  # of each path before a class decides
 MARGIN = 0.10  # copy engines must beat the kernel's best by this much
-MIN_PAGES = 64
-MIN_BYTES = 4 << 20  # ~0.1 ms of copy: launch and wake-up jitter stay small
 PATHS: tuple[CopyPath, CopyPath] = ("kernel", "dma")
 
 
@@ -87,8 +85,8 @@ class PathRace:
         reprobe_s: float = REPROBE_S,
         samples: int = SAMPLES,
         margin: float = MARGIN,
-        min_pages: int = MIN_PAGES,
-        min_bytes: int = MIN_BYTES,
+        min_pages: int = TIMED_MIN_PAGES,
+        min_bytes: int = TIMED_MIN_BYTES,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if not 0 <= margin < 10:
