@@ -255,6 +255,19 @@ def load(lease_id: int, block_ids: list[int], offset: int = 0) -> dict:
     return {"loaded": res.loaded, "bytes": res.bytes}
 
 
+def stall(block: int) -> dict:
+    """Block `block`'s whole pages in layer 0 stall every reader from now on
+    (tests/uffd_stall.py): the server's copy of them waits until we exit."""
+    from tests.uffd_stall import stall as stall_pages
+
+    layer = state["mem"].layers[0]
+    region = state["mem"].regions[layer.region_index]
+    start = region[0] + layer.offset + block * layer.block_stride
+    fd, first, size = stall_pages(start, layer.block_stride)
+    state.setdefault("stalls", []).append(fd)
+    return {"first": first, "bytes": size}
+
+
 OPS = {
     "init": init,
     "digest": digest,
@@ -265,6 +278,7 @@ OPS = {
     "save_async": save_async,
     "query": query,
     "load": load,
+    "stall": stall,
 }
 
 
