@@ -33,6 +33,7 @@ def init(
     dtype: str = "bfloat16",
     device: str = "cpu",
     mla_dim: int = 576,
+    page_aligned: bool = False,
 ) -> dict:
     """KV in one of the layouts: LBNHC / BLNHC (vLLM 0.33, one int8 buffer with
     per-layer views), kv_first (older vLLM, [2, blocks, block_size, heads, head]
@@ -65,6 +66,12 @@ def init(
     else:  # vLLM 0.33: one int8 buffer, per-layer [blocks, heads, block_size, 2*head]
         page = heads * block_size * 2 * head * item
         buf = rand(layers * blocks * page)
+        if page_aligned:  # its own mapping: no other data shares its pages
+            import mmap
+
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # shmem's pages never go
+            state["mapping"] = mapping = mmap.mmap(-1, buf.numel(), flags=flags)
+            buf = torch.frombuffer(mapping, dtype=torch.int8).copy_(buf)
         if layout == "LBNHC":
             phys = buf.view(dt).view(layers, blocks, block_size, heads, 2 * head)
             tensors = [phys[i].permute(0, 2, 1, 3) for i in range(layers)]
@@ -268,6 +275,20 @@ def stall(block: int) -> dict:
     return {"first": first, "bytes": size}
 
 
+def stall_start() -> dict:
+    """The first page of the first registered region (init(page_aligned=True):
+    KV bytes only) stalls every reader from now on."""
+    from tests.uffd_stall import PAGE
+    from tests.uffd_stall import stall as stall_pages
+
+    address = state["mem"].regions[0][0]
+    if address % PAGE:
+        raise ValueError("stall_start: init the KV with page_aligned=True")
+    fd, first, size = stall_pages(address, PAGE)
+    state.setdefault("stalls", []).append(fd)
+    return {"first": first, "bytes": size, "regions": state["mem"].regions}
+
+
 OPS = {
     "init": init,
     "digest": digest,
@@ -279,6 +300,7 @@ OPS = {
     "query": query,
     "load": load,
     "stall": stall,
+    "stall_start": stall_start,
 }
 
 

@@ -41,6 +41,15 @@ def pidfd_open(pid: int, field: str = "pid") -> int:
         return -1
 
 
+# An address above every user address space (57-bit paging's included): no
+# process maps it, so reading it there fails at once, before any page could
+# fault. Reading a page the engine maps instead could wait on the engine for
+# as long as it likes (a FUSE file mapped there, a userfaultfd registered on
+# it): tests/server/test_stalled_engine.py. An offset of /proc/<pid>/mem and
+# a process_vm_readv address alike.
+NOWHERE = 1 << 62
+
+
 class ProcessImage:
     """One process as the program it runs and the rights it holds, from when
     this was opened (before the process is checked) until close().
@@ -49,8 +58,7 @@ class ProcessImage:
     - /proc/<pid>/mem, opened now: bound to the address space the process has
       now. An execve gives the process a new one and the old one dies; a read
       of this descriptor then returns nothing (EOF), while the live one answers
-      with a byte (at `probe`, an address the process maps) or EIO (where it
-      maps nothing).
+      EIO at NOWHERE, an address no process maps.
     - /proc/<pid> (a directory descriptor, bound to the pid like the pidfd):
       its files' owner is the process's effective uid and gid while it is
       dumpable, root once it is not (looked up afresh: an open file's owner
@@ -67,9 +75,8 @@ class ProcessImage:
     pidfd alone: 1.3 us): once before each copy batch, never per block.
     """
 
-    def __init__(self, pid: int, field: str = "pid", probe: int = 0) -> None:
+    def __init__(self, pid: int, field: str = "pid") -> None:
         self.pid = pid
-        self._probe = probe if 0 <= probe < 1 << 63 else 0  # a file offset
         self.pidfd = pidfd_open(pid, field)  # first: what the others must match
         self._dir = self._mem = -1
         try:
@@ -119,7 +126,7 @@ class ProcessImage:
     def changed(self, rights: bool = True) -> str:
         """ "" while the process runs the program, with the rights, it had when
         this was opened; else what changed (_EXITING: it is exiting)."""
-        if self._mem >= 0 and not _address_space_lives(self._mem, self._probe):
+        if self._mem >= 0 and not _address_space_lives(self._mem):
             return self._exec_or_exit()
         if not rights:
             return ""
@@ -180,12 +187,12 @@ def _read(dir_fd: int, name: str) -> str:
         os.close(fd)
 
 
-def _address_space_lives(mem: int, probe: int) -> bool:
+def _address_space_lives(mem: int) -> bool:
     """Whether the address space a /proc/<pid>/mem descriptor was opened on
-    still has a user: a byte or EIO (nothing mapped at probe) if so, EOF once
+    still has a user: EIO at NOWHERE if so (no page there to read), EOF once
     it died. Another error (ENOMEM) tells neither: no copy then."""
     try:
-        return bool(os.pread(mem, 1, probe))
+        return bool(os.pread(mem, 1, NOWHERE))
     except OSError as exc:
         if exc.errno == errno.EIO:
             return True

@@ -39,11 +39,13 @@ from pegaflow.common.runs import merge_adjacent
 from pegaflow.common.share_frames import ShareSpan
 from pegaflow.common.thread_creds import EngineIds
 
+from .engine_lane import EngineLane, Threads
 from .run_copy import copy_layers, copy_runs, layer_loop, run_loop
 from .shared_kv import SharedKV
 from .vm import (
     IOV_MAX,
     Direction,
+    check_access,
     file_backed,
     first_outside,
     iovecs,
@@ -78,6 +80,9 @@ class HostRegions:
     spans: tuple[np.ndarray, np.ndarray] = field(init=False)
     # The engine's memfd mapped into the server, once it shared one.
     shared: SharedSlot = field(init=False)
+    # The threads its process_vm copies run on (pegaflow.copiers.engine_lane).
+    lane: EngineLane = field(init=False)
+    helpers: int = 1
 
     def __post_init__(self) -> None:
         if self.ids is None and self.image is not None:
@@ -86,15 +91,17 @@ class HostRegions:
         ends = bases + np.array(self.sizes, np.uint64)
         object.__setattr__(self, "spans", merge_spans(bases, ends))
         object.__setattr__(self, "shared", SharedSlot())
+        object.__setattr__(self, "lane", EngineLane(f"vm{self.pid}", self.helpers))
 
 
 class SharedSlot:
     """Set once, on the loop, while copies may run: they read it once each."""
 
-    __slots__ = ("kv",)
+    __slots__ = ("kv", "signals_in_kv")
 
     def __init__(self) -> None:
         self.kv: SharedKV | None = None
+        self.signals_in_kv = False  # its layer signal words are written through kv
 
 
 def _coalesce(
@@ -146,8 +153,7 @@ class HostCopyEngine:
         # Opened before the checks: if it still lives after them, every check
         # below looked at the process (and program) it names, not a successor
         # that took over its pid, or a program it exec'd, meanwhile.
-        probe = regions[0][0] if regions else 0  # a byte from it: no EIO to raise
-        image = ProcessImage(pid, probe=probe)
+        image = ProcessImage(pid)
         try:
             return self._open_checked(pid, regions, image)
         except BaseException:
@@ -183,12 +189,9 @@ class HostCopyEngine:
                 "hugetlbfs memory: a file's pages can stall the copy on I/O"
             )
         # Registration is the place to learn about ptrace permission, not the
-        # first save: read one byte.
-        probe = np.zeros(1, np.uint8)
-        one = np.ones(1, np.uint64)
-        local = iovecs(np.array([probe.ctypes.data], np.uint64), one)
+        # first save; asked of the kernel without reading the engine's memory.
         try:  # as the engine's user, as every copy will
-            transfer("gather", pid, local, iovecs(addr[:1], one), ids=image.ids)
+            check_access(pid, image.ids)
         except (CopyFailed, PermissionDenied) as e:
             raise InvalidRequest(f"pid: {e}") from None
         if exited(image.pidfd):
@@ -199,8 +202,32 @@ class HostCopyEngine:
             "open pid=%d: %d region(s), %d bytes", pid, len(regions), size.sum()
         )
         return HostRegions(
-            pid, tuple(a for a, _ in regions), tuple(s for _, s in regions), image
+            pid,
+            tuple(a for a, _ in regions),
+            tuple(s for _, s in regions),
+            image,
+            helpers=self._threads - 1,
         )
+
+    @staticmethod
+    def lane_for(
+        regions: HostRegions, t: Transfers, direction: str, layer_wise: bool
+    ) -> EngineLane | None:
+        """Where this copy must run, off the event loop and apart from every
+        other engine's copies (pegaflow.copiers.engine_lane). direction:
+        "save" (engine -> pool) or "load"; layer_wise: it writes the layer
+        signal words. The
+        registration's lane when any of it calls process_vm_* (a run outside
+        the shared memfd, or a layer signal word written that way); None when
+        it is all memcpy in the server's own mapping, which cannot stall."""
+        kv = regions.shared.kv
+        if kv is None or (layer_wise and not regions.shared.signals_in_kv):
+            return regions.lane
+        remote = t.src if direction == "save" else t.dst  # the engine's side
+        _, inside = kv.translate(
+            np.asarray(remote, np.uint64), np.asarray(t.nbytes, np.uint64)
+        )
+        return None if inside.all() else regions.lane
 
     def gather(
         self,
@@ -296,6 +323,7 @@ class HostCopyEngine:
         regions.shared.kv = kv
         if words is not None:
             signals.attach(kv)  # type: ignore[union-attr]
+        regions.shared.signals_in_kv = words is not None
         logger.info(
             "pid %d shares %d B of KV memory (%d span(s))",
             regions.pid,
@@ -307,6 +335,7 @@ class HostCopyEngine:
     def close(self, regions: HostRegions) -> None:
         """After the last copy: the shared mapping and the process's handles go."""
         kv, regions.shared.kv = regions.shared.kv, None
+        regions.lane.close()
         if kv is not None:
             kv.close()
         if regions.image is not None:
@@ -345,10 +374,13 @@ class HostCopyEngine:
         if regions.image is not None:
             regions.image.check(op)
         kv = regions.shared.kv
+        pool = self._parts_pool(regions)
         if kv is not None:
-            local, remote, n = self._copy_shared(op, kv, local, remote, n, deadline)
+            local, remote, n = self._copy_shared(
+                op, kv, local, remote, n, deadline, pool
+            )
         if n.size:
-            self._copy_vm(op, regions, local, remote, n, deadline)
+            self._copy_vm(op, regions, local, remote, n, deadline, pool)
         self._check_after(op, regions)
 
     def _copy_shared(
@@ -359,6 +391,7 @@ class HostCopyEngine:
         remote: np.ndarray,
         n: np.ndarray,
         deadline: float | None,
+        pool: ThreadPoolExecutor | Threads | None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copy the runs inside the engine's shared mapping; the rest's
         (local, remote, n) are left for process_vm."""
@@ -371,7 +404,7 @@ class HostCopyEngine:
             if logger.isEnabledFor(logging.DEBUG):
                 msg = "%s: memcpy %d runs, %d bytes, %d part(s)"
                 logger.debug(msg, op, len(k), total, parts)
-            copy_runs(dst, src, k, op, deadline, self._pool, parts)
+            copy_runs(dst, src, k, op, deadline, pool, parts)
         if inside.all():
             return local[:0], remote[:0], n[:0]
         out = ~inside
@@ -385,6 +418,7 @@ class HostCopyEngine:
         remote: np.ndarray,
         n: np.ndarray,
         deadline: float | None,
+        pool: ThreadPoolExecutor | Threads | None,
     ) -> None:
         liov, riov = iovecs(local, n), iovecs(remote, n)
         total = int(n.sum())
@@ -396,7 +430,7 @@ class HostCopyEngine:
         # own call and back), so the kernel refuses, in the call itself, a
         # program exec'd since the image's check with rights the user lacks.
         pid, ids = regions.pid, regions.ids
-        if self._pool is None or len(parts) == 1:
+        if pool is None or len(parts) == 1:
             for part in parts:
                 transfer(op, pid, liov[part], riov[part], deadline, ids=ids)
             return
@@ -404,7 +438,7 @@ class HostCopyEngine:
         # a pool thread and back fewer (each needs the GIL on its way,
         # which an SSD writer may hold), and no thread idle meanwhile.
         futures = [
-            self._pool.submit(transfer, op, pid, liov[p], riov[p], deadline, ids=ids)
+            pool.submit(transfer, op, pid, liov[p], riov[p], deadline, ids=ids)
             for p in parts[:-1]
         ]
         try:
@@ -414,6 +448,14 @@ class HostCopyEngine:
             wait(futures)  # never return while a chunk still writes
         for f in futures:
             f.result()
+
+    def _parts_pool(self, regions: HostRegions) -> ThreadPoolExecutor | Threads | None:
+        """A copy on its registration's lane splits onto that lane's helpers:
+        a part stalled in the engine's memory holds no thread of the shared
+        pool, which copies for every other engine."""
+        if regions.lane.runner.owns_current_thread():
+            return regions.lane.helpers
+        return self._pool
 
     @staticmethod
     def _check_after(op: Direction, regions: HostRegions) -> None:

@@ -15,8 +15,17 @@ from pegaflow.common.pidfds import ProcessImage, exited
 from pegaflow.common.thread_creds import mode
 
 from .copier import CopyEngine, LoadSignals
+from .engine_lane import EngineLane
 from .shared_kv import SharedKV
-from .vm import file_backed, first_outside, iovecs, read_maps, rw_spans, transfer
+from .vm import (
+    check_access,
+    file_backed,
+    first_outside,
+    iovecs,
+    read_maps,
+    rw_spans,
+    transfer,
+)
 
 
 class LayerSignals:
@@ -39,7 +48,7 @@ class LayerSignals:
             raise InvalidRequest(
                 f"layer_signals.address: {address:#x} is not an 8-byte aligned address"
             )
-        image = ProcessImage(pid, "layer_signals.pid", probe=address)  # first
+        image = ProcessImage(pid, "layer_signals.pid")  # first
         try:
             self._check(pid, address, num_layers, image)
         except BaseException:
@@ -47,6 +56,10 @@ class LayerSignals:
             raise
         self._image: ProcessImage | None = image
         self._shared: SharedKV | None = None
+        # Where a layer-wise load that writes the words with process_vm_writev
+        # runs when its copier has no lane of its own (a GPU worker's): the
+        # write can wait on the engine for good (pegaflow.copiers.engine_lane).
+        self.lane = EngineLane(f"sig{pid}", helpers=0)
         self._words: np.ndarray | None = None  # their addresses in our mapping
 
     def _check(
@@ -73,7 +86,7 @@ class LayerSignals:
         # the server checks the process's rights before every layer's word.
         self._vouched = mode(image.ids) != "unvouched"
         try:  # ptrace permission shows here, at registration, not mid-load
-            transfer("gather", pid, self._local, self._remote(0), ids=self._ids)
+            check_access(pid, self._ids)
         except (CopyFailed, PermissionDenied) as e:
             raise InvalidRequest(f"layer_signals.pid: {e}") from None
         if exited(image.pidfd):
@@ -126,6 +139,7 @@ class LayerSignals:
 
     def close(self) -> None:
         self._shared = self._words = None
+        self.lane.close()
         if self._image is not None:
             self._image.close()
             self._image = None

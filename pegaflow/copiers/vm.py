@@ -22,7 +22,7 @@ import numpy as np
 
 from pegaflow.common import deadlines, mounts
 from pegaflow.common.errors import CopyFailed, InvalidRequest, PegaflowError
-from pegaflow.common.pidfds import ProcessChanged
+from pegaflow.common.pidfds import NOWHERE, ProcessChanged
 from pegaflow.common.thread_creds import AsEngine, EngineIds, mode
 
 IOV_MAX = 1024  # the kernel's UIO_MAXIOV; more iovecs on one side is EINVAL
@@ -159,6 +159,25 @@ def transfer(
         # A fault or the kernel's ~2 GiB per-call cap stops short: go on from
         # the exact byte, so a real fault shows up as -1 on the next call.
         liov, riov = advance(liov, riov, got)
+
+
+def check_access(pid: int, ids: EngineIds | None = None) -> None:
+    """Whether the kernel lets the server, as the engine's user, read and
+    write `pid`'s memory, asked without touching that memory: one byte read
+    at NOWHERE fails EFAULT where it may (the kernel checks access first),
+    EPERM where it may not, ESRCH for a process that is gone. A read of a
+    page the engine maps could wait on the engine for good (a FUSE file or a
+    userfaultfd registered there), and registration runs on the event loop.
+    Raises as transfer() does."""
+    byte = np.zeros(1, np.uint8)
+    one = np.ones(1, np.uint64)
+    liov = iovecs(np.array([byte.ctypes.data], np.uint64), one)
+    riov = iovecs(np.array([NOWHERE], np.uint64), one)
+    with AsEngine(ids):  # the system call only
+        got = READV(pid, liov.ctypes.data, 1, riov.ctypes.data, 1, 0)
+        err = ctypes.get_errno() if got < 0 else 0
+    if err != errno.EFAULT:
+        raise failure("gather", pid, err, liov, riov, ids)
 
 
 def read_maps(pid: int, field: str = "pid") -> list[str]:

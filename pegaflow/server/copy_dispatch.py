@@ -1,26 +1,35 @@
 """How the server runs one copy between the pool and an engine.
 
-Small copies run inline on the event loop (unless the engine's GPU stream
-already holds one: queued behind it, the loop would wait for both); a copier
-that launches (the CUDA one) queues the copy from the loop and the loop
-awaits its completion (pegaflow.copiers.copy_wait); the rest run on a copy
-thread. Every way passes the large-request gate first and keeps the worker's
-memory open (its active_ops) until the copy ended.
+A copy that may reach a host engine's memory through process_vm_* runs on
+that registration's own lane (pegaflow.copiers.engine_lane), never on the
+loop or a shared thread: the engine can make such a copy wait as long as it
+likes. One copy of a registration at a time takes the lane, at most
+engine_lane.MAX_WAITING more wait for it, and only then does a copy take a
+large-request slot, so a stalled engine holds at most one.
+Other small copies run inline on the event loop (unless the engine's GPU
+stream already holds one: queued behind it, the loop would wait for both); a
+copier that launches (the CUDA one) queues the copy from the loop and the
+loop awaits its completion (pegaflow.copiers.copy_wait); the rest run on a
+copy thread. Every way passes the large-request gate first and keeps the
+worker's memory open (its active_ops) until the copy ended.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from pegaflow.cache.instances import Registry, Worker
+from pegaflow.common.errors import DeadlineExceeded, Overloaded
 from pegaflow.common.geometry import Transfers
 from pegaflow.common.pidfds import ProcessChanged
 from pegaflow.common.request_limits import LargeRequestGate
 from pegaflow.copiers import copy_wait
+from pegaflow.copiers.engine_lane import MAX_WAITING, EngineLane
 
 from .metrics import Metrics
 
@@ -62,7 +71,8 @@ class CopyDispatch:
         self._inline_bytes = inline_copy_bytes
         self._process_changed = process_changed
         waits = metrics.copy_waits  # labels() costs a few us: once each
-        self._waits = {way: waits.labels(way) for way in ("loop", "late", "thread")}
+        ways = ("loop", "late", "thread", "lane")
+        self._waits = {way: waits.labels(way) for way in ways}
 
     async def run(
         self,
@@ -72,13 +82,28 @@ class CopyDispatch:
         inline: bool = True,
         deadline: float | None = None,
         launch_as: str | None = None,
+        *,
+        direction: str,
+        layer_wise: bool = False,
     ) -> float:
         """The copy's seconds. deadline: time.monotonic() seconds; no copy
         starts after it. launch_as ("save" or "load"): `fn` is that plain
-        direction, which a copier that launches may queue from here."""
+        direction, which a copier that launches may queue from here.
+        direction: "save" (engine -> pool) or "load"; layer_wise: `fn` also
+        writes the engine's layer signal words."""
         worker.active_ops += 1  # before the gate: keeps the memory open meanwhile
         start = time.perf_counter()
         try:
+            lane = _lane(worker, t, direction, layer_wise)
+            if lane is not None:
+                async with (
+                    _lane_turn(worker, lane, deadline),
+                    self._gate.admit(len(t), deadline),
+                ):
+                    job = lane.runner.submit(fn, worker.handle, t)
+                    await uncancellable(asyncio.wrap_future(job))
+                self._waits["lane"].inc()
+                return time.perf_counter() - start
             async with self._gate.admit(len(t), deadline):
                 small = t.total_bytes <= self._inline_bytes
                 if inline and small and not _stream_busy(worker, launch_as):
@@ -101,6 +126,55 @@ class CopyDispatch:
         finally:
             self._registry.finish_op(worker)
         return time.perf_counter() - start
+
+
+def _lane(
+    worker: Worker, t: Transfers, direction: str, layer_wise: bool
+) -> EngineLane | None:
+    """The lane the copy must run on: the host copier's choice; for another
+    copier's layer-wise load, the lane of the signal words it writes with
+    process_vm_writev."""
+    lane_for = getattr(worker.copier, "lane_for", None)
+    if lane_for is not None:
+        return lane_for(worker.handle, t, direction, layer_wise)
+    if layer_wise:
+        return getattr(worker.signals, "lane", None)
+    return None
+
+
+@contextlib.asynccontextmanager
+async def _lane_turn(
+    worker: Worker, lane: EngineLane, deadline: float | None
+) -> AsyncIterator[None]:
+    """The registration's lane to ourselves, in arrival order; refused at
+    once when MAX_WAITING copies already wait, and when the deadline passes
+    first (its earlier copy still runs: a stalled engine, most likely)."""
+    who = f"{worker.instance_id} rank {worker.tp_rank}"
+    if lane.waiting > MAX_WAITING:
+        raise Overloaded(
+            f"{who}: {lane.waiting} copies already run or wait on this "
+            "registration's copy thread; its memory may be stalling the "
+            "server's reads"
+        )
+    if lane.turn is None:
+        lane.turn = asyncio.Lock()
+    lane.waiting += 1
+    try:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            await asyncio.wait_for(lane.turn.acquire(), timeout)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"deadline: passed while the copy waited for {who}'s earlier "
+                "copy, which still runs (its memory may be stalling the "
+                "server's reads)"
+            ) from None
+        try:
+            yield
+        finally:
+            lane.turn.release()
+    finally:
+        lane.waiting -= 1
 
 
 def _stream_busy(worker: Worker, direction: str | None) -> bool:

@@ -233,7 +233,7 @@ class Engine:
                 inline = True
             seconds = await self.copies.run(
                 worker, gather, transfers, inline, ctx.deadline,
-                launch_as="save" if inline else None,
+                launch_as="save" if inline else None, direction="save",
             )  # fmt: skip
             if ctx.deadline is not None and time.monotonic() > ctx.deadline:
                 raise DeadlineExceeded(
@@ -339,7 +339,8 @@ class Engine:
             if entries or layer_seq:  # (the signals go out even with no copy)
                 seconds = await self.copies.run(
                     worker, scatter, transfers, not layer_seq, ctx.deadline,
-                    launch_as=None if layer_seq else "load",
+                    launch_as=None if layer_seq else "load", direction="load",
+                    layer_wise=bool(layer_seq),
                 )  # fmt: skip
         finally:
             self.store.unpin(entries)

@@ -95,7 +95,8 @@ class Metrics:
             "pegaflow_copy_waits",
             "copies above inline_copy_bytes by how they were waited for: loop "
             "(launched and awaited on the event loop), late (a thread took the "
-            "wait over past the expected end, or no estimate yet), thread",
+            "wait over past the expected end, or no estimate yet), thread; "
+            "lane: any host copy through process_vm (its engine's own thread)",
             ["way"],
             registry=r,
         )
@@ -123,7 +124,7 @@ class Metrics:
             self.transfer_seconds.labels(direction)
         for reason in ("tinylfu", "pool_full"):
             self.admission_rejections.labels(reason)
-        for way in ("loop", "late", "thread"):
+        for way in ("loop", "late", "thread", "lane"):
             self.copy_waits.labels(way)
 
     def bind_gauges(

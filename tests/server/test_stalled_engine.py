@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 import time
 
 import pytest
 
+from pegaflow.copiers.host_copier import HostCopyEngine
 from tests.procs import EngineProc, ServerProc
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (userfaultfd)")
@@ -53,16 +55,79 @@ def test_an_engine_that_stalls_a_copy_and_dies_leaves_the_server_serving(
     assert server.proc.poll() is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (docs/security.md): a copy of up to 2 MiB runs inline on the "
-    "server's event loop, so one engine's stalled copy stops every engine",
-)
 def test_other_engines_are_served_while_one_engine_copy_stalls(server, engines) -> None:
-    stuck, other, _ = _stalled_save(server, engines)
+    """Regression (2026-12-06): a copy of up to 2 MiB ran inline on the
+    event loop, so the bystander's save ended DEADLINE_EXCEEDED ("no answer
+    on the socket") while the stalled copy waited. Its copies now run on the
+    registration's own lane; everyone else's save, query and load go on."""
+    stuck, other, token = _stalled_save(server, engines)
     try:
-        fresh = secrets.token_hex(32)
-        saved = other.call("save", block_ids=[3], hashes=[fresh], timeout=10)
-        assert saved["stored"] == 1
+        fresh = [secrets.token_hex(32) for _ in range(8)]
+        saved = other.call("save", block_ids=list(range(8)), hashes=fresh, timeout=10)
+        assert saved["stored"] == 8
+        hit = other.call("query", hashes=fresh, timeout=10)
+        assert hit["num_blocks"] == 8
+        loaded = other.call(
+            "load", lease_id=hit["lease_id"], block_ids=list(range(8, 16)), timeout=10
+        )
+        assert loaded["loaded"] == 8
+        digests = other.call("digest", block_ids=list(range(16)))["digests"]
+        assert digests[:8] == digests[8:]
+        assert other.call("query", hashes=[token])["num_blocks"] == 0  # still copying
     finally:
         stuck.kill()  # the server's copy ends: the teardown can stop it
+    assert server.proc.poll() is None
+
+
+def test_registering_reads_no_page_of_the_engine(server, engines) -> None:
+    """Regression (2026-12-06): registration read one byte of the engine's
+    first region on the event loop, to learn of ptrace permission, so an
+    engine whose first page stalled stopped every engine as it registered.
+    The kernel is now asked with a read of an address nothing maps."""
+    stuck, other = engines(), engines()
+    other.call("init", seed=2, **SHAPES)
+    other.call("register", addr=server.addr, instance="bystander", namespace="ns")
+    stuck.call("init", seed=1, page_aligned=True, **SHAPES)
+    try:
+        stuck.call("stall_start")
+    except RuntimeError as exc:
+        pytest.skip(f"cannot stall pages here: {exc}")
+    try:
+        got = stuck.call(
+            "register", addr=server.addr, instance="stalls", namespace="ns", timeout=20
+        )
+        assert got["slot_bytes"] > 0
+        fresh = secrets.token_hex(32)
+        assert other.call("save", block_ids=[1], hashes=[fresh], timeout=10)["stored"]
+    finally:
+        stuck.kill()
+
+
+def test_the_check_before_each_copy_reads_no_page_of_the_engine(engines) -> None:
+    """Regression (2026-12-06): the exec check before every copy batch read a
+    byte of the engine's first region through /proc/<pid>/mem, a copy of a
+    fully shared (memfd) registration ran inline on the event loop, so a
+    stalled first page stopped every engine at its next copy. The check now
+    reads an address nothing maps (EIO while the address space lives)."""
+    engine = engines()
+    engine.call("init", seed=1, page_aligned=True, **SHAPES)
+    try:
+        got = engine.call("stall_start")
+    except RuntimeError as exc:
+        pytest.skip(f"cannot stall pages here: {exc}")
+    copier = HostCopyEngine()
+    opened = []
+    done = threading.Event()
+
+    def open_and_check() -> None:  # on a thread: the old check never returned
+        opened.append(copier.open(engine.proc.pid, [tuple(r) for r in got["regions"]]))
+        opened[0].image.check("save")
+        done.set()
+
+    try:
+        threading.Thread(target=open_and_check, daemon=True).start()
+        assert done.wait(10), "the check is waiting on the engine's stalled page"
+    finally:
+        engine.kill()  # a stalled read ends (EIO or EOF) once the engine is gone
+        for regions in opened:
+            copier.close(regions)

@@ -211,7 +211,7 @@ def test_an_engine_in_another_user_namespace_still_copies() -> None:
         proc.stdin.write("go\n")
         proc.stdin.flush()
         addr = int(proc.stdout.readline())
-        image = ProcessImage(proc.pid, probe=addr)
+        image = ProcessImage(proc.pid)
         try:
             ids = image.ids
             assert (ids.uid, ids.gid) == (NOBODY, NOBODY)
