@@ -40,7 +40,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -60,6 +60,8 @@ if TYPE_CHECKING:
     from pegaflow.common.settings import CudaConfig
 
     from .measured import Crossover
+
+T = TypeVar("T")
 
 # The switching ratio: measured.CONTENTION_RATIO (the H200's figures are there).
 PROBE_S = 1.0  # a contended 640-block kernel probe (~60 ms) shares 6 % of a second
@@ -207,18 +209,18 @@ class ContendedPolicy(CopyPolicy):
         return cls(measured.CROSSOVERS, measured.CONTENTION_RATIO)
 
     def _gpu(self, device: int) -> Contention:
-        gpu = self.gpus.get(device)
-        if gpu is None:
-            with self._lock:
-                gpu = self.gpus.setdefault(device, self._make())
-        return gpu
+        return self._per_device(self.gpus, device, self._make)
 
     def _race(self, device: int) -> PathRace:
-        race = self.races.get(device)
-        if race is None:
+        return self._per_device(self.races, device, self._make_race)
+
+    def _per_device(self, table: dict[int, T], device: int, make: Callable[[], T]) -> T:
+        """The device's entry, made on first use (copy threads race here)."""
+        entry = table.get(device)
+        if entry is None:
             with self._lock:
-                race = self.races.setdefault(device, self._make_race())
-        return race
+                entry = table.setdefault(device, make())
+        return entry
 
     def choose_for(
         self, direction: CopyDirection, t: Transfers, device: int = 0
