@@ -8,8 +8,10 @@ mapped over registered memory stalls a copy the same way."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import os
+import platform
 import struct
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -31,6 +33,8 @@ def stall(address: int, size: int) -> tuple[int, int, int]:
     hi = (address + size) // PAGE * PAGE
     if hi <= lo:
         raise ValueError(f"no whole page in [{address:#x}, {address + size:#x})")
+    if platform.machine() != "x86_64":  # the syscall's number is x86_64's
+        raise OSError(errno.ENOSYS, f"userfaultfd: not wired for {platform.machine()}")
     fd = _libc.syscall(_NR_USERFAULTFD, os.O_CLOEXEC | os.O_NONBLOCK)
     if fd < 0:
         raise OSError(ctypes.get_errno(), "userfaultfd")
