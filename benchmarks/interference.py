@@ -164,12 +164,18 @@ def row(
     )
 
 
+def copy_path_gpu0(http: str) -> dict | None:
+    """GPU 0's `copy_path` report from the server's /stats; None where the
+    policy is a forced path (it reports no devices)."""
+    with urllib.request.urlopen(f"http://{http}/stats", timeout=10) as r:
+        doc = json.load(r)
+    return ((doc.get("copy_path") or {}).get("devices") or {}).get("0")
+
+
 def path_counts(http: str) -> dict[str, int]:
     """GPU 0's bytes by path and switches so far, from the server's /stats
     (zeros where the policy is a forced path: it counts nothing)."""
-    with urllib.request.urlopen(f"http://{http}/stats", timeout=10) as r:
-        doc = json.load(r)
-    gpu = (doc.get("copy_path") or {}).get("devices", {}).get("0")
+    gpu = copy_path_gpu0(http)
     if gpu is None:
         return {"kernel": 0, "dma": 0, "switches": 0}
     switches = gpu["switches_to_dma"] + gpu["switches_to_kernel"]

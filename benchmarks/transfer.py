@@ -22,7 +22,6 @@ import without it.
 from __future__ import annotations
 
 import argparse
-import json
 import secrets
 import socket
 import statistics
@@ -30,7 +29,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -86,8 +84,7 @@ def path_race(http: str) -> list[dict] | None:
     """GPU 0's copy-path race under --copy-path auto, per size class: each
     path's best GB/s and the winner (pegaflow.copiers.path_race); None
     where a path is forced."""
-    with urllib.request.urlopen(f"http://{http}/stats", timeout=10) as r:
-        gpu = ((json.load(r).get("copy_path") or {}).get("devices") or {}).get("0")
+    gpu = interference.copy_path_gpu0(http)
     return None if gpu is None else gpu.get("classes")
 
 

@@ -47,13 +47,7 @@ import numpy as np
 from pegaflow.common.geometry import Transfers
 
 from . import measured
-from .path_choice import (
-    TIMED_MIN_BYTES,
-    TIMED_MIN_PAGES,
-    CopyDirection,
-    CopyPath,
-    CopyPolicy,
-)
+from .path_choice import CopyDirection, CopyPath, CopyPolicy, page_class, timed
 from .path_race import PathRace
 
 if TYPE_CHECKING:
@@ -83,16 +77,12 @@ class Contention:
         self,
         ratio: float = measured.CONTENTION_RATIO,
         probe_s: float = PROBE_S,
-        min_pages: int = TIMED_MIN_PAGES,
-        min_bytes: int = TIMED_MIN_BYTES,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         check_ratio(ratio)
         self.enter = ratio
         self.exit = (1 + ratio) / 2
         self.probe_s = probe_s
-        self.min_pages = min_pages
-        self.min_bytes = min_bytes
         self._clock = clock
         self._lock = threading.Lock()
         self.choice: CopyPath = "kernel"
@@ -105,16 +95,13 @@ class Contention:
         self._last_end: dict[CopyDirection, float] = {}
         self._last_probe = -math.inf
 
-    def eligible(self, pages: int, nbytes: int) -> bool:
-        return pages >= self.min_pages and nbytes >= self.min_bytes
-
     def choose(self, pages: int, nbytes: int) -> CopyPath:
         """The path of a batch the crossover table gives to kernels."""
         with self._lock:
             if self.choice == "kernel":
                 return "kernel"
             now = self._clock()
-            if self.eligible(pages, nbytes) and now - self._last_probe >= self.probe_s:
+            if timed(pages, nbytes) and now - self._last_probe >= self.probe_s:
                 self._last_probe = now
                 self.probes += 1
                 return "kernel"
@@ -140,11 +127,11 @@ class Contention:
             self._last_end[direction] = max(end, self._last_end.get(direction, end))
             if path != "kernel" or not alone or end <= start:
                 return alone
-            if not self.eligible(pages, nbytes):
+            if not timed(pages, nbytes):
                 return alone
             rate = nbytes / (end - start)
             best = self._best.setdefault(
-                (direction, (nbytes // pages).bit_length()), np.zeros(CLASSES)
+                (direction, page_class(pages, nbytes)), np.zeros(CLASSES)
             )
             size = min(nbytes.bit_length(), CLASSES - 1)
             reference = float(best[: size + 1].max())

@@ -214,12 +214,12 @@ class HostCopyEngine:
         regions: HostRegions, t: Transfers, direction: str, layer_wise: bool
     ) -> EngineLane | None:
         """Where this copy must run, off the event loop and apart from every
-        other engine's copies (pegaflow.copiers.engine_lane). direction:
-        "save" (engine -> pool) or "load"; layer_wise: it writes the layer
-        signal words. The
+        other engine's copies (pegaflow.copiers.engine_lane): the
         registration's lane when any of it calls process_vm_* (a run outside
         the shared memfd, or a layer signal word written that way); None when
-        it is all memcpy in the server's own mapping, which cannot stall."""
+        it is all memcpy in the server's own mapping, which cannot stall.
+        direction: "save" (engine -> pool) or "load"; layer_wise: it writes
+        the layer signal words."""
         kv = regions.shared.kv
         if kv is None or (layer_wise and not regions.shared.signals_in_kv):
             return regions.lane

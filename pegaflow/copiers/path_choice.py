@@ -30,6 +30,17 @@ TIMED_MIN_PAGES = 64
 TIMED_MIN_BYTES = 4 << 20
 
 
+def timed(pages: int, nbytes: int) -> bool:
+    """Whether auto learns from this batch's time (contention, path race)."""
+    return pages >= TIMED_MIN_PAGES and nbytes >= TIMED_MIN_BYTES
+
+
+def page_class(pages: int, nbytes: int) -> int:
+    """log2 of a batch's page size (+1): batches of one page size are timed
+    against each other."""
+    return (nbytes // pages).bit_length()
+
+
 class CopyPolicy:
     """Kernel or copy engines for one batch, from its direction, page count and
     page size: `setting` "kernel" or "dma" forces one, "auto" takes DMA where a

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .measured import CopyPath
-from .path_choice import TIMED_MIN_BYTES, TIMED_MIN_PAGES, CopyDirection
+from .path_choice import CopyDirection, page_class, timed
 
 PROBE_S = 1.0  # an unsettled class past FAST_PROBES: one probe a second
 FAST_PROBES = 12  # an unsettled class's first probes go at once, back to back
@@ -85,25 +85,19 @@ class PathRace:
         reprobe_s: float = REPROBE_S,
         samples: int = SAMPLES,
         margin: float = MARGIN,
-        min_pages: int = TIMED_MIN_PAGES,
-        min_bytes: int = TIMED_MIN_BYTES,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if not 0 <= margin < 10:
             raise ValueError(f"margin: {margin!r}, need 0 <= margin < 10")
         self.probe_s, self.reprobe_s = probe_s, reprobe_s
         self.samples, self.margin = samples, margin
-        self.min_pages, self.min_bytes = min_pages, min_bytes
         self._clock = clock
         self._lock = threading.Lock()
         self._classes: dict[ClassKey, SizeClass] = {}
         self.probes: dict[CopyPath, int] = dict.fromkeys(PATHS, 0)
 
     def _key(self, direction: CopyDirection, pages: int, nbytes: int) -> ClassKey:
-        return direction, (nbytes // pages).bit_length(), nbytes.bit_length()
-
-    def eligible(self, pages: int, nbytes: int) -> bool:
-        return pages >= self.min_pages and nbytes >= self.min_bytes
+        return direction, page_class(pages, nbytes), nbytes.bit_length()
 
     def choose(
         self, direction: CopyDirection, pages: int, nbytes: int
@@ -111,7 +105,7 @@ class PathRace:
         """The path this host's timings give the batch, or None where they say
         nothing yet: the caller's own choice stands (kernels, or copy engines
         while another context computes: contention.Contention)."""
-        if not self.eligible(pages, nbytes):
+        if not timed(pages, nbytes):
             return None
         with self._lock:
             cls = self._classes.get(self._key(direction, pages, nbytes))
@@ -144,7 +138,7 @@ class PathRace:
         seconds: float,
     ) -> None:
         """A batch that ran alone on its stream took `seconds`."""
-        if seconds <= 0 or not self.eligible(pages, nbytes):
+        if seconds <= 0 or not timed(pages, nbytes):
             return
         with self._lock:
             cls = self._classes.setdefault(
@@ -152,12 +146,6 @@ class PathRace:
             )
             cls.best[path] = max(cls.best[path], nbytes / seconds)
             cls.samples[path] += 1
-
-    def preferred(self, direction: CopyDirection, pages: int, nbytes: int) -> CopyPath:
-        """The settled winner of the batch's class (kernels until settled)."""
-        with self._lock:
-            cls = self._classes.get(self._key(direction, pages, nbytes))
-            return "kernel" if cls is None else cls.winner(self.samples, self.margin)
 
     def report(self) -> dict[str, object]:
         """Per class: each path's best GB/s and samples, and the winner."""

@@ -143,10 +143,12 @@ def test_size_classes_and_directions_decide_apart() -> None:
         ("load", 27): "kernel",  # 128 MiB
         ("save", 30): "kernel",
     }
-    race = host.policy.races[0]
-    assert race.preferred("load", BIG, BIG * PAGE) == "dma"
-    assert race.preferred("load", SMALL, SMALL * PAGE) == "kernel"
-    assert race.preferred("save", BIG, BIG * PAGE) == "kernel"
+    # each class's batches follow its winner (after at most one re-probe)
+    assert host.run(2, direction="save")[-1] == "kernel"
+    host.rates = {"kernel": 31.4e9, "dma": 30.7e9}
+    assert host.run(2, pages=SMALL)[-1] == "kernel"
+    host.rates = H100_S12
+    assert host.run(2)[-1] == "dma"
 
 
 def test_small_batches_are_never_probes() -> None:
