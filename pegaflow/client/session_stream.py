@@ -4,8 +4,10 @@ server drops the registration and leases and keeps the cached blocks."""
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 
 import grpc
@@ -13,6 +15,9 @@ import grpc
 from pegaflow.common.errors import PegaflowError, from_status
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
+
+# Sessions still open, closed at exit (close_open_sessions).
+_OPEN: weakref.WeakSet[Session] = weakref.WeakSet()
 
 
 class Session:
@@ -45,6 +50,7 @@ class Session:
             )
         if self.error is not None:
             raise self.error
+        _OPEN.add(self)
 
     def _requests(self) -> Iterator[pb.SessionPing]:
         yield self._ping
@@ -72,7 +78,20 @@ class Session:
         return self._thread.is_alive()
 
     def close(self) -> None:
+        _OPEN.discard(self)
         self._pings.put(None)
         self._thread.join(timeout=5.0)
         if self._thread.is_alive():
             self._stream.cancel()
+            self._thread.join(timeout=1.0)
+
+
+@atexit.register
+def close_open_sessions() -> None:
+    """A process that exits without closing its session (a vLLM worker whose
+    connector was never shut down) would leave the stream to interpreter
+    finalization, where its __del__ can wait forever on a lock one of grpc's
+    dying daemon threads holds (a known exit race of grpc's sync streams).
+    atexit runs while those threads still live: end the streams here."""
+    for session in list(_OPEN):
+        session.close()

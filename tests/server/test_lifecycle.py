@@ -12,6 +12,7 @@ import time
 import pytest
 
 import pegaflow.client.pegaflow_client
+from pegaflow.client import session_stream
 from pegaflow.client.pegaflow_client import PegaflowClient
 from pegaflow.common.errors import UnknownInstance
 from tests.kvbuf import LocalKV, hashes
@@ -58,6 +59,20 @@ def test_session_close_drops_worker_and_reregister_survives(server) -> None:
         session = client.open_session("e")
         session.close()
         assert wait_until(lambda: server.metric("pegaflow_registered_workers") == 0)
+
+
+def test_sessions_left_open_are_closed_at_exit(server) -> None:
+    # A worker that never closes its session would leave the stream to
+    # interpreter finalization (grpc's exit race); the atexit hook ends it.
+    kv = LocalKV()
+    with PegaflowClient(server.addr) as client:
+        kv.register(client, "e", "ns")
+        session = client.open_session("e", interval_s=60)
+        assert wait_until(lambda: server.metric("pegaflow_registered_workers") == 1)
+        session_stream.close_open_sessions()
+        assert not session.alive
+        assert wait_until(lambda: server.metric("pegaflow_registered_workers") == 0)
+        session_stream.close_open_sessions()  # closed ones are forgotten
 
 
 def test_health_and_metrics_endpoints(server) -> None:
