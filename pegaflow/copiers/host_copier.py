@@ -321,9 +321,11 @@ class HostCopyEngine:
             kv.close()
             raise
         regions.shared.kv = kv
-        if words is not None:
-            signals.attach(kv)  # type: ignore[union-attr]
-        regions.shared.signals_in_kv = words is not None
+        # The words may lie outside the memfd (a connector that shares only
+        # its KV): then they are still written with process_vm_writev, and
+        # a layer-wise load must keep to the registration's lane.
+        in_kv = words is not None and signals.attach(kv)  # type: ignore[union-attr]
+        regions.shared.signals_in_kv = bool(in_kv)
         logger.info(
             "pid %d shares %d B of KV memory (%d span(s))",
             regions.pid,

@@ -147,3 +147,61 @@ def test_which_host_copies_take_the_lane(direction: str) -> None:
     assert lane_for(whole, _table(low, direction), direction, True) is whole.lane
     signals = _regions(True, signals_in_kv=True)
     assert lane_for(signals, _table(low, direction), direction, True) is None
+
+
+_SHARES_KV_ONLY = """
+import ctypes, json, mmap, sys
+from pegaflow.client.host_share import share_memory
+P = mmap.PAGESIZE
+kv = mmap.mmap(-1, 16 * P, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+words = mmap.mmap(-1, P, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+kv_at = ctypes.addressof(ctypes.c_char.from_buffer(kv))
+words_at = ctypes.addressof(ctypes.c_char.from_buffer(words))
+shared = share_memory([(kv_at, 16 * P)])  # the KV only, not the words
+spans = [(s.address, s.offset, s.size) for s in shared.spans]
+print(json.dumps(dict(kv=kv_at, size=16 * P, words=words_at, fd=shared.fd,
+                      spans=spans)), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_signal_words_outside_the_memfd_keep_a_layer_wise_load_on_the_lane() -> None:
+    """A connector that shares only its KV (the words on a page of their
+    own): the words are still written with process_vm_writev, so a
+    layer-wise load must run on the lane even with every run in the memfd."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from pegaflow.common.share_frames import ShareSpan
+    from pegaflow.copiers.layer_signals import LayerSignals
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SHARES_KV_ONLY],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    copier, regions = HostCopyEngine(threads=2), None
+    try:
+        info = json.loads(child.stdout.readline())
+        regions = copier.open(child.pid, [(info["kv"], info["size"])])
+        signals = LayerSignals(child.pid, info["words"], 4)
+        fd = os.open(f"/proc/{child.pid}/fd/{info['fd']}", os.O_RDWR)
+        try:
+            spans = tuple(ShareSpan(*s) for s in info["spans"])
+            copier.share(regions, fd, spans, signals)
+        finally:
+            os.close(fd)
+        assert not regions.shared.signals_in_kv
+        assert signals.shared_words() is None
+        page = 4096
+        runs = _table([info["kv"] + i * page for i in range(4)], "load")
+        assert HostCopyEngine.lane_for(regions, runs, "load", False) is None
+        assert HostCopyEngine.lane_for(regions, runs, "load", True) is regions.lane
+    finally:
+        if regions is not None:
+            copier.close(regions)
+        child.kill()
+        child.wait()
