@@ -370,7 +370,6 @@ class HostCopyEngine:
             local, remote, n = local[keep], remote[keep], n[keep]
         if not n.size:
             return
-        local, remote, n = _coalesce(local, remote, n)
         # Gone, or another program (exec) or other rights since registering:
         # the last check before the copies (the calls name it by its pid).
         if regions.image is not None:
@@ -382,6 +381,7 @@ class HostCopyEngine:
                 op, kv, local, remote, n, deadline, pool
             )
         if n.size:
+            local, remote, n = _coalesce(local, remote, n)
             self._copy_vm(op, regions, local, remote, n, deadline, pool)
         self._check_after(op, regions)
 
@@ -396,10 +396,14 @@ class HostCopyEngine:
         pool: ThreadPoolExecutor | Threads | None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copy the runs inside the engine's shared mapping; the rest's
-        (local, remote, n) are left for process_vm."""
+        (local, remote, n) are left for process_vm. Runs are sorted out as
+        they came, the ones lane_for judged, and merged only afterwards, on
+        each side of the split: two runs in adjacent spans merged first
+        would make one that no span holds, read by process_vm on a thread
+        lane_for had cleared (the event loop, for a small copy)."""
         mapped, inside = kv.translate(remote, n)
         if inside.any():
-            there, here, k = mapped[inside], local[inside], n[inside]
+            here, there, k = _coalesce(local[inside], mapped[inside], n[inside])
             dst, src = (here, there) if op == "gather" else (there, here)
             total = int(k.sum())
             parts = self._threads if total >= PARALLEL_MIN_BYTES else 1

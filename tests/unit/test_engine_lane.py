@@ -157,6 +157,8 @@ kv = mmap.mmap(-1, 16 * P, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 words = mmap.mmap(-1, P, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 kv_at = ctypes.addressof(ctypes.c_char.from_buffer(kv))
 words_at = ctypes.addressof(ctypes.c_char.from_buffer(words))
+for page in range(16):
+    kv[page * P : (page + 1) * P] = bytes([page + 1]) * P
 shared = share_memory([(kv_at, 16 * P)])  # the KV only, not the words
 spans = [(s.address, s.offset, s.size) for s in shared.spans]
 print(json.dumps(dict(kv=kv_at, size=16 * P, words=words_at, fd=shared.fd,
@@ -200,6 +202,59 @@ def test_signal_words_outside_the_memfd_keep_a_layer_wise_load_on_the_lane() -> 
         runs = _table([info["kv"] + i * page for i in range(4)], "load")
         assert HostCopyEngine.lane_for(regions, runs, "load", False) is None
         assert HostCopyEngine.lane_for(regions, runs, "load", True) is regions.lane
+    finally:
+        if regions is not None:
+            copier.close(regions)
+        child.kill()
+        child.wait()
+
+
+def test_runs_in_adjacent_spans_are_copied_through_the_memfd(monkeypatch) -> None:
+    """Runs in two adjacent spans of the memfd: each inside one span, so
+    lane_for clears the copy (inline on the loop for a small one); merged
+    before being sorted out, they made one run no span holds, which went to
+    process_vm_readv on that thread."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from pegaflow.common.share_frames import ShareSpan
+    from pegaflow.copiers import host_copier
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SHARES_KV_ONLY],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    copier, regions, page = HostCopyEngine(threads=2), None, 4096
+    try:
+        info = json.loads(child.stdout.readline())
+        regions = copier.open(child.pid, [(info["kv"], info["size"])])
+        ((at, offset, size),) = info["spans"]
+        halves = (
+            ShareSpan(at, offset, page),
+            ShareSpan(at + page, offset + page, size - page),
+        )
+        fd = os.open(f"/proc/{child.pid}/fd/{info['fd']}", os.O_RDWR)
+        try:
+            copier.share(regions, fd, halves)
+        finally:
+            os.close(fd)
+        pool = np.zeros(2 * page, np.uint8)
+        here = np.uint64(pool.ctypes.data) + np.arange(2, dtype=np.uint64) * page
+        there = np.array([at, at + page], np.uint64)
+        save = Transfers(there, here, np.full(2, page, np.uint64))
+        assert HostCopyEngine.lane_for(regions, save, "save", False) is None
+
+        def no_process_vm(*args: object, **kwargs: object) -> None:
+            pytest.fail("process_vm_readv for runs inside the memfd")
+
+        monkeypatch.setattr(host_copier, "transfer", no_process_vm)
+        copier.gather(regions, save)
+        first = (at - info["kv"]) // page + 1  # the child's byte on that page
+        assert bytes(pool) == bytes([first]) * page + bytes([first + 1]) * page
     finally:
         if regions is not None:
             copier.close(regions)
