@@ -52,7 +52,7 @@ from .completion import StreamFlag
 from .copier import CudaExport
 from .gpu_state import Faults, InFlight, Rates
 from .ipc_mappings import IpcMappings, opened
-from .measured import COMPLETION, FLAG_MAX_BYTES
+from .measured import COMPLETION, FLAG_MAX_BYTES, PATHS
 from .path_choice import CopyDirection, CopyPath, CopyPolicy
 
 logger = logging.getLogger(__name__)
@@ -376,14 +376,18 @@ class CudaCopyEngine:
         self._faults.check(dev.ordinal)
         if not self._pool_pinned(direction, t, deadline, wait=False):
             return None  # a copy thread waits for its chunks, not the loop
-        path = self._policy.choose_for(direction, t, dev.ordinal)
-        rate = self._rates.rate((dev.ordinal, direction, path), t.total_bytes)
-        if rate is not None and t.total_bytes / rate > measured.LOOP_MAX_S:
+        if self._too_long_for_loop(dev.ordinal, direction, t.total_bytes):
             return None
         if not self._flights.claim((dev.ordinal, direction)):
             return None
         events: tuple[Any, Any] | None = None
         try:
+            # Chosen only once nothing can send the batch to a copy thread:
+            # the policy may hand it a due probe (a kernel batch to see if
+            # contention ended, the losing path's re-timing), which the
+            # thread's own choice would no longer be given.
+            path = self._policy.choose_for(direction, t, dev.ordinal)
+            rate = self._rates.rate((dev.ordinal, direction, path), t.total_bytes)
             cuda_driver.set_device(dev.ordinal)
             deadlines.check(deadline, direction)
             events = self._timing_events(dev)
@@ -402,6 +406,16 @@ class CudaCopyEngine:
         queued = time.perf_counter()
         expected = None if rate is None else queued + t.total_bytes / rate
         return Launched(dev, direction, path, t, events, start, expected)
+
+    def _too_long_for_loop(
+        self, device: int, direction: CopyDirection, nbytes: int
+    ) -> bool:
+        """Whether the batch runs longer than measured.LOOP_MAX_S even by the
+        faster path's recent rate (it is judged before the path is chosen);
+        False before either path was timed."""
+        rates = [self._rates.rate((device, direction, p), nbytes) for p in PATHS]
+        known = [r for r in rates if r is not None]
+        return bool(known) and nbytes / max(known) > measured.LOOP_MAX_S
 
     def busy(self, regions: CudaRegions, direction: CopyDirection) -> bool:
         """Whether a copy started now on the event loop could wait there

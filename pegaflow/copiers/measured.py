@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 MAX_PAGES = 1 << 32
 CopyPath = Literal["kernel", "dma"]
+PATHS: tuple[CopyPath, CopyPath] = ("kernel", "dma")
 Completion = Literal["sync", "flag"]
 
 

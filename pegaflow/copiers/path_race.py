@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .measured import CopyPath
+from .measured import PATHS, CopyPath
 from .path_choice import CopyDirection, page_class, timed
 
 PROBE_S = 1.0  # an unsettled class past FAST_PROBES: one probe a second
@@ -43,7 +43,6 @@ FAST_PROBES = 12  # an unsettled class's first probes go at once, back to back
 REPROBE_S = 30.0  # then the losing path, to keep its best honest
 SAMPLES = 3  # of each path before a class decides
 MARGIN = 0.10  # copy engines must beat the kernel's best by this much
-PATHS: tuple[CopyPath, CopyPath] = ("kernel", "dma")
 
 
 @dataclass(slots=True)

@@ -204,3 +204,59 @@ def test_the_measured_ratio_and_its_bounds() -> None:
     for bad in (0.0, 1.0, -0.1, 2.0):
         with pytest.raises(ValueError, match="contention_ratio"):
             ContendedPolicy(ratio=bad)
+
+
+def test_a_batch_too_long_for_the_loop_keeps_its_probe(monkeypatch) -> None:
+    """CudaCopyEngine.launch refuses a batch that would hold the event loop
+    too long (it goes by a copy thread). Choosing its path first used up a
+    due probe: the thread's own choice then got copy engines again, so a
+    GPU whose large batches never fit the loop stayed on copy engines after
+    the other context stopped. The refusal now comes before the choice."""
+    from types import SimpleNamespace
+
+    from pegaflow.copiers import cuda_copier
+    from pegaflow.copiers.gpu_state import Faults, InFlight, Rates
+
+    class Queued(Exception):
+        """launch got past every refusal: the batch would be queued."""
+
+    def queued(ordinal: int) -> None:
+        raise Queued
+
+    monkeypatch.setattr(cuda_copier, "cuda_driver", SimpleNamespace(set_device=queued))
+    clock = Clock()
+    policy = ContendedPolicy(clock=clock)
+    copier = object.__new__(cuda_copier.CudaCopyEngine)
+    copier._faults, copier._pins, copier._policy = Faults(), None, policy
+    copier._rates, copier._flights = Rates(), InFlight()
+    t = _table(BIG)
+    nbytes = t.total_bytes  # 1.3 GB: ~26 ms at IDLE, never on the loop
+    copier._rates.learn((0, "load", "kernel"), nbytes, nbytes / IDLE)
+    regions = SimpleNamespace(device=SimpleNamespace(ordinal=0))
+    gpu = policy._gpu(0)
+    for rate in (IDLE, BUSY, BUSY):  # calibrate, then contended: copy engines
+        start = clock.now
+        clock.now += nbytes / rate
+        policy.observe(0, "load", "kernel", t, start, clock.now)
+    assert gpu.choice == "dma"
+    clock.now += PROBE_S  # the other context stopped; a kernel probe is due
+
+    def probes() -> tuple[int, int]:
+        return gpu.probes, sum(policy._race(0).probes.values())
+
+    before = probes()
+    assert copier.launch("load", regions, t) is None  # too long: by a thread
+    assert probes() == before  # the refusal took no probe...
+    for _ in range(8):  # ...so the thread's batches get them, kernels among them
+        path = policy.choose_for("load", t, 0)
+        start = clock.now
+        clock.now += nbytes / IDLE
+        policy.observe(0, "load", path, t, start, clock.now)
+        if gpu.choice == "kernel":
+            break
+        clock.now += PROBE_S
+    assert gpu.choice == "kernel"
+    # a batch that fits the loop is still launched on it
+    small = _table(64)
+    with pytest.raises(Queued):
+        copier.launch("load", regions, small)
