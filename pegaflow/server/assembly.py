@@ -38,8 +38,8 @@ from pegaflow.tiers import ssd_gpu_direct as ssd_direct
 from pegaflow.tiers.protocol import Tier
 from pegaflow.tiers.ssd_link import SsdLink
 
+from . import copy_dispatch, start_clock
 from . import gc_freeze as gcpolicy
-from . import start_clock
 from .compat_metrics import OriginalMetrics, OriginalSsdMetrics
 from .cuda_bringup import CudaBringUp
 from .engine import Engine
@@ -85,6 +85,7 @@ class RunningServer:
         return self.http.server_address[1] if self.http else None
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        copy_dispatch.stopping()
         if self.sweeper is not None:
             self.sweeper.cancel()
         if self.socket_server is not None:

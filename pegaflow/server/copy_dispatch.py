@@ -20,11 +20,12 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from pegaflow.cache.instances import Registry, Worker
-from pegaflow.common.errors import DeadlineExceeded, Overloaded
+from pegaflow.common.errors import DeadlineExceeded, Overloaded, UnknownInstance
 from pegaflow.common.geometry import Transfers
 from pegaflow.common.pidfds import ProcessChanged
 from pegaflow.common.request_limits import LargeRequestGate
@@ -44,15 +45,33 @@ async def uncancellable(work: Awaitable[T]) -> T:
     or writing the worker's memory and the pool slots, and a mapping being
     made must be recorded for close to unmap: freeing either first (unmapping
     the engine's IPC memory, reusing the slots) would let it copy into memory
-    that is gone or taken. Seen on the H200: an engine SIGKILLed mid-save."""
+    that is gone or taken. Seen on the H200: an engine SIGKILLed mid-save.
+    A cancel repeated meanwhile is absorbed too (the first then re-raised),
+    except once the server stops (stopping()): a copy stalled in an
+    engine's memory must not hold the process's exit."""
     task = asyncio.ensure_future(work)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        await asyncio.wait({task})
+        while not task.done():
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError:
+                if asyncio.get_running_loop() in _STOPPING:
+                    raise
         if not task.cancelled() and task.exception() is not None:
             logger.debug("work of a cancelled RPC failed: %s", task.exception())
         raise
+
+
+# Event loops whose server is stopping (uncancellable then lets a repeated
+# cancel through: asyncio.run's own, on the way out).
+_STOPPING: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+
+def stopping() -> None:
+    """The running loop's server stops: see uncancellable."""
+    _STOPPING.add(asyncio.get_running_loop())
 
 
 class CopyDispatch:
@@ -161,6 +180,8 @@ async def _lane_turn(
     lane.waiting += 1
     try:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if timeout == 0 and not lane.turn.locked():
+            raise DeadlineExceeded("deadline: passed before the copy started")
         try:
             await asyncio.wait_for(lane.turn.acquire(), timeout)
         except TimeoutError:
@@ -170,6 +191,11 @@ async def _lane_turn(
                 "server's reads)"
             ) from None
         try:
+            if worker.closed:  # unregistered (or its process gone) meanwhile
+                raise UnknownInstance(
+                    f"{who}: unregistered while the copy waited for its "
+                    "earlier one; nothing was copied"
+                )
             yield
         finally:
             lane.turn.release()

@@ -14,13 +14,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pegaflow.common.errors import DeadlineExceeded, Overloaded
+from pegaflow.common.errors import DeadlineExceeded, Overloaded, UnknownInstance
 from pegaflow.common.geometry import Transfers
 from pegaflow.copiers.engine_lane import MAX_WAITING, EngineLane, Threads
 from pegaflow.copiers.host_copier import HostCopyEngine, HostRegions
 from pegaflow.server.copy_dispatch import _lane_turn
 
-WORKER = SimpleNamespace(instance_id="stalls", tp_rank=0)
+WORKER = SimpleNamespace(instance_id="stalls", tp_rank=0, closed=False)
 
 
 def test_threads_run_in_order_and_report_errors() -> None:
@@ -128,6 +128,42 @@ def _table(engine_addresses: list[int], direction: str) -> Transfers:
         if direction == "save"
         else Transfers(pool, engine, n)
     )
+
+
+def test_copies_queued_behind_a_stall_end_with_their_registration() -> None:
+    """Copies waiting for a stalled one's turn copy nothing once their
+    registration ended meanwhile; a deadline already past when the lane is
+    free says so (not that an earlier copy still runs)."""
+
+    async def main() -> None:
+        worker = SimpleNamespace(instance_id="gone", tp_rank=0, closed=False)
+        lane, stall = EngineLane("a", 0), asyncio.Event()
+
+        async def stalled() -> None:
+            async with _lane_turn(worker, lane, None):
+                await stall.wait()
+
+        async def queued() -> None:
+            async with _lane_turn(worker, lane, None):
+                pytest.fail("copied for a registration that ended")
+
+        first = asyncio.create_task(stalled())
+        await asyncio.sleep(0)
+        waiters = [asyncio.create_task(queued()) for _ in range(3)]
+        await asyncio.sleep(0)
+        worker.closed = True  # unregistered while they wait
+        stall.set()
+        await first
+        for waiter in waiters:
+            with pytest.raises(UnknownInstance, match="gone rank 0: unregistered"):
+                await waiter
+        assert lane.waiting == 0 and not lane.turn.locked()
+        with pytest.raises(DeadlineExceeded, match="passed before the copy started"):
+            async with _lane_turn(WORKER, lane, time.monotonic() - 1):
+                pytest.fail("started after its deadline")
+        lane.close()
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("direction", ["save", "load"])
@@ -260,3 +296,67 @@ def test_runs_in_adjacent_spans_are_copied_through_the_memfd(monkeypatch) -> Non
             copier.close(regions)
         child.kill()
         child.wait()
+
+
+def test_a_copy_outlives_every_cancel_of_its_rpc_until_the_server_stops() -> None:
+    """A cancelled RPC still waits for its copy on the lane before it gives
+    back the turn and the worker's active_ops (which let close unmap the
+    memory the copy uses), however often it is cancelled; once the server
+    stops, a repeated cancel ends the wait, so a stalled copy cannot hold
+    the exit."""
+    from pegaflow.common.request_limits import LargeRequestGate
+    from pegaflow.server import copy_dispatch
+    from pegaflow.server.copy_dispatch import CopyDispatch
+
+    lane = EngineLane("a", 0)
+    ops_when_returned: list[tuple[int, bool]] = []
+
+    class Registry:
+        def finish_op(self, worker: SimpleNamespace) -> None:
+            worker.active_ops -= 1
+
+        def is_current(self, worker: SimpleNamespace) -> bool:
+            return True
+
+    waits = SimpleNamespace(labels=lambda way: SimpleNamespace(inc=lambda: None))
+    metrics = SimpleNamespace(copy_waits=waits)
+    copier = SimpleNamespace(lane_for=lambda *args: lane)
+    worker = SimpleNamespace(
+        active_ops=0,
+        copier=copier,
+        handle=None,
+        instance_id="i",
+        tp_rank=0,
+        closed=False,
+    )
+    t = _table([0x10000], "save")
+
+    async def cancelled_twice(stop_first: bool) -> bool:
+        started, release = threading.Event(), threading.Event()
+
+        def copy(handle: object, t: Transfers) -> None:
+            started.set()
+            release.wait(10)
+
+        dispatch = CopyDispatch(
+            Registry(), LargeRequestGate(1, 10), 0, metrics, lambda w: None
+        )
+        task = asyncio.create_task(dispatch.run(worker, copy, t, direction="save"))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        if stop_first:
+            copy_dispatch.stopping()
+        for _ in range(2):  # the RPC's cancel, then another (shutdown's)
+            task.cancel()
+            await asyncio.sleep(0.02)
+        ended_early = task.done()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        ops_when_returned.append((worker.active_ops, lane.turn.locked()))
+        return ended_early
+
+    assert asyncio.run(cancelled_twice(stop_first=False)) is False
+    assert ops_when_returned == [(0, False)]
+    assert asyncio.run(cancelled_twice(stop_first=True)) is True
+    lane.close()
