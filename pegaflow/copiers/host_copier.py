@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -95,13 +96,32 @@ class HostRegions:
 
 
 class SharedSlot:
-    """Set once, on the loop, while copies may run: they read it once each."""
+    """Set once, by the one share that claimed it, while copies may run: they
+    read it once each."""
 
-    __slots__ = ("kv", "signals_in_kv")
+    __slots__ = ("kv", "signals_in_kv", "_claimed", "_lock")
 
     def __init__(self) -> None:
         self.kv: SharedKV | None = None
         self.signals_in_kv = False  # its layer signal words are written through kv
+        self._claimed = False
+        self._lock = threading.Lock()
+
+    def claim(self) -> bool:
+        """Whether this caller is the one share to map (shares of one
+        registration may arrive on two connections at once, each on its
+        own thread: the second would map again, and the first mapping
+        would be overwritten and never unmapped)."""
+        with self._lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            return True
+
+    def unclaim(self) -> None:
+        """A share that failed: another may try."""
+        with self._lock:
+            self._claimed = False
 
 
 def _coalesce(
@@ -299,11 +319,25 @@ class HostCopyEngine:
         event loop: it reads the engine's maps and may compile. signals: the
         worker's layer signal words (pegaflow.copiers.layer_signals), which
         the memfd may hold too; they are then written through the mapping."""
-        if regions.shared.kv is not None:
+        if not regions.shared.claim():
             raise InvalidRequest(
                 f"share: process {regions.pid}'s registration already shares "
-                "its memory; register again to share another memfd"
+                "its memory (or another share of it is under way); register "
+                "again to share another memfd"
             )
+        try:
+            return self._map_shared(regions, fd, spans, signals)
+        except BaseException:
+            regions.shared.unclaim()
+            raise
+
+    def _map_shared(
+        self,
+        regions: HostRegions,
+        fd: int,
+        spans: tuple[ShareSpan, ...],
+        signals: object,
+    ) -> int:
         # Compiled (or loaded from numba's cache) now, once, on this thread:
         # not at start-up, so a server no CPU engine shares with never
         # imports numba for it (~100 MiB), and not in the first copy's time.
