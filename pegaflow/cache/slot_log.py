@@ -38,7 +38,7 @@ import numpy as np
 
 from pegaflow.common import checksum_rows
 from pegaflow.common.checksums import xxh3_64_parts
-from pegaflow.common.keys import Namespace, namespace_digest
+from pegaflow.common.keys import Namespace
 
 from .pool_file import FREE, GRANULE, LANDED, META_OFFSET, SEALED, WRITING
 from .slabs import SlabAllocator
@@ -135,7 +135,7 @@ class SlotLog:
     def _digest(self, ns: Namespace) -> bytes:
         got = self._digests.get(ns.id)
         if got is None:
-            got = self._digests[ns.id] = namespace_digest(ns.name, ns.signature)
+            got = self._digests[ns.id] = ns.digest
         return got
 
     def _rows(self, slots: np.ndarray) -> np.ndarray:

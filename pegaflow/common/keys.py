@@ -86,6 +86,11 @@ def namespace_tag(name: str) -> str:
     return hashlib.sha256(b"pegaflow-ns-tag" + name.encode()).hexdigest()[:12]
 
 
+# The name of a namespace a warm restart found in its pool file, known only
+# by its digest until an engine registers it (not printable: no client's).
+RECOVERED_PREFIX = "\0recovered:"
+
+
 @dataclass(slots=True)
 class Namespace:
     name: str  # never shown: clients see the tag (see namespace_tag)
@@ -103,6 +108,16 @@ class Namespace:
     @property
     def tag(self) -> str:
         return namespace_tag(self.name)
+
+    @property
+    def digest(self) -> bytes:
+        """namespace_digest of its name and geometry; for a namespace a warm
+        restart knows only by digest (a placeholder until an engine names it:
+        pegaflow.server.warm_restart), that digest, the same before and after
+        the engine's namespace adopts it (tiers key their caches by id)."""
+        if self.name.startswith(RECOVERED_PREFIX):
+            return bytes.fromhex(self.name[len(RECOVERED_PREFIX) :])
+        return namespace_digest(self.name, self.signature)
 
 
 def namespace_digest(name: str, signature: tuple[int, ...] = ()) -> bytes:

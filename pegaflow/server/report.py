@@ -22,7 +22,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pegaflow.cache.hll import SUB_WINDOWS
 from pegaflow.cache.miss_reasons import CAUSES, HIT_TIERS
-from pegaflow.common.keys import namespace_digest
 
 if TYPE_CHECKING:
     from pegaflow.gds import SsdTier
@@ -90,7 +89,7 @@ def engine_stats(
             {
                 "tag": ns.tag,
                 # as on SSD and at the metaserver (a hash of name and geometry)
-                "digest": namespace_digest(ns.name, ns.signature).hex(),
+                "digest": ns.digest.hex(),
                 "shards": ns.tp_size,
                 "layers": ns.num_layers,
                 "block_bytes": ns.slot_bytes,

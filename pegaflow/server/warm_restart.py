@@ -27,7 +27,7 @@ from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.instances import Registry
 from pegaflow.cache.pool import HostPool
 from pegaflow.cache.pool_file import FREE, GRANULE, LANDED, SEALED, WRITING
-from pegaflow.common.keys import Namespace, namespace_digest
+from pegaflow.common.keys import RECOVERED_PREFIX, Namespace, namespace_digest
 
 from .pool_check import Pending, PoolCheck, RecoveryReport
 
@@ -56,7 +56,7 @@ class Recovered:
     ) -> Namespace:
         reg = self._registry
         reg._last_namespace_id += 1
-        name = "\0recovered:" + digest.hex()  # not printable: no client's name
+        name = RECOVERED_PREFIX + digest.hex()
         ns = Namespace(name, reg._last_namespace_id, shards, layers, slot_bytes, ())
         reg.namespaces[name] = ns
         self.waiting[digest] = ns

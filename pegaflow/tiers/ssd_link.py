@@ -52,7 +52,7 @@ import numpy as np
 
 from pegaflow.cache.block_store import BlockEntry, BlockStore
 from pegaflow.cache.instances import Instance, Registry
-from pegaflow.common.keys import BlockHash, Key, Namespace, namespace_digest
+from pegaflow.common.keys import BlockHash, Key, Namespace
 from pegaflow.gds import SsdLoadResult, SsdTier
 
 from .protocol import MISS, Lookup, Tier
@@ -124,7 +124,7 @@ class SsdLink(Tier):
         got = self._namespaces.get(ns_id)
         if got is None:
             ns = next(n for n in self._registry.namespaces.values() if n.id == ns_id)
-            got = (namespace_digest(ns.name, ns.signature), ns.slot_bytes)
+            got = (ns.digest, ns.slot_bytes)
             self._namespaces[ns_id] = got
         return got
 

@@ -324,3 +324,27 @@ def test_a_checks_callbacks_run_once_every_kept_block_was_checked(
     check.when_done(lambda: calls.append("late"))
     assert calls == ["early", "late"]
     pool.close()
+
+
+def test_a_recovered_namespace_keeps_its_digest_through_adoption() -> None:
+    """Tiers cache a namespace's digest by id (the remote link advertises and
+    asks peers by it). A placeholder's digest was once computed from its
+    placeholder name, and stayed cached after an engine's namespace adopted
+    it: peers asked with the real digest and never found its blocks."""
+    from pegaflow.common.keys import namespace_digest
+    from pegaflow.tiers.remote.link import RemoteLink
+
+    registry = Registry({})
+    recovered = Recovered(registry)
+    real = Namespace("ns", 0, 1, 2, 16384, (2, 8192, 8192))
+    digest = namespace_digest(real.name, real.signature)
+    placeholder = recovered.placeholder(digest, 1, 2, 16384)
+    assert placeholder.digest == digest
+    link = RemoteLink.__new__(RemoteLink)  # its digest cache alone
+    link._digests, link.namespaces = {}, {}
+    assert RemoteLink.digest(link, placeholder) == digest  # before any engine
+    adopted = recovered.adopt(Namespace("ns", 9, 1, 2, 16384, real.signature))
+    assert adopted is placeholder and adopted.name == "ns"
+    assert adopted.digest == digest
+    assert RemoteLink.digest(link, adopted) == digest
+    assert link.namespaces[digest] is adopted

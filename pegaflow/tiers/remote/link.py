@@ -48,7 +48,7 @@ from pegaflow.cache.instances import Instance
 from pegaflow.cache.pool import HostPool
 from pegaflow.common import peer_auth
 from pegaflow.common.channels import channel_options
-from pegaflow.common.keys import BlockHash, Key, Namespace, namespace_digest
+from pegaflow.common.keys import BlockHash, Key, Namespace
 from pegaflow.metaserver.meta_client import pack
 from pegaflow.proto import metaserver_pb2 as meta_pb
 from pegaflow.proto import metaserver_pb2_grpc as meta_grpc
@@ -142,7 +142,7 @@ class RemoteLink(Tier):
     def digest(self, ns: Namespace) -> bytes:
         got = self._digests.get(ns.id)
         if got is None:
-            got = self._digests[ns.id] = namespace_digest(ns.name, ns.signature)
+            got = self._digests[ns.id] = ns.digest
             self.namespaces[got] = ns
         return got
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from pegaflow.cache.block_store import BlockEntry, BlockStore
 from pegaflow.cache.pool import HostPool
-from pegaflow.common.keys import Key, Namespace, PackedHashes, namespace_digest
+from pegaflow.common.keys import Key, Namespace, PackedHashes
 
 from .slot_sums import SlotHasher, bound
 
@@ -128,7 +128,7 @@ class PinTable:
             raw = await asyncio.to_thread(
                 self._hasher.checksums, self._pool, slots[missing], ns.slot_bytes
             )
-            digest = namespace_digest(ns.name, ns.signature)
+            digest = ns.digest
             fresh = bound(digest, [entries[i].key[1] for i in missing], raw)
             for i, row in zip(missing, fresh, strict=True):
                 known[i] = row
