@@ -39,6 +39,7 @@ from .pool_claim import (
     publish,
     swap,
 )
+from .pool_keeper import check_socket_path
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,10 @@ class PoolFile:
 
     def _acquire(self, on_mismatch: OnMismatch) -> tuple[Claim, bool]:
         path = self.path
+        try:  # before anything: an old file adopted, then no keeper, was lost
+            check_socket_path(path)
+        except OSError as exc:
+            raise PoolFileError(f"{FLAG}: {path}: {exc}; name a shorter path") from None
         try:
             st: os.stat_result | None = os.lstat(path)
         except FileNotFoundError:

@@ -56,12 +56,24 @@ def inode(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+# sun_path holds 108 bytes with the NUL; _bind's temporary name adds up to 16.
+MAX_PATH_BYTES = 107 - 16
+
+
+def check_socket_path(path: str) -> None:
+    """OSError where a keeper could not bind its socket at PATH."""
+    if (n := len(os.fsencode(path))) > MAX_PATH_BYTES:
+        raise OSError(
+            f"the path is too long for the keeper's unix socket ({n} B, at "
+            f"most {MAX_PATH_BYTES})"
+        )
+
+
 def _bind(path: str) -> socket.socket:
     """A listening socket at PATH, mode 0600 from its creation: bound at a
     temporary name in the same directory and renamed over PATH, so a
     connecting client finds either the old inode or this one."""
-    if len(os.fsencode(path)) + 16 > 107:  # sun_path: 108 bytes with the NUL
-        raise OSError(f"the path is too long for a unix socket ({len(path)} B)")
+    check_socket_path(path)
     tmp = f"{path}.{os.getpid()}.keeper"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     old = os.umask(0o177)

@@ -318,6 +318,33 @@ def test_an_old_pool_file_is_adopted_once_with_its_blocks(
     assert _hits(server, hs, want) == N
 
 
+def test_an_old_pool_file_at_a_path_no_keeper_can_bind_is_left_whole(
+    server_factory, tmp_path: Path
+) -> None:
+    """Scenario: an old pool file at a path too long for its keeper's unix
+    socket (older servers took it). The start used to copy it into a memfd,
+    tearing and punching the file as it went, and only then fail to start
+    the keeper: every block lost. Now it is refused first, naming the flag,
+    and the file is untouched: moved to a shorter path, it is adopted whole."""
+    server = server_factory(*_flags(tmp_path))
+    hs, want = _save(server, LocalKV(seed=8))
+    server.stop(signal.SIGTERM)
+    path = tmp_path / "pool.bin"
+    to_old_file(path)
+    before = path.read_bytes()
+    deep = tmp_path / ("d" * max(1, 92 - len(str(tmp_path)) - 10))
+    deep.mkdir()
+    long = deep / "pool.bin"
+    path.rename(long)
+    assert len(os.fsencode(str(long))) > 91
+    rc, err = _failed_start("--pool-size", "16mb", "--pool-file", str(long))
+    assert rc == 2 and "--pool-file" in err and "shorter path" in err, err
+    assert long.read_bytes() == before
+    long.rename(path)
+    server = server_factory(*_flags(tmp_path))
+    assert _hits(server, hs, want) == N
+
+
 def test_a_lock_held_by_another_process_names_that_process(
     server_factory, tmp_path: Path
 ) -> None:
