@@ -85,7 +85,17 @@ LARGE_BODY_BYTES = 64 << 10
 # hashes, at once.
 MAX_REQUEST_BYTES_IN_FLIGHT = 256 << 20
 
+# Leases one batched Load names: one a request loading this step, so a few
+# hundred at most (vLLM's max_num_seqs); a frame of 8 MiB could name ~520K,
+# each an object built before any other field is checked.
+MAX_LOAD_ITEMS = 16384
+
 LoadItems = Sequence[tuple[int, int, Sequence[int]]]
+
+
+def check_load_items(n: int) -> None:
+    if n > MAX_LOAD_ITEMS:
+        raise InvalidRequest(f"items: {n} in one load, at most {MAX_LOAD_ITEMS}")
 
 
 def check_block_geometry(seg_counts: Sequence[int], seg_bytes: Sequence[int]) -> None:
@@ -145,6 +155,7 @@ class RequestCaps:
         self, slot_class: tuple[int, int], items: LoadItems, batch: bool
     ) -> None:
         """Every item's destination blocks together, as one copy moves them."""
+        check_load_items(len(items))
         n = sum(len(block_ids) for _, _, block_ids in items)
         check_request_blocks(n, self.cap(slot_class), "items" if batch else "block_ids")
 

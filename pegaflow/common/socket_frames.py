@@ -42,6 +42,7 @@ import numpy as np
 
 from .errors import InvalidRequest, PegaflowError
 from .keys import LoadSpec, PackedHashes
+from .request_limits import check_load_items
 
 PROTOCOL_VERSION = 3  # 2: no rates in query replies; 1: no hello, deadlines,
 # tokens nor register
@@ -239,6 +240,7 @@ def decode_load(
         raise InvalidRequest(f"frame: {len(body)} bytes, header promises {ids_at}+")
     if not batch and n_items != 1:
         raise InvalidRequest(f"items: {n_items} in a single-lease load, need 1")
+    check_load_items(n_items)  # before one object is built for each
     if n_items == 1:  # the usual load: struct, not a structured array (~10 us)
         lease, offset, count = _ONE_LOAD_ITEM.unpack_from(body, table_at)
         _check_length(body, ids_at + 4 * count)

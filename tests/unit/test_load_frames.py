@@ -92,3 +92,21 @@ def test_one_item_reply_size_is_the_general_one() -> None:
             assert frames.load_reply_size(reply) == len(reply)
             head = frames.LOAD_REPLY.size + len(items) * frames.LOAD_ITEM_REPLY.itemsize
             assert frames.load_reply_size(reply[: head - 1]) == head  # ask for more
+
+
+def test_a_load_naming_more_items_than_any_step_has_is_refused_on_its_header() -> None:
+    """An 8 MiB frame can name ~520K empty items: each was built as a Python
+    object on the event loop (~0.3 s a frame) before the instance, the token
+    or the block cap were checked. The count is refused from the header."""
+    from pegaflow.common.request_limits import MAX_LOAD_ITEMS, RequestCaps
+
+    empty = np.zeros(0, np.int64)
+    most = body_of([(1, 0, empty)] * MAX_LOAD_ITEMS, batch=True)
+    assert len(frames.decode_load(most)[2]) == MAX_LOAD_ITEMS
+    over = body_of([(1, 0, empty)] * (MAX_LOAD_ITEMS + 1), batch=True)
+    with pytest.raises(InvalidRequest, match=f"items: {MAX_LOAD_ITEMS + 1} in one"):
+        frames.decode_load(over)
+    # the same bound for gRPC's Load, whose items protobuf has already parsed
+    caps = RequestCaps(1 << 30, 1 << 24, 1 << 20)
+    with pytest.raises(InvalidRequest, match="items: "):
+        caps.check_load((4096, 0), [(1, 0, [])] * (MAX_LOAD_ITEMS + 1), True)
