@@ -256,7 +256,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        sending, recving = self._worker.get_finished()
+        sending, recving = self._worker.get_finished(finished_req_ids)
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
@@ -268,7 +268,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
         assert self._worker is not None
-        sending, recving = self._worker.get_finished()
+        sending, recving = self._worker.get_finished(finished_req_ids)
         return KVConnectorTransferResults(
             finished_sending=sending,
             finished_recving=recving,

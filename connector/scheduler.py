@@ -108,7 +108,12 @@ class SchedulerHalf:
             self._hits[request.request_id] = hit
         # A hybrid model's failed load is reported per request, which vLLM
         # accepts only for async loads: a sync load could not fail safely.
-        sync_max = 0 if self.groups.hybrid else self.config.sync_load_max_tokens
+        # Nor with several workers: the step's forward runs on every rank and
+        # stage, and a load failing on one leaves the others' KV (and their
+        # saves of it) computed over the hole, which only that one knows of.
+        sync_max = self.config.sync_load_max_tokens
+        if self.groups.hybrid or self.num_workers > 1:
+            sync_max = 0
         hit.is_async = hit.num_tokens > sync_max
         return hit.num_tokens, hit.is_async
 

@@ -132,6 +132,11 @@ class WorkerHalf:
         # Hybrid models: block ids repeat across groups, so vLLM takes load
         # failures per request (failed_recving), not per block.
         self._failed_reqs: set[ReqId] = set()
+        # Requests whose sync load failed: the forward of that step (and of
+        # the next, scheduled before vLLM saw the failure) computed their
+        # blocks over KV that never arrived. Never saved again (a miss, not
+        # wrong KV under good hashes); forgotten once vLLM says they finished.
+        self._poisoned: set[ReqId] = set()
         self._report = WorkerReport()
         # Host KV's sealed memfds, by the regions they back (registrar.py).
         self._shares: dict[tuple[tuple[int, int], ...], SharedMemory | None] = {}
@@ -252,7 +257,9 @@ class WorkerHalf:
     def wait_sync_loads(self) -> None:
         """Sync loads complete as a whole: the first layer's wait covers all."""
         for jobs, fut, _ in self._sync:
-            self._fail_requests(jobs, self._load_failures(fut, jobs))
+            failed = self._load_failures(fut, jobs)
+            self._fail_requests(jobs, failed)
+            self._poisoned |= {job.req_id for job in jobs} & failed
         self._sync.clear()
 
     def _fail_requests(self, jobs: list[LoadJob], failed: set[ReqId]) -> None:
@@ -275,9 +282,16 @@ class WorkerHalf:
         assert self._planned is not None
         _, planned = self._planned
         self._planned = None
+        saves = plan.saves
+        if self._poisoned:  # their blocks may hold KV computed over a hole
+            saves = [job for job in saves if job.req_id not in self._poisoned]
+            if dropped := sum(len(job.block_ids) for job in plan.saves) - sum(
+                len(job.block_ids) for job in saves
+            ):
+                self._calls.count(saves_skipped=dropped)
         batches = []
         for group, part in self.parts.items():
-            jobs = [job for job in plan.saves if job.group == group]
+            jobs = [job for job in saves if job.group == group]
             ids, hashes = self._stripe(part, jobs)
             if ids:
                 batches.append((part, ids, hashes, part.record_compute_done()))
@@ -286,7 +300,7 @@ class WorkerHalf:
             return
         fut = self._submit(self._calls.save_parts, batches)
         fut.add_done_callback(lambda _: planned.set_result(None))
-        if any(self.groups.rule(job.group).volatile for job in plan.saves):
+        if any(self.groups.rule(job.group).volatile for job in saves):
             self._volatile.append(fut)
 
     def _plan_saves(self, plan: StepPlan) -> None:
@@ -324,7 +338,10 @@ class WorkerHalf:
             return ids[self.tp_rank :: step], hashes[self.tp_rank :: step]
         return ids, hashes
 
-    def get_finished(self) -> tuple[set[ReqId], set[ReqId]]:
+    def get_finished(
+        self, finished_req_ids: set[ReqId] = frozenset()
+    ) -> tuple[set[ReqId], set[ReqId]]:
+        self._poisoned -= finished_req_ids
         if self._settle:  # bounded: a longer load is reported in a later step
             wait_all(self._settle, timeout=SAME_STEP_WAIT_S)
             self._settle = []

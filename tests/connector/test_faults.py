@@ -133,3 +133,46 @@ def test_absent_then_restarted_server_reregisters_and_hits_resume(
     b.assert_clean()
     a.close()
     b.close()
+
+
+def test_a_failed_sync_load_saves_nothing_computed_over_it(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    """A sync load fails (the server answers; the lease is not one it gave)
+    and the step's forward computes the prompt's next blocks over KV that
+    never arrived. Those blocks were saved under their good hashes, and a
+    third engine hit them. Now nothing of that request is saved again: C
+    hits only what A saved (the failed request's blocks are a miss)."""
+    import random
+
+    pega_server()
+    extra = {**FAST, "sync_load_max_tokens": 4096}
+    rnd = random.Random(5)
+    prefix = [rnd.randrange(50, 950) for _ in range(96)]  # 6 blocks
+    longer = prefix + [rnd.randrange(50, 950) for _ in range(70)]
+    a = Engine(vllm_config(tiny_model, extra))
+    serve(a, {"a": prefix})
+    b = Engine(vllm_config(tiny_model, extra))
+    b.step()
+    broke: dict[str, object] = {}
+
+    def break_the_lease(so: object) -> None:
+        plan = so.kv_connector_metadata.plan  # type: ignore[attr-defined]
+        for job in plan.loads:
+            if job.req_id == "b" and job.sync:
+                job.lease_id ^= 2  # unknown to the server: the item fails
+                broke["saves"] = [s.req_id for s in plan.saves]
+                b.after_schedule = None
+
+    b.after_schedule = break_the_lease
+    b.add("b", longer, max_tokens=2)
+    b.run()
+    assert broke["saves"] == ["b"]  # the step planned saves of b's new blocks
+    assert b.counters()["load_failures"] == 1
+    assert b.counters().get("save_blocks", 0) == 0
+    c = Engine(vllm_config(tiny_model, extra))
+    c.step()
+    serve(c, {"c": longer})
+    assert c.counters()["hit_tokens"] == len(prefix)
+    for engine in (a, b, c):
+        engine.close()
