@@ -26,6 +26,7 @@ from .config import SsdConfig
 from .format import (
     FILE_MAGIC,
     FORMAT_VERSION,
+    INIT_MAGIC,
     STORE_ID_BYTES,
     SUPERBLOCK_BYTES,
     FormatError,
@@ -151,15 +152,18 @@ def reinitialise(
 
 
 def _read_superblock(fd: int, path: str) -> Superblock | None:
-    """The file's superblock; None for an empty or all-zero start. Raises
-    SsdError for a file with foreign data."""
+    """The file's superblock; None for an empty file or one whose making a
+    crash cut short (INIT_MAGIC). Raises SsdError for any other file without
+    our superblock, its first page all zeros included."""
     raw = os.pread(fd, SUPERBLOCK_BYTES, 0)
-    if not raw.strip(b"\0"):
+    if not raw or raw.startswith(INIT_MAGIC):
         return None
     if not raw.startswith(FILE_MAGIC):
+        zeros = " (its first 4 KiB are zeros)" if not raw.strip(b"\0") else ""
         raise SsdError(
-            f"ssd cache {path}: exists and is not a PegaFlow SSD cache file; "
-            "refusing to overwrite it (pick another path or delete it)"
+            f"ssd cache {path}: exists and is not a PegaFlow SSD cache "
+            f"file{zeros}; refusing to overwrite it (pick another path or "
+            "delete it: the server makes its own)"
         )
     try:
         return Superblock.unpack(raw)
@@ -221,8 +225,8 @@ def _check_space(cfg: SsdConfig, fds: tuple[int, ...]) -> None:
 
 def _create(fd: int, path: str, sb: Superblock) -> None:
     # The superblock goes last: a crash while preallocating leaves a file
-    # that the next start initialises again.
-    os.pwrite(fd, b"\0" * SUPERBLOCK_BYTES, 0)
+    # that the next start initialises again (INIT_MAGIC says it is ours).
+    os.pwrite(fd, INIT_MAGIC.ljust(SUPERBLOCK_BYTES, b"\0"), 0)
     if os.fstat(fd).st_size > sb.file_bytes:
         os.ftruncate(fd, sb.file_bytes)
     try:

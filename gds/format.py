@@ -39,6 +39,10 @@ STORE_ID_BYTES = 16
 MAX_PAYLOAD_BYTES = 1 << 30
 
 FILE_MAGIC = b"PGFLSSD\x00"
+# The first page of a file whose making began (its superblock goes last): a
+# start finding it makes it again. Not zeros: a file of someone else's that
+# starts with zeros (a disk image, a sparse file) is refused, not taken.
+INIT_MAGIC = b"PGFLINIT"
 RECORD_MAGIC = b"PGFLBLK\x00"
 
 ChecksumName = Literal["auto", "blake2b", "blake3", "xxh3"]

@@ -182,3 +182,34 @@ def test_second_server_on_the_same_files_is_refused(tmp_path: Path) -> None:
         SsdTier(cfg)
     with opened(cfg) as tier:  # released at close
         assert tier.store.recovery.reinitialised == ""
+
+
+def test_a_file_starting_with_zeros_is_not_taken_for_a_new_one(
+    tmp_path: Path,
+) -> None:
+    """A disk image (an ISO starts with 32 KiB of zeros) or a sparse file
+    named by mistake: its all-zero first page once read as a cache file whose
+    making was cut short, so it was chmod'ed, truncated and overwritten."""
+    image = tmp_path / "cache0.bin"
+    data = b"\0" * 32768 + b"an ISO's volume descriptors" * 2000
+    image.write_bytes(data)
+    image.chmod(0o644)
+    with pytest.raises(SsdError, match=r"not a PegaFlow SSD cache file \(its first"):
+        SsdTier(config(tmp_path))
+    assert image.read_bytes() == data
+    assert image.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_file_whose_making_was_cut_short_is_made_again(tmp_path: Path) -> None:
+    """The server's own unfinished file (its first page says so, the
+    superblock not yet written) is made again, not refused."""
+    from pegaflow.gds.format import INIT_MAGIC
+
+    unfinished = tmp_path / "cache0.bin"
+    unfinished.write_bytes(INIT_MAGIC.ljust(8192, b"\0"))
+    unfinished.chmod(0o600)
+    tier = SsdTier(config(tmp_path))
+    try:
+        assert unfinished.read_bytes()[:8] != INIT_MAGIC
+    finally:
+        tier.close()
