@@ -136,8 +136,8 @@ class SsdStore:
             )
         with self.lock:
             placed = self._place(lengths) if lengths else None
-            if placed is None:
-                self.counters.no_space += 1
+            if placed is None:  # the caller drops them all: count each
+                self.counters.no_space += len(blocks)
                 return []
             ring, offset, count = placed
             run = []

@@ -109,3 +109,36 @@ def _until(done: Callable[[], bool], timeout: float = 10.0) -> None:
     while not done():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.001)
+
+
+def test_spills_refused_for_space_are_counted_per_block(tmp_path: Path) -> None:
+    """A load in flight pins the ring's oldest record, the next space to
+    reuse: a batch of 40 spills is refused. no_space counted the refused
+    reservation once, so queued != written + no_space (what an operator and
+    the server tests add up); it counts the 40 blocks."""
+    slot = 16384
+    with opened(config(tmp_path, capacity=1 << 20, queue_blocks=64)) as tier:
+        ring = tier.store.rings[0]
+        fits = (ring.end - ring.start) // (4096 + slot)
+        rng = np.random.default_rng(0)
+        data = page_aligned(rng.integers(0, 256, (fits + 40, slot), np.uint8))
+
+        def spill_range(lo: int, hi: int) -> None:
+            where = np.array(addresses(data[lo:hi]), np.uint64)[:, None]
+            tier.spill_many(NS, [key(i) for i in range(lo, hi)], where, slot)
+            assert tier.flush(10)
+
+        for lo in range(0, fits, 32):  # the ring full, once around
+            spill_range(lo, min(fits, lo + 32))
+        pinned = tier.store.pin(NS, ring.records[0].block_hash)
+        assert pinned is not None
+        before = tier.stats()
+        try:
+            spill_range(fits, fits + 40)
+        finally:
+            tier.store.unpin([pinned])
+        after = tier.stats()
+        queued = after.spills_queued - before.spills_queued
+        written = after.blocks_written - before.blocks_written
+        assert (queued, written) == (40, 0)
+        assert after.no_space - before.no_space == 40
