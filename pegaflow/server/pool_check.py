@@ -183,11 +183,15 @@ class PoolCheck(Tier):
             self._done()
 
     def _work(self, post: Callable[[np.ndarray, np.ndarray], None]) -> None:
-        try:
-            while (batch := self._next()) is not None:
-                post(batch, self._check(batch))
-        except Exception:  # a background loop: its blocks stay unserved
-            logger.exception("pool file: the check failed; unchecked blocks stay out")
+        while (batch := self._next()) is not None:
+            try:
+                ok = self._check(batch)
+            except Exception:  # its blocks dropped, never served unchecked
+                logger.exception("pool file: checking %d blocks failed", len(batch))
+                ok = np.zeros(len(batch), bool)
+            # Posted either way: a batch left taken would hold its blocks
+            # pinned and `loading` for good, and the check never end.
+            post(batch, ok)
 
     def _next(self) -> np.ndarray | None:
         """The next batch: blocks a query waits for first, at once; then file

@@ -348,3 +348,42 @@ def test_a_recovered_namespace_keeps_its_digest_through_adoption() -> None:
     assert adopted.digest == digest
     assert RemoteLink.digest(link, adopted) == digest
     assert link.namespaces[digest] is adopted
+
+
+def test_a_batch_whose_check_fails_is_dropped_and_the_check_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception while checking one batch ended the check thread: the
+    batch it had taken stayed pinned and `loading` for good, and the check
+    (and the pinning it holds back) never ended. Now that batch's blocks are
+    dropped (never served unchecked) and the rest are checked."""
+    from pegaflow.server import pool_check
+    from pegaflow.server.warm_restart import find
+
+    path = tmp_path / "pool.bin"
+    pool = _pool(path)
+    store = BlockStore(pool.slabs, LRUPolicy())
+    hashes = [i.to_bytes(4, "little") for i in range(8)]
+    store.finish_save(store.reserve_save(_ns(), 0, hashes, np.arange(2)), True)
+    assert pool.log.drain(30)
+    pool.close()
+    pool = _pool(path)
+    store = BlockStore(pool.slabs, LRUPolicy())
+    check = find(pool, store, Recovered(Registry({})))
+    assert check is not None
+    monkeypatch.setattr(check, "_batch", 1)  # a block a batch
+    real, calls = pool_check.checksums, []
+
+    def fails_once(*args: object) -> np.ndarray:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("a read of the pool failed")
+        return real(*args)
+
+    monkeypatch.setattr(pool_check, "checksums", fails_once)
+    done: list[bool] = []
+    check.when_done(lambda: done.append(True))
+    check.run_here()
+    assert done == [True] and check.outcome.unchecked == 0
+    assert check.outcome.bad_checksum == 1 and check.outcome.blocks == 7
+    pool.close()
