@@ -53,8 +53,12 @@ def clamp_gbps(value: float) -> float:
 
 
 class FetchPlanner:
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, max_wait_s: float = 10.0) -> None:
+        """max_wait_s: the longest a request waits for a tier's pull that no
+        rate prices (a server that answers `loading` for good would hold it
+        for good); a priced one waits no longer than computing would take."""
         self.enabled = enabled
+        self.max_wait_s = max_wait_s
         self._tokens_per_s = 0.0
         # request -> when waiting for its pulled blocks stops paying off
         self._give_up_at: dict[str, float] = {}
@@ -99,7 +103,9 @@ class FetchPlanner:
         compute = self._compute_s(blocks * block_tokens)
         tier, l1 = clamp_gbps(tier_gbps), clamp_gbps(l1_gbps)
         if not (self.enabled and tier and l1 and compute and block_bytes and blocks):
-            return Estimate("load", 0.0, compute)
+            give_up = self._give_up_at.setdefault(request_id, now + self.max_wait_s)
+            decision: Decision = "recompute" if now >= give_up else "load"
+            return Estimate(decision, 0.0, compute)
         load = blocks * block_bytes / (tier * 1e9) + blocks * block_bytes / (l1 * 1e9)
         if load >= compute:
             self._give_up_at.pop(request_id, None)

@@ -78,7 +78,7 @@ class PrefixQuery:
         # Mamba state or a window's blocks as if they were the tokens they
         # hold: its hits always load.
         self.planner = FetchPlanner(
-            config.fetch_planner == "auto" and not groups.hybrid
+            config.fetch_planner == "auto" and not groups.hybrid, config.timeout_s
         )
         self._away_until = 0.0  # no queries before this (server away)
         self._releaser: ThreadPoolExecutor | None = None

@@ -275,7 +275,12 @@ class SchedulerHalf:
             self.client.use_socket()
         for stage, groups in report.stage_groups.items():
             self._stage_groups[stage] = frozenset(groups)
-        self._failed_loads |= report.failed_loads
+        # Only requests still here: one aborted while its load ran already
+        # left (request_finished), and would never leave this set again.
+        for rid in report.failed_loads:
+            st = self._reqs.get(rid)
+            if st is not None and not st.finished:
+                self._failed_loads.add(rid)
         self.planner.observe_prefill(report.forward_tokens, report.forward_seconds)
         for rid, n in report.saves_done.items():
             st = self._reqs.get(rid)

@@ -128,3 +128,13 @@ def test_engines_recompute_a_slow_pull_and_load_a_fast_one(
     assert counters["planner_recomputed_tokens"] == 0
     assert counters["load_failures"] == 0
     slow.close()
+
+
+def test_a_pull_is_never_waited_for_longer_than_the_bound() -> None:
+    """With no rate to price it (none from the server, no prefill timed yet,
+    the planner off), a request waited for a pull as long as the server said
+    `loading`: for good, if it always did. Now at most max_wait_s."""
+    for planner in (FetchPlanner(max_wait_s=5.0), FetchPlanner(False, 5.0)):
+        assert planner.pulling("r", 100.0, 8, MiB, 16, 0.0, 0.0).decision == "load"
+        assert planner.pulling("r", 104.9, 8, MiB, 16, 0.0, 0.0).decision == "load"
+        assert planner.pulling("r", 105.0, 8, MiB, 16, 0.0, 0.0).decision == "recompute"

@@ -221,3 +221,21 @@ def test_the_planner_recomputes_a_slow_hit_but_a_hybrid_model_loads() -> None:
     s.on_worker_report(prefill)
     assert s.num_new_matched_tokens(request("r", 64), 0) == (48, True)
     assert s.stats["planner_recomputed_tokens"] == 0
+
+
+def test_a_load_failing_after_its_request_was_aborted_is_forgotten() -> None:
+    """A request aborted while its async load runs leaves (request_finished);
+    the load's failure, reported afterwards, put it back in the set of
+    requests never to be offered a hit again, where it stayed for good."""
+    s = half(FakeClient([QueryResult(2, 9)]))
+    req = request("r", 80)
+    assert s.num_new_matched_tokens(req, 0) == (32, True)
+    s.after_alloc(req, ([10, 11, 12, 13, 14],), 32)
+    req.status = SimpleNamespace(name="FINISHED_ABORTED")
+    s.request_finished(req, ([10, 11, 12, 13, 14],))
+    s.on_worker_report(WorkerReport(failed_loads={"r"}))
+    assert not s._failed_loads
+    live = request("q", 80)  # a live request's failure is kept: no hit again
+    s.after_alloc(live, ([1, 2, 3, 4, 5],), 0)
+    s.on_worker_report(WorkerReport(failed_loads={"q"}))
+    assert s._failed_loads == {"q"}
