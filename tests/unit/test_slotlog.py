@@ -297,12 +297,8 @@ def test_a_file_pool_opens_without_waiting_for_the_checksum_loop(
             pool.close()
 
 
-def test_a_checks_callbacks_run_once_every_kept_block_was_checked(
-    tmp_path: Path,
-) -> None:
-    """PoolCheck.when_done: the server lets the rest of the pool pin for the
-    GPUs only once the restart's check is over; a callback given after that
-    runs at once."""
+def _kept_pool(tmp_path: Path) -> tuple[HostPool, object]:
+    """A pool file of 8 saved blocks, reopened: the pool and its check."""
     from pegaflow.server.warm_restart import find
 
     path = tmp_path / "pool.bin"
@@ -313,9 +309,18 @@ def test_a_checks_callbacks_run_once_every_kept_block_was_checked(
     assert pool.log.drain(30)
     pool.close()
     pool = _pool(path)
-    store = BlockStore(pool.slabs, LRUPolicy())
-    check = find(pool, store, Recovered(Registry({})))
+    check = find(pool, BlockStore(pool.slabs, LRUPolicy()), Recovered(Registry({})))
     assert check is not None
+    return pool, check
+
+
+def test_a_checks_callbacks_run_once_every_kept_block_was_checked(
+    tmp_path: Path,
+) -> None:
+    """PoolCheck.when_done: the server lets the rest of the pool pin for the
+    GPUs only once the restart's check is over; a callback given after that
+    runs at once."""
+    pool, check = _kept_pool(tmp_path)
     calls: list[str] = []
     check.when_done(lambda: calls.append("early"))
     assert calls == []
@@ -358,19 +363,8 @@ def test_a_batch_whose_check_fails_is_dropped_and_the_check_goes_on(
     (and the pinning it holds back) never ended. Now that batch's blocks are
     dropped (never served unchecked) and the rest are checked."""
     from pegaflow.server import pool_check
-    from pegaflow.server.warm_restart import find
 
-    path = tmp_path / "pool.bin"
-    pool = _pool(path)
-    store = BlockStore(pool.slabs, LRUPolicy())
-    hashes = [i.to_bytes(4, "little") for i in range(8)]
-    store.finish_save(store.reserve_save(_ns(), 0, hashes, np.arange(2)), True)
-    assert pool.log.drain(30)
-    pool.close()
-    pool = _pool(path)
-    store = BlockStore(pool.slabs, LRUPolicy())
-    check = find(pool, store, Recovered(Registry({})))
-    assert check is not None
+    pool, check = _kept_pool(tmp_path)
     monkeypatch.setattr(check, "_batch", 1)  # a block a batch
     real, calls = pool_check.checksums, []
 
