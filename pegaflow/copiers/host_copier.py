@@ -328,7 +328,8 @@ class HostCopyEngine:
         try:
             return self._map_shared(regions, fd, spans, signals)
         except BaseException:
-            regions.shared.unclaim()
+            if regions.shared.kv is None:  # nothing mapped: another may try
+                regions.shared.unclaim()
             raise
 
     def _map_shared(
