@@ -285,10 +285,9 @@ class WorkerHalf:
         saves = plan.saves
         if self._poisoned:  # their blocks may hold KV computed over a hole
             saves = [job for job in saves if job.req_id not in self._poisoned]
-            if dropped := sum(len(job.block_ids) for job in plan.saves) - sum(
-                len(job.block_ids) for job in saves
-            ):
-                self._calls.count(saves_skipped=dropped)
+            dropped = [job for job in plan.saves if job.req_id in self._poisoned]
+            if dropped:
+                self._calls.count(saves_skipped=sum(len(j.block_ids) for j in dropped))
         batches = []
         for group, part in self.parts.items():
             jobs = [job for job in saves if job.group == group]
