@@ -115,9 +115,11 @@ class Contention:
         nbytes: int,
         start: float,
         end: float,
+        gpu_s: float | None = None,
     ) -> bool:
         """A batch of this GPU finished: queued at `start`, seen done at `end`
-        (perf_counter seconds). One that started before the previous batch of
+        (perf_counter seconds), `gpu_s` its GPU time where events timed it
+        (else end - start). One that started before the previous batch of
         its stream ended waited behind it: counted, not timed. Returns whether
         it ran alone (its time is its own)."""
         with self._lock:
@@ -125,11 +127,12 @@ class Contention:
             self.bytes[path] += nbytes
             alone = start >= self._last_end.get(direction, -math.inf)
             self._last_end[direction] = max(end, self._last_end.get(direction, end))
-            if path != "kernel" or not alone or end <= start:
+            seconds = end - start if gpu_s is None else gpu_s
+            if path != "kernel" or not alone or seconds <= 0:
                 return alone
             if not timed(pages, nbytes):
                 return alone
-            rate = nbytes / (end - start)
+            rate = nbytes / seconds
             best = self._best.setdefault(
                 (direction, page_class(pages, nbytes)), np.zeros(CLASSES)
             )
@@ -228,12 +231,16 @@ class ContendedPolicy(CopyPolicy):
         t: Transfers,
         start: float,
         end: float,
+        gpu_s: float | None = None,
     ) -> None:
+        """The race compares GPU times where both paths have them: a thread's
+        wall-clock time carries its launch and wake-up, which a launched
+        batch's events leave out, and would bias a size class the loop and
+        the threads both serve towards whichever path the loop took."""
         gpu = self._gpu(device)
-        if gpu.observe(direction, path, len(t), t.total_bytes, start, end):
-            self._race(device).observe(
-                direction, path, len(t), t.total_bytes, end - start
-            )
+        if gpu.observe(direction, path, len(t), t.total_bytes, start, end, gpu_s):
+            seconds = end - start if gpu_s is None else gpu_s
+            self._race(device).observe(direction, path, len(t), t.total_bytes, seconds)
 
     def report(self) -> dict[str, object]:
         gpus = {

@@ -53,7 +53,7 @@ from .copier import CudaExport
 from .gpu_state import Faults, InFlight, Rates
 from .ipc_mappings import IpcMappings, opened
 from .measured import COMPLETION, FLAG_MAX_BYTES, PATHS
-from .path_choice import CopyDirection, CopyPath, CopyPolicy
+from .path_choice import CopyDirection, CopyPath, CopyPolicy, timed
 
 logger = logging.getLogger(__name__)
 
@@ -327,16 +327,35 @@ class CudaCopyEngine:
         self._pool_pinned(direction, t, deadline, wait=True)
         path = self._policy.choose_for(direction, t, dev.ordinal)
         key = (dev.ordinal, direction)
+        # Batches the policy times are bracketed by events, as launched ones
+        # are: both paths' rates are then GPU times, whichever way each went.
+        events = self._timing_events(dev) if timed(len(t), t.total_bytes) else None
+        stream = dev.stream(direction)
         self._flights.add(key, +1)
         try:
             start = time.perf_counter()  # the policy learns from each batch's time
-            with self._drained_on_error(dev, dev.stream(direction)):
+            with self._drained_on_error(dev, stream):
+                if events is not None:
+                    cuda_driver.record_event(events[0], int(stream.handle))
                 self._queue(direction, path, regions, t)
+                if events is not None:
+                    cuda_driver.record_event(events[1], int(stream.handle))
                 self._finish(dev, direction, path, t)
+            end = time.perf_counter()
+            gpu_s = None
+            if events is not None:
+                # A host flag can be seen before the driver has the event as
+                # done: such a batch is timed by the wall clock instead.
+                with self._faults.noted(dev.ordinal):
+                    if cuda_driver.event_done(events[1]):
+                        gpu_s = cuda_driver.elapsed_s(*events)
+            if gpu_s is not None:
+                self._rates.learn((dev.ordinal, direction, path), t.total_bytes, gpu_s)
         finally:
             self._flights.add(key, -1)
-        end = time.perf_counter()
-        self._policy.observe(dev.ordinal, direction, path, t, start, end)
+            if events is not None:
+                dev.spare_events.append(events)
+        self._policy.observe(dev.ordinal, direction, path, t, start, end, gpu_s)
 
     def _queue(
         self,
@@ -478,7 +497,7 @@ class CudaCopyEngine:
             self._rates.learn(key, t.total_bytes, seconds)
             end = launched.start + seconds
             self._policy.observe(
-                dev.ordinal, direction, launched.path, t, launched.start, end
+                dev.ordinal, direction, launched.path, t, launched.start, end, seconds
             )
         finally:
             dev.spare_events.append(launched.events)

@@ -77,8 +77,12 @@ class CopyPolicy:
         return self.choose(direction, pages, t.total_bytes // pages if pages else 0)
 
     def observe(self, device: int, direction: CopyDirection, path: CopyPath,
-                t: Transfers, start: float, end: float) -> None:  # fmt: skip
-        """A batch finished: queued at `start`, done at `end` (perf_counter)."""
+                t: Transfers, start: float, end: float,
+                gpu_s: float | None = None) -> None:  # fmt: skip
+        """A batch finished: queued at `start`, seen done at `end`
+        (perf_counter); `gpu_s`, where timing events bracketed it, its own
+        time on the GPU (no launch, no wait behind the stream's earlier
+        work, no wake-up)."""
 
     def report(self) -> dict[str, object]:
         return {"setting": self.setting}

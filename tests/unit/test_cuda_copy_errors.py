@@ -5,6 +5,7 @@ as the copier returns (run here with stand-ins for the driver and kernels)."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -146,12 +147,56 @@ def test_a_launched_batch_is_timed_and_its_stream_freed(monkeypatch, direction) 
     assert engine._rates.by_size((0, direction, "kernel")) == {
         size: pytest.approx((8 << 20) / 2e-3)
     }
-    ((ordinal, d, path, t, start, end),) = observed
+    ((ordinal, d, path, t, start, end, gpu_s),) = observed
     assert (ordinal, d, path) == (0, direction, "kernel")
-    assert end - start == pytest.approx(2e-3)  # GPU time, not the wait's
+    assert gpu_s == 2e-3 and end - start == pytest.approx(2e-3)  # not the wait
     second = engine.launch(direction, regions, big)
     assert second is not None and second.events == ("e1", "e2")  # reused
     assert second.expected_end == pytest.approx(second.start + 2e-3, abs=1e-3)
+
+
+class SlowSync(GoodKernels):
+    """A copy thread's wait that ends well after the GPU finished (a late
+    wake-up, the flag's poll interval)."""
+
+    def synchronize(self, stream: Any) -> None:
+        super().synchronize(stream)
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("path", ["kernel", "dma"])
+@pytest.mark.parametrize("direction", ["save", "load"])
+def test_a_threaded_batch_is_timed_by_its_events_as_a_launched_one(
+    monkeypatch, path: str, direction: str
+) -> None:
+    """The path race compares each path's best rate per size class; a class
+    the loop and the copy threads both serve must not be judged by events
+    for one path and by a thread's wall clock (its launch and wake-up) for
+    the other."""
+    monkeypatch.setattr(cuda_copier.dma, "plan", lambda *args: None)
+    monkeypatch.setattr(cuda_copier.dma, "attributes", lambda d, o: None)
+    log: list[str] = []
+    Events(monkeypatch, log)
+    engine = _engine(path, log)
+    engine._k = SlowSync(log)
+    engine._dma = lambda plan, attrs, stream: log.append("queued")
+    observed: list[tuple] = []
+    engine._policy.observe = lambda *a: observed.append(a)
+    dev, regions = _device()
+    pages = 64 * 32  # a 64-block batch of 4 KiB pages: timed
+    table = Transfers(*(np.arange(pages, dtype=np.uint64) << np.uint64(12),) * 2,
+                      np.full(pages, 4096, np.uint64))  # fmt: skip
+    (engine.gather if direction == "save" else engine.scatter)(regions, table)
+    stream = 1 if direction == "save" else 2
+    assert log[0] == f"record e1 on {stream}"
+    assert log[1:3] == ["queued", f"record e2 on {stream}"]
+    ((_, d, chosen, _, start, end, gpu_s),) = observed
+    assert (d, chosen) == (direction, path)
+    assert end - start >= 0.02 and gpu_s == pytest.approx(2e-3)
+    assert engine._rates.by_size((0, direction, path)) == {
+        (pages * 4096).bit_length(): pytest.approx(pages * 4096 / 2e-3)
+    }
+    assert dev.spare_events == [("e1", "e2")]  # back for the next batch
 
 
 def test_the_loop_launches_beside_other_streams_batches_not_its_own(

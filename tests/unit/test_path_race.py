@@ -198,3 +198,20 @@ def test_metrics_render_the_race() -> None:
     assert (
         f'pegaflow_copy_race_probes_total{{device="0",path="dma"}} {probes}.0' in text
     )
+
+
+def test_the_race_takes_gpu_times_where_events_gave_them() -> None:
+    """A threaded batch seen done late (its wake-up) is judged by its GPU
+    time, as a launched one is: H200 rates, kernels stay ahead."""
+    clock = Clock()
+    policy = ContendedPolicy(CROSSOVERS, clock=clock)
+    t = _table(BIG)
+    for _ in range(3 * SAMPLES):
+        path = policy.choose_for("load", t, 0)
+        gpu_s = t.total_bytes / H200[path]
+        wall = gpu_s + (0.004 if path == "kernel" else 0.0)  # kernels by thread
+        policy.observe(0, "load", path, t, clock.now, clock.now + wall, gpu_s)
+        clock.now += wall + 0.05
+    (row,) = policy.report()["devices"]["0"]["classes"]
+    assert row["kernel_gbps"] == round(H200["kernel"] / 1e9, 2)
+    assert row["winner"] == "kernel"
