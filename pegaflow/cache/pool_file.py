@@ -47,14 +47,29 @@ logger = logging.getLogger(__name__)
 MAGIC = b"PEGAPOOL"
 # The slot checksum's algorithm is part of the format (pegaflow.cache.slot_log): a
 # file of another version is never read, only refused or reinitialised.
-VERSION = 2
-FORMATS = {1: "blake3 slot checksums", 2: "xxh3-64 slot checksums"}
+VERSION = 3
+FORMATS = {
+    1: "blake3 slot checksums",
+    2: "xxh3-64 slot checksums",
+    3: "xxh3-64 slot checksums, state words 12 bits apart",
+}
 GRANULE = 4096  # data bytes per header row; smaller slots are not recorded
 # magic, version, row bytes, granule, data bytes, slab bytes, data offset, pid
 _SUPER = struct.Struct("<8sIIIQQQI")
 SUPER_BYTES = 4096
 
-FREE, WRITING, LANDED, SEALED = 0, 1, 2, 3
+# A row's state word lies outside its checksum, and decides whether the
+# checksum is compared at all (a LANDED row is trusted without one). Any two
+# states differ in at least 12 of their 32 bits: damage turns a word into
+# none of them (the row is dropped), never into another state (format 2's
+# 0..3 were one bit apart: a SEALED row flipped to LANDED skipped its check;
+# a FREE row flipped to LANDED served a freed slot's stale bytes). FREE stays
+# 0: a new pool's rows are zeros.
+FREE, WRITING, LANDED, SEALED = 0, 0x3A5C96E1, 0xC5A3691E, 0x5AC3E196
+STATES = (FREE, WRITING, LANDED, SEALED)
+# A pool of format 2 (states 0..3 in this order) is kept: its rows' words are
+# rewritten in place when it is mapped (_migrate_states).
+MIGRATES = {2: (0, 1, 2, 3)}
 # state, gen and checksum first: the checksum covers the rest of the row
 # (pegaflow.cache.slot_log.META) and the slot's bytes.
 _FIELDS = np.dtype(
@@ -133,6 +148,9 @@ class PoolFile:
                 flags=mmap.MAP_SHARED,
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
             )
+            version = _SUPER.unpack_from(self.mmap)[1]
+            if version in MIGRATES:
+                _migrate_states(self.mmap, geometry, version)
             self.mmap[: _SUPER.size] = self.superblock()  # this server's pid
         except BaseException:
             os.close(self.fd)
@@ -234,9 +252,11 @@ class PoolFile:
         then loses blocks at the next adoption, never serves zeroes."""
         g = self.geometry
         with mmap.mmap(src, g.data_offset) as m:
+            version = _SUPER.unpack_from(m)[1]
+            _, writing, landed, _ = MIGRATES.get(version, STATES)
             rows = np.ndarray(g.rows, ROW, buffer=m, offset=SUPER_BYTES)
             state = rows["state"]
-            state[state == LANDED] = WRITING
+            state[state == landed] = writing
             del rows, state
 
     def new_pool(self, allocate: bool = True) -> int:
@@ -258,6 +278,8 @@ class PoolFile:
         g = self.geometry
         found = _read_super(fd, size)
         want = (VERSION, ROW_BYTES, GRANULE, g.data_bytes, g.slab_bytes, g.data_offset)
+        if found is not None and found[0] in MIGRATES:  # kept: rewritten when mapped
+            found = (VERSION, *found[1:])
         if found == want and size == g.file_bytes:
             return None
         if found == want:  # ours, cut short (or grown) since
@@ -312,6 +334,30 @@ class PoolFile:
         self._watch.close()
         os.close(self.fd)
         self.fd = -1
+
+
+def _migrate_states(m: mmap.mmap, geometry: Geometry, version: int) -> None:
+    """The rows of a pool of an older format whose only difference is its
+    state words (MIGRATES), rewritten to this format's, before the
+    superblock says this format. Idempotent: a crash midway leaves the old
+    superblock over rows partly rewritten, and the next start rewrites the
+    rest (this format's words are none of the old ones). A word of neither
+    becomes FREE."""
+    rows = np.ndarray(geometry.rows, ROW, buffer=m, offset=SUPER_BYTES)
+    state = rows["state"]
+    old = state.copy()
+    new = np.where(np.isin(old, STATES), old, FREE).astype(old.dtype)
+    for was, now in zip(MIGRATES[version], STATES, strict=True):
+        new[old == was] = now
+    state[:] = new
+    logger.warning(
+        "%s: pool of format %s kept as format %s (%d rows in use)",
+        FLAG,
+        _format(version),
+        _format(VERSION),
+        int(np.count_nonzero(new)),
+    )
+    del rows, state
 
 
 def _format(version: int) -> str:

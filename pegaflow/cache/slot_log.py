@@ -190,6 +190,17 @@ class SlotLog:
             self._pending += len(idx)
         self._queue.put((idx, gens))
 
+    def seal_kept(self, rows: np.ndarray) -> None:
+        """Rows a restart kept as LANDED (published, never hashed: the last
+        server stopped first): sealed now, so the next restart checks them."""
+        if not len(rows):
+            return
+        idx = np.asarray(rows, np.int64)
+        with self._lock:
+            gens = self._table["gen"][idx].copy()
+            self._pending += len(idx)
+        self._queue.put((idx, gens))
+
     def freed(self, slots: np.ndarray) -> None:
         if not len(slots):
             return

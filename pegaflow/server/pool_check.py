@@ -61,6 +61,7 @@ class RecoveryReport:
     seconds: float = 0.0  # from the file's mapping to serving
     unchecked: int = 0  # blocks whose check is still to come: not served yet
     check_seconds: float | None = None  # the whole check, once done
+    damaged: int = 0  # rows whose state word is none of the states: dropped
 
 
 @dataclass(frozen=True, slots=True)

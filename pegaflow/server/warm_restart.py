@@ -26,7 +26,7 @@ from pegaflow.cache.block_entry import BlockEntry
 from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.instances import Registry
 from pegaflow.cache.pool import HostPool
-from pegaflow.cache.pool_file import FREE, GRANULE, LANDED, SEALED, WRITING
+from pegaflow.cache.pool_file import FREE, GRANULE, LANDED, SEALED, STATES, WRITING
 from pegaflow.common.keys import RECOVERED_PREFIX, Namespace, namespace_digest
 
 from .pool_check import Pending, PoolCheck, RecoveryReport
@@ -102,12 +102,15 @@ def find(
     # the table (4 GiB: 25-34 ms against 75-95, dev VM).
     state = t["state"].copy()
     torn = int(np.count_nonzero(state == WRITING))
+    damaged = int(np.count_nonzero(~np.isin(state, STATES)))
     rows = _plausible(t, state, pool)
     unsealed = int(np.count_nonzero(state[rows] == LANDED))
     pending, kept, spaces, incomplete = _adopt(pool, store, recovered, rows)
     stale = state != FREE
     stale[kept] = False
     t["state"][np.flatnonzero(stale)] = FREE
+    if pool.log is not None:  # kept LANDED rows: checked at the next restart
+        pool.log.seal_kept(kept[state[kept] == LANDED])
     blocks = len(pending.entries) + pending.ready
     report = RecoveryReport(
         blocks,
@@ -118,11 +121,12 @@ def find(
         unsealed,
         incomplete,
         round(time.perf_counter() - start, 3),
+        damaged=damaged,
     )
     logger.info(
         "pool file: found %d blocks (%.2f GiB, %d namespaces) in %.2f s, %d to "
         "check before they are served; dropped %d torn, %d slots of incomplete "
-        "blocks; %d recovered unsealed",
+        "blocks, %d rows of no known state; %d recovered unsealed",
         report.blocks,
         report.bytes / (1 << 30),
         report.namespaces,
@@ -130,8 +134,15 @@ def find(
         len(pending.entries),
         torn,
         incomplete,
+        damaged,
         unsealed,
     )
+    if damaged:
+        logger.warning(
+            "pool file: %d rows held a state word that is none of the states "
+            "(damaged while no server ran): dropped",
+            damaged,
+        )
     return PoolCheck(t, pool.file.data, store, pending, report, rate)
 
 

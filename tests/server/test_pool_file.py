@@ -24,10 +24,12 @@ import pytest
 
 from pegaflow.cache.pool_file import (
     _SUPER,
+    FORMATS,
     GRANULE,
     META_OFFSET,
     ROW,
     SEALED,
+    STATES,
     SUPER_BYTES,
     VERSION,
     WRITING,
@@ -232,6 +234,48 @@ def _as_format_1(m: mmap.mmap) -> None:
     m[: _SUPER.size] = _SUPER.pack(*head)
 
 
+def _as_format_2(m: mmap.mmap) -> None:
+    """Rewrite a kept pool as a server of format 2 left it: the same rows,
+    checksums and bytes, its state words 0..3, version 2 in the superblock."""
+    rows = _rows(m)
+    state = rows["state"].copy()
+    for old, now in enumerate(STATES):
+        rows["state"][state == now] = old
+    del rows
+    head = list(_super(m))
+    head[1] = 2
+    m[: _SUPER.size] = _SUPER.pack(*head)
+
+
+@pytest.mark.parametrize("kept_as", ["keeper", "old file"])
+def test_a_pool_of_format_2_is_kept_and_every_block_comes_back(
+    server_factory, tmp_path: Path, kept_as: str
+) -> None:
+    """Scenario: 64 blocks kept by a server of format 2 (the state words
+    one bit apart), in its keeper's memfd or in the regular file servers
+    before 2026-12-05 kept: this server rewrites the rows' states in place,
+    says so, checks every block against its unchanged checksum and serves
+    all 64 byte-equal; the pool is format 3 from then on."""
+    server = server_factory(*_flags(tmp_path))
+    hs, want = _save(server, LocalKV(seed=6))
+    server.stop(signal.SIGTERM)
+    path = tmp_path / "pool.bin"
+    with mapped(path) as m:
+        _as_format_2(m)
+        assert (_rows(m)["state"] == 3).sum() == N
+    if kept_as == "old file":
+        to_old_file(path)
+    server = server_factory(*_flags(tmp_path, "--pool-on-mismatch", "refuse"))
+    assert _hits(server, hs, want) == N
+    report = checked(server)
+    assert (report["blocks"], report["bad_checksum"], report["damaged"]) == (N, 0, 0)
+    assert "kept as format 3" in server.log.read_text()
+    server.stop(signal.SIGTERM)
+    with mapped(path) as m:
+        assert _super(m)[1] == VERSION
+        assert (_rows(m)["state"] == SEALED).sum() == N
+
+
 def test_a_file_of_the_blake3_format_is_refused_or_reinitialised(
     server_factory, tmp_path: Path
 ) -> None:
@@ -250,7 +294,7 @@ def test_a_file_of_the_blake3_format_is_refused_or_reinitialised(
     rc, err = _failed_start(*_flags(tmp_path, "--pool-on-mismatch", "refuse"))
     assert rc == 2 and "Traceback" not in err
     assert "format 1 (blake3 slot checksums)" in err
-    assert f"format {VERSION} (xxh3-64 slot checksums)" in err
+    assert f"format {VERSION} ({FORMATS[VERSION]})" in err
     assert "--pool-on-mismatch reinit" in err
     with mapped(path) as m:  # refused: untouched
         assert _super(m)[1] == 1 and (_rows(m)["state"] == SEALED).sum() == N

@@ -257,6 +257,65 @@ def test_a_damaged_slot_or_row_fails_its_checksum_and_is_dropped(
     pool.close()
 
 
+def test_a_damaged_state_word_drops_its_row_and_never_skips_a_check(
+    tmp_path: Path,
+) -> None:
+    """Scenario (a review's, against format 2's one-bit-apart states): while
+    no server runs, one byte of block 3's slot and one bit of its row's
+    state word flip (SEALED read as LANDED would skip the checksum and
+    serve the damaged byte); block 6's slot was freed (its row FREE, its
+    fields stale) and one bit of that state flips (FREE read as LANDED would
+    serve the freed slot as block 6). Neither is served: both rows hold no
+    known state, are counted and dropped; the other 6 come back byte-equal."""
+    path = tmp_path / "pool.bin"
+    hashes = [bytes([i]) * 16 for i in range(8)]
+    want, rows = _sealed(path, hashes)
+    pool = _pool(path)
+    t = pool.file.table
+    pool.file.data[int(t["offset"][rows[3]]) + 99] ^= 0x01
+    t["state"][rows[6]] = FREE
+    for row in (rows[3], rows[6]):
+        for bit in range(32):  # the first flip not read as FREE or WRITING
+            if t["state"][row] ^ (1 << bit) not in (FREE, WRITING):
+                t["state"][row] ^= 1 << bit
+                break
+    pool.close()
+    pool, store, registry, report = _restart(path)
+    assert (report.blocks, report.damaged, report.bad_checksum) == (6, 2, 0)
+    (ns,) = registry.namespaces.values()
+    for i, h in enumerate(hashes):
+        found = store.longest_prefix(ns, [h])
+        assert len(found) == (i not in (3, 6)), i
+        if found:
+            assert np.array_equal(pool.view(found[0].slots[0], SLOT), want[i])
+    assert pool.file.table["state"][[rows[3], rows[6]]].tolist() == [FREE, FREE]
+    pool.close()
+
+
+def test_rows_a_restart_kept_unsealed_are_sealed_for_the_next(
+    tmp_path: Path,
+) -> None:
+    """Scenario: the last server stopped before its sealer hashed 8 blocks
+    (rows LANDED, trusted without a checksum); the restart serves them at
+    once and seals them, so the restart after it checks them: a byte of
+    block 2 changed between the two is caught."""
+    path = tmp_path / "pool.bin"
+    hashes = [bytes([i]) * 16 for i in range(8)]
+    want, rows = _sealed(path, hashes)
+    pool = _pool(path)
+    pool.file.table["state"][rows] = LANDED
+    pool.close()
+    pool, store, _, report = _restart(path)
+    assert (report.blocks, report.unsealed) == (8, 8)
+    assert pool.log.drain(30)
+    assert pool.file.table["state"][rows].tolist() == [SEALED] * 8
+    pool.file.data[int(pool.file.table["offset"][rows[2]]) + 7] ^= 0x10
+    pool.close()
+    pool, store, _, report = _restart(path)
+    assert (report.blocks, report.bad_checksum) == (7, 1)
+    pool.close()
+
+
 def test_a_file_pool_opens_without_waiting_for_the_checksum_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
