@@ -32,6 +32,9 @@ class _Req:
     request: Any  # vllm.v1.request.Request
     tables: list[list[int]]  # block ids per transferred group (rule order)
     saved: list[int]  # per group: blocks [0, saved) are cached, loaded or saving
+    # Per group: where the planned load starts; a failed load rewinds `saved`
+    # here, as vLLM recomputes the blocks that did not arrive.
+    load_from: list[int] | None = None
     pending: int = 0  # save-job reports still owed by the workers
     finished: bool = False
 
@@ -133,6 +136,7 @@ class SchedulerHalf:
         # Admission (again, after a preemption): what is cached needs no save.
         end = hit.local + num_external
         st.saved = [end // rule.block_size for rule in self.groups.rules]
+        st.load_from = [hit.local // rule.block_size for rule in self.groups.rules]
         if not num_external:
             self.queries.release_all(hit.leases)
             return
@@ -281,6 +285,11 @@ class SchedulerHalf:
             st = self._reqs.get(rid)
             if st is not None and not st.finished:
                 self._failed_loads.add(rid)
+                # vLLM recomputes the blocks that did not load: save them
+                # (the server may not hold them: it restarted, or evicted).
+                if st.load_from is not None:
+                    pairs = zip(st.saved, st.load_from, strict=True)
+                    st.saved = [min(s, f) for s, f in pairs]
         self.planner.observe_prefill(report.forward_tokens, report.forward_seconds)
         for rid, n in report.saves_done.items():
             st = self._reqs.get(rid)
