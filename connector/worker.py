@@ -75,9 +75,14 @@ class WorkerHalf:
         groups: KVGroups | None = None,
         stage: int = 0,
         stages: int = 1,
+        settle_saves: bool = False,
     ) -> None:
         self.config = config
         self.instance_id = instance_id
+        # The step's Save ends before the step does: vLLM may hand out blocks
+        # that Save reads and rewrite them (zero them) before the next step's
+        # handle_preemptions, as vLLM 0.33's V2 model runner does.
+        self.settle_saves = settle_saves
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.stage = stage
@@ -174,7 +179,8 @@ class WorkerHalf:
     # -- per step -----------------------------------------------------------
     def handle_preemptions(self, plan: StepPlan) -> None:
         """Before the step's forward: a preempted request's blocks, and blocks
-        vLLM freed while their request runs, may be rewritten by it."""
+        vLLM freed while their request runs, may be rewritten by it (by the
+        V2 runner's zeroing even before this: see settle_saves)."""
         futures = [f for rid in plan.preempted for f in self._saves.get(rid, ())]
         futures += self._volatile
         self._volatile = []
@@ -299,7 +305,11 @@ class WorkerHalf:
             return
         fut = self._submit(self._calls.save_parts, batches)
         fut.add_done_callback(lambda _: planned.set_result(None))
-        if any(self.groups.rule(job.group).volatile for job in saves):
+        if self.settle_saves and any(job.req_id not in plan.held for job in saves):
+            # Blocks of running requests (a held one's are vLLM's to keep):
+            # a preemption or a moved window frees them to the next step.
+            wait_all([fut], timeout=self._transfer_wait_s)
+        elif any(self.groups.rule(job.group).volatile for job in saves):
             self._volatile.append(fut)
 
     def _plan_saves(self, plan: StepPlan) -> None:
