@@ -109,13 +109,14 @@ class SchedulerHalf:
             if hit is None:
                 return None, False  # the server is still pulling blocks in
             self._hits[request.request_id] = hit
-        # A hybrid model's failed load is reported per request, which vLLM
-        # accepts only for async loads: a sync load could not fail safely.
+        # With several vLLM groups (a hybrid model, HiSparse) a failed load
+        # is reported per request, which vLLM accepts only for async loads:
+        # a sync load could not fail safely.
         # Nor with several workers: the step's forward runs on every rank and
         # stage, and a load failing on one leaves the others' KV (and their
         # saves of it) computed over the hole, which only that one knows of.
         sync_max = self.config.sync_load_max_tokens
-        if self.groups.hybrid or self.num_workers > 1:
+        if self.groups.several or self.num_workers > 1:
             sync_max = 0
         hit.is_async = hit.num_tokens > sync_max
         return hit.num_tokens, hit.is_async

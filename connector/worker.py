@@ -134,8 +134,9 @@ class WorkerHalf:
             2 * config.timeout_s, config.timeout_s + COPY_GRACE_S
         )
         self._errors: set[int] = set()
-        # Hybrid models: block ids repeat across groups, so vLLM takes load
-        # failures per request (failed_recving), not per block.
+        # Several vLLM groups (a hybrid model, HiSparse): block ids repeat
+        # across groups, so vLLM takes load failures per request
+        # (failed_recving), not per block.
         self._failed_reqs: set[ReqId] = set()
         # Requests whose sync load failed: the forward of that step (and of
         # the next, scheduled before vLLM saw the failure) computed their
@@ -160,7 +161,7 @@ class WorkerHalf:
         # process, so its layer signal words may share the KV's memfd.
         alone = not self.groups.hybrid and self.stages == 1
         for rule in self.groups.rules:
-            if self.groups.hybrid or self.stages > 1:
+            if self.groups.several or self.stages > 1:
                 names = set(rule.layer_names)
                 layers = {k: v for k, v in kv_caches.items() if k in names}
             else:
@@ -272,7 +273,7 @@ class WorkerHalf:
         """A request whose load failed in any group fails in every group (vLLM
         recomputes it): never a partial restore."""
         self._report.failed_loads |= {job.req_id for job in jobs} & failed
-        if self.groups.hybrid:
+        if self.groups.several:
             self._failed_reqs |= {job.req_id for job in jobs} & failed
             return
         for job in jobs:

@@ -141,6 +141,7 @@ class Engine:
         stages: int = 1,
         forward_s_per_token: float = 0.0,
         v2_runner: bool = False,
+        untransferred: tuple[int, ...] = (),
     ) -> None:
         self.config = config
         # As vLLM 0.33's V2 model runner: blocks the step allocates are zeroed
@@ -175,6 +176,10 @@ class Engine:
         memory = num_blocks * page * len(specs)
         configs = get_kv_cache_configs(config, [specs], [memory], groups)
         self.kv_cache_config = configs[0]
+        # Groups vLLM keeps out of KV transfer (HiSparse's replicas, rebuilt
+        # from the source group after a load): the connector never sees them.
+        for g in untransferred:
+            self.kv_cache_config.kv_cache_groups[g].enable_kv_transfer = False
         self.group_of = {
             name: g
             for g, group in enumerate(self.kv_cache_config.kv_cache_groups)

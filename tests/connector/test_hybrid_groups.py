@@ -387,3 +387,48 @@ def test_a_block_the_v2_runner_zeroes_is_never_read_by_a_save_in_flight(
     assert b.counters()["hit_tokens"] == len(batch) * BLOCK
     for e in (a, b):
         e.close()
+
+
+def test_a_failed_load_is_per_request_while_vllm_has_several_groups(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    """vLLM keeps groups out of KV transfer (HiSparse: the GPU replicas of its
+    host source group), so the connector transfers one group while vLLM has
+    four. vLLM takes failed loads per request then (a block id is only unique
+    within a group; block-level failures stop the engine): the lease gone,
+    the request is recomputed from the start."""
+    pega_server()
+    batch = prompts(9, n=1, base=120)
+    untransferred = (0, 1, 2)  # the sliding-window groups
+    extra = {**FAST, "sync_load_max_tokens": 4096}
+    a, b = (
+        Engine(
+            vllm_config(tiny_model, extra),
+            specs=sliding_specs(),
+            untransferred=untransferred,
+        )
+        for _ in range(2)
+    )
+    serve(a, batch)
+    assert len(b.kv_cache_config.kv_cache_groups) == 4
+    b.step()
+    planned: list[object] = []
+
+    def break_the_lease(so: object) -> None:
+        for job in so.kv_connector_metadata.plan.loads:  # type: ignore[attr-defined]
+            planned.append(job)
+            job.lease_id ^= 2  # unknown to the server: the item fails
+        if planned:
+            b.after_schedule = None
+
+    b.after_schedule = break_the_lease
+    serve(b, batch)
+    b.assert_clean()
+    (rid,) = batch
+    assert [(job.group, job.sync) for job in planned] == [(3, False)]
+    assert min(b.seqs[rid].computed) == 0
+    counters = b.counters()
+    assert counters["load_failures"] == 1
+    assert counters["hit_tokens"] == (len(batch[rid]) - 1) // BLOCK * BLOCK
+    a.close()
+    b.close()
