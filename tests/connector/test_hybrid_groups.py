@@ -355,9 +355,13 @@ def test_a_block_the_v2_runner_zeroes_is_never_read_by_a_save_in_flight(
     byte (the attention pages, and each Mamba state as a step reads it)."""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     server = pega_server()
-    config = vllm_config(tiny_model, FAST, max_len=128)
-    config.cache_config.mamba_cache_mode = "align"
-    a = Engine(config, specs=mamba_specs(), num_blocks=4, v2_runner=True)
+
+    def v2_engine(**kw: object) -> Engine:
+        config = vllm_config(tiny_model, FAST, max_len=128)
+        config.cache_config.mamba_cache_mode = "align"
+        return Engine(config, specs=mamba_specs(), v2_runner=True, **kw)
+
+    a = v2_engine(num_blocks=4)  # four prompts of 20 tokens fill it
     rnd = random.Random(8)
     batch = {f"z{i}": [rnd.randrange(50, 950) for _ in range(20)] for i in range(4)}
     saved: set[int] = set()
@@ -367,8 +371,9 @@ def test_a_block_the_v2_runner_zeroes_is_never_read_by_a_save_in_flight(
 
     def stall_the_first_save(so: object) -> None:
         plan = so.kv_connector_metadata.plan  # type: ignore[attr-defined]
+        zeroed = so.new_block_ids_to_zero or ()  # type: ignore[attr-defined]
         if saved:  # the next step: what vLLM hands out, zeroed, of those
-            reused.extend(set(so.new_block_ids_to_zero or ()) & saved)  # type: ignore[attr-defined]
+            reused.extend(set(zeroed) & saved)
             a.after_schedule = None
         elif plan.saves:
             saved.update(b for job in plan.saves for b in job.block_ids)
@@ -382,7 +387,7 @@ def test_a_block_the_v2_runner_zeroes_is_never_read_by_a_save_in_flight(
         resume.cancel()
         server.proc.send_signal(signal.SIGCONT)
     assert reused  # the case at hand: a block of the stalled Save, reused
-    b = Engine(config, specs=mamba_specs(), v2_runner=True)
+    b = v2_engine()
     serve_hitting(b, batch)
     assert b.counters()["hit_tokens"] == len(batch) * BLOCK
     for e in (a, b):
@@ -395,8 +400,8 @@ def test_a_failed_load_is_per_request_while_vllm_has_several_groups(
     """vLLM keeps groups out of KV transfer (HiSparse: the GPU replicas of its
     host source group), so the connector transfers one group while vLLM has
     four. vLLM takes failed loads per request then (a block id is only unique
-    within a group; block-level failures stop the engine): the lease gone,
-    the request is recomputed from the start."""
+    within a group; block-level failures stop the engine): its lease unknown
+    to the server, the request is recomputed from the start."""
     pega_server()
     batch = prompts(9, n=1, base=120)
     untransferred = (0, 1, 2)  # the sliding-window groups
