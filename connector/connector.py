@@ -89,6 +89,15 @@ def _check_supported(vllm_config: Any, kv_cache_config: Any) -> KVGroups:
     return groups_of(kv_cache_config, vllm_config.cache_config.block_size)
 
 
+def _zeroes_before_preemptions(vllm_config: Any, kv_cache_config: Any) -> bool:
+    """vLLM 0.33's V2 model runner zeroes the blocks a step allocates (KV with
+    Mamba state or of mixed precision) before it calls handle_preemptions,
+    so a block freed by a preemption may be rewritten before we could wait
+    for its Save there."""
+    zeroing = getattr(kv_cache_config, "needs_kv_cache_zeroing", False)
+    return bool(zeroing and getattr(vllm_config, "use_v2_model_runner", False))
+
+
 class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any
@@ -133,6 +142,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=groups,
                 stage=_pp_rank(vllm_config) if stages > 1 else 0,
                 stages=stages,
+                settle_saves=_zeroes_before_preemptions(vllm_config, kv_cache_config),
             )
 
     @property

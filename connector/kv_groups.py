@@ -74,10 +74,21 @@ class KVGroups:
     rules: tuple[GroupRule, ...]
     hash_block_size: int  # tokens per entry of request.block_hashes
     alignment: int  # a hit's length is a multiple of this many tokens
+    # vLLM's KV cache groups, transferred or not (HiSparse keeps its GPU
+    # replicas out of transfer): the rules may be fewer.
+    vllm_groups: int = 1
 
     @property
     def hybrid(self) -> bool:
         return len(self.rules) > 1
+
+    @property
+    def several(self) -> bool:
+        """vLLM has several KV cache groups, whatever we transfer: a block id
+        names a block only within its group, so vLLM takes a failed load per
+        request (failed_recving, async loads only), never by block id, and
+        a worker's layers are those of the transferred groups only."""
+        return max(self.vllm_groups, len(self.rules)) > 1
 
     def rule(self, index: int) -> GroupRule:
         for rule in self.rules:
@@ -127,7 +138,7 @@ def groups_of(kv_cache_config: Any, block_size: int) -> KVGroups:
                 f"{rule.block_size}, not a multiple of the hash block size {hash_bs}"
             )
         alignment = math.lcm(alignment, rule.block_size)
-    return KVGroups(rules, hash_bs, alignment)
+    return KVGroups(rules, hash_bs, alignment, len(configs))
 
 
 def _block_bytes(group: Any) -> int:

@@ -32,6 +32,9 @@ class _Req:
     request: Any  # vllm.v1.request.Request
     tables: list[list[int]]  # block ids per transferred group (rule order)
     saved: list[int]  # per group: blocks [0, saved) are cached, loaded or saving
+    # Per group: where the planned load starts; a failed load rewinds `saved`
+    # here, as vLLM recomputes the blocks that did not arrive.
+    load_from: list[int] | None = None
     pending: int = 0  # save-job reports still owed by the workers
     finished: bool = False
 
@@ -106,13 +109,14 @@ class SchedulerHalf:
             if hit is None:
                 return None, False  # the server is still pulling blocks in
             self._hits[request.request_id] = hit
-        # A hybrid model's failed load is reported per request, which vLLM
-        # accepts only for async loads: a sync load could not fail safely.
+        # With several vLLM groups (a hybrid model, HiSparse) a failed load
+        # is reported per request, which vLLM accepts only for async loads:
+        # a sync load could not fail safely.
         # Nor with several workers: the step's forward runs on every rank and
         # stage, and a load failing on one leaves the others' KV (and their
         # saves of it) computed over the hole, which only that one knows of.
         sync_max = self.config.sync_load_max_tokens
-        if self.groups.hybrid or self.num_workers > 1:
+        if self.groups.several or self.num_workers > 1:
             sync_max = 0
         hit.is_async = hit.num_tokens > sync_max
         return hit.num_tokens, hit.is_async
@@ -133,6 +137,7 @@ class SchedulerHalf:
         # Admission (again, after a preemption): what is cached needs no save.
         end = hit.local + num_external
         st.saved = [end // rule.block_size for rule in self.groups.rules]
+        st.load_from = [hit.local // rule.block_size for rule in self.groups.rules]
         if not num_external:
             self.queries.release_all(hit.leases)
             return
@@ -281,6 +286,11 @@ class SchedulerHalf:
             st = self._reqs.get(rid)
             if st is not None and not st.finished:
                 self._failed_loads.add(rid)
+                # vLLM recomputes the blocks that did not load: save them
+                # (the server may not hold them: it restarted, or evicted).
+                if st.load_from is not None:
+                    pairs = zip(st.saved, st.load_from, strict=True)
+                    st.saved = [min(s, f) for s, f in pairs]
         self.planner.observe_prefill(report.forward_tokens, report.forward_seconds)
         for rid, n in report.saves_done.items():
             st = self._reqs.get(rid)

@@ -75,9 +75,14 @@ class WorkerHalf:
         groups: KVGroups | None = None,
         stage: int = 0,
         stages: int = 1,
+        settle_saves: bool = False,
     ) -> None:
         self.config = config
         self.instance_id = instance_id
+        # The step's Save ends before the step does: vLLM may hand out blocks
+        # that Save reads and rewrite them (zero them) before the next step's
+        # handle_preemptions, as vLLM 0.33's V2 model runner does.
+        self.settle_saves = settle_saves
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.stage = stage
@@ -129,8 +134,9 @@ class WorkerHalf:
             2 * config.timeout_s, config.timeout_s + COPY_GRACE_S
         )
         self._errors: set[int] = set()
-        # Hybrid models: block ids repeat across groups, so vLLM takes load
-        # failures per request (failed_recving), not per block.
+        # Several vLLM groups (a hybrid model, HiSparse): block ids repeat
+        # across groups, so vLLM takes load failures per request
+        # (failed_recving), not per block.
         self._failed_reqs: set[ReqId] = set()
         # Requests whose sync load failed: the forward of that step (and of
         # the next, scheduled before vLLM saw the failure) computed their
@@ -155,7 +161,7 @@ class WorkerHalf:
         # process, so its layer signal words may share the KV's memfd.
         alone = not self.groups.hybrid and self.stages == 1
         for rule in self.groups.rules:
-            if self.groups.hybrid or self.stages > 1:
+            if self.groups.several or self.stages > 1:
                 names = set(rule.layer_names)
                 layers = {k: v for k, v in kv_caches.items() if k in names}
             else:
@@ -174,7 +180,8 @@ class WorkerHalf:
     # -- per step -----------------------------------------------------------
     def handle_preemptions(self, plan: StepPlan) -> None:
         """Before the step's forward: a preempted request's blocks, and blocks
-        vLLM freed while their request runs, may be rewritten by it."""
+        vLLM freed while their request runs, may be rewritten by it (by the
+        V2 runner's zeroing even before this: see settle_saves)."""
         futures = [f for rid in plan.preempted for f in self._saves.get(rid, ())]
         futures += self._volatile
         self._volatile = []
@@ -266,7 +273,7 @@ class WorkerHalf:
         """A request whose load failed in any group fails in every group (vLLM
         recomputes it): never a partial restore."""
         self._report.failed_loads |= {job.req_id for job in jobs} & failed
-        if self.groups.hybrid:
+        if self.groups.several:
             self._failed_reqs |= {job.req_id for job in jobs} & failed
             return
         for job in jobs:
@@ -299,7 +306,11 @@ class WorkerHalf:
             return
         fut = self._submit(self._calls.save_parts, batches)
         fut.add_done_callback(lambda _: planned.set_result(None))
-        if any(self.groups.rule(job.group).volatile for job in saves):
+        if self.settle_saves and any(job.req_id not in plan.held for job in saves):
+            # Blocks of running requests (a held one's are vLLM's to keep):
+            # a preemption or a moved window frees them to the next step.
+            wait_all([fut], timeout=self._transfer_wait_s)
+        elif any(self.groups.rule(job.group).volatile for job in saves):
             self._volatile.append(fut)
 
     def _plan_saves(self, plan: StepPlan) -> None:

@@ -140,8 +140,13 @@ class Engine:
         specs: dict[str, Any] | None = None,
         stages: int = 1,
         forward_s_per_token: float = 0.0,
+        v2_runner: bool = False,
+        untransferred: tuple[int, ...] = (),
     ) -> None:
         self.config = config
+        # As vLLM 0.33's V2 model runner: blocks the step allocates are zeroed
+        # (Mamba, mixed-precision KV) before the connector's handle_preemptions.
+        self.v2_runner = v2_runner
         self.write_kv = write_kv  # off: scheduling only (benchmarks)
         # A slower model: the fake forward takes this long per scheduled token.
         self.forward_s_per_token = forward_s_per_token
@@ -171,6 +176,10 @@ class Engine:
         memory = num_blocks * page * len(specs)
         configs = get_kv_cache_configs(config, [specs], [memory], groups)
         self.kv_cache_config = configs[0]
+        # Groups vLLM keeps out of KV transfer (HiSparse's replicas, rebuilt
+        # from the source group after a load): the connector never sees them.
+        for g in untransferred:
+            self.kv_cache_config.kv_cache_groups[g].enable_kv_transfer = False
         self.group_of = {
             name: g
             for g, group in enumerate(self.kv_cache_config.kv_cache_groups)
@@ -313,6 +322,10 @@ class Engine:
     ) -> KVConnectorOutput:
         """What vLLM 0.33's model runner does around the forward, in order."""
         meta = so.kv_connector_metadata
+        if self.v2_runner and so.new_block_ids_to_zero:
+            ids = torch.tensor(so.new_block_ids_to_zero)
+            for name in layers:
+                self.caches[name][ids] = 0
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
         if so.has_sync_kv_loads:  # sync loads start before the forward

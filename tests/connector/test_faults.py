@@ -16,7 +16,7 @@ from tests.procs import ServerProc
 
 needs_vllm()
 
-from tests.connector.engine import Engine, vllm_config  # noqa: E402
+from tests.connector.engine import BLOCK, Engine, vllm_config  # noqa: E402
 from tests.connector.test_two_engines import prompts, serve  # noqa: E402
 
 FAST = {"retry_interval_s": 0.2, "timeout_s": 5.0}
@@ -174,5 +174,49 @@ def test_a_failed_sync_load_saves_nothing_computed_over_it(
     c.step()
     serve(c, {"c": longer})
     assert c.counters()["hit_tokens"] == len(prefix)
+    for engine in (a, b, c):
+        engine.close()
+
+
+def test_a_failed_async_load_saves_the_blocks_it_recomputes(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    """B's async load of A's prefix fails: the server restarted, empty, between
+    B's query and its load. vLLM recomputes the prefix, and B saves it with the
+    rest of its prompt: C then hits all of it, not only B's later blocks (which
+    no prefix query reaches without the first ones)."""
+    import random
+
+    server = pega_server()
+    rnd = random.Random(6)
+    prefix = [rnd.randrange(50, 950) for _ in range(96)]  # 6 blocks
+    longer = prefix + [rnd.randrange(50, 950) for _ in range(70)]  # 10 full
+    a = Engine(vllm_config(tiny_model, FAST))
+    serve(a, {"a": prefix})
+    b = Engine(vllm_config(tiny_model, FAST))
+    b.step()  # the worker tells the scheduler the query socket
+    registrar = b.worker._worker.registrar
+
+    def restart_before_the_load(so: object) -> None:
+        if so.kv_connector_metadata.plan.loads:  # type: ignore[attr-defined]
+            server.stop(signal.SIGKILL)
+            pega_server()  # same port, empty pool
+            # Registered again before the load and the recompute's saves,
+            # as the background retry would be a step or two later.
+            assert registrar.register_now()
+            b.after_schedule = None
+
+    b.after_schedule = restart_before_the_load
+    serve(b, {"b": longer}, max_tokens=2)
+    assert b.after_schedule is None and b.seen_waiting_remote == {"b"}
+    assert b.counters()["load_failures"] == 1
+    assert [p for p in b.seqs["b"].computed if p < len(prefix)] == list(
+        range(len(prefix))
+    )
+    b.assert_clean()
+    c = Engine(vllm_config(tiny_model, FAST))
+    c.step()
+    serve(c, {"c": longer})
+    assert c.counters()["hit_tokens"] == len(longer) // BLOCK * BLOCK
     for engine in (a, b, c):
         engine.close()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import random
+import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -75,7 +77,7 @@ def serve(e: Engine, batch: dict[str, list[int]], max_tokens: int = 4) -> None:
     for rid, tokens in batch.items():
         e.add(rid, tokens, max_tokens)
     e.run()
-    assert e.errors == [], memory_report(e)
+    assert e.errors == [], (e.errors, memory_report(e))
 
 
 def memory_report(e: Engine) -> str:
@@ -99,7 +101,11 @@ def memory_report(e: Engine) -> str:
                 f"memfd spans {spans} signals "
                 f"{hex(part.layer_signals.ctypes.data)}"
             )
-    known = [[(hex(x.address), x.size) for x in k.spans] for k in host_share._backed]
+    known = [
+        [(hex(x.address), x.size) for x in k.spans]
+        for _, live in host_share._held.values()
+        for k in list(live)
+    ]
     lines.append(f"registry: {known}")
     lo = min(
         (
@@ -333,3 +339,101 @@ def test_a_group_we_cannot_restore_is_refused_naming_spec_and_layers() -> None:
     assert [(r.kind, r.layer_names) for r in rules] == [
         ("full", ("model.layers.0.self_attn.attn",))
     ]
+
+
+def test_a_block_the_v2_runner_zeroes_is_never_read_by_a_save_in_flight(
+    pega_server: Callable[..., ServerProc],
+    tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.33's V2 model runner zeroes the blocks a step allocates (a Mamba
+    model's KV needs it) before the connector's handle_preemptions. Here the
+    first step's Save stalls (the server stopped) and the next step preempts
+    two requests and hands one of their saved blocks to another, zeroed: the
+    Save must have read it before (wait_for_save waits for it), never storing
+    zeros under the block's hash. B then loads every prompt, checked byte by
+    byte (the attention pages, and each Mamba state as a step reads it)."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    server = pega_server()
+
+    def v2_engine(**kw: object) -> Engine:
+        config = vllm_config(tiny_model, FAST, max_len=128)
+        config.cache_config.mamba_cache_mode = "align"
+        return Engine(config, specs=mamba_specs(), v2_runner=True, **kw)
+
+    a = v2_engine(num_blocks=4)  # four prompts of 20 tokens fill it
+    rnd = random.Random(8)
+    batch = {f"z{i}": [rnd.randrange(50, 950) for _ in range(20)] for i in range(4)}
+    saved: set[int] = set()
+    reused: list[int] = []
+    # Resumes the server whether or not a step waits for it.
+    resume = threading.Timer(2.0, server.proc.send_signal, (signal.SIGCONT,))
+
+    def stall_the_first_save(so: object) -> None:
+        plan = so.kv_connector_metadata.plan  # type: ignore[attr-defined]
+        zeroed = so.new_block_ids_to_zero or ()  # type: ignore[attr-defined]
+        if saved:  # the next step: what vLLM hands out, zeroed, of those
+            reused.extend(set(zeroed) & saved)
+            a.after_schedule = None
+        elif plan.saves:
+            saved.update(b for job in plan.saves for b in job.block_ids)
+            server.proc.send_signal(signal.SIGSTOP)
+            resume.start()
+
+    a.after_schedule = stall_the_first_save
+    try:
+        serve(a, batch, max_tokens=60)
+    finally:
+        resume.cancel()
+        server.proc.send_signal(signal.SIGCONT)
+    assert reused  # the case at hand: a block of the stalled Save, reused
+    b = v2_engine()
+    serve_hitting(b, batch)
+    assert b.counters()["hit_tokens"] == len(batch) * BLOCK
+    for e in (a, b):
+        e.close()
+
+
+def test_a_failed_load_is_per_request_while_vllm_has_several_groups(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    """vLLM keeps groups out of KV transfer (HiSparse: the GPU replicas of its
+    host source group), so the connector transfers one group while vLLM has
+    four. vLLM takes failed loads per request then (a block id is only unique
+    within a group; block-level failures stop the engine): its lease unknown
+    to the server, the request is recomputed from the start."""
+    pega_server()
+    batch = prompts(9, n=1, base=120)
+    untransferred = (0, 1, 2)  # the sliding-window groups
+    extra = {**FAST, "sync_load_max_tokens": 4096}
+    a, b = (
+        Engine(
+            vllm_config(tiny_model, extra),
+            specs=sliding_specs(),
+            untransferred=untransferred,
+        )
+        for _ in range(2)
+    )
+    serve(a, batch)
+    assert len(b.kv_cache_config.kv_cache_groups) == 4
+    b.step()
+    planned: list[object] = []
+
+    def break_the_lease(so: object) -> None:
+        for job in so.kv_connector_metadata.plan.loads:  # type: ignore[attr-defined]
+            planned.append(job)
+            job.lease_id ^= 2  # unknown to the server: the item fails
+        if planned:
+            b.after_schedule = None
+
+    b.after_schedule = break_the_lease
+    serve(b, batch)
+    b.assert_clean()
+    (rid,) = batch
+    assert [(job.group, job.sync) for job in planned] == [(3, False)]
+    assert min(b.seqs[rid].computed) == 0
+    counters = b.counters()
+    assert counters["load_failures"] == 1
+    assert counters["hit_tokens"] == (len(batch[rid]) - 1) // BLOCK * BLOCK
+    a.close()
+    b.close()

@@ -51,3 +51,14 @@ def test_part_names() -> None:
     two = KVGroups((rule, GroupRule(3, "sliding", 16, 31, ())), 16, 16)
     assert two.part_instance("e", two.rules[1]) == "e-g3"
     assert two.part_instance("e", two.rules[1], 0, 2) == "e-pp0-g3"
+
+
+def test_groups_vllm_keeps_out_of_transfer_still_count() -> None:
+    """HiSparse: one transferred group of vLLM's four is not a hybrid part
+    name, but vLLM's block ids are per group all the same."""
+    (rule,) = single_group(16).rules
+    alone = KVGroups((rule,), 16, 16)
+    beside_others = KVGroups((rule,), 16, 16, vllm_groups=4)
+    assert not alone.several and not beside_others.hybrid
+    assert beside_others.several
+    assert beside_others.part_instance("e", rule) == "e"
