@@ -81,7 +81,8 @@ class Pending:
 
 class PoolCheck(Tier):
     """The background check, and the tier that answers `loading` for the
-    blocks it has not reached."""
+    blocks it has not reached. It hears the store's events (Engine.add_tier):
+    an unchecked block evicted is one less to check."""
 
     # /stats lists it under L1 ("ram"), whose blocks these are; it counts no
     # hits of its own (its lookups never say `started`).
@@ -284,8 +285,12 @@ class PoolCheck(Tier):
     # -- on the loop ------------------------------------------------------------
     def _publish(self, batch: np.ndarray, ok: np.ndarray) -> None:
         entries = [self._p.entries[i] for i in batch.tolist()]
-        # Those evicted meanwhile (unchecked_evicted) are no longer ours.
-        live = np.array([self._index.pop(e.key, None) is not None for e in entries])
+        # Those evicted meanwhile (unchecked_evicted) are no longer ours: the
+        # store's, their slots hold other blocks' bytes by now.
+        unchecked = self._store.unchecked
+        live = np.array([unchecked.get(e.key) is e for e in entries], bool)
+        for entry in entries:
+            self._index.pop(entry.key, None)
         if not live.all():
             batch, ok = batch[live], ok[live]
             entries = list(compress(entries, live.tolist()))

@@ -131,3 +131,33 @@ def test_the_check_before_each_copy_reads_no_page_of_the_engine(engines) -> None
         engine.kill()  # a stalled read ends (EIO or EOF) once the engine is gone
         for regions in opened:
             copier.close(regions)
+
+
+def test_a_save_deduplicated_against_one_that_then_fails_is_stored(
+    server, engines
+) -> None:
+    """Scenario: engine "stalls" has block `token` in flight (its copy
+    waits on a stalled page); the bystander saves the same hash. It was
+    answered "deduplicated" at once, and when the stalled copy failed (its
+    engine died) nothing held the block: acknowledged, then a miss. Now the
+    bystander's save waits for the other copy's outcome and, that copy
+    failed, copies its own bytes: stored, and served byte-equal."""
+    stuck, other, token = _stalled_save(server, engines)
+    answer: list[dict] = []
+    saver = threading.Thread(
+        target=lambda: answer.append(
+            other.call("save", block_ids=[3], hashes=[token], timeout=30)
+        )
+    )
+    saver.start()
+    # Long enough for the save to meet the stalled one (the old answer came
+    # at once); the outcome below holds whenever the other engine dies.
+    saver.join(1.0)
+    stuck.kill()
+    saver.join(30)
+    assert answer and (answer[0]["stored"], answer[0]["deduplicated"]) == (1, 0)
+    hit = other.call("query", hashes=[token])
+    assert hit["num_blocks"] == 1
+    other.call("load", lease_id=hit["lease_id"], block_ids=[9])
+    digests = other.call("digest", block_ids=[3, 9])["digests"]
+    assert digests[0] == digests[1]
