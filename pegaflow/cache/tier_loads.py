@@ -63,6 +63,8 @@ class TierLoads:
         if self.unchecked:  # a restart's check (pegaflow.server.pool_check)
             for entry in entries:
                 self.unchecked.pop(entry.key, None)
+            if not self.unchecked:  # a dict keeps its table, emptied
+                self.unchecked = {}
         for entry, good, hold in zip(entries, ok.tolist(), keep, strict=True):
             entry.pins -= 1
             if good:  # in flight on every bit: those are the complete block
