@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _KEY = attrgetter("key")
+_NO_WAITS = np.empty(0, np.int64)  # shared: most saves wait for nothing
+_NO_WAITS.flags.writeable = False
 _SLOTS = attrgetter("slots")
 
 
@@ -275,7 +277,7 @@ class BlockStore(TierLoads):
             mask,
             ((1 << ns.num_layers) - 1) << (rank * ns.num_layers),
             (1 << (tp * ns.num_layers)) - 1,
-            np.asarray(waits, np.int64),
+            np.asarray(waits, np.int64) if waits else _NO_WAITS,
             waited,
         )
 

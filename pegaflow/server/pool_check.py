@@ -285,8 +285,8 @@ class PoolCheck(Tier):
     # -- on the loop ------------------------------------------------------------
     def _publish(self, batch: np.ndarray, ok: np.ndarray) -> None:
         entries = [self._p.entries[i] for i in batch.tolist()]
-        # Those evicted meanwhile (unchecked_evicted) are no longer ours: the
-        # store's, their slots hold other blocks' bytes by now.
+        # Those evicted meanwhile (unchecked_evicted) left the store's
+        # unchecked set: their slots may hold other blocks' bytes by now.
         unchecked = self._store.unchecked
         live = np.array([unchecked.get(e.key) is e for e in entries], bool)
         for entry in entries:
