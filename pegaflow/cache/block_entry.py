@@ -56,3 +56,8 @@ class SaveReservation:
     mask: int = 0  # the (shard, layer) bits this save writes
     shard_mask: int = 0  # every layer bit of this rank's shard
     complete: int = 0  # every bit of a block: it is ready when all landed
+    # Deduplicated against a block another save, a lower tier's load or a
+    # restart's check was still writing (their positions in the request):
+    # the save waits for those to land and copies any that did not.
+    waits: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    waited: list[BlockEntry] = field(default_factory=list)

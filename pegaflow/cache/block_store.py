@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _KEY = attrgetter("key")
+_NO_WAITS = np.empty(0, np.int64)  # shared: most saves wait for nothing
+_NO_WAITS.flags.writeable = False
 _SLOTS = attrgetter("slots")
 
 
@@ -78,6 +80,15 @@ class BlockStore(TierLoads):
         # A file-backed pool's slot rows (pegaflow.cache.slot_log): told of slots
         # allocated to blocks and of blocks published.
         self.log: SlotLog | None = getattr(slabs, "log", None)
+        # A restart's recovered blocks whose check is still to come
+        # (pegaflow.server.pool_check), in the order they were adopted: never
+        # served; evicted before any other block when the pool is full (no
+        # query reached them since the restart, or they would be checked).
+        self.unchecked: dict[Key, BlockEntry] = {}
+        # Called when blocks in flight landed or went (a save, a lower tier's
+        # load, a restart's check, an eviction of unchecked blocks): a save
+        # that deduplicated against them looks again (pegaflow.server.save_waits).
+        self.on_settle: Callable[[], None] = _nothing
 
     def add_listener(self, listener: StoreListener) -> None:
         """Tell `listener` of the events it overrides, after those before it."""
@@ -189,6 +200,8 @@ class BlockStore(TierLoads):
         slots: list[int] = []
         slotless: list[int] = []  # indexes into entries still needing a slot
         dedup = rejected = new = 0
+        waits: list[int] = []  # deduplicated against blocks still landing
+        waited: list[BlockEntry] = []
         refused: set[Key] = set()  # asked once per request, however repeated
         admit: Callable[[Key], bool] | None = None  # past the room, in order
         room = self.slabs.free_slots(ns.slot_class)
@@ -223,6 +236,9 @@ class BlockStore(TierLoads):
                 # layer in flight would share its bits: failing, it would clear
                 # the other save's and free the slot that one still writes.
                 dedup += 1
+                if entry.in_flight & mask and not entry.ready:
+                    waits.append(pos)  # landing: not stored until it landed
+                    waited.append(entry)
                 continue
             if not entry.slots[rank]:
                 slotless.append(len(entries))
@@ -231,6 +247,8 @@ class BlockStore(TierLoads):
             entries.append(entry)
             positions.append(pos)
             slots.append(entry.slots[rank])
+        if waited:
+            waits, waited = self._others(waits, waited, entries)
         keys = list(map(_KEY, entries))
         if new:  # before allocating: an eviction must not see ns as empty
             self._hold(ns, new)
@@ -259,7 +277,23 @@ class BlockStore(TierLoads):
             mask,
             ((1 << ns.num_layers) - 1) << (rank * ns.num_layers),
             (1 << (tp * ns.num_layers)) - 1,
+            np.asarray(waits, np.int64) if waits else _NO_WAITS,
+            waited,
         )
+
+    def _others(
+        self, waits: list[int], waited: list[BlockEntry], mine: list[BlockEntry]
+    ) -> tuple[list[int], list[BlockEntry]]:
+        """Of the blocks a save found landing, those another writer brings in
+        (not a hash this request repeats); the listeners hear they are awaited."""
+        ours = set(map(id, mine))
+        keep = [id(e) not in ours for e in waited]
+        waits = list(compress(waits, keep))
+        waited = list(compress(waited, keep))
+        if waited:
+            for awaited in self._on["awaited"]:
+                awaited(waited)
+        return waits, waited
 
     def _unreserve(self, idx: list[int], entries: list[BlockEntry], mask: int) -> int:
         """Undo the reservation of blocks no slot could be found for."""
@@ -279,6 +313,7 @@ class BlockStore(TierLoads):
         self.apply_touches()
         if not ok:
             self._fail_save(res)
+            self.on_settle()
             return
         mask, clear, complete = res.mask, ~res.mask, res.complete
         sealed: list[BlockEntry] = []  # published now
@@ -288,6 +323,7 @@ class BlockStore(TierLoads):
             entry.landed |= mask
             if entry.landed == complete and not entry.ready:
                 sealed.append(entry)
+        self.on_settle()
         if not sealed:
             return
         self._make_ready_many(sealed)
@@ -347,18 +383,40 @@ class BlockStore(TierLoads):
         if short:
             self._settle()
         while short > 0:
-            want = short
-            victims = self.policy.evict(want, self._protected)
-            while victims is None and want > 1:  # fewer evictable than asked
-                want //= 2
+            victims = self._unchecked_victims(short)
+            if victims:  # the least recently used of all: first
+                for evicted in self._on["unchecked_evicted"]:
+                    evicted(victims)
+                self._remove(victims)
+                self.on_settle()
+            else:
+                want = short
                 victims = self.policy.evict(want, self._protected)
-            if not victims:
-                break
-            self._remove(victims)
+                while victims is None and want > 1:  # fewer evictable than asked
+                    want //= 2
+                    victims = self.policy.evict(want, self._protected)
+                if not victims:
+                    break
+                self._remove(victims)
             self.counters.evictions += len(victims)
             got.append(self.slabs.allocate(cls, short))
             short -= len(got[-1])
         return got[0] if len(got) == 1 else np.concatenate(got)
+
+    def _unchecked_victims(self, n: int) -> list[Key]:
+        """Up to n unchecked recovered blocks, oldest first, that only their
+        check pins (a save never does: it waits), taken out of `unchecked`.
+        Dropping one loses nothing acknowledged since the restart; kept, a
+        full pool of them refused every save until the check reached them."""
+        victims: list[Key] = []
+        for key, entry in self.unchecked.items():
+            if entry.pins == 1:
+                victims.append(key)
+                if len(victims) == n:
+                    break
+        for key in victims:
+            del self.unchecked[key]
+        return victims
 
     def _remove(self, keys: list[Key]) -> None:
         entries = list(map(self.entries.pop, keys))
@@ -420,6 +478,10 @@ class BlockStore(TierLoads):
         self._remove(stale)
         self.counters.stale_dropped += len(stale)
         return len(stale)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _hash_at(hashes: list[BlockHash] | PackedHashes, i: int) -> BlockHash:

@@ -18,7 +18,17 @@ from pegaflow.common.keys import Key, Namespace
 if TYPE_CHECKING:
     from .block_entry import BlockEntry
 
-EVENTS = ("sealed", "ready", "hit", "evicting", "removed", "emptied", "pool_full")
+EVENTS = (
+    "sealed",
+    "ready",
+    "hit",
+    "evicting",
+    "removed",
+    "emptied",
+    "pool_full",
+    "awaited",
+    "unchecked_evicted",
+)
 
 
 class StoreListener:
@@ -46,6 +56,14 @@ class StoreListener:
 
     def pool_full(self, keys: list[Key]) -> None:
         """Saves of these keys were refused for want of a free slot."""
+
+    def awaited(self, entries: list[BlockEntry]) -> None:
+        """A save waits for these blocks, which another writer (a save, a load,
+        a restart's check) had in flight: whoever brings them in may hurry."""
+
+    def unchecked_evicted(self, keys: list[Key]) -> None:
+        """A restart's recovered blocks, not checked yet, evicted for room:
+        their check is moot (their slots are freed next)."""
 
 
 def overridden(listener: StoreListener) -> list[str]:

@@ -60,6 +60,11 @@ class TierLoads:
         held: list[np.ndarray] = []
         published: list[BlockEntry] = []
         keep = withhold.tolist() if withhold is not None else [False] * len(entries)
+        if self.unchecked:  # a restart's check (pegaflow.server.pool_check)
+            for entry in entries:
+                self.unchecked.pop(entry.key, None)
+            if not self.unchecked:  # a dict keeps its table, emptied
+                self.unchecked = {}
         for entry, good, hold in zip(entries, ok.tolist(), keep, strict=True):
             entry.pins -= 1
             if good:  # in flight on every bit: those are the complete block
@@ -78,6 +83,7 @@ class TierLoads:
         if published:
             for ready in self._on["ready"]:
                 ready(published)
+        self.on_settle()
         return np.concatenate(held) if held else np.empty(0, np.uint64)
 
     def free_withheld(self, slots: np.ndarray) -> None:
@@ -96,8 +102,9 @@ class TierLoads:
         allocator): a restarted server's recovered pool; the entries made
         (a key already known is skipped). Ready at once, least recently used
         first as the policy sees them; or, `unchecked`, pinned and in flight
-        (never served nor evicted, a save of the key deduplicates) until
-        finish_load says whether their bytes passed the check."""
+        (never served; a save of the key waits for its check) until
+        finish_load says whether their bytes passed the check; meanwhile
+        evicted first when the pool is full (BlockStore.unchecked)."""
         complete = (1 << (ns.tp_size * ns.num_layers)) - 1
         fresh: list[BlockEntry] = []
         for h, row in zip(hashes, slots.tolist(), strict=True):
@@ -106,6 +113,7 @@ class TierLoads:
                 continue
             if unchecked:
                 entry = BlockEntry(key, row, in_flight=complete, pins=1)
+                self.unchecked[key] = entry
             else:
                 entry = BlockEntry(key, row, landed=complete)
                 self._make_ready(entry)

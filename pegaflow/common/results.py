@@ -11,8 +11,12 @@ import numpy as np
 @dataclass(frozen=True, slots=True)
 class SaveResult:
     stored: int  # copied now
-    deduplicated: int  # already resident, landing, or repeated in the request
-    rejected: int  # not admitted (TinyLFU) or no slot free
+    # Already resident, landed meanwhile by another writer (a save waits for
+    # blocks in flight: pegaflow.server.save_waits), or repeated in the request.
+    deduplicated: int
+    # Not admitted (TinyLFU), no slot free, or not stored by the deadline
+    # (another writer's copy of the block failed or had not landed).
+    rejected: int
 
 
 @dataclass(frozen=True, slots=True)

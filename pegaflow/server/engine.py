@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
+from pegaflow.cache.block_entry import SaveReservation
 from pegaflow.cache.block_store import BlockStore
 from pegaflow.cache.eviction import EvictionPolicy
 from pegaflow.cache.instances import Instance, Registry, Worker
@@ -54,6 +55,7 @@ from .load_items import LoadItem, l1_transfers, plan_item
 from .metrics import Metrics
 from .namespaces import NamespaceReaper
 from .query_path import PrefixQueries, check_hashes
+from .save_waits import Landings
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +137,8 @@ class Engine:
         self.store.add_listener(self.block_events)
         self._seen = dataclasses.replace(self.store.counters)
         self._children: dict[str, tuple] = {}  # _account's labelled metrics
+        # Saves waiting for blocks another writer had in flight.
+        self.landings = Landings(self.store)
         self.copies = CopyDispatch(
             self.registry,
             self.gate,
@@ -214,8 +218,29 @@ class Engine:
         # Replicated KV (MLA): every rank saves into the block's one shard.
         res = self.store.reserve_save(ns, worker.shard, hashes, layers)
         self._sync_counters()
+        stored = await self._copy_save(worker, block_ids, res, layers, wait_event, ctx)
+        if not len(res.waits):
+            return SaveResult(stored, res.deduplicated, res.rejected)
+        more, undone, rejected = await self._save_unlanded(
+            worker, block_ids, hashes, layers, wait_event, ctx, res
+        )
+        return SaveResult(
+            stored + more, res.deduplicated - undone, res.rejected + rejected
+        )
+
+    async def _copy_save(
+        self,
+        worker: Worker,
+        block_ids: np.ndarray,
+        res: SaveReservation,
+        layers: np.ndarray,
+        wait_event: int,
+        ctx: CallContext,
+    ) -> int:
+        """Copy a reservation's blocks from the engine and publish them: how
+        many (0 for none reserved)."""
         if not res.keys:
-            return SaveResult(0, res.deduplicated, res.rejected)
+            return 0
         transfers = worker.geometry.engine_to_slots(
             block_ids[res.positions], res.slots, layers
         )
@@ -244,7 +269,50 @@ class Engine:
         finally:
             self.store.finish_save(res, ok)
         self._account("save", len(res.keys), transfers.total_bytes, seconds)
-        return SaveResult(len(res.keys), res.deduplicated, res.rejected)
+        return len(res.keys)
+
+    async def _save_unlanded(
+        self,
+        worker: Worker,
+        block_ids: np.ndarray,
+        hashes: list[BlockHash],
+        layers: np.ndarray,
+        wait_event: int,
+        ctx: CallContext,
+        res: SaveReservation,
+    ) -> tuple[int, int, int]:
+        """The blocks `res` deduplicated against ones still landing
+        (pegaflow.server.save_waits): once those settled, the ones that did
+        not land are saved again. (stored now, of `res`'s deduplicated the
+        ones that did not land, rejected: not stored, at the deadline or
+        with the worker gone or a copy failed)."""
+        stored = undone = rejected = 0
+        positions, waited = res.waits, res.waited
+        while len(positions):
+            lost = await self.landings.wait(waited, res.mask, ctx.deadline)
+            again = positions[lost]
+            undone += len(again)
+            if not len(again):
+                break
+            past = ctx.deadline is not None and time.monotonic() >= ctx.deadline
+            if worker.closed or past:  # no copy starts after the deadline
+                return stored, undone, rejected + len(again)
+            sub = [hashes[i] for i in again.tolist()]
+            r = self.store.reserve_save(worker.namespace, worker.shard, sub, layers)
+            self._sync_counters()
+            try:
+                got = await self._copy_save(
+                    worker, block_ids[again], r, layers, wait_event, ctx
+                )
+            except (CopyFailed, DeadlineExceeded) as exc:
+                logger.info("save: %d blocks not saved again: %s", len(r.keys), exc)
+                return stored, undone, rejected + len(again)
+            stored += got
+            undone -= r.deduplicated - len(r.waits)  # resident by now after all
+            rejected += r.rejected
+            positions, waited = again[r.waits], r.waited
+            undone -= len(positions)  # counted again if they do not land
+        return stored, undone, rejected
 
     @staticmethod
     def _layers(layer_ids: np.ndarray | None, num_layers: int) -> np.ndarray:

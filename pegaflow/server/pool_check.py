@@ -2,7 +2,8 @@
 
 A restarted server (pegaflow.server.warm_restart) puts every block its kept
 pool file holds into the store pinned and in flight: never served, never
-evicted, a save of the key deduplicated. It serves at once; threads here then
+evicted unless the pool is full (first then: BlockStore.unchecked), a save of
+the key waiting for its check. It serves at once; threads here then
 hash the blocks' SEALED rows (pegaflow.cache.slot_log.checksums) in the file's
 row order, and the event loop publishes each batch's good blocks
 (BlockStore.finish_load: ready, evictable) and frees the bad ones. A query
@@ -25,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import compress
 
 import numpy as np
 
@@ -80,7 +82,8 @@ class Pending:
 
 class PoolCheck(Tier):
     """The background check, and the tier that answers `loading` for the
-    blocks it has not reached."""
+    blocks it has not reached. It hears the store's events (Engine.add_tier):
+    an unchecked block evicted is one less to check."""
 
     # /stats lists it under L1 ("ram"), whose blocks these are; it counts no
     # hits of its own (its lookups never say `started`).
@@ -138,10 +141,36 @@ class PoolCheck(Tier):
             run.append(i)
         if not run:
             return MISS
+        self._hurry(run)
+        return Lookup("loading", len(run))
+
+    def _hurry(self, run: list[int]) -> None:
         with self._wake:  # polled again and again: queued once
             self._urgent.extend(i for i in run if not self._taken[i])
             self._wake.notify()
-        return Lookup("loading", len(run))
+
+    # -- the store's events -------------------------------------------------------
+    def awaited(self, entries: list[BlockEntry]) -> None:
+        """A save waits for these blocks (pegaflow.server.save_waits): those
+        still to check go first, as a query's do."""
+        index = self._index
+        run = [i for e in entries if (i := index.get(e.key)) is not None]
+        if run:
+            self._hurry(run)
+
+    def unchecked_evicted(self, keys: list[Key]) -> None:
+        """Blocks evicted before their check: never checked now (a result a
+        thread brings in for one is dropped); still counted as found, as a
+        checked block evicted later is."""
+        gone = [i for key in keys if (i := self._index.pop(key, None)) is not None]
+        if not gone:
+            return
+        with self._wake:
+            self._taken[gone] = True
+        r = self.outcome
+        r.unchecked -= len(gone)
+        if r.unchecked == 0:
+            self._done()
 
     def report(self) -> dict[str, object]:
         return {"unchecked_blocks": self.outcome.unchecked}
@@ -257,8 +286,17 @@ class PoolCheck(Tier):
     # -- on the loop ------------------------------------------------------------
     def _publish(self, batch: np.ndarray, ok: np.ndarray) -> None:
         entries = [self._p.entries[i] for i in batch.tolist()]
+        # Those evicted meanwhile (unchecked_evicted) left the store's
+        # unchecked set: their slots may hold other blocks' bytes by now.
+        unchecked = self._store.unchecked
+        live = np.array([unchecked.get(e.key) is e for e in entries], bool)
         for entry in entries:
-            del self._index[entry.key]
+            self._index.pop(entry.key, None)
+        if not live.all():
+            batch, ok = batch[live], ok[live]
+            entries = list(compress(entries, live.tolist()))
+            if not entries:
+                return
         self._store.finish_load(entries, ok)
         r = self.outcome
         bad = int(len(ok) - ok.sum())
@@ -271,6 +309,8 @@ class PoolCheck(Tier):
 
     def _done(self) -> None:
         r = self.outcome
+        if r.check_seconds is not None:  # an eviction ended it already
+            return
         r.check_seconds = round(time.perf_counter() - self._started, 3)
         logger.info(
             "pool file: checked in %.2f s: %d blocks (%.2f GiB) served, %d "

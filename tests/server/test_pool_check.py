@@ -17,7 +17,7 @@ import pytest
 from pegaflow.cache.pool_file import SEALED
 from pegaflow.client.pegaflow_client import PegaflowClient
 from tests.keeper_tools import mapped
-from tests.kvbuf import LocalKV
+from tests.kvbuf import LocalKV, hashes
 from tests.procs import ServerProc
 from tests.server.test_pool_file import (
     SHM,
@@ -136,3 +136,70 @@ def test_a_save_of_an_unchecked_block_is_deduplicated_and_served_once_checked(
         assert server.metric("pegaflow_pool_used_bytes") == used
         got = _load(client, kv, [hs[20]])
         assert len(got) == 1 and np.array_equal(got[0], want[20])
+
+
+def test_a_save_of_an_unchecked_block_that_then_fails_its_check_is_stored(
+    server_factory: ServerProc, tmp_path: Path
+) -> None:
+    """Scenario: block 20 is damaged in the kept pool while no server runs;
+    after the restart (check capped) an engine saves block 20 before the
+    check reached it. The save waits for that block's check (moved to the
+    head of the queue), which fails: it copies its own bytes instead of
+    answering "deduplicated" against a block about to be dropped (the
+    engine's offer was once lost: acknowledged, then a miss), and block 20
+    is then served with the engine's bytes."""
+    path = tmp_path / "pool.bin"
+    server = server_factory(*_flags(tmp_path))
+    hs, _ = _save(server, LocalKV(seed=15))
+    _all_sealed(path)
+    server.stop(signal.SIGTERM)
+    _damage(path, hs[20])
+    server = server_factory(*_flags(tmp_path, *SLOW))
+    kv = LocalKV(seed=16)
+    with PegaflowClient(server.addr, 10) as client:
+        kv.register(client, "b", "ns")
+        res = client.save("b", [0], [hs[20]])
+        assert (res.stored, res.deduplicated, res.rejected) == (1, 0, 0)
+        assert _health(server)["pool_recovered"]["bad_checksum"] == 1
+        mine = kv.block(0).copy()
+        kv.randomize([0], seed=17)
+        got = _load(client, kv, [hs[20]])
+        assert len(got) == 1 and np.array_equal(got[0], mine)
+
+
+def test_a_full_kept_pool_takes_saves_before_its_check_reached_its_blocks(
+    server_factory: ServerProc, tmp_path: Path
+) -> None:
+    """Scenario: the kept pool is full (1,024 blocks of 16 KiB saved into
+    16 MiB: the last ~1,000 kept) when the server restarts with its check
+    capped at 1 KiB/s (~4.5 hours for the pool). A new save of 16 blocks is
+    stored at once, evicting 16 recovered blocks not checked yet (they were
+    never evictable: every save was refused `pool_full` until the check
+    reached them); the check skips the evicted ones, and a recovered block
+    still there is served byte-equal."""
+    server = server_factory(*_flags(tmp_path))
+    kv = LocalKV(seed=18)
+    hs = hashes(1024, b"full")
+    with PegaflowClient(server.addr, 10) as client:
+        kv.register(client, "a", "ns")
+        for i in range(0, 1024, N):
+            assert client.save("a", list(range(N)), hs[i : i + N]).stored == N
+        kept = int(server.metric("pegaflow_resident_blocks"))
+        assert kept < 1024  # the pool's worth: full (saves evicted)
+    server.stop(signal.SIGTERM)
+
+    server = server_factory(*_flags(tmp_path, *SLOW))
+    before = _health(server)["pool_recovered"]
+    assert before["blocks"] == kept and before["unchecked"] > kept - 16
+    new = LocalKV(seed=19)
+    with PegaflowClient(server.addr, 10) as client:
+        new.register(client, "b", "ns")
+        res = client.save("b", list(range(16)), hashes(16, b"new"))
+        assert (res.stored, res.rejected) == (16, 0)
+        after = _health(server)["pool_recovered"]
+        assert after["unchecked"] <= before["unchecked"] - 16
+        assert after["bad_checksum"] == 0
+        # Evicted in slot order (rows say nothing of recency): block 500 sits
+        # mid-pool, past the slots the new blocks took.
+        got = _load(client, new, [hs[500]])
+        assert len(got) == 1 and np.array_equal(got[0], kv.block(500 % N))

@@ -10,12 +10,11 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-import time
 
 import pytest
 
 from pegaflow.copiers.host_copier import HostCopyEngine
-from tests.procs import EngineProc, ServerProc
+from tests.procs import EngineProc, ServerProc, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (userfaultfd)")
 
@@ -37,7 +36,11 @@ def _stalled_save(server: ServerProc, engines) -> tuple[EngineProc, EngineProc, 
         pytest.skip(f"cannot stall pages here: {exc}")
     token = secrets.token_hex(32)
     stuck.call("save_async", block_ids=[0], hashes=[token])
-    time.sleep(0.5)  # the request reached the server, whose copy now waits
+
+    def reserved() -> bool:  # its slot (the pool was empty): the copy follows
+        return server.metric("pegaflow_pool_used_bytes") > 0
+
+    assert wait_until(reserved, 30), "the stalled save never reached the server"
     return stuck, other, token
 
 
@@ -131,3 +134,50 @@ def test_the_check_before_each_copy_reads_no_page_of_the_engine(engines) -> None
         engine.kill()  # a stalled read ends (EIO or EOF) once the engine is gone
         for regions in opened:
             copier.close(regions)
+
+
+def test_a_save_deduplicated_against_one_that_then_fails_is_stored(
+    server, engines
+) -> None:
+    """Scenario: engine "stalls" has block `token` in flight (its copy
+    waits on a stalled page); the bystander saves the same hash. It was
+    answered "deduplicated" at once, and when the stalled copy failed (its
+    engine died) nothing held the block: acknowledged, then a miss. Now the
+    bystander's save waits for the other copy's outcome and, that copy
+    failed, copies its own bytes: stored, and served byte-equal."""
+    stuck, other, token = _stalled_save(server, engines)
+    answer: list[dict] = []
+    saver = threading.Thread(
+        target=lambda: answer.append(
+            other.call("save", block_ids=[3], hashes=[token], timeout=30)
+        )
+    )
+    saver.start()
+    # Long enough for the save to meet the stalled one (the old answer came
+    # at once); the outcome below holds whenever the other engine dies.
+    saver.join(1.0)
+    stuck.kill()
+    saver.join(30)
+    assert answer and (answer[0]["stored"], answer[0]["deduplicated"]) == (1, 0)
+    hit = other.call("query", hashes=[token])
+    assert hit["num_blocks"] == 1
+    other.call("load", lease_id=hit["lease_id"], block_ids=[9])
+    digests = other.call("digest", block_ids=[3, 9])["digests"]
+    assert digests[0] == digests[1]
+
+
+def test_a_save_deduplicated_against_one_still_stalled_is_not_acknowledged(
+    server, engines
+) -> None:
+    """Scenario: as above, but the stalled copy outlives the bystander's
+    save: at its deadline the bystander's block is neither stored by it nor
+    landed, and the answer says so (rejected), instead of "deduplicated"
+    against a copy that never ends."""
+    stuck, other, token = _stalled_save(server, engines)
+    try:
+        got = other.call("save", block_ids=[3], hashes=[token], timeout=30)
+        assert (got["stored"], got["deduplicated"], got["rejected"]) == (0, 0, 1)
+        assert other.call("query", hashes=[token])["num_blocks"] == 0
+    finally:
+        stuck.kill()
+    assert server.proc.poll() is None

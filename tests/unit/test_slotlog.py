@@ -356,14 +356,14 @@ def test_a_file_pool_opens_without_waiting_for_the_checksum_loop(
             pool.close()
 
 
-def _kept_pool(tmp_path: Path) -> tuple[HostPool, object]:
-    """A pool file of 8 saved blocks, reopened: the pool and its check."""
+def _kept_pool(tmp_path: Path, n: int = 8) -> tuple[HostPool, object]:
+    """A pool file of n saved blocks, reopened: the pool and its check."""
     from pegaflow.server.warm_restart import find
 
     path = tmp_path / "pool.bin"
     pool = _pool(path)
     store = BlockStore(pool.slabs, LRUPolicy())
-    hashes = [i.to_bytes(4, "little") for i in range(8)]
+    hashes = [i.to_bytes(4, "little") for i in range(n)]
     store.finish_save(store.reserve_save(_ns(), 0, hashes, np.arange(2)), True)
     assert pool.log.drain(30)
     pool.close()
@@ -439,4 +439,41 @@ def test_a_batch_whose_check_fails_is_dropped_and_the_check_goes_on(
     check.run_here()
     assert done == [True] and check.outcome.unchecked == 0
     assert check.outcome.bad_checksum == 1 and check.outcome.blocks == 7
+    pool.close()
+
+
+def test_unchecked_blocks_make_room_and_a_check_of_an_evicted_one_is_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scenario: a full pool (256 blocks) is kept; after the restart none is
+    checked yet, and the check has taken the first block. A new namespace's
+    save of 16 blocks evicts 16 unchecked blocks (that one among them)
+    instead of being refused `pool_full`; the first block's check, ending
+    after its slot took new bytes, is dropped (not a bad checksum, the new
+    block untouched); the rest of the check ends with 240 blocks served."""
+    pool, check = _kept_pool(tmp_path, 256)
+    store = check._store
+    store.add_listener(check)  # as the server adds its tiers
+    monkeypatch.setattr(check, "_batch", 1)  # a block a batch
+    first = check._next()
+    assert first is not None and first.tolist() == [0]
+    other = Namespace("other", 99, 1, 2, SLOT, (2, SLOT // 2, SLOT // 2))
+    new = [b"new" + bytes([i]) for i in range(16)]
+    res = store.reserve_save(other, 0, new, np.arange(2))
+    assert (len(res.keys), res.rejected) == (16, 0)
+    assert store.counters.evictions == 16 and check.outcome.unchecked == 240
+    want = np.random.default_rng(5).integers(0, 256, (16, SLOT), dtype=np.uint8)
+    for slot, data in zip(res.slots.tolist(), want, strict=True):
+        pool.view(slot, SLOT)[:] = data
+    store.finish_save(res, True)
+    check._publish(first, check._check(first))
+    assert check.outcome.bad_checksum == 0
+    found = store.longest_prefix(other, new)
+    assert len(found) == 16
+    for entry, data in zip(found, want, strict=True):
+        assert np.array_equal(pool.view(entry.slots[0], SLOT), data)
+    check.run_here()
+    assert (check.outcome.unchecked, check.outcome.bad_checksum) == (0, 0)
+    assert check.outcome.check_seconds is not None
+    assert store.resident_ready == 256 and not store.unchecked
     pool.close()

@@ -52,6 +52,12 @@ class Recorder(StoreListener):
     def pool_full(self, keys) -> None:
         self.log.append((self.name, "pool_full", [k[1] for k in keys]))
 
+    def awaited(self, entries) -> None:
+        self.log.append((self.name, "awaited", [e.key[1] for e in entries]))
+
+    def unchecked_evicted(self, keys) -> None:
+        self.log.append((self.name, "unchecked_evicted", [k[1] for k in keys]))
+
 
 class SealsOnly(StoreListener):
     def __init__(self, log: list) -> None:
