@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from pegaflow.common import deadlines
 from pegaflow.common.errors import (
+    DeadlineExceeded,
     InvalidRequest,
     Overloaded,
     PegaflowError,
@@ -74,6 +75,12 @@ QUEUED_PAUSE_BYTES = 64 << 20
 WRITE_HIGH_BYTES = 16 << 20
 MAX_CONNECTIONS = 1024
 REFUSED_LINGER_S = 2.0  # a refused connection drains this long, then closes
+# A client sends its hello as it connects and each frame in one sendall: one
+# that takes longer is stuck or hostile, and would hold its connection slot
+# and its partial frame for ever. An idle engine between two requests (no
+# frame begun) is never timed out.
+HELLO_TIMEOUT_S = 5.0  # from connecting to the whole hello
+FRAME_TIMEOUT_S = 5.0  # from a frame's first byte to its last, while read
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +127,7 @@ class _SocketProtocol(asyncio.Protocol):
         self._reading = True
         self._writable = True
         self._fd_wait = False  # a share's descriptor is read with recvmsg
+        self._timer: asyncio.TimerHandle | None = None  # hello's, or a frame's
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -128,6 +136,7 @@ class _SocketProtocol(asyncio.Protocol):
         if self._shared.connections > MAX_CONNECTIONS:
             self._refuse(Overloaded(f"connection: more than {MAX_CONNECTIONS} open"))
             return
+        self._arm(HELLO_TIMEOUT_S, f"hello: none within {HELLO_TIMEOUT_S:g} s")
         try:
             self._caller = unix_peer(transport.get_extra_info("socket"))
         except OSError as exc:  # no credentials: nothing may be trusted
@@ -136,12 +145,49 @@ class _SocketProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._shared.connections -= 1
         self._charge(0)
+        self._disarm()
+
+    def _arm(self, after_s: float, why: str) -> None:
+        """Refuse the connection unless _disarm() comes within after_s."""
+        self._disarm()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(after_s, self._expired, why)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self, why: str) -> None:
+        self._timer = None
+        if not (self._discard or self._transport.is_closing()):
+            self._refuse(DeadlineExceeded(why))
+
+    def _time_frame(self, restart: bool) -> None:
+        """Time the partial frame in _buf, from its first byte (restart: it
+        began in this read); only while the connection is read, as the client
+        cannot send the rest meanwhile."""
+        if not self._greeted:
+            return  # the hello's own timer runs
+        if not self._buf or not self._reading:
+            self._disarm()
+        elif restart or self._timer is None:
+            have = len(self._buf)
+            size = (
+                f"{4 + int.from_bytes(self._buf[:4], 'little')}" if have >= 4 else "4+"
+            )
+            self._arm(
+                FRAME_TIMEOUT_S,
+                f"frame: {have} of its {size} B arrived within "
+                f"{FRAME_TIMEOUT_S:g} s; a frame must be sent whole",
+            )
 
     def _refuse(self, exc: PegaflowError) -> None:
         """Answer with the error and stop. Whatever the peer still sends is
         read and dropped for a moment: closing with unread bytes would reset
         the connection and lose the error before the peer read it."""
         self._discard = True
+        self._disarm()
         self._buf.clear()
         self._charge(0)
         self._transport.write(error_reply(exc))
@@ -177,6 +223,7 @@ class _SocketProtocol(asyncio.Protocol):
         if at:
             del buf[:at]
         self._charge(len(buf))
+        self._time_frame(restart=at > 0 or len(buf) == len(data))
         if self._shared.buffered > RECEIVE_BUDGET and buf:
             self._refuse(
                 Overloaded(
@@ -232,6 +279,7 @@ class _SocketProtocol(asyncio.Protocol):
                 if want
                 else self._transport.pause_reading
             )()
+            self._time_frame(restart=True)  # the rest can come only while read
 
     def _hello(self, body: bytes) -> None:
         try:
@@ -248,6 +296,7 @@ class _SocketProtocol(asyncio.Protocol):
             )
             return
         self._greeted = True
+        self._disarm()
         info = self._shared.info
         self._transport.write(HELLO_REPLY.pack(0, PROTOCOL_VERSION, info.server_id))
 

@@ -22,9 +22,12 @@ from pegaflow.common.socket_frames import (
     HELLO_HEADER,
     HELLO_REPLY,
     MAX_BODY,
+    QUERY_REPLY,
     encode_hello,
     encode_load,
+    encode_query,
 )
+from pegaflow.server.socket_service import FRAME_TIMEOUT_S, HELLO_TIMEOUT_S
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import HOST_ONLY, ServerProc, start_server
 
@@ -195,6 +198,8 @@ def test_a_full_socket_names_itself_to_a_registering_engine(server) -> None:
             sock = socket.socket(socket.AF_UNIX)
             sock.connect(path)
             held.append(sock)
+            # greeted (its reply unread): idle, never timed out as a silent one is
+            sock.sendall(encode_hello())
         kv = LocalKV(layers=2, blocks=4, page=4096)
         with PegaflowClient(server.addr) as client, pytest.raises(PegaflowError) as err:
             kv.register(client, "late", "ns-late")
@@ -214,3 +219,57 @@ def test_a_full_socket_names_itself_to_a_registering_engine(server) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+def test_a_connection_that_never_completes_its_hello_is_closed(server) -> None:
+    """Scenario: one client connects and sends nothing, another half a hello.
+    Each held its connection slot for ever; now each is told why
+    (DEADLINE_EXCEEDED naming the hello) and closed HELLO_TIMEOUT_S in."""
+    path = _socket_path(server)
+    silent, half = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+    start = time.monotonic()
+    try:
+        for sock in (silent, half):
+            sock.settimeout(HELLO_TIMEOUT_S + 10)
+            sock.connect(path)
+        half.sendall(encode_hello()[:6])
+        for sock in (silent, half):
+            reply = _reply(sock)  # to the server's close
+            assert reply[0] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], reply
+            assert f"hello: none within {HELLO_TIMEOUT_S:g} s".encode() in reply
+        assert time.monotonic() - start >= HELLO_TIMEOUT_S - 0.5
+    finally:
+        silent.close()
+        half.close()
+
+
+def test_a_frame_begun_must_finish_but_an_idle_engine_stays(server) -> None:
+    """Scenario: an engine connection idles between requests while another
+    client sends a frame's header and 10 of its 100 body bytes, then nothing.
+    The half frame held its connection and buffer for ever; now that client is
+    told so (DEADLINE_EXCEEDED) and closed FRAME_TIMEOUT_S in, while the idle
+    engine, idle longer than that, is still served."""
+    kv = LocalKV(1, 8, 4096)
+    hs = hashes(2)
+    with PegaflowClient(server.addr) as client:
+        kv.register(client, "e", "ns")
+        assert client.save("e", [0, 1], hs).stored == 2
+    path = _socket_path(server)
+    idle = _greeted(path)
+    stuck = _greeted(path)
+    stuck.settimeout(FRAME_TIMEOUT_S + 10)
+    try:
+        start = time.monotonic()
+        stuck.sendall((100).to_bytes(4, "little") + bytes(10))
+        reply = _reply(stuck)
+        assert reply[0] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], reply
+        assert b"frame: 14 of its 104 B arrived within" in reply, reply
+        assert time.monotonic() - start >= FRAME_TIMEOUT_S - 0.5
+        frame = encode_query("e", hs)
+        assert frame is not None
+        idle.sendall(frame)
+        got = idle.recv(QUERY_REPLY.size, socket.MSG_WAITALL)
+        assert QUERY_REPLY.unpack(got)[:2] == (0, 2)
+    finally:
+        idle.close()
+        stuck.close()
