@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pegaflow.common import deadlines
@@ -71,8 +71,14 @@ RECEIVE_BUDGET = 128 << 20
 # the connection is not read until its queue drains to half (a client that
 # pipelines without waiting must not grow the server's memory without bound).
 QUEUED_PAUSE_BYTES = 64 << 20
-# Replies a client does not read pause its reading the same way.
+# Replies a client does not read pause its reading the same way, and the
+# answering of what it queued.
 WRITE_HIGH_BYTES = 16 << 20
+# Both of those over all connections: requests queued and replies not yet
+# sent. An engine sends a request only once it read the last reply, so only a
+# client that pipelines without reading adds to it while it is over; that
+# client is refused (1024 connections x the bounds above would be ~80 GiB).
+BACKLOG_BUDGET = 256 << 20
 MAX_CONNECTIONS = 1024
 REFUSED_LINGER_S = 2.0  # a refused connection drains this long, then closes
 # A client sends its hello as it connects and each frame in one sendall: one
@@ -100,6 +106,8 @@ class _Shared:
     info: SocketServerInfo
     buffered: int = 0  # bytes of partial frames over all connections
     connections: int = 0
+    backlog: int = 0  # bytes queued or unsent over all connections
+    backlogged: set[_SocketProtocol] = field(default_factory=set)  # backlog > 0
 
 
 class _SocketProtocol(asyncio.Protocol):
@@ -126,6 +134,10 @@ class _SocketProtocol(asyncio.Protocol):
         self._queued_bytes = 0
         self._reading = True
         self._writable = True
+        self._can_write = asyncio.Event()  # as _writable, for _drain to await
+        self._can_write.set()
+        self._backlog = 0  # charged to the shared backlog
+        self._lost = False
         self._fd_wait = False  # a share's descriptor is read with recvmsg
         self._timer: asyncio.TimerHandle | None = None  # hello's, or a frame's
 
@@ -134,7 +146,10 @@ class _SocketProtocol(asyncio.Protocol):
         self._transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES)
         self._shared.connections += 1
         if self._shared.connections > MAX_CONNECTIONS:
-            self._refuse(Overloaded(f"connection: more than {MAX_CONNECTIONS} open"))
+            self._refuse(
+                Overloaded(f"connection: more than {MAX_CONNECTIONS} open"),
+                "connections",
+            )
             return
         self._arm(HELLO_TIMEOUT_S, f"hello: none within {HELLO_TIMEOUT_S:g} s")
         try:
@@ -143,9 +158,12 @@ class _SocketProtocol(asyncio.Protocol):
             logger.warning("fast-path peer without credentials: %s", exc)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
         self._shared.connections -= 1
         self._charge(0)
+        self._account()
         self._disarm()
+        self._can_write.set()  # _drain must not wait on a connection gone
 
     def _arm(self, after_s: float, why: str) -> None:
         """Refuse the connection unless _disarm() comes within after_s."""
@@ -161,7 +179,7 @@ class _SocketProtocol(asyncio.Protocol):
     def _expired(self, why: str) -> None:
         self._timer = None
         if not (self._discard or self._transport.is_closing()):
-            self._refuse(DeadlineExceeded(why))
+            self._refuse(DeadlineExceeded(why), "timeout")
 
     def _time_frame(self, restart: bool) -> None:
         """Time the partial frame in _buf, from its first byte (restart: it
@@ -182,10 +200,12 @@ class _SocketProtocol(asyncio.Protocol):
                 f"{FRAME_TIMEOUT_S:g} s; a frame must be sent whole",
             )
 
-    def _refuse(self, exc: PegaflowError) -> None:
+    def _refuse(self, exc: PegaflowError, reason: str) -> None:
         """Answer with the error and stop. Whatever the peer still sends is
         read and dropped for a moment: closing with unread bytes would reset
-        the connection and lose the error before the peer read it."""
+        the connection and lose the error before the peer read it. What the
+        peer has not read by then is dropped (it may never read)."""
+        self._metrics.socket_refusals.labels(reason).inc()
         self._discard = True
         self._disarm()
         self._buf.clear()
@@ -193,7 +213,11 @@ class _SocketProtocol(asyncio.Protocol):
         self._transport.write(error_reply(exc))
         if self._transport.can_write_eof():
             self._transport.write_eof()
-        asyncio.get_running_loop().call_later(REFUSED_LINGER_S, self._transport.close)
+        asyncio.get_running_loop().call_later(REFUSED_LINGER_S, self._end)
+
+    def _end(self) -> None:
+        transport = self._transport
+        transport.abort() if transport.get_write_buffer_size() else transport.close()
 
     def _charge(self, size: int) -> None:
         """Charge the shared budget for `size` bytes of partial frame."""
@@ -210,7 +234,9 @@ class _SocketProtocol(asyncio.Protocol):
             while len(buf) - at >= 4:
                 size = int.from_bytes(buf[at : at + 4], "little")
                 if size > MAX_BODY:
-                    self._refuse(InvalidRequest(f"frame: {size} B > {MAX_BODY}"))
+                    self._refuse(
+                        InvalidRequest(f"frame: {size} B > {MAX_BODY}"), "frame_size"
+                    )
                     return
                 if len(buf) - at - 4 < size:
                     break
@@ -222,6 +248,7 @@ class _SocketProtocol(asyncio.Protocol):
             return
         if at:
             del buf[:at]
+            self._account()
         self._charge(len(buf))
         self._time_frame(restart=at > 0 or len(buf) == len(data))
         if self._shared.buffered > RECEIVE_BUDGET and buf:
@@ -229,7 +256,8 @@ class _SocketProtocol(asyncio.Protocol):
                 Overloaded(
                     f"frame: {self._shared.buffered} B of partial frames are "
                     f"buffered over all connections (at most {RECEIVE_BUDGET})"
-                )
+                ),
+                "partial_frames",
             )
 
     def eof_received(self) -> bool:
@@ -242,6 +270,18 @@ class _SocketProtocol(asyncio.Protocol):
             return
         if not self._greeted:
             self._hello(body)
+            return
+        if (self._queued or self._transport.get_write_buffer_size()) and (
+            self._over_budget(len(body))
+        ):  # sent before the last reply was read, past the server-wide budget
+            self._refuse(
+                Overloaded(
+                    f"connection: {self._shared.backlog} B of requests and replies "
+                    f"wait over all connections (at most {BACKLOG_BUDGET}); read "
+                    "each reply before sending the next request"
+                ),
+                "backlog",
+            )
             return
         if not self._queued and body[:1] == bytes([QUERY]):
             reply = self._query(body)
@@ -256,12 +296,33 @@ class _SocketProtocol(asyncio.Protocol):
         if self._task is None:
             self._task = asyncio.ensure_future(self._drain())
 
+    def _account(self) -> None:
+        """Charge the shared backlog with this connection's."""
+        size = 0
+        if not self._lost:
+            size = self._queued_bytes + self._transport.get_write_buffer_size()
+        shared = self._shared
+        shared.backlog += size - self._backlog
+        self._backlog = size
+        (shared.backlogged.add if size else shared.backlogged.discard)(self)
+
+    def _over_budget(self, more: int) -> bool:
+        """Whether `more` bytes would take the backlog past BACKLOG_BUDGET."""
+        self._account()
+        shared = self._shared
+        if shared.backlog + more > BACKLOG_BUDGET:
+            for conn in list(shared.backlogged):  # replies sent since counted
+                conn._account()
+        return shared.backlog + more > BACKLOG_BUDGET
+
     def pause_writing(self) -> None:
         self._writable = False
+        self._can_write.clear()
         self._flow()
 
     def resume_writing(self) -> None:
         self._writable = True
+        self._can_write.set()
         self._flow()
 
     def _flow(self) -> None:
@@ -285,14 +346,15 @@ class _SocketProtocol(asyncio.Protocol):
         try:
             version = decode_hello(body)
         except PegaflowError as exc:
-            self._refuse(exc)
+            self._refuse(exc, "protocol")
             return
         if version != PROTOCOL_VERSION:
             self._refuse(
                 ProtocolMismatch(
                     f"hello.version: {version}; this server speaks protocol "
                     f"{PROTOCOL_VERSION}: run the same pegaflow version on both sides"
-                )
+                ),
+                "protocol",
             )
             return
         self._greeted = True
@@ -303,6 +365,9 @@ class _SocketProtocol(asyncio.Protocol):
     async def _drain(self) -> None:
         try:
             while self._queued:
+                # The next reply only once the client reads: else each
+                # queued request's reply would grow the write buffer.
+                await self._can_write.wait()
                 reply = await self._answer(self._queued[0])
                 done = self._queued.popleft()
                 if isinstance(done, bytes):
@@ -310,6 +375,7 @@ class _SocketProtocol(asyncio.Protocol):
                 if not (self._discard or self._transport.is_closing()):
                     self._transport.write(reply)
                     self._flow()
+                self._account()
         finally:
             self._task = None
             if self._eof:
@@ -322,7 +388,7 @@ class _SocketProtocol(asyncio.Protocol):
             got = await guarded(self._metrics, "Share", "unix", self._share(body))
             if isinstance(got, FdLost):  # the stream's state is unknown now
                 if not self._transport.is_closing():
-                    self._refuse(got.error)
+                    self._refuse(got.error, "share")
                 return b""
             return error_reply(got) if isinstance(got, PegaflowError) else got
         try:

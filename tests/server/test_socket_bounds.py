@@ -21,15 +21,22 @@ from pegaflow.common.errors import PegaflowError
 from pegaflow.common.socket_frames import (
     HELLO_HEADER,
     HELLO_REPLY,
+    LOAD_REPLY,
     MAX_BODY,
     QUERY_REPLY,
     encode_hello,
     encode_load,
     encode_query,
+    load_reply_size,
 )
-from pegaflow.server.socket_service import FRAME_TIMEOUT_S, HELLO_TIMEOUT_S
+from pegaflow.server.socket_service import (
+    BACKLOG_BUDGET,
+    FRAME_TIMEOUT_S,
+    HELLO_TIMEOUT_S,
+    WRITE_HIGH_BYTES,
+)
 from tests.kvbuf import LocalKV, hashes
-from tests.procs import HOST_ONLY, ServerProc, start_server
+from tests.procs import HOST_ONLY, ServerProc, start_server, wait_until
 
 
 @pytest.fixture
@@ -273,3 +280,45 @@ def test_a_frame_begun_must_finish_but_an_idle_engine_stays(server) -> None:
     finally:
         idle.close()
         stuck.close()
+
+
+def test_clients_that_never_read_are_bounded_over_all_connections(server) -> None:
+    """Scenario: 24 connections each pipeline batch loads with ~280 KiB error
+    replies and never read them. Each stops being read at 16 MiB of replies,
+    but together they held 24 x 16 MiB: nothing bounded the sum. Now the
+    connection that pipelines past BACKLOG_BUDGET over all connections is
+    refused (RESOURCE_EXHAUSTED, counted by reason), the server's memory stays
+    near the budget, and an engine that reads its replies is served."""
+    kv = LocalKV(1, 8, 4096)
+    with PegaflowClient(server.addr) as client:
+        kv.register(client, "e", "ns")
+        token = client._token("e", 0)
+    items = [(2 * i + 3, 0, np.array([0])) for i in range(4000)]
+    frame = encode_load("e", 0, items, True, token=token)
+    assert frame is not None
+    path = _socket_path(server)
+    with _greeted(path) as probe:  # one reply's size
+        probe.sendall(frame)
+        reply = bytearray(probe.recv(LOAD_REPLY.size, socket.MSG_WAITALL))
+        while len(reply) < (size := load_reply_size(reply)):
+            reply += probe.recv(size - len(reply))
+    per_conn = WRITE_HIGH_BYTES // len(reply) + 2  # one past the pause
+    before = _rss_mib(server.pid)
+    socks = [_greeted(path) for _ in range(24)]
+    try:
+        for sock in socks:
+            sock.settimeout(10)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                for _ in range(per_conn):
+                    sock.sendall(frame)
+        assert wait_until(
+            lambda: server.metric("pegaflow_socket_refusals_total", 'reason="backlog"')
+        )
+        growth = _rss_mib(server.pid) - before
+        with PegaflowClient(server.addr) as client:  # reads its replies: served
+            kv.register(client, "f", "ns")
+            assert client.save("f", [0, 1], hashes(2)).stored == 2
+    finally:
+        for sock in socks:
+            sock.close()
+    assert growth < BACKLOG_BUDGET / (1 << 20) + 100, growth
