@@ -100,6 +100,12 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.socket_dropped = Counter(
+            "pegaflow_socket_dropped_requests",
+            "requests queued on a unix-socket connection whose client went "
+            "away or was refused, dropped undone",
+            registry=r,
+        )
         self.copy_waits = Counter(
             "pegaflow_copy_waits",
             "copies above inline_copy_bytes by how they were waited for: loop "

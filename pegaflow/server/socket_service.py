@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -138,6 +139,7 @@ class _SocketProtocol(asyncio.Protocol):
         self._can_write.set()
         self._backlog = 0  # charged to the shared backlog
         self._lost = False
+        self._hung_up = False  # the client closed its end, not just its writes
         self._fd_wait = False  # a share's descriptor is read with recvmsg
         self._timer: asyncio.TimerHandle | None = None  # hello's, or a frame's
 
@@ -261,8 +263,11 @@ class _SocketProtocol(asyncio.Protocol):
             )
 
     def eof_received(self) -> bool:
-        """The engine is done sending; answer what is queued, then close."""
+        """The engine is done sending; answer what is queued, then close. A
+        client that closed its end altogether reads no answer: what it queued
+        is dropped (_drain)."""
         self._eof = True
+        self._hung_up = _hung_up(self._transport.get_extra_info("socket"))
         return self._task is not None  # True keeps the transport open for now
 
     def _dispatch(self, body: bytes) -> None:
@@ -368,6 +373,9 @@ class _SocketProtocol(asyncio.Protocol):
                 # The next reply only once the client reads: else each
                 # queued request's reply would grow the write buffer.
                 await self._can_write.wait()
+                if self._gone():
+                    self._drop()
+                    break
                 reply = await self._answer(self._queued[0])
                 done = self._queued.popleft()
                 if isinstance(done, bytes):
@@ -380,6 +388,20 @@ class _SocketProtocol(asyncio.Protocol):
             self._task = None
             if self._eof:
                 self._transport.close()
+
+    def _gone(self) -> bool:
+        """No one will read the answers: the client closed or was refused."""
+        return (
+            self._lost or self._discard or self._hung_up or self._transport.is_closing()
+        )
+
+    def _drop(self) -> None:
+        """Drop the queued requests undone (a save or load would copy for no
+        one); one already running finishes first."""
+        self._metrics.socket_dropped.inc(len(self._queued))
+        self._queued.clear()
+        self._queued_bytes = 0
+        self._account()
 
     async def _answer(self, body: bytes | QueryResult) -> bytes:
         if isinstance(body, QueryResult):
@@ -489,6 +511,17 @@ async def start_socket_server(
         unlink_if_ours(path, sock)
         sock.close()
         raise
+
+
+def _hung_up(sock: object) -> bool:
+    """Whether the peer closed its end (POLLHUP), not only its writing half
+    (shutdown(SHUT_WR): it still reads the answers)."""
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), 0)  # POLLHUP is reported unasked
+        return any(ev & select.POLLHUP for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # closed already: gone
+        return True
 
 
 def _query_reply(res: QueryResult) -> bytes:

@@ -16,8 +16,16 @@ import grpc
 import numpy as np
 import pytest
 
+from pegaflow.client.host_share import whole_pages
 from pegaflow.client.pegaflow_client import PegaflowClient
 from pegaflow.common.errors import PegaflowError
+from pegaflow.common.share_frames import (
+    READY,
+    SHARE_READY,
+    ShareRequest,
+    ShareSpan,
+    encode_share,
+)
 from pegaflow.common.socket_frames import (
     HELLO_HEADER,
     HELLO_REPLY,
@@ -27,6 +35,7 @@ from pegaflow.common.socket_frames import (
     encode_hello,
     encode_load,
     encode_query,
+    encode_save,
     load_reply_size,
 )
 from pegaflow.server.socket_service import (
@@ -322,3 +331,31 @@ def test_clients_that_never_read_are_bounded_over_all_connections(server) -> Non
         for sock in socks:
             sock.close()
     assert growth < BACKLOG_BUDGET / (1 << 20) + 100, growth
+
+
+def test_requests_queued_by_a_client_that_left_are_dropped(server) -> None:
+    """Scenario: a host engine sends a share (whose descriptor the server then
+    waits for) and a save behind it, and closes its connection on READY. The
+    save still ran, copying for no one; now the share ends (its descriptor
+    never came) and the save is dropped undone, counted as such."""
+    kv = LocalKV(1, 8, 4096)
+    hs = hashes(2)
+    with PegaflowClient(server.addr) as client:
+        kv.register(client, "e", "ns")
+        token = client._token("e", 0)
+        spans = tuple(ShareSpan(a, 0, n) for a, n in whole_pages(kv.mem.regions))
+        share = encode_share(ShareRequest("e", 0, spans[:1], 0, token))
+        save = encode_save("e", 0, np.array([0, 1]), hs, [], 0, token=token)
+        assert save is not None
+        sock = _greeted(_socket_path(server))
+        try:
+            sock.sendall(share + save)
+            ready = sock.recv(SHARE_READY.size, socket.MSG_WAITALL)
+            assert SHARE_READY.unpack(ready) == (0, READY)
+        finally:
+            sock.close()
+        assert wait_until(
+            lambda: server.metric("pegaflow_socket_dropped_requests_total") == 1
+        )
+        assert client.query("e", hs).num_blocks == 0  # the save never ran
+        assert client.save("e", [0, 1], hs).stored == 2  # and could have
