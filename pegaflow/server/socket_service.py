@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from pegaflow.common import deadlines
 from pegaflow.common.errors import (
     DeadlineExceeded,
+    InternalError,
     InvalidRequest,
     Overloaded,
     PegaflowError,
@@ -408,9 +409,15 @@ class _SocketProtocol(asyncio.Protocol):
             return await self._finish_query(body)
         if body[:1] == bytes([SHARE]):
             got = await guarded(self._metrics, "Share", "unix", self._share(body))
-            if isinstance(got, FdLost):  # the stream's state is unknown now
-                if not self._transport.is_closing():
-                    self._refuse(got.error, "share")
+            if isinstance(got, FdLost) or self._fd_wait:
+                # READY went out but no descriptor was read in turn (or this
+                # failed in between): the stream's state is unknown now, and
+                # reading stays paused until the connection ends.
+                error = got.error if isinstance(got, FdLost) else got
+                if not isinstance(error, PegaflowError):
+                    error = InternalError("share.fd: the exchange broke off")
+                if not (self._discard or self._transport.is_closing()):
+                    self._refuse(error, "share")
                 return b""
             return error_reply(got) if isinstance(got, PegaflowError) else got
         try:

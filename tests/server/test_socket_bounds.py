@@ -7,6 +7,9 @@ if it spoke ours."""
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
+import resource
 import socket
 import struct
 import time
@@ -359,3 +362,51 @@ def test_requests_queued_by_a_client_that_left_are_dropped(server) -> None:
         )
         assert client.query("e", hs).num_blocks == 0  # the save never ran
         assert client.save("e", [0, 1], hs).stored == 2  # and could have
+
+
+def _lowest_free_fd(pid: int) -> int:
+    taken = {int(name) for name in os.listdir(f"/proc/{pid}/fd")}
+    return next(fd for fd in itertools.count() if fd not in taken)
+
+
+def test_a_share_without_a_descriptor_to_spare_leaves_the_connection_working(
+    server,
+) -> None:
+    """Scenario: every descriptor the server may open is in use (its soft
+    RLIMIT_NOFILE, e.g. 1024 with as many connections) when an engine shares
+    its memfd. The server paused reading, sent READY, then failed to dup the
+    connection: the engine got INTERNAL and the connection was never read
+    again, so its next request hung. Now the share is refused before READY
+    (RESOURCE_EXHAUSTED naming share.fd) and the connection goes on working."""
+    kv = LocalKV(1, 8, 4096)
+    hs = hashes(2)
+    with PegaflowClient(server.addr) as client:
+        kv.register(client, "e", "ns")
+        token = client._token("e", 0)
+        assert client.save("e", [0, 1], hs).stored == 2
+        spans = tuple(ShareSpan(a, 0, n) for a, n in whole_pages(kv.mem.regions))
+        share = encode_share(ShareRequest("e", 0, spans[:1], 0, token))
+        query = encode_query("e", hs)
+        assert query is not None
+        sock = _greeted(_socket_path(server))
+        limit = original = resource.prlimit(server.pid, resource.RLIMIT_NOFILE)
+        try:
+            # As low as the descriptors the idle server holds: a dup fails.
+            while (low := _lowest_free_fd(server.pid)) != limit[0]:
+                limit = (low, limit[1])
+                resource.prlimit(server.pid, resource.RLIMIT_NOFILE, limit)
+            sock.sendall(share)
+            head = sock.recv(5, socket.MSG_WAITALL)
+            assert head != SHARE_READY.pack(0, READY), "READY: the dup succeeded"
+            length = int.from_bytes(head[1:5], "little")
+            message = sock.recv(length, socket.MSG_WAITALL)
+        finally:
+            resource.prlimit(server.pid, resource.RLIMIT_NOFILE, original)
+        try:
+            assert head[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message
+            assert message.startswith(b"share.fd: the server cannot take"), message
+            sock.sendall(query)
+            got = sock.recv(QUERY_REPLY.size, socket.MSG_WAITALL)
+            assert QUERY_REPLY.unpack(got)[:2] == (0, 2)
+        finally:
+            sock.close()
