@@ -16,8 +16,12 @@ SCM_RIGHTS, from the registering process only (this connection's kernel pid).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
+import platform
 import select
+import socket
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -29,6 +33,7 @@ from pegaflow.common.errors import (
     InvalidRequest,
     Overloaded,
     PegaflowError,
+    PermissionDenied,
     ProtocolMismatch,
 )
 from pegaflow.common.identity import UNKNOWN, CallContext, Caller, unix_peer
@@ -83,6 +88,13 @@ WRITE_HIGH_BYTES = 16 << 20
 BACKLOG_BUDGET = 256 << 20
 MAX_CONNECTIONS = 1024
 REFUSED_LINGER_S = 2.0  # a refused connection drains this long, then closes
+# The kernel's handle on the process that connected (Linux 6.5+; the generic
+# value, which x86_64 and aarch64 use); Python names it from 3.14 only.
+SO_PEERPIDFD = getattr(
+    socket,
+    "SO_PEERPIDFD",
+    77 if platform.machine() in ("x86_64", "aarch64") else None,
+)
 # A client sends its hello as it connects and each frame in one sendall: one
 # that takes longer is stuck or hostile, and would hold its connection slot
 # and its partial frame for ever. An idle engine between two requests (no
@@ -462,6 +474,15 @@ class _SocketProtocol(asyncio.Protocol):
             raise InvalidRequest("register: not a RegisterInstanceRequest") from None
         if self._caller.pid == UNKNOWN:
             raise InvalidRequest("register: the kernel named no peer process")
+        if _peer_exited(self._transport.get_extra_info("socket")):
+            # SO_PEERCRED's pid is from connect(): a child that kept the
+            # connection must not register the memory of whichever process
+            # took that pid since (the registration checks the pid's process).
+            raise PermissionDenied(
+                f"register: the process that opened this connection (pid "
+                f"{self._caller.pid}) has exited, and its pid may be another "
+                "process's now; register over a connection of your own"
+            )
         spec = spec_from_message(req)
         worker = await self._engine.register_when_ready(spec, self._caller)
         info = self._shared.info
@@ -529,6 +550,24 @@ def _hung_up(sock: object) -> bool:
         return any(ev & select.POLLHUP for _, ev in poller.poll(0))
     except (OSError, ValueError, AttributeError):  # closed already: gone
         return True
+
+
+def _peer_exited(sock: socket.socket) -> bool:
+    """Whether the process that opened the connection has exited, as the
+    kernel tells by SO_PEERPIDFD; False where it cannot (before Linux 6.5:
+    docs/security.md names the residual)."""
+    if SO_PEERPIDFD is None:
+        return False
+    try:
+        fd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError as exc:  # reaped: no task behind its pid any more
+        return exc.errno in (errno.ESRCH, errno.EINVAL)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)  # a pidfd reads once it exited
+        return bool(poller.poll(0))
+    finally:
+        os.close(fd)
 
 
 def _query_reply(res: QueryResult) -> bytes:
