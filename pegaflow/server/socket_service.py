@@ -560,8 +560,12 @@ def _peer_exited(sock: socket.socket) -> bool:
         return False
     try:
         fd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
-    except OSError as exc:  # reaped: no task behind its pid any more
-        return exc.errno in (errno.ESRCH, errno.EINVAL)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):  # not a pass: refuse
+            raise Overloaded(
+                f"register: the server cannot take a descriptor now ({exc.strerror})"
+            ) from None
+        return exc.errno in (errno.ESRCH, errno.EINVAL)  # reaped: no task left
     try:
         poller = select.poll()
         poller.register(fd, select.POLLIN)  # a pidfd reads once it exited
