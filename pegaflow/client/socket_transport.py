@@ -34,6 +34,8 @@ from pegaflow.common.socket_frames import (
     HELLO_REPLY,
     LOAD_REPLY,
     LOADING,
+    MAX_ERROR_MESSAGE,
+    MAX_REPLY,
     PROTOCOL_VERSION,
     QUERY_REPLY,
     REGISTER_REPLY,
@@ -208,18 +210,29 @@ class SocketClient:
         if status in (0, LOADING):
             reply = self._recv(sock, ok_size, reply)
             while full_size is not None and len(reply) < (n := full_size(reply)):
+                if n > MAX_REPLY:  # a lying length: read no further
+                    raise ConnectionError(
+                        f"fast-path reply: {n} B long, at most {MAX_REPLY}: "
+                        "not a reply of this protocol"
+                    )
                 reply = self._recv(sock, n, reply)
             return status, reply
         length = int.from_bytes(reply[1:5], "little")
+        if length > MAX_ERROR_MESSAGE:  # a lying length: read no further
+            raise ConnectionError(
+                f"fast-path reply: an error message of {length} B, at most "
+                f"{MAX_ERROR_MESSAGE}: not a reply of this protocol"
+            )
         message = self._recv(sock, 5 + length, reply)[5:].decode(errors="replace")
         code = next((c for c in grpc.StatusCode if c.value[0] == status), None)
         raise from_status(code or grpc.StatusCode.UNKNOWN, message)
 
     @staticmethod
     def _recv(sock: socket.socket, n: int, buf: bytearray) -> bytearray:
-        """Read until buf holds n bytes."""
+        """Read until buf holds n bytes (recv allocates what it is asked
+        for: a reply of megabytes is read a MiB at a time)."""
         while len(buf) < n:
-            chunk = sock.recv(max(n - len(buf), 4096))
+            chunk = sock.recv(min(max(n - len(buf), 4096), 1 << 20))
             if not chunk:
                 raise ConnectionError("fast-path socket closed by the server")
             buf += chunk

@@ -70,6 +70,11 @@ LOADING = 255
 # 4.3 MiB, a registration of 4096 layers x 8 segments ~0.3 MiB. A bigger frame
 # is refused before any of it is buffered.
 MAX_BODY = 8 << 20
+# An error reply's message is cut to this; a client reads no longer one.
+MAX_ERROR_MESSAGE = 65536
+# The largest reply a client reads: a load's is the largest legitimate one
+# (16384 items and an error line each, ~2 MiB).
+MAX_REPLY = 64 << 20
 
 
 def _hash_size(hashes: list[bytes]) -> int | None:
@@ -382,5 +387,5 @@ def decode_save(
 
 
 def error_reply(exc: PegaflowError) -> bytes:
-    msg = str(exc).encode()[:65536]
+    msg = str(exc).encode()[:MAX_ERROR_MESSAGE]
     return bytes([exc.code.value[0]]) + len(msg).to_bytes(4, "little") + msg

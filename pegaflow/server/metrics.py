@@ -91,6 +91,21 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.socket_refusals = Counter(
+            "pegaflow_socket_refusals",
+            "unix-socket connections refused, by the bound or rule they broke: "
+            "connections, frame_size, partial_frames, backlog (requests and "
+            "replies waiting over all connections), timeout (hello or frame "
+            "not whole in time), protocol, share (descriptor exchange failed)",
+            ["reason"],
+            registry=r,
+        )
+        self.socket_dropped = Counter(
+            "pegaflow_socket_dropped_requests",
+            "requests queued on a unix-socket connection whose client went "
+            "away or was refused, dropped undone",
+            registry=r,
+        )
         self.copy_waits = Counter(
             "pegaflow_copy_waits",
             "copies above inline_copy_bytes by how they were waited for: loop "

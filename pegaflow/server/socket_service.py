@@ -16,16 +16,24 @@ SCM_RIGHTS, from the registering process only (this connection's kernel pid).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
+import platform
+import select
+import socket
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pegaflow.common import deadlines
 from pegaflow.common.errors import (
+    DeadlineExceeded,
+    InternalError,
     InvalidRequest,
     Overloaded,
     PegaflowError,
+    PermissionDenied,
     ProtocolMismatch,
 )
 from pegaflow.common.identity import UNKNOWN, CallContext, Caller, unix_peer
@@ -70,10 +78,29 @@ RECEIVE_BUDGET = 128 << 20
 # the connection is not read until its queue drains to half (a client that
 # pipelines without waiting must not grow the server's memory without bound).
 QUEUED_PAUSE_BYTES = 64 << 20
-# Replies a client does not read pause its reading the same way.
+# Replies a client does not read pause its reading the same way, and the
+# answering of what it queued.
 WRITE_HIGH_BYTES = 16 << 20
+# Both of those over all connections: requests queued and replies not yet
+# sent. An engine sends a request only once it read the last reply, so only a
+# client that pipelines without reading adds to it while it is over; that
+# client is refused (1024 connections x the bounds above would be ~80 GiB).
+BACKLOG_BUDGET = 256 << 20
 MAX_CONNECTIONS = 1024
 REFUSED_LINGER_S = 2.0  # a refused connection drains this long, then closes
+# The kernel's handle on the process that connected (Linux 6.5+; the generic
+# value, which x86_64 and aarch64 use); Python names it from 3.14 only.
+SO_PEERPIDFD = getattr(
+    socket,
+    "SO_PEERPIDFD",
+    77 if platform.machine() in ("x86_64", "aarch64") else None,
+)
+# A client sends its hello as it connects and each frame in one sendall: one
+# that takes longer is stuck or hostile, and would hold its connection slot
+# and its partial frame for ever. An idle engine between two requests (no
+# frame begun) is never timed out.
+HELLO_TIMEOUT_S = 5.0  # from connecting to the whole hello
+FRAME_TIMEOUT_S = 5.0  # from a frame's first byte to its last, while read
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +120,8 @@ class _Shared:
     info: SocketServerInfo
     buffered: int = 0  # bytes of partial frames over all connections
     connections: int = 0
+    backlog: int = 0  # bytes queued or unsent over all connections
+    backlogged: set[_SocketProtocol] = field(default_factory=set)  # backlog > 0
 
 
 class _SocketProtocol(asyncio.Protocol):
@@ -119,35 +148,91 @@ class _SocketProtocol(asyncio.Protocol):
         self._queued_bytes = 0
         self._reading = True
         self._writable = True
+        self._can_write = asyncio.Event()  # as _writable, for _drain to await
+        self._can_write.set()
+        self._backlog = 0  # charged to the shared backlog
+        self._lost = False
+        self._hung_up = False  # the client closed its end, not just its writes
         self._fd_wait = False  # a share's descriptor is read with recvmsg
+        self._timer: asyncio.TimerHandle | None = None  # hello's, or a frame's
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self._transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES)
         self._shared.connections += 1
         if self._shared.connections > MAX_CONNECTIONS:
-            self._refuse(Overloaded(f"connection: more than {MAX_CONNECTIONS} open"))
+            self._refuse(
+                Overloaded(f"connection: more than {MAX_CONNECTIONS} open"),
+                "connections",
+            )
             return
+        self._arm(HELLO_TIMEOUT_S, f"hello: none within {HELLO_TIMEOUT_S:g} s")
         try:
             self._caller = unix_peer(transport.get_extra_info("socket"))
         except OSError as exc:  # no credentials: nothing may be trusted
             logger.warning("fast-path peer without credentials: %s", exc)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
         self._shared.connections -= 1
         self._charge(0)
+        self._account()
+        self._disarm()
+        self._can_write.set()  # _drain must not wait on a connection gone
 
-    def _refuse(self, exc: PegaflowError) -> None:
+    def _arm(self, after_s: float, why: str) -> None:
+        """Refuse the connection unless _disarm() comes within after_s."""
+        self._disarm()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(after_s, self._expired, why)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self, why: str) -> None:
+        self._timer = None
+        if not (self._discard or self._transport.is_closing()):
+            self._refuse(DeadlineExceeded(why), "timeout")
+
+    def _time_frame(self, restart: bool) -> None:
+        """Time the partial frame in _buf, from its first byte (restart: it
+        began in this read); only while the connection is read, as the client
+        cannot send the rest meanwhile."""
+        if not self._greeted:
+            return  # the hello's own timer runs
+        if not self._buf or not self._reading:
+            self._disarm()
+        elif restart or self._timer is None:
+            have = len(self._buf)
+            size = (
+                f"{4 + int.from_bytes(self._buf[:4], 'little')}" if have >= 4 else "4+"
+            )
+            self._arm(
+                FRAME_TIMEOUT_S,
+                f"frame: {have} of its {size} B arrived within "
+                f"{FRAME_TIMEOUT_S:g} s; a frame must be sent whole",
+            )
+
+    def _refuse(self, exc: PegaflowError, reason: str) -> None:
         """Answer with the error and stop. Whatever the peer still sends is
         read and dropped for a moment: closing with unread bytes would reset
-        the connection and lose the error before the peer read it."""
+        the connection and lose the error before the peer read it. What the
+        peer has not read by then is dropped (it may never read)."""
+        self._metrics.socket_refusals.labels(reason).inc()
         self._discard = True
+        self._disarm()
         self._buf.clear()
         self._charge(0)
         self._transport.write(error_reply(exc))
         if self._transport.can_write_eof():
             self._transport.write_eof()
-        asyncio.get_running_loop().call_later(REFUSED_LINGER_S, self._transport.close)
+        asyncio.get_running_loop().call_later(REFUSED_LINGER_S, self._end)
+
+    def _end(self) -> None:
+        transport = self._transport
+        transport.abort() if transport.get_write_buffer_size() else transport.close()
 
     def _charge(self, size: int) -> None:
         """Charge the shared budget for `size` bytes of partial frame."""
@@ -164,7 +249,9 @@ class _SocketProtocol(asyncio.Protocol):
             while len(buf) - at >= 4:
                 size = int.from_bytes(buf[at : at + 4], "little")
                 if size > MAX_BODY:
-                    self._refuse(InvalidRequest(f"frame: {size} B > {MAX_BODY}"))
+                    self._refuse(
+                        InvalidRequest(f"frame: {size} B > {MAX_BODY}"), "frame_size"
+                    )
                     return
                 if len(buf) - at - 4 < size:
                     break
@@ -176,18 +263,24 @@ class _SocketProtocol(asyncio.Protocol):
             return
         if at:
             del buf[:at]
+            self._account()
         self._charge(len(buf))
+        self._time_frame(restart=at > 0 or len(buf) == len(data))
         if self._shared.buffered > RECEIVE_BUDGET and buf:
             self._refuse(
                 Overloaded(
                     f"frame: {self._shared.buffered} B of partial frames are "
                     f"buffered over all connections (at most {RECEIVE_BUDGET})"
-                )
+                ),
+                "partial_frames",
             )
 
     def eof_received(self) -> bool:
-        """The engine is done sending; answer what is queued, then close."""
+        """The engine is done sending; answer what is queued, then close. A
+        client that closed its end altogether reads no answer: what it queued
+        is dropped (_drain)."""
         self._eof = True
+        self._hung_up = _hung_up(self._transport.get_extra_info("socket"))
         return self._task is not None  # True keeps the transport open for now
 
     def _dispatch(self, body: bytes) -> None:
@@ -195,6 +288,18 @@ class _SocketProtocol(asyncio.Protocol):
             return
         if not self._greeted:
             self._hello(body)
+            return
+        if (self._queued or self._transport.get_write_buffer_size()) and (
+            self._over_budget(len(body))
+        ):  # sent before the last reply was read, past the server-wide budget
+            self._refuse(
+                Overloaded(
+                    f"connection: {self._shared.backlog} B of requests and replies "
+                    f"wait over all connections (at most {BACKLOG_BUDGET}); read "
+                    "each reply before sending the next request"
+                ),
+                "backlog",
+            )
             return
         if not self._queued and body[:1] == bytes([QUERY]):
             reply = self._query(body)
@@ -209,12 +314,33 @@ class _SocketProtocol(asyncio.Protocol):
         if self._task is None:
             self._task = asyncio.ensure_future(self._drain())
 
+    def _account(self) -> None:
+        """Charge the shared backlog with this connection's."""
+        size = 0
+        if not self._lost:
+            size = self._queued_bytes + self._transport.get_write_buffer_size()
+        shared = self._shared
+        shared.backlog += size - self._backlog
+        self._backlog = size
+        (shared.backlogged.add if size else shared.backlogged.discard)(self)
+
+    def _over_budget(self, more: int) -> bool:
+        """Whether `more` bytes would take the backlog past BACKLOG_BUDGET."""
+        self._account()
+        shared = self._shared
+        if shared.backlog + more > BACKLOG_BUDGET:
+            for conn in list(shared.backlogged):  # replies sent since counted
+                conn._account()
+        return shared.backlog + more > BACKLOG_BUDGET
+
     def pause_writing(self) -> None:
         self._writable = False
+        self._can_write.clear()
         self._flow()
 
     def resume_writing(self) -> None:
         self._writable = True
+        self._can_write.set()
         self._flow()
 
     def _flow(self) -> None:
@@ -232,28 +358,37 @@ class _SocketProtocol(asyncio.Protocol):
                 if want
                 else self._transport.pause_reading
             )()
+            self._time_frame(restart=True)  # the rest can come only while read
 
     def _hello(self, body: bytes) -> None:
         try:
             version = decode_hello(body)
         except PegaflowError as exc:
-            self._refuse(exc)
+            self._refuse(exc, "protocol")
             return
         if version != PROTOCOL_VERSION:
             self._refuse(
                 ProtocolMismatch(
                     f"hello.version: {version}; this server speaks protocol "
                     f"{PROTOCOL_VERSION}: run the same pegaflow version on both sides"
-                )
+                ),
+                "protocol",
             )
             return
         self._greeted = True
+        self._disarm()
         info = self._shared.info
         self._transport.write(HELLO_REPLY.pack(0, PROTOCOL_VERSION, info.server_id))
 
     async def _drain(self) -> None:
         try:
             while self._queued:
+                # The next reply only once the client reads: else each
+                # queued request's reply would grow the write buffer.
+                await self._can_write.wait()
+                if self._gone():
+                    self._drop()
+                    break
                 reply = await self._answer(self._queued[0])
                 done = self._queued.popleft()
                 if isinstance(done, bytes):
@@ -261,19 +396,40 @@ class _SocketProtocol(asyncio.Protocol):
                 if not (self._discard or self._transport.is_closing()):
                     self._transport.write(reply)
                     self._flow()
+                self._account()
         finally:
             self._task = None
             if self._eof:
                 self._transport.close()
+
+    def _gone(self) -> bool:
+        """No one will read the answers: the client closed or was refused."""
+        return (
+            self._lost or self._discard or self._hung_up or self._transport.is_closing()
+        )
+
+    def _drop(self) -> None:
+        """Drop the queued requests undone (a save or load would copy for no
+        one); one already running finishes first."""
+        self._metrics.socket_dropped.inc(len(self._queued))
+        self._queued.clear()
+        self._queued_bytes = 0
+        self._account()
 
     async def _answer(self, body: bytes | QueryResult) -> bytes:
         if isinstance(body, QueryResult):
             return await self._finish_query(body)
         if body[:1] == bytes([SHARE]):
             got = await guarded(self._metrics, "Share", "unix", self._share(body))
-            if isinstance(got, FdLost):  # the stream's state is unknown now
-                if not self._transport.is_closing():
-                    self._refuse(got.error)
+            if isinstance(got, FdLost) or self._fd_wait:
+                # READY went out but no descriptor was read in turn (or this
+                # failed in between): the stream's state is unknown now, and
+                # reading stays paused until the connection ends.
+                error = got.error if isinstance(got, FdLost) else got
+                if not isinstance(error, PegaflowError):
+                    error = InternalError("share.fd: the exchange broke off")
+                if not (self._discard or self._transport.is_closing()):
+                    self._refuse(error, "share")
                 return b""
             return error_reply(got) if isinstance(got, PegaflowError) else got
         try:
@@ -318,6 +474,15 @@ class _SocketProtocol(asyncio.Protocol):
             raise InvalidRequest("register: not a RegisterInstanceRequest") from None
         if self._caller.pid == UNKNOWN:
             raise InvalidRequest("register: the kernel named no peer process")
+        if _peer_exited(self._transport.get_extra_info("socket")):
+            # SO_PEERCRED's pid is from connect(): a child that kept the
+            # connection must not register the memory of whichever process
+            # took that pid since (the registration checks the pid's process).
+            raise PermissionDenied(
+                f"register: the process that opened this connection (pid "
+                f"{self._caller.pid}) has exited, and its pid may be another "
+                "process's now; register over a connection of your own"
+            )
         spec = spec_from_message(req)
         worker = await self._engine.register_when_ready(spec, self._caller)
         info = self._shared.info
@@ -374,6 +539,39 @@ async def start_socket_server(
         unlink_if_ours(path, sock)
         sock.close()
         raise
+
+
+def _hung_up(sock: object) -> bool:
+    """Whether the peer closed its end (POLLHUP), not only its writing half
+    (shutdown(SHUT_WR): it still reads the answers)."""
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), 0)  # POLLHUP is reported unasked
+        return any(ev & select.POLLHUP for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # closed already: gone
+        return True
+
+
+def _peer_exited(sock: socket.socket) -> bool:
+    """Whether the process that opened the connection has exited, as the
+    kernel tells by SO_PEERPIDFD; False where it cannot (before Linux 6.5:
+    docs/security.md names the residual)."""
+    if SO_PEERPIDFD is None:
+        return False
+    try:
+        fd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):  # not a pass: refuse
+            raise Overloaded(
+                f"register: the server cannot take a descriptor now ({exc.strerror})"
+            ) from None
+        return exc.errno in (errno.ESRCH, errno.EINVAL)  # reaped: no task left
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)  # a pidfd reads once it exited
+        return bool(poller.poll(0))
+    finally:
+        os.close(fd)
 
 
 def _query_reply(res: QueryResult) -> bytes:

@@ -25,6 +25,7 @@ from pegaflow.common import deadlines
 from pegaflow.common.errors import (
     DeadlineExceeded,
     InvalidRequest,
+    Overloaded,
     PegaflowError,
     PermissionDenied,
     UnknownInstance,
@@ -80,8 +81,9 @@ async def share(
             f"share: the memory of {req.instance_id!r} rank {req.tp_rank} is "
             f"process {pid}'s, not the caller's (pid {caller.pid})"
         )
+    sock = _reader(transport)  # before READY: a plain error, the stream intact
     try:
-        fd = await receive_fd(transport, deadline, pause)
+        fd = await receive_fd(sock, transport, deadline, pause)
     except PegaflowError as exc:
         return FdLost(exc)
     # Its memory stays open (not closed under the mapping being made) until
@@ -102,17 +104,33 @@ async def share(
     return SHARE_DONE.pack(0, DONE, nbytes)
 
 
+def _reader(transport: asyncio.Transport) -> socket.socket:
+    """A dup of the connection's socket, for recvmsg."""
+    raw = transport.get_extra_info("socket")
+    try:
+        fd = os.dup(raw.fileno())
+    except OSError as exc:  # EMFILE: the server's descriptors are all in use
+        raise Overloaded(
+            f"share.fd: the server cannot take a descriptor now ({exc.strerror}); "
+            "the memory stays on process_vm"
+        ) from None
+    try:
+        sock = socket.socket(fileno=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    sock.setblocking(False)
+    return sock
+
+
 async def receive_fd(
+    sock: socket.socket,
     transport: asyncio.Transport,
     deadline: float | None,
     pause: Callable[[bool], None],
 ) -> int:
-    """The one descriptor the engine sends with one byte after READY."""
-    pause(True)
-    transport.write(SHARE_READY.pack(0, READY))
-    raw = transport.get_extra_info("socket")
-    sock = socket.socket(fileno=os.dup(raw.fileno()))
-    sock.setblocking(False)
+    """The one descriptor the engine sends with one byte after READY, read
+    from `sock` (_reader's, closed here)."""
     loop = asyncio.get_running_loop()
     got: asyncio.Future = loop.create_future()
 
@@ -126,11 +144,13 @@ async def receive_fd(
         except OSError as exc:
             got.set_exception(exc)
 
-    loop.add_reader(sock.fileno(), readable)
     wait_s = FD_WAIT_S
     if deadline is not None:
         wait_s = max(0.0, min(wait_s, deadline - time.monotonic()))
     try:
+        pause(True)
+        transport.write(SHARE_READY.pack(0, READY))
+        loop.add_reader(sock.fileno(), readable)
         data, fds, flags, _ = await asyncio.wait_for(got, wait_s)
     except TimeoutError:
         raise DeadlineExceeded(

@@ -7,6 +7,9 @@ if it spoke ours."""
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
+import resource
 import socket
 import struct
 import time
@@ -16,17 +19,36 @@ import grpc
 import numpy as np
 import pytest
 
+from pegaflow.client.host_share import whole_pages
 from pegaflow.client.pegaflow_client import PegaflowClient
 from pegaflow.common.errors import PegaflowError
+from pegaflow.common.share_frames import (
+    READY,
+    SHARE_READY,
+    ShareRequest,
+    ShareSpan,
+    encode_share,
+)
 from pegaflow.common.socket_frames import (
     HELLO_HEADER,
     HELLO_REPLY,
+    LOAD_REPLY,
     MAX_BODY,
+    QUERY_REPLY,
     encode_hello,
     encode_load,
+    encode_query,
+    encode_save,
+    load_reply_size,
+)
+from pegaflow.server.socket_service import (
+    BACKLOG_BUDGET,
+    FRAME_TIMEOUT_S,
+    HELLO_TIMEOUT_S,
+    WRITE_HIGH_BYTES,
 )
 from tests.kvbuf import LocalKV, hashes
-from tests.procs import HOST_ONLY, ServerProc, start_server
+from tests.procs import HOST_ONLY, ServerProc, start_server, wait_until
 
 
 @pytest.fixture
@@ -195,6 +217,8 @@ def test_a_full_socket_names_itself_to_a_registering_engine(server) -> None:
             sock = socket.socket(socket.AF_UNIX)
             sock.connect(path)
             held.append(sock)
+            # greeted (its reply unread): idle, never timed out as a silent one is
+            sock.sendall(encode_hello())
         kv = LocalKV(layers=2, blocks=4, page=4096)
         with PegaflowClient(server.addr) as client, pytest.raises(PegaflowError) as err:
             kv.register(client, "late", "ns-late")
@@ -214,3 +238,175 @@ def test_a_full_socket_names_itself_to_a_registering_engine(server) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+def test_a_connection_that_never_completes_its_hello_is_closed(server) -> None:
+    """Scenario: one client connects and sends nothing, another half a hello.
+    Each held its connection slot for ever; now each is told why
+    (DEADLINE_EXCEEDED naming the hello) and closed HELLO_TIMEOUT_S in."""
+    path = _socket_path(server)
+    silent, half = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+    start = time.monotonic()
+    try:
+        for sock in (silent, half):
+            sock.settimeout(HELLO_TIMEOUT_S + 10)
+            sock.connect(path)
+        half.sendall(encode_hello()[:6])
+        for sock in (silent, half):
+            reply = _reply(sock)  # to the server's close
+            assert reply[0] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], reply
+            assert f"hello: none within {HELLO_TIMEOUT_S:g} s".encode() in reply
+        assert time.monotonic() - start >= HELLO_TIMEOUT_S - 0.5
+    finally:
+        silent.close()
+        half.close()
+
+
+def test_a_frame_begun_must_finish_but_an_idle_engine_stays(server) -> None:
+    """Scenario: an engine connection idles between requests while another
+    client sends a frame's header and 10 of its 100 body bytes, then nothing.
+    The half frame held its connection and buffer for ever; now that client is
+    told so (DEADLINE_EXCEEDED) and closed FRAME_TIMEOUT_S in, while the idle
+    engine, idle longer than that, is still served."""
+    kv = LocalKV(1, 8, 4096)
+    hs = hashes(2)
+    with PegaflowClient(server.addr) as client:
+        kv.register(client, "e", "ns")
+        assert client.save("e", [0, 1], hs).stored == 2
+    path = _socket_path(server)
+    idle = _greeted(path)
+    stuck = _greeted(path)
+    stuck.settimeout(FRAME_TIMEOUT_S + 10)
+    try:
+        start = time.monotonic()
+        stuck.sendall((100).to_bytes(4, "little") + bytes(10))
+        reply = _reply(stuck)
+        assert reply[0] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], reply
+        assert b"frame: 14 of its 104 B arrived within" in reply, reply
+        assert time.monotonic() - start >= FRAME_TIMEOUT_S - 0.5
+        frame = encode_query("e", hs)
+        assert frame is not None
+        idle.sendall(frame)
+        got = idle.recv(QUERY_REPLY.size, socket.MSG_WAITALL)
+        assert QUERY_REPLY.unpack(got)[:2] == (0, 2)
+    finally:
+        idle.close()
+        stuck.close()
+
+
+def test_clients_that_never_read_are_bounded_over_all_connections(server) -> None:
+    """Scenario: 24 connections each pipeline batch loads with ~280 KiB error
+    replies and never read them. Each stops being read at 16 MiB of replies,
+    but together they held 24 x 16 MiB: nothing bounded the sum. Now the
+    connection that pipelines past BACKLOG_BUDGET over all connections is
+    refused (RESOURCE_EXHAUSTED, counted by reason), the server's memory stays
+    near the budget, and an engine that reads its replies is served."""
+    kv = LocalKV(1, 8, 4096)
+    with PegaflowClient(server.addr) as client:
+        kv.register(client, "e", "ns")
+        token = client._token("e", 0)
+    items = [(2 * i + 3, 0, np.array([0])) for i in range(4000)]
+    frame = encode_load("e", 0, items, True, token=token)
+    assert frame is not None
+    path = _socket_path(server)
+    with _greeted(path) as probe:  # one reply's size
+        probe.sendall(frame)
+        reply = bytearray(probe.recv(LOAD_REPLY.size, socket.MSG_WAITALL))
+        while len(reply) < (size := load_reply_size(reply)):
+            reply += probe.recv(size - len(reply))
+    per_conn = WRITE_HIGH_BYTES // len(reply) + 2  # one past the pause
+    before = _rss_mib(server.pid)
+    socks = [_greeted(path) for _ in range(24)]
+    try:
+        for sock in socks:
+            sock.settimeout(10)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                for _ in range(per_conn):
+                    sock.sendall(frame)
+        assert wait_until(
+            lambda: server.metric("pegaflow_socket_refusals_total", 'reason="backlog"')
+        )
+        growth = _rss_mib(server.pid) - before
+        with PegaflowClient(server.addr) as client:  # reads its replies: served
+            kv.register(client, "f", "ns")
+            assert client.save("f", [0, 1], hashes(2)).stored == 2
+    finally:
+        for sock in socks:
+            sock.close()
+    assert growth < BACKLOG_BUDGET / (1 << 20) + 100, growth
+
+
+def test_requests_queued_by_a_client_that_left_are_dropped(server) -> None:
+    """Scenario: a host engine sends a share (whose descriptor the server then
+    waits for) and a save behind it, and closes its connection on READY. The
+    save still ran, copying for no one; now the share ends (its descriptor
+    never came) and the save is dropped undone, counted as such."""
+    kv = LocalKV(1, 8, 4096)
+    hs = hashes(2)
+    with PegaflowClient(server.addr) as client:
+        kv.register(client, "e", "ns")
+        token = client._token("e", 0)
+        spans = tuple(ShareSpan(a, 0, n) for a, n in whole_pages(kv.mem.regions))
+        share = encode_share(ShareRequest("e", 0, spans[:1], 0, token))
+        save = encode_save("e", 0, np.array([0, 1]), hs, [], 0, token=token)
+        assert save is not None
+        sock = _greeted(_socket_path(server))
+        try:
+            sock.sendall(share + save)
+            ready = sock.recv(SHARE_READY.size, socket.MSG_WAITALL)
+            assert SHARE_READY.unpack(ready) == (0, READY)
+        finally:
+            sock.close()
+        assert wait_until(
+            lambda: server.metric("pegaflow_socket_dropped_requests_total") == 1
+        )
+        assert client.query("e", hs).num_blocks == 0  # the save never ran
+        assert client.save("e", [0, 1], hs).stored == 2  # and could have
+
+
+def _lowest_free_fd(pid: int) -> int:
+    taken = {int(name) for name in os.listdir(f"/proc/{pid}/fd")}
+    return next(fd for fd in itertools.count() if fd not in taken)
+
+
+def test_a_share_without_a_descriptor_to_spare_leaves_the_connection_working(
+    server,
+) -> None:
+    """Scenario: every descriptor the server may open is in use (its soft
+    RLIMIT_NOFILE, e.g. 1024 with as many connections) when an engine shares
+    its memfd. The server paused reading, sent READY, then failed to dup the
+    connection: the engine got INTERNAL and the connection was never read
+    again, so its next request hung. Now the share is refused before READY
+    (RESOURCE_EXHAUSTED naming share.fd) and the connection goes on working."""
+    kv = LocalKV(1, 8, 4096)
+    hs = hashes(2)
+    with PegaflowClient(server.addr) as client:
+        kv.register(client, "e", "ns")
+        token = client._token("e", 0)
+        assert client.save("e", [0, 1], hs).stored == 2
+        spans = tuple(ShareSpan(a, 0, n) for a, n in whole_pages(kv.mem.regions))
+        share = encode_share(ShareRequest("e", 0, spans[:1], 0, token))
+        query = encode_query("e", hs)
+        assert query is not None
+        sock = _greeted(_socket_path(server))
+        limit = original = resource.prlimit(server.pid, resource.RLIMIT_NOFILE)
+        try:
+            # As low as the descriptors the idle server holds: a dup fails.
+            while (low := _lowest_free_fd(server.pid)) != limit[0]:
+                limit = (low, limit[1])
+                resource.prlimit(server.pid, resource.RLIMIT_NOFILE, limit)
+            sock.sendall(share)
+            head = sock.recv(5, socket.MSG_WAITALL)
+            assert head != SHARE_READY.pack(0, READY), "READY: the dup succeeded"
+            length = int.from_bytes(head[1:5], "little")
+            message = sock.recv(length, socket.MSG_WAITALL)
+        finally:
+            resource.prlimit(server.pid, resource.RLIMIT_NOFILE, original)
+        try:
+            assert head[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message
+            assert message.startswith(b"share.fd: the server cannot take"), message
+            sock.sendall(query)
+            got = sock.recv(QUERY_REPLY.size, socket.MSG_WAITALL)
+            assert QUERY_REPLY.unpack(got)[:2] == (0, 2)
+        finally:
+            sock.close()
