@@ -85,6 +85,10 @@ class BlockStore(TierLoads):
         # served; evicted before any other block when the pool is full (no
         # query reached them since the restart, or they would be checked).
         self.unchecked: dict[Key, BlockEntry] = {}
+        # Their keys per slot class, in adoption order: eviction takes from
+        # the end (the blocks the check reaches last), each pop O(1); keys
+        # that left `unchecked` meanwhile are dropped as they come up.
+        self._unchecked_stacks: dict[SlotClass, list[Key]] = {}
         # Called when blocks in flight landed or went (a save, a lower tier's
         # load, a restart's check, an eviction of unchecked blocks): a save
         # that deduplicated against them looks again (pegaflow.server.save_waits).
@@ -383,39 +387,59 @@ class BlockStore(TierLoads):
         if short:
             self._settle()
         while short > 0:
-            victims = self._unchecked_victims(short)
-            if victims:  # the least recently used of all: first
-                for evicted in self._on["unchecked_evicted"]:
-                    evicted(victims)
-                self._remove(victims)
-                self.on_settle()
-            else:
+            # Unchecked blocks are the least recently used of all: first,
+            # those of this class (each frees a slot this save can take);
+            # of another class only once the policy has nothing left, as
+            # they free memory here only when their whole slab empties.
+            victims = self._unchecked_victims([cls], short)
+            if not victims:
                 want = short
                 victims = self.policy.evict(want, self._protected)
                 while victims is None and want > 1:  # fewer evictable than asked
                     want //= 2
                     victims = self.policy.evict(want, self._protected)
+                if victims:
+                    self._remove(victims)
+            if not victims:
+                others = [c for c in self._unchecked_stacks if c != cls]
+                victims = self._unchecked_victims(others, short)
                 if not victims:
                     break
-                self._remove(victims)
             self.counters.evictions += len(victims)
             got.append(self.slabs.allocate(cls, short))
             short -= len(got[-1])
         return got[0] if len(got) == 1 else np.concatenate(got)
 
-    def _unchecked_victims(self, n: int) -> list[Key]:
-        """Up to n unchecked recovered blocks, oldest first, that only their
-        check pins (a save never does: it waits), taken out of `unchecked`.
-        Dropping one loses nothing acknowledged since the restart; kept, a
-        full pool of them refused every save until the check reached them."""
+    def _unchecked_victims(self, classes: list[SlotClass], n: int) -> list[Key]:
+        """Up to n unchecked recovered blocks of these slot classes, the last
+        adopted first (the check reaches them last), that only their check
+        pins (a save never does: it waits; a query's check does), taken out
+        of `unchecked` and removed from the store. Dropping one loses
+        nothing acknowledged since the restart; kept, a full pool of them
+        refused every save until the check reached them."""
         victims: list[Key] = []
-        for key, entry in self.unchecked.items():
-            if entry.pins == 1:
-                victims.append(key)
-                if len(victims) == n:
-                    break
-        for key in victims:
-            del self.unchecked[key]
+        for cls in classes:
+            stack = self._unchecked_stacks.get(cls)
+            busy: list[Key] = []
+            while stack and len(victims) < n:
+                key = stack.pop()
+                entry = self.unchecked.get(key)
+                if entry is None:  # checked, or evicted, since
+                    continue
+                if entry.pins == 1:
+                    victims.append(key)
+                    del self.unchecked[key]
+                else:
+                    busy.append(key)
+            if stack is not None:
+                stack.extend(reversed(busy))
+            if len(victims) == n:
+                break
+        if victims:
+            for evicted in self._on["unchecked_evicted"]:
+                evicted(victims)
+            self._remove(victims)
+            self.on_settle()
         return victims
 
     def _remove(self, keys: list[Key]) -> None:

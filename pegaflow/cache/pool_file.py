@@ -278,8 +278,8 @@ class PoolFile:
         g = self.geometry
         found = _read_super(fd, size)
         want = (VERSION, ROW_BYTES, GRANULE, g.data_bytes, g.slab_bytes, g.data_offset)
-        if found is not None and found[0] in MIGRATES:  # kept: rewritten when mapped
-            found = (VERSION, *found[1:])
+        if found is not None and found[0] in MIGRATES and found[1:] == want[1:]:
+            found = want  # kept: its state words are rewritten when mapped
         if found == want and size == g.file_bytes:
             return None
         if found == want:  # ours, cut short (or grown) since
@@ -342,11 +342,11 @@ def _migrate_states(m: mmap.mmap, geometry: Geometry, version: int) -> None:
     superblock says this format. Idempotent: a crash midway leaves the old
     superblock over rows partly rewritten, and the next start rewrites the
     rest (this format's words are none of the old ones). A word of neither
-    becomes FREE."""
+    format stays as it is: the restart drops its row as damaged."""
     rows = np.ndarray(geometry.rows, ROW, buffer=m, offset=SUPER_BYTES)
     state = rows["state"]
     old = state.copy()
-    new = np.where(np.isin(old, STATES), old, FREE).astype(old.dtype)
+    new = old.copy()
     for was, now in zip(MIGRATES[version], STATES, strict=True):
         new[old == was] = now
     state[:] = new

@@ -65,6 +65,7 @@ class TierLoads:
                 self.unchecked.pop(entry.key, None)
             if not self.unchecked:  # a dict keeps its table, emptied
                 self.unchecked = {}
+                self._unchecked_stacks.clear()
         for entry, good, hold in zip(entries, ok.tolist(), keep, strict=True):
             entry.pins -= 1
             if good:  # in flight on every bit: those are the complete block
@@ -106,6 +107,7 @@ class TierLoads:
         finish_load says whether their bytes passed the check; meanwhile
         evicted first when the pool is full (BlockStore.unchecked)."""
         complete = (1 << (ns.tp_size * ns.num_layers)) - 1
+        stack = self._unchecked_stacks.setdefault(ns.slot_class, [])
         fresh: list[BlockEntry] = []
         for h, row in zip(hashes, slots.tolist(), strict=True):
             key = (ns.id, h)
@@ -114,6 +116,7 @@ class TierLoads:
             if unchecked:
                 entry = BlockEntry(key, row, in_flight=complete, pins=1)
                 self.unchecked[key] = entry
+                stack.append(key)
             else:
                 entry = BlockEntry(key, row, landed=complete)
                 self._make_ready(entry)

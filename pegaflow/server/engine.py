@@ -32,6 +32,7 @@ from pegaflow.common.errors import (
     DeadlineExceeded,
     InvalidRequest,
     LeaseNotFound,
+    PegaflowError,
 )
 from pegaflow.common.geometry import check_block_ids
 from pegaflow.common.identity import CallContext, Caller
@@ -304,9 +305,10 @@ class Engine:
                 got = await self._copy_save(
                     worker, block_ids[again], r, layers, wait_event, ctx
                 )
-            except (CopyFailed, DeadlineExceeded) as exc:
+            except PegaflowError as exc:  # its own blocks are stored: say so
                 logger.info("save: %d blocks not saved again: %s", len(r.keys), exc)
-                return stored, undone, rejected + len(again)
+                resident = r.deduplicated - len(r.waits)  # landed after all
+                return stored, undone - resident, rejected + len(again) - resident
             stored += got
             undone -= r.deduplicated - len(r.waits)  # resident by now after all
             rejected += r.rejected

@@ -255,7 +255,8 @@ def test_a_pool_of_format_2_is_kept_and_every_block_comes_back(
     one bit apart), in its keeper's memfd or in the regular file servers
     before 2026-12-05 kept: this server rewrites the rows' states in place,
     says so, checks every block against its unchanged checksum and serves
-    all 64 byte-equal; the pool is format 3 from then on."""
+    all 64 byte-equal; a row whose word is neither format's is dropped as
+    damaged; the pool is format 3 from then on."""
     server = server_factory(*_flags(tmp_path))
     hs, want = _save(server, LocalKV(seed=6))
     server.stop(signal.SIGTERM)
@@ -263,12 +264,13 @@ def test_a_pool_of_format_2_is_kept_and_every_block_comes_back(
     with mapped(path) as m:
         _as_format_2(m)
         assert (_rows(m)["state"] == 3).sum() == N
+        _rows(m)["state"][-1] = 7  # a word format 2 never wrote: damage
     if kept_as == "old file":
         to_old_file(path)
     server = server_factory(*_flags(tmp_path, "--pool-on-mismatch", "refuse"))
     assert _hits(server, hs, want) == N
     report = checked(server)
-    assert (report["blocks"], report["bad_checksum"], report["damaged"]) == (N, 0, 0)
+    assert (report["blocks"], report["bad_checksum"], report["damaged"]) == (N, 0, 1)
     assert "kept as format 3" in server.log.read_text()
     server.stop(signal.SIGTERM)
     with mapped(path) as m:

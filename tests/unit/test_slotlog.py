@@ -442,38 +442,72 @@ def test_a_batch_whose_check_fails_is_dropped_and_the_check_goes_on(
     pool.close()
 
 
+class _NoWalks(dict):
+    """The store's unchecked set, refusing to be walked: an eviction that
+    walks it from the front steps over every key removed before (a dict
+    keeps their slots), ~1 ms a save at 1M blocks mid-check (a review's
+    measurement); victims come off a stack instead."""
+
+    def _walk(self, *args: object) -> None:
+        raise AssertionError("the unchecked set was walked")
+
+    __iter__ = items = keys = values = _walk  # type: ignore[assignment]
+
+
+def test_an_eviction_of_unchecked_blocks_never_walks_their_set(
+    tmp_path: Path,
+) -> None:
+    pool, check = _kept_pool(tmp_path, 256)
+    store = check._store
+    store.add_listener(check)
+    store.unchecked = _NoWalks(store.unchecked)
+    other = Namespace("other", 99, 1, 2, SLOT, (2, SLOT // 2, SLOT // 2))
+    for i in range(32):  # one block a save: 32 evictions
+        res = store.reserve_save(other, 0, [b"w" + bytes([i])], np.arange(2))
+        assert len(res.keys) == 1
+        store.finish_save(res, True)
+    assert store.counters.evictions == 32 and check.outcome.unchecked == 224
+    pool.close()
+
+
 def test_unchecked_blocks_make_room_and_a_check_of_an_evicted_one_is_dropped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Scenario: a full pool (256 blocks) is kept; after the restart none is
     checked yet, and the check has taken the first block. A new namespace's
-    save of 16 blocks evicts 16 unchecked blocks (that one among them)
-    instead of being refused `pool_full`; the first block's check, ending
+    save of 16 blocks evicts 16 unchecked blocks instead of being refused
+    `pool_full`: the last adopted, which the check reaches last. A save of
+    240 more evicts the rest, the first block among them; its check, ending
     after its slot took new bytes, is dropped (not a bad checksum, the new
-    block untouched); the rest of the check ends with 240 blocks served."""
+    block untouched), and the check is over with every new block served."""
     pool, check = _kept_pool(tmp_path, 256)
     store = check._store
     store.add_listener(check)  # as the server adds its tiers
     monkeypatch.setattr(check, "_batch", 1)  # a block a batch
+    kept = [e.key for e in check._p.entries]
     first = check._next()
     assert first is not None and first.tolist() == [0]
     other = Namespace("other", 99, 1, 2, SLOT, (2, SLOT // 2, SLOT // 2))
-    new = [b"new" + bytes([i]) for i in range(16)]
-    res = store.reserve_save(other, 0, new, np.arange(2))
-    assert (len(res.keys), res.rejected) == (16, 0)
-    assert store.counters.evictions == 16 and check.outcome.unchecked == 240
-    want = np.random.default_rng(5).integers(0, 256, (16, SLOT), dtype=np.uint8)
-    for slot, data in zip(res.slots.tolist(), want, strict=True):
-        pool.view(slot, SLOT)[:] = data
-    store.finish_save(res, True)
+    new = [b"new" + i.to_bytes(2, "little") for i in range(256)]
+    rng = np.random.default_rng(5)
+    want = rng.integers(0, 256, (256, SLOT), dtype=np.uint8)
+    for part in (slice(0, 16), slice(16, 256)):
+        res = store.reserve_save(other, 0, new[part], np.arange(2))
+        assert (len(res.keys), res.rejected) == (len(new[part]), 0)
+        for slot, data in zip(res.slots.tolist(), want[part], strict=True):
+            pool.view(slot, SLOT)[:] = data
+        store.finish_save(res, True)
+        if part.start == 0:
+            assert store.counters.evictions == 16 and check.outcome.unchecked == 240
+            assert [k in store.entries for k in kept[-17:]] == [True] + [False] * 16
+            assert kept[0] in store.unchecked
+    assert store.counters.evictions == 256 and check.outcome.unchecked == 0
     check._publish(first, check._check(first))
     assert check.outcome.bad_checksum == 0
+    assert check.outcome.check_seconds is not None
     found = store.longest_prefix(other, new)
-    assert len(found) == 16
+    assert len(found) == 256
     for entry, data in zip(found, want, strict=True):
         assert np.array_equal(pool.view(entry.slots[0], SLOT), data)
-    check.run_here()
-    assert (check.outcome.unchecked, check.outcome.bad_checksum) == (0, 0)
-    assert check.outcome.check_seconds is not None
     assert store.resident_ready == 256 and not store.unchecked
     pool.close()
