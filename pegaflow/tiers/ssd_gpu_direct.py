@@ -33,6 +33,7 @@ import numpy as np
 
 from pegaflow.cache.instances import Instance, Worker
 from pegaflow.common import cuda_driver
+from pegaflow.common.errors import DeadlineExceeded
 from pegaflow.common.keys import BlockHash
 from pegaflow.daemon.startup import StartupError
 
@@ -125,7 +126,11 @@ class SsdDirect(Tier):
         read = self._threads.submit(
             self._read, worker, digest, hashes, block_ids, deadline
         )
-        ok = await asyncio.wrap_future(read)
+        try:
+            ok = await asyncio.wrap_future(read)
+        except DeadlineExceeded:  # none of them counts as loaded
+            self._metrics.direct_blocks.labels("failed").inc(len(hashes))
+            raise
         self._metrics.direct_seconds.observe(time.perf_counter() - start)
         loaded = int(ok.sum())
         self._metrics.direct_blocks.labels("loaded").inc(loaded)
