@@ -33,7 +33,7 @@ import numpy as np
 
 from pegaflow.cache.instances import Instance, Worker
 from pegaflow.common import cuda_driver
-from pegaflow.common.errors import DeadlineExceeded
+from pegaflow.common.errors import CopyFailed, DeadlineExceeded
 from pegaflow.common.keys import BlockHash
 from pegaflow.daemon.startup import StartupError
 
@@ -96,6 +96,7 @@ class SsdDirect(Tier):
         self._reads = reads
         self._threads = ThreadPoolExecutor(LOAD_THREADS, "ssd-gpu-load")
         self._local = threading.local()  # a DeviceFetch per thread and GPU
+        self._closed = False  # on the loop, as load's check: no race between
 
     def serves(self, inst: Instance) -> bool:
         return (
@@ -121,6 +122,11 @@ class SsdDirect(Tier):
     ) -> np.ndarray:
         """Block i (hashes[i]) into the worker's block block_ids[i]; True
         where it landed and checked."""
+        if self._closed:  # its pool and files are going or gone
+            raise CopyFailed(
+                "ssd direct read: the server is stopping; nothing was read, "
+                "recompute the blocks"
+            )
         digest = self._link.digest(worker.namespace.id)
         start = time.perf_counter()
         read = self._threads.submit(
@@ -168,5 +174,7 @@ class SsdDirect(Tier):
         return result.ok
 
     async def close(self) -> None:
+        """Loads that began are read whole; those after fail (CopyFailed)."""
+        self._closed = True
         await asyncio.to_thread(self._threads.shutdown, wait=True)
         self._reads.close()
