@@ -36,7 +36,7 @@ from pegaflow.common.geometry import KVGeometry
 
 from .format import ALIGN, HEADER_BYTES
 from .gpu_plan import ReadPlan, RecordSpans, plan_reads
-from .kvikio_io import check, configure, load_kvikio
+from .kvikio_io import check, configure, load_kvikio, open_checked
 from .records import verify
 from .ring import BlockHash, NsDigest, Record
 from .tier import SsdTier
@@ -86,14 +86,17 @@ def _aligned(nbytes: int) -> np.ndarray:
     return raw[skip : skip + nbytes]
 
 
-def open_cufiles(paths: Sequence[str], threads: int = 8) -> list[Any]:
+def open_cufiles(
+    paths: Sequence[str], threads: int = 8, checked: Sequence[int] | None = None
+) -> list[Any]:
     """kvikio CuFiles for reading, one per data file (imported lazily), with
     kvikio's pool as deep as `threads` and O_DIRECT for aligned reads, as the
     kvikio backend sets them (kvikio's default of one thread would serialise
-    a load's reads)."""
+    a load's reads). checked: the store's descriptors of the files, which
+    they are opened through (kvikio_io.open_checked)."""
     _, defaults, cufile = load_kvikio()
     configure(defaults, threads)
-    return [cufile(path, "r") for path in paths]
+    return open_checked(cufile, paths, "r", checked)
 
 
 class DirectReads:
@@ -110,7 +113,11 @@ class DirectReads:
         (buf, size, file_offset) -> future with .get(); default: kvikio."""
         self._tier = tier
         if files is None:
-            files = open_cufiles(tier.config.paths, max(8, tier.config.read_threads))
+            files = open_cufiles(
+                tier.config.paths,
+                max(8, tier.config.read_threads),
+                tier.store.checked_fds,
+            )
         self._files = list(files)
         self._hash = ThreadPoolExecutor(hash_threads, "ssd-gpu-check")
 

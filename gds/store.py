@@ -70,6 +70,7 @@ class SsdStore:
                 cfg.paths,
                 cfg.direct_io,
                 cfg.write_threads + cfg.read_threads,
+                layout.fds,
             )
             try:
                 layout, done = self._recover(layout)
@@ -413,6 +414,12 @@ class SsdStore:
         return ok
 
     # -- life cycle --------------------------------------------------------------------
+    @property
+    def checked_fds(self) -> tuple[int, ...]:
+        """The data files' descriptors files.py checked and locked, open until
+        close(): what a reader opening them again goes through (reopen_path)."""
+        return tuple(self._locks)
+
     @property
     def capacity_bytes(self) -> int:
         return sum(r.end - r.start for r in self.rings)
