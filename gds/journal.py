@@ -31,7 +31,7 @@ import secrets
 import stat
 import struct
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -47,7 +47,7 @@ from .format import (
     crc_rows,
 )
 from .private import check_private, open_private
-from .ring import Index, Record, Ring, State
+from .ring import Index, Record, RecordsView, Ring, State, walk
 
 logger = logging.getLogger(__name__)
 
@@ -433,14 +433,18 @@ class Frozen:
     order (the objects: their states are read later) and its head."""
 
     file: int
-    records: list[Record]
+    view: RecordsView
     head: int
+
+    @property
+    def records(self) -> Iterator[Record]:
+        return walk(self.view)
 
 
 def freeze(rings: list[Ring]) -> list[Frozen]:
-    """The rings as they are, one C-level list copy each: what a snapshot
-    written outside the lock starts from."""
-    return [Frozen(r.file, list(r.records), r.head) for r in rings]
+    """The rings as they are, in O(chunks of records) (Records.view): what
+    a snapshot written outside the lock starts from."""
+    return [Frozen(r.file, r.records.view(), r.head) for r in rings]
 
 
 def snapshot(rings: Sequence[Ring | Frozen]) -> Iterable[bytes]:
