@@ -227,7 +227,7 @@ class PosixIO:
         try:
             for i, path in enumerate(paths):
                 was = None if checked is None else checked[i]
-                fd = self._open(reopen_path(was, path), direct)
+                fd = self._open(reopen_path(was, path), direct, path)
                 self.fds.append(fd)
                 same_file(was, fd, path)
         except BaseException:
@@ -236,7 +236,9 @@ class PosixIO:
         self.mode = "posix-odirect" if self.direct else "posix-buffered"
         logger.info("ssd backend: %s", self.mode)
 
-    def _open(self, path: str, direct: DirectIO) -> int:
+    def _open(self, path: str, direct: DirectIO, name: str) -> int:
+        """path: where to open it (reopen_path); name: the file as the
+        messages call it."""
         flags = os.O_RDWR | os.O_CLOEXEC  # files.py checked it
         if not path.startswith("/proc/self/fd/"):  # that one is a link by design
             flags |= os.O_NOFOLLOW
@@ -252,18 +254,18 @@ class PosixIO:
                 os.close(fd)
             if direct == "on" or exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                 raise SsdError(
-                    f"ssd cache {path}: O_DIRECT not usable here ({exc}); "
+                    f"ssd cache {name}: O_DIRECT not usable here ({exc}); "
                     "use --ssd-direct-io auto (falls back) or off"
                 ) from exc
             if self.fds:  # the files before this one took O_DIRECT
                 raise SsdError(
-                    f"ssd cache {path}: O_DIRECT works for the other cache files "
+                    f"ssd cache {name}: O_DIRECT works for the other cache files "
                     "but not this one; put them on alike filesystems"
                 ) from exc
             logger.warning(
                 "ssd cache %s: the filesystem refuses O_DIRECT (%s); using "
                 "buffered I/O, through the page cache",
-                path,
+                name,
                 exc.strerror,
             )
             return os.open(path, flags)
