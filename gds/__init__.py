@@ -117,9 +117,10 @@ from __future__ import annotations
 
 from .config import SsdConfig
 from .io import SsdError
-from .tier import SsdLoadResult, SsdStats, SsdTier
+from .tier import SsdClosed, SsdLoadResult, SsdStats, SsdTier
 
 __all__ = [
+    "SsdClosed",
     "SsdLoadResult",
     "SsdConfig",
     "SsdError",

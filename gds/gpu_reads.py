@@ -31,11 +31,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from pegaflow.common import deadlines
+from pegaflow.common.errors import DeadlineExceeded
 from pegaflow.common.geometry import KVGeometry
 
 from .format import ALIGN, HEADER_BYTES
 from .gpu_plan import ReadPlan, RecordSpans, plan_reads
-from .kvikio_io import check, configure, load_kvikio
+from .kvikio_io import check, configure, load_kvikio, open_checked
 from .records import verify
 from .ring import BlockHash, NsDigest, Record
 from .tier import SsdTier
@@ -85,14 +86,17 @@ def _aligned(nbytes: int) -> np.ndarray:
     return raw[skip : skip + nbytes]
 
 
-def open_cufiles(paths: Sequence[str], threads: int = 8) -> list[Any]:
+def open_cufiles(
+    paths: Sequence[str], threads: int = 8, checked: Sequence[int] | None = None
+) -> list[Any]:
     """kvikio CuFiles for reading, one per data file (imported lazily), with
     kvikio's pool as deep as `threads` and O_DIRECT for aligned reads, as the
     kvikio backend sets them (kvikio's default of one thread would serialise
-    a load's reads)."""
+    a load's reads). checked: the store's descriptors of the files, which
+    they are opened through (kvikio_io.open_checked)."""
     _, defaults, cufile = load_kvikio()
     configure(defaults, threads)
-    return [cufile(path, "r") for path in paths]
+    return open_checked(cufile, paths, "r", checked)
 
 
 class DirectReads:
@@ -109,7 +113,11 @@ class DirectReads:
         (buf, size, file_offset) -> future with .get(); default: kvikio."""
         self._tier = tier
         if files is None:
-            files = open_cufiles(tier.config.paths, max(8, tier.config.read_threads))
+            files = open_cufiles(
+                tier.config.paths,
+                max(8, tier.config.read_threads),
+                tier.store.checked_fds,
+            )
         self._files = list(files)
         self._hash = ThreadPoolExecutor(hash_threads, "ssd-gpu-check")
 
@@ -141,7 +149,7 @@ class DirectReads:
             plan = plan_reads(spans, ids, geometry, regions)
             recs = [r for r, p in zip(recs, plan.planned.tolist(), strict=True) if p]
             deadlines.check(deadline, "load")
-            good, read_s, check_s = self._read_and_check(recs, plan, fetch)
+            good, read_s, check_s = self._read_and_check(recs, plan, fetch, deadline)
         finally:
             store.unpin([r for r in pinned if r is not None])
         ok = np.zeros(n, bool)
@@ -151,14 +159,18 @@ class DirectReads:
         return DirectResult(ok, nbytes, len(plan), read_s, check_s)
 
     def _read_and_check(
-        self, recs: list[Record], plan: ReadPlan, fetch: FetchBack
+        self,
+        recs: list[Record],
+        plan: ReadPlan,
+        fetch: FetchBack,
+        deadline: float | None,
     ) -> tuple[np.ndarray, float, float]:
         k = len(recs)
         if not k:
             return np.zeros(0, bool), 0.0, 0.0
         heads = _aligned(k * HEADER_BYTES)
         start = time.perf_counter()
-        if not self._read_all(recs, plan, heads):
+        if not self._read_all(recs, plan, heads, deadline):
             return np.zeros(k, bool), time.perf_counter() - start, 0.0
         mid = time.perf_counter()
         slot = plan.slot_bytes
@@ -176,18 +188,36 @@ class DirectReads:
         good = np.array([not f for f in failures], bool)
         return good, mid - start, time.perf_counter() - mid
 
-    def _read_all(self, recs: list[Record], plan: ReadPlan, heads: np.ndarray) -> bool:
+    def _read_all(
+        self,
+        recs: list[Record],
+        plan: ReadPlan,
+        heads: np.ndarray,
+        deadline: float | None,
+    ) -> bool:
         """Issue every header and payload read, then wait for all of them
-        (even after a failure: none may still write once this returns)."""
+        (even after a failure: none may still write once this returns).
+
+        The deadline is checked before each read is issued: once it has
+        passed, no further read is, and the load fails with DeadlineExceeded
+        (after those in flight are done): the engine may reuse its blocks by
+        then, and what did land is not reported loaded."""
         futures: list[tuple[Any, int, int]] = []
         failed: BaseException | None = None
+        total = len(recs) + len(plan)
+
+        def issue(f: Any, buf: object, nbytes: int, offset: int) -> None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlineExceeded(
+                    f"load: the request's deadline passed after {len(futures)} "
+                    f"of {total} ssd reads were issued; no block of it is loaded"
+                )
+            futures.append((f.pread(buf, nbytes, offset), nbytes, offset))
+
         try:
             for i, rec in enumerate(recs):  # one 4 KiB header page each
                 page = heads[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
-                f = self._files[rec.file]
-                futures.append(
-                    (f.pread(page, HEADER_BYTES, rec.offset), HEADER_BYTES, rec.offset)
-                )
+                issue(self._files[rec.file], page, HEADER_BYTES, rec.offset)
             rows = zip(
                 plan.file.tolist(),
                 plan.file_offset.tolist(),
@@ -196,10 +226,7 @@ class DirectReads:
                 strict=True,
             )
             for file, offset, device, nbytes in rows:
-                fut = self._files[file].pread(
-                    DeviceRange(device, nbytes), nbytes, offset
-                )
-                futures.append((fut, nbytes, offset))
+                issue(self._files[file], DeviceRange(device, nbytes), nbytes, offset)
         except BaseException as exc:  # still wait for those in flight
             failed = exc
         for fut, nbytes, offset in futures:
@@ -208,7 +235,9 @@ class DirectReads:
             except BaseException as exc:  # wait for the rest all the same
                 failed = failed or exc
         if failed is not None:
-            if not isinstance(failed, OSError | RuntimeError):
+            if isinstance(failed, DeadlineExceeded) or not isinstance(
+                failed, OSError | RuntimeError
+            ):
                 raise failed
             logger.warning("ssd direct read failed, L1 route instead: %s", failed)
             return False

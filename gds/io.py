@@ -185,24 +185,63 @@ def _short(op: str, done: int, want: int, file: int, offset: int) -> OSError:
     return OSError(errno.EIO, f"short {op} on file {file} at {offset}: {done}/{want}")
 
 
+def reopen_path(checked: int | None, path: str) -> str:
+    """Where to open again the data file files.py checked (and locked) at
+    descriptor `checked`, with other flags (O_DIRECT) or by a library that
+    opens by name (kvikio): /proc/self/fd/<checked>, which reaches that very
+    file whatever `path` names by now. `path` itself without /proc (then
+    `same_file` tells a file swapped in since the check) or without a
+    checked descriptor (tests)."""
+    if checked is None:
+        return path
+    proc = f"/proc/self/fd/{checked}"
+    return proc if os.path.exists(proc) else path
+
+
+def same_file(checked: int | None, fd: int, path: str) -> None:
+    """Raise SsdError unless descriptor fd is open on the file checked at
+    descriptor `checked` (same device and inode)."""
+    if checked is None:
+        return
+    a, b = os.fstat(checked), os.fstat(fd)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        raise SsdError(
+            f"ssd cache {path}: the path names another file than the one "
+            "checked at start (replaced meanwhile); refusing to use it"
+        )
+
+
 class PosixIO:
     """preadv/pwritev from the caller's threads; the GIL is dropped for each
     syscall, so several threads keep several requests in flight."""
 
-    def __init__(self, paths: Sequence[str], direct: DirectIO) -> None:
+    def __init__(
+        self,
+        paths: Sequence[str],
+        direct: DirectIO,
+        checked: Sequence[int] | None = None,
+    ) -> None:
+        """checked: files.py's descriptors of the paths (reopen_path)."""
         self.fds: list[int] = []
         self.direct = False
         try:
-            for path in paths:
-                self.fds.append(self._open(path, direct))
+            for i, path in enumerate(paths):
+                was = None if checked is None else checked[i]
+                fd = self._open(reopen_path(was, path), direct, path)
+                self.fds.append(fd)
+                same_file(was, fd, path)
         except BaseException:
             self.close()
             raise
         self.mode = "posix-odirect" if self.direct else "posix-buffered"
         logger.info("ssd backend: %s", self.mode)
 
-    def _open(self, path: str, direct: DirectIO) -> int:
-        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW  # files.py checked it
+    def _open(self, path: str, direct: DirectIO, name: str) -> int:
+        """path: where to open it (reopen_path); name: the file as the
+        messages call it."""
+        flags = os.O_RDWR | os.O_CLOEXEC  # files.py checked it
+        if not path.startswith("/proc/self/fd/"):  # that one is a link by design
+            flags |= os.O_NOFOLLOW
         fell_back = bool(self.fds) and not self.direct
         if direct == "off" or fell_back:
             return os.open(path, flags)
@@ -215,18 +254,18 @@ class PosixIO:
                 os.close(fd)
             if direct == "on" or exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                 raise SsdError(
-                    f"ssd cache {path}: O_DIRECT not usable here ({exc}); "
+                    f"ssd cache {name}: O_DIRECT not usable here ({exc}); "
                     "use --ssd-direct-io auto (falls back) or off"
                 ) from exc
             if self.fds:  # the files before this one took O_DIRECT
                 raise SsdError(
-                    f"ssd cache {path}: O_DIRECT works for the other cache files "
+                    f"ssd cache {name}: O_DIRECT works for the other cache files "
                     "but not this one; put them on alike filesystems"
                 ) from exc
             logger.warning(
                 "ssd cache %s: the filesystem refuses O_DIRECT (%s); using "
                 "buffered I/O, through the page cache",
-                path,
+                name,
                 exc.strerror,
             )
             return os.open(path, flags)
@@ -298,18 +337,23 @@ def _probe_direct(fd: int) -> None:
 
 
 def open_backend(
-    name: BackendName, paths: Sequence[str], direct: DirectIO, threads: int = 8
+    name: BackendName,
+    paths: Sequence[str],
+    direct: DirectIO,
+    threads: int = 8,
+    checked: Sequence[int] | None = None,
 ) -> FileIO:
     """The backend, chosen once: 'auto' takes kvikio where it and a CUDA driver
     are present, POSIX elsewhere. `threads`: I/O requests the tier keeps in
-    flight (kvikio sizes its own pool to it)."""
+    flight (kvikio sizes its own pool to it). `checked`: files.py's
+    descriptors of the paths, the files the backend opens (reopen_path)."""
     if name in ("auto", "kvikio"):
         from . import kvikio_io
 
         why = kvikio_io.unavailable()
         if why is None:
-            return kvikio_io.KvikioIO(paths, threads)
+            return kvikio_io.KvikioIO(paths, threads, checked)
         if name == "kvikio":
             raise SsdError(f"--ssd-backend kvikio: {why}")
         logger.info("ssd backend: kvikio not usable (%s)", why)
-    return PosixIO(paths, direct)
+    return PosixIO(paths, direct, checked)

@@ -13,8 +13,10 @@ whole journal untrusted, and the start rebuilds the index by a header scan.
 
 The journal is rewritten as a snapshot of the live records (written beside it,
 then renamed over it) whenever it grows past a few times the live set, and at a
-start that found a torn tail, so its size stays bounded. The journal is a
-private file (private.py), and so is the one a rewrite creates beside it, never
+start that found a torn tail, so its size stays bounded. A running store writes
+that snapshot outside its lock and carries the appends made meanwhile into it
+(store.SsdStore._compact). The journal is a private file (private.py); the one
+a rewrite creates beside it is a new 0600 file of a random name (Draft), never
 opened through a link.
 """
 
@@ -24,9 +26,12 @@ import contextlib
 import errno
 import logging
 import os
+import re
+import secrets
+import stat
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -42,7 +47,7 @@ from .format import (
     crc_rows,
 )
 from .private import check_private, open_private
-from .ring import Index, Record, Ring, State
+from .ring import Index, Record, RecordsView, Ring, State, walk
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +135,7 @@ def entries(kind: Kind, run: list[Record]) -> bytes:
     return crc_rows(bodies, _ROW).tobytes()
 
 
-def head_entry(ring: Ring) -> bytes:
+def head_entry(ring: Ring | Frozen) -> bytes:
     return entry(Kind.HEAD, Record(ring.file, ring.head, 0, 0))
 
 
@@ -256,9 +261,90 @@ def _sync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _unlink_stale(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)  # removes a planted link itself, never its target
+_LEFTOVER = re.compile(r"\.(?:[0-9a-f]{16}\.)?tmp")
+
+
+def _create_beside(path: str) -> tuple[str, int]:
+    """A new file in path's folder, named at random: O_EXCL and O_NOFOLLOW,
+    mode 0600. Nothing planted beside the journal (a link, or a file of
+    another user in a shared sticky folder, which we could not remove) is
+    opened, and no name another user can guess blocks the rewrite."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    for _ in range(8):
+        tmp = f"{path}.{secrets.token_hex(8)}.tmp"
+        try:
+            return tmp, os.open(tmp, flags | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            continue
+    raise OSError(errno.EEXIST, f"no free name beside {path} for its snapshot")
+
+
+def remove_leftovers(path: str) -> None:
+    """Remove the snapshots a crash mid-rewrite left beside the journal
+    (`<path>.<random>.tmp`, or `<path>.tmp` of older versions): only regular
+    files of this server's user, and only at a start (no rewrite runs)."""
+    folder, base = os.path.split(os.path.abspath(path))
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(base) and _LEFTOVER.fullmatch(name, len(base))):
+            continue
+        full = os.path.join(folder, name)
+        with contextlib.suppress(OSError):
+            st = os.lstat(full)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(full)  # a link or another user's file: left alone
+
+
+class Draft:
+    """A journal being written beside `path` in a file of its own (see
+    _create_beside), to be renamed over it whole: a crash leaves either
+    the old journal or the new one."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.tmp, self.fd = _create_beside(path)
+        self.entries = 0
+        self.size = 0
+
+    def write_snapshot(self, store_id: bytes, snapshot: Iterable[bytes]) -> None:
+        count, size = _write_snapshot(self.fd, store_id, snapshot)
+        self.entries += count
+        self.size += size
+
+    def write(self, data: bytes) -> None:
+        """Whole entries after the snapshot (appended to the old journal
+        while it was written)."""
+        _write_all(self.fd, data)
+        self.size += len(data)
+        self.entries += len(data) // ENTRY_BYTES
+
+    def install(self) -> Journal:
+        """Rename over the journal (the caller synced the file); the open
+        Journal, this draft's descriptor."""
+        os.replace(self.tmp, self.path)
+        fd, self.fd = self.fd, -1
+        return Journal(self.path, fd, self.entries, self.size)
+
+    def discard(self) -> None:
+        """Close and remove the file, unless it was installed."""
+        if self.fd < 0:
+            return
+        fd, self.fd = self.fd, -1
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tmp)
+
+
+def sync_dir(path: str) -> None:
+    """_sync_dir after an install: a failure is only logged (the rename is
+    done, the new journal is the one)."""
+    try:
+        _sync_dir(path)
+    except OSError as exc:
+        logger.warning("ssd journal %s: syncing its folder failed: %s", path, exc)
 
 
 class Journal:
@@ -270,30 +356,25 @@ class Journal:
         self.fd = fd
         self.entries = entries
         self.size = size  # bytes on disk: where a failed append is cut back to
+        # While a snapshot is written beside it: a copy of every append since
+        # the snapshot's moment, carried into the new journal before the swap.
+        self.carry: list[bytes] | None = None
 
     @classmethod
     def rewrite(cls, path: str, store_id: bytes, snapshot: Iterable[bytes]) -> Journal:
         """Write a fresh journal holding `snapshot` beside `path`, then rename it
-        over `path`, so a crash leaves either the old journal or the new one.
-        The file beside it is created anew (O_EXCL, never through a link): a
-        stale one, ours from a crash mid-rewrite, is removed first."""
-        tmp = f"{path}.tmp"
-        _unlink_stale(tmp)
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        fd = os.open(tmp, flags | os.O_CLOEXEC, 0o600)
+        over `path` (Draft), so a crash leaves either the old journal or the
+        new one."""
+        draft = Draft(path)
         try:
-            count, size = _write_snapshot(fd, store_id, snapshot)
-            os.fsync(fd)
-            os.replace(tmp, path)
+            draft.write_snapshot(store_id, snapshot)
+            os.fsync(draft.fd)
+            log = draft.install()
         except BaseException:
-            os.close(fd)
-            _unlink_stale(tmp)
+            draft.discard()
             raise
-        try:
-            _sync_dir(path)
-        except OSError as exc:  # renamed already: the new journal is the one
-            logger.warning("ssd journal %s: syncing its folder failed: %s", path, exc)
-        return cls(path, fd, count, size)
+        sync_dir(path)
+        return log
 
     @classmethod
     def reopen(cls, path: str, entries: int) -> Journal:
@@ -322,6 +403,17 @@ class Journal:
             raise
         self.size += len(data)
         self.entries += len(data) // ENTRY_BYTES
+        if self.carry is not None:
+            self.carry.append(data)
+
+    def take_carried(self) -> bytes:
+        """The appends carried since the last take (call under the store's
+        lock, as appends are)."""
+        if not self.carry:
+            return b""
+        data = b"".join(self.carry)
+        self.carry = []
+        return data
 
     def sync(self) -> None:
         os.fdatasync(self.fd)
@@ -335,9 +427,35 @@ class Journal:
                 os.close(fd)
 
 
-def snapshot(rings: list[Ring]) -> Iterable[bytes]:
+@dataclass(frozen=True, slots=True)
+class Frozen:
+    """A ring at one moment (taken under the store's lock): its records in
+    order (the objects: their states are read later) and its head."""
+
+    file: int
+    view: RecordsView
+    head: int
+
+    @property
+    def records(self) -> Iterator[Record]:
+        return walk(self.view)
+
+
+def freeze(rings: list[Ring]) -> list[Frozen]:
+    """The rings as they are, in O(chunks of records) (Records.view): what
+    a snapshot written outside the lock starts from."""
+    return [Frozen(r.file, r.records.view(), r.head) for r in rings]
+
+
+def snapshot(rings: Sequence[Ring | Frozen]) -> Iterable[bytes]:
     """Entries that rebuild the rings as they are: every record not dead, oldest
-    first per ring (RESERVE, then COMMIT when written), then each ring's head."""
+    first per ring (RESERVE, then COMMIT when written), then each ring's head.
+
+    Of frozen rings, each record's state is read as it is now, which may be
+    later than the moment they were frozen: a COMMIT or DROP (and a RESERVE
+    that reclaimed it) made since was appended to the journal after that
+    moment, and is carried after the snapshot, where replaying it again
+    changes nothing (replay matches offset and seq)."""
     for ring in rings:
         for rec in ring.records:
             if rec.state != State.DEAD:

@@ -90,18 +90,46 @@ def configure(defaults: Any, threads: int) -> dict[str, object]:
     return got
 
 
+def open_checked(
+    cufile: Any, paths: Sequence[str], flags: str, checked: Sequence[int] | None
+) -> list[Any]:
+    """CuFiles of the data files files.py checked at descriptors `checked`:
+    kvikio opens by name, so each is opened through /proc/self/fd/<checked>
+    (io.reopen_path), never by a path that may name another file by now;
+    and where kvikio tells its descriptor, that is checked to be the same
+    file. All closed again on an error."""
+    from .io import reopen_path, same_file
+
+    files: list[Any] = []
+    try:
+        for i, path in enumerate(paths):
+            was = None if checked is None else checked[i]
+            f = cufile(reopen_path(was, path), flags)
+            files.append(f)
+            fileno = getattr(f, "fileno", None)
+            if was is not None and callable(fileno):
+                same_file(was, fileno(), path)
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    return files
+
+
 class KvikioIO:
-    def __init__(self, paths: Sequence[str], threads: int = 8) -> None:
+    def __init__(
+        self,
+        paths: Sequence[str],
+        threads: int = 8,
+        checked: Sequence[int] | None = None,
+    ) -> None:
+        """checked: files.py's descriptors of the paths (open_checked); also
+        what sync() flushes."""
         kvikio, defaults, cufile = load_kvikio()
         settings = configure(defaults, threads)
         self.paths = list(paths)
-        self.files: list[Any] = []
-        try:
-            for path in paths:
-                self.files.append(cufile(path, "r+"))
-        except BaseException:
-            self.close()
-            raise
+        self._checked = None if checked is None else list(checked)
+        self.files: list[Any] = open_checked(cufile, paths, "r+", checked)
         compat = compat_mode(defaults)
         self.mode = "kvikio-compat" if compat else "kvikio-gds"
         direct = getattr(self.files[0], "is_direct_io_supported", lambda: "?")()
@@ -168,9 +196,14 @@ class KvikioIO:
             raise failed
 
     def sync(self) -> None:
-        # CuFile exposes no fsync; a descriptor of our own flushes the same inode.
+        # CuFile exposes no fsync; a descriptor of our own flushes the same
+        # inode: files.py's, else one opened by name (never through a link).
+        if self._checked is not None:
+            for fd in self._checked:
+                os.fdatasync(fd)
+            return
         for path in self.paths:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 os.fdatasync(fd)
             finally:

@@ -142,6 +142,7 @@ def recover(
         torn, next_seq = found.dropped, max(1, found.next_seq)
         unreadable = found.unreadable_bytes
         rebuilt_by = "scan"
+    journal.remove_leftovers(cfg.journal_path)  # a crash mid-snapshot's
     try:
         if (
             loaded is not None

@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["Recovery", "SsdStore", "SsdStoreCounters"]
 
 _MAX_RECORD_BYTES = record_bytes(MAX_PAYLOAD_BYTES)
+# A snapshot's writer catches up with the appends made meanwhile outside the
+# lock, at most this many times, until fewer than this many bytes came.
+_CATCH_UP_ROUNDS = 8
+_CATCH_UP_BYTES = 64 * journal.ENTRY_BYTES
 
 
 @dataclass(slots=True)
@@ -66,6 +70,7 @@ class SsdStore:
                 cfg.paths,
                 cfg.direct_io,
                 cfg.write_threads + cfg.read_threads,
+                layout.fds,
             )
             try:
                 layout, done = self._recover(layout)
@@ -78,6 +83,7 @@ class SsdStore:
             raise
         self.journal = done.journal
         self._compact_at = 0  # journal entries before the next snapshot try
+        self._compacting = False  # a writer is writing a snapshot (_compact)
         self._next_seq = done.next_seq
         self.rebuilt_by = done.rebuilt_by
         self._last_sync = time.monotonic()
@@ -245,7 +251,9 @@ class SsdStore:
                 self.journal.append(journal.entries(journal.Kind.COMMIT, run))
             except OSError as exc:  # on disk and served; a restart finds it torn
                 self._journal_failed("committing a write", exc)
-            self._maybe_compact()
+            frozen = self._compact_due()
+        if frozen is not None:
+            self._compact(frozen)
         self._maybe_sync()
         return True
 
@@ -279,25 +287,68 @@ class SsdStore:
         self.counters.journal_errors += 1
         logger.warning("ssd journal %s: %s failed: %s", self.journal.path, what, exc)
 
-    def _maybe_compact(self) -> None:
-        if self.journal.entries < self._compact_at:
-            return
-        limit = journal_limit(self.cfg, self.rings)
-        if self.journal.entries <= limit:
-            return
+    def _compact_due(self) -> list[journal.Frozen] | None:
+        """Under the lock: the rings as they are, when the journal is due a
+        snapshot and none is being written; the journal then carries a copy
+        of every append from here on (see _compact)."""
+        if self._compacting or self.journal.entries < self._compact_at:
+            return None
+        if self.journal.entries <= journal_limit(self.cfg, self.rings):
+            return None
+        self._compacting = True
+        self.journal.carry = []
+        return journal.freeze(self.rings)
+
+    def _compact(self, frozen: list[journal.Frozen]) -> None:
+        """Rewrite the journal as a snapshot of `frozen` plus what was
+        appended since, on the caller's thread. The snapshot (millions of
+        entries at a large cache: seconds) is written and synced outside the
+        lock, which every save and load takes; so are the appends carried
+        meanwhile, but for the last few, written under the lock just before
+        the new journal is renamed over the old one."""
         old = self.journal
+        draft = None
         try:
-            self.journal = journal.Journal.rewrite(
-                old.path, self.store_id, journal.snapshot(self.rings)
-            )
+            draft = journal.Draft(old.path)
+            draft.write_snapshot(self.store_id, journal.snapshot(frozen))
+            for _ in range(_CATCH_UP_ROUNDS):
+                with self.lock:
+                    data = old.take_carried()
+                draft.write(data)
+                if len(data) < _CATCH_UP_BYTES:
+                    break
+            os.fsync(draft.fd)
+            with self.lock:
+                if self.journal is not old or old.fd < 0:  # closed meanwhile
+                    old.carry = None
+                    draft.discard()
+                    return
+                draft.write(old.take_carried())
+                os.fdatasync(draft.fd)  # only what came since the fsync
+                self.journal = draft.install()
+                old.carry = None
+                self._compact_at = 0
         except OSError as exc:
-            # Keep appending to the old one. A retry after every run would
-            # write a whole snapshot under the lock each time the disk says no:
-            # wait until the journal has grown by as much again.
-            self._compact_at = old.entries + limit
-            self._journal_failed("snapshot", exc)
+            if draft is not None:
+                draft.discard()
+            with self.lock:
+                old.carry = None
+                # Keep appending to the old one. A retry after every run would
+                # write a whole snapshot each time the disk says no: wait until
+                # the journal has grown by as much again.
+                self._compact_at = old.entries + journal_limit(self.cfg, self.rings)
+                self._journal_failed("snapshot", exc)
             return
-        self._compact_at = 0
+        except BaseException:
+            if draft is not None:
+                draft.discard()
+            with self.lock:
+                old.carry = None
+            raise
+        finally:
+            with self.lock:
+                self._compacting = False
+        journal.sync_dir(old.path)
         try:
             old.close()
         except OSError as exc:  # replaced already: nothing of it is needed
@@ -363,6 +414,12 @@ class SsdStore:
         return ok
 
     # -- life cycle --------------------------------------------------------------------
+    @property
+    def checked_fds(self) -> tuple[int, ...]:
+        """The data files' descriptors files.py checked and locked, open until
+        close(): what a reader opening them again goes through (reopen_path)."""
+        return tuple(self._locks)
+
     @property
     def capacity_bytes(self) -> int:
         return sum(r.end - r.start for r in self.rings)

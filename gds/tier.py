@@ -80,6 +80,11 @@ class SsdStats:
     load_seconds: float  # total over loads: divide by loads for the mean
 
 
+class SsdClosed(RuntimeError):
+    """A load asked of a tier that is closing or closed (the server is
+    stopping): nothing of it was read."""
+
+
 class SsdTier:
     def __init__(self, config: SsdConfig) -> None:
         self.config = config
@@ -94,6 +99,13 @@ class SsdTier:
         )
         self._load_seconds = 0.0
         self._closed = False
+        # Held by a load while it checks _closed and hands its reads to the
+        # reader pool, and by close while it sets _closed: a load either sees
+        # the tier closed or has all its reads queued before the pool shuts
+        # down (which waits for them; then the files close). Not self._lock:
+        # a read's completion takes that one, and may run on the loading
+        # thread.
+        self._loads_gate = threading.Lock()
         self._local = threading.local()
         # compiled now, not in a writer's first run
         checksum_rows.warm()
@@ -318,13 +330,14 @@ class SsdTier:
         blocks; the future completes on a reader thread. A block whose record is
         gone, damaged or of other geometry comes back False and its slots hold
         garbage: the caller frees them. Aligned slots are read into in place
-        (store.read_run): no two blocks in flight may share a slot."""
+        (store.read_run): no two blocks in flight may share a slot. A load
+        once close() began fails with SsdClosed, having read nothing."""
         n = len(hashes)
         table = np.asarray(slots, np.uint64).reshape(n, -1)
         out: Future[SsdLoadResult] = Future()
         ok = np.zeros(n, bool)
         start = time.perf_counter()
-        if not n or self._closed:
+        if not n:
             out.set_result(SsdLoadResult(ok, 0, 0.0))
             return out
         # One task per reader thread, not per block: the loop thread does O(1)
@@ -347,9 +360,25 @@ class SsdTier:
             nbytes = int(ok.sum()) * table.shape[1] * slot_bytes
             out.set_result(SsdLoadResult(ok, nbytes, seconds))
 
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            args = (ns_digest, hashes[a:b], table[a:b], slot_bytes, ok[a:b])
-            self._readers.submit(self._read_blocks, *args).add_done_callback(done)
+        with self._loads_gate:
+            if self._closed:
+                out.set_exception(
+                    SsdClosed("ssd load: the tier is closed (the server is stopping)")
+                )
+                return out
+            reads = [
+                self._readers.submit(
+                    self._read_blocks,
+                    ns_digest,
+                    hashes[a:b],
+                    table[a:b],
+                    slot_bytes,
+                    ok[a:b],
+                )
+                for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+            ]
+        for read in reads:  # one done already runs `done` here
+            read.add_done_callback(done)
         return out
 
     def _read_blocks(
@@ -416,8 +445,9 @@ class SsdTier:
         )
 
     def close(self) -> None:
-        """Write what is queued, stop the threads, sync and close the files."""
-        with self._lock:
+        """Write what is queued, stop the threads, sync and close the files.
+        Loads that began before are read whole first; later ones fail."""
+        with self._loads_gate, self._lock:
             if self._closed:
                 return
             self._closed = True

@@ -33,6 +33,7 @@ import numpy as np
 
 from pegaflow.cache.instances import Instance, Worker
 from pegaflow.common import cuda_driver
+from pegaflow.common.errors import CopyFailed, DeadlineExceeded
 from pegaflow.common.keys import BlockHash
 from pegaflow.daemon.startup import StartupError
 
@@ -95,6 +96,7 @@ class SsdDirect(Tier):
         self._reads = reads
         self._threads = ThreadPoolExecutor(LOAD_THREADS, "ssd-gpu-load")
         self._local = threading.local()  # a DeviceFetch per thread and GPU
+        self._closed = False  # on the loop, as load's check: no race between
 
     def serves(self, inst: Instance) -> bool:
         return (
@@ -120,12 +122,21 @@ class SsdDirect(Tier):
     ) -> np.ndarray:
         """Block i (hashes[i]) into the worker's block block_ids[i]; True
         where it landed and checked."""
+        if self._closed:  # its pool and files are going or gone
+            raise CopyFailed(
+                "ssd direct read: the server is stopping; nothing was read, "
+                "recompute the blocks"
+            )
         digest = self._link.digest(worker.namespace.id)
         start = time.perf_counter()
         read = self._threads.submit(
             self._read, worker, digest, hashes, block_ids, deadline
         )
-        ok = await asyncio.wrap_future(read)
+        try:
+            ok = await asyncio.wrap_future(read)
+        except DeadlineExceeded:  # none of them counts as loaded
+            self._metrics.direct_blocks.labels("failed").inc(len(hashes))
+            raise
         self._metrics.direct_seconds.observe(time.perf_counter() - start)
         loaded = int(ok.sum())
         self._metrics.direct_blocks.labels("loaded").inc(loaded)
@@ -163,5 +174,7 @@ class SsdDirect(Tier):
         return result.ok
 
     async def close(self) -> None:
+        """Loads that began are read whole; those after fail (CopyFailed)."""
+        self._closed = True
         await asyncio.to_thread(self._threads.shutdown, wait=True)
         self._reads.close()

@@ -98,9 +98,13 @@ class SsdLink(Tier):
         max_held_bytes: int,
     ) -> None:
         self.tier = tier
-        # Slot bytes spilled but not yet released. Bounded so that an allocation
-        # at a full pool always finds a victim whose slot frees at once, even
-        # when the pool holds fewer blocks than the spill queue.
+        # Slot bytes the writers may still read once L1 let them go: spilled,
+        # or queued for write-behind (evicted or not yet), not yet released.
+        # Bounded so that an allocation at a full pool always finds a victim
+        # whose slot frees at once, even when the pool holds fewer blocks than
+        # the spill queue: past it a seal's block is not written behind (it
+        # is spilled at its eviction if there is room then) and an evicted
+        # one is not spilled, each counted in spills_refused.
         self._held = 0
         self._max_held = max_held_bytes
         self._store = store
@@ -187,8 +191,7 @@ class SsdLink(Tier):
                 batch, j = w
                 if not batch.evicted[j] and batch.slots[j].tolist() == entries[i].slots:
                     batch.evicted[j] = True  # the writer still reads them
-                    self._held += batch.block_bytes
-                    kept[i] = True
+                    kept[i] = True  # counted in _held since it was queued
         rest = np.flatnonzero(~kept)
         if len(rest):
             kept[rest[self._spill(keys, rest, entries)]] = True
@@ -201,10 +204,7 @@ class SsdLink(Tier):
         as the held-bytes bound lets; the positions in pick the tier took."""
         digest, slot_bytes = self._namespace(keys[0][0])
         block_bytes = slot_bytes * len(entries[0].slots)
-        room = max(0, self._max_held - self._held) // block_bytes
-        if room < len(pick):
-            self._metrics.spills_refused.inc(len(pick) - room)
-            pick = pick[:room]
+        pick = pick[: self._room(block_bytes, len(pick))]
         if not len(pick):
             return []
         picked = [keys[i] for i in pick.tolist()]
@@ -224,6 +224,15 @@ class SsdLink(Tier):
         batch.evicted = np.ones(len(took), bool)  # L1 let go: free at release
         self._held += len(took) * block_bytes
         return took
+
+    def _room(self, block_bytes: int, want: int) -> int:
+        """How many of `want` blocks the held-bytes bound lets the writers
+        have; the rest are counted refused."""
+        room = max(0, self._max_held - self._held) // block_bytes
+        if room >= want:
+            return want
+        self._metrics.spills_refused.inc(want - room)
+        return room
 
     def _within_room(self, digest: bytes, keys: list[Key]) -> int:
         """How many of keys, from the first, to offer the tier: as many as its
@@ -274,7 +283,10 @@ class SsdLink(Tier):
     def _write(self, entries: list[BlockEntry]) -> None:
         keys = list(map(_KEY, entries))
         digest, slot_bytes = self._namespace(keys[0][0])
-        fits = self._within_room(digest, keys)
+        block_bytes = slot_bytes * len(entries[0].slots)
+        fits = self._room(block_bytes, len(keys))
+        if fits:
+            fits = self._within_room(digest, keys[:fits])
         if fits < len(keys):
             if self._seen_twice:  # offered again at a hit
                 self._unwritten.update(zip(keys[fits:], entries[fits:], strict=True))
@@ -284,9 +296,10 @@ class SsdLink(Tier):
         hashes = [k[1] for k in keys]
         slots = _slot_table(entries)
         loop = asyncio.get_running_loop()
-        batch = _Batch(keys, slots, slot_bytes * slots.shape[1], np.zeros(0, bool))
+        batch = _Batch(keys, slots, block_bytes, np.zeros(0, bool))
         release = functools.partial(self._release, loop, self._written, batch)
         took = self.tier.spill_many(digest, hashes, slots, slot_bytes, release)
+        self._held += len(took) * block_bytes
         if len(took) < len(keys):
             if self._seen_twice:  # offered again at a hit
                 refused = np.ones(len(keys), bool)
@@ -308,6 +321,7 @@ class SsdLink(Tier):
     def _written(self, batch: _Batch, lo: int, hi: int) -> None:
         """Blocks batch.keys[lo:hi] are written (or failed): forget them, and
         free the slots of those L1 evicted meanwhile."""
+        self._held -= (hi - lo) * batch.block_bytes
         if batch.sealed:
             writing = self._writing
             for key in batch.keys[lo:hi]:
@@ -317,7 +331,6 @@ class SsdLink(Tier):
         gone = batch.evicted[lo:hi]
         if gone.any():
             self._store.slabs.free(batch.slots[lo:hi][gone].ravel())
-            self._held -= int(gone.sum()) * batch.block_bytes
 
     # -- prefetch ---------------------------------------------------------------
     def lookup(self, inst: Instance, hashes: list[BlockHash], start: int) -> Lookup:

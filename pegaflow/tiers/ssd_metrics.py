@@ -30,7 +30,9 @@ class SsdTierMetrics:
         )
         self.spills_refused = Counter(
             "pegaflow_ssd_spills_refused",
-            "evicted blocks not spilled: half the pool already waits for the writers",
+            "blocks not given to the SSD writers: half the pool already waits "
+            "for them (a seal's write-behind: spilled at its eviction if there "
+            "is room then; an evicted block's spill: dropped)",
             registry=registry,
         )
         self.prefetch_seconds = Histogram(

@@ -10,13 +10,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from pegaflow.common.errors import InternalError
+from pegaflow.common.errors import DeadlineExceeded, InternalError
 from pegaflow.common.geometry import KVGeometry, LayerLayout, Segment
+from pegaflow.gds import gpu_reads
 from pegaflow.gds.format import HEADER_BYTES
 from pegaflow.gds.gpu_reads import DirectReads
 from pegaflow.gds.io import host_view
@@ -206,6 +209,51 @@ def test_a_failed_read_loads_nothing(tmp_path: Path) -> None:
         finally:
             reads.close()
         assert not res.ok.any() and res.nbytes == 0
+
+
+def test_no_read_is_issued_past_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: the deadline was checked once, before any read was
+    issued. It passes after the third read is issued here: no fourth one is,
+    the load fails with DeadlineExceeded (nothing of it reported loaded) and
+    its records are unpinned."""
+    clock = [0.0]
+
+    class Slow(HostFile):
+        def pread(self, buf: object, size: int, file_offset: int) -> _Done:
+            done = super().pread(buf, size, file_offset)
+            if self.calls == 3:
+                clock[0] = float("inf")  # the deadline passes meanwhile
+            return done
+
+    deadline = time.monotonic() + 3600.0  # the check before planning passes
+    monkeypatch.setattr(
+        gpu_reads,
+        "time",
+        SimpleNamespace(perf_counter=time.perf_counter, monotonic=lambda: clock[0]),
+    )
+    cfg = config(tmp_path)
+    with opened(cfg) as tier:
+        spill(tier, [0, 1, 2], slot_bytes=SLOT, aligned=True)
+        kv, geo = engine("block_major")
+        files = [Slow(cfg.paths[0])]
+        reads = DirectReads(tier, files)
+        try:
+            with pytest.raises(DeadlineExceeded, match="after 3 of"):
+                reads.load(
+                    NS,
+                    [key(i) for i in range(3)],
+                    np.arange(3),
+                    geo,
+                    [(kv.ctypes.data, kv.nbytes)],
+                    fetch,
+                    deadline,
+                )
+        finally:
+            reads.close()
+        assert files[0].calls == 3
+        assert all(not tier.store.index.get(NS, key(i)).readers for i in range(3))
 
 
 def test_device_fetch_on_the_simulator() -> None:

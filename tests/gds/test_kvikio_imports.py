@@ -7,6 +7,7 @@ POSIX I/O; the bytes are checked."""
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -14,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pegaflow.gds import kvikio_io
+from pegaflow.gds import SsdError, kvikio_io
+from pegaflow.gds.io import same_file
 
 _CUFILE = """
 import os
@@ -38,6 +40,9 @@ class CuFile:
 
     def pwrite(self, buf, size, file_offset=0):
         return _Done(os.pwrite(self.fd, memoryview(buf)[:size], file_offset))
+
+    def fileno(self):
+        return self.fd
 
     def close(self):
         os.close(self.fd)
@@ -124,3 +129,36 @@ def test_unavailable_names_the_missing_driver(stub_kvikio: None) -> None:
         assert why is not None and "CUDA driver" in why
     else:
         assert why is None
+
+
+def test_kvikio_opens_the_checked_file_not_the_path(
+    stub_kvikio: None, tmp_path: Path
+) -> None:
+    """Regression: kvikio opens by name, after files.py checked the file on
+    a descriptor; a file swapped in between was the one kvikio wrote. Now it
+    opens the checked file itself (/proc/self/fd/<fd>) and checks kvikio's
+    descriptor is that file."""
+    path = tmp_path / "data"
+    path.write_bytes(bytes(1 << 16))
+    checked = os.open(path, os.O_RDWR)
+    decoy = tmp_path / "decoy"
+    decoy.write_bytes(b"x" * (1 << 16))
+    os.rename(decoy, path)  # the path names another file now
+    try:
+        io = kvikio_io.KvikioIO([str(path)], threads=2, checked=[checked])
+        try:
+            src = np.random.default_rng(2).integers(0, 256, 4096, np.uint8)
+            io.pwrite(0, src.ctypes.data, 4096, 0)
+            io.sync()
+        finally:
+            io.close()
+        assert os.pread(checked, 4096, 0) == bytes(src)
+        assert path.read_bytes() == b"x" * (1 << 16)
+        other = os.open(path, os.O_RDONLY)
+        try:  # a descriptor of another file than the checked one is refused
+            with pytest.raises(SsdError, match="another file"):
+                same_file(checked, other, str(path))
+        finally:
+            os.close(other)
+    finally:
+        os.close(checked)

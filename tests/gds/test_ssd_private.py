@@ -68,7 +68,7 @@ def test_files_others_could_reach_are_refused(
 
 def test_planted_link_beside_the_journal_is_not_followed(tmp_path: Path) -> None:
     """<journal>.tmp as a symbolic link to a file of the server's user: the
-    snapshot removes the link and writes a file of its own."""
+    snapshot writes a file of its own, of another name; the link is left."""
     victim = tmp_path / "precious"
     victim.write_bytes(b"keep me")
     cfg = config(tmp_path)
@@ -77,7 +77,7 @@ def test_planted_link_beside_the_journal_is_not_followed(tmp_path: Path) -> None
     with opened(cfg) as tier:  # a fresh start writes the journal's snapshot
         spill(tier, [1])
     assert victim.read_bytes() == b"keep me"
-    assert not os.path.lexists(tmp)
+    assert os.path.islink(tmp)  # not ours: not removed
     assert stat.S_ISREG(os.lstat(cfg.journal_path).st_mode)
     with opened(cfg) as tier:
         assert tier.store.recovery.rebuilt_by == "journal"
@@ -120,3 +120,31 @@ def test_a_file_others_could_only_read_is_made_private(
     with opened(cfg) as tier:
         assert load(tier, [1]) == [True]
     assert _mode(path) == 0o600
+
+
+def test_data_file_swapped_after_its_check_is_not_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: files.py checks and locks each data file on a descriptor,
+    then the I/O backend opened the path again by name: a file swapped in
+    between (here: renamed over the path) was the one written. Now the
+    backend opens the checked file itself (/proc/self/fd), and the swapped-in
+    file is never touched."""
+    from pegaflow.gds import store as ssd_store
+
+    cfg = config(tmp_path)
+    decoy = tmp_path / "decoy"
+    decoy.write_bytes(b"not the cache" * 1000)
+    decoy.chmod(0o600)
+    before = decoy.read_bytes()
+    real_open = ssd_store.open_backend
+
+    def swap_then_open(*args: object, **kw: object) -> object:
+        os.rename(decoy, cfg.paths[0])  # after the check, before the open
+        return real_open(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ssd_store, "open_backend", swap_then_open)
+    with opened(cfg) as tier:
+        spill(tier, [1, 2])
+        assert load(tier, [1, 2]).all()
+    assert Path(cfg.paths[0]).read_bytes() == before

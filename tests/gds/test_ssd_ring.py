@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from pegaflow.gds import journal
 from pegaflow.gds.format import ALIGN
-from pegaflow.gds.ring import Index, Record, Ring, State
+from pegaflow.gds.ring import CHUNK, Index, Record, Records, Ring, State, walk
 
 NS = b"n" * 16
 PAGES = 64
@@ -105,3 +105,29 @@ def test_busy_records_are_reported_as_victims() -> None:
     assert offset == ALIGN
     victims = ring.victims(offset, 16 * ALIGN)
     assert victims == [recs[0]] and victims[0].busy
+
+
+def test_a_records_view_is_cheap_and_outlives_later_changes() -> None:
+    """The journal's snapshot reads a view of each ring's records outside
+    the store's lock: taken in O(chunks), and what it names stays as it was
+    whatever the queue does after (drops from the front, appends)."""
+    recs = Records()
+    made = [Record(0, i * ALIGN, ALIGN, i) for i in range(5 * CHUNK + 7)]
+    recs.extend(made[:100])
+    recs.drop_front(3)
+    for rec in made[100 : 3 * CHUNK]:
+        recs.append(rec)
+    recs.drop_front(CHUNK)  # past the first chunk's end
+    view = recs.view()
+    assert len(view) <= 3 * CHUNK // CHUNK + 1
+    then = list(recs)
+    assert then == made[3 + CHUNK : 3 * CHUNK]
+    assert (recs[0], recs[-1], len(recs)) == (then[0], then[-1], len(then))
+    recs.extend(made[3 * CHUNK :])
+    recs.drop_front(2 * CHUNK)
+    assert list(walk(view)) == then  # unchanged by what came after
+    assert list(recs) == made[3 + 3 * CHUNK :]
+    while recs:
+        recs.popleft()
+    recs.append(made[0])
+    assert list(recs) == [made[0]] and list(walk(view)) == then

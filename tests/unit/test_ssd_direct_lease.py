@@ -211,3 +211,27 @@ def test_bad_items_over_the_tail_are_refused_before_any_read(setup) -> None:
     with pytest.raises(InvalidRequest, match="engine block 3 is loaded into more"):
         load(engine, ctx, [(lease, 0, np.arange(4)), (lease, 4, np.array([3]))])
     assert log == []  # nothing read, nothing copied
+
+
+def test_a_load_once_the_route_closes_fails_cleanly(setup) -> None:
+    """Regression: a Load reaching the direct route as it closed (the server
+    stopping) handed its read to a shut thread pool: the pool's bare
+    RuntimeError. Now it fails with a CopyFailed saying so, nothing read."""
+    engine, ctx, log = setup
+
+    class Reads:
+        def close(self) -> None:
+            pass
+
+    direct = SsdDirect(
+        engine.tiers[0]._link, engine.tiers[0]._cuda, engine.metrics.ssd, Reads()
+    )
+    worker = next(iter(engine.registry.instance("i").workers.values()))
+
+    async def close_then_load() -> None:
+        await direct.close()  # (the flag a load checks is set as close begins)
+        with pytest.raises(CopyFailed, match="server is stopping"):
+            await direct.load(worker, ON_SSD[:1], np.array([0]), None)
+
+    asyncio.run(close_then_load())
+    assert not [e for e in log if e[0] == "direct"]

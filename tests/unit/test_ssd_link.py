@@ -203,3 +203,43 @@ async def _seal_at_a_full_queue() -> None:
 
 def test_seal_at_a_full_queue_refuses_then_offers_again_at_a_hit() -> None:
     asyncio.run(_seal_at_a_full_queue())
+
+
+async def _write_behind_within_the_held_bound() -> None:
+    """Regression: blocks queued for write-behind that L1 evicted before the
+    writer got to them kept their slots past the held-bytes bound (only
+    spills checked it), so a slow disk could hold the whole pool. Now a
+    seal's block is written behind only within the bound; past it the seal
+    is refused (counted) and the block is spilled at its eviction if there
+    is room then."""
+    store = BlockStore(SlabAllocator(1 << 30, 8 * SLOT, SLOT), LRUPolicy())
+    ns = Namespace("ns", 1, 1, 2, SLOT, (2, SLOT))
+    registry = Registry({})
+    registry.namespaces["ns"] = ns
+    tier = FakeTier(queue=64)
+    tier.config = SimpleNamespace(write_on="seal", admission="all")
+    metrics = Metrics()
+    link = SsdLink(tier, store, registry, metrics.ssd, max_held_bytes=3 * SLOT)
+    store.add_listener(link)
+    assert _save(store, ns, _h(*range(1, 9))) == 8  # the pool is full
+    # The next save evicts 1..4: 1..3 are still being written (their slots
+    # stay held), 4 finds no room under the bound: its slot frees at once.
+    # (Before, all 8 were held and this save found no slot at all.)
+    assert _save(store, ns, _h(11)) == 1
+    assert link._held <= link._max_held
+    assert [h for h, _, _ in tier.spills] == _h(1, 2, 3)  # within the bound
+    refused = "pegaflow_ssd_spills_refused_total"
+    # seals of 4..8 and 11, the spill of 4
+    assert metrics.registry.get_sample_value(refused) == 7
+    assert store.slabs.used_bytes == 8 * SLOT
+    assert _save(store, ns, _h(12, 13, 14)) == 3
+    assert link._held <= link._max_held
+    assert store.slabs.used_bytes <= 8 * SLOT
+    for _, _, release in tier.spills:
+        release()
+    await asyncio.sleep(0)
+    assert link._held == 0 and not link._writing
+
+
+def test_write_behind_stays_within_the_held_bound() -> None:
+    asyncio.run(_write_behind_within_the_held_bound())
