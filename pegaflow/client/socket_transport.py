@@ -85,9 +85,13 @@ class SocketClient:
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
         self._closed = False
-        self._conn()  # fail now when the socket cannot be reached
+        self._conn(first=True)  # fail now when the socket cannot be reached
 
-    def _conn(self) -> socket.socket:
+    def _conn(self, first: bool = False) -> socket.socket:
+        """This thread's connection, made on its first call. A server's
+        refusal of a later thread's connection (its cap, a hello it timed
+        out) is a ConnectionRefusedError: the call falls back to gRPC as for
+        a socket gone; the first one's stays typed (the link's `refusal`)."""
         sock = getattr(self._local, "sock", None)
         if sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -95,9 +99,14 @@ class SocketClient:
                 sock.settimeout(self._timeout_s)
                 sock.connect(self._path)
                 self._greet(sock)
-            except (OSError, PegaflowError):
+            except OSError:
                 sock.close()
                 raise
+            except PegaflowError as exc:
+                sock.close()
+                if first:
+                    raise
+                raise ConnectionRefusedError(f"{self._path}: {exc}") from exc
             with self._lock:
                 if self._closed:
                     sock.close()

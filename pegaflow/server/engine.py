@@ -162,11 +162,29 @@ class Engine:
         self.store.add_listener(tier)
 
     # -- registration ---------------------------------------------------------
-    async def register_when_ready(self, spec: RegisterSpec, caller: Caller) -> Worker:
-        """register(), once the GPU half of the start is up for a CUDA engine."""
+    async def register_when_ready(
+        self,
+        spec: RegisterSpec,
+        caller: Caller,
+        vouch: Callable[[], None] | None = None,
+    ) -> Worker:
+        """register(), once the GPU half of the start is up for a CUDA engine.
+        vouch: raises when the caller is no longer the process its pid named
+        (the unix socket's connecting process exited); asked after the wait,
+        and again once the registration holds the pid's process: alive then,
+        the process it opened is the caller."""
         if spec.region_kind == "cuda" and self.cuda_ready is not None:
             await self.cuda_ready()
-        return self.register(spec, caller)
+        if vouch is not None:
+            vouch()
+        worker = self.register(spec, caller)
+        if vouch is not None:
+            try:
+                vouch()
+            except BaseException:
+                self.unregister(spec.instance_id, spec.tp_rank)
+                raise
+        return worker
 
     def register(self, spec: RegisterSpec, caller: Caller) -> Worker:
         worker = self.registry.register(spec, caller)

@@ -184,17 +184,23 @@ class _SocketProtocol(asyncio.Protocol):
         """Refuse the connection unless _disarm() comes within after_s."""
         self._disarm()
         loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(after_s, self._expired, why)
+        self._timer = loop.call_later(after_s, self._expired, after_s, why)
 
     def _disarm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _expired(self, why: str) -> None:
+    def _expired(self, after_s: float, why: str) -> None:
         self._timer = None
-        if not (self._discard or self._transport.is_closing()):
-            self._refuse(DeadlineExceeded(why), "timeout")
+        if self._discard or self._transport.is_closing():
+            return
+        if self._reading and _unread(self._transport.get_extra_info("socket")):
+            # Bytes wait in the kernel: the loop was late (a stall), not the
+            # client; a stuck client's bytes were all read by now.
+            self._arm(after_s, why)
+            return
+        self._refuse(DeadlineExceeded(why), "timeout")
 
     def _time_frame(self, restart: bool) -> None:
         """Time the partial frame in _buf, from its first byte (restart: it
@@ -474,17 +480,22 @@ class _SocketProtocol(asyncio.Protocol):
             raise InvalidRequest("register: not a RegisterInstanceRequest") from None
         if self._caller.pid == UNKNOWN:
             raise InvalidRequest("register: the kernel named no peer process")
-        if _peer_exited(self._transport.get_extra_info("socket")):
+        pid, sock = self._caller.pid, self._transport.get_extra_info("socket")
+
+        def vouch() -> None:
             # SO_PEERCRED's pid is from connect(): a child that kept the
             # connection must not register the memory of whichever process
             # took that pid since (the registration checks the pid's process).
-            raise PermissionDenied(
-                f"register: the process that opened this connection (pid "
-                f"{self._caller.pid}) has exited, and its pid may be another "
-                "process's now; register over a connection of your own"
-            )
+            if _peer_exited(sock):
+                raise PermissionDenied(
+                    f"register: the process that opened this connection (pid "
+                    f"{pid}) has exited, and its pid may be another process's "
+                    "now; register over a connection of your own"
+                )
+
+        vouch()
         spec = spec_from_message(req)
-        worker = await self._engine.register_when_ready(spec, self._caller)
+        worker = await self._engine.register_when_ready(spec, self._caller, vouch)
         info = self._shared.info
         response = register_response(worker, info.pid, info.path)
         return register_reply(response.SerializeToString())
@@ -550,6 +561,15 @@ def _hung_up(sock: object) -> bool:
         return any(ev & select.POLLHUP for _, ev in poller.poll(0))
     except (OSError, ValueError, AttributeError):  # closed already: gone
         return True
+
+
+def _unread(sock: socket.socket | None) -> bool:
+    """Whether bytes wait to be read on the connection."""
+    if sock is None:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return any(ev & select.POLLIN for _, ev in poller.poll(0))
 
 
 def _peer_exited(sock: socket.socket) -> bool:

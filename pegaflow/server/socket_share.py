@@ -153,6 +153,10 @@ async def receive_fd(
         loop.add_reader(sock.fileno(), readable)
         data, fds, flags, _ = await asyncio.wait_for(got, wait_s)
     except TimeoutError:
+        # It may have come in the pass that timed out: not left open.
+        if got.done() and not got.cancelled() and got.exception() is None:
+            for fd in got.result()[1]:
+                os.close(fd)
         raise DeadlineExceeded(
             f"share.fd: none arrived within {wait_s:.1f} s of READY"
         ) from None

@@ -7,11 +7,15 @@ if it spoke ours."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import os
 import resource
+import signal
 import socket
 import struct
+import termios
+import threading
 import time
 from collections.abc import Iterator
 
@@ -292,6 +296,53 @@ def test_a_frame_begun_must_finish_but_an_idle_engine_stays(server) -> None:
     finally:
         idle.close()
         stuck.close()
+
+
+def _unread_by_peer(sock: socket.socket) -> int:
+    """Bytes this end sent that the peer has not read yet (SIOCOUTQ: on a
+    unix stream socket they stay charged to the sender until read)."""
+    buf = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    return int.from_bytes(buf, "little")
+
+
+def test_a_frame_the_server_was_too_stalled_to_read_is_not_timed_out(
+    server,
+) -> None:
+    """Scenario (a review's): an engine sends a 1 MiB save frame in one
+    sendall; the server reads its first part, then stops running for longer
+    than FRAME_TIMEOUT_S (SIGSTOP: an overloaded host, long work on its
+    loop). Its frame timer counted that stall: at the first read after it
+    the frame was refused as sent too slowly, though its bytes had waited in
+    the kernel all along. Now the server answers the save."""
+    kv = LocalKV(1, 8, 4096)
+    with PegaflowClient(server.addr) as client:
+        kv.register(client, "e", "ns")
+        token = client._token("e", 0)
+    n = 16384  # 64-B hashes: ~1.1 MiB, several reads of the server's
+    hs = [os.urandom(64) for _ in range(n)]
+    frame = encode_save("e", 0, np.zeros(n, np.int64), hs, [], 0, token=token)
+    first = 64 << 10
+    sock = _greeted(_socket_path(server))
+    sock.settimeout(FRAME_TIMEOUT_S + 30)
+    sender = None
+    try:
+        sock.sendall(frame[:first])
+        assert wait_until(lambda: _unread_by_peer(sock) == 0)  # read: timer armed
+        os.kill(server.pid, signal.SIGSTOP)
+        sender = threading.Thread(target=sock.sendall, args=(frame[first:],))
+        sender.start()
+        time.sleep(FRAME_TIMEOUT_S + 0.5)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    try:
+        head = sock.recv(5, socket.MSG_WAITALL)
+        assert len(head) == 5, head
+        body = sock.recv(int.from_bytes(head[1:5], "little"), socket.MSG_WAITALL)
+        assert b"a frame must be sent whole" not in body, body
+        assert head[0] != grpc.StatusCode.DEADLINE_EXCEEDED.value[0], body
+    finally:
+        sender.join(10)
+        sock.close()
 
 
 def test_clients_that_never_read_are_bounded_over_all_connections(server) -> None:

@@ -69,16 +69,23 @@ SCENARIO = textwrap.dedent(
     try:
         with PegaflowClient(server.addr) as client:
             path = client._server_info().socket_path
-        holder = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, path],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
-        holder.wait()  # the connecting process is gone (reaped)
-        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
-            f.write(str(holder.pid - 1))
-        engine = subprocess.Popen([sys.executable, "-c", ENGINE],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert engine.stdout.readline() == b"ready\n"
+        # The server's own threads share this pid namespace: one may take
+        # the freed pid first. Then the cycle runs again.
+        for attempt in range(5):
+            holder = subprocess.Popen(
+                [sys.executable, "-c", HOLDER, path],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )
+            holder.wait()  # the connecting process is gone (reaped)
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(holder.pid - 1))
+            engine = subprocess.Popen([sys.executable, "-c", ENGINE],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            assert engine.stdout.readline() == b"ready\n"
+            if engine.pid == holder.pid:
+                break
+            engine.kill()
+            holder.stdin.close()  # its child sends nothing, waits for the server
         assert engine.pid == holder.pid, (engine.pid, holder.pid)
         layers = [
             LayerLayout(0, i * 16 * PAGE, 16, PAGE, (Segment(0, PAGE),))

@@ -90,3 +90,52 @@ def test_a_reply_longer_than_any_is_refused_at_once(lying_peer) -> None:
         client.register(encode_register(b"", 0), WAIT_S)
     assert time.monotonic() - start < WAIT_S / 2
     client.close()
+
+
+def test_a_later_threads_refused_hello_falls_back_as_a_socket_gone(
+    tmp_path: Path,
+) -> None:
+    """The first connection greets; a second thread's is refused at its
+    hello (the server's connection cap, or a hello it timed out). That
+    refusal came out typed (a PegaflowError), which the calls' fallback to
+    gRPC does not catch: the save or load failed. Now it is a
+    ConnectionRefusedError (an OSError), as for a socket gone; the first
+    connection's refusal stays typed (the link records it)."""
+    path = str(tmp_path / "s.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(2)
+    held: list[socket.socket] = []
+    refusal = b"too many"
+    error = bytes([8]) + len(refusal).to_bytes(4, "little") + refusal
+
+    def serve() -> None:
+        for reply in (HELLO_REPLY.pack(0, PROTOCOL_VERSION, SERVER_ID), error):
+            conn, _ = listener.accept()
+            held.append(conn)
+            _read_frame(conn)
+            conn.sendall(reply)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        client = _client(path)
+        got: list[BaseException] = []
+
+        def second_thread() -> None:
+            try:
+                client._conn()
+            except BaseException as exc:
+                got.append(exc)
+
+        other = threading.Thread(target=second_thread)
+        other.start()
+        other.join(WAIT_S * 2)
+        (exc,) = got
+        assert isinstance(exc, ConnectionRefusedError), repr(exc)
+        assert "too many" in str(exc)
+    finally:
+        thread.join(10)
+        for conn in held:
+            conn.close()
+        listener.close()
