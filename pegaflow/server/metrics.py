@@ -96,7 +96,8 @@ class Metrics:
             "unix-socket connections refused, by the bound or rule they broke: "
             "connections, frame_size, partial_frames, backlog (requests and "
             "replies waiting over all connections), timeout (hello or frame "
-            "not whole in time), protocol, share (descriptor exchange failed)",
+            "not whole in time), unread (replies unread for 30 s), protocol, share "
+            "(descriptor exchange failed)",
             ["reason"],
             registry=r,
         )

@@ -101,6 +101,11 @@ SO_PEERPIDFD = getattr(
 # frame begun) is never timed out.
 HELLO_TIMEOUT_S = 5.0  # from connecting to the whole hello
 FRAME_TIMEOUT_S = 5.0  # from a frame's first byte to its last, while read
+# An engine reads each reply as it comes (it waits for it); replies left
+# unread hold the server's memory, which BACKLOG_BUDGET counts only when more
+# is sent. A connection whose buffered replies do not move for this long is
+# closed (its reader is stuck or gone).
+UNREAD_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +160,8 @@ class _SocketProtocol(asyncio.Protocol):
         self._hung_up = False  # the client closed its end, not just its writes
         self._fd_wait = False  # a share's descriptor is read with recvmsg
         self._timer: asyncio.TimerHandle | None = None  # hello's, or a frame's
+        self._unread_timer: asyncio.TimerHandle | None = None
+        self._written = 0  # reply bytes handed to the transport
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -178,6 +185,9 @@ class _SocketProtocol(asyncio.Protocol):
         self._charge(0)
         self._account()
         self._disarm()
+        if self._unread_timer is not None:
+            self._unread_timer.cancel()
+            self._unread_timer = None
         self._can_write.set()  # _drain must not wait on a connection gone
 
     def _arm(self, after_s: float, why: str) -> None:
@@ -310,7 +320,7 @@ class _SocketProtocol(asyncio.Protocol):
         if not self._queued and body[:1] == bytes([QUERY]):
             reply = self._query(body)
             if isinstance(reply, bytes):
-                self._transport.write(reply)
+                self._reply(reply)
                 return
             body = reply  # it waits for the metaserver: answered in order below
         self._queued.append(body)
@@ -319,6 +329,41 @@ class _SocketProtocol(asyncio.Protocol):
         self._flow()
         if self._task is None:
             self._task = asyncio.ensure_future(self._drain())
+
+    def _reply(self, reply: bytes) -> None:
+        self._transport.write(reply)
+        self._written += len(reply)
+        if self._unread_timer is None and self._transport.get_write_buffer_size():
+            self._watch_unread(self._sent())
+
+    def _sent(self) -> int:
+        """Reply bytes that left the transport's buffer (for the kernel's)."""
+        return self._written - self._transport.get_write_buffer_size()
+
+    def _watch_unread(self, sent: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._unread_timer = loop.call_later(
+            UNREAD_TIMEOUT_S, self._unread_expired, sent
+        )
+
+    def _unread_expired(self, sent_then: int) -> None:
+        self._unread_timer = None
+        transport = self._transport
+        if (
+            self._lost
+            or transport.is_closing()
+            or not transport.get_write_buffer_size()
+        ):
+            return
+        if self._sent() > sent_then:  # read meanwhile, only slowly: watch on
+            self._watch_unread(self._sent())
+            return
+        logger.info(
+            "fast-path connection closed: its replies went unread for %g s",
+            UNREAD_TIMEOUT_S,
+        )
+        self._metrics.socket_refusals.labels("unread").inc()
+        transport.abort()  # no error reply: it would wait behind the unread ones
 
     def _account(self) -> None:
         """Charge the shared backlog with this connection's."""
@@ -400,7 +445,7 @@ class _SocketProtocol(asyncio.Protocol):
                 if isinstance(done, bytes):
                     self._queued_bytes -= len(done)
                 if not (self._discard or self._transport.is_closing()):
-                    self._transport.write(reply)
+                    self._reply(reply)
                     self._flow()
                 self._account()
         finally:
