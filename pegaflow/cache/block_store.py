@@ -92,7 +92,7 @@ class BlockStore(TierLoads):
         # Called when blocks in flight landed or went (a save, a lower tier's
         # load, a restart's check, an eviction of unchecked blocks): a save
         # that deduplicated against them looks again (pegaflow.server.save_waits).
-        self.on_settle: Callable[[], None] = _nothing
+        self.on_settle: Callable[[list[BlockEntry]], None] = _nothing
 
     def add_listener(self, listener: StoreListener) -> None:
         """Tell `listener` of the events it overrides, after those before it."""
@@ -317,7 +317,7 @@ class BlockStore(TierLoads):
         self.apply_touches()
         if not ok:
             self._fail_save(res)
-            self.on_settle()
+            self.on_settle(res.entries)
             return
         mask, clear, complete = res.mask, ~res.mask, res.complete
         sealed: list[BlockEntry] = []  # published now
@@ -327,7 +327,7 @@ class BlockStore(TierLoads):
             entry.landed |= mask
             if entry.landed == complete and not entry.ready:
                 sealed.append(entry)
-        self.on_settle()
+        self.on_settle(res.entries)
         if not sealed:
             return
         self._make_ready_many(sealed)
@@ -438,8 +438,9 @@ class BlockStore(TierLoads):
         if victims:
             for evicted in self._on["unchecked_evicted"]:
                 evicted(victims)
+            gone = list(map(self.entries.__getitem__, victims))
             self._remove(victims)
-            self.on_settle()
+            self.on_settle(gone)
         return victims
 
     def _remove(self, keys: list[Key]) -> None:
@@ -504,7 +505,7 @@ class BlockStore(TierLoads):
         return len(stale)
 
 
-def _nothing() -> None:
+def _nothing(entries: list[BlockEntry]) -> None:
     pass
 
 

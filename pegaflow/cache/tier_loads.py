@@ -84,7 +84,7 @@ class TierLoads:
         if published:
             for ready in self._on["ready"]:
                 ready(published)
-        self.on_settle()
+        self.on_settle(entries)
         return np.concatenate(held) if held else np.empty(0, np.uint64)
 
     def free_withheld(self, slots: np.ndarray) -> None:

@@ -24,17 +24,22 @@ from pegaflow.cache.block_store import BlockStore
 
 
 class Landings:
-    """Saves waiting for blocks other writers have in flight."""
+    """Saves waiting for blocks other writers have in flight, each woken
+    only when one of its own blocks settles (a settle of others' blocks
+    costs nothing per waiter: a stalled writer can leave many waiting)."""
 
     def __init__(self, store: BlockStore) -> None:
         self._store = store
-        self._next: asyncio.Future[None] | None = None  # the next settle
+        self._waiting: dict[int, list[asyncio.Future[None]]] = {}  # id(entry)
         store.on_settle = self._settled
 
-    def _settled(self) -> None:
-        fut, self._next = self._next, None
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+    def _settled(self, entries: list[BlockEntry]) -> None:
+        if not self._waiting:
+            return
+        for entry in entries:
+            for fut in self._waiting.pop(id(entry), ()):
+                if not fut.done():
+                    fut.set_result(None)
 
     async def wait(
         self, entries: list[BlockEntry], mask: int, deadline: float | None
@@ -43,12 +48,24 @@ class Landings:
         deadline): True for each that did not land on them (its writer
         failed, it left the store, or it is still in flight)."""
         table = self._store.entries
-        while any(table.get(e.key) is e and e.in_flight & mask for e in entries):
+        loop = asyncio.get_running_loop()
+        while pending := [
+            e for e in entries if table.get(e.key) is e and e.in_flight & mask
+        ]:
             timeout = None if deadline is None else deadline - time.monotonic()
             if timeout is not None and timeout <= 0:
                 break
-            if self._next is None:
-                self._next = asyncio.get_running_loop().create_future()
-            await asyncio.wait({self._next}, timeout=timeout)
+            fut: asyncio.Future[None] = loop.create_future()
+            for e in pending:  # `entries` holds them: their ids stay theirs
+                self._waiting.setdefault(id(e), []).append(fut)
+            try:
+                await asyncio.wait({fut}, timeout=timeout)
+            finally:
+                for e in pending:
+                    waiters = self._waiting.get(id(e))
+                    if waiters is not None and fut in waiters:
+                        waiters.remove(fut)
+                        if not waiters:
+                            del self._waiting[id(e)]
         landed = [table.get(e.key) is e and e.landed & mask == mask for e in entries]
         return ~np.array(landed, bool)
