@@ -29,6 +29,7 @@ import numpy as np
 
 from pegaflow.common.runs import Part  # (host address, bytes)
 
+from .checked_paths import SsdError, reopen_path, same_file
 from .format import ALIGN
 
 logger = logging.getLogger(__name__)
@@ -36,11 +37,6 @@ logger = logging.getLogger(__name__)
 BackendName = Literal["auto", "posix", "kvikio"]
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 DirectIO = Literal["auto", "on", "off"]
-
-
-class SsdError(RuntimeError):
-    """The SSD tier cannot start as configured; the message says why and what to
-    change."""
 
 
 class FileIO(Protocol):
@@ -183,32 +179,6 @@ class AlignedBuffer:
 
 def _short(op: str, done: int, want: int, file: int, offset: int) -> OSError:
     return OSError(errno.EIO, f"short {op} on file {file} at {offset}: {done}/{want}")
-
-
-def reopen_path(checked: int | None, path: str) -> str:
-    """Where to open again the data file files.py checked (and locked) at
-    descriptor `checked`, with other flags (O_DIRECT) or by a library that
-    opens by name (kvikio): /proc/self/fd/<checked>, which reaches that very
-    file whatever `path` names by now. `path` itself without /proc (then
-    `same_file` tells a file swapped in since the check) or without a
-    checked descriptor (tests)."""
-    if checked is None:
-        return path
-    proc = f"/proc/self/fd/{checked}"
-    return proc if os.path.exists(proc) else path
-
-
-def same_file(checked: int | None, fd: int, path: str) -> None:
-    """Raise SsdError unless descriptor fd is open on the file checked at
-    descriptor `checked` (same device and inode)."""
-    if checked is None:
-        return
-    a, b = os.fstat(checked), os.fstat(fd)
-    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
-        raise SsdError(
-            f"ssd cache {path}: the path names another file than the one "
-            "checked at start (replaced meanwhile); refusing to use it"
-        )
 
 
 class PosixIO:

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from .checked_paths import reopen_path, same_file
+
 logger = logging.getLogger(__name__)
 
 
@@ -95,11 +97,9 @@ def open_checked(
 ) -> list[Any]:
     """CuFiles of the data files files.py checked at descriptors `checked`:
     kvikio opens by name, so each is opened through /proc/self/fd/<checked>
-    (io.reopen_path), never by a path that may name another file by now;
+    (checked_paths.reopen_path), never by a path that may name another file by now;
     and where kvikio tells its descriptor, that is checked to be the same
     file. All closed again on an error."""
-    from .io import reopen_path, same_file
-
     files: list[Any] = []
     try:
         for i, path in enumerate(paths):
