@@ -16,12 +16,7 @@ SCM_RIGHTS, from the registering process only (this connection's kernel pid).
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import os
-import platform
-import select
-import socket
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -63,6 +58,7 @@ from pegaflow.common.socket_frames import (
 from pegaflow.daemon.boundary import guarded, guarded_sync
 
 from .socket_file import bind_private_unix, unlink_if_ours
+from .socket_peer import hung_up, peer_exited, unread
 from .socket_share import FdLost, share
 
 if TYPE_CHECKING:
@@ -88,13 +84,6 @@ WRITE_HIGH_BYTES = 16 << 20
 BACKLOG_BUDGET = 256 << 20
 MAX_CONNECTIONS = 1024
 REFUSED_LINGER_S = 2.0  # a refused connection drains this long, then closes
-# The kernel's handle on the process that connected (Linux 6.5+; the generic
-# value, which x86_64 and aarch64 use); Python names it from 3.14 only.
-SO_PEERPIDFD = getattr(
-    socket,
-    "SO_PEERPIDFD",
-    77 if platform.machine() in ("x86_64", "aarch64") else None,
-)
 # A client sends its hello as it connects and each frame in one sendall: one
 # that takes longer is stuck or hostile, and would hold its connection slot
 # and its partial frame for ever. An idle engine between two requests (no
@@ -205,7 +194,7 @@ class _SocketProtocol(asyncio.Protocol):
         self._timer = None
         if self._discard or self._transport.is_closing():
             return
-        if self._reading and _unread(self._transport.get_extra_info("socket")):
+        if self._reading and unread(self._transport.get_extra_info("socket")):
             # Bytes wait in the kernel: the loop was late (a stall), not the
             # client; a stuck client's bytes were all read by now.
             self._arm(after_s, why)
@@ -296,7 +285,7 @@ class _SocketProtocol(asyncio.Protocol):
         client that closed its end altogether reads no answer: what it queued
         is dropped (_drain)."""
         self._eof = True
-        self._hung_up = _hung_up(self._transport.get_extra_info("socket"))
+        self._hung_up = hung_up(self._transport.get_extra_info("socket"))
         return self._task is not None  # True keeps the transport open for now
 
     def _dispatch(self, body: bytes) -> None:
@@ -531,7 +520,7 @@ class _SocketProtocol(asyncio.Protocol):
             # SO_PEERCRED's pid is from connect(): a child that kept the
             # connection must not register the memory of whichever process
             # took that pid since (the registration checks the pid's process).
-            if _peer_exited(sock):
+            if peer_exited(sock):
                 raise PermissionDenied(
                     f"register: the process that opened this connection (pid "
                     f"{pid}) has exited, and its pid may be another process's "
@@ -595,48 +584,6 @@ async def start_socket_server(
         unlink_if_ours(path, sock)
         sock.close()
         raise
-
-
-def _hung_up(sock: object) -> bool:
-    """Whether the peer closed its end (POLLHUP), not only its writing half
-    (shutdown(SHUT_WR): it still reads the answers)."""
-    try:
-        poller = select.poll()
-        poller.register(sock.fileno(), 0)  # POLLHUP is reported unasked
-        return any(ev & select.POLLHUP for _, ev in poller.poll(0))
-    except (OSError, ValueError, AttributeError):  # closed already: gone
-        return True
-
-
-def _unread(sock: socket.socket | None) -> bool:
-    """Whether bytes wait to be read on the connection."""
-    if sock is None:
-        return False
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    return any(ev & select.POLLIN for _, ev in poller.poll(0))
-
-
-def _peer_exited(sock: socket.socket) -> bool:
-    """Whether the process that opened the connection has exited, as the
-    kernel tells by SO_PEERPIDFD; False where it cannot (before Linux 6.5:
-    docs/security.md names the residual)."""
-    if SO_PEERPIDFD is None:
-        return False
-    try:
-        fd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
-    except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):  # not a pass: refuse
-            raise Overloaded(
-                f"register: the server cannot take a descriptor now ({exc.strerror})"
-            ) from None
-        return exc.errno in (errno.ESRCH, errno.EINVAL)  # reaped: no task left
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)  # a pidfd reads once it exited
-        return bool(poller.poll(0))
-    finally:
-        os.close(fd)
 
 
 def _query_reply(res: QueryResult) -> bytes:
