@@ -81,9 +81,9 @@ class BlockStore(TierLoads):
         # allocated to blocks and of blocks published.
         self.log: SlotLog | None = getattr(slabs, "log", None)
         # A restart's recovered blocks whose check is still to come
-        # (pegaflow.server.pool_check), in the order they were adopted: never
-        # served; evicted before any other block when the pool is full (no
-        # query reached them since the restart, or they would be checked).
+        # (pegaflow.server.pool_check): never served; when the pool is full,
+        # evicted before the policy's victims of their class (no query
+        # reached them since the restart, or they would be checked).
         self.unchecked: dict[Key, BlockEntry] = {}
         # Their keys per slot class, in adoption order: eviction takes from
         # the end (the blocks the check reaches last), each pop O(1); keys
