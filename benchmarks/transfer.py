@@ -41,6 +41,7 @@ from benchmarks.common import metric_lines, metric_totals, table, write_json  # 
 from pegaflow.client.cuda_export import IpcEvents, export_kv  # noqa: E402
 from pegaflow.client.kv_layouts import vllm_layer_views  # noqa: E402
 from pegaflow.client.pegaflow_client import PegaflowClient  # noqa: E402
+from pegaflow.copiers.measured import PATHS  # noqa: E402
 from pegaflow.demo.spawn import spawn_server  # noqa: E402
 
 if TYPE_CHECKING:
@@ -86,6 +87,19 @@ def path_race(http: str) -> list[dict] | None:
     where a path is forced."""
     gpu = interference.copy_path_gpu0(http)
     return None if gpu is None else gpu.get("classes")
+
+
+def latency_paths(http: str, before: dict[str, int]) -> dict[str, object]:
+    """Under --copy-path auto, the bytes each path moved during the 1-block
+    round trips and where the contention check stood after them: a 1-block
+    batch follows the crossover table unless contention sent kernels' share
+    to copy engines."""
+    gpu = interference.copy_path_gpu0(http)
+    if gpu is None:
+        return {}
+    after = interference.path_counts(http)
+    moved = {f"lat_{p}_MiB": round((after[p] - before[p]) / 2**20, 1) for p in PATHS}
+    return moved | {"lat_contention_choice": gpu["choice"]}
 
 
 # With an SSD tier (--server-arg=--ssd-cache-path=...): what the writers did
@@ -257,7 +271,9 @@ def bench_shape(
     extra = {}
     if name.startswith("llama"):
         n = 640 if max(sizes) >= 640 else max(sizes)
-        extra = latency(eng, lat_reps, lat_gap_s) | concurrent(addr, eng, n)
+        paths_before = interference.path_counts(http)
+        extra = latency(eng, lat_reps, lat_gap_s)
+        extra |= latency_paths(http, paths_before) | concurrent(addr, eng, n)
     eng.close()
     return rows, extra
 
