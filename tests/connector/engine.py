@@ -435,12 +435,24 @@ class Engine:
         """Pages a request starts its first forward with (a local hit or an
         async load that landed), in every group: what its attention reads."""
         plan = getattr(so.kv_connector_metadata, "plan", None)
-        syncing = {j.req_id for j in plan.loads if j.sync} if plan else set()
+        sync = [j for j in plan.loads if j.sync] if plan else []
+        syncing = {j.req_id for j in sync}
+        # Blocks this step's sync loads fill: another request may hit them in
+        # vLLM's own prefix cache in the same step (checked once loaded).
+        landing = {(j.group, b) for j in sync for b in j.block_ids}
         bad = []
         for new in so.scheduled_new_reqs:
             rid, done = new.req_id, new.num_computed_tokens
             if done and rid not in syncing:
-                bad += self._block_errors(rid, tables[rid], range(done // BLOCK))
+                hit = [
+                    k
+                    for k in range(done // BLOCK)
+                    if not any(
+                        k < len(t) and (g, t[k]) in landing
+                        for g, t in enumerate(tables[rid])
+                    )
+                ]
+                bad += self._block_errors(rid, tables[rid], hit)
         return [f"restored page wrong before the forward: {e}" for e in bad]
 
     def sync_load_errors(self, loads: list[Any]) -> list[str]:
