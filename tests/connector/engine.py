@@ -191,6 +191,14 @@ class Engine:
             if isinstance(group.kv_cache_spec, MambaSpec)
             for name in group.layer_names
         }
+        # Per-request scratch (a compressor's ring): no hit restores it, so
+        # the fake forward neither writes nor checks it.
+        self.scratch_layers = {
+            name
+            for group in self.kv_cache_config.kv_cache_groups
+            if not group.kv_cache_spec.prefix_cacheable
+            for name in group.layer_names
+        }
         config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
         self.sched = Scheduler(
             vllm_config=config,
@@ -365,7 +373,7 @@ class Engine:
                 continue  # another stage's layer
             if w is not None:
                 w.wait_for_layer_load(name)
-            if self.write_kv:
+            if self.write_kv and name not in self.scratch_layers:
                 write = self._write_state if name in self.state_layers else self._write
                 for rid, n in so.num_scheduled_tokens.items():
                     table = tables[rid][self.group_of[name]]
@@ -470,8 +478,8 @@ class Engine:
     ) -> list[str]:
         seq, bad = self.seqs[rid], []
         for layer, (name, view) in enumerate(self.caches.items()):
-            if name in self.state_layers:
-                continue  # checked where a step reads it (_write_state)
+            if name in self.state_layers or name in self.scratch_layers:
+                continue  # checked where a step reads it (_write_state), or scratch
             if group is not None and self.group_of[name] != group:
                 continue
             table = tables[self.group_of[name]]
