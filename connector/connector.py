@@ -104,7 +104,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
-        groups = _check_supported(vllm_config, kv_cache_config)
+        groups = self._groups = _check_supported(vllm_config, kv_cache_config)
         ident = instance_id(vllm_config, self.config.instance_id)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         stages = vllm_config.parallel_config.pipeline_parallel_size
@@ -165,6 +165,11 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """The groups a hit restores: those we transfer (kv_groups.groups_of),
+        so vLLM zeroes and replays exactly the others."""
+        return tuple(rule.index for rule in self._groups.rules)
 
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int

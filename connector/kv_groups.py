@@ -14,6 +14,9 @@ pipeline parallelism, every stage: each stage's layers are a part too):
 - Mamba (`mamba_cache_mode="align"`): the state cached at the boundary P, one
   block.
 
+Only the groups vLLM restores from a hit are rules (`groups_of`): a scratch
+ring or a window vLLM rebuilds by replay is none of our business.
+
 Pure Python: the rules travel to the worker half and into the tests without
 vLLM; only `groups_of` reads vLLM's spec classes.
 """
@@ -119,13 +122,24 @@ def single_group(block_size: int, layer_names: Sequence[str] = ()) -> KVGroups:
 
 
 def groups_of(kv_cache_config: Any, block_size: int) -> KVGroups:
-    """The transferred groups of vLLM's KVCacheConfig, or ValueError naming
-    a group this connector cannot restore (its spec and layers)."""
+    """The groups of vLLM's KVCacheConfig it restores from an external hit,
+    or ValueError naming one this connector cannot restore (its spec and
+    layers). vLLM restores the prefix-cacheable transfer groups only (its
+    default get_loaded_kv_cache_group_ids); the others are per-request
+    scratch (a compressor's ring) or rebuilt by replaying the hit's last
+    window, so a copy of them would be loaded for nothing."""
     configs = kv_cache_config.kv_cache_groups
-    transfer = getattr(kv_cache_config, "transfer_group_ids", range(len(configs)))
+    restored = getattr(kv_cache_config, "prefix_cacheable_group_ids", None)
+    if restored is None:  # before vLLM 0.33, or a stand-in config
+        transfer = getattr(kv_cache_config, "transfer_group_ids", range(len(configs)))
+        restored = [
+            i
+            for i in transfer
+            if getattr(configs[i].kv_cache_spec, "prefix_cacheable", True)
+        ]
     rules = tuple(
         dataclasses.replace(_rule(i, configs[i]), block_bytes=_block_bytes(configs[i]))
-        for i in transfer
+        for i in restored
     )
     if not rules:
         raise ValueError("PegaKVConnector: no KV cache group to transfer")

@@ -78,6 +78,11 @@ class SchedulerHalf:
         self._loads: list[LoadJob] = []
         self._finish_saves: list[SaveJob] = []
         self._held: set[ReqId] = set()
+        # Sync loads of the last plan (under async scheduling vLLM admits the
+        # next step before it hears how they went) and the readers of the
+        # blocks they fill (StepPlan.readers).
+        self._last_sync: list[LoadJob] = []
+        self._readers: dict[ReqId, set[ReqId]] = {}
         # Requests whose load failed: vLLM recomputes them, and asks us again;
         # a hit claimed again may fail the same way, forever.
         self._failed_loads: set[ReqId] = set()
@@ -134,6 +139,8 @@ class SchedulerHalf:
         st.tables = tables
         if hit is None:  # second call after an async load: nothing to plan
             return
+        if hit.local:
+            self._note_reader(st, hit.local)
         # Admission (again, after a preemption): what is cached needs no save.
         end = hit.local + num_external
         st.saved = [end // rule.block_size for rule in self.groups.rules]
@@ -145,6 +152,20 @@ class SchedulerHalf:
         self._loads.extend(jobs)
         if jobs:
             self.stats["hit_tokens"] += num_external
+
+    def _note_reader(self, st: _Req, local: int) -> None:
+        """vLLM caches a sync load's blocks as it allocates them, so a request
+        admitted after it (this step, or the next under async scheduling)
+        may hit them locally: if that load fails, it read KV that never
+        arrived, and must not save what it computed over it."""
+        rid = st.request.request_id
+        for job in [*self._last_sync, *self._loads]:
+            if not job.sync or job.req_id == rid:
+                continue
+            pos = self.groups.rules.index(self.groups.rule(job.group))
+            hit = st.tables[pos][: local // self.groups.rules[pos].block_size]
+            if not set(job.block_ids).isdisjoint(hit):
+                self._readers.setdefault(job.req_id, set()).add(rid)
 
     def _load_jobs(self, st: _Req, hit: Hit, end: int) -> list[LoadJob]:
         """Per group, the blocks vLLM allocated in the hit (its null blocks are
@@ -210,8 +231,11 @@ class SchedulerHalf:
             self._held,
             set(so.preempted_req_ids or ()),
             so.total_num_scheduled_tokens,
+            self._readers,
         )
         self._loads, self._finish_saves, self._held = [], [], set()
+        self._last_sync = [job for job in plan.loads if job.sync]
+        self._readers = {}
         block_state = getattr(so, "kv_connector_block_state", None)
         self._track_block_tables(so, block_state)
         handoffs = getattr(block_state, "boundary_state_offloads", None)

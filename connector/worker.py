@@ -138,10 +138,11 @@ class WorkerHalf:
         # across groups, so vLLM takes load failures per request
         # (failed_recving), not per block.
         self._failed_reqs: set[ReqId] = set()
-        # Requests whose sync load failed: the forward of that step (and of
-        # the next, scheduled before vLLM saw the failure) computed their
-        # blocks over KV that never arrived. Never saved again (a miss, not
-        # wrong KV under good hashes); forgotten once vLLM says they finished.
+        # Requests whose sync load failed, and those that read its blocks
+        # (StepPlan.readers): the forward of that step (and of the next,
+        # scheduled before vLLM saw the failure) computed their blocks over
+        # KV that never arrived. Never saved again (a miss, not wrong KV
+        # under good hashes); forgotten once vLLM says they finished.
         self._poisoned: set[ReqId] = set()
         self._report = WorkerReport()
         # Host KV's sealed memfds, by the regions they back (registrar.py).
@@ -284,6 +285,9 @@ class WorkerHalf:
         """One Save per step for every request's completed blocks (this rank's
         stripe of them for replicated KV)."""
         self.wait_sync_loads()  # in case no layer asked (no forward this step)
+        for rid, readers in plan.readers.items():
+            if rid in self._poisoned:  # they read its blocks in this forward
+                self._poisoned |= readers
         self._timer().stop(plan)
         self._plan_saves(plan)  # a no-op when start_load saw this plan
         assert self._planned is not None

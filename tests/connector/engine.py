@@ -191,6 +191,14 @@ class Engine:
             if isinstance(group.kv_cache_spec, MambaSpec)
             for name in group.layer_names
         }
+        # Per-request scratch (a compressor's ring): no hit restores it, so
+        # the fake forward neither writes nor checks it.
+        self.scratch_layers = {
+            name
+            for group in self.kv_cache_config.kv_cache_groups
+            if not group.kv_cache_spec.prefix_cacheable
+            for name in group.layer_names
+        }
         config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
         self.sched = Scheduler(
             vllm_config=config,
@@ -365,7 +373,7 @@ class Engine:
                 continue  # another stage's layer
             if w is not None:
                 w.wait_for_layer_load(name)
-            if self.write_kv:
+            if self.write_kv and name not in self.scratch_layers:
                 write = self._write_state if name in self.state_layers else self._write
                 for rid, n in so.num_scheduled_tokens.items():
                     table = tables[rid][self.group_of[name]]
@@ -435,12 +443,24 @@ class Engine:
         """Pages a request starts its first forward with (a local hit or an
         async load that landed), in every group: what its attention reads."""
         plan = getattr(so.kv_connector_metadata, "plan", None)
-        syncing = {j.req_id for j in plan.loads if j.sync} if plan else set()
+        sync = [j for j in plan.loads if j.sync] if plan else []
+        syncing = {j.req_id for j in sync}
+        # Blocks this step's sync loads fill: another request may hit them in
+        # vLLM's own prefix cache in the same step (checked once loaded).
+        landing = {(j.group, b) for j in sync for b in j.block_ids}
         bad = []
         for new in so.scheduled_new_reqs:
             rid, done = new.req_id, new.num_computed_tokens
             if done and rid not in syncing:
-                bad += self._block_errors(rid, tables[rid], range(done // BLOCK))
+                hit = [
+                    k
+                    for k in range(done // BLOCK)
+                    if not any(
+                        k < len(t) and (g, t[k]) in landing
+                        for g, t in enumerate(tables[rid])
+                    )
+                ]
+                bad += self._block_errors(rid, tables[rid], hit)
         return [f"restored page wrong before the forward: {e}" for e in bad]
 
     def sync_load_errors(self, loads: list[Any]) -> list[str]:
@@ -458,8 +478,8 @@ class Engine:
     ) -> list[str]:
         seq, bad = self.seqs[rid], []
         for layer, (name, view) in enumerate(self.caches.items()):
-            if name in self.state_layers:
-                continue  # checked where a step reads it (_write_state)
+            if name in self.state_layers or name in self.scratch_layers:
+                continue  # checked where a step reads it (_write_state), or scratch
             if group is not None and self.group_of[name] != group:
                 continue
             table = tables[self.group_of[name]]

@@ -220,3 +220,52 @@ def test_a_failed_async_load_saves_the_blocks_it_recomputes(
     assert c.counters()["hit_tokens"] == len(longer) // BLOCK * BLOCK
     for engine in (a, b, c):
         engine.close()
+
+
+def test_a_failed_sync_load_poisons_a_local_hit_on_its_blocks(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    """B admits "a" and "b" in one step: "a" sync-loads A's prefix, and "b"
+    hits those very blocks in vLLM's own prefix cache (cached as "a" was
+    allocated). The load fails: "b" computed its tail over KV that never
+    arrived. vLLM recomputes both; nothing of "b" is saved either, so C finds
+    only what A saved."""
+    import random
+
+    pega_server()
+    extra = {**FAST, "sync_load_max_tokens": 4096}
+    rnd = random.Random(7)
+    prefix = [rnd.randrange(50, 950) for _ in range(96)]  # 6 blocks
+    first = prefix + [rnd.randrange(50, 950) for _ in range(70)]
+    second = prefix + [rnd.randrange(50, 950) for _ in range(70)]
+    a = Engine(vllm_config(tiny_model, extra))
+    serve(a, {"a": prefix})
+    b = Engine(vllm_config(tiny_model, extra))
+    b.step()
+    seen: dict[str, object] = {}
+
+    def break_the_lease(so: object) -> None:
+        plan = so.kv_connector_metadata.plan  # type: ignore[attr-defined]
+        (job,) = plan.loads
+        assert job.req_id == "a" and job.sync
+        job.lease_id ^= 2  # unknown to the server: the item fails
+        new = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        seen["local"] = new["b"]
+        seen["saves"] = sorted(s.req_id for s in plan.saves)
+        b.after_schedule = None
+
+    b.after_schedule = break_the_lease
+    b.add("a", first, max_tokens=2)
+    b.add("b", second, max_tokens=2)
+    b.run()
+    assert b.errors == []
+    assert seen == {"local": len(prefix), "saves": ["a", "b"]}
+    assert b.counters()["load_failures"] == 1
+    assert b.counters().get("save_blocks", 0) == 0
+    b.assert_clean()
+    c = Engine(vllm_config(tiny_model, extra))
+    c.step()
+    serve(c, {"c": second})
+    assert c.counters()["hit_tokens"] == len(prefix)
+    for engine in (a, b, c):
+        engine.close()

@@ -22,11 +22,18 @@ from tests.procs import ServerProc
 needs_vllm()
 
 import torch  # noqa: E402
+from vllm.v1.core.kv_cache_planning import (  # noqa: E402
+    get_global_kv_cache_groups,
+    get_kv_cache_configs,
+)
 from vllm.v1.kv_cache_interface import (  # noqa: E402
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheGroupSpec,
     MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 
@@ -437,3 +444,65 @@ def test_a_failed_load_is_per_request_while_vllm_has_several_groups(
     assert counters["hit_tokens"] == (len(batch[rid]) - 1) // BLOCK * BLOCK
     a.close()
     b.close()
+
+
+def test_a_scratch_ring_group_is_neither_refused_nor_transferred(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    """vLLM restores from an external hit only its prefix-cacheable groups
+    (get_loaded_kv_cache_group_ids). A compressor's ring (CircularBufferSpec:
+    one scratch block per request) is not one: the model is served, and B
+    hits every group vLLM restores, the ring never moved. Before: refused."""
+    pega_server()
+    ring = {
+        f"model.layers.{i}.self_attn.attn": _attn(FullAttentionSpec) for i in (0, 1, 2)
+    }
+    ring["model.layers.3.self_attn.attn"] = _attn(CircularBufferSpec)
+    a, b = (Engine(vllm_config(tiny_model, FAST), specs=ring) for _ in range(2))
+    config = b.kv_cache_config
+    restored = config.prefix_cacheable_group_ids
+    assert len(config.transfer_group_ids) == 4 and restored == (0, 1, 2)
+    assert b.scheduler_connector.get_loaded_kv_cache_group_ids(None) == restored
+    assert set(b.worker._worker.parts) == set(restored)
+    batch = prompts(11, n=2)
+    serve(a, batch)
+    a.assert_clean()
+    loads = serve_hitting(b, batch)
+    for rid in batch:
+        groups = sorted(job.group for job in loads[rid])
+        assert groups == list(restored), (rid, groups)
+    assert b.counters()["hit_tokens"] == sum(
+        (len(t) - 1) // BLOCK * BLOCK for t in batch.values()
+    )
+    a.close()
+    b.close()
+
+
+def test_a_window_vllm_replays_after_a_hit_is_not_transferred(
+    tiny_model: Path,
+) -> None:
+    """DeepSeek-V4's bounded-replay sliding window (SlidingWindowMLASpec,
+    bounded_replay) is rebuilt by recomputing the hit's last window, unless
+    the connector says it loads it: it is not prefix-cacheable, so we
+    neither load it (for nothing) nor tell vLLM we do. Before: transferred
+    as a sliding-window group."""
+    config = vllm_config(tiny_model)
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    config.cache_config.kv_cache_layout = "LBNHC"
+    latent = {"block_size": BLOCK, "num_kv_heads": 1, "head_size": 64}
+    mla = MLAAttentionSpec(**latent, dtype=torch.bfloat16)
+    window = SlidingWindowMLASpec(
+        **latent, dtype=torch.bfloat16, sliding_window=32, bounded_replay=True
+    )
+    specs = {
+        f"model.layers.{i}.self_attn.attn": window if i % 2 else mla for i in range(4)
+    }
+    groups = get_global_kv_cache_groups(config, [specs])
+    memory = 64 * mla.page_size_bytes * len(specs)
+    (kv_config,) = get_kv_cache_configs(config, [specs], [memory], groups)
+    assert len(kv_config.transfer_group_ids) == 2
+    rules = groups_of(kv_config, BLOCK).rules
+    assert tuple(r.index for r in rules) == kv_config.prefix_cacheable_group_ids
+    assert [(r.kind, r.layer_names) for r in rules] == [
+        ("full", ("model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"))
+    ]
