@@ -353,21 +353,25 @@ class BlockStore(TierLoads):
         if failed:
             self.slabs.free(np.asarray(failed, np.uint64))
 
-    def _make_ready(self, entry: BlockEntry) -> None:
+    def _make_ready(self, entry: BlockEntry, cold: bool = False) -> None:
         entry.ready = True
         index = self._ready.get(entry.key[0])
         if index is None:
             index = self._ready[entry.key[0]] = ReadyIndex()
         index.add(entry)
-        self.policy.insert(entry.key)
+        if cold:
+            self.policy.insert_cold_many((entry.key,))
+        else:
+            self.policy.insert(entry.key)
 
-    def _make_ready_many(self, entries: list[BlockEntry]) -> None:
-        """_make_ready() each entry, in order (distinct, none ready yet)."""
+    def _make_ready_many(self, entries: list[BlockEntry], cold: bool = False) -> None:
+        """_make_ready() each entry, in order (distinct, none ready yet).
+        cold: unused so far, they enter below every resident block."""
         keys = list(map(_KEY, entries))
         ns_ids = set(map(itemgetter(0), keys))  # C-level passes, no frame per key
         if len(entries) < 2 or len(ns_ids) != 1:
             for entry in entries:
-                self._make_ready(entry)
+                self._make_ready(entry, cold)
             return
         (ns_id,) = ns_ids
         for entry in entries:
@@ -376,7 +380,10 @@ class BlockStore(TierLoads):
         if index is None:
             index = self._ready[ns_id] = ReadyIndex()
         index.add_many(entries)
-        self.policy.insert_many(keys)
+        if cold:
+            self.policy.insert_cold_many(keys)
+        else:
+            self.policy.insert_many(keys)
 
     def _allocate(self, cls: SlotClass, n: int) -> np.ndarray:
         """Up to n slots, evicting LRU blocks (of any class) while short. A

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from functools import partial
 from itertools import repeat
 from typing import Protocol
 
@@ -49,6 +50,9 @@ _MAX_PENDING = 4096
 class EvictionPolicy(Protocol):
     def insert(self, key: Key) -> None: ...
     def insert_many(self, keys: Sequence[Key]) -> None: ...  # insert each, in order
+    # Keys no one used yet (a restart's recovered blocks, once checked): below
+    # every resident key, in order (the first leaves first); not an access.
+    def insert_cold_many(self, keys: Sequence[Key]) -> None: ...
     def touch(self, key: Key) -> None: ...
     def touch_many(self, keys: Sequence[Key]) -> None: ...  # all resident, in order
     def remove(self, key: Key) -> None: ...
@@ -87,6 +91,11 @@ class LRUPolicy:
         order.update(zip(keys, repeat(None)))
         if len(order) - before != len(keys):
             deque(map(order.move_to_end, keys), maxlen=0)
+
+    def insert_cold_many(self, keys: Sequence[Key]) -> None:
+        order = self._order
+        order.update(zip(keys, repeat(None)))
+        deque(map(partial(order.move_to_end, last=False), reversed(keys)), maxlen=0)
 
     def touch(self, key: Key) -> None:
         if key in self._order:
@@ -289,6 +298,11 @@ class AdmissionPolicy:
         elif fresh:
             self._sketch.record_many(fresh)
         self._inner.insert_many(keys)
+
+    def insert_cold_many(self, keys: Sequence[Key]) -> None:
+        # Not recorded: no one asked for them (the sketch rates accesses).
+        self._pending.difference_update(keys)
+        self._inner.insert_cold_many(keys)
 
     def touch(self, key: Key) -> None:
         if key in self._inner:

@@ -133,6 +133,7 @@ class RecordingPolicy:
         # Bound straight through: the query path calls touch_many, no extra frame.
         self.insert = inner.insert
         self.insert_many = inner.insert_many
+        self.insert_cold_many = inner.insert_cold_many
         self.touch = inner.touch
         self.touch_many = inner.touch_many
         self.remove = inner.remove

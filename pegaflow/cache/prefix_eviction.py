@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from itertools import chain, compress, islice, repeat
 from operator import is_, is_not, itemgetter, setitem
 
@@ -107,6 +108,14 @@ class PrefixLRUPolicy:
             for i in compress(range(n), claims):
                 if i == 0 or claims[i] != keys[i - 1]:
                     self._link(nodes[i], self._node(claims[i]))
+
+    def insert_cold_many(self, keys: Sequence[Key]) -> None:
+        """Keys one by one: nothing says they form a chain (a restart's
+        recovered blocks, in the file's row order)."""
+        for key in keys:
+            self.insert(key)
+        move = partial(self._order.move_to_end, last=False)
+        deque(map(move, reversed(keys)), maxlen=0)
 
     def touch(self, key: Key) -> None:
         node = self._deferred.pop(key, None)

@@ -50,35 +50,45 @@ class TierLoads:
         entries: list[BlockEntry],
         ok: np.ndarray,
         withhold: np.ndarray | None = None,
+        cold: np.ndarray | None = None,
     ) -> np.ndarray:
         """Blocks that arrived become ready (visible, evictable); the rest go.
         The slots of those that did not arrive and are marked in `withhold`
         (a read may still write them) stay allocated: returned, for the caller
-        to hand back through free_withheld once nothing can write them."""
+        to hand back through free_withheld once nothing can write them.
+        Those marked in `cold` no one asked for (a restart's check reached
+        them): they enter below every resident block, not as just used."""
         self.apply_touches()
         lost: list[np.ndarray] = []
         held: list[np.ndarray] = []
         published: list[BlockEntry] = []
+        unused: list[BlockEntry] = []
         keep = withhold.tolist() if withhold is not None else [False] * len(entries)
+        unasked = cold.tolist() if cold is not None else [False] * len(entries)
         if self.unchecked:  # a restart's check (pegaflow.server.pool_check)
             for entry in entries:
                 self.unchecked.pop(entry.key, None)
             if not self.unchecked:  # a dict keeps its table, emptied
                 self.unchecked = {}
                 self._unchecked_stacks.clear()
-        for entry, good, hold in zip(entries, ok.tolist(), keep, strict=True):
+        for entry, good, hold, idle in zip(
+            entries, ok.tolist(), keep, unasked, strict=True
+        ):
             entry.pins -= 1
             if good:  # in flight on every bit: those are the complete block
                 entry.landed, entry.in_flight = entry.in_flight, 0
-                published.append(entry)
+                (unused if idle else published).append(entry)
             else:
                 entry.in_flight = 0
                 (held if hold else lost).append(entry.slot_array())
                 self._pop_entry(entry.key)
         if lost:
             self.slabs.free(np.concatenate(lost))
+        if unused:
+            self._make_ready_many(unused, cold=True)
         if published:
             self._make_ready_many(published)
+        published += unused
         if published and self.log is not None:
             self.log.landed(published)
         if published:

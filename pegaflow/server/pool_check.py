@@ -109,6 +109,13 @@ class PoolCheck(Tier):
         self._batch = min(BATCH_BYTES, max(1, rate // 10)) if rate else BATCH_BYTES
         self._index: dict[Key, int] = {e.key: i for i, e in enumerate(pending.entries)}
         self._taken = np.zeros(len(pending.entries), bool)
+        # Blocks a query or a save asked for (on the loop): published as
+        # just used. The rest enter below every block used since the start:
+        # rows record no recency, a pass that reached them is no use, and a
+        # block engines asked for since is the likelier to be asked again (the
+        # pass once put the whole pool above those, so they went first when
+        # the pool filled).
+        self._asked = np.zeros(len(pending.entries), bool)
         self._cursor = 0
         self._urgent: collections.deque[int] = collections.deque()
         self._wake = threading.Condition()  # guards the queue and the cursor
@@ -145,6 +152,7 @@ class PoolCheck(Tier):
         return Lookup("loading", len(run))
 
     def _hurry(self, run: list[int]) -> None:
+        self._asked[run] = True
         with self._wake:  # polled again and again: queued once
             self._urgent.extend(i for i in run if not self._taken[i])
             self._wake.notify()
@@ -297,7 +305,7 @@ class PoolCheck(Tier):
             entries = list(compress(entries, live.tolist()))
             if not entries:
                 return
-        self._store.finish_load(entries, ok)
+        self._store.finish_load(entries, ok, cold=~self._asked[batch])
         r = self.outcome
         bad = int(len(ok) - ok.sum())
         r.unchecked -= len(batch)

@@ -236,9 +236,8 @@ def _pending(
     flat = np.concatenate(rows).astype(np.int64) if rows else np.empty(0, np.int64)
     none = counts == 0
     if none.any():
-        store.finish_load(
-            [entries[i] for i in np.flatnonzero(none).tolist()], none[none]
-        )
+        ids = np.flatnonzero(none).tolist()  # no one used them yet: cold
+        store.finish_load([entries[i] for i in ids], none[none], cold=none[none])
     left = np.flatnonzero(~none)
     # The rows of the blocks left, still back to back in block order.
     counts = counts[left].astype(np.int64)

@@ -278,6 +278,30 @@ def test_a_pool_of_format_2_is_kept_and_every_block_comes_back(
         assert (_rows(m)["state"] == SEALED).sum() == N
 
 
+def test_a_pool_of_format_2_and_another_size_is_refused_naming_format_2(
+    server_factory, tmp_path: Path
+) -> None:
+    """Scenario: 64 blocks kept by a server of format 2 at 16 MiB; a server
+    started with --pool-size 32mb and --pool-on-mismatch refuse exits naming
+    the flag, the file's format (2, not this server's: it was once named as
+    this format, as if only its size differed) and both sizes, and leaves the
+    file as it was."""
+    server = server_factory(*_flags(tmp_path))
+    _save(server, LocalKV(seed=7))
+    server.stop(signal.SIGTERM)
+    path = tmp_path / "pool.bin"
+    with mapped(path) as m:
+        _as_format_2(m)
+    other = ("--pool-size", "32mb", "--pool-file", str(path))
+    rc, err = _failed_start(*other, "--pool-on-mismatch", "refuse")
+    assert rc == 2 and "Traceback" not in err
+    assert f"holds a pool of format 2 ({FORMATS[2]}), 16777216 B" in err
+    assert f"needs format {VERSION} ({FORMATS[VERSION]}), 33554432 B" in err
+    assert "--pool-on-mismatch reinit" in err
+    with mapped(path) as m:  # refused: untouched
+        assert _super(m)[1] == 2 and (_rows(m)["state"] == 3).sum() == N
+
+
 def test_a_file_of_the_blake3_format_is_refused_or_reinitialised(
     server_factory, tmp_path: Path
 ) -> None:
