@@ -25,6 +25,7 @@ import pytest
 
 from pegaflow.client.host_share import whole_pages
 from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.client.registration_messages import allow_ptrace_from, host_request
 from pegaflow.common.errors import PegaflowError
 from pegaflow.common.share_frames import (
     READY,
@@ -39,9 +40,11 @@ from pegaflow.common.socket_frames import (
     LOAD_REPLY,
     MAX_BODY,
     QUERY_REPLY,
+    REGISTER_REPLY,
     encode_hello,
     encode_load,
     encode_query,
+    encode_register,
     encode_save,
     load_reply_size,
 )
@@ -461,3 +464,41 @@ def test_a_share_without_a_descriptor_to_spare_leaves_the_connection_working(
             assert QUERY_REPLY.unpack(got)[:2] == (0, 2)
         finally:
             sock.close()
+
+
+def test_a_registration_without_a_descriptor_to_spare_is_refused_clearly(
+    server,
+) -> None:
+    """Scenario: the server may open one descriptor more when a host engine
+    registers (its connection's SO_PEERPIDFD takes it and gives it back). The
+    pidfd of the engine then took it and /proc/<pid> found none: the engine got
+    INTERNAL, and pidfd_open out of descriptors had answered "no pidfds on this
+    kernel", checking by the bare pid. Now the registration is refused
+    (RESOURCE_EXHAUSTED naming regions.host.pid and why), the server logs it and
+    registers the engine once it may open descriptors again."""
+    kv = LocalKV(1, 8, 4096)
+    req = host_request("e", "ns", os.getpid(), kv.mem.regions, kv.mem.layers)
+    frame = encode_register(req.SerializeToString(), 0)
+    allow_ptrace_from(server.pid)
+    sock = _greeted(_socket_path(server))
+    limit = original = resource.prlimit(server.pid, resource.RLIMIT_NOFILE)
+    try:
+        while (low := _lowest_free_fd(server.pid)) + 1 != limit[0]:
+            limit = (low + 1, limit[1])
+            resource.prlimit(server.pid, resource.RLIMIT_NOFILE, limit)
+        sock.sendall(frame)
+        head = sock.recv(5, socket.MSG_WAITALL)
+        message = sock.recv(int.from_bytes(head[1:5], "little"), socket.MSG_WAITALL)
+    finally:
+        resource.prlimit(server.pid, resource.RLIMIT_NOFILE, original)
+    try:
+        assert head[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message
+        want = b"regions.host.pid: the server cannot open a descriptor for process "
+        assert message.startswith(want), message
+        assert b"Too many open files" in message, message
+        sock.sendall(frame)  # the same connection, descriptors to spare again
+        head = sock.recv(REGISTER_REPLY.size, socket.MSG_WAITALL)
+        assert REGISTER_REPLY.unpack(head)[0] == 0, head
+    finally:
+        sock.close()
+    assert "cannot open a descriptor for process" in server.log.read_text()
