@@ -19,6 +19,7 @@ import pytest
 
 from pegaflow.common import pidfds
 from pegaflow.common.errors import InvalidRequest, Overloaded, PermissionDenied
+from pegaflow.server import socket_peer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,3 +110,26 @@ def test_out_of_descriptors_refuses_the_check_and_leaks_none() -> None:
         assert got.startswith("Overloaded  "), (what, got)  # not leaked
         assert f"{field}: the server cannot open a descriptor" in got, (what, got)
         assert "Too many open files" in got, (what, got)
+
+
+class _Refusing:
+    """A connection whose SO_PEERPIDFD the kernel answers with `code`."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def getsockopt(self, *args: int) -> int:
+        raise OSError(self.code, os.strerror(self.code))
+
+
+@pytest.mark.skipif(socket_peer.SO_PEERPIDFD is None, reason="no SO_PEERPIDFD")
+def test_the_connecting_process_unknown_for_want_of_memory_is_not_a_pass() -> None:
+    """SO_PEERPIDFD's ENOMEM, or an error not foreseen, read as "still runs":
+    the registration went on unchecked. Now only a kernel without it does."""
+    assert socket_peer.peer_exited(_Refusing(errno.ENOPROTOOPT)) is False
+    assert socket_peer.peer_exited(_Refusing(errno.ESRCH)) is True
+    for code in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+        with pytest.raises(Overloaded, match="register: the server cannot take"):
+            socket_peer.peer_exited(_Refusing(code))
+    with pytest.raises(PermissionDenied, match="register: the kernel did not tell"):
+        socket_peer.peer_exited(_Refusing(errno.EIO))
