@@ -14,12 +14,34 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import select
 import threading
 
-from .errors import CopyFailed, InvalidRequest, PermissionDenied
+from .errors import CopyFailed, InvalidRequest, Overloaded, PermissionDenied
 from .thread_creds import EngineIds
+
+logger = logging.getLogger(__name__)
+
+# What pidfd_open answers where there is no pidfd to be had here: a kernel
+# before 5.3 (ENOSYS), one without anonymous inodes (ENODEV), or a seccomp
+# profile that denies the call (older Docker answers an unknown system call
+# with EPERM). Each holds for good on this host, so the pid alone is all a
+# check can go by (docs/security.md).
+_NO_PIDFDS = (errno.ENOSYS, errno.ENODEV, errno.EPERM)
+# Out of descriptors or memory for now: a pidfd exists, the server cannot hold
+# one this moment. The check is refused then, never done without it.
+NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+
+
+def no_descriptor(field: str, pid: int, exc: OSError) -> Overloaded:
+    """The error a check that could not open a descriptor for `pid` answers."""
+    logger.warning("%s: cannot open a descriptor for process %d: %s", field, pid, exc)
+    return Overloaded(
+        f"{field}: the server cannot open a descriptor for process {pid} now "
+        f"({exc.strerror}); retry later"
+    )
 
 
 class ProcessChanged(PermissionDenied):
@@ -28,17 +50,31 @@ class ProcessChanged(PermissionDenied):
 
 
 def pidfd_open(pid: int, field: str = "pid") -> int:
-    """A pidfd for `pid`, or -1 where the kernel has none (< 5.3: the bare pid
-    is all there is). Open it before checking the process, and see it still
-    live after: then the checks were of the process it names."""
+    """A pidfd for `pid`, or -1 where this host has none (_NO_PIDFDS: the bare
+    pid is all there is). Open it before checking the process, and see it still
+    live after: then the checks were of the process it names. Overloaded when
+    out of descriptors (NO_DESCRIPTOR): a check without the pidfd it could
+    have is weaker, so it is refused instead."""
     if not 0 < pid < 1 << 31:  # not a pid_t: the callers' checks name it
+        return -1
+    if not hasattr(os, "pidfd_open"):  # not Linux
         return -1
     try:
         return os.pidfd_open(pid)
     except ProcessLookupError:
         raise InvalidRequest(f"{field}: process {pid} does not exist") from None
-    except (OSError, AttributeError):
-        return -1
+    except OSError as exc:
+        if exc.errno in _NO_PIDFDS:
+            return -1
+        if exc.errno in NO_DESCRIPTOR:
+            raise no_descriptor(field, pid, exc) from None
+        if exc.errno in (errno.EINVAL, errno.ENOENT):  # flags are 0: a thread's id
+            raise InvalidRequest(
+                f"{field}: {pid} is not a process (a thread's id?)"
+            ) from None
+        raise PermissionDenied(  # unforeseen: refused, not checked by pid alone
+            f"{field}: the server cannot hold process {pid} by a pidfd ({exc.strerror})"
+        ) from None
 
 
 # An address above every user address space (57-bit paging's included): no
@@ -97,6 +133,11 @@ class ProcessImage:
         except (FileNotFoundError, ProcessLookupError):
             self.close()
             raise InvalidRequest(f"{field}: process {pid} does not exist") from None
+        except OSError as exc:
+            self.close()
+            if exc.errno in NO_DESCRIPTOR:  # as for the pidfd: a clear refusal
+                raise no_descriptor(field, pid, exc) from None
+            raise
         except BaseException:
             self.close()
             raise
@@ -230,12 +271,16 @@ class PidsHeld:
 
     def __init__(self, pids: list[tuple[int, str]]) -> None:
         self._held: list[tuple[ProcessImage | None, int, str]] = []
-        for pid, field in pids:
-            try:
-                image: ProcessImage | None = ProcessImage(pid, field)
-            except InvalidRequest:  # no such process: the checks' errors say so
-                image = None
-            self._held.append((image, pid, field))
+        try:
+            for pid, field in pids:
+                try:
+                    image: ProcessImage | None = ProcessImage(pid, field)
+                except InvalidRequest:  # no such process: the checks say so
+                    image = None
+                self._held.append((image, pid, field))
+        except BaseException:  # out of descriptors: those opened go back
+            self.close()
+            raise
 
     def check(self) -> None:
         for image, pid, field in self._held:

@@ -37,12 +37,16 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import InvalidRequest, PegaflowError
 from .keys import LoadSpec, PackedHashes
-from .request_limits import check_load_items
+from .request_limits import MAX_LOAD_ITEMS, check_load_items
+
+if TYPE_CHECKING:
+    from .results import QueryResult
 
 PROTOCOL_VERSION = 3  # 2: no rates in query replies; 1: no hello, deadlines,
 # tokens nor register
@@ -72,6 +76,10 @@ LOADING = 255
 MAX_BODY = 8 << 20
 # An error reply's message is cut to this; a client reads no longer one.
 MAX_ERROR_MESSAGE = 65536
+# A load reply's error line per item is cut to this (the longest the server
+# writes, an SSD read's, is ~180 B): a reply is then bounded by the items its
+# request carries (load_reply_bound), which the socket's backlog budget charges.
+LOAD_ITEM_ERROR_MAX = 256
 # The largest reply a client reads: a load's is the largest legitimate one
 # (16384 items and an error line each, ~2 MiB).
 MAX_REPLY = 64 << 20
@@ -281,16 +289,44 @@ def _load_items(
 def load_reply(loaded: int, nbytes: int, items: Sequence) -> bytes:
     """items: LoadItemResult-like (loaded, bytes, error)."""
     head = LOAD_REPLY.pack(0, loaded, nbytes, len(items))
+    cut = LOAD_ITEM_ERROR_MAX
     if len(items) == 1:  # the usual load, as for its request
         (item,) = items
-        error = item.error.encode()
+        error = item.error.encode()[:cut]
         return head + _ONE_LOAD_REPLY.pack(item.loaded, item.bytes, len(error)) + error
     table = np.zeros(len(items), LOAD_ITEM_REPLY)
-    errors = [item.error.encode() for item in items]
+    errors = [item.error.encode()[:cut] for item in items]
     table["loaded"] = [item.loaded for item in items]
     table["bytes"] = [item.bytes for item in items]
     table["error_len"] = list(map(len, errors))
     return head + table.tobytes() + b"".join(errors)
+
+
+def load_reply_bound(body: bytes) -> int:
+    """The longest load_reply a load frame's body can be answered with, by the
+    items it carries (a row and an error line each); 0 for another frame, or
+    one decode_load refuses on its header and length (an error answers it)."""
+    if len(body) < LOAD_HEADER.size or body[0] != LOAD:
+        return 0
+    _, batch, id_len, n_items, *_ = LOAD_HEADER.unpack_from(body)
+    if n_items > MAX_LOAD_ITEMS or (not batch and n_items != 1):
+        return 0
+    if len(body) < LOAD_HEADER.size + id_len + n_items * LOAD_ITEM.itemsize:
+        return 0
+    return LOAD_REPLY.size + n_items * (LOAD_ITEM_REPLY.itemsize + LOAD_ITEM_ERROR_MAX)
+
+
+def query_reply(res: QueryResult) -> bytes:
+    status = LOADING if res.loading else 0
+    return QUERY_REPLY.pack(
+        status,
+        res.num_blocks,
+        res.lease_id,
+        res.lease_ttl_s,
+        res.ready_blocks,
+        res.l1_gbps,
+        res.tier_gbps,
+    )
 
 
 def load_reply_size(reply: bytearray) -> int:

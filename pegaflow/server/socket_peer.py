@@ -10,7 +10,8 @@ import platform
 import select
 import socket
 
-from pegaflow.common.errors import Overloaded
+from pegaflow.common.errors import Overloaded, PermissionDenied
+from pegaflow.common.pidfds import NO_DESCRIPTOR
 
 # The kernel's handle on the process that connected (Linux 6.5+; the generic
 # value, which x86_64 and aarch64 use); Python names it from 3.14 only.
@@ -44,17 +45,25 @@ def unread(sock: socket.socket | None) -> bool:
 def peer_exited(sock: socket.socket) -> bool:
     """Whether the process that opened the connection has exited, as the
     kernel tells by SO_PEERPIDFD; False where it cannot (before Linux 6.5:
-    docs/security.md names the residual)."""
+    docs/security.md names the residual). Out of descriptors, or an answer
+    not foreseen, refuses the registration rather than passing it unchecked."""
     if SO_PEERPIDFD is None:
         return False
     try:
         fd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
     except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):  # not a pass: refuse
+        if exc.errno == errno.ENOPROTOOPT:  # before Linux 6.5
+            return False
+        if exc.errno in (errno.ESRCH, errno.EINVAL):  # reaped: no task left
+            return True
+        if exc.errno in NO_DESCRIPTOR:  # not a pass: refuse
             raise Overloaded(
                 f"register: the server cannot take a descriptor now ({exc.strerror})"
             ) from None
-        return exc.errno in (errno.ESRCH, errno.EINVAL)  # reaped: no task left
+        raise PermissionDenied(
+            "register: the kernel did not tell whether the process that opened "
+            f"this connection still runs ({exc.strerror})"
+        ) from None
     try:
         poller = select.poll()
         poller.register(fd, select.POLLIN)  # a pidfd reads once it exited

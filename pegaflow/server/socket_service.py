@@ -37,11 +37,9 @@ from pegaflow.common.share_frames import SHARE
 from pegaflow.common.socket_frames import (
     HELLO_REPLY,
     LOAD,
-    LOADING,
     MAX_BODY,
     PROTOCOL_VERSION,
     QUERY,
-    QUERY_REPLY,
     REGISTER,
     SAVE,
     SAVE_REPLY,
@@ -53,6 +51,8 @@ from pegaflow.common.socket_frames import (
     error_reply,
     kind_of,
     load_reply,
+    load_reply_bound,
+    query_reply,
     register_reply,
 )
 from pegaflow.daemon.boundary import guarded, guarded_sync
@@ -77,11 +77,12 @@ QUEUED_PAUSE_BYTES = 64 << 20
 # Replies a client does not read pause its reading the same way, and the
 # answering of what it queued.
 WRITE_HIGH_BYTES = 16 << 20
-# Both of those over all connections: requests queued and replies not yet
-# sent. An engine sends a request only once it read the last reply, so only a
-# client that pipelines without reading adds to it while it is over; that
-# client is refused (1024 connections x the bounds above would be ~80 GiB).
+# Both of those over all connections, each queued request with the most its
+# reply can take: only a client that pipelines without reading (an engine reads
+# each reply before its next request) adds to it while it is over, and is
+# refused (1024 connections x the bounds above would be ~80 GiB).
 BACKLOG_BUDGET = 256 << 20
+REPLY_ALLOWANCE = 512  # an error's own words; the fields it names are the request's
 MAX_CONNECTIONS = 1024
 REFUSED_LINGER_S = 2.0  # a refused connection drains this long, then closes
 # A client sends its hello as it connects and each frame in one sendall: one
@@ -145,6 +146,7 @@ class _SocketProtocol(asyncio.Protocol):
         self._can_write = asyncio.Event()  # as _writable, for _drain to await
         self._can_write.set()
         self._backlog = 0  # charged to the shared backlog
+        self._owed = 0  # the most the queued requests' replies can take
         self._lost = False
         self._hung_up = False  # the client closed its end, not just its writes
         self._fd_wait = False  # a share's descriptor is read with recvmsg
@@ -294,8 +296,9 @@ class _SocketProtocol(asyncio.Protocol):
         if not self._greeted:
             self._hello(body)
             return
+        owes = _owes(body)
         if (self._queued or self._transport.get_write_buffer_size()) and (
-            self._over_budget(len(body))
+            self._over_budget(len(body) + owes)
         ):  # sent before the last reply was read, past the server-wide budget
             self._refuse(
                 Overloaded(
@@ -313,6 +316,7 @@ class _SocketProtocol(asyncio.Protocol):
                 return
             body = reply  # it waits for the metaserver: answered in order below
         self._queued.append(body)
+        self._owed += owes  # a query left waiting owes as its frame did
         if isinstance(body, bytes):
             self._queued_bytes += len(body)
         self._flow()
@@ -358,7 +362,8 @@ class _SocketProtocol(asyncio.Protocol):
         """Charge the shared backlog with this connection's."""
         size = 0
         if not self._lost:
-            size = self._queued_bytes + self._transport.get_write_buffer_size()
+            size = self._queued_bytes + self._owed
+            size += self._transport.get_write_buffer_size()
         shared = self._shared
         shared.backlog += size - self._backlog
         self._backlog = size
@@ -431,6 +436,7 @@ class _SocketProtocol(asyncio.Protocol):
                     break
                 reply = await self._answer(self._queued[0])
                 done = self._queued.popleft()
+                self._owed -= _owes(done)
                 if isinstance(done, bytes):
                     self._queued_bytes -= len(done)
                 if not (self._discard or self._transport.is_closing()):
@@ -453,7 +459,7 @@ class _SocketProtocol(asyncio.Protocol):
         one); one already running finishes first."""
         self._metrics.socket_dropped.inc(len(self._queued))
         self._queued.clear()
-        self._queued_bytes = 0
+        self._queued_bytes = self._owed = 0
         self._account()
 
     async def _answer(self, body: bytes | QueryResult) -> bytes:
@@ -494,12 +500,12 @@ class _SocketProtocol(asyncio.Protocol):
         ident, hashes, hash_len, deadline_ns = decode_query(body)
         ctx = CallContext(self._caller, b"", deadlines.from_wire(deadline_ns))
         res = self._engine.query(ident, hashes, hash_len, ctx)
-        return res if res.pending is not None else _query_reply(res)
+        return res if res.pending is not None else query_reply(res)
 
     async def _finish_query(self, res: QueryResult) -> bytes:
         """Timed apart from the query's first part, which was counted already."""
         got = await guarded(self._metrics, "QueryMetaserver", "unix", res.pending())
-        return error_reply(got) if isinstance(got, PegaflowError) else _query_reply(got)
+        return error_reply(got) if isinstance(got, PegaflowError) else query_reply(got)
 
     async def _register(self, body: bytes) -> bytes:
         from pegaflow.proto import pegaflow_pb2 as pb
@@ -586,14 +592,7 @@ async def start_socket_server(
         raise
 
 
-def _query_reply(res: QueryResult) -> bytes:
-    status = LOADING if res.loading else 0
-    return QUERY_REPLY.pack(
-        status,
-        res.num_blocks,
-        res.lease_id,
-        res.lease_ttl_s,
-        res.ready_blocks,
-        res.l1_gbps,
-        res.tier_gbps,
-    )
+def _owes(body: bytes | QueryResult) -> int:
+    """What a queued request's reply is charged beyond the request's bytes."""
+    load = load_reply_bound(body) if isinstance(body, bytes) else 0
+    return max(load, REPLY_ALLOWANCE)

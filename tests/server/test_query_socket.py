@@ -29,10 +29,10 @@ from pegaflow.common.socket_frames import (
     encode_save,
     load_reply,
     parse_load_reply,
+    query_reply,
 )
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
-from pegaflow.server.socket_service import _query_reply
 from tests.kvbuf import LocalKV, hashes
 
 
@@ -275,5 +275,5 @@ def test_query_answers_carry_the_servers_recent_rates(server) -> None:
         fast, slow = both()
         assert fast > 0 and fast == pytest.approx(slow, rel=1e-6)  # f32 on the wire
     pulling = QueryResult(5, 0, 0.0, True, ready_blocks=3, l1_gbps=2.5, tier_gbps=0.5)
-    status, n, lease, _, ready, l1, tier = QUERY_REPLY.unpack(_query_reply(pulling))
+    status, n, lease, _, ready, l1, tier = QUERY_REPLY.unpack(query_reply(pulling))
     assert (status, n, lease, ready, l1, tier) == (255, 5, 0, 3, 2.5, 0.5)

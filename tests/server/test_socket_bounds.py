@@ -25,6 +25,7 @@ import pytest
 
 from pegaflow.client.host_share import whole_pages
 from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.client.registration_messages import allow_ptrace_from, host_request
 from pegaflow.common.errors import PegaflowError
 from pegaflow.common.share_frames import (
     READY,
@@ -39,9 +40,11 @@ from pegaflow.common.socket_frames import (
     LOAD_REPLY,
     MAX_BODY,
     QUERY_REPLY,
+    REGISTER_REPLY,
     encode_hello,
     encode_load,
     encode_query,
+    encode_register,
     encode_save,
     load_reply_size,
 )
@@ -461,3 +464,100 @@ def test_a_share_without_a_descriptor_to_spare_leaves_the_connection_working(
             assert QUERY_REPLY.unpack(got)[:2] == (0, 2)
         finally:
             sock.close()
+
+
+def test_a_registration_without_a_descriptor_to_spare_is_refused_clearly(
+    server,
+) -> None:
+    """Scenario: the server may open one descriptor more when a host engine
+    registers (its connection's SO_PEERPIDFD takes it and gives it back). The
+    pidfd of the engine then took it and /proc/<pid> found none: the engine got
+    INTERNAL, and pidfd_open out of descriptors had answered "no pidfds on this
+    kernel", checking by the bare pid. Now the registration is refused
+    (RESOURCE_EXHAUSTED naming regions.host.pid and why), the server logs it and
+    registers the engine once it may open descriptors again."""
+    kv = LocalKV(1, 8, 4096)
+    req = host_request("e", "ns", os.getpid(), kv.mem.regions, kv.mem.layers)
+    frame = encode_register(req.SerializeToString(), 0)
+    allow_ptrace_from(server.pid)
+    sock = _greeted(_socket_path(server))
+    limit = original = resource.prlimit(server.pid, resource.RLIMIT_NOFILE)
+    try:
+        while (low := _lowest_free_fd(server.pid)) + 1 != limit[0]:
+            limit = (low + 1, limit[1])
+            resource.prlimit(server.pid, resource.RLIMIT_NOFILE, limit)
+        sock.sendall(frame)
+        head = sock.recv(5, socket.MSG_WAITALL)
+        message = sock.recv(int.from_bytes(head[1:5], "little"), socket.MSG_WAITALL)
+    finally:
+        resource.prlimit(server.pid, resource.RLIMIT_NOFILE, original)
+    try:
+        assert head[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message
+        want = b"regions.host.pid: the server cannot open a descriptor for process "
+        assert message.startswith(want), message
+        assert b"Too many open files" in message, message
+        sock.sendall(frame)  # the same connection, descriptors to spare again
+        head = sock.recv(REGISTER_REPLY.size, socket.MSG_WAITALL)
+        assert REGISTER_REPLY.unpack(head)[0] == 0, head
+    finally:
+        sock.close()
+    assert "cannot open a descriptor for process" in server.log.read_text()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether every thread of `pid` is stopped (SIGSTOP)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with (
+            contextlib.suppress(FileNotFoundError),  # a thread that just ended
+            open(f"/proc/{pid}/task/{tid}/stat") as f,
+        ):
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    return all(state == "T" for state in states)
+
+
+def test_pipelined_loads_are_charged_the_replies_they_can_produce(server) -> None:
+    """Scenario: 140 connections each pipeline two batch loads of 4,000 items
+    (128 KiB of frames) and never read. Replies were charged at what the
+    requests took, 1/17 of what such a load may answer (a row and an error
+    line per item), so unread replies could pin far more than BACKLOG_BUDGET.
+    Each load is now charged its longest reply while it waits (~1.1 MiB), so
+    past the budget the connections that pipeline more are refused. The
+    server is stopped while they send, so every frame is waiting, none
+    answered, when it reads them."""
+    kv = LocalKV(1, 8, 4096)
+    with PegaflowClient(server.addr) as client:
+        kv.register(client, "e", "ns")
+    items = [(2 * i + 3, 0, np.zeros(0, np.int64)) for i in range(4000)]
+    # Not the registration's token: each is answered short, once it runs.
+    frame = encode_load("e", 0, items, True, token=bytes(16))
+    assert frame is not None
+    path = _socket_path(server)
+    socks = [_greeted(path) for _ in range(140)]
+    try:
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            # Stopped before the first byte: not woken by one on its way.
+            assert wait_until(lambda: _stopped(server.pid))
+            for sock in socks:  # the kernel holds them meanwhile
+                sock.settimeout(5)
+                sock.sendall(frame + frame)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        refused = []
+        for sock in socks:
+            head = sock.recv(5, socket.MSG_WAITALL)
+            body = sock.recv(int.from_bytes(head[1:5], "little"), socket.MSG_WAITALL)
+            if head[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
+                refused.append(body)
+            else:
+                assert head[0] == grpc.StatusCode.PERMISSION_DENIED.value[0], body
+    finally:
+        for sock in socks:
+            sock.close()
+    # 2 x 1.1 MiB a connection: ~116 of them fill the budget.
+    assert 10 <= len(refused) <= 40, len(refused)
+    assert f"(at most {BACKLOG_BUDGET})".encode() in refused[0], refused[0]
+    with PegaflowClient(server.addr) as client:  # and it serves others still
+        kv.register(client, "f", "ns")
+        assert client.save("f", [0, 1], hashes(2)).stored == 2

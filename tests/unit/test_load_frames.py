@@ -110,3 +110,23 @@ def test_a_load_naming_more_items_than_any_step_has_is_refused_on_its_header() -
     caps = RequestCaps(1 << 30, 1 << 24, 1 << 20)
     with pytest.raises(InvalidRequest, match="items: "):
         caps.check_load((4096, 0), [(1, 0, [])] * (MAX_LOAD_ITEMS + 1), True)
+
+
+@pytest.mark.parametrize(("n", "batch"), [(1, False), (1, True), (7, True)])
+def test_a_load_reply_never_exceeds_what_its_frame_is_charged(
+    n: int, batch: bool
+) -> None:
+    """The socket's backlog budget charges a queued load load_reply_bound; an
+    item's error line was as long as the server made it, so a reply could
+    outgrow that charge. Lines are cut to LOAD_ITEM_ERROR_MAX now."""
+    body = body_of([(i + 1, 0, np.arange(i)) for i in range(n)], batch)
+    bound = frames.load_reply_bound(body)
+    for error in ("", "é" * 1000, "x" * frames.LOAD_ITEM_ERROR_MAX):
+        reply = frames.load_reply(0, 0, [Item(0, 0, error)] * n)
+        assert len(reply) <= bound, (error[:5], len(reply), bound)
+        assert frames.parse_load_reply(reply)[2][0][2] in error  # a cut, whole or not
+    assert len(reply) == bound  # the longest line fits exactly
+    # Refused before any item is read: an error answers it, charged apart.
+    table_end = frames.LOAD_HEADER.size + len("inst-é".encode()) + 16 * n
+    assert frames.load_reply_bound(body[: table_end - 1]) == 0
+    assert frames.load_reply_bound(bytes([frames.SAVE]) + body[1:]) == 0
