@@ -24,7 +24,8 @@ import struct
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import InvalidRequest, PermissionDenied
+from .errors import InvalidRequest, Overloaded, PermissionDenied
+from .pidfds import NO_DESCRIPTOR
 from .sock_diag import tcp_socket_uid
 
 logger = logging.getLogger(__name__)
@@ -148,9 +149,22 @@ def _diag_uid(
             if uid is not None:
                 return uid
     except OSError as exc:
+        if exc.errno in NO_DESCRIPTOR:
+            raise _no_lookup(exc) from exc
         _netlink_refused(str(exc))
         return None
     return None
+
+
+def _no_lookup(exc: OSError) -> Overloaded:
+    """Out of descriptors or memory this moment: the caller's uid cannot be
+    looked up now, which says nothing about who it is (not "another host",
+    not "netlink is unavailable" for good)."""
+    logger.warning("cannot look up a TCP caller's uid now: %s", exc)
+    return Overloaded(
+        "caller: the server cannot open a descriptor to learn which user is "
+        f"asking now ({exc.strerror}); retry later"
+    )
 
 
 @functools.cache
@@ -169,7 +183,9 @@ def _socket_uid(table: str, local: str, server_port: int) -> int:
     try:
         with open(table) as f:
             rows = f.read().splitlines()[1:]
-    except OSError:
+    except OSError as exc:
+        if exc.errno in NO_DESCRIPTOR:
+            raise _no_lookup(exc) from exc
         return UNKNOWN
     for row in rows:
         cols = row.split()

@@ -119,7 +119,7 @@ class LocalEngines(grpc.aio.ServerInterceptor):
             ) -> None:
                 try:
                     self._check(method, context.peer())
-                except PermissionDenied as exc:
+                except PegaflowError as exc:  # refused, or no lookup now
                     await context.abort(exc.code, str(exc))
                 await inner_out(request, context)
 
@@ -136,7 +136,7 @@ class LocalEngines(grpc.aio.ServerInterceptor):
             ) -> AsyncIterator[object]:
                 try:
                     self._check(method, context.peer())
-                except PermissionDenied as exc:
+                except PegaflowError as exc:  # refused, or no lookup now
                     await _drain(requests)
                     await context.abort(exc.code, str(exc))
                 async for reply in inner_stream(requests, context):
