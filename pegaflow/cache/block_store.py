@@ -406,14 +406,16 @@ class BlockStore(TierLoads):
             # those of this class (each frees a slot this save can take);
             # of another class only once the policy has nothing left, as
             # they free memory here only when their whole slab empties.
+            # Past a slab's worth swept, a slab no block of which is pinned
+            # goes whole; none such (each examined holds a pinned block, or
+            # an unchecked one): unchecked blocks of other classes, or none.
             victims = self._unchecked_victims([cls], short)
             if not victims and swept >= self.slabs.slab_bytes:
                 victims = slab_victims(self.slabs, self.owner, self.entries, cls)
-                if not victims:  # each slab examined holds a pinned block
-                    break
-                self.policy.evict_these(victims)
-                self._remove(victims)
-            if not victims:
+                if victims:
+                    self.policy.evict_these(victims)
+                    self._remove(victims)
+            elif not victims:
                 want = short
                 victims = self.policy.evict(want, self._protected)
                 while victims is None and want > 1:  # fewer evictable than asked

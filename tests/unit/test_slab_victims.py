@@ -131,3 +131,29 @@ def test_no_slab_free_of_pins_refuses_the_save() -> None:
     assert store.counters.evictions == PER_SLAB
     assert all(e.key in store.entries for e in pinned)
     assert store.slabs.used_bytes == (4 * PER_SLAB - PER_SLAB) * A_SLOT
+
+
+def test_slabs_of_unchecked_blocks_go_after_the_swept_slabs_worth() -> None:
+    """Two slabs of a restart's unchecked A blocks, two of ready ones with a
+    leased block each: after a slab's worth of ready blocks in LRU order (not
+    all 30 evictable, as before), no slab qualifies, so unchecked blocks go,
+    the last adopted first, until their slab empties; not a refusal."""
+    store = BlockStore(SlabAllocator(1 << 30, 4 * SLAB, SLAB), LRUPolicy())
+    a, b = _ns(1, A_SLOT), _ns(2, B_SLOT)
+    addrs = [(1 << 30) + 2 * SLAB + i * A_SLOT for i in range(2 * PER_SLAB)]
+    assert all(store.slabs.claim(addrs, A_SLOT))
+    late = [_h(1000 + i) for i in range(2 * PER_SLAB)]
+    store.adopt(a, late, np.array(addrs, np.uint64).reshape(-1, 1), unchecked=True)
+    n = 2 * PER_SLAB
+    for start in range(0, n, PER_SLAB):
+        _save(store, a, [_h(i) for i in range(start, start + PER_SLAB)])
+    leases = LeaseTable(store, ttl_s=60)
+    leases.create("i", a.id, [store.entries[(a.id, _h(i))] for i in (0, 16)], 1)
+    _touch(store, a, [i for j in range(PER_SLAB) for i in (j, j + PER_SLAB)])
+
+    assert len(_save(store, b, [b"b" * 32])) == 1
+
+    ready_gone = [i for i in range(n) if (a.id, _h(i)) not in store.entries]
+    assert len(ready_gone) == PER_SLAB
+    assert [h for h in late if (a.id, h) not in store.entries] == late[PER_SLAB:]
+    assert store.counters.evictions == 2 * PER_SLAB
