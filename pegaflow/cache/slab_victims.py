@@ -20,9 +20,10 @@ from pegaflow.common.keys import Key
 from .block_entry import BlockEntry
 from .slabs import SlabAllocator, SlotClass
 
-# Slabs examined per round, emptiest first: past them, every one holding a
-# pinned block, the save is refused (as in a pool full of pinned blocks);
-# examining them all would be a Python pass over the pool per save.
+# Slabs examined per round, emptiest first: if each holds a pinned block, the
+# store takes unchecked blocks of other classes or refuses the rest of the
+# save (as in a pool full of pinned blocks); examining every slab would be a
+# Python pass over the pool per save.
 EXAMINED = 64
 
 
