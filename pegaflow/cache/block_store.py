@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
@@ -27,6 +27,7 @@ from .block_entry import BlockEntry, SaveReservation, layer_mask
 from .deferred_touches import Deferred
 from .eviction import EvictionPolicy
 from .ready_index import ReadyIndex
+from .slab_victims import slab_victims
 from .slabs import SlabAllocator, SlotClass
 from .store_events import EVENTS, StoreListener, overridden
 from .tier_loads import TierLoads
@@ -63,6 +64,9 @@ class BlockStore(TierLoads):
         self.slabs = slabs
         self.policy = policy
         self.entries: dict[Key, BlockEntry] = {}
+        # The block each slot was last given to (checked against `entries`
+        # where read): the blocks of a slab to empty (pegaflow.cache.slab_victims).
+        self.owner: dict[int, BlockEntry] = {}
         # Complete blocks per namespace: the prefix query probes all its hashes
         # at once (a dict lookup per hash misses the caches in a big index).
         self._ready: dict[int, ReadyIndex] = {}
@@ -258,6 +262,8 @@ class BlockStore(TierLoads):
             self._hold(ns, new)
         if slotless:
             got = self._allocate(ns.slot_class, len(slotless)).tolist()
+            mine = map(entries.__getitem__, slotless)  # got may be shorter
+            self.owner.update(zip(got, mine, strict=False))
             for i, slot in zip(slotless, got, strict=False):
                 entries[i].slots[rank] = slots[i] = slot
             if self.log is not None and got:
@@ -388,24 +394,35 @@ class BlockStore(TierLoads):
     def _allocate(self, cls: SlotClass, n: int) -> np.ndarray:
         """Up to n slots, evicting LRU blocks (of any class) while short. A
         victim of another class frees memory for this one only when its whole
-        slab empties, so a round may evict more than it yields."""
+        slab empties: once a slab's worth of them went in LRU order, whole
+        slabs are emptied instead, fewest blocks first (slab_victims)."""
         got = [self.slabs.allocate(cls, n)]
         short = n - len(got[0])
         if short:
             self._settle()
+        swept = 0  # bytes of other classes evicted in LRU order
         while short > 0:
             # Unchecked blocks are the least recently used of all: first,
             # those of this class (each frees a slot this save can take);
             # of another class only once the policy has nothing left, as
             # they free memory here only when their whole slab empties.
+            # Past a slab's worth swept, a slab no block of which is pinned
+            # goes whole; none such (each examined holds a pinned block, or
+            # an unchecked one): unchecked blocks of other classes, or none.
             victims = self._unchecked_victims([cls], short)
-            if not victims:
+            if not victims and swept >= self.slabs.slab_bytes:
+                victims = slab_victims(self.slabs, self.owner, self.entries, cls)
+                if victims:
+                    self.policy.evict_these(victims)
+                    self._remove(victims)
+            elif not victims:
                 want = short
                 victims = self.policy.evict(want, self._protected)
                 while victims is None and want > 1:  # fewer evictable than asked
                     want //= 2
                     victims = self.policy.evict(want, self._protected)
                 if victims:
+                    swept += self._bytes_of_others(victims, cls)
                     self._remove(victims)
             if not victims:
                 others = [c for c in self._unchecked_stacks if c != cls]
@@ -416,6 +433,15 @@ class BlockStore(TierLoads):
             got.append(self.slabs.allocate(cls, short))
             short -= len(got[-1])
         return got[0] if len(got) == 1 else np.concatenate(got)
+
+    def _bytes_of_others(self, keys: list[Key], cls: SlotClass) -> int:
+        """The slot bytes these resident blocks hold in classes other than cls."""
+        out = 0
+        for ns_id, n in Counter(map(itemgetter(0), keys)).items():
+            ns = self._held[ns_id].ns
+            if ns.slot_class != cls:
+                out += n * ns.tp_size * ns.slot_class[0]
+        return out
 
     def _unchecked_victims(self, classes: list[SlotClass], n: int) -> list[Key]:
         """Up to n unchecked recovered blocks of these slot classes, the last
@@ -473,6 +499,7 @@ class BlockStore(TierLoads):
                 freed += chain.from_iterable(map(_SLOTS, left))
         if 0 in freed:  # shards never allocated
             freed = [s for s in freed if s]
+        deque(map(self.owner.pop, freed, repeat(None)), maxlen=0)
         self.slabs.free(np.asarray(freed, np.uint64))
         if gone:
             for removed in self._on["removed"]:

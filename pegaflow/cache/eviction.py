@@ -56,6 +56,9 @@ class EvictionPolicy(Protocol):
     def touch(self, key: Key) -> None: ...
     def touch_many(self, keys: Sequence[Key]) -> None: ...  # all resident, in order
     def remove(self, key: Key) -> None: ...
+    # Resident keys the store chose itself (a slab's blocks, to empty it:
+    # pegaflow.cache.slab_victims): out, as evicted.
+    def evict_these(self, keys: Sequence[Key]) -> None: ...
     # A query's claim: `child`, not resident yet, extends resident `parent`
     # (pegaflow.cache.prefix_eviction); LRU ignores it.
     def expect(self, child: Key, parent: Key) -> None: ...
@@ -108,6 +111,9 @@ class LRUPolicy:
 
     def remove(self, key: Key) -> None:
         self._order.pop(key, None)
+
+    def evict_these(self, keys: Sequence[Key]) -> None:
+        deque(map(self._order.pop, keys, repeat(None)), maxlen=0)
 
     def expect(self, child: Key, parent: Key) -> None:
         pass
@@ -316,6 +322,10 @@ class AdmissionPolicy:
     def remove(self, key: Key) -> None:
         self._pending.discard(key)
         self._inner.remove(key)
+
+    def evict_these(self, keys: Sequence[Key]) -> None:
+        self._pending.difference_update(keys)
+        self._inner.evict_these(keys)
 
     def expect(self, child: Key, parent: Key) -> None:
         self._inner.expect(child, parent)

@@ -146,6 +146,10 @@ class RecordingPolicy:
             self._tracker.record_many(CAPACITY, victims)
         return victims
 
+    def evict_these(self, keys: Sequence[Key]) -> None:
+        self._inner.evict_these(keys)
+        self._tracker.record_many(CAPACITY, list(keys))
+
     def admitter(self, protected: Protected) -> Callable[[Key], bool]:
         inner = self._inner.admitter(protected)
 

@@ -156,6 +156,10 @@ class PrefixLRUPolicy:
                 return
         self._bury([node], [node[UP]])
 
+    def evict_these(self, keys: Sequence[Key]) -> None:
+        for key in keys:
+            self.remove(key)
+
     # --- links --------------------------------------------------------------
     def _node(self, key: Key) -> Node | None:
         node = self._order.get(key)

@@ -31,6 +31,12 @@ class SlabAllocator:
         self._free_slots: dict[int, list[int]] = {}  # slab -> free slot indices
         self._partial: dict[SlotClass, dict[int, None]] = {}  # slabs with room
         self.used_bytes = 0
+        # Per slab, its slots allocated and its class's number (-1: a free
+        # slab): a save of one class short of room picks the emptiest slab of
+        # another (emptiest) in numpy, with no pass over the slabs in Python.
+        self.used = np.zeros(self.size_slabs, np.int64)
+        self.class_no = np.full(self.size_slabs, -1, np.int32)
+        self._class_nos: dict[SlotClass, int] = {}
 
     def slots_per_slab(self, cls: SlotClass) -> int:
         slot_bytes, skew = cls
@@ -50,6 +56,7 @@ class SlabAllocator:
                     break
                 slab = self.free_slabs.pop()
                 self._slab_class[slab] = cls
+                self.class_no[slab] = self._class_no(cls)
                 self._free_slots[slab] = list(
                     range(self.slots_per_slab(cls) - 1, -1, -1)
                 )
@@ -58,6 +65,7 @@ class SlabAllocator:
             free = self._free_slots[slab]
             take = free[-need:] if need < len(free) else free[:]
             del free[len(free) - len(take) :]
+            self.used[slab] += len(take)
             if not free:
                 del partial[slab]
             start = self.base + slab * self.slab_bytes + skew
@@ -90,6 +98,7 @@ class SlabAllocator:
             free = self._free_slots[slab]
             free.append((off % self.slab_bytes - skew) // slot_bytes)
             self.used_bytes -= slot_bytes
+            self.used[slab] -= 1
             if len(free) == self.slots_per_slab(cls):
                 self._release_slab(slab, cls)
             else:
@@ -105,6 +114,7 @@ class SlabAllocator:
         uniq, start, counts = np.unique(
             slabs[order], return_index=True, return_counts=True
         )
+        self.used[uniq.astype(np.intp)] -= counts
         ids = uniq.tolist()
         classes = [self._slab_class[s] for s in ids]
         size = np.repeat(np.array([c[0] for c in classes], np.uint64), counts)
@@ -130,6 +140,7 @@ class SlabAllocator:
         self._partial[cls].pop(slab, None)
         del self._free_slots[slab]
         del self._slab_class[slab]
+        self.class_no[slab] = -1
         self.free_slabs.append(slab)
 
     def claim(self, addresses: list[int], slot_bytes: int) -> list[bool]:
@@ -168,6 +179,8 @@ class SlabAllocator:
                 fresh.discard(slab)
                 continue
             self._free_slots[slab] = sorted(free, reverse=True)
+            self.used[slab] = self.slots_per_slab(cls) - len(free)
+            self.class_no[slab] = self._class_no(cls)
             partial = self._partial.setdefault(cls, {})
             if free:
                 partial[slab] = None
@@ -175,6 +188,31 @@ class SlabAllocator:
                 partial.pop(slab, None)
         self.free_slabs = [s for s in self.free_slabs if s not in fresh]
         return ok
+
+    def _class_no(self, cls: SlotClass) -> int:
+        return self._class_nos.setdefault(cls, len(self._class_nos))
+
+    def emptiest(self, cls: SlotClass, n: int) -> list[int]:
+        """Up to n slabs of classes other than cls, fewest slots allocated
+        first; ties: the lower slab number (one sort key, deterministic)."""
+        mine = self._class_nos.get(cls, -1)
+        slabs = np.flatnonzero((self.class_no >= 0) & (self.class_no != mine))
+        rank = self.used[slabs] * self.size_slabs + slabs  # unique per slab
+        if len(rank) > n:  # O(slabs), not a sort of them all
+            pick = np.argpartition(rank, n - 1)[:n]
+            slabs, rank = slabs[pick], rank[pick]
+        return slabs[np.argsort(rank)].tolist()
+
+    def used_slots(self, slab: int) -> list[int]:
+        """The addresses of the slab's allocated slots."""
+        slot_bytes, skew = cls = self._slab_class[slab]
+        free = set(self._free_slots[slab])
+        start = self.base + slab * self.slab_bytes + skew
+        return [
+            start + i * slot_bytes
+            for i in range(self.slots_per_slab(cls))
+            if i not in free
+        ]
 
     def free_slots(self, cls: SlotClass) -> int:
         """Slots of the class obtainable without eviction."""

@@ -6,6 +6,8 @@ is below it); kept apart because they are that one concern."""
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import numpy as np
 
 from pegaflow.common.keys import BlockHash, Namespace
@@ -34,6 +36,7 @@ class TierLoads:
         whole = len(got) // tp
         for i, entry in enumerate(entries[:whole]):
             entry.slots[:] = got[i * tp : (i + 1) * tp].tolist()
+            self.owner.update(zip(entry.slots, repeat(entry)))
         if self.log is not None and whole:
             shards = got[: whole * tp].reshape(whole, tp)
             for shard in range(tp):
@@ -131,6 +134,7 @@ class TierLoads:
                 entry = BlockEntry(key, row, landed=complete)
                 self._make_ready(entry)
             self.entries[key] = entry
+            self.owner.update(zip(entry.slots, repeat(entry)))
             fresh.append(entry)
         if fresh:
             self._hold(ns, len(fresh))

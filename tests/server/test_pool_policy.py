@@ -152,3 +152,42 @@ def test_partial_tp_saves_stay_invisible(server) -> None:
         # world_size (2) workers loaded: the lease is consumed
         with pytest.raises(LeaseNotFound):
             client.release_lease(lease.lease_id)
+
+
+def test_a_second_models_save_leaves_the_first_models_cache(server_factory) -> None:
+    """Models of two block sizes share the pool. A's blocks fill it, used one
+    from each slab in turn (recency interleaved across slabs); one save of B
+    (a slab of its own size needed) evicts under two slabs' worth of A's, not
+    nearly all (241 of 256 before: LRU order emptied no slab until the end);
+    every A block left loads its own bytes."""
+    server = server_factory(*POOL)
+    a, b = LocalKV(seed=8), LocalKV(blocks=4, page=8192, seed=9)  # 16, 32 KiB
+    again = LocalKV(blocks=SLOTS, seed=10)  # another worker of model A
+    with _client(server) as client:
+        a.register(client, "a", "model-A")
+        b.register(client, "b", "model-B")
+        again.register(client, "a2", "model-A")
+        n = _capacity(a)
+        per_slab = n // 16
+        hs = hashes(n)
+        assert _save_all(client, a, "a", hs) == n
+        for j in range(per_slab):  # block j of every slab, then j + 1's
+            touch = client.query("a", hs[j::per_slab])
+            assert touch.num_blocks == 16
+            client.release_lease(touch.lease_id)
+        assert client.save("b", [0], hashes(1)).stored == 1
+
+        evicted = server.metric("pegaflow_evictions_total")
+        assert 0 < evicted <= 2 * (256 << 10) // (16 << 10)  # two slabs' bytes
+        left = []
+        for k in range(n):
+            hit = client.query("a", [hs[k]])
+            if hit.num_blocks:
+                left.append(k)
+                client.release_lease(hit.lease_id)
+        assert len(left) == n - evicted
+        lease = client.query("a2", [hs[k] for k in left])
+        assert lease.num_blocks == len(left)
+        client.load("a2", lease.lease_id, list(range(len(left))))
+        for i, k in enumerate(left):
+            assert np.array_equal(again.block(i), a.block(k % a.blocks))

@@ -13,7 +13,12 @@ from pegaflow.cache.slabs import SlabAllocator
 
 def _state(a: SlabAllocator) -> tuple:
     partial = {c: list(d) for c, d in a._partial.items()}
-    return a.free_slabs, a._free_slots, partial, a._slab_class, a.used_bytes
+    for slab, free in a._free_slots.items():  # the numpy counts agree
+        assert a.used[slab] == a.slots_per_slab(a._slab_class[slab]) - len(free)
+    assert (a.class_no >= 0).sum() == len(a._slab_class)
+    assert not a.used[a.class_no < 0].any()
+    state = a.free_slabs, a._free_slots, partial, a._slab_class, a.used_bytes
+    return (*state, a.used.tolist())
 
 
 def test_a_batched_free_leaves_the_allocator_as_the_loop_does() -> None:

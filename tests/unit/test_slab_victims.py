@@ -1,0 +1,159 @@
+"""A save of one slot class into a pool whose slabs all hold another: a slab's
+worth of blocks goes in LRU order, then the emptiest slab with no pinned block
+(pegaflow.cache.slab_victims), not most of the pool."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from pegaflow.cache.block_store import BlockStore
+from pegaflow.cache.eviction import LRUPolicy
+from pegaflow.cache.leases import LeaseTable
+from pegaflow.cache.prefix_eviction import PrefixLRUPolicy
+from pegaflow.cache.slabs import SlabAllocator
+from pegaflow.common.keys import Namespace
+
+SLAB = 256 << 10
+A_SLOT, B_SLOT = 16 << 10, 32 << 10  # 16 A slots a slab, 8 B slots
+PER_SLAB = SLAB // A_SLOT
+
+
+def _ns(ident: int, slot: int) -> Namespace:
+    return Namespace(f"ns{ident}", ident, 1, 2, slot, (2, slot // 2))
+
+
+def _h(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def _save(store: BlockStore, ns: Namespace, hs: list[bytes]) -> np.ndarray:
+    res = store.reserve_save(ns, 0, hs, np.arange(ns.num_layers))
+    store.finish_save(res, True)
+    return res.slots
+
+
+def _slab(store: BlockStore, ns: Namespace, i: int) -> int:
+    addr = store.entries[(ns.id, _h(i))].slots[0]
+    return (addr - store.slabs.base) // SLAB
+
+
+def _touch(store: BlockStore, ns: Namespace, order: list[int]) -> None:
+    """Recency: order[0] least recently used, order[-1] most."""
+    for i in order:
+        assert len(store.longest_prefix(ns, [_h(i)])) == 1
+    store.apply_touches()
+
+
+def test_a_save_of_another_class_evicts_about_a_slab_not_the_pool() -> None:
+    """16 slabs of A blocks touched in a shuffled order: the old code evicted
+    217 of 256 for one B block. Bytes live in a real buffer: every A block
+    left still holds its own, and leased blocks stay."""
+    slabs = 16
+    mem = np.zeros(slabs * SLAB, np.uint8)
+    for policy in (LRUPolicy(), PrefixLRUPolicy()):
+        mem[:] = 0
+        store = BlockStore(SlabAllocator(mem.ctypes.data, mem.size, SLAB), policy)
+        a, b = _ns(1, A_SLOT), _ns(2, B_SLOT)
+        n = slabs * PER_SLAB
+        for start in range(0, n, PER_SLAB):
+            hs = [_h(i) for i in range(start, start + PER_SLAB)]
+            for i, addr in enumerate(_save(store, a, hs).tolist(), start):
+                off = addr - mem.ctypes.data
+                mem[off : off + A_SLOT] = i % 251 + 1  # the block's bytes
+        order = list(range(n))
+        random.Random(0).shuffle(order)  # fixed: the same recency every run
+        _touch(store, a, order)
+        leases = LeaseTable(store, ttl_s=60)
+        leased = order[:8]  # among the least recently used
+        leases.create("i", a.id, [store.entries[(a.id, _h(i))] for i in leased], 1)
+
+        (addr,) = _save(store, b, [b"b" * 32]).tolist()
+        off = addr - mem.ctypes.data
+        mem[off : off + B_SLOT] = 255  # the B block lands in its slot
+
+        evicted = store.counters.evictions
+        assert 0 < evicted <= 2 * PER_SLAB - 1, (type(policy).__name__, evicted)
+        left = [i for i in range(n) if (a.id, _h(i)) in store.entries]
+        assert len(left) == n - evicted
+        assert set(leased) <= set(left)
+        for i in left:
+            assert len(store.longest_prefix(a, [_h(i)])) == 1
+            addr = store.entries[(a.id, _h(i))].slots[0]
+            off = addr - mem.ctypes.data
+            assert (mem[off : off + A_SLOT] == i % 251 + 1).all(), i
+        assert len(store.longest_prefix(b, [b"b" * 32])) == 1
+        used = len(left) * A_SLOT + B_SLOT
+        assert store.slabs.used_bytes == used
+
+
+def test_the_emptiest_slab_with_a_leased_block_is_skipped() -> None:
+    """4 slabs of A blocks; LRU order takes 10 of the first slab's and 2 of
+    each other's: the first slab is then the emptiest, but a block of it is
+    leased, so the next slab (fewest blocks, then lowest number) is emptied."""
+    store = BlockStore(SlabAllocator(1 << 30, 4 * SLAB, SLAB), LRUPolicy())
+    a, b = _ns(1, A_SLOT), _ns(2, B_SLOT)
+    for start in range(0, 4 * PER_SLAB, PER_SLAB):
+        _save(store, a, [_h(i) for i in range(start, start + PER_SLAB)])
+    slab_of = {i: _slab(store, a, i) for i in range(4 * PER_SLAB)}
+    by_slab = [
+        [i for i in slab_of if slab_of[i] == s] for s in sorted(set(slab_of.values()))
+    ]
+    first = by_slab[0]
+    swept = first[:10] + [i for blocks in by_slab[1:] for i in blocks[:2]]
+    rest = [i for i in slab_of if i not in swept]
+    _touch(store, a, swept + rest)
+    leases = LeaseTable(store, ttl_s=60)
+    leases.create("i", a.id, [store.entries[(a.id, _h(first[10]))]], 1)
+
+    assert len(_save(store, b, [b"b" * 32])) == 1
+
+    gone = {i for i in slab_of if (a.id, _h(i)) not in store.entries}
+    assert gone == set(swept) | set(by_slab[1])
+    assert store.counters.evictions == PER_SLAB + (PER_SLAB - 2)
+
+
+def test_no_slab_free_of_pins_refuses_the_save() -> None:
+    """Every slab holds a leased block: after the slab's worth in LRU order
+    the save is refused, as in a pool full of pinned blocks; nothing more goes."""
+    store = BlockStore(SlabAllocator(1 << 30, 4 * SLAB, SLAB), LRUPolicy())
+    a, b = _ns(1, A_SLOT), _ns(2, B_SLOT)
+    for start in range(0, 4 * PER_SLAB, PER_SLAB):
+        _save(store, a, [_h(i) for i in range(start, start + PER_SLAB)])
+    leases = LeaseTable(store, ttl_s=60)
+    pinned = [store.entries[(a.id, _h(i))] for i in range(0, 4 * PER_SLAB, PER_SLAB)]
+    leases.create("i", a.id, pinned, 1)
+    _touch(store, a, [i for j in range(PER_SLAB) for i in range(j, 64, PER_SLAB)])
+
+    assert len(_save(store, b, [b"b" * 32])) == 0
+    assert store.counters.pool_full_rejections == 1
+    assert store.counters.evictions == PER_SLAB
+    assert all(e.key in store.entries for e in pinned)
+    assert store.slabs.used_bytes == (4 * PER_SLAB - PER_SLAB) * A_SLOT
+
+
+def test_slabs_of_unchecked_blocks_go_after_the_swept_slabs_worth() -> None:
+    """Two slabs of a restart's unchecked A blocks, two of ready ones with a
+    leased block each: after a slab's worth of ready blocks in LRU order (not
+    all 30 evictable, as before), no slab qualifies, so unchecked blocks go,
+    the last adopted first, until their slab empties; not a refusal."""
+    store = BlockStore(SlabAllocator(1 << 30, 4 * SLAB, SLAB), LRUPolicy())
+    a, b = _ns(1, A_SLOT), _ns(2, B_SLOT)
+    addrs = [(1 << 30) + 2 * SLAB + i * A_SLOT for i in range(2 * PER_SLAB)]
+    assert all(store.slabs.claim(addrs, A_SLOT))
+    late = [_h(1000 + i) for i in range(2 * PER_SLAB)]
+    store.adopt(a, late, np.array(addrs, np.uint64).reshape(-1, 1), unchecked=True)
+    n = 2 * PER_SLAB
+    for start in range(0, n, PER_SLAB):
+        _save(store, a, [_h(i) for i in range(start, start + PER_SLAB)])
+    leases = LeaseTable(store, ttl_s=60)
+    leases.create("i", a.id, [store.entries[(a.id, _h(i))] for i in (0, 16)], 1)
+    _touch(store, a, [i for j in range(PER_SLAB) for i in (j, j + PER_SLAB)])
+
+    assert len(_save(store, b, [b"b" * 32])) == 1
+
+    ready_gone = [i for i in range(n) if (a.id, _h(i)) not in store.entries]
+    assert len(ready_gone) == PER_SLAB
+    assert [h for h in late if (a.id, h) not in store.entries] == late[PER_SLAB:]
+    assert store.counters.evictions == 2 * PER_SLAB
