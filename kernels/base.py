@@ -8,6 +8,7 @@ the same by construction and the CPU twin is a faithful reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ class CopyKernels:
         stream: Any,
         max_blocks: int | None,
         width: int,
+        before_launch: Callable[[], None] | None = None,
     ) -> None:
         raise NotImplementedError
 
@@ -46,6 +48,7 @@ class CopyKernels:
         stream: Any,
         max_blocks: int | None = None,
         width: Width = 16,
+        before_launch: Callable[[], None] | None = None,
     ) -> None:
         """Copy every descriptor of `t` from `src` into `dst` in one launch.
 
@@ -53,10 +56,12 @@ class CopyKernels:
         range must lie inside its buffer and destinations must not overlap, or
         InternalError names the field. `max_blocks` caps the CUDA grid (SM
         share); `width` caps the store size (16, 8, or 1 = bytes only).
+        `before_launch` runs after the host's table work, right before the
+        launch: a timing event recorded there times the copy, not our Python.
         """
         check_launch(width, max_blocks)
         table = self._checked(src, dst, t)
-        self._launch(src, dst, table, stream, max_blocks, width)
+        self._launch(src, dst, table, stream, max_blocks, width, before_launch)
 
     def gather(
         self,
@@ -67,11 +72,13 @@ class CopyKernels:
         stream: Any,
         max_blocks: int | None = None,
         width: Width = 16,
+        before_launch: Callable[[], None] | None = None,
     ) -> None:
         """Save, zero-copy: engine KV pages (`src`) -> mapped pool slots (`dst`)."""
         self.copy_descriptors(
-            src, dst, t, stream=stream, max_blocks=max_blocks, width=width
-        )
+            src, dst, t, stream=stream, max_blocks=max_blocks, width=width,
+            before_launch=before_launch,
+        )  # fmt: skip
 
     def scatter(
         self,
@@ -82,8 +89,10 @@ class CopyKernels:
         stream: Any,
         max_blocks: int | None = None,
         width: Width = 16,
+        before_launch: Callable[[], None] | None = None,
     ) -> None:
         """Load, zero-copy: mapped pool slots (`src`) -> engine KV pages (`dst`)."""
         self.copy_descriptors(
-            src, dst, t, stream=stream, max_blocks=max_blocks, width=width
-        )
+            src, dst, t, stream=stream, max_blocks=max_blocks, width=width,
+            before_launch=before_launch,
+        )  # fmt: skip

@@ -95,7 +95,10 @@ class CpuKernels(CopyKernels):
         stream: Any,
         max_blocks: int | None,
         width: int,
+        before_launch: Callable[[], None] | None = None,
     ) -> None:
+        if before_launch is not None:
+            before_launch()
         if table.shape[1]:
             _copy_table()(src.data, dst.data, table)
 

@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -168,6 +169,7 @@ class CudaKernels(CopyKernels):
         stream: Any,
         max_blocks: int | None,
         width: int,
+        before_launch: Callable[[], None] | None = None,
     ) -> None:
         rows = SIM_SPLIT_ROWS if SIMULATED else _default_blocks()
         if table_jit.ready():
@@ -176,6 +178,8 @@ class CudaKernels(CopyKernels):
         else:  # the compiled loops still loading (a start): their numpy twin
             split = split_table(table, rows, MIN_PIECE)
             n, piece = split.shape[1], 0
+        if before_launch is not None and not n:
+            before_launch()  # the caller's event still brackets nothing
         if not n:
             return
         blocks = min(n, max_blocks or _default_blocks())
@@ -186,6 +190,8 @@ class CudaKernels(CopyKernels):
                 table_jit.write_split(table, piece, tab.rows)
             else:
                 tab.rows[:, :n] = split
+            if before_launch is not None:
+                before_launch()
             device.launch(blocks, THREADS, stream, src, dst, tab, n, width)
             tab.done.record(stream)
         logger.debug("copy %d descriptors, %d blocks", n, blocks)

@@ -29,6 +29,11 @@ bounds what probing costs the engine. Our own saves and loads by kernel at
 once also share the GPU and look half as fast; copy engines moved more there
 on an idle GPU too (71 vs 61 GB/s, the same run), so switching is right.
 
+While the pool is still being pinned, batches are counted but not timed:
+the pinning threads hold the driver's lock for whole cudaHostRegister calls,
+so a batch's time then may be that wait (seen on fresh H100 hosts: the first
+servers' 64-block loads were sent to copy engines at 17-22 GB/s).
+
 Known gap: a class whose every sample came while another context computed
 (a server started under load, no idle moment since) has a contended best and
 sees no contention there until a smaller class gives a higher reference.
@@ -116,20 +121,22 @@ class Contention:
         start: float,
         end: float,
         gpu_s: float | None = None,
+        trusted: bool = True,
     ) -> bool:
         """A batch of this GPU finished: queued at `start`, seen done at `end`
         (perf_counter seconds), `gpu_s` its GPU time where events timed it
         (else end - start). One that started before the previous batch of
-        its stream ended waited behind it: counted, not timed. Returns whether
-        it ran alone (its time is its own)."""
+        its stream ended waited behind it: counted, not timed; so is one
+        that is not `trusted`. Returns whether it ran alone (its time is its
+        own)."""
         with self._lock:
             self.batches[path] += 1
             self.bytes[path] += nbytes
             alone = start >= self._last_end.get(direction, -math.inf)
             self._last_end[direction] = max(end, self._last_end.get(direction, end))
             seconds = end - start if gpu_s is None else gpu_s
-            if path != "kernel" or not alone or seconds <= 0:
-                return alone
+            if path != "kernel" or not alone or not trusted or seconds <= 0:
+                return alone and trusted
             if not timed(pages, nbytes):
                 return alone
             rate = nbytes / seconds
@@ -232,15 +239,17 @@ class ContendedPolicy(CopyPolicy):
         start: float,
         end: float,
         gpu_s: float | None = None,
+        trusted: bool = True,
     ) -> None:
         """The race compares GPU times where both paths have them: a thread's
         wall-clock time carries its launch and wake-up, which a launched
         batch's events leave out, and would bias a size class the loop and
         the threads both serve towards whichever path the loop took."""
         gpu = self._gpu(device)
-        if gpu.observe(direction, path, len(t), t.total_bytes, start, end, gpu_s):
+        n, nbytes = len(t), t.total_bytes
+        if gpu.observe(direction, path, n, nbytes, start, end, gpu_s, trusted):
             seconds = end - start if gpu_s is None else gpu_s
-            self._race(device).observe(direction, path, len(t), t.total_bytes, seconds)
+            self._race(device).observe(direction, path, n, nbytes, seconds)
 
     def report(self) -> dict[str, object]:
         gpus = {

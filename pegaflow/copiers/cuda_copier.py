@@ -11,15 +11,12 @@ Each allocation an engine exports is opened once per server and closed
 after its last worker (pegaflow.copiers.ipc_mappings).
 
 A save may name an engine's interprocess event (`wait_event`). The server polls
-that event from the copy thread and launches once it completed, bounded by
-`event_timeout_s`, rather than queueing cudaStreamWaitEvent. In the first H200
-run (GPU-side wait), an engine SIGKILLed between recording its event and
-reaching it hung the server: its cancelled Save released the worker while the
-copy still sat on the stream behind a wait that never ends, and the IPC close
-(a device-wide synchronization) then blocked the RPC loop for good. Polling
-never leaves work waiting on another process in the server's context (and
-a copy of pegaflow.server.copy_dispatch outlives a cancelled RPC). The engine
-itself never syncs; the copy starts within ~50 us of its event completing.
+that event from the copy thread and launches once it completed (bounded by
+`event_timeout_s`) rather than queueing cudaStreamWaitEvent: on the H200 a
+GPU-side wait for an engine SIGKILLed before its event hung the server (the
+IPC close, a device-wide synchronization, then blocked the RPC loop for good).
+Polling never leaves work in the server's context waiting on another process.
+The engine itself never syncs; the copy starts within ~50 us of its event.
 
 Each batch moves by kernel or by the copy engines (pegaflow.copiers.dma),
 chosen per batch from its shape by a CopyPolicy: copy engines for saves of a
@@ -35,7 +32,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol
@@ -335,9 +332,7 @@ class CudaCopyEngine:
         try:
             start = time.perf_counter()  # the policy learns from each batch's time
             with self._drained_on_error(dev, stream):
-                if events is not None:
-                    cuda_driver.record_event(events[0], int(stream.handle))
-                self._queue(direction, path, regions, t)
+                self._queue(direction, path, regions, t, events)
                 if events is not None:
                     cuda_driver.record_event(events[1], int(stream.handle))
                 self._finish(dev, direction, path, t)
@@ -355,7 +350,9 @@ class CudaCopyEngine:
             self._flights.add(key, -1)
             if events is not None:
                 dev.spare_events.append(events)
-        self._policy.observe(dev.ordinal, direction, path, t, start, end, gpu_s)
+        self._policy.observe(
+            dev.ordinal, direction, path, t, start, end, gpu_s, self._pinned()
+        )
 
     def _queue(
         self,
@@ -363,20 +360,33 @@ class CudaCopyEngine:
         path: CopyPath,
         regions: CudaRegions,
         t: Transfers,
+        events: tuple[Any, Any] | None = None,
     ) -> None:
-        """Enqueue the batch on its direction's stream, by `path`."""
+        """Enqueue the batch on its direction's stream, by `path`. events[0]
+        goes in right before the copy: recorded before the host's planning on
+        an idle stream, it timed that Python and any wait for the driver's
+        lock (pinning holds it) as GPU time, which read as contention."""
         dev = regions.device
         stream = dev.stream(direction)
+        started = None
+        if events is not None:
+            started = functools.partial(
+                cuda_driver.record_event, events[0], int(stream.handle)
+            )
         if direction == "save":
             src, dst = regions.buffer, dev.pool
         else:
             src, dst = dev.pool, regions.buffer
         if path == "dma":
-            self._batch(direction, src, dst, t, dev)
+            self._batch(direction, src, dst, t, dev, started)
         elif direction == "save":
-            self._k.gather(src, dst, t, stream=stream, max_blocks=self._ctas)
+            self._k.gather(
+                src, dst, t, stream=stream, max_blocks=self._ctas, before_launch=started
+            )
         else:
-            self._k.scatter(src, dst, t, stream=stream, max_blocks=self._ctas)
+            self._k.scatter(
+                src, dst, t, stream=stream, max_blocks=self._ctas, before_launch=started
+            )
 
     # -- launched on the event loop (pegaflow.copiers.copy_wait)
     # ------------------------
@@ -414,8 +424,7 @@ class CudaCopyEngine:
             handle = int(stream.handle)
             start = time.perf_counter()
             with self._drained_on_error(dev, stream):
-                cuda_driver.record_event(events[0], handle)
-                self._queue(direction, path, regions, t)
+                self._queue(direction, path, regions, t, events)
                 cuda_driver.record_event(events[1], handle)
         except BaseException:
             if events is not None:
@@ -436,12 +445,16 @@ class CudaCopyEngine:
         known = [r for r in rates if r is not None]
         return bool(known) and nbytes / max(known) > measured.LOOP_MAX_S
 
+    def _pinned(self) -> bool:
+        """Whether the whole pool is pinned (until then, see contention.py)."""
+        return self._pins is None or self._pins.complete
+
     def busy(self, regions: CudaRegions, direction: CopyDirection) -> bool:
         """Whether a copy started now on the event loop could wait there
         (gpu_state.InFlight.busy): such a copy goes by a copy thread. So
         could any copy while the pool is still being pinned: it goes by
         launch, which asks for its chunks without waiting."""
-        if self._pins is not None and not self._pins.complete:
+        if not self._pinned():
             return True
         return self._flights.busy((regions.device.ordinal, direction))
 
@@ -497,8 +510,9 @@ class CudaCopyEngine:
             self._rates.learn(key, t.total_bytes, seconds)
             end = launched.start + seconds
             self._policy.observe(
-                dev.ordinal, direction, launched.path, t, launched.start, end, seconds
-            )
+                dev.ordinal, direction, launched.path, t, launched.start, end,
+                seconds, self._pinned(),
+            )  # fmt: skip
         finally:
             dev.spare_events.append(launched.events)
             self._flights.add((dev.ordinal, direction), -1)
@@ -543,9 +557,8 @@ class CudaCopyEngine:
             return
         flag.wait(int(stream.handle), functools.partial(self._k.synchronize, stream))
 
-    def _batch(
-        self, direction: CopyDirection, src: Any, dst: Any, t: Transfers, dev: _Device
-    ) -> None:
+    def _batch(self, direction: CopyDirection, src: Any, dst: Any, t: Transfers,
+               dev: _Device, started: Callable[[], None] | None) -> None:  # fmt: skip
         """Enqueue `t` on the direction's stream as copy-engine batches."""
         assert self._dma is not None  # a "kernel" policy never chooses DMA
         key = (direction, dev.ordinal)
@@ -554,7 +567,10 @@ class CudaCopyEngine:
             attrs = self._attrs[key] = dma.attributes(direction, dev.ordinal)
         stream = dev.stream(direction)
         chunks = (dev.pool.address, cuda_driver.POOL_CHUNK_BYTES)
-        self._dma(dma.plan(src, dst, t, chunks), attrs, int(stream.handle))
+        planned = dma.plan(src, dst, t, chunks)
+        if started is not None:
+            started()
+        self._dma(planned, attrs, int(stream.handle))
 
     def _wait_event(self, event: Any) -> None:
         """Until the engine's event completed, at most event_timeout_s."""

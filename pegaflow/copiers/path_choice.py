@@ -78,11 +78,12 @@ class CopyPolicy:
 
     def observe(self, device: int, direction: CopyDirection, path: CopyPath,
                 t: Transfers, start: float, end: float,
-                gpu_s: float | None = None) -> None:  # fmt: skip
+                gpu_s: float | None = None, trusted: bool = True) -> None:  # fmt: skip
         """A batch finished: queued at `start`, seen done at `end`
         (perf_counter); `gpu_s`, where timing events bracketed it, its own
         time on the GPU (no launch, no wait behind the stream's earlier
-        work, no wake-up)."""
+        work, no wake-up). trusted=False: its times may not be its own (the
+        pool was still being pinned): counted, never learnt from."""
 
     def report(self) -> dict[str, object]:
         return {"setting": self.setting}

@@ -200,3 +200,23 @@ def test_disjointness_check_matches_brute_force() -> None:
                 kernels.plan._check_disjoint("transfers.dst", off_u, nb_u)
         else:
             kernels.plan._check_disjoint("transfers.dst", off_u, nb_u)
+
+
+@pytest.mark.parametrize("op", ["gather", "scatter", "copy_descriptors"])
+def test_before_launch_runs_after_the_checks_and_before_the_copy(op: str) -> None:
+    """A copier records its start event there (pegaflow.copiers.cuda_copier):
+    after the host's table work, before a byte moves; never for a table the
+    checks refuse."""
+    src = cpu.wrap_array(np.arange(64, dtype=np.uint8))
+    dst = cpu.wrap_array(np.zeros(64, np.uint8))
+    one = np.ones(1, np.uint64)
+    t = Transfers(np.uint64(src.address) * one, np.uint64(dst.address) * one, 32 * one)
+    seen: list[int] = []
+    before = lambda: seen.append(int(dst.data.sum()))  # noqa: E731
+    getattr(cpu, op)(src, dst, t, stream=None, before_launch=before)
+    assert seen == [0] and dst.data[:32].tolist() == list(range(32))
+    bad = Transfers(t.src, t.dst, 65 * one)  # past the end of both buffers
+    with pytest.raises(InternalError):
+        cpu.copy_descriptors(src, dst, bad, stream=None,
+                             before_launch=lambda: seen.append(-1))  # fmt: skip
+    assert seen == [0]

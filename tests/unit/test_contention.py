@@ -125,6 +125,30 @@ def test_a_batch_queued_behind_another_is_not_timed() -> None:
     assert gpu.batches["kernel"] == 10
 
 
+def test_untrusted_times_neither_calibrate_nor_judge() -> None:
+    """Batches timed while the pool was still being pinned (their times may
+    be a wait for the driver's lock) are counted only: a fast one sets no
+    reference and slow ones switch nothing; neither feeds the path race."""
+    clock = Clock()
+    policy = ContendedPolicy(clock=clock)
+    t = Transfers(*(np.arange(BIG, dtype=np.uint64) * np.uint64(PAGE),) * 2,
+                  np.full(BIG, PAGE, np.uint64))  # fmt: skip
+    nbytes = BIG * PAGE
+    for rate in (IDLE, BUSY, BUSY, BUSY):
+        start = clock.now
+        clock.now += nbytes / rate
+        policy.observe(0, "load", "kernel", t, start, clock.now, trusted=False)
+    gpu = policy.gpus[0]
+    assert gpu.choice == "kernel" and gpu.estimate == 1.0
+    assert gpu.batches["kernel"] == 4 and not any(b.any() for b in gpu._best.values())
+    assert policy._race(0).report() == ContendedPolicy(clock=clock)._race(0).report()
+    for rate in (BUSY, IDLE, BUSY, BUSY):  # the same, trusted: they decide
+        start = clock.now
+        clock.now += nbytes / rate
+        policy.observe(0, "load", "kernel", t, start, clock.now)
+    assert gpu.choice == "dma"
+
+
 def test_the_first_sample_of_a_size_only_calibrates() -> None:
     """A GPU busy since start-up: no reference, no judgement; a smaller size
     class seen idle gives the larger ones a (lower) reference."""
