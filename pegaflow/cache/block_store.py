@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
@@ -64,9 +64,9 @@ class BlockStore(TierLoads):
         self.slabs = slabs
         self.policy = policy
         self.entries: dict[Key, BlockEntry] = {}
-        # The block each slot was last given to (checked against `entries`
-        # where read): the blocks of a slab to empty (pegaflow.cache.slab_victims).
-        self.owner: dict[int, BlockEntry] = {}
+        # Which block each slot holds is the allocator's map, set here as
+        # slots are given (SlabAllocator.own) and cleared by every free: the
+        # blocks of a slab to empty (pegaflow.cache.slab_victims).
         # Complete blocks per namespace: the prefix query probes all its hashes
         # at once (a dict lookup per hash misses the caches in a big index).
         self._ready: dict[int, ReadyIndex] = {}
@@ -261,9 +261,9 @@ class BlockStore(TierLoads):
         if new:  # before allocating: an eviction must not see ns as empty
             self._hold(ns, new)
         if slotless:
-            got = self._allocate(ns.slot_class, len(slotless)).tolist()
-            mine = map(entries.__getitem__, slotless)  # got may be shorter
-            self.owner.update(zip(got, mine, strict=False))
+            given = self._allocate(ns.slot_class, len(slotless))
+            got = given.tolist()  # may be shorter than slotless
+            self.slabs.own(given, [entries[i] for i in slotless[: len(got)]])
             for i, slot in zip(slotless, got, strict=False):
                 entries[i].slots[rank] = slots[i] = slot
             if self.log is not None and got:
@@ -411,7 +411,7 @@ class BlockStore(TierLoads):
             # an unchecked one): unchecked blocks of other classes, or none.
             victims = self._unchecked_victims([cls], short)
             if not victims and swept >= self.slabs.slab_bytes:
-                victims = slab_victims(self.slabs, self.owner, self.entries, cls)
+                victims = slab_victims(self.slabs, self.entries, cls)
                 if victims:
                     self.policy.evict_these(victims)
                     self._remove(victims)
@@ -499,7 +499,6 @@ class BlockStore(TierLoads):
                 freed += chain.from_iterable(map(_SLOTS, left))
         if 0 in freed:  # shards never allocated
             freed = [s for s in freed if s]
-        deque(map(self.owner.pop, freed, repeat(None)), maxlen=0)
         self.slabs.free(np.asarray(freed, np.uint64))
         if gone:
             for removed in self._on["removed"]:

@@ -15,6 +15,8 @@ writes from keeps the slab).
 
 from __future__ import annotations
 
+import numpy as np
+
 from pegaflow.common.keys import Key
 
 from .block_entry import BlockEntry
@@ -28,34 +30,27 @@ EXAMINED = 64
 
 
 def slab_victims(
-    slabs: SlabAllocator,
-    owner: dict[int, BlockEntry],
-    entries: dict[Key, BlockEntry],
-    cls: SlotClass,
+    slabs: SlabAllocator, entries: dict[Key, BlockEntry], cls: SlotClass
 ) -> list[Key]:
     """The blocks of the emptiest slab of another class than cls that can
     all go now; none if no slab examined qualifies."""
     for slab in slabs.emptiest(cls, EXAMINED):
-        keys = _evictable(slabs.used_slots(slab), owner, entries)
+        keys = _evictable(slabs.owners(slab), entries)
         if keys:
             return keys
     return []
 
 
-def _evictable(
-    addrs: list[int], owner: dict[int, BlockEntry], entries: dict[Key, BlockEntry]
-) -> list[Key] | None:
-    """The distinct blocks in these slots, if every one may be evicted now."""
-    keys: dict[Key, None] = {}
-    for addr in addrs:
-        entry = owner.get(addr)
+def _evictable(owners: np.ndarray, entries: dict[Key, BlockEntry]) -> list[Key] | None:
+    """The distinct blocks in the slab's used slots (`owners`, None where
+    free), if every one may be evicted now."""
+    keys: list[Key] = []
+    for entry in dict.fromkeys(filter(None, owners.tolist())):  # once per block
         if (
-            entry is None
-            or entry.pins
+            entry.pins
             or not entry.ready
-            or entries.get(entry.key) is not entry  # evicted, a tier reads it
-            or addr not in entry.slots
+            or entries.get(entry.key) is not entry  # evicted, a tier writes it
         ):
             return None
-        keys[entry.key] = None
-    return list(keys)
+        keys.append(entry.key)
+    return keys
