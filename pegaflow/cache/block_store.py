@@ -403,19 +403,13 @@ class BlockStore(TierLoads):
         swept = 0  # bytes of other classes evicted in LRU order
         while short > 0:
             # Unchecked blocks are the least recently used of all: first,
-            # those of this class (each frees a slot this save can take);
-            # of another class only once the policy has nothing left, as
-            # they free memory here only when their whole slab empties.
-            # Past a slab's worth swept, a slab no block of which is pinned
-            # goes whole; none such (each examined holds a pinned block, or
-            # an unchecked one): unchecked blocks of other classes, or none.
-            victims = self._unchecked_victims([cls], short)
-            if not victims and swept >= self.slabs.slab_bytes:
-                victims = slab_victims(self.slabs, self.entries, cls)
-                if victims:
-                    self.policy.evict_these(victims)
-                    self._remove(victims)
-            elif not victims:
+            # those of this class (each frees a slot this save can take).
+            # Past a slab's worth swept, or when the policy has nothing left,
+            # the emptiest slab of another class whose blocks may all go
+            # (unpinned, or unchecked and pinned only by their check) goes
+            # whole; none such among those examined: the save is refused.
+            victims = self._unchecked_victims(cls, short)
+            if not victims and swept < self.slabs.slab_bytes:
                 want = short
                 victims = self.policy.evict(want, self._protected)
                 while victims is None and want > 1:  # fewer evictable than asked
@@ -425,14 +419,25 @@ class BlockStore(TierLoads):
                     swept += self._bytes_of_others(victims, cls)
                     self._remove(victims)
             if not victims:
-                others = [c for c in self._unchecked_stacks if c != cls]
-                victims = self._unchecked_victims(others, short)
+                victims = self._empty_a_slab(cls)
                 if not victims:
                     break
             self.counters.evictions += len(victims)
             got.append(self.slabs.allocate(cls, short))
             short -= len(got[-1])
         return got[0] if len(got) == 1 else np.concatenate(got)
+
+    def _empty_a_slab(self, cls: SlotClass) -> list[Key]:
+        """Evict every block of a slab of another class (slab_victims)."""
+        victims = slab_victims(self.slabs, self.entries, cls, self.unchecked)
+        unchecked = [k for k in victims if k in self.unchecked]
+        if unchecked:
+            self._drop_unchecked(unchecked)
+        if len(unchecked) < len(victims):
+            ready = [k for k in victims if k in self.entries]
+            self.policy.evict_these(ready)
+            self._remove(ready)
+        return victims
 
     def _bytes_of_others(self, keys: list[Key], cls: SlotClass) -> int:
         """The slot bytes these resident blocks hold in classes other than cls."""
@@ -443,38 +448,37 @@ class BlockStore(TierLoads):
                 out += n * ns.tp_size * ns.slot_class[0]
         return out
 
-    def _unchecked_victims(self, classes: list[SlotClass], n: int) -> list[Key]:
-        """Up to n unchecked recovered blocks of these slot classes, the last
+    def _unchecked_victims(self, cls: SlotClass, n: int) -> list[Key]:
+        """Up to n unchecked recovered blocks of this slot class, the last
         adopted first (the check reaches them last), that only their check
-        pins (a save never does: it waits; a query's check does), taken out
-        of `unchecked` and removed from the store. Dropping one loses
-        nothing acknowledged since the restart; kept, a full pool of them
-        refused every save until the check reached them."""
+        pins (a save never does: it waits; a query's check does), dropped
+        (_drop_unchecked). Dropping one loses nothing acknowledged since the
+        restart; kept, a full pool of them refused every save until the check
+        reached them."""
         victims: list[Key] = []
-        for cls in classes:
-            stack = self._unchecked_stacks.get(cls)
-            busy: list[Key] = []
-            while stack and len(victims) < n:
-                key = stack.pop()
-                entry = self.unchecked.get(key)
-                if entry is None:  # checked, or evicted, since
-                    continue
-                if entry.pins == 1:
-                    victims.append(key)
-                    del self.unchecked[key]
-                else:
-                    busy.append(key)
-            if stack is not None:
-                stack.extend(reversed(busy))
-            if len(victims) == n:
-                break
+        stack = self._unchecked_stacks.get(cls)
+        busy: list[Key] = []
+        while stack and len(victims) < n:
+            key = stack.pop()
+            entry = self.unchecked.get(key)
+            if entry is None:  # checked, or evicted, since
+                continue
+            (victims if entry.pins == 1 else busy).append(key)
+        if stack is not None:
+            stack.extend(reversed(busy))
         if victims:
-            for evicted in self._on["unchecked_evicted"]:
-                evicted(victims)
-            gone = list(map(self.entries.__getitem__, victims))
-            self._remove(victims)
-            self.on_settle(gone)
+            self._drop_unchecked(victims)
         return victims
+
+    def _drop_unchecked(self, keys: list[Key]) -> None:
+        """Unchecked blocks out of `unchecked` and of the store."""
+        for key in keys:
+            del self.unchecked[key]
+        for evicted in self._on["unchecked_evicted"]:
+            evicted(keys)
+        gone = list(map(self.entries.__getitem__, keys))
+        self._remove(keys)
+        self.on_settle(gone)
 
     def _remove(self, keys: list[Key]) -> None:
         entries = list(map(self.entries.pop, keys))

@@ -136,8 +136,9 @@ def test_no_slab_free_of_pins_refuses_the_save() -> None:
 def test_slabs_of_unchecked_blocks_go_after_the_swept_slabs_worth() -> None:
     """Two slabs of a restart's unchecked A blocks, two of ready ones with a
     leased block each: after a slab's worth of ready blocks in LRU order (not
-    all 30 evictable, as before), no slab qualifies, so unchecked blocks go,
-    the last adopted first, until their slab empties; not a refusal."""
+    all 30 evictable, as before), no slab of ready blocks qualifies, so a slab
+    of unchecked ones goes whole (the emptiest, then the lower: slab 2, the
+    first adopted); not a refusal."""
     store = BlockStore(SlabAllocator(1 << 30, 4 * SLAB, SLAB), LRUPolicy())
     a, b = _ns(1, A_SLOT), _ns(2, B_SLOT)
     addrs = [(1 << 30) + 2 * SLAB + i * A_SLOT for i in range(2 * PER_SLAB)]
@@ -155,5 +156,33 @@ def test_slabs_of_unchecked_blocks_go_after_the_swept_slabs_worth() -> None:
 
     ready_gone = [i for i in range(n) if (a.id, _h(i)) not in store.entries]
     assert len(ready_gone) == PER_SLAB
-    assert [h for h in late if (a.id, h) not in store.entries] == late[PER_SLAB:]
+    assert [h for h in late if (a.id, h) not in store.entries] == late[:PER_SLAB]
     assert store.counters.evictions == 2 * PER_SLAB
+
+
+def test_unchecked_blocks_of_another_class_go_a_slab_at_a_time() -> None:
+    """A restart's pool of 4 slabs of unchecked A blocks, adopted round-robin
+    across the slabs (the last adopted go first): one B block evicted them one
+    at a time until a slab emptied, 60 of 64. Now the emptiest slab whose
+    blocks only their check pins goes whole: slab 0 holds one a query's check
+    is reading, so slab 1's 16 go, no more."""
+    store = BlockStore(SlabAllocator(1 << 30, 4 * SLAB, SLAB), LRUPolicy())
+    a, b = _ns(1, A_SLOT), _ns(2, B_SLOT)
+    addrs = [
+        (1 << 30) + slab * SLAB + i * A_SLOT
+        for i in range(PER_SLAB)
+        for slab in range(4)
+    ]
+    assert all(store.slabs.claim(addrs, A_SLOT))
+    hs = [_h(i) for i in range(4 * PER_SLAB)]
+    rows = np.array(addrs, np.uint64).reshape(-1, 1)
+    store.adopt(a, hs, rows, unchecked=True)
+    read = store.entries[(a.id, hs[4])]  # in slab 0
+    store.pin([read])  # a query's check reads it
+
+    assert len(_save(store, b, [b"b" * 32])) == 1
+
+    gone = [i for i in range(4 * PER_SLAB) if (a.id, hs[i]) not in store.entries]
+    assert gone == list(range(1, 4 * PER_SLAB, 4))  # slab 1's, all of them
+    assert store.counters.evictions == PER_SLAB
+    assert len(store.unchecked) == 3 * PER_SLAB
