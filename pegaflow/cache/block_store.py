@@ -407,25 +407,44 @@ class BlockStore(TierLoads):
             # Past a slab's worth swept, or when the policy has nothing left,
             # the emptiest slab of another class whose blocks may all go
             # (unpinned, or unchecked and pinned only by their check) goes
-            # whole; none such among those examined: the save is refused.
+            # whole: its slots serve this class's next saves too, where an
+            # own block behind the sweep would serve one, and every later
+            # save would sweep again. None such among those examined: this
+            # class's own blocks in LRU order, or the save is refused.
             victims = self._unchecked_victims(cls, short)
-            if not victims and swept < self.slabs.slab_bytes:
-                want = short
-                victims = self.policy.evict(want, self._protected)
-                while victims is None and want > 1:  # fewer evictable than asked
-                    want //= 2
-                    victims = self.policy.evict(want, self._protected)
+            bound = swept >= self.slabs.slab_bytes
+            if not victims and not bound:
+                victims = self._evict_lru(short, self._protected)
                 if victims:
-                    swept += self._bytes_of_others(victims, cls)
+                    swept += self._bytes_of_others(victims, cls)  # ns still held
                     self._remove(victims)
             if not victims:
                 victims = self._empty_a_slab(cls)
-                if not victims:
-                    break
+            if not victims and bound:
+                victims = self._evict_own(cls, short)
+                if victims:
+                    self._remove(victims)
+            if not victims:
+                break
             self.counters.evictions += len(victims)
             got.append(self.slabs.allocate(cls, short))
             short -= len(got[-1])
         return got[0] if len(got) == 1 else np.concatenate(got)
+
+    def _evict_own(self, cls: SlotClass, n: int) -> list[Key]:
+        """Up to n blocks of this class, LRU first (the policy passes over
+        other classes' blocks as over pinned ones: a scan, in this rare case)."""
+        own = {i for i, held in self._held.items() if held.ns.slot_class == cls}
+        entries = self.entries
+        return self._evict_lru(n, lambda k: k[0] not in own or entries[k].pins > 0)
+
+    def _evict_lru(self, n: int, protected: Callable[[Key], bool]) -> list[Key]:
+        """Up to n of the policy's victims (out of it, still in the store)."""
+        victims = self.policy.evict(n, protected)
+        while victims is None and n > 1:  # fewer evictable than asked
+            n //= 2
+            victims = self.policy.evict(n, protected)
+        return victims or []
 
     def _empty_a_slab(self, cls: SlotClass) -> list[Key]:
         """Evict every block of a slab of another class (slab_victims)."""

@@ -26,8 +26,9 @@ from .block_entry import BlockEntry
 from .slabs import SlabAllocator, SlotClass
 
 # Slabs examined per round, emptiest first: if each holds a pinned block, the
-# store refuses the rest of the save (as in a pool full of pinned blocks);
-# examining every slab would be a Python pass over the pool per save.
+# store takes the save's own class's blocks in LRU order, or refuses the rest
+# of the save (as in a pool full of pinned blocks); examining every slab
+# would be a Python pass over the pool per save.
 EXAMINED = 64
 
 

@@ -186,3 +186,54 @@ def test_unchecked_blocks_of_another_class_go_a_slab_at_a_time() -> None:
     assert gone == list(range(1, 4 * PER_SLAB, 4))  # slab 1's, all of them
     assert store.counters.evictions == PER_SLAB
     assert len(store.unchecked) == 3 * PER_SLAB
+
+
+def test_own_blocks_go_when_no_slab_of_another_class_can() -> None:
+    """3 slabs of A blocks, each with a leased one, then a slab of B blocks
+    used since: a save of 2 B blocks sweeps a slab's worth of A in LRU order
+    (no slab empties) and finds no A slab free of pins. It was refused
+    although B's own least recently used blocks could go; now those 2 go.
+    A B save with a slab to empty still empties it (the earlier tests): an
+    own block behind the sweep is not preferred to a foreign slab, as each
+    later save would then pay a slab's worth of sweep for one slot."""
+    store = BlockStore(SlabAllocator(1 << 30, 4 * SLAB, SLAB), LRUPolicy())
+    a, b = _ns(1, A_SLOT), _ns(2, B_SLOT)
+    for start in range(0, 3 * PER_SLAB, PER_SLAB):
+        _save(store, a, [_h(i) for i in range(start, start + PER_SLAB)])
+    ids = list(range(1000, 1000 + SLAB // B_SLOT))
+    bs = [_h(i) for i in ids]
+    _save(store, b, bs)
+    leases = LeaseTable(store, ttl_s=60)
+    pinned = [store.entries[(a.id, _h(i))] for i in range(0, 48, PER_SLAB)]
+    leases.create("i", a.id, pinned, 1)
+    _touch(store, a, [i for j in range(PER_SLAB) for i in range(j, 48, PER_SLAB)])
+    _touch(store, b, ids)  # B's used after every A block
+
+    assert len(_save(store, b, [b"new" * 8, b"new2" * 8])) == 2
+
+    assert store.counters.pool_full_rejections == 0
+    assert [h for h in bs if (b.id, h) not in store.entries] == bs[:2]
+    assert store.counters.evictions == PER_SLAB + 2  # the sweep, then B's two
+    assert all(e.key in store.entries for e in pinned)
+
+
+def test_a_slab_of_another_class_goes_before_own_blocks_behind_the_sweep() -> None:
+    """As above with no lease: after the sweep of a slab's worth of A (6, 5
+    and 5 of its 3 slabs), the emptiest A slab goes (10 more), not B's own
+    2 least recently used: its slots serve B's next saves too."""
+    store = BlockStore(SlabAllocator(1 << 30, 4 * SLAB, SLAB), LRUPolicy())
+    a, b = _ns(1, A_SLOT), _ns(2, B_SLOT)
+    for start in range(0, 3 * PER_SLAB, PER_SLAB):
+        _save(store, a, [_h(i) for i in range(start, start + PER_SLAB)])
+    ids = list(range(1000, 1000 + SLAB // B_SLOT))
+    _save(store, b, [_h(i) for i in ids])
+    order = [i for j in range(PER_SLAB) for i in range(j, 48, PER_SLAB)]
+    _touch(store, a, order)
+    _touch(store, b, ids)
+
+    assert len(_save(store, b, [b"new" * 8, b"new2" * 8])) == 2
+
+    gone = {i for i in range(48) if (a.id, _h(i)) not in store.entries}
+    assert gone == set(order[:PER_SLAB]) | set(range(PER_SLAB))
+    assert all((b.id, _h(i)) in store.entries for i in ids)
+    assert store.counters.evictions == PER_SLAB + 10
