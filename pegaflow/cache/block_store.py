@@ -263,7 +263,7 @@ class BlockStore(TierLoads):
         if slotless:
             given = self._allocate(ns.slot_class, len(slotless))
             got = given.tolist()  # may be shorter than slotless
-            self.slabs.own(given, [entries[i] for i in slotless[: len(got)]])
+            self.slabs.own(given, list(map(entries.__getitem__, slotless[: len(got)])))
             for i, slot in zip(slotless, got, strict=False):
                 entries[i].slots[rank] = slots[i] = slot
             if self.log is not None and got:
