@@ -237,3 +237,25 @@ def test_a_slab_of_another_class_goes_before_own_blocks_behind_the_sweep() -> No
     assert gone == set(order[:PER_SLAB]) | set(range(PER_SLAB))
     assert all((b.id, _h(i)) in store.entries for i in ids)
     assert store.counters.evictions == PER_SLAB + 10
+
+
+def test_a_slab_of_unchecked_and_ready_blocks_goes_whole() -> None:
+    """Slab 0 holds 8 unchecked A blocks and 8 ready ones, slab 1 16 ready
+    ones, one leased. The sweep takes slab 1's 15 and one of slab 0's; then
+    slab 0's 15 left, unchecked and ready, go together for one B block."""
+    store = BlockStore(SlabAllocator(1 << 30, 2 * SLAB, SLAB), LRUPolicy())
+    a, b = _ns(1, A_SLOT), _ns(2, B_SLOT)
+    addrs = [(1 << 30) + i * A_SLOT for i in range(0, PER_SLAB, 2)]
+    assert all(store.slabs.claim(addrs, A_SLOT))
+    late = [_h(500 + i) for i in range(len(addrs))]
+    store.adopt(a, late, np.array(addrs, np.uint64).reshape(-1, 1), unchecked=True)
+    _save(store, a, [_h(i) for i in range(PER_SLAB + 8)])  # slab 0's holes first
+    _touch(store, a, list(range(8, 24)) + list(range(8)))
+    leases = LeaseTable(store, ttl_s=60)
+    leases.create("i", a.id, [store.entries[(a.id, _h(23))]], 1)
+
+    assert len(_save(store, b, [b"b" * 32])) == 1
+
+    assert [k for k in store.entries if k[0] == a.id] == [(a.id, _h(23))]
+    assert not store.unchecked
+    assert store.counters.evictions == 2 * PER_SLAB - 1
