@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
@@ -64,9 +64,9 @@ class BlockStore(TierLoads):
         self.slabs = slabs
         self.policy = policy
         self.entries: dict[Key, BlockEntry] = {}
-        # The block each slot was last given to (checked against `entries`
-        # where read): the blocks of a slab to empty (pegaflow.cache.slab_victims).
-        self.owner: dict[int, BlockEntry] = {}
+        # Which block each slot holds is the allocator's map, set here as
+        # slots are given (SlabAllocator.own) and cleared by every free: the
+        # blocks of a slab to empty (pegaflow.cache.slab_victims).
         # Complete blocks per namespace: the prefix query probes all its hashes
         # at once (a dict lookup per hash misses the caches in a big index).
         self._ready: dict[int, ReadyIndex] = {}
@@ -261,9 +261,9 @@ class BlockStore(TierLoads):
         if new:  # before allocating: an eviction must not see ns as empty
             self._hold(ns, new)
         if slotless:
-            got = self._allocate(ns.slot_class, len(slotless)).tolist()
-            mine = map(entries.__getitem__, slotless)  # got may be shorter
-            self.owner.update(zip(got, mine, strict=False))
+            given = self._allocate(ns.slot_class, len(slotless))
+            got = given.tolist()  # may be shorter than slotless
+            self.slabs.own(given, list(map(entries.__getitem__, slotless[: len(got)])))
             for i, slot in zip(slotless, got, strict=False):
                 entries[i].slots[rank] = slots[i] = slot
             if self.log is not None and got:
@@ -403,36 +403,60 @@ class BlockStore(TierLoads):
         swept = 0  # bytes of other classes evicted in LRU order
         while short > 0:
             # Unchecked blocks are the least recently used of all: first,
-            # those of this class (each frees a slot this save can take);
-            # of another class only once the policy has nothing left, as
-            # they free memory here only when their whole slab empties.
-            # Past a slab's worth swept, a slab no block of which is pinned
-            # goes whole; none such (each examined holds a pinned block, or
-            # an unchecked one): unchecked blocks of other classes, or none.
-            victims = self._unchecked_victims([cls], short)
-            if not victims and swept >= self.slabs.slab_bytes:
-                victims = slab_victims(self.slabs, self.owner, self.entries, cls)
+            # those of this class (each frees a slot this save can take).
+            # Past a slab's worth swept, or when the policy has nothing left,
+            # the emptiest slab of another class whose blocks may all go
+            # (unpinned, or unchecked and pinned only by their check) goes
+            # whole: its slots serve this class's next saves too, where an
+            # own block behind the sweep would serve one, and every later
+            # save would sweep again. None such among those examined: this
+            # class's own blocks in LRU order, or the save is refused.
+            victims = self._unchecked_victims(cls, short)
+            bound = swept >= self.slabs.slab_bytes
+            if not victims and not bound:
+                victims = self._evict_lru(short, self._protected)
                 if victims:
-                    self.policy.evict_these(victims)
-                    self._remove(victims)
-            elif not victims:
-                want = short
-                victims = self.policy.evict(want, self._protected)
-                while victims is None and want > 1:  # fewer evictable than asked
-                    want //= 2
-                    victims = self.policy.evict(want, self._protected)
-                if victims:
-                    swept += self._bytes_of_others(victims, cls)
+                    swept += self._bytes_of_others(victims, cls)  # ns still held
                     self._remove(victims)
             if not victims:
-                others = [c for c in self._unchecked_stacks if c != cls]
-                victims = self._unchecked_victims(others, short)
-                if not victims:
-                    break
+                victims = self._empty_a_slab(cls)
+            if not victims and bound:
+                victims = self._evict_own(cls, short)
+                if victims:
+                    self._remove(victims)
+            if not victims:
+                break
             self.counters.evictions += len(victims)
             got.append(self.slabs.allocate(cls, short))
             short -= len(got[-1])
         return got[0] if len(got) == 1 else np.concatenate(got)
+
+    def _evict_own(self, cls: SlotClass, n: int) -> list[Key]:
+        """Up to n blocks of this class, LRU first (the policy passes over
+        other classes' blocks as over pinned ones: a scan, in this rare case)."""
+        own = {i for i, held in self._held.items() if held.ns.slot_class == cls}
+        entries = self.entries
+        return self._evict_lru(n, lambda k: k[0] not in own or entries[k].pins > 0)
+
+    def _evict_lru(self, n: int, protected: Callable[[Key], bool]) -> list[Key]:
+        """Up to n of the policy's victims (out of it, still in the store)."""
+        victims = self.policy.evict(n, protected)
+        while victims is None and n > 1:  # fewer evictable than asked
+            n //= 2
+            victims = self.policy.evict(n, protected)
+        return victims or []
+
+    def _empty_a_slab(self, cls: SlotClass) -> list[Key]:
+        """Evict every block of a slab of another class (slab_victims)."""
+        victims = slab_victims(self.slabs, self.entries, cls, self.unchecked)
+        unchecked = [k for k in victims if k in self.unchecked]
+        if unchecked:
+            self._drop_unchecked(unchecked)
+        if len(unchecked) < len(victims):
+            ready = [k for k in victims if k in self.entries]
+            self.policy.evict_these(ready)
+            self._remove(ready)
+        return victims
 
     def _bytes_of_others(self, keys: list[Key], cls: SlotClass) -> int:
         """The slot bytes these resident blocks hold in classes other than cls."""
@@ -443,38 +467,37 @@ class BlockStore(TierLoads):
                 out += n * ns.tp_size * ns.slot_class[0]
         return out
 
-    def _unchecked_victims(self, classes: list[SlotClass], n: int) -> list[Key]:
-        """Up to n unchecked recovered blocks of these slot classes, the last
+    def _unchecked_victims(self, cls: SlotClass, n: int) -> list[Key]:
+        """Up to n unchecked recovered blocks of this slot class, the last
         adopted first (the check reaches them last), that only their check
-        pins (a save never does: it waits; a query's check does), taken out
-        of `unchecked` and removed from the store. Dropping one loses
-        nothing acknowledged since the restart; kept, a full pool of them
-        refused every save until the check reached them."""
+        pins (a save never does: it waits; a query's check does), dropped
+        (_drop_unchecked). Dropping one loses nothing acknowledged since the
+        restart; kept, a full pool of them refused every save until the check
+        reached them."""
         victims: list[Key] = []
-        for cls in classes:
-            stack = self._unchecked_stacks.get(cls)
-            busy: list[Key] = []
-            while stack and len(victims) < n:
-                key = stack.pop()
-                entry = self.unchecked.get(key)
-                if entry is None:  # checked, or evicted, since
-                    continue
-                if entry.pins == 1:
-                    victims.append(key)
-                    del self.unchecked[key]
-                else:
-                    busy.append(key)
-            if stack is not None:
-                stack.extend(reversed(busy))
-            if len(victims) == n:
-                break
+        stack = self._unchecked_stacks.get(cls)
+        busy: list[Key] = []
+        while stack and len(victims) < n:
+            key = stack.pop()
+            entry = self.unchecked.get(key)
+            if entry is None:  # checked, or evicted, since
+                continue
+            (victims if entry.pins == 1 else busy).append(key)
+        if stack is not None:
+            stack.extend(reversed(busy))
         if victims:
-            for evicted in self._on["unchecked_evicted"]:
-                evicted(victims)
-            gone = list(map(self.entries.__getitem__, victims))
-            self._remove(victims)
-            self.on_settle(gone)
+            self._drop_unchecked(victims)
         return victims
+
+    def _drop_unchecked(self, keys: list[Key]) -> None:
+        """Unchecked blocks out of `unchecked` and of the store."""
+        for key in keys:
+            del self.unchecked[key]
+        for evicted in self._on["unchecked_evicted"]:
+            evicted(keys)
+        gone = list(map(self.entries.__getitem__, keys))
+        self._remove(keys)
+        self.on_settle(gone)
 
     def _remove(self, keys: list[Key]) -> None:
         entries = list(map(self.entries.pop, keys))
@@ -499,7 +522,6 @@ class BlockStore(TierLoads):
                 freed += chain.from_iterable(map(_SLOTS, left))
         if 0 in freed:  # shards never allocated
             freed = [s for s in freed if s]
-        deque(map(self.owner.pop, freed, repeat(None)), maxlen=0)
         self.slabs.free(np.asarray(freed, np.uint64))
         if gone:
             for removed in self._on["removed"]:

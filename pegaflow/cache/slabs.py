@@ -37,6 +37,11 @@ class SlabAllocator:
         self.used = np.zeros(self.size_slabs, np.int64)
         self.class_no = np.full(self.size_slabs, -1, np.int32)
         self._class_nos: dict[SlotClass, int] = {}
+        # Per slab with a class, the block in each of its slots (None while
+        # free; the store sets it: own()): a slab's blocks are one slice, and
+        # 8 B a slot of slabs in use, not a dict entry (~40 B) a slot. Cleared
+        # by every free, whoever frees (the store, a tier, a restart).
+        self._owners: list[np.ndarray | None] = [None] * self.size_slabs
 
     def slots_per_slab(self, cls: SlotClass) -> int:
         slot_bytes, skew = cls
@@ -60,6 +65,7 @@ class SlabAllocator:
                 self._free_slots[slab] = list(
                     range(self.slots_per_slab(cls) - 1, -1, -1)
                 )
+                self._owners[slab] = np.empty(self.slots_per_slab(cls), object)
                 partial[slab] = None
             slab = next(iter(partial))
             free = self._free_slots[slab]
@@ -96,7 +102,9 @@ class SlabAllocator:
             cls = self._slab_class[slab]
             slot_bytes, skew = cls
             free = self._free_slots[slab]
-            free.append((off % self.slab_bytes - skew) // slot_bytes)
+            index = (off % self.slab_bytes - skew) // slot_bytes
+            free.append(index)
+            self._owners[slab][index] = None
             self.used_bytes -= slot_bytes
             self.used[slab] -= 1
             if len(free) == self.slots_per_slab(cls):
@@ -127,7 +135,9 @@ class SlabAllocator:
         for i in sorted(range(len(ids)), key=first.__getitem__):
             slab, cls = ids[i], classes[i]
             free = self._free_slots[slab]
-            free += index[bounds[i] - int(counts[i]) : bounds[i]]
+            mine = index[bounds[i] - int(counts[i]) : bounds[i]]
+            free += mine
+            self._owners[slab][mine] = None
             self.used_bytes -= cls[0] * int(counts[i])
             if len(free) == self.slots_per_slab(cls):
                 released.append((last[i], slab, cls))
@@ -141,6 +151,7 @@ class SlabAllocator:
         del self._free_slots[slab]
         del self._slab_class[slab]
         self.class_no[slab] = -1
+        self._owners[slab] = None
         self.free_slabs.append(slab)
 
     def claim(self, addresses: list[int], slot_bytes: int) -> list[bool]:
@@ -179,6 +190,8 @@ class SlabAllocator:
                 fresh.discard(slab)
                 continue
             self._free_slots[slab] = sorted(free, reverse=True)
+            if self._owners[slab] is None:
+                self._owners[slab] = np.empty(self.slots_per_slab(cls), object)
             self.used[slab] = self.slots_per_slab(cls) - len(free)
             self.class_no[slab] = self._class_no(cls)
             partial = self._partial.setdefault(cls, {})
@@ -203,19 +216,57 @@ class SlabAllocator:
             slabs, rank = slabs[pick], rank[pick]
         return slabs[np.argsort(rank)].tolist()
 
-    def used_slots(self, slab: int) -> list[int]:
-        """The addresses of the slab's allocated slots."""
-        slot_bytes, skew = cls = self._slab_class[slab]
-        free = set(self._free_slots[slab])
-        start = self.base + slab * self.slab_bytes + skew
-        return [
-            start + i * slot_bytes
-            for i in range(self.slots_per_slab(cls))
-            if i not in free
-        ]
+    def own(self, addresses: np.ndarray, owners: list | np.ndarray) -> None:
+        """Record the block (any object) each of these allocated slots holds."""
+        addresses = np.asarray(addresses, np.uint64)
+        if len(addresses) < _BATCH_FREE:  # a 1-block save: Python ints are cheaper
+            size = self.slab_bytes
+            for addr, owner in zip(addresses.tolist(), owners, strict=True):
+                slab, inside = divmod(addr - self.base, size)
+                slot_bytes, skew = self._slab_class[slab]
+                self._owners[slab][(inside - skew) // slot_bytes] = owner
+            return
+        slabs, index = self._locate(addresses)
+        values = _objects(owners)
+        order = np.argsort(slabs, kind="stable")
+        uniq, start = np.unique(slabs[order], return_index=True)
+        ends = [*start[1:].tolist(), len(order)]
+        for slab, lo, hi in zip(uniq.tolist(), start.tolist(), ends, strict=True):
+            pick = order[lo:hi]
+            self._owners[slab][index[pick]] = values[pick]
+
+    def owners(self, slab: int) -> np.ndarray:
+        """The block in each slot of the slab (None where free); a view."""
+        return self._owners[slab]
+
+    def owners_at(self, addresses: np.ndarray) -> list:
+        """The block recorded in each of these allocated slots."""
+        slabs, index = self._locate(np.asarray(addresses, np.uint64))
+        where = zip(slabs.tolist(), index.tolist(), strict=True)
+        return [self._owners[s][i] for s, i in where]
+
+    def _locate(self, addresses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each slot's slab, and its index there (slabs with a class)."""
+        off = addresses - np.uint64(self.base)
+        slabs = (off // np.uint64(self.slab_bytes)).astype(np.intp)
+        uniq, inverse = np.unique(slabs, return_inverse=True)
+        classes = [self._slab_class[s] for s in uniq.tolist()]
+        size = np.array([c[0] for c in classes], np.uint64)[inverse]
+        skew = np.array([c[1] for c in classes], np.uint64)[inverse]
+        inside = off % np.uint64(self.slab_bytes) - skew
+        return slabs, (inside // size).astype(np.intp)
 
     def free_slots(self, cls: SlotClass) -> int:
         """Slots of the class obtainable without eviction."""
         partial = self._partial.get(cls, {})
         room = sum(len(self._free_slots[s]) for s in partial)
         return room + len(self.free_slabs) * self.slots_per_slab(cls)
+
+
+def _objects(values: list | np.ndarray) -> np.ndarray:
+    """A 1-D object array of these values (np.asarray would look inside them)."""
+    if isinstance(values, np.ndarray):
+        return values
+    out = np.empty(len(values), object)
+    out[:] = values
+    return out

@@ -6,8 +6,6 @@ is below it); kept apart because they are that one concern."""
 
 from __future__ import annotations
 
-from itertools import repeat
-
 import numpy as np
 
 from pegaflow.common.keys import BlockHash, Namespace
@@ -36,7 +34,8 @@ class TierLoads:
         whole = len(got) // tp
         for i, entry in enumerate(entries[:whole]):
             entry.slots[:] = got[i * tp : (i + 1) * tp].tolist()
-            self.owner.update(zip(entry.slots, repeat(entry)))
+        held = [e for e in entries[:whole] for _ in range(tp)]
+        self.slabs.own(got[: whole * tp], held)
         if self.log is not None and whole:
             shards = got[: whole * tp].reshape(whole, tp)
             for shard in range(tp):
@@ -134,10 +133,11 @@ class TierLoads:
                 entry = BlockEntry(key, row, landed=complete)
                 self._make_ready(entry)
             self.entries[key] = entry
-            self.owner.update(zip(entry.slots, repeat(entry)))
             fresh.append(entry)
         if fresh:
             self._hold(ns, len(fresh))
+            addrs = np.array([a for e in fresh for a in e.slots], np.uint64)
+            self.slabs.own(addrs, [e for e in fresh for _ in e.slots])
         if fresh and not unchecked:
             for ready in self._on["ready"]:
                 ready(fresh)

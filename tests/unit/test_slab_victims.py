@@ -136,8 +136,9 @@ def test_no_slab_free_of_pins_refuses_the_save() -> None:
 def test_slabs_of_unchecked_blocks_go_after_the_swept_slabs_worth() -> None:
     """Two slabs of a restart's unchecked A blocks, two of ready ones with a
     leased block each: after a slab's worth of ready blocks in LRU order (not
-    all 30 evictable, as before), no slab qualifies, so unchecked blocks go,
-    the last adopted first, until their slab empties; not a refusal."""
+    all 30 evictable, as before), no slab of ready blocks qualifies, so a slab
+    of unchecked ones goes whole (the emptiest, then the lower: slab 2, the
+    first adopted); not a refusal."""
     store = BlockStore(SlabAllocator(1 << 30, 4 * SLAB, SLAB), LRUPolicy())
     a, b = _ns(1, A_SLOT), _ns(2, B_SLOT)
     addrs = [(1 << 30) + 2 * SLAB + i * A_SLOT for i in range(2 * PER_SLAB)]
@@ -155,5 +156,106 @@ def test_slabs_of_unchecked_blocks_go_after_the_swept_slabs_worth() -> None:
 
     ready_gone = [i for i in range(n) if (a.id, _h(i)) not in store.entries]
     assert len(ready_gone) == PER_SLAB
-    assert [h for h in late if (a.id, h) not in store.entries] == late[PER_SLAB:]
+    assert [h for h in late if (a.id, h) not in store.entries] == late[:PER_SLAB]
     assert store.counters.evictions == 2 * PER_SLAB
+
+
+def test_unchecked_blocks_of_another_class_go_a_slab_at_a_time() -> None:
+    """A restart's pool of 4 slabs of unchecked A blocks, adopted round-robin
+    across the slabs (the last adopted go first): one B block evicted them one
+    at a time until a slab emptied, 60 of 64. Now the emptiest slab whose
+    blocks only their check pins goes whole: slab 0 holds one a query's check
+    is reading, so slab 1's 16 go, no more."""
+    store = BlockStore(SlabAllocator(1 << 30, 4 * SLAB, SLAB), LRUPolicy())
+    a, b = _ns(1, A_SLOT), _ns(2, B_SLOT)
+    addrs = [
+        (1 << 30) + slab * SLAB + i * A_SLOT
+        for i in range(PER_SLAB)
+        for slab in range(4)
+    ]
+    assert all(store.slabs.claim(addrs, A_SLOT))
+    hs = [_h(i) for i in range(4 * PER_SLAB)]
+    rows = np.array(addrs, np.uint64).reshape(-1, 1)
+    store.adopt(a, hs, rows, unchecked=True)
+    read = store.entries[(a.id, hs[4])]  # in slab 0
+    store.pin([read])  # a query's check reads it
+
+    assert len(_save(store, b, [b"b" * 32])) == 1
+
+    gone = [i for i in range(4 * PER_SLAB) if (a.id, hs[i]) not in store.entries]
+    assert gone == list(range(1, 4 * PER_SLAB, 4))  # slab 1's, all of them
+    assert store.counters.evictions == PER_SLAB
+    assert len(store.unchecked) == 3 * PER_SLAB
+
+
+def test_own_blocks_go_when_no_slab_of_another_class_can() -> None:
+    """3 slabs of A blocks, each with a leased one, then a slab of B blocks
+    used since: a save of 2 B blocks sweeps a slab's worth of A in LRU order
+    (no slab empties) and finds no A slab free of pins. It was refused
+    although B's own least recently used blocks could go; now those 2 go.
+    A B save with a slab to empty still empties it (the earlier tests): an
+    own block behind the sweep is not preferred to a foreign slab, as each
+    later save would then pay a slab's worth of sweep for one slot."""
+    store = BlockStore(SlabAllocator(1 << 30, 4 * SLAB, SLAB), LRUPolicy())
+    a, b = _ns(1, A_SLOT), _ns(2, B_SLOT)
+    for start in range(0, 3 * PER_SLAB, PER_SLAB):
+        _save(store, a, [_h(i) for i in range(start, start + PER_SLAB)])
+    ids = list(range(1000, 1000 + SLAB // B_SLOT))
+    bs = [_h(i) for i in ids]
+    _save(store, b, bs)
+    leases = LeaseTable(store, ttl_s=60)
+    pinned = [store.entries[(a.id, _h(i))] for i in range(0, 48, PER_SLAB)]
+    leases.create("i", a.id, pinned, 1)
+    _touch(store, a, [i for j in range(PER_SLAB) for i in range(j, 48, PER_SLAB)])
+    _touch(store, b, ids)  # B's used after every A block
+
+    assert len(_save(store, b, [b"new" * 8, b"new2" * 8])) == 2
+
+    assert store.counters.pool_full_rejections == 0
+    assert [h for h in bs if (b.id, h) not in store.entries] == bs[:2]
+    assert store.counters.evictions == PER_SLAB + 2  # the sweep, then B's two
+    assert all(e.key in store.entries for e in pinned)
+
+
+def test_a_slab_of_another_class_goes_before_own_blocks_behind_the_sweep() -> None:
+    """As above with no lease: after the sweep of a slab's worth of A (6, 5
+    and 5 of its 3 slabs), the emptiest A slab goes (10 more), not B's own
+    2 least recently used: its slots serve B's next saves too."""
+    store = BlockStore(SlabAllocator(1 << 30, 4 * SLAB, SLAB), LRUPolicy())
+    a, b = _ns(1, A_SLOT), _ns(2, B_SLOT)
+    for start in range(0, 3 * PER_SLAB, PER_SLAB):
+        _save(store, a, [_h(i) for i in range(start, start + PER_SLAB)])
+    ids = list(range(1000, 1000 + SLAB // B_SLOT))
+    _save(store, b, [_h(i) for i in ids])
+    order = [i for j in range(PER_SLAB) for i in range(j, 48, PER_SLAB)]
+    _touch(store, a, order)
+    _touch(store, b, ids)
+
+    assert len(_save(store, b, [b"new" * 8, b"new2" * 8])) == 2
+
+    gone = {i for i in range(48) if (a.id, _h(i)) not in store.entries}
+    assert gone == set(order[:PER_SLAB]) | set(range(PER_SLAB))
+    assert all((b.id, _h(i)) in store.entries for i in ids)
+    assert store.counters.evictions == PER_SLAB + 10
+
+
+def test_a_slab_of_unchecked_and_ready_blocks_goes_whole() -> None:
+    """Slab 0 holds 8 unchecked A blocks and 8 ready ones, slab 1 16 ready
+    ones, one leased. The sweep takes slab 1's 15 and one of slab 0's; then
+    slab 0's 15 left, unchecked and ready, go together for one B block."""
+    store = BlockStore(SlabAllocator(1 << 30, 2 * SLAB, SLAB), LRUPolicy())
+    a, b = _ns(1, A_SLOT), _ns(2, B_SLOT)
+    addrs = [(1 << 30) + i * A_SLOT for i in range(0, PER_SLAB, 2)]
+    assert all(store.slabs.claim(addrs, A_SLOT))
+    late = [_h(500 + i) for i in range(len(addrs))]
+    store.adopt(a, late, np.array(addrs, np.uint64).reshape(-1, 1), unchecked=True)
+    _save(store, a, [_h(i) for i in range(PER_SLAB + 8)])  # slab 0's holes first
+    _touch(store, a, list(range(8, 24)) + list(range(8)))
+    leases = LeaseTable(store, ttl_s=60)
+    leases.create("i", a.id, [store.entries[(a.id, _h(23))]], 1)
+
+    assert len(_save(store, b, [b"b" * 32])) == 1
+
+    assert [k for k in store.entries if k[0] == a.id] == [(a.id, _h(23))]
+    assert not store.unchecked
+    assert store.counters.evictions == 2 * PER_SLAB - 1
