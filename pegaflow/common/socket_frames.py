@@ -76,9 +76,10 @@ LOADING = 255
 MAX_BODY = 8 << 20
 # An error reply's message is cut to this; a client reads no longer one.
 MAX_ERROR_MESSAGE = 65536
-# A load reply's error line per item is cut to this (the longest the server
-# writes, an SSD read's, is ~180 B): a reply is then bounded by the items its
-# request carries (load_reply_bound), which the socket's backlog budget charges.
+# A load reply's error line per item is cut to this, over the socket and gRPC
+# alike (load_item_error; the longest the server writes, an SSD read's, is
+# ~180 B): a reply is then bounded by the items its request carries
+# (load_reply_bound), which the socket's backlog budget charges.
 LOAD_ITEM_ERROR_MAX = 256
 # The largest reply a client reads: a load's is the largest legitimate one
 # (16384 items and an error line each, ~2 MiB).
@@ -289,17 +290,26 @@ def _load_items(
 def load_reply(loaded: int, nbytes: int, items: Sequence) -> bytes:
     """items: LoadItemResult-like (loaded, bytes, error)."""
     head = LOAD_REPLY.pack(0, loaded, nbytes, len(items))
-    cut = LOAD_ITEM_ERROR_MAX
     if len(items) == 1:  # the usual load, as for its request
         (item,) = items
-        error = item.error.encode()[:cut]
+        error = load_item_error(item.error)
         return head + _ONE_LOAD_REPLY.pack(item.loaded, item.bytes, len(error)) + error
     table = np.zeros(len(items), LOAD_ITEM_REPLY)
-    errors = [item.error.encode()[:cut] for item in items]
+    errors = [load_item_error(item.error) for item in items]
     table["loaded"] = [item.loaded for item in items]
     table["bytes"] = [item.bytes for item in items]
     table["error_len"] = list(map(len, errors))
     return head + table.tobytes() + b"".join(errors)
+
+
+def load_item_error(error: str) -> bytes:
+    """A load item's error line as both transports answer it (gRPC's
+    LoadItemResult.error too): UTF-8, cut to LOAD_ITEM_ERROR_MAX bytes at a
+    character's boundary (a protobuf string must stay UTF-8)."""
+    line = error.encode()
+    if len(line) > LOAD_ITEM_ERROR_MAX:
+        line = line[:LOAD_ITEM_ERROR_MAX].decode(errors="ignore").encode()
+    return line
 
 
 def load_reply_bound(body: bytes) -> int:
