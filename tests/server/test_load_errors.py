@@ -20,6 +20,7 @@ from pegaflow.client.pegaflow_client import PegaflowClient
 from pegaflow.common.results import LoadBatchResult, LoadItemResult
 from pegaflow.common.socket_frames import (
     HELLO_REPLY,
+    LEASE_GONE_LINE_MAX,
     LOAD_ITEM_ERROR_MAX,
     LOAD_REPLY,
     encode_hello,
@@ -121,7 +122,8 @@ def test_the_real_servers_item_errors_are_the_same_over_both_transports(
 ) -> None:
     """Scenario: a batch load of the most items a load may name, every lease
     gone (the last item naming the longest lease id), over the socket and
-    over gRPC: the same error line for each item."""
+    over gRPC: the same error line for each item, the last as long as
+    LEASE_GONE_LINE_MAX says."""
     kv = LocalKV(1, 8, 4096)
     with PegaflowClient(server.addr) as client:
         reg = kv.register(client, "e", "ns")
@@ -140,3 +142,5 @@ def test_the_real_servers_item_errors_are_the_same_over_both_transports(
     over_grpc = _grpc_load(server.addr, req)
     assert over_grpc == over_socket
     assert over_grpc[-1].startswith(f"items[{n - 1}].lease_id: {2**64 - 1} ")
+    # What the socket's backlog charges such an item (load_reply_bound).
+    assert len(over_grpc[-1].encode()) == LEASE_GONE_LINE_MAX
