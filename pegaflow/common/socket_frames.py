@@ -90,6 +90,9 @@ LEASE_GONE_LINE_MAX = len(
     f"items[{MAX_LOAD_ITEMS - 1}].lease_id: {2**64 - 1} is unknown, expired or "
     "already consumed"
 )
+# What any other reply can take: an error's own words (the fields it names
+# are the request's, charged as its bytes), a query's, save's or registration's.
+REPLY_ALLOWANCE = 512
 # The largest reply a client reads: a load's is the largest legitimate one
 # (16384 items and an error line each, ~3.3 MiB).
 MAX_REPLY = 64 << 20
@@ -345,6 +348,12 @@ def load_reply_bound(body: bytes) -> int:
         with_ids = int(np.count_nonzero(table["count"]))
     empty = n_items - with_ids
     return rows + with_ids * LOAD_ITEM_ERROR_MAX + empty * LEASE_GONE_LINE_MAX
+
+
+def reply_bound(body: bytes) -> int:
+    """The most a request frame's reply can take beyond the frame's own bytes
+    (the socket's backlog budget charges both while the request waits)."""
+    return max(load_reply_bound(body), REPLY_ALLOWANCE)
 
 
 def query_reply(res: QueryResult) -> bytes:
