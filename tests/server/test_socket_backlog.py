@@ -94,6 +94,9 @@ def test_a_first_request_is_charged_and_a_lone_one_always_served(server) -> None
     frame = encode_load("e", 0, items, True, token=token)
     assert frame is not None
     assert len(frame) + load_reply_bound(frame[4:]) > BUDGET
+    with open("/proc/sys/net/core/wmem_default") as f:
+        if int(f.read()) > 1 << 20:  # the kernel would hold the hog's reply
+            pytest.skip("a socket buffer of over 1 MiB holds a whole reply")
     hog = _greeted(reg.socket_path)
     late = _greeted(reg.socket_path)
     try:
