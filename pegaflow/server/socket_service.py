@@ -78,10 +78,10 @@ QUEUED_PAUSE_BYTES = 64 << 20
 # Replies a client does not read pause its reading the same way, and the
 # answering of what it queued.
 WRITE_HIGH_BYTES = 16 << 20
-# Both of those over all connections, each queued request (a connection's
-# first too) with the most its reply can take. One past it is refused unless
-# nothing else is charged (a lone request of any legal size is served): a
-# client that pipelines is closed, another may retry.
+# Both of those over all connections, each queued request (a connection's first
+# too) with the most its reply can take. One past it is refused unless nothing else
+# is charged (a lone request is served): a pipelining client is closed, another may
+# retry. One budget, not one per uid: only the server's user and root connect (0600).
 BACKLOG_BUDGET = 256 << 20
 MAX_CONNECTIONS = 1024
 REFUSED_LINGER_S = 2.0  # a refused connection drains this long, then closes
