@@ -76,12 +76,25 @@ LOADING = 255
 MAX_BODY = 8 << 20
 # An error reply's message is cut to this; a client reads no longer one.
 MAX_ERROR_MESSAGE = 65536
-# A load reply's error line per item is cut to this (the longest the server
-# writes, an SSD read's, is ~180 B): a reply is then bounded by the items its
-# request carries (load_reply_bound), which the socket's backlog budget charges.
-LOAD_ITEM_ERROR_MAX = 256
+# A load reply's error line per item is cut to this, over the socket and gRPC
+# alike (load_item_error). The longest line the server writes is an SSD
+# read's, "items[16383].block_ids: <u32> of the blocks read from the SSD did
+# not load (...): recompute them" (<= 172 B): it passes whole. A reply is then
+# bounded by the items its request carries (load_reply_bound), which the
+# socket's backlog budget charges.
+LOAD_ITEM_ERROR_MAX = 192
+# An item that names no block ids can fail only for its lease gone
+# (pegaflow.cache.leases), in a line of at most this: the longest index and
+# lease id (tests/server/test_load_errors.py reads it back from the server).
+LEASE_GONE_LINE_MAX = len(
+    f"items[{MAX_LOAD_ITEMS - 1}].lease_id: {2**64 - 1} is unknown, expired or "
+    "already consumed"
+)
+# What any other reply can take: an error's own words (the fields it names
+# are the request's, charged as its bytes), a query's, save's or registration's.
+REPLY_ALLOWANCE = 512
 # The largest reply a client reads: a load's is the largest legitimate one
-# (16384 items and an error line each, ~2 MiB).
+# (16384 items and an error line each, ~3.3 MiB).
 MAX_REPLY = 64 << 20
 
 
@@ -289,31 +302,58 @@ def _load_items(
 def load_reply(loaded: int, nbytes: int, items: Sequence) -> bytes:
     """items: LoadItemResult-like (loaded, bytes, error)."""
     head = LOAD_REPLY.pack(0, loaded, nbytes, len(items))
-    cut = LOAD_ITEM_ERROR_MAX
     if len(items) == 1:  # the usual load, as for its request
         (item,) = items
-        error = item.error.encode()[:cut]
+        error = load_item_error(item.error)
         return head + _ONE_LOAD_REPLY.pack(item.loaded, item.bytes, len(error)) + error
     table = np.zeros(len(items), LOAD_ITEM_REPLY)
-    errors = [item.error.encode()[:cut] for item in items]
+    errors = [load_item_error(item.error) for item in items]
     table["loaded"] = [item.loaded for item in items]
     table["bytes"] = [item.bytes for item in items]
     table["error_len"] = list(map(len, errors))
     return head + table.tobytes() + b"".join(errors)
 
 
+def load_item_error(error: str) -> bytes:
+    """A load item's error line as both transports answer it (gRPC's
+    LoadItemResult.error too): UTF-8, cut to LOAD_ITEM_ERROR_MAX bytes at a
+    character's boundary (a protobuf string must stay UTF-8)."""
+    line = error.encode()
+    if len(line) > LOAD_ITEM_ERROR_MAX:
+        line = line[:LOAD_ITEM_ERROR_MAX].decode(errors="ignore").encode()
+    return line
+
+
 def load_reply_bound(body: bytes) -> int:
     """The longest load_reply a load frame's body can be answered with, by the
-    items it carries (a row and an error line each); 0 for another frame, or
-    one decode_load refuses on its header and length (an error answers it)."""
+    items it carries: a row each, and in a batch the longest error line each
+    can carry (a single lease's load carries none: its failure is an error
+    reply). 0 for another frame, or one decode_load refuses on its header and
+    length (an error answers it)."""
     if len(body) < LOAD_HEADER.size or body[0] != LOAD:
         return 0
     _, batch, id_len, n_items, *_ = LOAD_HEADER.unpack_from(body)
     if n_items > MAX_LOAD_ITEMS or (not batch and n_items != 1):
         return 0
-    if len(body) < LOAD_HEADER.size + id_len + n_items * LOAD_ITEM.itemsize:
+    table_at = LOAD_HEADER.size + id_len
+    if len(body) < table_at + n_items * LOAD_ITEM.itemsize:
         return 0
-    return LOAD_REPLY.size + n_items * (LOAD_ITEM_REPLY.itemsize + LOAD_ITEM_ERROR_MAX)
+    rows = LOAD_REPLY.size + n_items * LOAD_ITEM_REPLY.itemsize
+    if not batch:
+        return rows
+    if n_items == 1:  # the usual load: struct, not a structured array
+        with_ids = int(_ONE_LOAD_ITEM.unpack_from(body, table_at)[2] > 0)
+    else:
+        table = np.frombuffer(body, LOAD_ITEM, n_items, table_at)
+        with_ids = int(np.count_nonzero(table["count"]))
+    empty = n_items - with_ids
+    return rows + with_ids * LOAD_ITEM_ERROR_MAX + empty * LEASE_GONE_LINE_MAX
+
+
+def reply_bound(body: bytes) -> int:
+    """The most a request frame's reply can take beyond the frame's own bytes
+    (the socket's backlog budget charges both while the request waits)."""
+    return max(load_reply_bound(body), REPLY_ALLOWANCE)
 
 
 def query_reply(res: QueryResult) -> bytes:

@@ -18,6 +18,7 @@ from pegaflow.common import deadlines
 from pegaflow.common.errors import InvalidRequest, PegaflowError, PermissionDenied
 from pegaflow.common.geometry import LayerLayout, Segment
 from pegaflow.common.identity import CallContext, Caller, peer_on_host, tcp_peer
+from pegaflow.common.socket_frames import load_item_error
 from pegaflow.copiers.copier import CudaExport
 from pegaflow.proto import pegaflow_pb2 as pb
 from pegaflow.proto import pegaflow_pb2_grpc as pb_grpc
@@ -360,7 +361,11 @@ class PegaFlowServicer(pb_grpc.PegaFlowServicer):
             loaded=res.loaded,
             bytes=res.bytes,
             items=[
-                pb.LoadItemResult(loaded=r.loaded, bytes=r.bytes, error=r.error)
+                pb.LoadItemResult(
+                    loaded=r.loaded,
+                    bytes=r.bytes,
+                    error=load_item_error(r.error).decode(),  # as the socket's
+                )
                 for r in res.items
             ],
         )

@@ -41,6 +41,7 @@ from pegaflow.common.socket_frames import (
     PROTOCOL_VERSION,
     QUERY,
     REGISTER,
+    REPLY_ALLOWANCE,
     SAVE,
     SAVE_REPLY,
     decode_hello,
@@ -51,9 +52,9 @@ from pegaflow.common.socket_frames import (
     error_reply,
     kind_of,
     load_reply,
-    load_reply_bound,
     query_reply,
     register_reply,
+    reply_bound,
 )
 from pegaflow.daemon.boundary import guarded, guarded_sync
 
@@ -77,12 +78,11 @@ QUEUED_PAUSE_BYTES = 64 << 20
 # Replies a client does not read pause its reading the same way, and the
 # answering of what it queued.
 WRITE_HIGH_BYTES = 16 << 20
-# Both of those over all connections, each queued request with the most its
-# reply can take: only a client that pipelines without reading (an engine reads
-# each reply before its next request) adds to it while it is over, and is
-# refused (1024 connections x the bounds above would be ~80 GiB).
+# Both of those over all connections, each queued request (a connection's first
+# too) with the most its reply can take. One past it is refused unless nothing else
+# is charged (a lone request is served): a pipelining client is closed, another may
+# retry. One budget, not one per uid: only the server's user and root connect (0600).
 BACKLOG_BUDGET = 256 << 20
-REPLY_ALLOWANCE = 512  # an error's own words; the fields it names are the request's
 MAX_CONNECTIONS = 1024
 REFUSED_LINGER_S = 2.0  # a refused connection drains this long, then closes
 # A client sends its hello as it connects and each frame in one sendall: one
@@ -92,9 +92,9 @@ REFUSED_LINGER_S = 2.0  # a refused connection drains this long, then closes
 HELLO_TIMEOUT_S = 5.0  # from connecting to the whole hello
 FRAME_TIMEOUT_S = 5.0  # from a frame's first byte to its last, while read
 # An engine reads each reply as it comes (it waits for it); replies left
-# unread hold the server's memory, which BACKLOG_BUDGET counts only when more
-# is sent. A connection whose buffered replies do not move for this long is
-# closed (its reader is stuck or gone).
+# unread hold the server's memory, and BACKLOG_BUDGET with it. A connection
+# whose buffered replies do not move for this long is closed (its reader is
+# stuck or gone).
 UNREAD_TIMEOUT_S = 30.0
 
 
@@ -296,18 +296,9 @@ class _SocketProtocol(asyncio.Protocol):
         if not self._greeted:
             self._hello(body)
             return
-        owes = _owes(body)
-        if (self._queued or self._transport.get_write_buffer_size()) and (
-            self._over_budget(len(body) + owes)
-        ):  # sent before the last reply was read, past the server-wide budget
-            self._refuse(
-                Overloaded(
-                    f"connection: {self._shared.backlog} B of requests and replies "
-                    f"wait over all connections (at most {BACKLOG_BUDGET}); read "
-                    "each reply before sending the next request"
-                ),
-                "backlog",
-            )
+        owes = reply_bound(body)
+        if self._over_budget(len(body) + owes):
+            self._overloaded(len(body) + owes)
             return
         if not self._queued and body[:1] == bytes([QUERY]):
             reply = self._query(body)
@@ -316,7 +307,7 @@ class _SocketProtocol(asyncio.Protocol):
                 return
             body = reply  # it waits for the metaserver: answered in order below
         self._queued.append(body)
-        self._owed += owes  # a query left waiting owes as its frame did
+        self._owed += owes
         if isinstance(body, bytes):
             self._queued_bytes += len(body)
         self._flow()
@@ -370,13 +361,27 @@ class _SocketProtocol(asyncio.Protocol):
         (shared.backlogged.add if size else shared.backlogged.discard)(self)
 
     def _over_budget(self, more: int) -> bool:
-        """Whether `more` bytes would take the backlog past BACKLOG_BUDGET."""
+        """Whether `more` bytes would take the backlog past BACKLOG_BUDGET
+        while something else is charged (see there)."""
         self._account()
         shared = self._shared
         if shared.backlog + more > BACKLOG_BUDGET:
             for conn in list(shared.backlogged):  # replies sent since counted
                 conn._account()
-        return shared.backlog + more > BACKLOG_BUDGET
+        return shared.backlog > 0 and shared.backlog + more > BACKLOG_BUDGET
+
+    def _overloaded(self, more: int) -> None:
+        wait = (
+            f"{self._shared.backlog} B of requests and replies wait over all "
+            f"connections (at most {BACKLOG_BUDGET})"
+        )
+        if self._queued or self._transport.get_write_buffer_size():
+            why = f"{wait}; read each reply before sending the next request"
+            self._refuse(Overloaded(f"connection: {why}"), "backlog")  # pipelined
+            return
+        self._metrics.socket_refusals.labels("backlog").inc()
+        why = f"request: {more} B with the most its reply can take, and {wait}"
+        self._reply(error_reply(Overloaded(f"{why}; retry")))
 
     def pause_writing(self) -> None:
         self._writable = False
@@ -436,7 +441,9 @@ class _SocketProtocol(asyncio.Protocol):
                     break
                 reply = await self._answer(self._queued[0])
                 done = self._queued.popleft()
-                self._owed -= _owes(done)
+                self._owed -= (  # a query left waiting owes as its frame did
+                    reply_bound(done) if isinstance(done, bytes) else REPLY_ALLOWANCE
+                )
                 if isinstance(done, bytes):
                     self._queued_bytes -= len(done)
                 if not (self._discard or self._transport.is_closing()):
@@ -590,9 +597,3 @@ async def start_socket_server(
         unlink_if_ours(path, sock)
         sock.close()
         raise
-
-
-def _owes(body: bytes | QueryResult) -> int:
-    """What a queued request's reply is charged beyond the request's bytes."""
-    load = load_reply_bound(body) if isinstance(body, bytes) else 0
-    return max(load, REPLY_ALLOWANCE)

@@ -3,6 +3,7 @@ what the general (structured-array) path gives, and refuse what it refuses."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,9 +120,11 @@ def test_a_load_reply_never_exceeds_what_its_frame_is_charged(
     """The socket's backlog budget charges a queued load load_reply_bound; an
     item's error line was as long as the server made it, so a reply could
     outgrow that charge. Lines are cut to LOAD_ITEM_ERROR_MAX now."""
-    body = body_of([(i + 1, 0, np.arange(i)) for i in range(n)], batch)
+    body = body_of([(i + 1, 0, np.arange(i + 1)) for i in range(n)], batch)
     bound = frames.load_reply_bound(body)
     for error in ("", "é" * 1000, "x" * frames.LOAD_ITEM_ERROR_MAX):
+        if not batch and error:
+            continue  # a single lease's failure is an error reply
         reply = frames.load_reply(0, 0, [Item(0, 0, error)] * n)
         assert len(reply) <= bound, (error[:5], len(reply), bound)
         assert frames.parse_load_reply(reply)[2][0][2] in error  # a cut, whole or not
@@ -130,3 +133,75 @@ def test_a_load_reply_never_exceeds_what_its_frame_is_charged(
     table_end = frames.LOAD_HEADER.size + len("inst-é".encode()) + 16 * n
     assert frames.load_reply_bound(body[: table_end - 1]) == 0
     assert frames.load_reply_bound(bytes([frames.SAVE]) + body[1:]) == 0
+
+
+_SOME_LEASE = 987654321
+
+
+def _gone_message() -> str:
+    """The lease table's own LeaseNotFound message, for _SOME_LEASE."""
+    from pegaflow.cache.leases import LeaseTable
+    from pegaflow.common.errors import LeaseNotFound
+
+    with pytest.raises(LeaseNotFound) as exc:
+        LeaseTable(None, 1.0).get(_SOME_LEASE)  # type: ignore[arg-type]
+    return str(exc.value)
+
+
+def _ssd_lost(i: int, count: int) -> str:
+    """pegaflow.server.engine's line for items[i] whose `count` blocks read
+    from the SSD did not load: the longest line an item with blocks gets."""
+    return (
+        f"items[{i}].block_ids: {count} of the blocks read from the SSD did not "
+        "load (dropped from it meanwhile, or damaged); the engine blocks may hold "
+        "anything: recompute them"
+    )
+
+
+def test_the_reply_bound_is_tight_over_random_loads() -> None:
+    """Scenario: random loads (1 to 16,384 items, some naming no blocks,
+    random lease ids up to the longest) answered with random error lines:
+    none, a gone lease's, and lines longer than LOAD_ITEM_ERROR_MAX. A reply
+    never outgrows load_reply_bound, and the bound is within 1.25x of the
+    longest reply the server can write for that load (each item's lease gone,
+    or its blocks lost from the SSD). It was 272 B an item, 2.8x a gone
+    lease's line."""
+    message = _gone_message()
+
+    def gone(i: int, lease: int) -> str:  # the engine's line for items[i]
+        return f"items[{i}]." + message.replace(str(_SOME_LEASE), str(lease))
+
+    rng = random.Random(17)
+    worst_ratio = 0.0
+    for round_ in range(120):
+        batch = round_ % 4 != 0
+        n = rng.choice([1, 2, rng.randint(3, 64)]) if batch else 1
+        if round_ in (5, 6):
+            n = rng.randint(10000, frames.MAX_LOAD_ITEMS)
+        leases = [
+            rng.choice([rng.randint(1, 999), rng.getrandbits(63) | 1, 2**64 - 1])
+            for _ in range(n)
+        ]
+        counts = [rng.choice([0, 0, 1, rng.randint(2, 40)]) for _ in range(n)]
+        pairs = list(zip(leases, counts, strict=True))
+        items = [(lease, 0, np.arange(k)) for lease, k in pairs]
+        bound = frames.load_reply_bound(body_of(items, batch))
+        # The longest reply the server can write for it: each item failing
+        # with the longest line it can get (a single lease's load: none).
+        worst = [
+            Item(0, 0, _ssd_lost(i, 2**32 - 1) if k else gone(i, 2**64 - 1))
+            for i, k in enumerate(counts)
+        ]
+        most = len(frames.load_reply(0, 0, worst if batch else [Item(0, 0, "")]))
+        assert most <= bound, (n, most, bound)
+        worst_ratio = max(worst_ratio, bound / most)
+        for _ in range(3 if batch else 0):  # random answers, long lines cut
+            answer = []
+            for i, (lease, k) in enumerate(pairs):
+                kind = rng.randrange(4 if k else 2)
+                line = ("", gone(i, lease), "é" * 500, "x" * 1000)[kind]
+                answer.append(Item(0, 0, line))
+            assert len(frames.load_reply(0, 0, answer)) <= bound
+    assert worst_ratio <= 1.25, worst_ratio
+    longest = gone(frames.MAX_LOAD_ITEMS - 1, 2**64 - 1)
+    assert len(longest) == frames.LEASE_GONE_LINE_MAX

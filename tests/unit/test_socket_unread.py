@@ -1,7 +1,7 @@
 """A socket connection whose replies lie unread (a client that sends one
 request with a large reply and never reads, on each of many connections)
 held the server's memory for ever: the server-wide backlog bound is checked
-as requests arrive, and each connection's first reply passes it. Now a
+as requests arrive, and a lone request passes it whatever its size. Now a
 connection whose buffered replies do not move for UNREAD_TIMEOUT_S is
 closed; one that reads them, however slowly, is kept. Run in-process
 against the real socket server with a stand-in engine (the timeout made
@@ -25,7 +25,7 @@ from pegaflow.common.socket_frames import HELLO_REPLY, encode_hello, encode_load
 from pegaflow.server import socket_service
 from pegaflow.server.metrics import Metrics
 
-ITEMS = 16384  # each answered with a 200-byte error: a reply of ~3.5 MiB
+ITEMS = 16384  # each answered with a 200-byte error, cut: a reply of ~3.4 MiB
 UNREAD_S = 2.0
 
 
