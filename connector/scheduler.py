@@ -49,8 +49,12 @@ class SchedulerHalf:
         client: PegaflowClient | None = None,
         groups: KVGroups | None = None,
         stages: int = 1,
+        overlapped: bool = True,
     ) -> None:
         self.config = config
+        # vLLM schedules a step before the last one's output came back (async
+        # scheduling, a pipeline's batch queue): see _note_reader.
+        self.overlapped = overlapped
         self.instance_id = instance_id
         self.groups = groups or single_group(block_size)
         self.stages = stages
@@ -78,9 +82,9 @@ class SchedulerHalf:
         self._loads: list[LoadJob] = []
         self._finish_saves: list[SaveJob] = []
         self._held: set[ReqId] = set()
-        # Sync loads of the last plan (under async scheduling vLLM admits the
-        # next step before it hears how they went) and the readers of the
-        # blocks they fill (StepPlan.readers).
+        # Sync loads of the last plan (when overlapped, vLLM admits the next
+        # step before it hears how they went) and the readers of the blocks
+        # they fill (StepPlan.readers).
         self._last_sync: list[LoadJob] = []
         self._readers: dict[ReqId, set[ReqId]] = {}
         # Requests whose load failed: vLLM recomputes them, and asks us again;
@@ -155,9 +159,12 @@ class SchedulerHalf:
 
     def _note_reader(self, st: _Req, local: int) -> None:
         """vLLM caches a sync load's blocks as it allocates them, so a request
-        admitted after it (this step, or the next under async scheduling)
-        may hit them locally: if that load fails, it read KV that never
-        arrived, and must not save what it computed over it."""
+        admitted after it (this step, or the next when overlapped) may hit
+        them locally: if that load fails, it read KV that never arrived, and
+        must not save what it computed over it. Not overlapped, vLLM heard of
+        a failure before it admits the next step: a hit on those blocks then
+        reads them as their owner recomputes them in that step's forward
+        (policy "recompute"), or misses (evicted, "fail"); its saves are good."""
         rid = st.request.request_id
         for job in [*self._last_sync, *self._loads]:
             if not job.sync or job.req_id == rid:
@@ -234,7 +241,8 @@ class SchedulerHalf:
             self._readers,
         )
         self._loads, self._finish_saves, self._held = [], [], set()
-        self._last_sync = [job for job in plan.loads if job.sync]
+        if self.overlapped:
+            self._last_sync = [job for job in plan.loads if job.sync]
         self._readers = {}
         block_state = getattr(so, "kv_connector_block_state", None)
         self._track_block_tables(so, block_state)

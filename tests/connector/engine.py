@@ -105,6 +105,7 @@ def vllm_config(
             max_num_batched_tokens=sched.get("max_num_batched_tokens", 512),
             max_model_len=max_len,
             is_encoder_decoder=False,
+            async_scheduling=sched.get("async_scheduling"),
         ),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=transfer if connector else None,
@@ -448,6 +449,9 @@ class Engine:
         # Blocks this step's sync loads fill: another request may hit them in
         # vLLM's own prefix cache in the same step (checked once loaded).
         landing = {(j.group, b) for j in sync for b in j.block_ids}
+        # So may blocks another request computes whole in this step: attention
+        # writes a layer's KV before it reads it (checked when they finish).
+        landing |= self._computing(so, tables)
         bad = []
         for new in so.scheduled_new_reqs:
             rid, done = new.req_id, new.num_computed_tokens
@@ -462,6 +466,18 @@ class Engine:
                 ]
                 bad += self._block_errors(rid, tables[rid], hit)
         return [f"restored page wrong before the forward: {e}" for e in bad]
+
+    def _computing(
+        self, so: Any, tables: dict[str, list[list[int]]]
+    ) -> set[tuple[int, int]]:
+        """(group, block id) of the blocks this step's forward writes whole."""
+        blocks = set()
+        for rid, n in so.num_scheduled_tokens.items():
+            end = self.sched.requests[rid].num_computed_tokens
+            first = -(-(end - n) // BLOCK)
+            for g, table in enumerate(tables[rid]):
+                blocks |= {(g, b) for b in table[first : end // BLOCK] if b}
+        return blocks
 
     def sync_load_errors(self, loads: list[Any]) -> list[str]:
         """Blocks of this step's sync loads whose bytes are not (yet) right."""

@@ -269,3 +269,59 @@ def test_a_failed_sync_load_poisons_a_local_hit_on_its_blocks(
     assert c.counters()["hit_tokens"] == len(prefix)
     for engine in (a, b, c):
         engine.close()
+
+
+def test_a_failed_sync_load_leaves_a_next_step_hit_its_saves(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    """vLLM's ordinary scheduler (no async scheduling): "a"'s sync load of A's
+    prefix fails, and vLLM hears of it before it schedules the next step, in
+    which "a" recomputes the blocks and "c", admitted then, hits them in vLLM's
+    prefix cache: it reads them as "a" writes them, in that forward. Nothing
+    of "c" was computed over the hole: its blocks are saved (every page
+    checked, in B and as C loads them)."""
+    import random
+
+    pega_server()
+    extra = {**FAST, "sync_load_max_tokens": 4096}
+    rnd = random.Random(8)
+    prefix = [rnd.randrange(50, 950) for _ in range(96)]  # 6 blocks
+    first = prefix + [rnd.randrange(50, 950) for _ in range(70)]
+    second = prefix + [rnd.randrange(50, 950) for _ in range(70)]  # 10 full
+    a = Engine(vllm_config(tiny_model, extra))
+    serve(a, {"a": prefix})
+    b = Engine(vllm_config(tiny_model, extra, async_scheduling=False))
+    assert b.config.max_concurrent_batches == 1
+    b.step()
+    seen: dict[str, object] = {}
+
+    def break_the_lease(so: object) -> None:
+        (job,) = so.kv_connector_metadata.plan.loads  # type: ignore[attr-defined]
+        assert job.req_id == "a" and job.sync
+        job.lease_id ^= 2  # unknown to the server: the item fails
+        b.after_schedule = next_step
+
+    def next_step(so: object) -> None:
+        new = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}  # type: ignore[attr-defined]
+        seen["c"] = new
+        seen["a"] = so.num_scheduled_tokens.get("a")  # type: ignore[attr-defined]
+        b.after_schedule = None
+
+    b.after_schedule = break_the_lease
+    b.add("a", first, max_tokens=2)
+    b.step()  # the load fails; vLLM rewinds "a" to recompute it
+    assert b.counters()["load_failures"] == 1
+    b.add("c", second, max_tokens=2)
+    b.run()
+    assert b.errors == []
+    assert seen == {"c": {"c": len(prefix)}, "a": len(first)}
+    # c's 4 blocks past the prefix (a's, computed after its failure, are not)
+    assert b.counters()["save_blocks"] == 4
+    b.assert_clean()
+    c = Engine(vllm_config(tiny_model, extra))
+    c.step()
+    serve(c, {"c": second}, max_tokens=2)
+    assert c.counters()["hit_tokens"] == len(second) // BLOCK * BLOCK
+    assert c.outputs["c"] == b.outputs["c"]
+    for engine in (a, b, c):
+        engine.close()

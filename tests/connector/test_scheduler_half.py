@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import pytest
+
 from pegaflow.client.pegaflow_client import QueryResult
 from pegaflow.common.errors import (
     InvalidRequest,
@@ -17,7 +19,7 @@ from pegaflow.common.errors import (
 from pegaflow.connector.extra_config import ConnectorConfig
 from pegaflow.connector.kv_groups import GroupRule, KVGroups
 from pegaflow.connector.scheduler import SchedulerHalf
-from pegaflow.connector.step_plan import WorkerReport
+from pegaflow.connector.step_plan import StepPlan, WorkerReport
 
 BS = 16
 
@@ -239,3 +241,40 @@ def test_a_load_failing_after_its_request_was_aborted_is_forgotten() -> None:
     s.after_alloc(live, ([1, 2, 3, 4, 5],), 0)
     s.on_worker_report(WorkerReport(failed_loads={"q"}))
     assert s._failed_loads == {"q"}
+
+
+def _new_req_step(s: SchedulerHalf, rid: str, ids: list[int]) -> StepPlan:
+    """One step that admits `rid` with these blocks, computing 48 tokens."""
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
+    return s.build_plan(
+        SimpleNamespace(
+            preempted_req_ids=set(),
+            scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=(ids,))],
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens={rid: 48},
+            total_num_scheduled_tokens=48,
+        )
+    )
+
+
+@pytest.mark.parametrize(("overlapped", "readers"), [(True, {"a": {"c"}}), (False, {})])
+def test_a_next_step_local_hit_reads_a_sync_load_only_when_steps_overlap(
+    overlapped: bool, readers: dict
+) -> None:
+    """ "a" sync-loads blocks 10, 11; "c", admitted the step after, hits them
+    in vLLM's prefix cache. With steps in flight together (async scheduling)
+    vLLM admitted "c" before it heard of the load: "c" fails with it. Without,
+    a failure was handled first ("a" recomputes them in c's step)."""
+    client = FakeClient([QueryResult(2, 9), QueryResult(0, 0)])
+    cfg = ConnectorConfig(retry_interval_s=60, sync_load_max_tokens=64)
+    s = SchedulerHalf(
+        cfg, "engine", BS, num_workers=1, client=client, overlapped=overlapped
+    )
+    a, c = request("a", 80), request("c", 80)
+    assert s.num_new_matched_tokens(a, 0) == (32, False)
+    s.after_alloc(a, ([10, 11, 12, 13, 14],), 32)
+    plan = _new_req_step(s, "a", [10, 11, 12, 13, 14])
+    assert [j.sync for j in plan.loads] == [True]
+    assert s.num_new_matched_tokens(c, 32) == (0, False)
+    s.after_alloc(c, ([10, 11, 20, 21, 22],), 0)
+    assert _new_req_step(s, "c", [10, 11, 20, 21, 22]).readers == readers
