@@ -4,7 +4,9 @@ from vLLM's `allocate_kv_cache`, and a fake forward that writes known bytes.
 
 The fake KV of token position p is a function of tokens[0..p] only (a rolling
 hash), as real attention KV is, so two engines that compute the same prefix
-write the same bytes, and a loaded page can be checked against that function.
+write the same bytes, and a loaded page can be checked against that function
+(fake_kv.py; the checks: page_checks.py). MLA pages are one head wide, also
+as the 3-D [blocks, block_size, head_dim] of MLA's kernels (`mla_3d`).
 
 `specs` (layer name -> vLLM KVCacheSpec) builds a hybrid model: vLLM's hybrid KV
 manager groups the layers, each group with its own block table; a layer's fake
@@ -12,6 +14,8 @@ KV goes to its group's blocks (never to a null block). A Mamba layer's fake
 state after token p is a function of tokens[0..p]; a step reads the state it
 starts from (at a block boundary: the block before it, as vLLM's align mode
 keeps it) and checks it, then writes its end state into the block it ends in.
+A bounded-replay window (DeepSeek-V4) is rebuilt by replaying a hit's last
+window: the replay writes that group only, as vLLM's runner does.
 """
 
 from __future__ import annotations
