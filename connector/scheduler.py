@@ -82,11 +82,13 @@ class SchedulerHalf:
         self._loads: list[LoadJob] = []
         self._finish_saves: list[SaveJob] = []
         self._held: set[ReqId] = set()
-        # Sync loads of the last plan (when overlapped, vLLM admits the next
-        # step before it hears how they went) and the readers of the blocks
-        # they fill (StepPlan.readers).
+        # Sync loads of the last plan (a request of this step may hit their
+        # blocks) and the readers of the blocks they fill (StepPlan.readers).
         self._last_sync: list[LoadJob] = []
         self._readers: dict[ReqId, set[ReqId]] = {}
+        # Not overlapped: (owner, reader, group, blocks) of last step's sync
+        # loads, settled in build_plan (_note_reader).
+        self._rereads: list[tuple[ReqId, ReqId, int, set[int]]] = []
         # Requests whose load failed: vLLM recomputes them, and asks us again;
         # a hit claimed again may fail the same way, forever.
         self._failed_loads: set[ReqId] = set()
@@ -159,20 +161,39 @@ class SchedulerHalf:
 
     def _note_reader(self, st: _Req, local: int) -> None:
         """vLLM caches a sync load's blocks as it allocates them, so a request
-        admitted after it (this step, or the next when overlapped) may hit
-        them locally: if that load fails, it read KV that never arrived, and
-        must not save what it computed over it. Not overlapped, vLLM heard of
-        a failure before it admits the next step: a hit on those blocks then
-        reads them as their owner recomputes them in that step's forward
-        (policy "recompute"), or misses (evicted, "fail"); its saves are good."""
+        admitted after it (this step, or the next) may hit them locally: if
+        that load fails, it read KV that never arrived, and must not save
+        what it computed over it. Not overlapped, vLLM heard of a failure
+        before it admits the next step: it evicted the blocks (policy
+        "fail"), or kept them for their owner to recompute ("recompute"); a
+        hit on them reads them as the owner writes them in that step's
+        forward, unless the owner's chunk leaves some out (build_plan)."""
         rid = st.request.request_id
         for job in [*self._last_sync, *self._loads]:
             if not job.sync or job.req_id == rid:
                 continue
             pos = self.groups.rules.index(self.groups.rule(job.group))
             hit = st.tables[pos][: local // self.groups.rules[pos].block_size]
-            if not set(job.block_ids).isdisjoint(hit):
+            shared = set(job.block_ids).intersection(hit)
+            if shared and not self.overlapped and job in self._last_sync:
+                self._rereads.append((job.req_id, rid, pos, shared))
+            elif shared:
                 self._readers.setdefault(job.req_id, set()).add(rid)
+
+    def _settle_rereads(self, so: Any) -> None:
+        """A next-step reader of a sync load's blocks reads them safely if
+        their owner writes them whole in this step (recomputing them after a
+        failure); else it fails with the load, if that failed."""
+        for owner, rid, pos, shared in self._rereads:
+            st, bs = self._reqs.get(owner), self.groups.rules[pos].block_size
+            n = so.num_scheduled_tokens.get(owner, 0)
+            if st is not None and n:
+                start = st.request.num_computed_tokens  # before this step
+                written = st.tables[pos][-(-start // bs) : (start + n) // bs]
+                if shared.issubset(written):
+                    continue
+            self._readers.setdefault(owner, set()).add(rid)
+        self._rereads = []
 
     def _load_jobs(self, st: _Req, hit: Hit, end: int) -> list[LoadJob]:
         """Per group, the blocks vLLM allocated in the hit (its null blocks are
@@ -232,6 +253,7 @@ class SchedulerHalf:
 
     # -- per step -----------------------------------------------------------
     def build_plan(self, so: Any) -> StepPlan:
+        self._settle_rereads(so)
         plan = StepPlan(
             self._loads,
             self._finish_saves,
@@ -241,8 +263,7 @@ class SchedulerHalf:
             self._readers,
         )
         self._loads, self._finish_saves, self._held = [], [], set()
-        if self.overlapped:
-            self._last_sync = [job for job in plan.loads if job.sync]
+        self._last_sync = [job for job in plan.loads if job.sync]
         self._readers = {}
         block_state = getattr(so, "kv_connector_block_state", None)
         self._track_block_tables(so, block_state)

@@ -114,6 +114,7 @@ def vllm_config(
             max_model_len=max_len,
             is_encoder_decoder=False,
             async_scheduling=sched.get("async_scheduling"),
+            long_prefill_token_threshold=sched.get("long_prefill_token_threshold", 0),
         ),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=transfer if connector else None,

@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -271,15 +272,18 @@ def test_a_failed_sync_load_poisons_a_local_hit_on_its_blocks(
         engine.close()
 
 
+@pytest.mark.parametrize("chunk", [0, 32], ids=["recomputed", "chunked"])
 def test_a_failed_sync_load_leaves_a_next_step_hit_its_saves(
-    pega_server: Callable[..., ServerProc], tiny_model: Path
+    pega_server: Callable[..., ServerProc], tiny_model: Path, chunk: int
 ) -> None:
     """vLLM's ordinary scheduler (no async scheduling): "a"'s sync load of A's
     prefix fails, and vLLM hears of it before it schedules the next step, in
     which "a" recomputes the blocks and "c", admitted then, hits them in vLLM's
     prefix cache: it reads them as "a" writes them, in that forward. Nothing
     of "c" was computed over the hole: its blocks are saved (every page
-    checked, in B and as C loads them)."""
+    checked, in B and as C loads them). Chunked ("a" recomputes 32 tokens a
+    step): vLLM lets "c" read the 4 blocks "a" has not rewritten yet (its
+    recompute policy keeps them cached), and nothing of "c" is saved."""
     import random
 
     pega_server()
@@ -290,21 +294,23 @@ def test_a_failed_sync_load_leaves_a_next_step_hit_its_saves(
     second = prefix + [rnd.randrange(50, 950) for _ in range(70)]  # 10 full
     a = Engine(vllm_config(tiny_model, extra))
     serve(a, {"a": prefix})
-    b = Engine(vllm_config(tiny_model, extra, async_scheduling=False))
+    config = vllm_config(
+        tiny_model, extra, async_scheduling=False, long_prefill_token_threshold=chunk
+    )
+    b = Engine(config)
     assert b.config.max_concurrent_batches == 1
     b.step()
     seen: dict[str, object] = {}
 
-    def break_the_lease(so: object) -> None:
-        (job,) = so.kv_connector_metadata.plan.loads  # type: ignore[attr-defined]
+    def break_the_lease(so: Any) -> None:
+        (job,) = so.kv_connector_metadata.plan.loads
         assert job.req_id == "a" and job.sync
         job.lease_id ^= 2  # unknown to the server: the item fails
         b.after_schedule = next_step
 
-    def next_step(so: object) -> None:
-        new = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}  # type: ignore[attr-defined]
-        seen["c"] = new
-        seen["a"] = so.num_scheduled_tokens.get("a")  # type: ignore[attr-defined]
+    def next_step(so: Any) -> None:
+        seen["c"] = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        seen["a"] = so.num_scheduled_tokens.get("a")
         b.after_schedule = None
 
     b.after_schedule = break_the_lease
@@ -313,15 +319,18 @@ def test_a_failed_sync_load_leaves_a_next_step_hit_its_saves(
     assert b.counters()["load_failures"] == 1
     b.add("c", second, max_tokens=2)
     b.run()
-    assert b.errors == []
-    assert seen == {"c": {"c": len(prefix)}, "a": len(first)}
+    assert seen == {"c": {"c": len(prefix)}, "a": chunk or len(first)}
+    unread = range(chunk // BLOCK, len(prefix) // BLOCK if chunk else 0)
+    unread = {f"c block {k} " for k in unread}
+    assert {e.split("forward: ")[1][: len("c block 2 ")] for e in b.errors} == unread
     # c's 4 blocks past the prefix (a's, computed after its failure, are not)
-    assert b.counters()["save_blocks"] == 4
+    assert b.counters().get("save_blocks", 0) == (0 if chunk else 4)
     b.assert_clean()
     c = Engine(vllm_config(tiny_model, extra))
     c.step()
     serve(c, {"c": second}, max_tokens=2)
-    assert c.counters()["hit_tokens"] == len(second) // BLOCK * BLOCK
+    hit = len(prefix) if chunk else len(second) // BLOCK * BLOCK
+    assert c.counters()["hit_tokens"] == hit
     assert c.outputs["c"] == b.outputs["c"]
     for engine in (a, b, c):
         engine.close()

@@ -243,28 +243,40 @@ def test_a_load_failing_after_its_request_was_aborted_is_forgotten() -> None:
     assert s._failed_loads == {"q"}
 
 
-def _new_req_step(s: SchedulerHalf, rid: str, ids: list[int]) -> StepPlan:
-    """One step that admits `rid` with these blocks, computing 48 tokens."""
+def _new_req_step(s: SchedulerHalf, rid: str, ids: list[int], **also: int) -> StepPlan:
+    """One step that admits `rid` with these blocks, computing 48 tokens (and
+    `also` of running requests)."""
     cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
+    scheduled = {rid: 48, **also}
     return s.build_plan(
         SimpleNamespace(
             preempted_req_ids=set(),
             scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=(ids,))],
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens={rid: 48},
-            total_num_scheduled_tokens=48,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
         )
     )
 
 
-@pytest.mark.parametrize(("overlapped", "readers"), [(True, {"a": {"c"}}), (False, {})])
-def test_a_next_step_local_hit_reads_a_sync_load_only_when_steps_overlap(
-    overlapped: bool, readers: dict
+@pytest.mark.parametrize(
+    ("overlapped", "owner_tokens", "readers"),
+    [
+        (True, 48, {"a": {"c"}}),
+        (False, 0, {"a": {"c"}}),
+        (False, 16, {"a": {"c"}}),
+        (False, 48, {}),
+    ],
+)
+def test_a_next_step_local_hit_on_a_sync_load_reads_it_unless_its_owner_rewrites(
+    overlapped: bool, owner_tokens: int, readers: dict
 ) -> None:
     """ "a" sync-loads blocks 10, 11; "c", admitted the step after, hits them
     in vLLM's prefix cache. With steps in flight together (async scheduling)
     vLLM admitted "c" before it heard of the load: "c" fails with it. Without,
-    a failure was handled first ("a" recomputes them in c's step)."""
+    a failure was handled first: vLLM rewound "a" to recompute the blocks,
+    and "c" reads them as "a" writes them in that step, if it writes both
+    (not when it is not scheduled, or its chunk ends in block 10)."""
     client = FakeClient([QueryResult(2, 9), QueryResult(0, 0)])
     cfg = ConnectorConfig(retry_interval_s=60, sync_load_max_tokens=64)
     s = SchedulerHalf(
@@ -277,4 +289,6 @@ def test_a_next_step_local_hit_reads_a_sync_load_only_when_steps_overlap(
     assert [j.sync for j in plan.loads] == [True]
     assert s.num_new_matched_tokens(c, 32) == (0, False)
     s.after_alloc(c, ([10, 11, 20, 21, 22],), 0)
-    assert _new_req_step(s, "c", [10, 11, 20, 21, 22]).readers == readers
+    a.num_computed_tokens = 0  # rewound by vLLM after the failure
+    also = {"a": owner_tokens} if owner_tokens else {}
+    assert _new_req_step(s, "c", [10, 11, 20, 21, 22], **also).readers == readers
