@@ -279,19 +279,21 @@ def test_a_failed_sync_load_leaves_a_next_step_hit_its_saves(
     """vLLM's ordinary scheduler (no async scheduling): "a"'s sync load of A's
     prefix fails, and vLLM hears of it before it schedules the next step, in
     which "a" recomputes the blocks and "c", admitted then, hits them in vLLM's
-    prefix cache: it reads them as "a" writes them, in that forward. Nothing
-    of "c" was computed over the hole: its blocks are saved (every page
-    checked, in B and as C loads them). Chunked ("a" recomputes 32 tokens a
-    step): vLLM lets "c" read the 4 blocks "a" has not rewritten yet (its
-    recompute policy keeps them cached), and nothing of "c" is saved."""
+    prefix cache: it reads them as "a" writes them, in that forward; "d", a
+    step later, reads them rewritten. Nothing of theirs was computed over the
+    hole: their blocks are saved (every page checked, in B and as C loads
+    them). Chunked ("a" recomputes 32 tokens a step): vLLM lets "c" read the 4
+    blocks "a" has not rewritten yet (its recompute policy keeps them cached),
+    and "d" the last 2; nothing of theirs is saved."""
     import random
 
     pega_server()
     extra = {**FAST, "sync_load_max_tokens": 4096}
     rnd = random.Random(8)
     prefix = [rnd.randrange(50, 950) for _ in range(96)]  # 6 blocks
-    first = prefix + [rnd.randrange(50, 950) for _ in range(70)]
-    second = prefix + [rnd.randrange(50, 950) for _ in range(70)]  # 10 full
+    first, second, third = (
+        prefix + [rnd.randrange(50, 950) for _ in range(70)] for _ in range(3)
+    )  # 10 full blocks each
     a = Engine(vllm_config(tiny_model, extra))
     serve(a, {"a": prefix})
     config = vllm_config(
@@ -300,37 +302,47 @@ def test_a_failed_sync_load_leaves_a_next_step_hit_its_saves(
     b = Engine(config)
     assert b.config.max_concurrent_batches == 1
     b.step()
-    seen: dict[str, object] = {}
+    seen: list[tuple[dict, int]] = []
 
     def break_the_lease(so: Any) -> None:
         (job,) = so.kv_connector_metadata.plan.loads
         assert job.req_id == "a" and job.sync
         job.lease_id ^= 2  # unknown to the server: the item fails
-        b.after_schedule = next_step
+        b.after_schedule = note_admissions
 
-    def next_step(so: Any) -> None:
-        seen["c"] = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-        seen["a"] = so.num_scheduled_tokens.get("a")
-        b.after_schedule = None
+    def note_admissions(so: Any) -> None:
+        new = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        seen.append((new, so.num_scheduled_tokens.get("a")))
+        if len(seen) == 2:
+            b.after_schedule = None
 
     b.after_schedule = break_the_lease
     b.add("a", first, max_tokens=2)
     b.step()  # the load fails; vLLM rewinds "a" to recompute it
     assert b.counters()["load_failures"] == 1
     b.add("c", second, max_tokens=2)
+    b.step()
+    b.add("d", third, max_tokens=2)
     b.run()
-    assert seen == {"c": {"c": len(prefix)}, "a": chunk or len(first)}
-    unread = range(chunk // BLOCK, len(prefix) // BLOCK if chunk else 0)
-    unread = {f"c block {k} " for k in unread}
-    assert {e.split("forward: ")[1][: len("c block 2 ")] for e in b.errors} == unread
-    # c's 4 blocks past the prefix (a's, computed after its failure, are not)
-    assert b.counters().get("save_blocks", 0) == (0 if chunk else 4)
+    hit = len(prefix)
+    assert seen[0] == ({"c": hit}, chunk or len(first))
+    assert seen[1][0] == {"d": hit}
+    unread = {
+        (rid, k)
+        for rid, rewritten in (("c", chunk), ("d", 2 * chunk))
+        for k in range(rewritten // BLOCK, hit // BLOCK if chunk else 0)
+    }
+    read = {e.split("forward: ")[1].split(" (id")[0] for e in b.errors}
+    assert read == {f"{rid} block {k}" for rid, k in unread}
+    # c's and d's 4 blocks past the prefix ("a"'s, computed after its
+    # failure, are not saved)
+    assert b.counters().get("save_blocks", 0) == (0 if chunk else 8)
     b.assert_clean()
     c = Engine(vllm_config(tiny_model, extra))
     c.step()
-    serve(c, {"c": second}, max_tokens=2)
-    hit = len(prefix) if chunk else len(second) // BLOCK * BLOCK
-    assert c.counters()["hit_tokens"] == hit
-    assert c.outputs["c"] == b.outputs["c"]
+    serve(c, {"c": second, "d": third}, max_tokens=2)
+    # d hits the prefix in C's own prefix cache: the server gives its tail
+    assert c.counters()["hit_tokens"] == (hit if chunk else 160 + 64)
+    assert (c.outputs["c"], c.outputs["d"]) == (b.outputs["c"], b.outputs["d"])
     for engine in (a, b, c):
         engine.close()
