@@ -484,6 +484,7 @@ class Engine(PageChecks):
             return
         half = s.connector._scheduler
         assert not half._reqs and not half._hits and not half._loads
+        assert not half._holes, "holes left of requests gone"
         for w in self.workers:
             worker = w._worker
             assert not worker._saves and not worker._recving and not worker._held
