@@ -126,7 +126,15 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
             # Every worker of every stage reports each save job.
             workers = tp_size * stages
             self._scheduler = SchedulerHalf(
-                self.config, ident, block_size, workers, groups=groups, stages=stages
+                self.config,
+                ident,
+                block_size,
+                workers,
+                groups=groups,
+                stages=stages,
+                # Several batches in flight: a step is scheduled before the
+                # last one's load failures are known (vLLM's engine core).
+                overlapped=getattr(vllm_config, "max_concurrent_batches", 2) > 1,
             )
             events = getattr(vllm_config, "kv_events_config", None)
             if events is not None and events.enable_kv_cache_events:

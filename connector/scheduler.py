@@ -49,8 +49,12 @@ class SchedulerHalf:
         client: PegaflowClient | None = None,
         groups: KVGroups | None = None,
         stages: int = 1,
+        overlapped: bool = True,
     ) -> None:
         self.config = config
+        # vLLM schedules a step before the last one's output came back (async
+        # scheduling, a pipeline's batch queue): see _note_reader.
+        self.overlapped = overlapped
         self.instance_id = instance_id
         self.groups = groups or single_group(block_size)
         self.stages = stages
@@ -78,11 +82,16 @@ class SchedulerHalf:
         self._loads: list[LoadJob] = []
         self._finish_saves: list[SaveJob] = []
         self._held: set[ReqId] = set()
-        # Sync loads of the last plan (under async scheduling vLLM admits the
-        # next step before it hears how they went) and the readers of the
-        # blocks they fill (StepPlan.readers).
-        self._last_sync: list[LoadJob] = []
+        # Sync loads of the last two plans, whose blocks vLLM cached as it
+        # allocated them; the readers of such blocks (StepPlan.readers).
+        self._recent_sync: list[list[LoadJob]] = [[], []]
         self._readers: dict[ReqId, set[ReqId]] = {}
+        # By owner and group (rule position): blocks of its failed sync load
+        # it has not rewritten yet, which vLLM's recompute policy keeps in its
+        # prefix cache; hits on them (owner, reader, group, blocks) settle in
+        # build_plan, when it is known what the owner rewrites in that step.
+        self._holes: dict[ReqId, dict[int, set[int]]] = {}
+        self._rereads: list[tuple[ReqId, ReqId, int, set[int]]] = []
         # Requests whose load failed: vLLM recomputes them, and asks us again;
         # a hit claimed again may fail the same way, forever.
         self._failed_loads: set[ReqId] = set()
@@ -155,17 +164,53 @@ class SchedulerHalf:
 
     def _note_reader(self, st: _Req, local: int) -> None:
         """vLLM caches a sync load's blocks as it allocates them, so a request
-        admitted after it (this step, or the next under async scheduling)
-        may hit them locally: if that load fails, it read KV that never
-        arrived, and must not save what it computed over it."""
-        rid = st.request.request_id
-        for job in [*self._last_sync, *self._loads]:
+        admitted after it may hit them locally: if that load failed, it read
+        KV that never arrived, and must not save what it computed over it.
+        In the same step, or in the next when steps overlap (vLLM admitted it
+        before it heard how the load went): a reader. Later, vLLM evicted the
+        blocks (policy "fail") or keeps them for their owner to recompute
+        ("recompute": _holes); a hit on them reads them as the owner rewrites
+        them in that step, or else reads the hole (_settle_holes)."""
+        rid, rules = st.request.request_id, self.groups.rules
+        unheard = self._recent_sync[-1] if self.overlapped else []
+        for job in [*unheard, *self._loads]:
             if not job.sync or job.req_id == rid:
                 continue
-            pos = self.groups.rules.index(self.groups.rule(job.group))
-            hit = st.tables[pos][: local // self.groups.rules[pos].block_size]
-            if not set(job.block_ids).isdisjoint(hit):
+            pos = rules.index(self.groups.rule(job.group))
+            if not set(job.block_ids).isdisjoint(
+                st.tables[pos][: local // rules[pos].block_size]
+            ):
                 self._readers.setdefault(job.req_id, set()).add(rid)
+        for owner, holes in self._holes.items():
+            for pos, blocks in holes.items():
+                hit = st.tables[pos][: local // rules[pos].block_size]
+                if owner != rid and not blocks.isdisjoint(hit):
+                    self._rereads.append((owner, rid, pos, blocks.intersection(hit)))
+
+    def _settle_holes(self, so: Any) -> None:
+        """A request that hit a hole reads it unless its owner rewrites it
+        whole in this step (attention writes a layer's KV before it reads
+        it); what the owner rewrites is a hole no more."""
+        for owner, rid, pos, blocks in self._rereads:
+            if not blocks.issubset(self._rewritten(so, owner, pos)):
+                self._readers.setdefault(owner, set()).add(rid)
+        self._rereads = []
+        for owner, holes in list(self._holes.items()):
+            for pos in list(holes):
+                holes[pos] -= self._rewritten(so, owner, pos)
+                if not holes[pos]:
+                    del holes[pos]
+            if not holes or owner not in self._reqs:
+                del self._holes[owner]
+
+    def _rewritten(self, so: Any, rid: ReqId, pos: int) -> set[int]:
+        """Blocks of a group that the request's forward writes whole in this
+        step (vLLM advances num_computed_tokens after build_connector_meta)."""
+        st, n = self._reqs.get(rid), so.num_scheduled_tokens.get(rid, 0)
+        if st is None or not n:
+            return set()
+        start, bs = st.request.num_computed_tokens, self.groups.rules[pos].block_size
+        return set(st.tables[pos][-(-start // bs) : (start + n) // bs])
 
     def _load_jobs(self, st: _Req, hit: Hit, end: int) -> list[LoadJob]:
         """Per group, the blocks vLLM allocated in the hit (its null blocks are
@@ -225,6 +270,7 @@ class SchedulerHalf:
 
     # -- per step -----------------------------------------------------------
     def build_plan(self, so: Any) -> StepPlan:
+        self._settle_holes(so)
         plan = StepPlan(
             self._loads,
             self._finish_saves,
@@ -234,7 +280,10 @@ class SchedulerHalf:
             self._readers,
         )
         self._loads, self._finish_saves, self._held = [], [], set()
-        self._last_sync = [job for job in plan.loads if job.sync]
+        self._recent_sync = [
+            self._recent_sync[-1],
+            [job for job in plan.loads if job.sync],
+        ]
         self._readers = {}
         block_state = getattr(so, "kv_connector_block_state", None)
         self._track_block_tables(so, block_state)
@@ -310,6 +359,11 @@ class SchedulerHalf:
             st = self._reqs.get(rid)
             if st is not None and not st.finished:
                 self._failed_loads.add(rid)
+                for job in self._recent_sync[0] + self._recent_sync[1]:
+                    if job.req_id == rid:  # its blocks stay cached, empty
+                        pos = self.groups.rules.index(self.groups.rule(job.group))
+                        holes = self._holes.setdefault(rid, {})
+                        holes.setdefault(pos, set()).update(job.block_ids)
                 # vLLM recomputes the blocks that did not load: save them
                 # (the server may not hold them: it restarted, or evicted).
                 if st.load_from is not None:

@@ -48,8 +48,9 @@ class StepPlan:
     preempted: set[ReqId] = field(default_factory=set)
     # Tokens the step computes (its forward is timed: forward_timer.py).
     scheduled_tokens: int = 0
-    # By request: others that read blocks its sync load (of this step or the
-    # last) fills, hit in vLLM's own prefix cache; they fail with that load.
+    # By request: others that read blocks its sync load fills (or failed to
+    # fill, before it recomputed them), hit in vLLM's own prefix cache; they
+    # fail with that load (scheduler.py, _note_reader).
     readers: dict[ReqId, set[ReqId]] = field(default_factory=dict)
 
     def is_empty(self) -> bool:

@@ -139,10 +139,11 @@ class WorkerHalf:
         # (failed_recving), not per block.
         self._failed_reqs: set[ReqId] = set()
         # Requests whose sync load failed, and those that read its blocks
-        # (StepPlan.readers): the forward of that step (and of the next,
-        # scheduled before vLLM saw the failure) computed their blocks over
-        # KV that never arrived. Never saved again (a miss, not wrong KV
-        # under good hashes); forgotten once vLLM says they finished.
+        # (StepPlan.readers): the forwards that read them (that step, and
+        # with async scheduling the next, scheduled before vLLM saw the
+        # failure) computed their blocks over KV that never arrived. Never saved
+        # again (a miss, not wrong KV under good hashes); forgotten once vLLM
+        # says they finished.
         self._poisoned: set[ReqId] = set()
         self._report = WorkerReport()
         # Host KV's sealed memfds, by the regions they back (registrar.py).

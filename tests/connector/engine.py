@@ -4,7 +4,9 @@ from vLLM's `allocate_kv_cache`, and a fake forward that writes known bytes.
 
 The fake KV of token position p is a function of tokens[0..p] only (a rolling
 hash), as real attention KV is, so two engines that compute the same prefix
-write the same bytes, and a loaded page can be checked against that function.
+write the same bytes, and a loaded page can be checked against that function
+(fake_kv.py; the checks: page_checks.py). MLA pages are one head wide, also
+as the 3-D [blocks, block_size, head_dim] of MLA's kernels (`mla_3d`).
 
 `specs` (layer name -> vLLM KVCacheSpec) builds a hybrid model: vLLM's hybrid KV
 manager groups the layers, each group with its own block table; a layer's fake
@@ -12,6 +14,8 @@ KV goes to its group's blocks (never to a null block). A Mamba layer's fake
 state after token p is a function of tokens[0..p]; a step reads the state it
 starts from (at a block boundary: the block before it, as vLLM's align mode
 keeps it) and checks it, then writes its end state into the block it ends in.
+A bounded-replay window (DeepSeek-V4) is rebuilt by replaying a hit's last
+window: the replay writes that group only, as vLLM's runner does.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -44,7 +47,12 @@ from vllm.v1.core.kv_cache_planning import (
 )
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -52,8 +60,9 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from pegaflow.connector import PegaKVConnector
+from tests.connector.fake_kv import BLOCK, Seq, fake_kv_batch, fake_state, pages
+from tests.connector.page_checks import PageChecks
 
-BLOCK = 16
 LAYERS = 4
 KV_HEADS = 2
 HEAD = 16
@@ -70,7 +79,6 @@ MODEL = {
     "max_position_embeddings": 4096,
     "torch_dtype": "bfloat16",
 }
-MASK = (1 << 61) - 1
 
 
 def model_dir(root: Path, layers: int = LAYERS, kv_heads: int = KV_HEADS) -> Path:
@@ -105,28 +113,15 @@ def vllm_config(
             max_num_batched_tokens=sched.get("max_num_batched_tokens", 512),
             max_model_len=max_len,
             is_encoder_decoder=False,
+            async_scheduling=sched.get("async_scheduling"),
+            long_prefill_token_threshold=sched.get("long_prefill_token_threshold", 0),
         ),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=transfer if connector else None,
     )
 
 
-@dataclass
-class Seq:
-    tokens: list[int]
-    rolling: list[int] = field(default_factory=list)
-    computed: list[int] = field(default_factory=list)  # positions this engine ran
-
-    def value(self, pos: int) -> int:
-        while len(self.rolling) <= pos:
-            prev = self.rolling[-1] if self.rolling else 7
-            self.rolling.append(
-                (prev * 1000003 + self.tokens[len(self.rolling)]) & MASK
-            )
-        return self.rolling[pos]
-
-
-class Engine:
+class Engine(PageChecks):
     """Scheduler + worker connector in one process, stepped by hand."""
 
     def __init__(
@@ -142,6 +137,7 @@ class Engine:
         forward_s_per_token: float = 0.0,
         v2_runner: bool = False,
         untransferred: tuple[int, ...] = (),
+        mla_3d: bool = False,
     ) -> None:
         self.config = config
         # As vLLM 0.33's V2 model runner: blocks the step allocates are zeroed
@@ -191,6 +187,18 @@ class Engine:
             if isinstance(group.kv_cache_spec, MambaSpec)
             for name in group.layer_names
         }
+        # A window vLLM rebuilds after a hit by replaying the hit's last
+        # window of tokens (DeepSeek-V4's bounded replay): never loaded, so
+        # written only by the forward (checked: replay_changes).
+        self.replay_groups = {
+            g
+            for g, group in enumerate(self.kv_cache_config.kv_cache_groups)
+            if getattr(group.kv_cache_spec, "prefix_replay_tokens", 0)
+        }
+        self.replay_layers = {
+            n for n in self.group_of if self.group_of[n] in self.replay_groups
+        }
+        self._replay_snap: dict[str, tuple[list[int], torch.Tensor]] = {}
         # Per-request scratch (a compressor's ring): no hit restores it, so
         # the fake forward neither writes nor checks it.
         self.scratch_layers = {
@@ -198,7 +206,7 @@ class Engine:
             for group in self.kv_cache_config.kv_cache_groups
             if not group.kv_cache_spec.prefix_cacheable
             for name in group.layer_names
-        }
+        } - self.replay_layers
         config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
         self.sched = Scheduler(
             vllm_config=config,
@@ -210,6 +218,12 @@ class Engine:
         self.caches = allocate_kv_cache(
             self.kv_cache_config, torch.device("cpu"), KVCacheLayout[layout]
         )
+        self.replay_window = getattr(self.sched, "prefix_replay_tokens", 0)
+        if mla_3d:  # MLA as its kernels (and older vLLM) view it: [B, N, C]
+            for name, group in self.group_of.items():
+                spec = self.kv_cache_config.kv_cache_groups[group].kv_cache_spec
+                if isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec):
+                    self.caches[name] = self.caches[name].squeeze(1)
         # Pipeline stage s runs the s-th slice of the layers, in its own
         # WORKER-role connector (vLLM: its own process); outputs are
         # aggregated as vLLM's executor does.
@@ -274,7 +288,7 @@ class Engine:
                 self.seen_waiting_remote.add(req.request_id)
         tables = {rid: self.tables(rid) for rid in so.num_scheduled_tokens}
         if self.write_kv:
-            self.errors += self.restored_errors(so, tables)
+            self.errors += self.restored_errors(so, tables) + self.replay_changes()
         t2 = time.perf_counter()
         out = self._worker_step(so, tables)
         t3 = time.perf_counter()
@@ -374,21 +388,32 @@ class Engine:
             if w is not None:
                 w.wait_for_layer_load(name)
             if self.write_kv and name not in self.scratch_layers:
-                write = self._write_state if name in self.state_layers else self._write
                 for rid, n in so.num_scheduled_tokens.items():
                     table = tables[rid][self.group_of[name]]
-                    write(rid, n, layer, self.caches[name], table)
+                    if name in self.state_layers:
+                        self._write_state(rid, n, layer, self.caches[name], table)
+                        continue
+                    # vLLM's runner pads the replayed tokens' slots in the
+                    # groups a hit restored: their cached KV stays as is.
+                    keep = (
+                        range(0) if name in self.replay_layers else self.replayed(rid)
+                    )
+                    self._write(rid, n, layer, self.caches[name], table, keep)
             if w is not None:
                 w.save_kv_layer(name, self.caches[name], None)
+        if self.write_kv and self.replay_layers:  # before the step's async loads
+            owned = self._replay_owned()
+            for name in self.replay_layers.intersection(names):
+                g = self.group_of[name]
+                ids = sorted(b for group, b in owned if group == g)
+                self._replay_snap[name] = (ids, pages(self.caches[name])[ids].clone())
 
     def table(self, rid: str) -> list[int]:
         return self.tables(rid)[0]
 
-    def tables(self, rid: str) -> list[list[int]]:
-        """Block ids per KV cache group (0: vLLM's null block)."""
-        return [list(t) for t in self.sched.kv_cache_manager.get_block_ids(rid)]
-
-    def _write(self, rid: str, n: int, layer: int, view: Any, table: list[int]) -> None:
+    def _write(
+        self, rid: str, n: int, layer: int, view: Any, table: list[int], keep: range
+    ) -> None:
         req = self.sched.requests[rid]
         start = req.num_computed_tokens - n  # the scheduler already advanced it
         seq = self.seqs[rid]
@@ -396,7 +421,10 @@ class Engine:
         pos = list(range(start, start + n))
         if layer == 0:
             seq.computed.extend(pos)
-        kv = view.view(torch.int16)
+        pos = [p for p in pos if p not in keep]
+        if not pos:
+            return
+        kv = pages(view)
         values = torch.tensor([seq.value(p) for p in pos], dtype=torch.int64)
         blocks = torch.tensor([table[p // BLOCK] for p in pos])
         assert int(blocks.min()) > 0, f"{rid}: a computed token in a null block"
@@ -431,73 +459,6 @@ class Engine:
         seq.tokens = list(req.all_token_ids)
         return [seq.value(req.num_tokens - 1) % 900 + 50]
 
-    # -- checks ---------------------------------------------------------------
-    def page_errors(
-        self, rid: str, tables: list[list[int]], num_tokens: int
-    ) -> list[str]:
-        """Full blocks of `rid` whose bytes differ from the fake KV of its
-        tokens (in every group, where the group still holds a block)."""
-        return self._block_errors(rid, tables, range(num_tokens // BLOCK))
-
-    def restored_errors(self, so: Any, tables: dict[str, list[list[int]]]) -> list[str]:
-        """Pages a request starts its first forward with (a local hit or an
-        async load that landed), in every group: what its attention reads."""
-        plan = getattr(so.kv_connector_metadata, "plan", None)
-        sync = [j for j in plan.loads if j.sync] if plan else []
-        syncing = {j.req_id for j in sync}
-        # Blocks this step's sync loads fill: another request may hit them in
-        # vLLM's own prefix cache in the same step (checked once loaded).
-        landing = {(j.group, b) for j in sync for b in j.block_ids}
-        bad = []
-        for new in so.scheduled_new_reqs:
-            rid, done = new.req_id, new.num_computed_tokens
-            if done and rid not in syncing:
-                hit = [
-                    k
-                    for k in range(done // BLOCK)
-                    if not any(
-                        k < len(t) and (g, t[k]) in landing
-                        for g, t in enumerate(tables[rid])
-                    )
-                ]
-                bad += self._block_errors(rid, tables[rid], hit)
-        return [f"restored page wrong before the forward: {e}" for e in bad]
-
-    def sync_load_errors(self, loads: list[Any]) -> list[str]:
-        """Blocks of this step's sync loads whose bytes are not (yet) right."""
-        bad = []
-        for job in loads:
-            if job.sync:
-                tables = self.tables(job.req_id)
-                blocks = [tables[job.group].index(b) for b in job.block_ids]
-                bad += self._block_errors(job.req_id, tables, blocks, job.group)
-        return [f"sync load not landed before the forward: {e}" for e in bad]
-
-    def _block_errors(
-        self, rid: str, tables: list[list[int]], blocks: Any, group: int | None = None
-    ) -> list[str]:
-        seq, bad = self.seqs[rid], []
-        for layer, (name, view) in enumerate(self.caches.items()):
-            if name in self.state_layers or name in self.scratch_layers:
-                continue  # checked where a step reads it (_write_state), or scratch
-            if group is not None and self.group_of[name] != group:
-                continue
-            table = tables[self.group_of[name]]
-            kv = view.view(torch.int16)
-            for k in blocks:
-                if k >= len(table) or table[k] == 0:
-                    continue  # a null block: the window moved on
-                pos = range(k * BLOCK, (k + 1) * BLOCK)
-                values = torch.tensor([seq.value(p) for p in pos], dtype=torch.int64)
-                want = fake_kv_batch(values, layer, kv.shape[1], kv.shape[3])
-                got = kv[table[k]].permute(1, 0, 2)
-                if not torch.equal(got, want):
-                    what = (
-                        _what_is_there(got, seq, k, len(self.caches)) if not bad else ""
-                    )
-                    bad.append(f"{rid} block {k} (id {table[k]}) layer {layer}{what}")
-        return bad
-
     def run(self, max_steps: int = 2000) -> dict[str, list[int]]:
         """Step until every request finished and every held block is back."""
         finished: dict[str, list[int]] = {}
@@ -523,6 +484,7 @@ class Engine:
             return
         half = s.connector._scheduler
         assert not half._reqs and not half._hits and not half._loads
+        assert not half._holes, "holes left of requests gone"
         for w in self.workers:
             worker = w._worker
             assert not worker._saves and not worker._recving and not worker._held
@@ -538,34 +500,3 @@ class Engine:
         for w in self.workers:
             w.shutdown()
         self.sched.shutdown()
-
-
-def _what_is_there(got: torch.Tensor, seq: Seq, block: int, layers: int) -> str:
-    """For a wrong page: whether it holds nothing, or the fake KV of another
-    layer or block of the same request (a load landing in the wrong place)."""
-    if not got.any():
-        return " (all zero: never written)"
-    heads, width = got.shape[1], got.shape[2]
-    for k in range(block + 2):
-        pos = range(k * BLOCK, (k + 1) * BLOCK)
-        if pos[-1] >= len(seq.tokens):
-            break
-        values = torch.tensor([seq.value(p) for p in pos], dtype=torch.int64)
-        for layer in range(layers):
-            if torch.equal(got, fake_kv_batch(values, layer, heads, width)):
-                return f" (holds block {k} layer {layer})"
-    return " (holds none of this request's blocks)"
-
-
-def fake_kv_batch(
-    values: torch.Tensor, layer: int, heads: int, width: int
-) -> torch.Tensor:
-    """fake KV of several tokens in one layer: [tokens, heads, width] int16."""
-    base = torch.arange(heads * width, dtype=torch.int64).reshape(1, heads, width)
-    v = values.reshape(-1, 1, 1)
-    return ((base * (v % 9973 + 1) + v + layer * 7919) % 65521 - 32760).to(torch.int16)
-
-
-def fake_state(value: int, layer: int, width: int) -> torch.Tensor:
-    """A Mamba layer's fake state after the token whose rolling hash is value."""
-    return fake_kv_batch(torch.tensor([value]), layer, 1, width).reshape(width)

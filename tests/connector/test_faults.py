@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -267,5 +268,81 @@ def test_a_failed_sync_load_poisons_a_local_hit_on_its_blocks(
     c.step()
     serve(c, {"c": second})
     assert c.counters()["hit_tokens"] == len(prefix)
+    for engine in (a, b, c):
+        engine.close()
+
+
+@pytest.mark.parametrize("chunk", [0, 32], ids=["recomputed", "chunked"])
+def test_a_failed_sync_load_leaves_a_next_step_hit_its_saves(
+    pega_server: Callable[..., ServerProc], tiny_model: Path, chunk: int
+) -> None:
+    """vLLM's ordinary scheduler (no async scheduling): "a"'s sync load of A's
+    prefix fails, and vLLM hears of it before it schedules the next step, in
+    which "a" recomputes the blocks and "c", admitted then, hits them in vLLM's
+    prefix cache: it reads them as "a" writes them, in that forward; "d", a
+    step later, reads them rewritten. Nothing of theirs was computed over the
+    hole: their blocks are saved (every page checked, in B and as C loads
+    them). Chunked ("a" recomputes 32 tokens a step): vLLM lets "c" read the 4
+    blocks "a" has not rewritten yet (its recompute policy keeps them cached),
+    and "d" the last 2; nothing of theirs is saved."""
+    import random
+
+    pega_server()
+    extra = {**FAST, "sync_load_max_tokens": 4096}
+    rnd = random.Random(8)
+    prefix = [rnd.randrange(50, 950) for _ in range(96)]  # 6 blocks
+    first, second, third = (
+        prefix + [rnd.randrange(50, 950) for _ in range(70)] for _ in range(3)
+    )  # 10 full blocks each
+    a = Engine(vllm_config(tiny_model, extra))
+    serve(a, {"a": prefix})
+    config = vllm_config(
+        tiny_model, extra, async_scheduling=False, long_prefill_token_threshold=chunk
+    )
+    b = Engine(config)
+    assert b.config.max_concurrent_batches == 1
+    b.step()
+    seen: list[tuple[dict, int]] = []
+
+    def break_the_lease(so: Any) -> None:
+        (job,) = so.kv_connector_metadata.plan.loads
+        assert job.req_id == "a" and job.sync
+        job.lease_id ^= 2  # unknown to the server: the item fails
+        b.after_schedule = note_admissions
+
+    def note_admissions(so: Any) -> None:
+        new = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        seen.append((new, so.num_scheduled_tokens.get("a")))
+        if len(seen) == 2:
+            b.after_schedule = None
+
+    b.after_schedule = break_the_lease
+    b.add("a", first, max_tokens=2)
+    b.step()  # the load fails; vLLM rewinds "a" to recompute it
+    assert b.counters()["load_failures"] == 1
+    b.add("c", second, max_tokens=2)
+    b.step()
+    b.add("d", third, max_tokens=2)
+    b.run()
+    hit = len(prefix)
+    assert seen[0] == ({"c": hit}, chunk or len(first))
+    assert seen[1][0] == {"d": hit}
+    unread = {
+        (rid, k)
+        for rid, rewritten in (("c", chunk), ("d", 2 * chunk))
+        for k in range(rewritten // BLOCK, hit // BLOCK if chunk else 0)
+    }
+    read = {e.split("forward: ")[1].split(" (id")[0] for e in b.errors}
+    assert read == {f"{rid} block {k}" for rid, k in unread}
+    # c's and d's 4 blocks past the prefix ("a"'s, computed after its
+    # failure, are not saved)
+    assert b.counters().get("save_blocks", 0) == (0 if chunk else 8)
+    b.assert_clean()
+    c = Engine(vllm_config(tiny_model, extra))
+    c.step()
+    serve(c, {"c": second, "d": third}, max_tokens=2)
+    # d hits the prefix in C's own prefix cache: the server gives its tail
+    assert c.counters()["hit_tokens"] == (hit if chunk else 160 + 64)
+    assert (c.outputs["c"], c.outputs["d"]) == (b.outputs["c"], b.outputs["d"])
     for engine in (a, b, c):
         engine.close()

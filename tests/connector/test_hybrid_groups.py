@@ -22,10 +22,6 @@ from tests.procs import ServerProc
 needs_vllm()
 
 import torch  # noqa: E402
-from vllm.v1.core.kv_cache_planning import (  # noqa: E402
-    get_global_kv_cache_groups,
-    get_kv_cache_configs,
-)
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     CircularBufferSpec,
     CrossAttentionSpec,
@@ -478,31 +474,62 @@ def test_a_scratch_ring_group_is_neither_refused_nor_transferred(
     b.close()
 
 
-def test_a_window_vllm_replays_after_a_hit_is_not_transferred(
-    tiny_model: Path,
-) -> None:
-    """DeepSeek-V4's bounded-replay sliding window (SlidingWindowMLASpec,
-    bounded_replay) is rebuilt by recomputing the hit's last window, unless
-    the connector says it loads it: it is not prefix-cacheable, so we
-    neither load it (for nothing) nor tell vLLM we do. Before: transferred
-    as a sliding-window group."""
-    config = vllm_config(tiny_model)
-    config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    config.cache_config.kv_cache_layout = "LBNHC"
+def mla_specs() -> dict[str, object]:
+    """DeepSeek-V4's pattern, shorter: MLA latent layers, and a sliding window
+    in MLA's format that vLLM rebuilds after a hit (bounded replay)."""
     latent = {"block_size": BLOCK, "num_kv_heads": 1, "head_size": 64}
     mla = MLAAttentionSpec(**latent, dtype=torch.bfloat16)
     window = SlidingWindowMLASpec(
-        **latent, dtype=torch.bfloat16, sliding_window=32, bounded_replay=True
+        **latent, dtype=torch.bfloat16, sliding_window=WINDOW, bounded_replay=True
     )
-    specs = {
+    return {
         f"model.layers.{i}.self_attn.attn": window if i % 2 else mla for i in range(4)
     }
-    groups = get_global_kv_cache_groups(config, [specs])
-    memory = 64 * mla.page_size_bytes * len(specs)
-    (kv_config,) = get_kv_cache_configs(config, [specs], [memory], groups)
-    assert len(kv_config.transfer_group_ids) == 2
-    rules = groups_of(kv_config, BLOCK).rules
-    assert tuple(r.index for r in rules) == kv_config.prefix_cacheable_group_ids
+
+
+@pytest.mark.parametrize("mla_3d", [False, True], ids=["vllm-0.33", "3d"])
+def test_a_window_vllm_replays_after_a_hit_is_not_transferred(
+    pega_server: Callable[..., ServerProc], tiny_model: Path, mla_3d: bool
+) -> None:
+    """DeepSeek-V4's bounded-replay sliding window (SlidingWindowMLASpec,
+    bounded_replay) is rebuilt by recomputing the hit's last window, unless
+    the connector says it loads it: it is not prefix-cacheable, so we neither
+    load it (for nothing) nor tell vLLM we do. B hits A's MLA pages, each
+    checked byte by byte before its forward (the replayed window's too: the
+    replay leaves them as loaded) and when it finishes; B's window pages change
+    only in its forward (Engine.replay_changes). MLA's pages as vLLM 0.33 hands
+    them ([blocks, 1, block_size, 64]) and as its kernels view them (3-D).
+    Before: transferred as a sliding-window group."""
+    pega_server()
+    a, b = (
+        Engine(vllm_config(tiny_model, FAST), specs=mla_specs(), mla_3d=mla_3d)
+        for _ in range(2)
+    )
+    config = b.kv_cache_config
+    assert len(config.transfer_group_ids) == 2
+    assert config.prefix_cacheable_group_ids == (0,) and b.replay_groups == {1}
+    rules = groups_of(config, BLOCK).rules
     assert [(r.kind, r.layer_names) for r in rules] == [
         ("full", ("model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"))
     ]
+    assert b.scheduler_connector.get_loaded_kv_cache_group_ids(None) == (0,)
+    assert {v.dim() for v in b.caches.values()} == {3 if mla_3d else 4}
+    batch = prompts(13, n=2)  # 100 and 123 tokens: hits of 96 and 112
+    serve(a, batch)
+    a.assert_clean()
+    b.step()  # an idle step: the workers report (the query socket)
+    loads: list = []
+    b.after_schedule = lambda so: loads.extend(so.kv_connector_metadata.plan.loads)
+    serve(b, batch)
+    b.assert_clean()
+    assert {job.group for job in loads} == {0}
+    for rid, tokens in batch.items():
+        hit = (len(tokens) - 1) // BLOCK * BLOCK
+        assert min(b.seqs[rid].computed) == hit - WINDOW  # vLLM replayed
+        loaded = [b for job in loads if job.req_id == rid for b in job.block_ids]
+        assert len(loaded) == hit // BLOCK
+    assert b.counters()["hit_tokens"] == sum(
+        (len(t) - 1) // BLOCK * BLOCK for t in batch.values()
+    )
+    a.close()
+    b.close()

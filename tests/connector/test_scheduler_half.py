@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import pytest
+
 from pegaflow.client.pegaflow_client import QueryResult
 from pegaflow.common.errors import (
     InvalidRequest,
@@ -17,7 +19,7 @@ from pegaflow.common.errors import (
 from pegaflow.connector.extra_config import ConnectorConfig
 from pegaflow.connector.kv_groups import GroupRule, KVGroups
 from pegaflow.connector.scheduler import SchedulerHalf
-from pegaflow.connector.step_plan import WorkerReport
+from pegaflow.connector.step_plan import StepPlan, WorkerReport
 
 BS = 16
 
@@ -239,3 +241,85 @@ def test_a_load_failing_after_its_request_was_aborted_is_forgotten() -> None:
     s.after_alloc(live, ([1, 2, 3, 4, 5],), 0)
     s.on_worker_report(WorkerReport(failed_loads={"q"}))
     assert s._failed_loads == {"q"}
+
+
+def _new_req_step(s: SchedulerHalf, rid: str, ids: list[int], **also: int) -> StepPlan:
+    """One step that admits `rid` with these blocks, computing 48 tokens (and
+    `also` of running requests)."""
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
+    scheduled = {rid: 48, **also}
+    return s.build_plan(
+        SimpleNamespace(
+            preempted_req_ids=set(),
+            scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=(ids,))],
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+        )
+    )
+
+
+def _failed_sync_load(overlapped: bool) -> tuple[SchedulerHalf, SimpleNamespace]:
+    """ "a" sync-loads blocks 10, 11 in a step of its own."""
+    client = FakeClient([QueryResult(2, 9)] + [QueryResult(0, 0)] * 4)
+    cfg = ConnectorConfig(retry_interval_s=60, sync_load_max_tokens=64)
+    s = SchedulerHalf(
+        cfg, "engine", BS, num_workers=1, client=client, overlapped=overlapped
+    )
+    a = request("a", 80)
+    assert s.num_new_matched_tokens(a, 0) == (32, False)
+    s.after_alloc(a, ([10, 11, 12, 13, 14],), 32)
+    plan = _new_req_step(s, "a", [10, 11, 12, 13, 14])
+    assert [j.sync for j in plan.loads] == [True]
+    return s, a
+
+
+def _admit_hit(s: SchedulerHalf, rid: str, ids: list[int], **also: int) -> dict:
+    """`rid` hits blocks 10, 11 in vLLM's prefix cache: the step's readers."""
+    req = request(rid, 80)
+    assert s.num_new_matched_tokens(req, 32) == (0, False)
+    s.after_alloc(req, ([10, 11, *ids],), 0)
+    return _new_req_step(s, rid, [10, 11, *ids], **also).readers
+
+
+@pytest.mark.parametrize(
+    ("overlapped", "failed", "owner_tokens", "readers"),
+    [
+        (True, False, 48, {"a": {"c"}}),
+        (False, True, 0, {"a": {"c"}}),
+        (False, True, 16, {"a": {"c"}}),
+        (False, True, 48, {}),
+        (False, False, 0, {}),
+    ],
+)
+def test_a_next_step_local_hit_on_a_sync_load_reads_it_unless_its_owner_rewrites(
+    overlapped: bool, failed: bool, owner_tokens: int, readers: dict
+) -> None:
+    """ "c", admitted the step after "a"'s sync load, hits its blocks in vLLM's
+    prefix cache. With steps in flight together (async scheduling) vLLM
+    admitted "c" before it heard of the load: "c" fails with it. Without,
+    the load's outcome is known: if it failed, vLLM rewound "a" to recompute
+    the blocks, and "c" reads them as "a" writes them in that step, if it
+    writes both (not when it is not scheduled, or its chunk ends in 10)."""
+    s, a = _failed_sync_load(overlapped)
+    if failed:
+        a.num_computed_tokens = 0  # vLLM rewinds it to the first failed block
+        s.on_worker_report(WorkerReport(failed_loads={"a"}))
+    also = {"a": owner_tokens} if owner_tokens else {}
+    assert _admit_hit(s, "c", [20, 21, 22], **also) == readers
+
+
+def test_a_failed_sync_loads_blocks_are_read_until_their_owner_rewrote_them() -> None:
+    """vLLM's ordinary scheduler recomputes a failed sync load a chunk a step
+    (long_prefill_token_threshold), the blocks cached all along: a request
+    admitted while one is not rewritten yet reads it, however many steps
+    after the load."""
+    s, a = _failed_sync_load(overlapped=False)
+    a.num_computed_tokens = 0
+    s.on_worker_report(WorkerReport(failed_loads={"a"}))
+    assert _admit_hit(s, "c", [20, 21, 22], a=16) == {"a": {"c"}}  # 10 rewritten
+    a.num_computed_tokens = 16
+    assert _admit_hit(s, "d", [30, 31, 32]) == {"a": {"d"}}  # 11 is not
+    assert _admit_hit(s, "e", [40, 41, 42], a=16) == {}  # 11 rewritten now
+    a.num_computed_tokens = 32
+    assert _admit_hit(s, "f", [50, 51, 52]) == {}
