@@ -18,16 +18,15 @@ import pytest
 
 from pegaflow.client.pegaflow_client import PegaflowClient
 from pegaflow.common.socket_frames import (
-    HELLO_REPLY,
     LOAD_REPLY,
     MAX_LOAD_ITEMS,
-    encode_hello,
     encode_load,
     load_reply_bound,
     load_reply_size,
 )
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import HOST_ONLY, ServerProc, start_server, wait_until
+from tests.socket_tools import greeted
 
 BUDGET = 1 << 20
 # start_server runs the server under this prefix: argv is then BUDGET,
@@ -49,15 +48,6 @@ def server(tmp_path) -> Iterator[ServerProc]:
     proc = _server(tmp_path, BUDGET)
     yield proc
     proc.stop()
-
-
-def _greeted(path: str) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX)
-    sock.settimeout(10)
-    sock.connect(path)
-    sock.sendall(encode_hello())
-    assert sock.recv(HELLO_REPLY.size, socket.MSG_WAITALL)[0] == 0
-    return sock
 
 
 def _reply(sock: socket.socket) -> tuple[int, bytes]:
@@ -97,8 +87,8 @@ def test_a_first_request_is_charged_and_a_lone_one_always_served(server) -> None
     with open("/proc/sys/net/core/wmem_default") as f:
         if int(f.read()) > 1 << 20:  # the kernel would hold the hog's reply
             pytest.skip("a socket buffer of over 1 MiB holds a whole reply")
-    hog = _greeted(reg.socket_path)
-    late = _greeted(reg.socket_path)
+    hog = greeted(reg.socket_path)
+    late = greeted(reg.socket_path)
     try:
         hog.sendall(frame)
         assert wait_until(lambda: _loads(server) == 1)  # its reply waits unread
@@ -154,7 +144,7 @@ def test_pipelined_loads_are_charged_the_replies_they_can_produce(tmp_path) -> N
     # Not the registration's token: each is answered short, once it runs.
     frame = encode_load("e", 0, items, True, token=bytes(16))
     assert frame is not None
-    socks = [_greeted(reg.socket_path) for _ in range(24)]
+    socks = [greeted(reg.socket_path) for _ in range(24)]
     try:
         os.kill(server.pid, signal.SIGSTOP)
         try:

@@ -36,7 +36,6 @@ from pegaflow.common.share_frames import (
 )
 from pegaflow.common.socket_frames import (
     HELLO_HEADER,
-    HELLO_REPLY,
     LOAD_REPLY,
     MAX_BODY,
     QUERY_REPLY,
@@ -56,6 +55,7 @@ from pegaflow.server.socket_service import (
 )
 from tests.kvbuf import LocalKV, hashes
 from tests.procs import HOST_ONLY, ServerProc, start_server, wait_until
+from tests.socket_tools import greeted
 
 
 @pytest.fixture
@@ -78,15 +78,6 @@ def _socket_path(server: ServerProc) -> str:
         return client._server_info().socket_path
 
 
-def _greeted(path: str) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX)
-    sock.settimeout(10)
-    sock.connect(path)
-    sock.sendall(encode_hello())
-    assert sock.recv(HELLO_REPLY.size, socket.MSG_WAITALL)[0] == 0
-    return sock
-
-
 def _reply(sock: socket.socket) -> bytes:
     out = b""
     while chunk := sock.recv(65536):
@@ -99,7 +90,7 @@ def test_oversized_frames_are_refused_before_buffering(server) -> None:
     Each is refused on its header (nothing buffered) and RSS stays flat."""
     path = _socket_path(server)
     before = _rss_mib(server.pid)
-    socks = [_greeted(path) for _ in range(10)]
+    socks = [greeted(path) for _ in range(10)]
     try:
         for sock in socks:
             sock.sendall((59 << 20).to_bytes(4, "little"))
@@ -123,7 +114,7 @@ def test_slow_partial_frames_are_bounded(server) -> None:
     path = _socket_path(server)
     before = _rss_mib(server.pid)
     size = MAX_BODY - 1024
-    socks = [_greeted(path) for _ in range(20)]
+    socks = [greeted(path) for _ in range(20)]
     refused = 0
     try:
         for sock in socks:
@@ -191,7 +182,7 @@ def test_a_client_that_never_reads_its_replies_stops_being_read(server) -> None:
     frame = encode_load("e", 0, items, True, token=token)
     assert frame is not None
     before = _rss_mib(server.pid)
-    sock = _greeted(_socket_path(server))
+    sock = greeted(_socket_path(server))
     sock.settimeout(5)
     sent = 0
     try:
@@ -281,8 +272,8 @@ def test_a_frame_begun_must_finish_but_an_idle_engine_stays(server) -> None:
         kv.register(client, "e", "ns")
         assert client.save("e", [0, 1], hs).stored == 2
     path = _socket_path(server)
-    idle = _greeted(path)
-    stuck = _greeted(path)
+    idle = greeted(path)
+    stuck = greeted(path)
     stuck.settimeout(FRAME_TIMEOUT_S + 10)
     try:
         start = time.monotonic()
@@ -325,7 +316,7 @@ def test_a_frame_the_server_was_too_stalled_to_read_is_not_timed_out(
     hs = [os.urandom(64) for _ in range(n)]
     frame = encode_save("e", 0, np.zeros(n, np.int64), hs, [], 0, token=token)
     first = 64 << 10
-    sock = _greeted(_socket_path(server))
+    sock = greeted(_socket_path(server))
     sock.settimeout(FRAME_TIMEOUT_S + 30)
     sender = None
     try:
@@ -363,14 +354,14 @@ def test_clients_that_never_read_are_bounded_over_all_connections(server) -> Non
     frame = encode_load("e", 0, items, True, token=token)
     assert frame is not None
     path = _socket_path(server)
-    with _greeted(path) as probe:  # one reply's size
+    with greeted(path) as probe:  # one reply's size
         probe.sendall(frame)
         reply = bytearray(probe.recv(LOAD_REPLY.size, socket.MSG_WAITALL))
         while len(reply) < (size := load_reply_size(reply)):
             reply += probe.recv(size - len(reply))
     per_conn = WRITE_HIGH_BYTES // len(reply) + 2  # one past the pause
     before = _rss_mib(server.pid)
-    socks = [_greeted(path) for _ in range(24)]
+    socks = [greeted(path) for _ in range(24)]
     try:
         for sock in socks:
             sock.settimeout(10)
@@ -404,7 +395,7 @@ def test_requests_queued_by_a_client_that_left_are_dropped(server) -> None:
         share = encode_share(ShareRequest("e", 0, spans[:1], 0, token))
         save = encode_save("e", 0, np.array([0, 1]), hs, [], 0, token=token)
         assert save is not None
-        sock = _greeted(_socket_path(server))
+        sock = greeted(_socket_path(server))
         try:
             sock.sendall(share + save)
             ready = sock.recv(SHARE_READY.size, socket.MSG_WAITALL)
@@ -442,7 +433,7 @@ def test_a_share_without_a_descriptor_to_spare_leaves_the_connection_working(
         share = encode_share(ShareRequest("e", 0, spans[:1], 0, token))
         query = encode_query("e", hs)
         assert query is not None
-        sock = _greeted(_socket_path(server))
+        sock = greeted(_socket_path(server))
         limit = original = resource.prlimit(server.pid, resource.RLIMIT_NOFILE)
         try:
             # As low as the descriptors the idle server holds: a dup fails.
@@ -480,7 +471,7 @@ def test_a_registration_without_a_descriptor_to_spare_is_refused_clearly(
     req = host_request("e", "ns", os.getpid(), kv.mem.regions, kv.mem.layers)
     frame = encode_register(req.SerializeToString(), 0)
     allow_ptrace_from(server.pid)
-    sock = _greeted(_socket_path(server))
+    sock = greeted(_socket_path(server))
     limit = original = resource.prlimit(server.pid, resource.RLIMIT_NOFILE)
     try:
         while (low := _lowest_free_fd(server.pid)) + 1 != limit[0]:

@@ -126,14 +126,21 @@ class GoodKernels(Kernels):
     scatter = gather
 
 
-@pytest.mark.parametrize("direction", ["save", "load"])
-def test_a_launched_batch_is_timed_and_its_stream_freed(monkeypatch, direction) -> None:
-    log: list[str] = []
+def _observed(monkeypatch, log: list[str]) -> tuple[CudaCopyEngine, list[tuple]]:
+    """A kernel-path engine over stand-in events and kernels, and what its
+    policy is told of each batch."""
     Events(monkeypatch, log)
     engine = _engine("kernel", log)
     engine._k = GoodKernels(log)
     observed: list[tuple] = []
     engine._policy.observe = lambda *a: observed.append(a)
+    return engine, observed
+
+
+@pytest.mark.parametrize("direction", ["save", "load"])
+def test_a_launched_batch_is_timed_and_its_stream_freed(monkeypatch, direction) -> None:
+    log: list[str] = []
+    engine, observed = _observed(monkeypatch, log)
     dev, regions = _device()
     big = Transfers(np.array([0], np.uint64), np.array([0], np.uint64),
                     np.array([8 << 20], np.uint64))  # fmt: skip
@@ -418,11 +425,7 @@ def test_a_batch_timed_while_the_pool_is_pinned_is_counted_not_learnt(
     (session 16) the first servers' contention check sent 64-block loads to
     copy engines at 17-22 GB/s on such times."""
     log: list[str] = []
-    Events(monkeypatch, log)
-    engine = _engine("kernel", log)
-    engine._k = GoodKernels(log)
-    observed: list[tuple] = []
-    engine._policy.observe = lambda *a: observed.append(a)
+    engine, observed = _observed(monkeypatch, log)
     pins = SimpleNamespace(complete=False, ensure=lambda *a, **kw: True)
     monkeypatch.setattr(engine, "_pool_pinned", lambda *a, **kw: True)
     engine._pins = pins
