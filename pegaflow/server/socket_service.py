@@ -1,16 +1,13 @@
 """The server's unix socket: registrations, queries, saves and loads.
 
 The scheduler asks once per waiting request per step and a worker saves and
-loads once per step; on the machines we run on a Python gRPC round trip costs
-~1 ms against ~0.15 ms for a framed unix-socket exchange (benchmarks/RESULTS.md).
-It is also where the kernel tells the server who is asking (SO_PEERCRED), so
-host-memory engines register here. gRPC stays the reference API; the client
+loads once per step; a Python gRPC round trip costs ~1 ms against ~0.15 ms for
+a framed unix-socket exchange (benchmarks/RESULTS.md). The kernel tells the
+server who is asking (SO_PEERCRED), and a host engine hands it the sealed memfd
+behind its KV memory here (pegaflow.server.socket_share: SCM_RIGHTS, from the
+registering process only). gRPC stays the reference API; the client
 (pegaflow.client.socket_transport) falls back to it. Frames:
 pegaflow.common.socket_frames.
-
-It is also the one way a host engine hands the server the sealed memfd behind
-its KV memory (pegaflow.server.socket_share): the descriptor travels with
-SCM_RIGHTS, from the registering process only (this connection's kernel pid).
 """
 
 from __future__ import annotations
@@ -80,9 +77,12 @@ QUEUED_PAUSE_BYTES = 64 << 20
 WRITE_HIGH_BYTES = 16 << 20
 # Both of those over all connections, each queued request (a connection's first
 # too) with the most its reply can take. One past it is refused unless nothing else
-# is charged (a lone request is served): a pipelining client is closed, another may
-# retry. One budget, not one per uid: only the server's user and root connect (0600).
+# is charged or it is lone (nothing queued or unread on its connection: an engine's)
+# and at most LONE_BYTES (so MAX_CONNECTIONS x LONE_BYTES past it at most); a
+# pipelining client is closed, another may retry. One budget, not one per uid: only
+# the server's user and root connect (0600).
 BACKLOG_BUDGET = 256 << 20
+LONE_BYTES = 64 << 10  # a 64-block load or a save of hundreds of hashes
 MAX_CONNECTIONS = 1024
 REFUSED_LINGER_S = 2.0  # a refused connection drains this long, then closes
 # A client sends its hello as it connects and each frame in one sendall: one
@@ -297,8 +297,10 @@ class _SocketProtocol(asyncio.Protocol):
             self._hello(body)
             return
         owes = reply_bound(body)
-        if self._over_budget(len(body) + owes):
-            self._overloaded(len(body) + owes)
+        charge = len(body) + owes
+        lone = not (self._queued or self._transport.get_write_buffer_size())
+        if not (lone and charge <= LONE_BYTES) and self._over_budget(charge):
+            self._overloaded(charge)
             return
         if not self._queued and body[:1] == bytes([QUERY]):
             reply = self._query(body)
@@ -371,10 +373,9 @@ class _SocketProtocol(asyncio.Protocol):
         return shared.backlog > 0 and shared.backlog + more > BACKLOG_BUDGET
 
     def _overloaded(self, more: int) -> None:
-        wait = (
-            f"{self._shared.backlog} B of requests and replies wait over all "
-            f"connections (at most {BACKLOG_BUDGET})"
-        )
+        backlog = self._shared.backlog
+        wait = f"{backlog} B of requests and replies wait over all connections"
+        wait += f" (at most {BACKLOG_BUDGET})"
         if self._queued or self._transport.get_write_buffer_size():
             why = f"{wait}; read each reply before sending the next request"
             self._refuse(Overloaded(f"connection: {why}"), "backlog")  # pipelined

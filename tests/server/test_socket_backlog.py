@@ -9,7 +9,6 @@ import contextlib
 import os
 import signal
 import socket
-import sys
 from collections.abc import Iterator
 
 import grpc
@@ -25,27 +24,15 @@ from pegaflow.common.socket_frames import (
     load_reply_size,
 )
 from tests.kvbuf import LocalKV, hashes
-from tests.procs import HOST_ONLY, ServerProc, start_server, wait_until
-from tests.socket_tools import greeted
+from tests.procs import ServerProc, wait_until
+from tests.socket_tools import greeted, server_with_budget
 
 BUDGET = 1 << 20
-# start_server runs the server under this prefix: argv is then BUDGET,
-# python, -m, pegaflow.cli and the server's arguments.
-WITH_BUDGET = (
-    "import sys; from pegaflow.server import socket_service; "
-    "socket_service.BACKLOG_BUDGET = int(sys.argv[1]); "
-    "from pegaflow.server.cli import main; raise SystemExit(main(sys.argv[5:]))"
-)
-
-
-def _server(tmp_path, budget: int) -> ServerProc:
-    prefix = (sys.executable, "-c", WITH_BUDGET, str(budget))
-    return start_server(tmp_path, "--pool-size", "16mb", *HOST_ONLY, prefix=prefix)
 
 
 @pytest.fixture
 def server(tmp_path) -> Iterator[ServerProc]:
-    proc = _server(tmp_path, BUDGET)
+    proc = server_with_budget(tmp_path, BUDGET)
     yield proc
     proc.stop()
 
@@ -98,6 +85,12 @@ def test_a_first_request_is_charged_and_a_lone_one_always_served(server) -> None
         assert message.startswith(b"request: "), message
         assert f"(at most {BUDGET}); retry".encode() in message, message
         assert server.metric("pegaflow_socket_refusals_total", 'reason="backlog"')
+        # An engine's requests (each reply read before the next, each small)
+        # are served past the budget: the hog cannot lock engines out.
+        with PegaflowClient(server.addr) as client:
+            other = kv.register(client, "f", "ns")
+            assert other.socket_path == reg.socket_path  # over the socket
+            assert client.save("f", [0, 1], hashes(2)).stored == 2
         hog.close()
 
         def served() -> bool:  # once the server has seen the hog go
@@ -136,7 +129,7 @@ def test_pipelined_loads_are_charged_the_replies_they_can_produce(tmp_path) -> N
     connections that send more are refused. The server is stopped while they
     send, so every frame is waiting, none answered, when it reads them."""
     budget = 8 << 20
-    server = _server(tmp_path, budget)
+    server = server_with_budget(tmp_path, budget)
     kv = LocalKV(1, 8, 4096)
     with PegaflowClient(server.addr) as client:
         reg = kv.register(client, "e", "ns")
