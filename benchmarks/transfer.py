@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import interference, phase_trace  # noqa: E402
 from benchmarks.common import metric_lines, metric_totals, table, write_json  # noqa: E402
+from pegaflow.client.busy_poll import GPU_ENGINE_BUSY_POLL_US  # noqa: E402
 from pegaflow.client.cuda_export import IpcEvents, export_kv  # noqa: E402
 from pegaflow.client.kv_layouts import vllm_layer_views  # noqa: E402
 from pegaflow.client.pegaflow_client import PegaflowClient  # noqa: E402
@@ -387,9 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--busy-poll-us",
         type=int,
-        default=0,
+        default=GPU_ENGINE_BUSY_POLL_US,
         help="the engine's client polls for each reply this long before "
-        "sleeping (PegaflowClient(busy_poll_us=...); default 0)",
+        "sleeping (PegaflowClient(busy_poll_us=...); default: what the "
+        f"connector polls on a GPU engine, {GPU_ENGINE_BUSY_POLL_US})",
     )
     p.add_argument(
         "--lat-gap-ms",

@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from .extra_config import failure_policy_warning, parse_config
+from .extra_config import failure_policy_warning, parse_config, resolved_poll
 from .kv_events import KVEventsFeed, watched_parts
 from .kv_groups import KVGroups, groups_of
 from .scheduler import SchedulerHalf
@@ -103,7 +103,10 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
+        self.config = resolved_poll(
+            parse_config(self._kv_transfer_config.kv_connector_extra_config),
+            getattr(getattr(vllm_config, "device_config", None), "device_type", None),
+        )
         groups = self._groups = _check_supported(vllm_config, kv_cache_config)
         ident = instance_id(vllm_config, self.config.instance_id)
         tp_size = vllm_config.parallel_config.tensor_parallel_size

@@ -10,11 +10,11 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pegaflow.client.busy_poll import check_busy_poll_us
+from pegaflow.client.busy_poll import GPU_ENGINE_BUSY_POLL_US, check_busy_poll_us
 from pegaflow.common.deadlines import MAX_AHEAD_S
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,9 @@ ORIGINAL_IGNORED = {
     "pegaflow.pd_tail_save": "partial tail blocks of P/D are not cached here",
     "pegaflow.pd_tail_load": "partial tail blocks of P/D are not cached here",
 }
+
+
+AUTO_BUSY_POLL = -1  # busy_poll_us: by the engine's device (resolved_poll)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +71,10 @@ class ConnectorConfig:
     # off: load every hit.
     fetch_planner: Planner = "auto"
     # Poll the server's socket for each reply this long (microseconds, with
-    # the GIL released) before sleeping on it: ~0.1 ms less per 1-block load
-    # or save on the H100 host, for a core kept busy meanwhile
-    # (pegaflow.client.busy_poll). 0: sleep at once.
-    busy_poll_us: int = 0
+    # the GIL released) before sleeping on it, for a core kept busy meanwhile
+    # (pegaflow.client.busy_poll). 0: sleep at once. -1 (auto):
+    # GPU_ENGINE_BUSY_POLL_US on a GPU engine, 0 on a CPU one (resolved_poll).
+    busy_poll_us: int = AUTO_BUSY_POLL
     # Host (CPU) KV: back it with a sealed memfd the server maps, so its
     # copies are memcpy instead of process_vm_* (pegaflow.client.host_share).
     share_host_kv: bool = True
@@ -84,6 +87,11 @@ class ConnectorConfig:
     # repr. As an extra-config key it is accepted with a warning: vLLM's
     # config shows in `ps` and in logs.
     tenant_secret: bytes = field(default=b"", repr=False)
+
+    @property
+    def poll_us(self) -> int:
+        """busy_poll_us for a client: auto not resolved (no vLLM device): 0."""
+        return max(self.busy_poll_us, 0)
 
     def __post_init__(self) -> None:
         # NaN passes every comparison below unnoticed, and an infinite deadline
@@ -117,7 +125,10 @@ class ConnectorConfig:
                 "kv_connector_extra_config.fetch_planner: auto or off, got "
                 f"{self.fetch_planner!r}"
             )
-        check_busy_poll_us(self.busy_poll_us, "kv_connector_extra_config.busy_poll_us")
+        if self.busy_poll_us != AUTO_BUSY_POLL:
+            check_busy_poll_us(
+                self.busy_poll_us, "kv_connector_extra_config.busy_poll_us"
+            )
         if self.sync_load_max_tokens < 0:
             raise ValueError(
                 "kv_connector_extra_config.sync_load_max_tokens: must be >= 0"
@@ -270,6 +281,15 @@ def failure_policy_warning(policy: str | None) -> str | None:
         "the server cannot finish (server restarted or gone) fails the request; "
         'set "kv_load_failure_policy": "recompute" to recompute those blocks'
     )
+
+
+def resolved_poll(config: ConnectorConfig, device_type: str | None) -> ConnectorConfig:
+    """`config` with an auto busy_poll_us made concrete for vLLM's device
+    type ("cuda", "cpu", ...; None where vLLM does not say: no polling)."""
+    if config.busy_poll_us != AUTO_BUSY_POLL:
+        return config
+    us = GPU_ENGINE_BUSY_POLL_US if device_type == "cuda" else 0
+    return replace(config, busy_poll_us=us)
 
 
 def parse_config(

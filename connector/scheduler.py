@@ -64,7 +64,7 @@ class SchedulerHalf:
         self.client = client or PegaflowClient(
             config.addr,
             timeout_s=config.query_timeout_s,
-            busy_poll_us=config.busy_poll_us,
+            busy_poll_us=config.poll_us,
         )
         self.stats = new_stats()
         self.queries = PrefixQuery(

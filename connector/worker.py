@@ -89,7 +89,7 @@ class WorkerHalf:
         self.stages = stages
         self.groups = groups or single_group(1)
         self.client = client or PegaflowClient(
-            config.addr, timeout_s=config.timeout_s, busy_poll_us=config.busy_poll_us
+            config.addr, timeout_s=config.timeout_s, busy_poll_us=config.poll_us
         )
         self._pool = io_pool(IO_THREADS, "pegaflow-io")
         # One registration per KV cache group, by vLLM's group id.

@@ -29,6 +29,13 @@ from typing import Any
 import numpy as np
 
 MAX_BUSY_POLL_US = 10_000  # a longer poll is a spinning core, not a latency win
+# What a GPU engine's connector polls by default. On an H100 host (2026-12-07,
+# benchmarks/RESULTS.md "session 17") it took a 1-block load's P50 from 0.331
+# to 0.288 ms and an event-ordered save's from 0.395 to 0.325 (three rounds
+# each): a core spins for at most twice this around each reply, as the
+# original PegaFlow's engines spin on their load state. A CPU engine polls
+# nothing: its cores run the forward.
+GPU_ENGINE_BUSY_POLL_US = 150
 _PEEK_DONTWAIT = socket.MSG_PEEK | socket.MSG_DONTWAIT
 _CLOCK_MONOTONIC = 1  # Linux's clockid
 _POLLIN = 1

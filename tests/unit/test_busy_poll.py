@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from connector.extra_config import parse_config
+from connector.extra_config import parse_config, resolved_poll
 from pegaflow.client import busy_poll
 from pegaflow.client.pegaflow_client import PegaflowClient
 from tests.kvbuf import LocalKV, hashes
@@ -148,13 +148,32 @@ def test_a_socket_numbered_past_1023_sleeps_and_wakes_as_any(pair) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-@pytest.mark.parametrize("bad", [-1, busy_poll.MAX_BUSY_POLL_US + 1, 1.5, True, "5"])
+@pytest.mark.parametrize("bad", [-2, busy_poll.MAX_BUSY_POLL_US + 1, 1.5, True, "5"])
 def test_the_option_is_whole_microseconds_within_bounds(bad: object) -> None:
     with pytest.raises(ValueError, match="busy_poll_us"):
         PegaflowClient("127.0.0.1:1", busy_poll_us=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="busy_poll_us"):
+        PegaflowClient("127.0.0.1:1", busy_poll_us=-1)  # auto is the connector's
     with pytest.raises(ValueError, match="kv_connector_extra_config.busy_poll_us"):
         parse_config({"busy_poll_us": bad})
     assert parse_config({"busy_poll_us": 500}).busy_poll_us == 500
+
+
+@pytest.mark.parametrize(
+    ("extra", "device", "us"),
+    [
+        ({}, "cuda", busy_poll.GPU_ENGINE_BUSY_POLL_US),  # a GPU engine polls
+        ({}, "cpu", 0),  # a CPU engine's cores run its forward
+        ({}, None, 0),  # vLLM did not say
+        ({"busy_poll_us": -1}, "cuda", busy_poll.GPU_ENGINE_BUSY_POLL_US),
+        ({"busy_poll_us": 0}, "cuda", 0),  # what the user set stands
+        ({"busy_poll_us": 700}, "cpu", 700),
+    ],
+)
+def test_the_connector_polls_by_default_on_gpu_engines_only(extra, device, us) -> None:
+    config = resolved_poll(parse_config(extra), device)
+    assert config.busy_poll_us == config.poll_us == us
+    assert parse_config(extra).poll_us == max(extra.get("busy_poll_us", 0), 0)
 
 
 def test_saves_queries_and_loads_with_busy_polling_land_every_byte(server) -> None:
