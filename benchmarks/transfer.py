@@ -135,10 +135,12 @@ class Engine:
         page: int,
         n_max: int,
         busy_poll_us: int = 0,
+        done_events: bool = True,
     ) -> None:
         import torch
 
         self.http = http
+        self.done_events, self.in_flight = done_events, 0
         self.layers, self.page = layers, page
         self.blocks = 2 * n_max + 64
         self.buf = torch.randint(
@@ -172,11 +174,19 @@ class Engine:
         return time.perf_counter() - t
 
     def load(self, dst: np.ndarray, hashes: list[bytes], gap_s: float = 0.0) -> float:
+        """Until the blocks landed: with done events (the connector's way on a
+        GPU) the server may answer as the copy is queued, and we wait on our
+        own event, as the connector does."""
         hit = self.client.query(self.name, hashes)
         assert hit.num_blocks == len(hashes), hit
         time.sleep(gap_s)  # between the query and the load, as between steps
         t = time.perf_counter()
-        res = self.client.load(self.name, hit.lease_id, dst)
+        done = self.events.load_event() if self.done_events else 0
+        sent = time.monotonic()
+        res = self.client.load(self.name, hit.lease_id, dst, done_event=done)
+        if res.in_flight:
+            self.events.wait(done, 300.0, res.bytes, sent)
+            self.in_flight += 1
         assert res.loaded == len(dst), res
         return time.perf_counter() - t
 
@@ -227,10 +237,11 @@ def bench_shape(
     lat_reps: int = 200,
     lat_gap_s: float = 0.0,
     busy_poll_us: int = 0,
+    done_events: bool = True,
 ) -> tuple[list[dict], dict]:
     name, layers, page = shape
     addr, http = addrs
-    eng = Engine(addr, http, name, layers, page, max(sizes), busy_poll_us)
+    eng = Engine(addr, http, name, layers, page, max(sizes), busy_poll_us, done_events)
     rows = []
     for n in sizes:
         for contiguous in (True, False):
@@ -275,6 +286,7 @@ def bench_shape(
         paths_before = interference.path_counts(http)
         extra = latency(eng, lat_reps, lat_gap_s)
         extra |= latency_paths(http, paths_before) | concurrent(addr, eng, n)
+    extra["loads_in_flight"] = eng.in_flight  # answered before their copy ended
     eng.close()
     return rows, extra
 
@@ -392,6 +404,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the engine's client polls for each reply this long before "
         "sleeping (PegaflowClient(busy_poll_us=...); default: what the "
         f"connector polls on a GPU engine, {GPU_ENGINE_BUSY_POLL_US})",
+    )
+    p.add_argument(
+        "--load-answer",
+        choices=("event", "done"),
+        default="event",
+        help="event (a GPU engine's connector): each load names one of the "
+        "engine's IPC events, the server may answer as its copy is queued and "
+        "the engine waits on the event; done: the server answers once the copy "
+        "is done",
     )
     p.add_argument(
         "--lat-gap-ms",
@@ -526,13 +547,15 @@ def run_shapes(args: argparse.Namespace) -> dict:
     ceil = {"pinned": torch.empty(2 << 30, dtype=torch.int8, pin_memory=True)}
     rows, extra = [], {"copy_path": args.copy_path, "copy_sm_cap": args.copy_sm_cap,
                        "server_args": args.server_arg,
-                       "busy_poll_us": args.busy_poll_us}  # fmt: skip
+                       "busy_poll_us": args.busy_poll_us,
+                       "load_answer": args.load_answer}  # fmt: skip
     try:
         for shape in SHAPES:
             if shape[0] in args.shapes.split(","):
                 got, more = bench_shape(
                     (addr, http), shape, sizes, ceil, args.min_reps, args.lat_reps,
                     args.lat_gap_ms * 1e-3, args.busy_poll_us,
+                    args.load_answer == "event",
                 )  # fmt: skip
                 rows += got
                 extra |= more

@@ -285,6 +285,18 @@ class Registrar:
         stream = torch.cuda.current_stream(torch.device(self._device))
         return self._events.record(stream.cuda_stream)
 
+    def load_event(self) -> int:
+        """CUDA KV: one of our events for the server to record after a load's
+        copy (PegaflowClient.load's done_event); host KV: 0, loads answer done."""
+        return 0 if self._events is None else self._events.load_event()
+
+    def wait_loaded(
+        self, event: int, timeout_s: float, nbytes: int, sent: float
+    ) -> None:
+        """Until a load answered in flight landed (its event completed); CopyFailed
+        if it failed or did not land within timeout_s."""
+        self._events.wait(event, timeout_s, nbytes, sent)
+
     def close(self) -> None:
         if self._session is not None:
             self._session.close()

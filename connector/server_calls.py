@@ -70,9 +70,17 @@ class ServerCalls:
                 raise UnknownInstance("not registered with the server")
             if sent is not None:  # the engine thread resumes at our next syscall
                 sent.set()
+            done, sent_at = 0 if layer_seq else part.load_event(), time.monotonic()
             res = self.client.load_many(
-                part.instance_id, items, tp_rank=self.tp_rank, layer_seq=layer_seq
+                part.instance_id,
+                items,
+                tp_rank=self.tp_rank,
+                layer_seq=layer_seq,
+                done_event=done,
             )
+            if res.in_flight:  # answered as its copy was queued: wait for it here
+                wait_s = self.client.timeout_s + self.client.copy_grace_s
+                part.wait_loaded(done, wait_s, res.bytes, sent_at)
         except PegaflowError as exc:
             self.failed("load", exc, part, len(jobs))
             return {job.req_id for job in jobs}

@@ -251,15 +251,31 @@ def query(hashes: list[str], wait_s: float = 0.0, poll_s: float = 0.001) -> dict
     }
 
 
-def load(lease_id: int, block_ids: list[int], offset: int = 0) -> dict:
+def load(
+    lease_id: int,
+    block_ids: list[int],
+    offset: int = 0,
+    done_event: bool = False,
+    done_index: int = 0,
+) -> dict:
+    """done_event: name one of our load events (done_index: that index, as a
+    bad engine might); a load answered in flight is waited for on it, as a
+    GPU engine's connector does."""
+    events = state.get("events")
+    done = events.load_event() if done_event and events is not None else 0
+    done = done_index or done
+    sent = time.monotonic()
     res = state["client"].load(
         state["instance"],
         lease_id,
         block_ids,
         tp_rank=state["rank"],
         lease_offset=offset,
+        done_event=done,
     )
-    return {"loaded": res.loaded, "bytes": res.bytes}
+    if res.in_flight:
+        events.wait(done, 30.0, res.bytes, sent)
+    return {"loaded": res.loaded, "bytes": res.bytes, "in_flight": res.in_flight}
 
 
 def stall(block: int) -> dict:

@@ -5,21 +5,30 @@ K/V-first per-layer tensors, MLA) into regions the server can open: for each
 storage, the CUDA IPC handle of the cudaMalloc allocation that holds it
 (found with cuMemGetAddressRange), the storage's offset in that allocation, its
 size and the device UUID. `IpcEvents` are interprocess events that order the
-server's save after the engine's compute without a host sync in the engine.
+server's save after the engine's compute without a host sync in the engine,
+and tell the engine a load's copy is done without a reply from the server.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pegaflow.common import cuda_driver
+from pegaflow.common.errors import CopyFailed
 from pegaflow.common.geometry import LayerLayout
 
 from .kv_layouts import describe
 
 DEFAULT_EVENTS = 4  # saves in flight at once per worker, each with its own event
+DEFAULT_LOAD_EVENTS = 4  # loads a worker waits for at once, one event each
+# IpcEvents.wait sleeps until this long before a load's copy should end, then
+# polls the event: a sleeping thread's wake-up is late by tens of microseconds
+# to a few hundred on a GPU host (benchmarks/RESULTS.md, "session 17").
+WAKE_EARLY_S = 200e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,26 +71,78 @@ class IpcEvents:
     """A ring of interprocess events; `record` marks the end of a step's KV
     writes on the engine's stream and names the event for SaveRequest.wait_event.
 
-    An event is re-recorded only `len(handles)` saves later; a save still
-    waiting on it would then wait for the newer record, which only delays it.
+    An event is re-recorded only `count` saves later; a save still waiting on
+    it would then wait for the newer record, which only delays it. The last
+    `loads` events are the server's to record after a load's copy
+    (`load_event`, `wait`); a save never names one.
     """
 
-    def __init__(self, ordinal: int, count: int = DEFAULT_EVENTS) -> None:
-        if count < 1:
-            raise ValueError(f"count: need >= 1, got {count}")
+    def __init__(
+        self,
+        ordinal: int,
+        count: int = DEFAULT_EVENTS,
+        loads: int = DEFAULT_LOAD_EVENTS,
+    ) -> None:
+        if count < 1 or loads < 0:
+            raise ValueError(f"count, loads: need >= 1 and >= 0, got {count}, {loads}")
         cuda_driver.set_device(ordinal)
-        made = [cuda_driver.create_ipc_event() for _ in range(count)]
+        made = [cuda_driver.create_ipc_event() for _ in range(count + loads)]
         self._events = [event for event, _ in made]
         self.handles: tuple[bytes, ...] = tuple(handle for _, handle in made)
-        self._next = 0
+        self._saves, self._next, self._next_load = count, 0, 0
+        # bytes/s of recent loads, sent to done, by size class (log2 bytes):
+        # a 1-block load's rate is its latency's, a 64-block one's the link's
+        self._rates: dict[int, float] = {}
 
     def record(self, stream: int) -> int:
         """Record the next event on `stream` (a cudaStream_t as int); returns its
         1-based index, the value for `PegaflowClient.save(wait_event=...)`."""
         i = self._next
-        self._next = (i + 1) % len(self._events)
+        self._next = (i + 1) % self._saves
         cuda_driver.record_event(self._events[i], stream)
         return i + 1
+
+    def load_event(self) -> int:
+        """The next load event's 1-based index, for `PegaflowClient.load(
+        done_event=...)`; 0 where none were made. One recorded again (a later
+        load's, on the same server stream) only delays an earlier waiter."""
+        loads = len(self._events) - self._saves
+        if not loads:
+            return 0
+        i = self._next_load
+        self._next_load = (i + 1) % loads
+        return self._saves + i + 1
+
+    def wait(
+        self, index: int, timeout_s: float, nbytes: int = 0, sent_at: float = 0.0
+    ) -> None:
+        """Until the server's record of load event `index` completed: the copy
+        it follows landed. A load of `nbytes` sent at `sent_at` (monotonic s)
+        sleeps until WAKE_EARLY_S before the recent loads' rate says it ends,
+        then polls, yielding the GIL between polls (a worker's forward runs
+        in another thread). CopyFailed when the event fails (the server's
+        copy faulted) or does not complete within timeout_s (its server gone
+        mid-copy: the record never runs); the blocks may then hold anything."""
+        event = self._events[index - 1]
+        start, size = time.monotonic(), nbytes.bit_length()
+        if nbytes and (known := self._rates.get(size)):
+            early = sent_at + nbytes / known - WAKE_EARLY_S - start
+            if early > 0:
+                time.sleep(early)
+        try:
+            while not cuda_driver.event_done(event):
+                if time.monotonic() - start > timeout_s:
+                    raise CopyFailed(
+                        f"done_event: {index} did not complete within {timeout_s:g} s "
+                        "(the server stopped mid-copy?); the blocks may hold anything"
+                    )
+                os.sched_yield()  # releases the GIL
+        except cuda_driver.CudaError as exc:
+            raise CopyFailed(f"done_event: {index}: {exc}") from exc
+        took = time.monotonic() - sent_at
+        if nbytes and sent_at and took > 0:  # the slowest of recent loads rules
+            rate, last = nbytes / took, self._rates.get(size)
+            self._rates[size] = rate if last is None else min(rate, (last + rate) / 2)
 
     def close(self) -> None:
         for event in self._events:

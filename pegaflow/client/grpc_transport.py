@@ -68,6 +68,10 @@ class LoadCall:
     token: bytes
     deadline_ns: int
     wait_s: float
+    # An engine IPC event (1-based) the server records after the copy and
+    # answers at once, the copy in flight; 0: it answers once the copy is done.
+    # Over the unix socket only: gRPC's loads answer when done.
+    done_event: int = 0
 
 
 class Transport(Protocol):

@@ -205,12 +205,16 @@ class PegaflowClient:
         tp_rank: int = 0,
         lease_offset: int = 0,
         layer_seq: int = 0,
+        done_event: int = 0,
     ) -> LoadResult:
         """layer_seq != 0: the server copies layer by layer and writes it to
-        this worker's layer signal word of each layer as that layer lands."""
+        this worker's layer signal word of each layer as that layer lands.
+        done_event (a GPU worker's, IpcEvents.load_event()): the server may
+        answer as soon as the copy is queued, recording that event after it
+        (`in_flight`); the blocks are then loaded once IpcEvents.wait says so."""
         items = [(lease_id, lease_offset, np.asarray(block_ids))]
-        got = self._load(instance_id, tp_rank, items, False, layer_seq)
-        return LoadResult(got.loaded, got.bytes)
+        got = self._load(instance_id, tp_rank, items, False, layer_seq, done_event)
+        return LoadResult(got.loaded, got.bytes, got.in_flight)
 
     def load_many(
         self,
@@ -218,6 +222,7 @@ class PegaflowClient:
         items: Sequence[LoadItem],
         tp_rank: int = 0,
         layer_seq: int = 0,
+        done_event: int = 0,
     ) -> LoadBatchResult:
         """Every item in one request and one copy on the server. A malformed
         item fails the call (InvalidRequest naming items[i]); an item whose
@@ -225,10 +230,16 @@ class PegaflowClient:
         specs = [
             (it.lease_id, it.lease_offset, np.asarray(it.block_ids)) for it in items
         ]
-        return self._load(instance_id, tp_rank, specs, True, layer_seq)
+        return self._load(instance_id, tp_rank, specs, True, layer_seq, done_event)
 
     def _load(
-        self, instance_id: str, tp_rank: int, specs: list, batch: bool, seq: int
+        self,
+        instance_id: str,
+        tp_rank: int,
+        specs: list,
+        batch: bool,
+        seq: int,
+        done_event: int = 0,
     ) -> LoadBatchResult:
         """After a broken socket gRPC repeats the load: its lease may be
         consumed by then, and the error says so (vLLM recomputes those)."""
@@ -241,6 +252,7 @@ class PegaflowClient:
             self._token(instance_id, tp_rank),
             deadlines.to_wire(self.timeout_s),
             self.timeout_s + self.copy_grace_s,
+            done_event,
         )
         return self._carry(lambda t: t.load(call))
 

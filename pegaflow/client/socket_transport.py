@@ -32,6 +32,7 @@ from pegaflow.common.share_frames import (
 )
 from pegaflow.common.socket_frames import (
     HELLO_REPLY,
+    IN_FLIGHT,
     LOAD_REPLY,
     LOADING,
     MAX_ERROR_MESSAGE,
@@ -142,8 +143,8 @@ class SocketClient:
 
     def load(
         self, frame: bytes, wait_s: float
-    ) -> tuple[int, int, list[tuple[int, int, str]]]:
-        """(loaded, bytes, [(loaded, bytes, error)] per item)."""
+    ) -> tuple[int, int, list[tuple[int, int, str]], bool]:
+        """(loaded, bytes, [(loaded, bytes, error)] per item, in flight)."""
         _, reply = self._exchange(frame, wait_s, LOAD_REPLY.size, load_reply_size)
         return parse_load_reply(bytes(reply))
 
@@ -216,7 +217,7 @@ class SocketClient:
             self._poller.wait(sock.fileno(), kind, sent_ns)
         reply = self._recv(sock, 5, bytearray())
         status = reply[0]
-        if status in (0, LOADING):
+        if status in (0, LOADING, IN_FLIGHT):
             reply = self._recv(sock, ok_size, reply)
             while full_size is not None and len(reply) < (n := full_size(reply)):
                 if n > MAX_REPLY:  # a lying length: read no further
@@ -337,17 +338,18 @@ class SocketTransport:
             call.layer_seq,
             call.deadline_ns,
             call.token,
+            call.done_event,
         )
         got = self._send(frame, lambda s, f: s.load(f, call.wait_s))
         if got is None:
             return None
-        loaded, nbytes, items = got
+        loaded, nbytes, items, in_flight = got
         if len(items) != len(call.items):
             raise PegaflowError(
                 f"Load: {len(items)} item results for {len(call.items)}"
             )
         return LoadBatchResult(
-            loaded, nbytes, tuple(LoadItemResult(*item) for item in items)
+            loaded, nbytes, tuple(LoadItemResult(*item) for item in items), in_flight
         )
 
     def share(self, request: ShareRequest, fd: int, wait_s: float) -> int | None:

@@ -41,6 +41,9 @@ class QueryResult:
 class LoadResult:
     loaded: int
     bytes: int
+    # The copy is queued on the server's GPU stream, not done: it is once the
+    # load's done_event completed (pegaflow.client.cuda_export.IpcEvents.wait).
+    in_flight: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,7 @@ class LoadBatchResult:
     loaded: int  # all items together
     bytes: int
     items: tuple[LoadItemResult, ...]
+    in_flight: bool = False  # as LoadResult.in_flight
 
     @property
     def failed(self) -> list[int]:

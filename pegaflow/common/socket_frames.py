@@ -16,18 +16,19 @@ CLOCK_MONOTONIC nanoseconds (pegaflow.common.deadlines; 0: none); `token` the wo
                 | u32 wait_event | u32 n_layers | u64 deadline | token | id
                 | u32 block_ids[count] | u32 layer_ids[n_layers] | hashes
   load     (3): u8 kind | u8 batch | u16 id_len | u32 n_items | u32 tp_rank
-                | u64 layer_seq | u64 deadline | token | id
+                | u64 layer_seq | u64 deadline | token | u32 done_event | id
                 | n_items x (u64 lease_id | u32 lease_offset | u32 count)
                 | u32 block_ids[sum of counts]
   register (4): u8 kind | u8 0 | u16 0 | u64 deadline
                 | RegisterInstanceRequest (protobuf)
 
-Replies: u8 status (a grpc.StatusCode value, 0 = OK; 255 = LOADING) | payload
+Replies: u8 status (a grpc.StatusCode value, 0 = OK; 255 = LOADING; 254 =
+IN_FLIGHT: a load's copy is queued, done when its done_event completes) | payload
   hello OK:           u16 version | 16 B server id (ServerInfo's server_id)
   query OK / LOADING: u32 num_blocks | u64 lease_id | f64 lease_ttl_s
                       | u32 ready_blocks | f32 l1_gbps | f32 tier_gbps
   save OK:            u32 stored | u32 deduplicated | u32 rejected
-  load OK:            u32 loaded | u64 bytes | u32 n_items
+  load OK/IN_FLIGHT:  u32 loaded | u64 bytes | u32 n_items
                       | n_items x (u32 loaded | u64 bytes | u32 error_len) | errors
   register OK:        u32 length | RegisterInstanceResponse (protobuf)
   any error:          u32 msg_len | utf-8 message
@@ -48,8 +49,8 @@ from .request_limits import MAX_LOAD_ITEMS, check_load_items
 if TYPE_CHECKING:
     from .results import QueryResult
 
-PROTOCOL_VERSION = 3  # 2: no rates in query replies; 1: no hello, deadlines,
-# tokens nor register
+PROTOCOL_VERSION = 4  # 3: no done_event in loads; 2: no rates in query replies;
+# 1: no hello, deadlines, tokens nor register
 HELLO, QUERY, SAVE, LOAD, REGISTER = 0, 1, 2, 3, 4
 KINDS = (QUERY, SAVE, LOAD, REGISTER)  # after the hello
 HELLO_HEADER = struct.Struct("<BBH")
@@ -60,7 +61,7 @@ REGISTER_HEADER = struct.Struct("<BBHQ")
 REGISTER_REPLY = struct.Struct("<BI")
 QUERY_REPLY = struct.Struct("<BIQdIff")
 SAVE_REPLY = struct.Struct("<BIII")
-LOAD_HEADER = struct.Struct("<BBHIIQQ16s")
+LOAD_HEADER = struct.Struct("<BBHIIQQ16sI")
 LOAD_REPLY = struct.Struct("<BIQI")
 LOAD_ITEM = np.dtype([("lease_id", "<u8"), ("lease_offset", "<u4"), ("count", "<u4")])
 LOAD_ITEM_REPLY = np.dtype([("loaded", "<u4"), ("bytes", "<u8"), ("error_len", "<u4")])
@@ -70,6 +71,7 @@ assert _ONE_LOAD_ITEM.size == LOAD_ITEM.itemsize
 assert _ONE_LOAD_REPLY.size == LOAD_ITEM_REPLY.itemsize
 # Not a grpc.StatusCode value (those stop at 16): the query's answer is `loading`.
 LOADING = 255
+IN_FLIGHT = 254
 # The largest legitimate body: a save of 65536 blocks with 64-byte hashes is
 # 4.3 MiB, a registration of 4096 layers x 8 segments ~0.3 MiB. A bigger frame
 # is refused before any of it is buffered.
@@ -215,6 +217,7 @@ def encode_load(
     layer_seq: int = 0,
     deadline_ns: int = 0,
     token: bytes = b"",
+    done_event: int = 0,
 ) -> bytes | None:
     """The request frame, or None when gRPC must carry it (values outside the
     frame's fields: the server's answer there names the field)."""
@@ -229,6 +232,7 @@ def encode_load(
             layer_seq,
             deadline_ns,
             token,
+            done_event,
         )
         ids = [np.asarray(block_ids, np.int64).reshape(-1) for _, _, block_ids in items]
         if len(items) == 1:  # the usual load: struct, not a structured array
@@ -253,13 +257,13 @@ def encode_load(
 
 def decode_load(
     body: bytes,
-) -> tuple[str, int, list[LoadSpec], bool, int, int, bytes]:
-    """(instance id, tp_rank, items, batch, layer_seq, deadline_ns, token):
-    Engine.load's order, then what its CallContext needs."""
+) -> tuple[str, int, list[LoadSpec], bool, int, int, int, bytes]:
+    """(instance id, tp_rank, items, batch, layer_seq, done_event, deadline_ns,
+    token): Engine.load's order, then what its CallContext needs."""
     if len(body) < LOAD_HEADER.size:
         raise InvalidRequest("frame: shorter than its header")
     head = LOAD_HEADER.unpack_from(body)
-    _, batch, id_len, n_items, rank, layer_seq, deadline_ns, token = head
+    _, batch, id_len, n_items, rank, layer_seq, deadline_ns, token, done = head
     table_at = LOAD_HEADER.size + id_len
     ids_at = table_at + n_items * LOAD_ITEM.itemsize
     if len(body) < ids_at:
@@ -275,7 +279,7 @@ def decode_load(
     else:
         items = _load_items(body, n_items, table_at, ids_at)
     ident = _ident(body, LOAD_HEADER.size, table_at)
-    return ident, rank, items, bool(batch), layer_seq, deadline_ns, token
+    return ident, rank, items, bool(batch), layer_seq, done, deadline_ns, token
 
 
 def _load_items(
@@ -299,9 +303,12 @@ def _load_items(
     ]
 
 
-def load_reply(loaded: int, nbytes: int, items: Sequence) -> bytes:
-    """items: LoadItemResult-like (loaded, bytes, error)."""
-    head = LOAD_REPLY.pack(0, loaded, nbytes, len(items))
+def load_reply(
+    loaded: int, nbytes: int, items: Sequence, in_flight: bool = False
+) -> bytes:
+    """items: LoadItemResult-like (loaded, bytes, error); in_flight: the copy
+    is queued, not done (the load named a done_event)."""
+    head = LOAD_REPLY.pack(IN_FLIGHT if in_flight else 0, loaded, nbytes, len(items))
     if len(items) == 1:  # the usual load, as for its request
         (item,) = items
         error = load_item_error(item.error)
@@ -383,16 +390,17 @@ def load_reply_size(reply: bytearray) -> int:
 
 def parse_load_reply(
     reply: bytes,
-) -> tuple[int, int, list[tuple[int, int, str]]]:
-    """(loaded, bytes, [(loaded, bytes, error)] per item) of a load_reply."""
-    _, loaded, nbytes, n_items = LOAD_REPLY.unpack_from(reply)
+) -> tuple[int, int, list[tuple[int, int, str]], bool]:
+    """(loaded, bytes, [(loaded, bytes, error)] per item, in flight) of a
+    load_reply."""
+    status, loaded, nbytes, n_items = LOAD_REPLY.unpack_from(reply)
     table = np.frombuffer(reply, LOAD_ITEM_REPLY, n_items, LOAD_REPLY.size)
     at = LOAD_REPLY.size + table.nbytes
     out = []
     for got, size, err_len in table.tolist():
         out.append((got, size, reply[at : at + err_len].decode(errors="replace")))
         at += err_len
-    return loaded, nbytes, out
+    return loaded, nbytes, out, status == IN_FLIGHT
 
 
 def kind_of(body: bytes) -> int:

@@ -34,6 +34,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pegaflow.common import cuda_driver
+from pegaflow.common.errors import CopyFailed
+
 SPIN_S = 2e-3  # ~10x a small batch; longer waits block in the synchronize
 # Read without a syscall first: a 1-block batch ends in ~35 us. It holds the
 # GIL that long at most, a fiftieth of the switch interval.
@@ -84,3 +87,21 @@ class StreamFlag:
             if now > hot_until:
                 time.sleep(0)  # lets other threads take the GIL between reads
         return True
+
+
+ENGINE_SPIN_S = 1e-3  # poll an engine's event without sleeping for this long
+ENGINE_POLL_S = 50e-6
+
+
+def wait_engine_event(event: object, timeout_s: float) -> None:
+    """Until an engine's interprocess event completed (a save waits for the
+    step that wrote its KV), at most timeout_s: CopyFailed past it."""
+    start = time.monotonic()
+    while not cuda_driver.event_done(event):
+        waited = time.monotonic() - start
+        if waited > timeout_s:
+            raise CopyFailed(
+                f"wait_event: the engine's event did not complete within "
+                f"{timeout_s:g} s (engine gone mid-step?)"
+            )
+        time.sleep(0 if waited < ENGINE_SPIN_S else ENGINE_POLL_S)

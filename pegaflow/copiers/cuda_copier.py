@@ -45,7 +45,7 @@ from pegaflow.common.errors import CopyFailed, InvalidRequest
 from pegaflow.common.geometry import Transfers
 
 from . import dma, measured
-from .completion import StreamFlag
+from .completion import StreamFlag, wait_engine_event
 from .copier import CudaExport
 from .gpu_state import Faults, InFlight, Rates
 from .ipc_mappings import IpcMappings, opened
@@ -55,8 +55,6 @@ from .path_choice import CopyDirection, CopyPath, CopyPolicy, timed
 logger = logging.getLogger(__name__)
 
 DEFAULT_CTAS = 66  # half the H200's SMs per direction (benchmarks/RESULTS.md)
-SPIN_S = 1e-3  # poll an engine's event without sleeping for this long
-POLL_S = 50e-6
 
 
 class PoolPins(Protocol):
@@ -280,7 +278,7 @@ class CudaCopyEngine:
         cuda_driver.set_device(dev.ordinal)
         if wait_event:
             with self._faults.noted(dev.ordinal):
-                self._wait_event(self._event(regions, wait_event))
+                wait_engine_event(self._event(regions, wait_event), self._timeout)
         deadlines.check(deadline, "save")
         self._copy_now("save", regions, t, deadline)
 
@@ -291,14 +289,24 @@ class CudaCopyEngine:
         with self._faults.noted(regions.device.ordinal):
             return cuda_driver.event_done(self._event(regions, wait_event))
 
+    def record_done(self, regions: CudaRegions, done_event: int) -> None:
+        """Record the engine's event `done_event` after what the load stream
+        holds (a launched load: the engine then knows it landed)."""
+        dev, event = regions.device, self._event(regions, done_event, "done_event")
+        with self._faults.noted(dev.ordinal):
+            cuda_driver.record_event(event, int(dev.stream("load").handle))
+
+    def check_event(self, regions: CudaRegions, index: int, field: str) -> None:
+        self._event(regions, index, field)  # InvalidRequest naming `field`
+
     @staticmethod
-    def _event(regions: CudaRegions, wait_event: int) -> Any:
-        if not 1 <= wait_event <= len(regions.events):
+    def _event(regions: CudaRegions, index: int, field: str = "wait_event") -> Any:
+        if not 1 <= index <= len(regions.events):
             raise InvalidRequest(
-                f"wait_event: {wait_event}, the worker registered "
+                f"{field}: {index}, the worker registered "
                 f"{len(regions.events)} event(s)"
             )
-        return regions.events[wait_event - 1]
+        return regions.events[index - 1]
 
     def scatter(
         self, regions: CudaRegions, t: Transfers, deadline: float | None = None
@@ -571,18 +579,6 @@ class CudaCopyEngine:
         if started is not None:
             started()
         self._dma(planned, attrs, int(stream.handle))
-
-    def _wait_event(self, event: Any) -> None:
-        """Until the engine's event completed, at most event_timeout_s."""
-        start = time.monotonic()
-        while not cuda_driver.event_done(event):
-            waited = time.monotonic() - start
-            if waited > self._timeout:
-                raise CopyFailed(
-                    f"wait_event: the engine's event did not complete within "
-                    f"{self._timeout:g} s (engine gone mid-step?)"
-                )
-            time.sleep(0 if waited < SPIN_S else POLL_S)
 
 
 def warm_up(k: ModuleType, stream: Any) -> None:

@@ -104,12 +104,15 @@ class CopyDispatch:
         *,
         direction: str,
         layer_wise: bool = False,
+        on_launch: Callable[[], None] | None = None,
     ) -> float:
         """The copy's seconds. deadline: time.monotonic() seconds; no copy
         starts after it. launch_as ("save" or "load"): `fn` is that plain
         direction, which a copier that launches may queue from here.
         direction: "save" (engine -> pool) or "load"; layer_wise: `fn` also
-        writes the engine's layer signal words."""
+        writes the engine's layer signal words. on_launch: called once a
+        launched copy is queued, before it is waited for (never for a copy
+        that runs here or on a thread)."""
         worker.active_ops += 1  # before the gate: keeps the memory open meanwhile
         start = time.perf_counter()
         try:
@@ -129,6 +132,11 @@ class CopyDispatch:
                     fn(worker.handle, t)
                 elif launched := _launch(worker, launch_as, t, deadline):
                     settle = copy_wait.settle(worker.copier, launched)
+                    if on_launch is not None:
+                        try:
+                            on_launch()
+                        except Exception:  # the copy is waited for all the same
+                            logger.exception("after launching a copy")
                     on_loop = await uncancellable(settle)
                     self._waits["loop" if on_loop else "late"].inc()
                 else:

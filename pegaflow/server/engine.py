@@ -8,6 +8,7 @@ the awaits the bookkeeping is therefore atomic without locks.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import functools
@@ -28,20 +29,18 @@ from pegaflow.cache.prefix_eviction import make_policy
 from pegaflow.cache.registration_checks import RegisterSpec
 from pegaflow.common import deadlines
 from pegaflow.common.errors import (
-    CopyFailed,
     DeadlineExceeded,
     InvalidRequest,
     LeaseNotFound,
     PegaflowError,
 )
-from pegaflow.common.geometry import check_block_ids
+from pegaflow.common.geometry import Transfers, check_block_ids
 from pegaflow.common.identity import CallContext, Caller
 from pegaflow.common.keys import BlockHash, LoadSpec, PackedHashes
 from pegaflow.common.rate_meter import RateMeter
 from pegaflow.common.request_limits import LargeRequestGate, RequestCaps
 from pegaflow.common.results import (
     LoadBatchResult,
-    LoadItemResult,
     QueryResult,
     SaveResult,
 )
@@ -52,7 +51,7 @@ from pegaflow.tiers.protocol import Tier
 
 from .block_events import BlockEventHub
 from .copy_dispatch import CopyDispatch, uncancellable
-from .load_items import LoadItem, l1_transfers, plan_item
+from .load_items import LoadItem, item_results, l1_transfers, plan_item
 from .metrics import Metrics
 from .namespaces import NamespaceReaper
 from .query_path import PrefixQueries, check_hashes
@@ -112,6 +111,7 @@ class Engine:
         )
         # Recent L1 -> engine copy rates, per copy engine (host, CUDA): what
         # query answers tell connectors (their fetch-or-recompute planner).
+        self._loads_in_flight: set[asyncio.Future] = set()  # answered, copying
         self.load_rates: dict[CopyEngine, RateMeter] = collections.defaultdict(
             RateMeter
         )
@@ -364,6 +364,7 @@ class Engine:
         batch: bool,
         layer_seq: int,
         ctx: CallContext,
+        done_event: int = 0,
     ) -> LoadBatchResult:
         """Leased blocks into engine blocks, every item in one copy.
 
@@ -375,7 +376,9 @@ class Engine:
         layer_seq != 0: copy layer by layer, writing it to the worker's layer
         signal words as each layer lands (the engine starts that layer early).
         No copy starts after ctx.deadline: the engine may reuse the blocks
-        once it has given up on this load.
+        once it has given up on this load. done_event (a GPU worker's event,
+        1-based): a copy launched from here is answered as soon as it is
+        queued (`in_flight`), the event recorded after it; else when done.
         """
         worker = self.registry.owned_worker(
             instance_id, tp_rank, ctx.caller, ctx.owner_token
@@ -418,46 +421,87 @@ class Engine:
                 layer_seq,
                 ctx.deadline,
             )
-        seconds = 0.0
+        if done_event:  # a bad index is refused before anything moves
+            check = getattr(worker.copier, "check_event", None)
+            done_event = done_event if check is not None and not layer_seq else 0
+            if done_event:
+                check(worker.handle, done_event, "done_event")
         # A lease may expire while we read from the SSD or copy.
         self.store.pin(entries)
         try:
             landed = await self._load_direct(worker, live, ctx.deadline)
+        except BaseException:
+            self.store.unpin(entries)
+            raise
+        launched = asyncio.get_running_loop().create_future() if done_event else None
+        copy = asyncio.ensure_future(
+            self._l1_load(worker, entries, scatter, transfers, layer_seq, ctx,
+                          {id(p.lease): p.lease for p in live}, done_event, launched)
+        )  # fmt: skip
+        results = functools.partial(
+            item_results, plans, errors, landed, batch, worker.geometry.slot_bytes
+        )
+        if launched is not None:
+            await asyncio.wait({copy, launched}, return_when=asyncio.FIRST_COMPLETED)
+            if launched.done() and launched.result() and not copy.done():
+                self._loads_in_flight.add(copy)  # the engine waits on done_event
+                copy.add_done_callback(self._load_landed)
+                return results(in_flight=True)
+        await copy
+        return results()
+
+    async def _l1_load(
+        self,
+        worker: Worker,
+        entries: list,
+        scatter: Callable,
+        transfers: Transfers,
+        layer_seq: int,
+        ctx: CallContext,
+        leases: dict,
+        done_event: int,
+        launched: asyncio.Future | None,
+    ) -> None:
+        """The load's one L1 copy and what follows it; with `launched`, the
+        engine's done_event is recorded after the copy as it is queued, and
+        `launched` says whether it was (the load may then be answered)."""
+
+        def on_launch() -> None:
+            assert launched is not None
+            try:
+                worker.copier.record_done(worker.handle, done_event)
+            except BaseException:  # not recorded: answered once done
+                launched.set_result(False)
+                raise
+            launched.set_result(True)
+
+        seconds = 0.0
+        try:
             # Layer by layer the engine waits on each signal, not on this loop.
             if entries or layer_seq:  # (the signals go out even with no copy)
                 seconds = await self.copies.run(
                     worker, scatter, transfers, not layer_seq, ctx.deadline,
                     launch_as=None if layer_seq else "load", direction="load",
                     layer_wise=bool(layer_seq),
+                    on_launch=on_launch if launched is not None else None,
                 )  # fmt: skip
         finally:
             self.store.unpin(entries)
-        for lease in {id(p.lease): p.lease for p in live}.values():
+            if launched is not None and not launched.done():
+                launched.set_result(False)
+        for lease in leases.values():
             if lease.id in self.leases:
-                self.leases.consumed(lease, tp_rank)
+                self.leases.consumed(lease, worker.tp_rank)
         self._account("load", len(entries), transfers.total_bytes, seconds)
         if entries and not layer_seq:  # layer by layer, the engine sets the pace
             self.load_rates[worker.copier].observe(transfers.total_bytes, seconds)
-        slot = worker.geometry.slot_bytes
-        results = []
-        for i, (p, err) in enumerate(zip(plans, errors, strict=True)):
-            if p is None:
-                results.append(LoadItemResult(0, 0, err))
-                continue
-            direct = landed.get(id(p), 0)
-            if direct < len(p.direct):
-                err = (
-                    f"{f'items[{i}].' if batch else ''}block_ids: "
-                    f"{len(p.direct) - direct} of the blocks read from the SSD did "
-                    "not load (dropped from it meanwhile, or damaged); the engine "
-                    "blocks may hold anything: recompute them"
-                )
-                if not batch:
-                    raise CopyFailed(err)
-            got = len(p.entries) + direct
-            results.append(LoadItemResult(got, got * slot, err))
-        loaded = sum(r.loaded for r in results)
-        return LoadBatchResult(loaded, sum(r.bytes for r in results), tuple(results))
+
+    def _load_landed(self, copy: asyncio.Future) -> None:
+        """A load answered in flight finished: its engine learns how from its
+        done_event (a failed copy never records it: it gives up waiting)."""
+        self._loads_in_flight.discard(copy)
+        if not copy.cancelled() and copy.exception() is not None:
+            logger.warning("a load answered in flight failed: %s", copy.exception())
 
     async def _load_direct(
         self, worker: Worker, live: list[LoadItem], deadline: float | None

@@ -11,9 +11,10 @@ import numpy as np
 from pegaflow.cache.block_store import BlockEntry
 from pegaflow.cache.instances import Worker
 from pegaflow.cache.leases import Lease
-from pegaflow.common.errors import InvalidRequest
+from pegaflow.common.errors import CopyFailed, InvalidRequest
 from pegaflow.common.geometry import Transfers, check_block_ids, check_distinct
 from pegaflow.common.keys import BlockHash
+from pegaflow.common.results import LoadBatchResult, LoadItemResult
 
 _SLOTS = attrgetter("slots")
 
@@ -79,3 +80,36 @@ def l1_transfers(
     shard = map(itemgetter(worker.shard), map(_SLOTS, entries))
     slots = np.fromiter(shard, np.uint64, len(entries))
     return worker.geometry.slots_to_engine(slots, ids)
+
+
+def item_results(
+    plans: list[LoadItem | None],
+    errors: list[str],
+    landed: dict[int, int],
+    batch: bool,
+    slot_bytes: int,
+    in_flight: bool = False,
+) -> LoadBatchResult:
+    """A Load's answer: per item what loaded, or why not (its lease gone; its
+    tier blocks that did not land: `landed` by id() of each item). A single
+    lease's load raises CopyFailed for the latter."""
+    results = []
+    for i, (p, err) in enumerate(zip(plans, errors, strict=True)):
+        if p is None:
+            results.append(LoadItemResult(0, 0, err))
+            continue
+        direct = landed.get(id(p), 0)
+        if direct < len(p.direct):
+            err = (
+                f"{f'items[{i}].' if batch else ''}block_ids: "
+                f"{len(p.direct) - direct} of the blocks read from the SSD did "
+                "not load (dropped from it meanwhile, or damaged); the engine "
+                "blocks may hold anything: recompute them"
+            )
+            if not batch:
+                raise CopyFailed(err)
+        got = len(p.entries) + direct
+        results.append(LoadItemResult(got, got * slot_bytes, err))
+    loaded = sum(r.loaded for r in results)
+    total = sum(r.bytes for r in results)
+    return LoadBatchResult(loaded, total, tuple(results), in_flight)

@@ -555,10 +555,10 @@ class _SocketProtocol(asyncio.Protocol):
         return SAVE_REPLY.pack(0, res.stored, res.deduplicated, res.rejected)
 
     async def _load(self, body: bytes) -> bytes:
-        *args, deadline_ns, token = decode_load(body)
+        *args, done, deadline_ns, token = decode_load(body)
         ctx = CallContext(self._caller, token, deadlines.from_wire(deadline_ns))
-        got = await self._engine.load(*args, ctx)
-        return load_reply(got.loaded, got.bytes, got.items)
+        got = await self._engine.load(*args, ctx, done_event=done)
+        return load_reply(got.loaded, got.bytes, got.items, got.in_flight)
 
     async def _guarded(self, kind: int, body: bytes) -> bytes:
         """As gRPC's interceptor does (pegaflow.daemon.boundary)."""

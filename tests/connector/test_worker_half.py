@@ -44,8 +44,14 @@ class StandInClient:
         return SaveResult(len(block_ids), 0, 0)
 
     def load_many(
-        self, instance_id: str, items: list, tp_rank: int = 0, layer_seq: int = 0
+        self,
+        instance_id: str,
+        items: list,
+        tp_rank: int = 0,
+        layer_seq: int = 0,
+        done_event: int = 0,
     ) -> LoadBatchResult:
+        assert not done_event  # host KV: loads are answered done
         self.loads_started += 1
         time.sleep(self.load_s)
         if layer_seq and self.signals is not None:

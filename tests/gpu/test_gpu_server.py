@@ -249,3 +249,39 @@ def test_copies_awaited_on_the_loop_move_the_same_bytes(
     # every load; a save whose event already completed too
     assert sum(ways.values()) == 8 and ways["loop"] + ways["late"] >= 4
     assert ways["late"] >= 1 and ways["loop"] >= 1  # the first taught the rate
+
+
+def test_loads_answered_in_flight_land_before_their_event(
+    gpu: None,
+    server_factory: Callable[..., ServerProc],
+    engine: Callable[..., EngineProc],
+) -> None:
+    """A load naming one of the engine's IPC events as its done_event is
+    answered as soon as its copy is queued on the event loop (in flight), the
+    event recorded after the copy; the engine waits on its own event and every
+    byte is there, round after round (one a copy thread takes, while the pool
+    is still pinned, is answered done). An index the engine never registered
+    is refused naming done_event, before anything moves."""
+    srv = server_factory("--pool-size", "2gb", "--devices", "0")
+    a, b = engine(), engine()
+    setup(a, srv, "a-flight", "ns-flight", layout="LBNHC", seed=41, **LLAMA)
+    setup(b, srv, "b-flight", "ns-flight", layout="LBNHC", seed=42, **LLAMA)
+    dst = [63 - i for i in range(N)]
+    flights = []
+    for round_ in range(5):
+        hashes = tokens(N)
+        a.call("scribble", block_ids=list(range(N)), seed=50 + round_, delay_ms=50)
+        assert a.call("save", block_ids=list(range(N)), hashes=hashes)["stored"] == N
+        expected = a.call("digest", block_ids=list(range(N)))["digests"]
+        b.call("scribble", block_ids=dst, seed=90 + round_)  # not what loads
+        hit = b.call("query", hashes=hashes)
+        got = b.call("load", lease_id=hit["lease_id"], block_ids=dst, done_event=True)
+        assert got["loaded"] == N
+        flights.append(got["in_flight"])
+        assert b.call("digest", block_ids=dst)["digests"] == expected
+    assert sum(flights) >= 3, flights  # a copy thread's (pinning) answers done
+    hashes = tokens(N)
+    assert a.call("save", block_ids=list(range(N)), hashes=hashes)["stored"] == N
+    hit = b.call("query", hashes=hashes)
+    with pytest.raises(Exception, match="done_event: 99"):
+        b.call("load", lease_id=hit["lease_id"], block_ids=dst, done_index=99)

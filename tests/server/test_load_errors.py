@@ -63,7 +63,7 @@ def _grpc_load(addr: str, req: pb.LoadRequest) -> list[str]:
 class StandInEngine:
     metrics = Metrics()
 
-    async def load(self, ident, rank, items, *rest) -> LoadBatchResult:
+    async def load(self, ident, rank, items, *rest, **kw) -> LoadBatchResult:
         return LoadBatchResult(0, 0, tuple(LoadItemResult(0, 0, LONG) for _ in items))
 
 

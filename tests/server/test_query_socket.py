@@ -171,9 +171,11 @@ def test_save_frame_round_trip() -> None:
 def test_load_frame_round_trip() -> None:
     items = [(7, 0, np.array([3, 4])), (2**63 + 5, 9, np.array([], np.int64))]
     token = bytes(range(16))
-    frame = encode_load("é", 1, items, True, 9, 12, token)
-    ident, rank, got, batch, seq, deadline, tok = decode_load(frame[4:])
-    assert (ident, rank, batch, seq, deadline, tok) == ("é", 1, True, 9, 12, token)
+    frame = encode_load("é", 1, items, True, 9, 12, token, done_event=5)
+    ident, rank, got, batch, seq, done, deadline, tok = decode_load(frame[4:])
+    assert (ident, rank, batch, seq, done, deadline, tok) == (
+        "é", 1, True, 9, 5, 12, token
+    )  # fmt: skip
     assert [(a, b, c.tolist()) for a, b, c in got] == [
         (7, 0, [3, 4]),
         (2**63 + 5, 9, []),
@@ -186,11 +188,13 @@ def test_load_frame_round_trip() -> None:
         LoadItemResult(2, 64, ""),
         LoadItemResult(0, 0, "items[1].lease_id: gone"),
     ]
-    assert parse_load_reply(load_reply(2, 64, results)) == (
-        2,
-        64,
-        [(2, 64, ""), (0, 0, "items[1].lease_id: gone")],
-    )
+    for in_flight in (False, True):  # the copy queued, not done: IN_FLIGHT
+        assert parse_load_reply(load_reply(2, 64, results, in_flight)) == (
+            2,
+            64,
+            [(2, 64, ""), (0, 0, "items[1].lease_id: gone")],
+            in_flight,
+        )
 
 
 def test_saves_over_the_socket_land_the_same_bytes(server) -> None:
@@ -277,3 +281,20 @@ def test_query_answers_carry_the_servers_recent_rates(server) -> None:
     pulling = QueryResult(5, 0, 0.0, True, ready_blocks=3, l1_gbps=2.5, tier_gbps=0.5)
     status, n, lease, _, ready, l1, tier = QUERY_REPLY.unpack(query_reply(pulling))
     assert (status, n, lease, ready, l1, tier) == (255, 5, 0, 3, 2.5, 0.5)
+
+
+def test_a_host_engines_done_event_is_answered_done(server) -> None:
+    """done_event names a GPU worker's IPC event for the server to record after
+    a launched copy; a host engine's copies are never launched, so its load is
+    answered once done (not in flight), every byte there."""
+    a, b = LocalKV(seed=5), LocalKV(seed=6)
+    hs = hashes(4)
+    with PegaflowClient(server.addr) as client:
+        a.register(client, "a", "ns")
+        b.register(client, "b", "ns")
+        assert client.save("a", list(range(4)), hs).stored == 4
+        hit = client.query("b", hs)
+        got = client.load("b", hit.lease_id, list(range(10, 14)), done_event=3)
+        assert (got.loaded, got.in_flight) == (4, False)
+    for i in range(4):
+        assert np.array_equal(b.block(10 + i), a.block(i)), i

@@ -62,7 +62,7 @@ def test_one_item_reply_is_the_tables_bytes() -> None:
         error = item.error.encode()
         assert fast[head:] == general[head : head + row] + error
         assert frames.parse_load_reply(fast) == (
-            item.loaded, item.bytes, [(item.loaded, item.bytes, item.error)]
+            item.loaded, item.bytes, [(item.loaded, item.bytes, item.error)], False
         )  # fmt: skip
 
 

@@ -32,9 +32,10 @@ UNREAD_S = 2.0
 class StandInEngine:
     metrics = Metrics()
 
-    async def load(self, ident, rank, items, *rest):
+    async def load(self, ident, rank, items, *rest, **kw):
         item = types.SimpleNamespace(loaded=0, bytes=0, error="x" * 200)
-        return types.SimpleNamespace(loaded=0, bytes=0, items=[item] * len(items))
+        items = [item] * len(items)
+        return types.SimpleNamespace(loaded=0, bytes=0, items=items, in_flight=False)
 
 
 @pytest.fixture
