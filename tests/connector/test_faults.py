@@ -348,17 +348,19 @@ def test_a_failed_sync_load_leaves_a_next_step_hit_its_saves(
         engine.close()
 
 
-@pytest.mark.parametrize("reallocated", [False, True], ids=["orphaned", "reused"])
+@pytest.mark.parametrize("case", ["orphaned", "heard_late", "reused"])
 def test_a_failed_sync_loads_blocks_its_aborted_owner_left_poison_their_readers(
-    pega_server: Callable[..., ServerProc], tiny_model: Path, reallocated: bool
+    pega_server: Callable[..., ServerProc], tiny_model: Path, case: str
 ) -> None:
     """ "a"'s sync load of A's prefix fails and "a" is aborted before it
-    recomputes: vLLM frees its blocks, hashes and all (its recompute policy
-    never evicted them), and "c", admitted later, hits them in its prefix
-    cache a step later: it computes its tail over KV that never arrived, and
-    saves none of it (C finds only A's prefix). Reused: "e" and "f" take every free block
-    first, so vLLM gives the blocks out afresh (their hashes gone): "c" misses
-    them, loads A's prefix and saves its tail (C hits it all)."""
+    recomputes (heard_late: before the failure was heard, as an abort may
+    come between a step's schedule and its output under async scheduling):
+    vLLM frees its blocks, hashes and all (its recompute policy never evicted
+    them), and "c", admitted a step later, hits them in its prefix cache: it
+    computes its tail over KV that never arrived, and saves none of it (C
+    finds only A's prefix). Reused: "e" and "f" take every free block first,
+    so vLLM gives the blocks out afresh (their hashes gone): "c" misses them,
+    loads A's prefix and saves its tail (C hits it all)."""
     import random
 
     from vllm.v1.request import RequestStatus
@@ -375,6 +377,7 @@ def test_a_failed_sync_loads_blocks_its_aborted_owner_left_poison_their_readers(
     )
     b = Engine(config, num_blocks=40)
     b.step()
+    aborted = RequestStatus.FINISHED_ABORTED
 
     def break_the_lease(so: Any) -> None:
         (job,) = so.kv_connector_metadata.plan.loads
@@ -382,14 +385,17 @@ def test_a_failed_sync_loads_blocks_its_aborted_owner_left_poison_their_readers(
         job.lease_id ^= 2  # unknown to the server: the item fails
         holes.update(job.block_ids)
         b.after_schedule = None
+        if case == "heard_late":
+            b.sched.finish_requests("a", aborted)
 
     holes: set[int] = set()
     b.after_schedule = break_the_lease
     b.add("a", first, max_tokens=2)
     b.step()  # the load fails; vLLM rewinds "a" to recompute it
     assert b.counters()["load_failures"] == 1
-    b.sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
-    b.step()  # vLLM and both halves hear of it: "c" comes a step after
+    b.sched.finish_requests("a", aborted)
+    b.run()  # vLLM and both halves hear of it: "c" comes a step after
+    reallocated = case == "reused"
     if reallocated:  # all 39 blocks in one step: the free queue's, then a's
         serve(b, {"e": [7] * 300, "f": [8] * 316}, max_tokens=1)
     hits: dict[str, int] = {}
