@@ -90,9 +90,10 @@ class SchedulerHalf:
         # allocated them; the readers of such blocks (StepPlan.readers).
         self._recent_sync: list[list[LoadJob]] = [[], []]
         self._readers: dict[ReqId, set[ReqId]] = {}
-        # By owner and group (rule position): blocks of its failed sync load
-        # it has not rewritten yet, which vLLM's recompute policy keeps in its
-        # prefix cache; hits on them (owner, reader, group, blocks) settle in
+        # By owner and group (rule position): blocks of its failed sync load,
+        # and those it computed over them before vLLM heard, that it has not
+        # rewritten yet, which vLLM's recompute policy keeps in its prefix
+        # cache; hits on them (owner, reader, group, blocks) settle in
         # build_plan, when it is known what the owner rewrites in that step.
         self._holes: dict[ReqId, dict[int, set[int]]] = {}
         self._rereads: list[tuple[ReqId, ReqId, int, set[int]]] = []
@@ -416,12 +417,22 @@ class SchedulerHalf:
         # load ran already left (request_finished), and would never leave
         # that set again; its holes nobody rewrites are orphans.
         for rid in report.failed_loads:
+            holes: dict[int, set[int]] = {}
             for job in self._recent_sync[0] + self._recent_sync[1]:
                 if job.req_id == rid:  # its blocks stay cached, empty
                     pos = self.groups.rules.index(self.groups.rule(job.group))
-                    holes = self._holes.setdefault(rid, {})
                     holes.setdefault(pos, set()).update(job.block_ids)
             st = self._reqs.get(rid)
+            if holes and st is not None and st.load_from is not None:
+                # And the blocks it computed over them before vLLM heard
+                # (cached as well): what it loaded or computed whole.
+                for pos, (lo, hi) in enumerate(
+                    zip(st.load_from, st.saved, strict=True)
+                ):
+                    holes.setdefault(pos, set()).update(st.tables[pos][lo:hi])
+                    holes[pos].discard(NULL_BLOCK)
+            for pos, blocks in holes.items():
+                self._holes.setdefault(rid, {}).setdefault(pos, set()).update(blocks)
             if st is None or st.finished:  # aborted before it heard: orphans
                 self._orphan_holes(rid)
                 continue
