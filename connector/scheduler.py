@@ -227,7 +227,7 @@ class SchedulerHalf:
     def _orphan_holes(self, owner: ReqId) -> None:
         """The owner is done before it rewrote its holes: they are orphans."""
         holes = self._holes.pop(owner, None)
-        if not holes:
+        if not holes or self._orphans_overflow:
             return
         for pos, blocks in holes.items():
             self._orphans.setdefault(pos, set()).update(blocks)
