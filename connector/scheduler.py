@@ -26,6 +26,10 @@ from .vllm_compat import block_table_updates
 
 logger = logging.getLogger(__name__)
 
+# Orphaned holes tracked at most (block ids, all groups): past it, every local
+# hit counts as reading one (its saves are dropped), as untracked ones may be.
+MAX_ORPHANS = 1 << 16
+
 
 @dataclass(slots=True)
 class _Req:
@@ -86,12 +90,21 @@ class SchedulerHalf:
         # allocated them; the readers of such blocks (StepPlan.readers).
         self._recent_sync: list[list[LoadJob]] = [[], []]
         self._readers: dict[ReqId, set[ReqId]] = {}
-        # By owner and group (rule position): blocks of its failed sync load
-        # it has not rewritten yet, which vLLM's recompute policy keeps in its
-        # prefix cache; hits on them (owner, reader, group, blocks) settle in
+        # By owner and group (rule position): blocks of its failed sync load,
+        # and those it computed over them before vLLM heard, that it has not
+        # rewritten yet, which vLLM's recompute policy keeps in its prefix
+        # cache; hits on them (owner, reader, group, blocks) settle in
         # build_plan, when it is known what the owner rewrites in that step.
         self._holes: dict[ReqId, dict[int, set[int]]] = {}
         self._rereads: list[tuple[ReqId, ReqId, int, set[int]]] = []
+        # By group: holes of owners that finished (or were aborted) before
+        # they rewrote them. vLLM frees them hashes and all, so they stay
+        # hittable until it gives them to a request afresh; a hit on one
+        # reads the hole, and its reader is poisoned outright (no owner left
+        # to fail with: StepPlan.poisoned).
+        self._orphans: dict[int, set[int]] = {}
+        self._orphans_overflow = False
+        self._poison: set[ReqId] = set()
         # Requests whose load failed: vLLM recomputes them, and asks us again;
         # a hit claimed again may fail the same way, forever.
         self._failed_loads: set[ReqId] = set()
@@ -186,13 +199,21 @@ class SchedulerHalf:
                 hit = st.tables[pos][: local // rules[pos].block_size]
                 if owner != rid and not blocks.isdisjoint(hit):
                     self._rereads.append((owner, rid, pos, blocks.intersection(hit)))
+        # Nobody rewrites an orphan while it is hittable: a hit reads it.
+        if self._orphans_overflow or any(
+            not blocks.isdisjoint(st.tables[pos][: local // rules[pos].block_size])
+            for pos, blocks in self._orphans.items()
+        ):
+            self._poison.add(rid)
 
     def _settle_holes(self, so: Any) -> None:
         """A request that hit a hole reads it unless its owner rewrites it
         whole in this step (attention writes a layer's KV before it reads
         it); what the owner rewrites is a hole no more."""
         for owner, rid, pos, blocks in self._rereads:
-            if not blocks.issubset(self._rewritten(so, owner, pos)):
+            if owner not in self._holes:  # it finished since: an orphan's reader
+                self._poison.add(rid)
+            elif not blocks.issubset(self._rewritten(so, owner, pos)):
                 self._readers.setdefault(owner, set()).add(rid)
         self._rereads = []
         for owner, holes in list(self._holes.items()):
@@ -200,8 +221,43 @@ class SchedulerHalf:
                 holes[pos] -= self._rewritten(so, owner, pos)
                 if not holes[pos]:
                     del holes[pos]
-            if not holes or owner not in self._reqs:
+            if not holes:
                 del self._holes[owner]
+
+    def _orphan_holes(self, owner: ReqId) -> None:
+        """The owner is done before it rewrote its holes: they are orphans."""
+        holes = self._holes.pop(owner, None)
+        if not holes or self._orphans_overflow:
+            return
+        for pos, blocks in holes.items():
+            self._orphans.setdefault(pos, set()).update(blocks)
+        if sum(map(len, self._orphans.values())) > MAX_ORPHANS:
+            logger.warning(
+                "pegaflow: over %d blocks of failed loads are left in vLLM's "
+                "prefix cache; requests that hit it locally save nothing now",
+                MAX_ORPHANS,
+            )
+            self._orphans, self._orphans_overflow = {}, True
+
+    def _drop_reallocated(self, so: Any) -> None:
+        """Orphans vLLM gave to a request afresh (to load, or past what it
+        has computed): it dropped their hashes then, so no later hit reads
+        the hole. Whole tables (new, resumed) start with the request's hit."""
+        computed = {
+            new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs
+        }
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        fresh = [(job.group, job.block_ids) for job in self._loads]
+        for rid, ids, whole in block_table_updates(so):
+            for rule in self.groups.rules:
+                skip = computed[rid] // rule.block_size if whole else 0
+                fresh.append((rule.index, ids[rule.index][skip:]))
+        for group, ids in fresh:
+            pos = self.groups.rules.index(self.groups.rule(group))
+            if pos in self._orphans:
+                self._orphans[pos].difference_update(ids)
+        self._orphans = {pos: ids for pos, ids in self._orphans.items() if ids}
 
     def _rewritten(self, so: Any, rid: ReqId, pos: int) -> set[int]:
         """Blocks of a group that the request's forward writes whole in this
@@ -271,6 +327,8 @@ class SchedulerHalf:
     # -- per step -----------------------------------------------------------
     def build_plan(self, so: Any) -> StepPlan:
         self._settle_holes(so)
+        if self._orphans:
+            self._drop_reallocated(so)
         plan = StepPlan(
             self._loads,
             self._finish_saves,
@@ -278,8 +336,10 @@ class SchedulerHalf:
             set(so.preempted_req_ids or ()),
             so.total_num_scheduled_tokens,
             self._readers,
+            self._poison,
         )
         self._loads, self._finish_saves, self._held = [], [], set()
+        self._poison = set()
         self._recent_sync = [
             self._recent_sync[-1],
             [job for job in plan.loads if job.sync],
@@ -353,22 +413,35 @@ class SchedulerHalf:
             self.client.use_socket()
         for stage, groups in report.stage_groups.items():
             self._stage_groups[stage] = frozenset(groups)
-        # Only requests still here: one aborted while its load ran already
-        # left (request_finished), and would never leave this set again.
+        # _failed_loads only of requests still here: one aborted while its
+        # load ran already left (request_finished), and would never leave
+        # that set again; its holes nobody rewrites are orphans.
         for rid in report.failed_loads:
+            holes: dict[int, set[int]] = {}
+            for job in self._recent_sync[0] + self._recent_sync[1]:
+                if job.req_id == rid:  # its blocks stay cached, empty
+                    pos = self.groups.rules.index(self.groups.rule(job.group))
+                    holes.setdefault(pos, set()).update(job.block_ids)
             st = self._reqs.get(rid)
-            if st is not None and not st.finished:
-                self._failed_loads.add(rid)
-                for job in self._recent_sync[0] + self._recent_sync[1]:
-                    if job.req_id == rid:  # its blocks stay cached, empty
-                        pos = self.groups.rules.index(self.groups.rule(job.group))
-                        holes = self._holes.setdefault(rid, {})
-                        holes.setdefault(pos, set()).update(job.block_ids)
-                # vLLM recomputes the blocks that did not load: save them
-                # (the server may not hold them: it restarted, or evicted).
-                if st.load_from is not None:
-                    pairs = zip(st.saved, st.load_from, strict=True)
-                    st.saved = [min(s, f) for s, f in pairs]
+            if holes and st is not None and st.load_from is not None:
+                # And the blocks it computed over them before vLLM heard
+                # (cached as well): what it loaded or computed whole.
+                for pos, (lo, hi) in enumerate(
+                    zip(st.load_from, st.saved, strict=True)
+                ):
+                    holes.setdefault(pos, set()).update(st.tables[pos][lo:hi])
+                    holes[pos].discard(NULL_BLOCK)
+            for pos, blocks in holes.items():
+                self._holes.setdefault(rid, {}).setdefault(pos, set()).update(blocks)
+            if st is None or st.finished:  # aborted before it heard: orphans
+                self._orphan_holes(rid)
+                continue
+            self._failed_loads.add(rid)
+            # vLLM recomputes the blocks that did not load: save them
+            # (the server may not hold them: it restarted, or evicted).
+            if st.load_from is not None:
+                pairs = zip(st.saved, st.load_from, strict=True)
+                st.saved = [min(s, f) for s, f in pairs]
         self.planner.observe_prefill(report.forward_tokens, report.forward_seconds)
         for rid, n in report.saves_done.items():
             st = self._reqs.get(rid)
@@ -384,6 +457,7 @@ class SchedulerHalf:
         """True (keep the blocks) only while saves of this request are pending."""
         rid = request.request_id
         self._failed_loads.discard(rid)
+        self._orphan_holes(rid)
         self.planner.forget(rid)
         hit = self._hits.pop(rid, None)
         if hit is not None:

@@ -52,6 +52,9 @@ class StepPlan:
     # fill, before it recomputed them), hit in vLLM's own prefix cache; they
     # fail with that load (scheduler.py, _note_reader).
     readers: dict[ReqId, set[ReqId]] = field(default_factory=dict)
+    # Requests that read blocks of a failed sync load whose owner is gone
+    # (it never rewrote them): never saved again.
+    poisoned: set[ReqId] = field(default_factory=set)
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.held or self.preempted)

@@ -289,6 +289,7 @@ class WorkerHalf:
         for rid, readers in plan.readers.items():
             if rid in self._poisoned:  # they read its blocks in this forward
                 self._poisoned |= readers
+        self._poisoned |= plan.poisoned
         self._timer().stop(plan)
         self._plan_saves(plan)  # a no-op when start_load saw this plan
         assert self._planned is not None

@@ -346,3 +346,133 @@ def test_a_failed_sync_load_leaves_a_next_step_hit_its_saves(
     assert (c.outputs["c"], c.outputs["d"]) == (b.outputs["c"], b.outputs["d"])
     for engine in (a, b, c):
         engine.close()
+
+
+@pytest.mark.parametrize("case", ["orphaned", "heard_late", "reused"])
+def test_a_failed_sync_loads_blocks_its_aborted_owner_left_poison_their_readers(
+    pega_server: Callable[..., ServerProc], tiny_model: Path, case: str
+) -> None:
+    """ "a"'s sync load of A's prefix fails and "a" is aborted before it
+    recomputes (heard_late: before the failure was heard, as an abort may
+    come between a step's schedule and its output under async scheduling):
+    vLLM frees its blocks, hashes and all (its recompute policy never evicted
+    them), and "c", admitted a step later, hits them in its prefix cache: it
+    computes its tail over KV that never arrived, and saves none of it (C
+    finds only A's prefix). Reused: "e" and "f" take every free block first,
+    so vLLM gives the blocks out afresh (their hashes gone): "c" misses them,
+    loads A's prefix and saves its tail (C hits it all)."""
+    import random
+
+    from vllm.v1.request import RequestStatus
+
+    pega_server()
+    extra = {**FAST, "sync_load_max_tokens": 4096}
+    rnd = random.Random(9)
+    prefix = [rnd.randrange(50, 950) for _ in range(96)]  # 6 blocks
+    first, second = (prefix + [rnd.randrange(50, 950) for _ in range(70)] for _ in "ab")
+    a = Engine(vllm_config(tiny_model, extra))
+    serve(a, {"a": prefix})
+    config = vllm_config(
+        tiny_model, extra, async_scheduling=False, max_num_batched_tokens=1024
+    )
+    b = Engine(config, num_blocks=40)
+    b.step()
+    aborted = RequestStatus.FINISHED_ABORTED
+
+    def break_the_lease(so: Any) -> None:
+        (job,) = so.kv_connector_metadata.plan.loads
+        assert job.req_id == "a" and job.sync
+        job.lease_id ^= 2  # unknown to the server: the item fails
+        holes.update(b.table("a")[:10])  # loaded, or computed over the load
+        b.after_schedule = None
+        if case == "heard_late":
+            b.sched.finish_requests("a", aborted)
+
+    holes: set[int] = set()
+    b.after_schedule = break_the_lease
+    b.add("a", first, max_tokens=2)
+    b.step()  # the load fails; vLLM rewinds "a" to recompute it
+    assert b.counters()["load_failures"] == 1
+    b.sched.finish_requests("a", aborted)
+    b.run()  # vLLM and both halves hear of it: "c" comes a step after
+    reallocated = case == "reused"
+    if reallocated:  # all 39 blocks in one step: the free queue's, then a's
+        serve(b, {"e": [7] * 300, "f": [8] * 316}, max_tokens=1)
+    hits: dict[str, int] = {}
+
+    def note_hit(so: Any) -> None:
+        hits.update({r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs})
+
+    b.after_schedule = note_hit
+    b.add("c", second, max_tokens=2)
+    b.run()
+    assert hits["c"] == len(prefix)  # a local hit, or A's prefix loaded
+    # what "c" read, and kept (never rewritten: checked as it finished)
+    read = {e.split(" (id")[0].split(": ")[-1] for e in b.errors}
+    assert read == (set() if reallocated else {f"c block {k}" for k in range(6)})
+    b.assert_clean()
+    c = Engine(vllm_config(tiny_model, extra))
+    c.step()
+    serve(c, {"c": second}, max_tokens=2)
+    assert c.counters()["hit_tokens"] == (160 if reallocated else len(prefix))
+    assert c.outputs["c"] == b.outputs["c"]
+    # still cached and unwritten, or given out afresh
+    orphans = b.scheduler_connector._scheduler._orphans
+    assert orphans == ({} if reallocated else {0: holes})
+    for engine in (a, b, c):
+        engine.close()
+
+
+def test_blocks_computed_over_a_failed_sync_load_are_holes_too(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    """ "a" computes its tail over its sync load in the step the load fails;
+    vLLM caches those blocks too. "a" recomputes 96 tokens a step (the
+    prefix) and is aborted: its tail, computed over the hole, stays cached,
+    and "c", admitted a step later, hits all 10 blocks of "a": it saves
+    nothing ("x" fills no block; "a" saves nothing after its failure): its
+    tail, saved, would be found once another engine saved blocks 6-9."""
+    import random
+
+    from vllm.v1.request import RequestStatus
+
+    pega_server()
+    extra = {**FAST, "sync_load_max_tokens": 4096}
+    rnd = random.Random(10)
+    prefix = [rnd.randrange(50, 950) for _ in range(96)]  # 6 blocks
+    first = prefix + [rnd.randrange(50, 950) for _ in range(70)]  # 10 blocks
+    second = first[:160] + [rnd.randrange(50, 950) for _ in range(50)]
+    a = Engine(vllm_config(tiny_model, extra))
+    serve(a, {"a": prefix})
+    config = vllm_config(
+        tiny_model, extra, async_scheduling=False, long_prefill_token_threshold=96
+    )
+    b = Engine(config)
+    b.step()
+
+    def break_the_lease(so: Any) -> None:
+        (job,) = so.kv_connector_metadata.plan.loads
+        job.lease_id ^= 2  # unknown to the server: the item fails
+        b.after_schedule = None
+
+    b.after_schedule = break_the_lease
+    b.add("a", first, max_tokens=2)
+    b.step()  # the load fails; vLLM rewinds "a" to recompute it
+    b.add("x", [5] * 10, max_tokens=2)  # not alone: vLLM chunks "a"
+    assert b.step()["scheduled"] == {"a": 96, "x": 10}  # a's blocks 0-5 rewritten
+    b.sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    b.run()
+    hits: dict[str, int] = {}
+
+    def note_hit(so: Any) -> None:
+        hits.update({r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs})
+
+    b.after_schedule = note_hit
+    b.add("c", second, max_tokens=2)
+    b.run()
+    assert hits["c"] == 160  # all of "a"'s blocks, in vLLM's prefix cache
+    assert b.errors == []  # the fake forward writes what "a" would have
+    assert b.counters().get("save_blocks", 0) == 0
+    b.assert_clean()
+    a.close()
+    b.close()

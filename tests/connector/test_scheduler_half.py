@@ -16,6 +16,7 @@ from pegaflow.common.errors import (
     ServerUnavailable,
     UnknownInstance,
 )
+from pegaflow.connector import scheduler
 from pegaflow.connector.extra_config import ConnectorConfig
 from pegaflow.connector.kv_groups import GroupRule, KVGroups
 from pegaflow.connector.scheduler import SchedulerHalf
@@ -323,3 +324,63 @@ def test_a_failed_sync_loads_blocks_are_read_until_their_owner_rewrote_them() ->
     assert _admit_hit(s, "e", [40, 41, 42], a=16) == {}  # 11 rewritten now
     a.num_computed_tokens = 32
     assert _admit_hit(s, "f", [50, 51, 52]) == {}
+
+
+def _admit(s: SchedulerHalf, rid: str, hit: list[int], fresh: list[int]) -> StepPlan:
+    """`rid` hits `hit` in vLLM's prefix cache and gets `fresh` allocated."""
+    req, ids = request(rid, 80), [*hit, *fresh]
+    assert s.num_new_matched_tokens(req, len(hit) * BS) == (0, False)
+    s.after_alloc(req, (ids,), 0)
+    new = SimpleNamespace(
+        req_id=rid, block_ids=(ids,), num_computed_tokens=len(hit) * BS
+    )
+    cached = SimpleNamespace(
+        req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+    )
+    return s.build_plan(
+        SimpleNamespace(
+            preempted_req_ids=set(),
+            scheduled_new_reqs=[new],
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens={rid: 16},
+            total_num_scheduled_tokens=16,
+        )
+    )
+
+
+def _aborted_owner(cap: int, monkeypatch: pytest.MonkeyPatch) -> SchedulerHalf:
+    """ "a"'s sync load of blocks 10, 11 failed (it computed 12 over them) and
+    "a" was aborted before it recomputed any."""
+    monkeypatch.setattr(scheduler, "MAX_ORPHANS", cap)
+    s, a = _failed_sync_load(overlapped=False)
+    a.num_computed_tokens = 0
+    s.on_worker_report(WorkerReport(failed_loads={"a"}))
+    a.status = SimpleNamespace(name="FINISHED_ABORTED")
+    s.request_finished(a, ([10, 11, 12, 13, 14],))  # held: a save in flight
+    return s
+
+
+def test_an_aborted_owners_holes_poison_their_readers_until_vllm_reuses_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nobody rewrites them while vLLM keeps them cached: a hit on any reads
+    it (poisoned: no owner left to fail with). Given out afresh (vLLM dropped
+    its hash then), a block is a hole no more."""
+    s = _aborted_owner(64, monkeypatch)
+    assert s._orphans == {0: {10, 11, 12}}
+    plan = _admit(s, "c", [10], [20])
+    assert (plan.poisoned, plan.readers) == ({"c"}, {})
+    assert _admit(s, "d", [], [12, 21]).poisoned == set()  # vLLM reused 12
+    assert s._orphans == {0: {10, 11}}
+    assert _admit(s, "e", [30, 31], [32]).poisoned == set()  # no hole hit
+    assert _admit(s, "f", [10, 11], [40]).poisoned == {"f"}
+
+
+def test_holes_past_the_cap_poison_every_local_hit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past MAX_ORPHANS they are not told apart: any local hit may read one."""
+    s = _aborted_owner(2, monkeypatch)
+    assert s._orphans == {}
+    assert _admit(s, "c", [30], [31]).poisoned == {"c"}
+    assert _admit(s, "d", [], [32]).poisoned == set()
