@@ -11,24 +11,18 @@ and tell the engine a load's copy is done without a reply from the server.
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pegaflow.common import cuda_driver
-from pegaflow.common.errors import CopyFailed
 from pegaflow.common.geometry import LayerLayout
 
+from .event_wait import LoadWaits
 from .kv_layouts import describe
 
 DEFAULT_EVENTS = 4  # saves in flight at once per worker, each with its own event
 DEFAULT_LOAD_EVENTS = 4  # loads a worker waits for at once, one event each
-# IpcEvents.wait sleeps until this long before a load's copy should end, then
-# polls the event: a sleeping thread's wake-up is late by tens of microseconds
-# to a few hundred on a GPU host (benchmarks/RESULTS.md, "session 17").
-WAKE_EARLY_S = 200e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +84,7 @@ class IpcEvents:
         self._events = [event for event, _ in made]
         self.handles: tuple[bytes, ...] = tuple(handle for _, handle in made)
         self._saves, self._next, self._next_load = count, 0, 0
-        # bytes/s of recent loads, sent to done, by size class (log2 bytes):
-        # a 1-block load's rate is its latency's, a 64-block one's the link's
-        self._rates: dict[int, float] = {}
+        self._waits = LoadWaits()
 
     def record(self, stream: int) -> int:
         """Record the next event on `stream` (a cudaStream_t as int); returns its
@@ -117,32 +109,10 @@ class IpcEvents:
         self, index: int, timeout_s: float, nbytes: int = 0, sent_at: float = 0.0
     ) -> None:
         """Until the server's record of load event `index` completed: the copy
-        it follows landed. A load of `nbytes` sent at `sent_at` (monotonic s)
-        sleeps until WAKE_EARLY_S before the recent loads' rate says it ends,
-        then polls, yielding the GIL between polls (a worker's forward runs
-        in another thread). CopyFailed when the event fails (the server's
-        copy faulted) or does not complete within timeout_s (its server gone
-        mid-copy: the record never runs); the blocks may then hold anything."""
-        event = self._events[index - 1]
-        start, size = time.monotonic(), nbytes.bit_length()
-        if nbytes and (known := self._rates.get(size)):
-            early = sent_at + nbytes / known - WAKE_EARLY_S - start
-            if early > 0:
-                time.sleep(early)
-        try:
-            while not cuda_driver.event_done(event):
-                if time.monotonic() - start > timeout_s:
-                    raise CopyFailed(
-                        f"done_event: {index} did not complete within {timeout_s:g} s "
-                        "(the server stopped mid-copy?); the blocks may hold anything"
-                    )
-                os.sched_yield()  # releases the GIL
-        except cuda_driver.CudaError as exc:
-            raise CopyFailed(f"done_event: {index}: {exc}") from exc
-        took = time.monotonic() - sent_at
-        if nbytes and sent_at and took > 0:  # the slowest of recent loads rules
-            rate, last = nbytes / took, self._rates.get(size)
-            self._rates[size] = rate if last is None else min(rate, (last + rate) / 2)
+        it follows landed (pegaflow.client.event_wait; CopyFailed if it failed
+        or did not land within timeout_s: the blocks may then hold anything).
+        A load of `nbytes` went out at `sent_at` (time.monotonic())."""
+        self._waits.wait(self._events[index - 1], index, timeout_s, nbytes, sent_at)
 
     def close(self) -> None:
         for event in self._events:

@@ -9,6 +9,7 @@ bytes move on a GPU: tests/gpu/test_gpu_server.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from types import SimpleNamespace
@@ -89,7 +90,8 @@ class LaunchingCopier:
 def setup():
     pool = HostPool(PoolConfig(size_bytes=4 << 20, show_progress=False))
     copier = LaunchingCopier()
-    engine = Engine(EngineConfig(), pool, {"host": copier})
+    # Copies this small would run inline: never in flight (see the last test).
+    engine = Engine(EngineConfig(inline_copy_bytes=4096), pool, {"host": copier})
     layer = LayerLayout(0, 0, 64, PAGE, (Segment(0, PAGE),))
     region = ((PAGE, 64 * PAGE),)
     spec = RegisterSpec("i", "m", 0, 1, 1, "cpu", "host", ENGINE_PID, region, (layer,))
@@ -184,3 +186,18 @@ def test_a_copy_failing_after_its_answer_still_releases_its_blocks(setup) -> Non
     asyncio.run(scenario())
     assert "finished, failed" in copier.log
     assert all(e.pins == 0 for e in lease.entries)
+
+
+def test_a_load_small_enough_to_run_inline_is_answered_done(setup) -> None:
+    """It is never launched, and the in-flight machinery (a task, a future)
+    would cost a 1-block load ~0.1 ms."""
+    engine, ctx, copier = setup
+    engine.config = dataclasses.replace(engine.config, inline_copy_bytes=4 * PAGE)
+    copier.done.set()
+    lease = lease_of(engine, ctx)
+    got = asyncio.run(
+        engine.load("i", 0, [(lease.id, 0, np.arange(20, 24))], False, 0, ctx,
+                    done_event=3)
+    )  # fmt: skip
+    assert (got.loaded, got.in_flight) == (4, False)
+    assert copier.log == ["launched", "finished"]  # answered done: nothing recorded

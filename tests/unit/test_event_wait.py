@@ -1,0 +1,68 @@
+"""Waiting for loads answered in flight (pegaflow.client.event_wait) over
+stand-ins for the CUDA event calls: when a wait sleeps, what it learns, and
+how a failed or lost event ends it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pegaflow.client import event_wait
+from pegaflow.common import cuda_driver
+from pegaflow.common.errors import CopyFailed
+
+MB = 1 << 20
+
+
+class Copy:
+    """A copy that lands `ends_after` seconds after it was sent."""
+
+    def __init__(self, monkeypatch, ends_after: float, error: int = 0) -> None:
+        self.sent = time.monotonic()
+        self.ends_after, self.error = ends_after, error
+        self.looks: list[float] = []
+        monkeypatch.setattr(cuda_driver, "event_done", self.done)
+        monkeypatch.setattr(event_wait, "_spin", lambda: self.spin)
+
+    def done(self, event: object) -> bool:
+        self.looks.append(time.monotonic() - self.sent)
+        return time.monotonic() - self.sent >= self.ends_after
+
+    def spin(self, event: int, until_ns: int, scratch: object) -> int:
+        while time.monotonic_ns() < until_ns:
+            if self.error:
+                return self.error
+            if time.monotonic() - self.sent >= self.ends_after:
+                return 0
+        return event_wait.NOT_READY
+
+
+def test_a_wait_learns_from_copies_it_saw_end_and_wakes_earlier_after_oversleeping(
+    monkeypatch,
+) -> None:
+    waits = event_wait.LoadWaits()
+    first = Copy(monkeypatch, 0.02)
+    waits.wait(1, 1, 5.0, 64 * MB, first.sent)  # no rate yet: polls at once
+    assert first.looks[0] < 0.005
+    rate = waits._rates[(64 * MB).bit_length()]
+    assert rate == pytest.approx(64 * MB / 0.02, rel=0.3)
+    second = Copy(monkeypatch, 0.02)
+    waits.wait(1, 1, 5.0, 64 * MB, second.sent)  # sleeps most of it, then polls
+    assert 0.01 < second.looks[0] < 0.02
+    fast = Copy(monkeypatch, 0.0)  # done long before the wait looks: overslept
+    learnt = waits._rates[(64 * MB).bit_length()]
+    waits.wait(1, 1, 5.0, 64 * MB, fast.sent)
+    assert waits._rates[(64 * MB).bit_length()] == learnt * event_wait.EARLIER
+    waits.wait(1, 1, 5.0, MB, Copy(monkeypatch, 0.001).sent)  # its own class
+    assert len(waits._rates) == 2
+
+
+def test_a_failed_or_lost_event_fails_the_wait_naming_done_event(monkeypatch) -> None:
+    waits = event_wait.LoadWaits()
+    lost = Copy(monkeypatch, 10.0)  # its server died: never recorded
+    with pytest.raises(CopyFailed, match="done_event: 3 did not complete within"):
+        waits.wait(1, 3, 0.05, MB, lost.sent)
+    faulted = Copy(monkeypatch, 10.0, error=700)  # CUDA_ERROR_ILLEGAL_ADDRESS
+    with pytest.raises(CopyFailed, match="done_event: 2: cuEventQuery error 700"):
+        waits.wait(1, 2, 5.0, MB, faulted.sent)
