@@ -135,7 +135,7 @@ class Engine:
         page: int,
         n_max: int,
         busy_poll_us: int = 0,
-        done_events: bool = True,
+        done_events: bool = False,
     ) -> None:
         import torch
 
@@ -174,9 +174,9 @@ class Engine:
         return time.perf_counter() - t
 
     def load(self, dst: np.ndarray, hashes: list[bytes], gap_s: float = 0.0) -> float:
-        """Until the blocks landed: with done events (the connector's way on a
-        GPU) the server may answer as the copy is queued, and we wait on our
-        own event, as the connector does."""
+        """Until the blocks landed: with done events (the connector's
+        loads_in_flight) the server may answer as the copy is queued, and we
+        wait on our own event, as the connector then does."""
         hit = self.client.query(self.name, hashes)
         assert hit.num_blocks == len(hashes), hit
         time.sleep(gap_s)  # between the query and the load, as between steps
@@ -237,7 +237,7 @@ def bench_shape(
     lat_reps: int = 200,
     lat_gap_s: float = 0.0,
     busy_poll_us: int = 0,
-    done_events: bool = True,
+    done_events: bool = False,
 ) -> tuple[list[dict], dict]:
     name, layers, page = shape
     addr, http = addrs
@@ -408,11 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--load-answer",
         choices=("event", "done"),
-        default="event",
-        help="event (a GPU engine's connector): each load names one of the "
-        "engine's IPC events, the server may answer as its copy is queued and "
-        "the engine waits on the event; done: the server answers once the copy "
-        "is done",
+        default="done",
+        help="done (the default, as the connector loads): the server answers "
+        "once the copy is done; event (the connector's loads_in_flight): each "
+        "load names one of the engine's IPC events, the server may answer as "
+        "its copy is queued and the engine waits on the event",
     )
     p.add_argument(
         "--lat-gap-ms",

@@ -75,6 +75,11 @@ class ConnectorConfig:
     # (pegaflow.client.busy_poll). 0: sleep at once. -1 (auto):
     # GPU_ENGINE_BUSY_POLL_US on a GPU engine, 0 on a CPU one (resolved_poll).
     busy_poll_us: int = AUTO_BUSY_POLL
+    # A GPU worker's loads name one of its IPC events: the server answers as
+    # the copy is queued and the worker polls its event (docs/architecture.md,
+    # "Load"). Off until measured faster on a GPU (benchmarks/RESULTS.md,
+    # session 17: its first wait was slower than the server's answer).
+    loads_in_flight: bool = False
     # Host (CPU) KV: back it with a sealed memfd the server maps, so its
     # copies are memcpy instead of process_vm_* (pegaflow.client.host_share).
     share_host_kv: bool = True

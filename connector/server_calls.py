@@ -19,9 +19,15 @@ logger = logging.getLogger(__name__)
 
 class ServerCalls:
     def __init__(
-        self, client: PegaflowClient, tp_rank: int, parts: dict[int, Registrar]
+        self,
+        client: PegaflowClient,
+        tp_rank: int,
+        parts: dict[int, Registrar],
+        in_flight: bool = False,
     ) -> None:
+        """in_flight: a CUDA part's loads name a done_event (loads_in_flight)."""
         self.client = client
+        self.in_flight = in_flight
         self.tp_rank = tp_rank
         self.parts = parts  # the worker's, by group id (it may drop some)
         self.stats = new_stats()
@@ -70,7 +76,8 @@ class ServerCalls:
                 raise UnknownInstance("not registered with the server")
             if sent is not None:  # the engine thread resumes at our next syscall
                 sent.set()
-            done, sent_at = 0 if layer_seq else part.load_event(), time.monotonic()
+            done = part.load_event() if self.in_flight and not layer_seq else 0
+            sent_at = time.monotonic()
             res = self.client.load_many(
                 part.instance_id,
                 items,

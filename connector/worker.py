@@ -105,7 +105,9 @@ class WorkerHalf:
             )
             for rule in self.groups.rules
         }
-        self._calls = ServerCalls(self.client, tp_rank, self.parts)
+        self._calls = ServerCalls(
+            self.client, tp_rank, self.parts, config.loads_in_flight
+        )
         # Until a Save ended, per save job: from start_load on, as vLLM may ask
         # get_finished before wait_for_save (speculative decoding defers that
         # past the drafter); a planned save's future ends with its Save's.
