@@ -398,15 +398,7 @@ def test_a_failed_sync_loads_blocks_its_aborted_owner_left_poison_their_readers(
     reallocated = case == "reused"
     if reallocated:  # all 39 blocks in one step: the free queue's, then a's
         serve(b, {"e": [7] * 300, "f": [8] * 316}, max_tokens=1)
-    hits: dict[str, int] = {}
-
-    def note_hit(so: Any) -> None:
-        hits.update({r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs})
-
-    b.after_schedule = note_hit
-    b.add("c", second, max_tokens=2)
-    b.run()
-    assert hits["c"] == len(prefix)  # a local hit, or A's prefix loaded
+    assert admitted_hit(b, "c", second) == len(prefix)
     # what "c" read, and kept (never rewritten: checked as it finished)
     read = {e.split(" (id")[0].split(": ")[-1] for e in b.errors}
     assert read == (set() if reallocated else {f"c block {k}" for k in range(6)})
@@ -462,17 +454,24 @@ def test_blocks_computed_over_a_failed_sync_load_are_holes_too(
     assert b.step()["scheduled"] == {"a": 96, "x": 10}  # a's blocks 0-5 rewritten
     b.sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     b.run()
+    # all of "a"'s blocks, in vLLM's prefix cache
+    assert admitted_hit(b, "c", second) == 160
+    assert b.errors == []  # the fake forward writes what "a" would have
+    assert b.counters().get("save_blocks", 0) == 0
+    b.assert_clean()
+    a.close()
+    b.close()
+
+
+def admitted_hit(b: Any, rid: str, prompt: list[int]) -> int:
+    """Add `rid` and run: the tokens vLLM counted computed as it admitted it
+    (a local hit, or a prefix loaded)."""
     hits: dict[str, int] = {}
 
     def note_hit(so: Any) -> None:
         hits.update({r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs})
 
     b.after_schedule = note_hit
-    b.add("c", second, max_tokens=2)
+    b.add(rid, prompt, max_tokens=2)
     b.run()
-    assert hits["c"] == 160  # all of "a"'s blocks, in vLLM's prefix cache
-    assert b.errors == []  # the fake forward writes what "a" would have
-    assert b.counters().get("save_blocks", 0) == 0
-    b.assert_clean()
-    a.close()
-    b.close()
+    return hits[rid]
