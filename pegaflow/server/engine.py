@@ -438,20 +438,22 @@ class Engine:
             self.store.unpin(entries)
             raise
         launched = asyncio.get_running_loop().create_future() if done_event else None
-        copy = asyncio.ensure_future(
-            self._l1_load(worker, entries, scatter, transfers, layer_seq, ctx,
-                          {id(p.lease): p.lease for p in live}, done_event, launched)
-        )  # fmt: skip
+        leases = {id(p.lease): p.lease for p in live}
+        copy = self._l1_load(worker, entries, scatter, transfers, layer_seq, ctx,
+                             leases, done_event, launched)  # fmt: skip
         results = functools.partial(
             item_results, plans, errors, landed, batch, worker.geometry.slot_bytes
         )
-        if launched is not None:
-            await asyncio.wait({copy, launched}, return_when=asyncio.FIRST_COMPLETED)
-            if launched.done() and launched.result() and not copy.done():
-                self._loads_in_flight.add(copy)  # the engine waits on done_event
-                copy.add_done_callback(self._load_landed)
-                return results(in_flight=True)
-        await copy
+        if launched is None:  # answered once done: no task, no loop iteration
+            await copy
+            return results()
+        task = asyncio.ensure_future(copy)
+        await asyncio.wait({task, launched}, return_when=asyncio.FIRST_COMPLETED)
+        if launched.done() and launched.result() and not task.done():
+            self._loads_in_flight.add(task)  # the engine waits on done_event
+            task.add_done_callback(self._load_landed)
+            return results(in_flight=True)
+        await task
         return results()
 
     async def _l1_load(
