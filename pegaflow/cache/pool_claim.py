@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 from pegaflow.common.memfd import SEALS, sealed
@@ -34,6 +35,18 @@ HUGE_ALIGN = 2 << 20  # a geometry aligned to 2 MiB pages: --use-hugepages
 
 class PoolFileError(RuntimeError):
     """--pool-file cannot be used; the message names the flag and the fix."""
+
+
+class PoolHeld(PoolFileError):
+    """The keeper answered that another connection holds its pool."""
+
+
+# A keeper this server just started may be held for an instant by a probe
+# (an operator's tool, a test asking which pid listens): publish waits this
+# long for it. Giving up at once left a reseeded pool with no keeper at all
+# (seen in CI: the probe won the race about once in a few hundred runs).
+HELD_RETRY_S = 5.0
+HELD_POLL_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +159,7 @@ def claim(path: str) -> Claim | None:
     sock.close()
     word, _, arg = msg.partition(b" ")
     if word == HELD:
-        raise PoolFileError(
+        raise PoolHeld(
             f"{FLAG}: the pool at {path} is held by pid {arg.decode()}; two "
             "servers cannot share one pool: stop it, or give this one its own path"
         )
@@ -186,7 +199,16 @@ def publish(path: str, fd: int) -> Claim:
     """Start a keeper for fd at PATH and claim the pool from it: it must be
     fd's own memfd (not a pool another server's keeper put there meanwhile)."""
     start_keeper(path, fd)
-    c = claim(path)
+    waited = 0.0
+    while True:
+        try:
+            c = claim(path)
+            break
+        except PoolHeld:
+            if waited >= HELD_RETRY_S:
+                raise
+            time.sleep(HELD_POLL_S)
+            waited += HELD_POLL_S
     if c is None or not same_file(c.fd, fd):
         if c is not None:
             os.close(c.fd)
