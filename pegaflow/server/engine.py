@@ -448,26 +448,21 @@ class Engine:
             await copy
             return results()
         task = asyncio.ensure_future(copy)
-        await asyncio.wait({task, launched}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({task, launched}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # its engine left: the copy ends anyway
+            self._keep_in_flight(task)
+            raise
         if launched.done() and launched.result() and not task.done():
-            self._loads_in_flight.add(task)  # the engine waits on done_event
-            task.add_done_callback(self._load_landed)
+            self._keep_in_flight(task)  # the engine waits on done_event
             return results(in_flight=True)
         await task
         return results()
 
-    async def _l1_load(
-        self,
-        worker: Worker,
-        entries: list,
-        scatter: Callable,
-        transfers: Transfers,
-        layer_seq: int,
-        ctx: CallContext,
-        leases: dict,
-        done_event: int,
-        launched: asyncio.Future | None,
-    ) -> None:
+    async def _l1_load(self, worker: Worker, entries: list, scatter: Callable,
+                       transfers: Transfers, layer_seq: int, ctx: CallContext,
+                       leases: dict, done_event: int,
+                       launched: asyncio.Future | None) -> None:  # fmt: skip
         """The load's one L1 copy and what follows it; with `launched`, the
         engine's done_event is recorded after the copy as it is queued, and
         `launched` says whether it was (the load may then be answered)."""
@@ -501,6 +496,10 @@ class Engine:
         self._account("load", len(entries), transfers.total_bytes, seconds)
         if entries and not layer_seq:  # layer by layer, the engine sets the pace
             self.load_rates[worker.copier].observe(transfers.total_bytes, seconds)
+
+    def _keep_in_flight(self, task: asyncio.Future) -> None:
+        self._loads_in_flight.add(task)  # held: the loop keeps tasks weakly
+        task.add_done_callback(self._load_landed)
 
     def _load_landed(self, copy: asyncio.Future) -> None:
         """A load answered in flight finished: its engine learns how from its
