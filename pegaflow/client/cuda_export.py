@@ -105,9 +105,7 @@ class IpcEvents:
         self._next_load = (i + 1) % loads
         return self._saves + i + 1
 
-    def wait(
-        self, index: int, timeout_s: float, nbytes: int = 0, sent_at: float = 0.0
-    ) -> None:
+    def wait(self, index: int, timeout_s: float, nbytes: int, sent_at: float) -> None:
         """Until the server's record of load event `index` completed: the copy
         it follows landed (pegaflow.client.event_wait; CopyFailed if it failed
         or did not land within timeout_s: the blocks may then hold anything).

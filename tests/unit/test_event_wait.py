@@ -50,6 +50,11 @@ def test_a_wait_learns_from_copies_it_saw_end_and_wakes_earlier_after_oversleepi
     second = Copy(monkeypatch, 0.02)
     waits.wait(1, 1, 5.0, 64 * MB, second.sent)  # sleeps most of it, then polls
     assert second.looks[0] > 0.01  # it slept most of the copy first
+    before = waits._rates[(64 * MB).bit_length()]
+    slow = Copy(monkeypatch, 0.2)  # seen to end, 10x slower: counts by half
+    waits.wait(1, 1, 5.0, 64 * MB, slow.sent)
+    after = waits._rates[(64 * MB).bit_length()]
+    assert (before + 64 * MB / 0.25) / 2 <= after <= (before + 64 * MB / 0.2) / 2
     fast = Copy(monkeypatch, 0.0)  # done long before the wait looks: overslept
     learnt = waits._rates[(64 * MB).bit_length()]
     waits.wait(1, 1, 5.0, 64 * MB, fast.sent)
