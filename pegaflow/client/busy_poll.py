@@ -2,11 +2,10 @@
 
 A client blocked in recv() sleeps, and its CPU may go idle; the server's
 reply then waits for the thread to be woken and its core to come back. On
-one H100 host (benchmarks/RESULTS.md, "Small batches", 2026-12-06) polling
-the socket until the reply came took 0.07-0.16 ms off a 1-block load or save
-(a Python loop in place of this one); on another, this loop took ~0.01 ms
-off the load: what a sleeping client costs depends on the host. Polling in
-the server's event loop as well gained nothing.
+an H100 host (benchmarks/RESULTS.md, session 17) polling 150 us took a
+1-block load from 0.331 to 0.288 ms and an event-ordered save from 0.395 to
+0.325 (GPU_ENGINE_BUSY_POLL_US below); what a sleeping client costs depends
+on the host. Polling in the server's event loop as well gained nothing.
 
 The poll is a compiled loop (numba, nogil) of recv(MSG_PEEK | MSG_DONTWAIT)
 calls: a Python loop would hold the GIL between its calls and stall the
