@@ -185,7 +185,7 @@ class Engine:
         sent = time.monotonic()
         res = self.client.load(self.name, hit.lease_id, dst, done_event=done)
         if res.in_flight:
-            self.events.wait(done, 30.0, res.bytes, sent)
+            self.events.wait(done, 30.0, res.bytes, sent, self.client.connection_fd())
             self.in_flight += 1
         assert res.loaded == len(dst), res
         return time.perf_counter() - t

@@ -291,11 +291,12 @@ class Registrar:
         return 0 if self._events is None else self._events.load_event()
 
     def wait_loaded(
-        self, event: int, timeout_s: float, nbytes: int, sent: float
+        self, event: int, timeout_s: float, nbytes: int, sent: float, fd: int
     ) -> None:
         """Until a load answered in flight landed (its event completed); CopyFailed
-        if it failed or did not land within timeout_s."""
-        self._events.wait(event, timeout_s, nbytes, sent)
+        if it failed, if its connection `fd` ended first, or if it did not land
+        within timeout_s."""
+        self._events.wait(event, timeout_s, nbytes, sent, fd)
 
     def close(self) -> None:
         if self._session is not None:

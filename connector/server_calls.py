@@ -87,7 +87,8 @@ class ServerCalls:
             )
             if res.in_flight:  # answered as its copy was queued: wait for it here
                 wait_s = self.client.timeout_s + self.client.copy_grace_s
-                part.wait_loaded(done, wait_s, res.bytes, sent_at)
+                fd = self.client.connection_fd()
+                part.wait_loaded(done, wait_s, res.bytes, sent_at, fd)
         except PegaflowError as exc:
             self.failed("load", exc, part, len(jobs))
             return {job.req_id for job in jobs}

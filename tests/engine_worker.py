@@ -274,7 +274,7 @@ def load(
         done_event=done,
     )
     if res.in_flight:
-        events.wait(done, 30.0, res.bytes, sent)
+        events.wait(done, 30.0, res.bytes, sent, state["client"].connection_fd())
     return {"loaded": res.loaded, "bytes": res.bytes, "in_flight": res.in_flight}
 
 

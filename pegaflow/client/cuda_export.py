@@ -105,12 +105,15 @@ class IpcEvents:
         self._next_load = (i + 1) % loads
         return self._saves + i + 1
 
-    def wait(self, index: int, timeout_s: float, nbytes: int, sent_at: float) -> None:
+    def wait(self, index: int, timeout_s: float, nbytes: int, sent_at: float,
+             hang_up_fd: int = -1) -> None:  # fmt: skip
         """Until the server's record of load event `index` completed: the copy
-        it follows landed (pegaflow.client.event_wait; CopyFailed if it failed
-        or did not land within timeout_s: the blocks may then hold anything).
-        A load of `nbytes` went out at `sent_at` (time.monotonic())."""
-        self._waits.wait(self._events[index - 1], index, timeout_s, nbytes, sent_at)
+        it follows landed (pegaflow.client.event_wait; CopyFailed if it failed,
+        if the connection `hang_up_fd` it went out on ended first, or if it did
+        not land within timeout_s: the blocks may then hold anything). A load
+        of `nbytes` went out at `sent_at` (time.monotonic())."""
+        event = self._events[index - 1]
+        self._waits.wait(event, index, timeout_s, nbytes, sent_at, hang_up_fd)
 
     def close(self) -> None:
         for event in self._events:

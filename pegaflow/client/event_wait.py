@@ -10,12 +10,19 @@ learnt only from waits that woke before their copy ended: one that found its
 copy already done overslept by an unknown time, and only says to wake earlier
 (a wait's own oversleep must never teach it to sleep longer: on an H100 host
 that feedback took 64-block loads from 3.4 to 4.2 ms, session 17).
+
+A copy that fails never records its event, nor does one whose server died:
+the wait also watches the connection the load went out on, which the server
+ends when such a copy fails (pegaflow.server.in_flight) and the kernel ends
+when the server dies, and fails within WATCH_S of that instead of waiting out
+its timeout.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import select
 import time
 from typing import Any
 
@@ -29,6 +36,7 @@ NOT_READY = 600  # CUDA_ERROR_NOT_READY
 _CLOCK_MONOTONIC = 1  # Linux's clockid
 WAKE_EARLY_S = 200e-6  # a sleeping thread wakes tens to hundreds of us late
 EARLIER = 1.25  # an overslept wait's class: assume it this much faster
+WATCH_S = 1e-3  # the connection is looked at between polls this often
 
 
 @functools.cache
@@ -66,23 +74,25 @@ class LoadWaits:
         self._rates: dict[int, float] = {}  # size class -> bytes/s, send to done
 
     def wait(self, event: Any, index: int, timeout_s: float, nbytes: int,
-             sent_at: float) -> None:  # fmt: skip
+             sent_at: float, hang_up_fd: int = -1) -> None:  # fmt: skip
         """Until `event` (the load's done_event `index`) completed: the copy
-        landed. sent_at: time.monotonic() as the load went out. CopyFailed
-        when the event fails (the server's copy faulted) or does not complete
-        within timeout_s (its server gone mid-copy: the record never ran)."""
+        landed. sent_at: time.monotonic() as the load went out; hang_up_fd:
+        the connection it went out on (-1: none to watch). CopyFailed when the
+        event fails (the server's copy faulted), when that connection ends
+        first, or when it does not complete within timeout_s."""
         size = nbytes.bit_length()
         rate = self._rates.get(size)
+        watch = _Watch(hang_up_fd, index)
         if rate:
             nap = sent_at + nbytes / rate - WAKE_EARLY_S - time.monotonic()
             if nap > 0:
-                time.sleep(nap)
+                watch.sleep(nap)
         try:  # one look through the runtime (it makes the thread's context)
             done_at_first = cuda_driver.event_done(event)
         except cuda_driver.CudaError as exc:
             raise CopyFailed(f"done_event: {index}: {exc}") from exc
         if not done_at_first:
-            self._poll(event, index, timeout_s, sent_at)
+            self._poll(event, index, timeout_s, sent_at, watch)
         took = time.monotonic() - sent_at
         if done_at_first and rate:  # overslept: by how much, unknown
             self._rates[size] = rate * EARLIER
@@ -91,22 +101,51 @@ class LoadWaits:
             self._rates[size] = got if rate is None else max(got, (rate + got) / 2)
 
     @staticmethod
-    def _poll(event: Any, index: int, timeout_s: float, sent_at: float) -> None:
+    def _poll(event: Any, index: int, timeout_s: float, sent_at: float,
+              watch: _Watch) -> None:  # fmt: skip
         until = sent_at + timeout_s
         spin = _spin()
-        if spin is not None:
-            until_ns = int(until * 1e9)  # monotonic clocks agree (CLOCK_MONOTONIC)
-            got = spin(int(event), until_ns, np.zeros(2, np.int64))
-            if got == 0:
-                return
-            if got != NOT_READY:
-                raise CopyFailed(f"done_event: {index}: cuEventQuery error {got}")
-        else:
-            while time.monotonic() < until:
-                if cuda_driver.event_done(event):
+        scratch = np.zeros(2, np.int64)
+        while (now := time.monotonic()) < until:
+            if spin is not None:  # monotonic clocks agree (CLOCK_MONOTONIC)
+                step = min(until, now + WATCH_S) if watch.on else until
+                got = spin(int(event), int(step * 1e9), scratch)
+                if got == 0:
                     return
+                if got != NOT_READY:
+                    raise CopyFailed(f"done_event: {index}: cuEventQuery error {got}")
+            elif cuda_driver.event_done(event):
+                return
+            else:
                 time.sleep(0)
+            if watch.ended() and not cuda_driver.event_done(event):
+                watch.fail()
         raise CopyFailed(
             f"done_event: {index} did not complete within {timeout_s:g} s (the "
             "server stopped mid-copy?); the blocks may hold anything"
+        )
+
+
+class _Watch:
+    """The connection a load went out on: the server sends nothing on it
+    until the next request, so anything to read there (its end, as a rule)
+    means the copy will not be answered."""
+
+    def __init__(self, fd: int, index: int) -> None:
+        self.on, self._fd, self._index = fd >= 0, fd, index
+
+    def sleep(self, seconds: float) -> None:
+        if self.on:
+            select.select([self._fd], [], [], seconds)
+        else:
+            time.sleep(seconds)
+
+    def ended(self) -> bool:
+        return self.on and bool(select.select([self._fd], [], [], 0)[0])
+
+    def fail(self) -> None:
+        raise CopyFailed(
+            f"done_event: {self._index}: the server ended the connection before "
+            "the copy landed (the copy failed, or the server stopped); the "
+            "blocks may hold anything"
         )

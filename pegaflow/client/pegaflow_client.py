@@ -151,6 +151,12 @@ class PegaflowClient:
         self._socket.follow(info)  # a restarted server: another socket
         return info
 
+    def connection_fd(self) -> int:
+        """The server socket connection this thread's requests go out on (-1:
+        none, gRPC carries them): a load answered in flight watches it, as the
+        server ends it when that copy fails (IpcEvents.wait's hang_up_fd)."""
+        return self._socket.thread_fd()
+
     def _token(self, instance_id: str, tp_rank: int) -> bytes:
         return self._tokens.get((instance_id, tp_rank), b"")
 

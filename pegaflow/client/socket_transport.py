@@ -255,6 +255,12 @@ class SocketClient:
                 self._socks.remove(sock)
         sock.close()
 
+    def thread_fd(self) -> int:
+        """This thread's connection (its last request went out on it), -1
+        while it has none."""
+        sock = getattr(self._local, "sock", None)
+        return -1 if sock is None else sock.fileno()
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -295,6 +301,10 @@ class SocketTransport:
     @property
     def connected(self) -> bool:
         return self._frames is not None
+
+    def thread_fd(self) -> int:
+        """SocketClient.thread_fd; -1 without a connection."""
+        return -1 if self._frames is None else self._frames.thread_fd()
 
     def follow(self, info: pb.ServerInfoResponse) -> None:
         """The server gRPC reaches now: restarted, it has another socket."""

@@ -51,6 +51,7 @@ from pegaflow.tiers.protocol import Tier
 
 from .block_events import BlockEventHub
 from .copy_dispatch import CopyDispatch, uncancellable
+from .in_flight import InFlightLoads, start_copy
 from .load_items import LoadItem, item_results, l1_transfers, plan_item
 from .metrics import Metrics
 from .namespaces import NamespaceReaper
@@ -111,7 +112,7 @@ class Engine:
         )
         # Recent L1 -> engine copy rates, per copy engine (host, CUDA): what
         # query answers tell connectors (their fetch-or-recompute planner).
-        self._loads_in_flight: set[asyncio.Future] = set()  # answered, copying
+        self._loads_in_flight = InFlightLoads()
         self.load_rates: dict[CopyEngine, RateMeter] = collections.defaultdict(
             RateMeter
         )
@@ -365,6 +366,7 @@ class Engine:
         layer_seq: int,
         ctx: CallContext,
         done_event: int = 0,
+        hang_up: Callable[[], None] | None = None,
     ) -> LoadBatchResult:
         """Leased blocks into engine blocks, every item in one copy.
 
@@ -379,6 +381,7 @@ class Engine:
         once it has given up on this load. done_event (a GPU worker's event,
         1-based): a copy launched from here is answered as soon as it is
         queued (`in_flight`), the event recorded after it; else when done.
+        hang_up: ends the caller's connection, should such a copy fail.
         """
         worker = self.registry.owned_worker(
             instance_id, tp_rank, ctx.caller, ctx.owner_token
@@ -447,14 +450,17 @@ class Engine:
         if launched is None:  # answered once done: no task, no loop iteration
             await copy
             return results()
-        task = asyncio.ensure_future(copy)
+        task = start_copy(copy)
         try:
-            await asyncio.wait({task, launched}, return_when=asyncio.FIRST_COMPLETED)
+            if not launched.done():
+                await asyncio.wait(
+                    {task, launched}, return_when=asyncio.FIRST_COMPLETED
+                )
         except asyncio.CancelledError:  # its engine left: the copy ends anyway
-            self._keep_in_flight(task)
+            self._loads_in_flight.keep(task, None)
             raise
         if launched.done() and launched.result() and not task.done():
-            self._keep_in_flight(task)  # the engine waits on done_event
+            self._loads_in_flight.keep(task, hang_up)  # it waits on done_event
             return results(in_flight=True)
         await task
         return results()
@@ -496,17 +502,6 @@ class Engine:
         self._account("load", len(entries), transfers.total_bytes, seconds)
         if entries and not layer_seq:  # layer by layer, the engine sets the pace
             self.load_rates[worker.copier].observe(transfers.total_bytes, seconds)
-
-    def _keep_in_flight(self, task: asyncio.Future) -> None:
-        self._loads_in_flight.add(task)  # held: the loop keeps tasks weakly
-        task.add_done_callback(self._load_landed)
-
-    def _load_landed(self, copy: asyncio.Future) -> None:
-        """A load answered in flight finished: its engine learns how from its
-        done_event (a failed copy never records it: it gives up waiting)."""
-        self._loads_in_flight.discard(copy)
-        if not copy.cancelled() and copy.exception() is not None:
-            logger.warning("a load answered in flight failed: %s", copy.exception())
 
     async def _load_direct(
         self, worker: Worker, live: list[LoadItem], deadline: float | None

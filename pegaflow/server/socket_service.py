@@ -557,15 +557,14 @@ class _SocketProtocol(asyncio.Protocol):
     async def _load(self, body: bytes) -> bytes:
         *args, done, deadline_ns, token = decode_load(body)
         ctx = CallContext(self._caller, token, deadlines.from_wire(deadline_ns))
-        got = await self._engine.load(*args, ctx, done_event=done)
+        # A copy failing after its answer hangs up: the engine's wait sees it.
+        hang_up = self._transport.abort
+        got = await self._engine.load(*args, ctx, done_event=done, hang_up=hang_up)
         return load_reply(got.loaded, got.bytes, got.items, got.in_flight)
 
     async def _guarded(self, kind: int, body: bytes) -> bytes:
         """As gRPC's interceptor does (pegaflow.daemon.boundary)."""
-        if kind == REGISTER:
-            work = self._register(body)
-        else:
-            work = self._save(body) if kind == SAVE else self._load(body)
+        work = {REGISTER: self._register, SAVE: self._save}.get(kind, self._load)(body)
         got = await guarded(self._metrics, _METHODS[kind], "unix", work)
         return error_reply(got) if isinstance(got, PegaflowError) else got
 

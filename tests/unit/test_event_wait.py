@@ -4,6 +4,8 @@ how a failed or lost event ends it."""
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 
 import pytest
@@ -71,3 +73,29 @@ def test_a_failed_or_lost_event_fails_the_wait_naming_done_event(monkeypatch) ->
     faulted = Copy(monkeypatch, 10.0, error=700)  # CUDA_ERROR_ILLEGAL_ADDRESS
     with pytest.raises(CopyFailed, match="done_event: 2: cuEventQuery error 700"):
         waits.wait(1, 2, 5.0, MB, faulted.sent)
+
+
+def test_a_wait_fails_soon_after_its_connection_ends_and_not_while_it_stays(
+    monkeypatch,
+) -> None:
+    """The server ends the load's connection when its copy fails after the
+    answer (pegaflow.server.in_flight), and the kernel ends it when the server
+    dies: either way the event is never recorded, and the wait must not sit
+    out its timeout."""
+    waits = event_wait.LoadWaits()
+    engine_end, server_end = socket.socketpair()
+    with engine_end, server_end:
+        lands = Copy(monkeypatch, 0.03)  # the connection stays: it lands
+        waits.wait(1, 1, 5.0, MB, lands.sent, engine_end.fileno())
+        assert time.monotonic() - lands.sent >= 0.03
+        lost = Copy(monkeypatch, 60.0)
+        hang_up = threading.Timer(0.05, server_end.close)
+        hang_up.start()
+        with pytest.raises(CopyFailed, match="done_event: 4: the server ended"):
+            waits.wait(1, 4, 30.0, MB, lost.sent, engine_end.fileno())
+        hang_up.join()
+        took = time.monotonic() - lost.sent
+        assert 0.05 <= took < 5.0, took  # not the 30 s timeout
+        # Landed before the wait looked (the server stopped after it): the
+        # blocks are there, whatever the connection says now.
+        waits.wait(1, 2, 5.0, MB, Copy(monkeypatch, 0.0).sent, engine_end.fileno())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import threading
 import time
 from types import SimpleNamespace
@@ -166,25 +167,33 @@ def test_a_bad_done_event_is_refused_before_anything_moves(setup) -> None:
     assert lease.id in engine.leases  # still there: the engine may load it
 
 
-def test_a_copy_failing_after_its_answer_still_releases_its_blocks(setup) -> None:
+@pytest.mark.parametrize("fails", [True, False])
+def test_a_copy_failing_after_its_answer_hangs_up_and_releases_its_blocks(
+    setup, fails: bool
+) -> None:
     """The engine's event is never recorded past the failed copy (the stream
-    faulted): the engine gives up waiting. The server logs it and the blocks
-    go back."""
+    faulted): the server ends the caller's connection (`hang_up`), which the
+    engine's wait watches, logs it, and the blocks go back. A copy that
+    lands hangs up nothing."""
     engine, ctx, copier = setup
     lease = lease_of(engine, ctx)
+    hung_up: list[bool] = []
+    hang_up = functools.partial(hung_up.append, True)
 
     async def scenario() -> None:
         call = engine.load("i", 0, [(lease.id, 0, np.arange(20, 24))], False, 0,
-                           ctx, done_event=1)  # fmt: skip
+                           ctx, done_event=1, hang_up=hang_up)  # fmt: skip
         got = await asyncio.wait_for(call, 5)
-        assert got.in_flight
-        copier.fail = CopyFailed("an illegal address, stand-in")
+        assert got.in_flight and not hung_up
+        if fails:
+            copier.fail = CopyFailed("an illegal address, stand-in")
         copier.done.set()
         while engine._loads_in_flight:
             await asyncio.sleep(0.001)
 
     asyncio.run(scenario())
-    assert "finished, failed" in copier.log
+    assert ("finished, failed" in copier.log) == fails
+    assert hung_up == ([True] if fails else [])
     assert all(e.pins == 0 for e in lease.entries)
 
 
