@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -18,6 +19,7 @@ import torch
 
 from pegaflow.client.kv_layouts import describe
 from pegaflow.client.pegaflow_client import PegaflowClient
+from pegaflow.common.errors import CopyFailed
 
 state: dict[str, object] = {}
 
@@ -257,10 +259,12 @@ def load(
     offset: int = 0,
     done_event: bool = False,
     done_index: int = 0,
+    kill_when_answered: int = 0,
 ) -> dict:
     """done_event: name one of our load events (done_index: that index, as a
     bad engine might); a load answered in flight is waited for on it, as a
-    GPU engine's connector does."""
+    GPU engine's connector does. kill_when_answered: SIGKILL that pid (the
+    server) once the load is answered in flight, and say how the wait ended."""
     events = state.get("events")
     done = events.load_event() if done_event and events is not None else 0
     done = done_index or done
@@ -273,9 +277,20 @@ def load(
         lease_offset=offset,
         done_event=done,
     )
+    waited, error = 0.0, ""
     if res.in_flight:
-        events.wait(done, 30.0, res.bytes, sent, state["client"].connection_fd())
-    return {"loaded": res.loaded, "bytes": res.bytes, "in_flight": res.in_flight}
+        if kill_when_answered:
+            os.kill(kill_when_answered, signal.SIGKILL)
+        start = time.monotonic()
+        try:
+            events.wait(done, 30.0, res.bytes, sent, state["client"].connection_fd())
+        except CopyFailed as exc:
+            if not kill_when_answered:
+                raise
+            error = str(exc)
+        waited = time.monotonic() - start
+    return {"loaded": res.loaded, "bytes": res.bytes, "in_flight": res.in_flight,
+            "waited_s": waited, "error": error}  # fmt: skip
 
 
 def stall(block: int) -> dict:

@@ -285,3 +285,34 @@ def test_loads_answered_in_flight_land_before_their_event(
     hit = b.call("query", hashes=hashes)
     with pytest.raises(Exception, match="done_event: 99"):
         b.call("load", lease_id=hit["lease_id"], block_ids=dst, done_index=99)
+
+
+def test_a_wait_on_a_load_in_flight_ends_soon_when_its_server_dies(
+    gpu: None,
+    server_factory: Callable[..., ServerProc],
+    engine: Callable[..., EngineProc],
+) -> None:
+    """SIGKILLed right after answering a load in flight (a 200 MiB copy), the
+    server records no event past a copy it no longer runs: the engine's wait
+    ends within seconds (the kernel ends its connection, which the wait
+    watches), not at its 30 s timeout; the blocks either landed first or the
+    wait fails saying the connection ended."""
+    srv = server_factory("--pool-size", "2gb", "--devices", "0")
+    shape = dict(layers=32, blocks=256, heads=8, block_size=16, head=128)
+    a, b = engine(), engine()
+    setup(a, srv, "a-kill", "ns-kill", layout="LBNHC", seed=43, **shape)
+    setup(b, srv, "b-kill", "ns-kill", layout="LBNHC", seed=44, **shape)
+    n = 100  # 200 MiB, ~4 ms: under LOOP_MAX_S, so launched on the loop
+    for _ in range(20):  # until the pool is pinned: copies then go in flight
+        hashes = tokens(n)
+        assert a.call("save", block_ids=list(range(n)), hashes=hashes)["stored"] == n
+        hit = b.call("query", hashes=hashes)
+        got = b.call("load", lease_id=hit["lease_id"], block_ids=list(range(n)),
+                     done_event=True, kill_when_answered=srv.pid)  # fmt: skip
+        if got["in_flight"]:
+            break
+        time.sleep(0.2)
+    assert got["in_flight"], "no load went in flight"
+    assert got["waited_s"] < 5.0, got
+    assert got["error"] == "" or got["error"].startswith("done_event"), got
+    print("wait after the server's SIGKILL:", got)
