@@ -25,9 +25,10 @@ EAGER = sys.version_info >= (3, 12)
 
 def start_copy(copy: Coroutine[Any, Any, None]) -> asyncio.Task:
     """The copy as a task, run at once up to its first wait where possible."""
+    loop = asyncio.get_running_loop()  # (3.12's eager start finds none itself)
     if EAGER:
-        return asyncio.Task(copy, eager_start=True)  # type: ignore[call-arg]
-    return asyncio.ensure_future(copy)
+        return asyncio.Task(copy, loop=loop, eager_start=True)  # type: ignore[call-arg]
+    return loop.create_task(copy)
 
 
 class InFlightLoads:
