@@ -290,7 +290,7 @@ def load(
             error = str(exc)
         waited = time.monotonic() - start
     return {"loaded": res.loaded, "bytes": res.bytes, "in_flight": res.in_flight,
-            "waited_s": waited, "error": error}  # fmt: skip
+            "waited_s": waited, "wait_error": error}  # fmt: skip
 
 
 def stall(block: int) -> dict:
