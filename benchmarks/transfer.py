@@ -408,11 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--load-answer",
         choices=("event", "done"),
-        default="done",
-        help="done (the default, as the connector loads): the server answers "
-        "once the copy is done; event (the connector's loads_in_flight): each "
-        "load names one of the engine's IPC events, the server may answer as "
-        "its copy is queued and the engine waits on the event",
+        default="event",
+        help="event (the default, the connector's loads_in_flight): each load "
+        "names one of the engine's IPC events, the server may answer as its "
+        "copy is queued and the engine waits on the event; done: the server "
+        "answers once the copy is done",
     )
     p.add_argument(
         "--lat-gap-ms",

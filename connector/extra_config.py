@@ -77,9 +77,11 @@ class ConnectorConfig:
     busy_poll_us: int = AUTO_BUSY_POLL
     # A GPU worker's loads name one of its IPC events: the server answers as
     # the copy is queued and the worker polls its event (docs/architecture.md,
-    # "Load"). Off until measured faster on a GPU (benchmarks/RESULTS.md,
-    # session 17: its first wait was slower than the server's answer).
-    loads_in_flight: bool = False
+    # "Load"); a copy failing after that answer ends the worker's connection,
+    # which its wait watches. 64-block loads ran 44.3 GB/s against 38.1
+    # answered done on an H100 host (benchmarks/RESULTS.md, session 18).
+    # A host (CPU) worker's loads always answer done.
+    loads_in_flight: bool = True
     # Host (CPU) KV: back it with a sealed memfd the server maps, so its
     # copies are memcpy instead of process_vm_* (pegaflow.client.host_share).
     share_host_kv: bool = True
