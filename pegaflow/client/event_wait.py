@@ -85,8 +85,8 @@ class LoadWaits:
         watch = _Watch(hang_up_fd, index)
         if rate:
             nap = sent_at + nbytes / rate - WAKE_EARLY_S - time.monotonic()
-            if nap > 0:
-                watch.sleep(nap)
+            if nap > 0:  # ms at most (longer copies are answered done)
+                time.sleep(nap)
         try:  # one look through the runtime (it makes the thread's context)
             done_at_first = cuda_driver.event_done(event)
         except cuda_driver.CudaError as exc:
@@ -129,19 +129,17 @@ class LoadWaits:
 class _Watch:
     """The connection a load went out on: the server sends nothing on it
     until the next request, so anything to read there (its end, as a rule)
-    means the copy will not be answered."""
+    means the copy will not be answered. poll, not select: a vLLM worker's
+    descriptors run past select's 1,024."""
 
     def __init__(self, fd: int, index: int) -> None:
-        self.on, self._fd, self._index = fd >= 0, fd, index
-
-    def sleep(self, seconds: float) -> None:
+        self.on, self._index = fd >= 0, index
+        self._poll = select.poll()
         if self.on:
-            select.select([self._fd], [], [], seconds)
-        else:
-            time.sleep(seconds)
+            self._poll.register(fd, select.POLLIN)  # (ends and errors: always)
 
     def ended(self) -> bool:
-        return self.on and bool(select.select([self._fd], [], [], 0)[0])
+        return self.on and bool(self._poll.poll(0))
 
     def fail(self) -> None:
         raise CopyFailed(

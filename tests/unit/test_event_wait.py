@@ -4,6 +4,8 @@ how a failed or lost event ends it."""
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import threading
 import time
@@ -99,3 +101,24 @@ def test_a_wait_fails_soon_after_its_connection_ends_and_not_while_it_stays(
         # Landed before the wait looked (the server stopped after it): the
         # blocks are there, whatever the connection says now.
         waits.wait(1, 2, 5.0, MB, Copy(monkeypatch, 0.0).sent, engine_end.fileno())
+
+
+def test_a_connection_numbered_past_selects_limit_is_watched_too(monkeypatch) -> None:
+    """A vLLM worker holds well over 1,024 descriptors: select() cannot take
+    them, poll() can."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 1500:
+        pytest.skip(f"RLIMIT_NOFILE's hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    engine_end, server_end = socket.socketpair()
+    try:
+        high = os.dup2(engine_end.fileno(), 1500)
+        server_end.close()  # the server died before the wait looked
+        with pytest.raises(CopyFailed, match="the server ended the connection"):
+            event_wait.LoadWaits().wait(
+                1, 1, 30.0, MB, Copy(monkeypatch, 60.0).sent, high
+            )
+        os.close(high)
+    finally:
+        engine_end.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
