@@ -91,6 +91,7 @@ class RunningServer:
         if self.socket_server is not None:
             _close_socket_server(self.socket_server, self.socket_path)
         await self.grpc_server.stop(grace_s)
+        await self.engine.drain_loads(grace_s)  # they read the pool, write engines
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()

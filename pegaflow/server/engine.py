@@ -589,6 +589,10 @@ class Engine:
         seen.pool_full_rejections = c.pool_full_rejections
         seen.stale_dropped = c.stale_dropped
 
+    async def drain_loads(self, timeout_s: float) -> None:
+        """Until the copies of loads answered in flight ended."""
+        await self._loads_in_flight.drain(timeout_s)
+
     def close(self) -> None:
         """After the tiers closed: their reads may use workers' mappings."""
         self.registry.close()

@@ -41,6 +41,12 @@ class InFlightLoads:
     def __len__(self) -> int:
         return len(self._copies)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Until every copy held ended (a stopping server: the pool and the
+        engines' mappings must outlive them), at most timeout_s."""
+        if self._copies:
+            await asyncio.wait(set(self._copies), timeout=timeout_s)
+
     def keep(self, copy: asyncio.Future, hang_up: Callable[[], None] | None) -> None:
         """Hold `copy`; should it fail, `hang_up` ends its engine's connection
         (the engine's wait sees it at once)."""

@@ -52,3 +52,28 @@ def test_only_a_failed_copy_hangs_up_on_its_engine(ending: str) -> None:
 
     asyncio.run(scenario())
     assert hung_up == ([True] if ending == "fails" else [])
+
+
+def test_a_stopping_server_waits_for_the_copies_it_answered_then_gives_up() -> None:
+    """The pool and the engines' mappings must outlive a copy still running:
+    drain waits for it, at most its timeout (a wedged GPU must not hold the
+    stop for ever)."""
+    loads = in_flight.InFlightLoads()
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        launched, ends = loop.create_future(), loop.create_future()
+        loads.keep(in_flight.start_copy(copy(launched, ends)), None)
+        loop.call_later(0.05, ends.set_result, None)
+        start = loop.time()
+        await loads.drain(5.0)
+        assert 0.04 <= loop.time() - start < 4.0 and not len(loads)
+        stuck, never = loop.create_future(), loop.create_future()
+        loads.keep(in_flight.start_copy(copy(stuck, never)), None)
+        start = loop.time()
+        await loads.drain(0.05)
+        assert loop.time() - start < 4.0 and len(loads) == 1
+        never.cancel()
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
