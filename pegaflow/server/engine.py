@@ -112,7 +112,7 @@ class Engine:
         )
         # Recent L1 -> engine copy rates, per copy engine (host, CUDA): what
         # query answers tell connectors (their fetch-or-recompute planner).
-        self._loads_in_flight = InFlightLoads()
+        self._loads_in_flight = InFlightLoads(self.metrics.loads_in_flight)
         self.load_rates: dict[CopyEngine, RateMeter] = collections.defaultdict(
             RateMeter
         )
@@ -457,7 +457,7 @@ class Engine:
                     {task, launched}, return_when=asyncio.FIRST_COMPLETED
                 )
         except asyncio.CancelledError:  # its engine left: the copy ends anyway
-            self._loads_in_flight.keep(task, None)
+            self._loads_in_flight.keep(task, None, answered=False)
             raise
         if launched.done() and launched.result() and not task.done():
             self._loads_in_flight.keep(task, hang_up)  # it waits on done_event

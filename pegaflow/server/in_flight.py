@@ -35,8 +35,13 @@ class InFlightLoads:
     """The copies of loads already answered, held until they end (the loop
     keeps tasks only weakly)."""
 
-    def __init__(self) -> None:
+    def __init__(self, counts: Any = None) -> None:
+        """counts: a prometheus Counter by `outcome` (answered, failed)."""
         self._copies: set[asyncio.Future] = set()
+        self._answered = self._failed = None
+        if counts is not None:  # labels() costs a few us: once each
+            self._answered = counts.labels("answered")
+            self._failed = counts.labels("failed")
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -47,16 +52,26 @@ class InFlightLoads:
         if self._copies:
             await asyncio.wait(set(self._copies), timeout=timeout_s)
 
-    def keep(self, copy: asyncio.Future, hang_up: Callable[[], None] | None) -> None:
+    def keep(
+        self,
+        copy: asyncio.Future,
+        hang_up: Callable[[], None] | None,
+        answered: bool = True,
+    ) -> None:
         """Hold `copy`; should it fail, `hang_up` ends its engine's connection
-        (the engine's wait sees it at once)."""
+        (the engine's wait sees it at once). answered: False for the copy of
+        a load whose caller left before its answer."""
         self._copies.add(copy)
         copy.add_done_callback(lambda done: self._landed(done, hang_up))
+        if answered and self._answered is not None:
+            self._answered.inc()
 
     def _landed(self, copy: asyncio.Future, hang_up: Callable[[], None] | None) -> None:
         self._copies.discard(copy)
         if copy.cancelled() or copy.exception() is None:
             return
         logger.warning("a load answered in flight failed: %s", copy.exception())
+        if self._failed is not None:
+            self._failed.inc()
         if hang_up is not None:
             hang_up()

@@ -116,6 +116,14 @@ class Metrics:
             ["way"],
             registry=r,
         )
+        self.loads_in_flight = Counter(
+            "pegaflow_loads_in_flight",
+            "loads answered as their copy was queued (a GPU worker's "
+            "done_event): answered; failed: the copy failed after the answer "
+            "(its connection was ended: the engine recomputes those blocks)",
+            ["outcome"],
+            registry=r,
+        )
         self.rpc_seconds = Histogram(
             "pegaflow_rpc_seconds",
             "server-side RPC time, by method, status and transport (grpc, unix)",

@@ -194,6 +194,10 @@ def test_a_copy_failing_after_its_answer_hangs_up_and_releases_its_blocks(
     asyncio.run(scenario())
     assert ("finished, failed" in copier.log) == fails
     assert hung_up == ([True] if fails else [])
+    counted = engine.metrics.registry.get_sample_value
+    name = "pegaflow_loads_in_flight_total"
+    assert counted(name, {"outcome": "answered"}) == 1
+    assert counted(name, {"outcome": "failed"}) == (1 if fails else 0)
     assert all(e.pins == 0 for e in lease.entries)
 
 
