@@ -85,8 +85,8 @@ class LoadWaits:
         watch = _Watch(hang_up_fd, index)
         if rate:
             nap = sent_at + nbytes / rate - WAKE_EARLY_S - time.monotonic()
-            if nap > 0:  # ms at most (longer copies are answered done)
-                time.sleep(nap)
+            if nap > 0:
+                watch.nap(nap)
         try:  # one look through the runtime (it makes the thread's context)
             done_at_first = cuda_driver.event_done(event)
         except cuda_driver.CudaError as exc:
@@ -140,6 +140,16 @@ class _Watch:
 
     def ended(self) -> bool:
         return self.on and bool(self._poll.poll(0))
+
+    def nap(self, seconds: float) -> None:
+        """Sleep `seconds`, less if the connection ends meanwhile: whole ms
+        watched (poll's resolution), the rest slept (a rate learnt from a
+        stalled wait may ask for a long nap)."""
+        end = time.monotonic() + seconds
+        if self.on and seconds >= 1e-3 and self._poll.poll(int(seconds * 1e3)):
+            return
+        if (left := end - time.monotonic()) > 0:
+            time.sleep(left)
 
     def fail(self) -> None:
         raise CopyFailed(
