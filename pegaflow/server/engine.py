@@ -110,9 +110,9 @@ class Engine:
             self.tiers,
             config.max_idle_namespaces,
         )
+        self._loads_in_flight = InFlightLoads(self.metrics.loads_in_flight)
         # Recent L1 -> engine copy rates, per copy engine (host, CUDA): what
         # query answers tell connectors (their fetch-or-recompute planner).
-        self._loads_in_flight = InFlightLoads(self.metrics.loads_in_flight)
         self.load_rates: dict[CopyEngine, RateMeter] = collections.defaultdict(
             RateMeter
         )
