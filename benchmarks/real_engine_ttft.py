@@ -52,6 +52,30 @@ def server_copy(server: object) -> float:
     return server.metric("pegaflow_transfer_seconds_sum", 'direction="load"')
 
 
+def server_loaded(server: object) -> float:
+    """Bytes the server has copied into engines."""
+    return server.metric("pegaflow_transfer_bytes_total", 'direction="load"')
+
+
+def cold_copy_ms(nbytes: int, reps: int = 9) -> float:
+    """The floor under a server hit's copy on this host: one memcpy of the
+    hit's KV bytes between places no cache holds (random offsets in 1 GiB
+    buffers), median ms. A server hit adds at least this to a local hit's
+    TTFT unless the copy overlaps the forward."""
+    import numpy as np
+
+    span = 1 << 30
+    src, dst = np.ones(span, np.uint8), np.zeros(span, np.uint8)
+    rng = np.random.default_rng(0)
+    took = []
+    for _ in range(reps):
+        a, b = (int(x) // 4096 * 4096 for x in rng.integers(0, span - nbytes, 2))
+        t = time.perf_counter()
+        np.copyto(dst[b : b + nbytes], src[a : a + nbytes])
+        took.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(took)
+
+
 def uptime() -> str:
     """The host's load as `uptime` prints it: other sessions share the VM."""
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -72,7 +96,7 @@ def phase(
         resident = json.loads(server.get("/stats")[1])["pool"]["resident_blocks"]
     engine.reset_prefix_cache()
     before = counters(engine)
-    copy_before = server_copy(server)
+    copy_before, bytes_before = server_copy(server), server_loaded(server)
     remote, local = [], []
     for p in batch:
         hit = engine.generate([p], 1)[0]
@@ -83,6 +107,7 @@ def phase(
         local.append(again.ttft)
     after = counters(engine)
     copy_after = server_copy(server)
+    prompt_bytes = int((server_loaded(server) - bytes_before) / n)
     loads = max(1.0, after.get("load_blocks", 0) - before.get("load_blocks", 0))
     queries = max(1.0, after.get("queries", 0) - before.get("queries", 0))
     ms = 1e3
@@ -104,6 +129,10 @@ def phase(
         # prompt: the rest of "the Load" is the round trip and the engine.
         "server_copy_ms_per_prompt": ms * (copy_after - copy_before) / n,
         "cached_tokens": want_hit,
+        # what the copy alone adds at the least, as a ratio to the local hit
+        "copy_floor_ms": (floor := cold_copy_ms(max(prompt_bytes, 1 << 20))),
+        "ratio_floor": (statistics.median(local) * ms + floor)
+        / (statistics.median(local) * ms),
         "loadavg": os.getloadavg()[0],
         "uptime": uptime(),
     }
