@@ -117,7 +117,6 @@ def format_duration(seconds: float) -> str:
 MAX_LEASE_TTL_S = 3600.0
 MAX_THREADS = 256
 MAX_CTAS = 1024
-MAX_STAGING_MIB = 1 << 16  # 64 GiB: more than any GPU spares
 MAX_POOL_BYTES = 1 << 50  # 1 PiB; whether it fits this machine is checked at start
 MAX_HLL_WINDOW_S = 366 * 86400.0
 
@@ -246,9 +245,6 @@ class CudaConfig:
     max_ctas: int = 66
     event_timeout_s: float = 10.0  # bound on a save waiting for an engine event
     copy_path: CopyPathSetting = "auto"
-    # MiB of GPU memory per served GPU that loads by kernel are staged through
-    # (pegaflow.copiers.staged_load); 0: loads read the pool directly
-    load_staging_mib: int = 0
 
     def __post_init__(self) -> None:
         if self.devices is not None and (not self.devices or min(self.devices) < 0):
@@ -258,7 +254,6 @@ class CudaConfig:
             raise ValueError(f"devices: {self.devices} names a GPU twice")
         check_int("max_ctas", self.max_ctas, 1, MAX_CTAS)
         check_seconds("event_timeout_s", self.event_timeout_s, 3600.0)
-        check_int("load_staging_mib", self.load_staging_mib, 0, MAX_STAGING_MIB)
         if self.copy_path not in ("auto", "kernel", "dma"):
             raise ValueError(f"copy_path: {self.copy_path!r}, need auto|kernel|dma")
 

@@ -28,19 +28,14 @@ grows in stream order and a waiter is done once it reached its own number.
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from pegaflow.common import cuda_driver
 from pegaflow.common.errors import CopyFailed
-
-logger = logging.getLogger(__name__)
 
 SPIN_S = 2e-3  # ~10x a small batch; longer waits block in the synchronize
 # Read without a syscall first: a 1-block batch ends in ~35 us. It holds the
@@ -110,24 +105,3 @@ def wait_engine_event(event: object, timeout_s: float) -> None:
                 f"{timeout_s:g} s (engine gone mid-step?)"
             )
         time.sleep(0 if waited < ENGINE_SPIN_S else ENGINE_POLL_S)
-
-
-def open_stream_flags(
-    synchronize: Callable[[Any], None], save: Any, load: Any
-) -> dict[str, StreamFlag]:
-    """A flag per stream (the save and load streams), each written once here;
-    {} (stream syncs only) where the driver refuses stream memory operations
-    or the word never changes (each wait would then spin its whole bound)."""
-    flags: dict[str, StreamFlag] = {}
-    try:
-        for direction, stream in (("save", save), ("load", load)):
-            host, device = cuda_driver.mapped_word()
-            probe = StreamFlag(host, device, cuda_driver.stream_write32, 1.0)
-            sync = functools.partial(synchronize, stream)
-            if not probe.wait(int(stream.handle), sync):
-                raise cuda_driver.CudaError("the first flag write never landed")
-            flags[direction] = StreamFlag(host, device, cuda_driver.stream_write32)
-    except CopyFailed as exc:  # CudaError, or the probe's synchronize
-        logger.warning("stream flags unavailable, stream syncs only: %s", exc)
-        return {}
-    return flags

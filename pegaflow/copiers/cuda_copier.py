@@ -41,17 +41,16 @@ import numpy as np
 
 from pegaflow import kernels
 from pegaflow.common import cuda_driver, deadlines
-from pegaflow.common.errors import InvalidRequest
+from pegaflow.common.errors import CopyFailed, InvalidRequest
 from pegaflow.common.geometry import Transfers
 
 from . import dma, measured
-from .completion import StreamFlag, open_stream_flags, wait_engine_event
+from .completion import StreamFlag, wait_engine_event
 from .copier import CudaExport
 from .gpu_state import Faults, InFlight, Rates
 from .ipc_mappings import IpcMappings, opened
 from .measured import COMPLETION, FLAG_MAX_BYTES, PATHS
 from .path_choice import CopyDirection, CopyPath, CopyPolicy, timed
-from .staged_load import LoadStaging, open_staging
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +81,6 @@ class _Device:
     load: Any
     flags: dict[CopyDirection, StreamFlag] = field(default_factory=dict)
     spare_events: list[tuple[Any, Any]] = field(default_factory=list)  # timing pairs
-    staging: LoadStaging | None = None  # --load-staging-mib
 
     def stream(self, direction: CopyDirection) -> Any:
         return self.save if direction == "save" else self.load
@@ -127,12 +125,9 @@ class CudaCopyEngine:
         event_timeout_s: float = 10.0,
         policy: CopyPolicy | None = None,
         pins: PoolPins | None = None,
-        load_staging_bytes: int = 0,
     ) -> None:
         """pins: the pool's chunks pinned so far, where it is pinned beside
-        serving; each copy waits for those it touches (`_pool_pinned`).
-        load_staging_bytes: a buffer this large on each GPU for loads by
-        kernel to go through (pegaflow.copiers.staged_load); 0: none."""
+        serving; each copy waits for those it touches (`_pool_pinned`)."""
         if not ordinals:
             raise ValueError("ordinals: need at least one CUDA device")
         self._pins = pins
@@ -155,11 +150,7 @@ class CudaCopyEngine:
             self._devices[uuid] = dev
             warm_up(self._k, dev.save)
             if self._dma is not None:
-                dev.flags = open_stream_flags(self._k.synchronize, dev.save, dev.load)
-            chunks = (pool_base, cuda_driver.POOL_CHUNK_BYTES)
-            dev.staging = open_staging(
-                self._k, ordinal, load_staging_bytes, self._dma, chunks
-            )
+                dev.flags = self._open_flags(dev)
         logger.info(
             "CUDA copy engine on device(s) %s, %d CTAs, copy path %s",
             ordinals,
@@ -181,6 +172,24 @@ class CudaCopyEngine:
             logger.warning("copy engines unavailable, kernels only: %s", exc)
             self._policy = CopyPolicy("kernel")
             return None
+
+    def _open_flags(self, dev: _Device) -> dict[CopyDirection, StreamFlag]:
+        """A flag per stream, each written once here; {} (stream syncs only)
+        where the driver refuses stream memory operations or the word never
+        changes (each wait would then spin its whole bound)."""
+        flags: dict[CopyDirection, StreamFlag] = {}
+        try:
+            for direction, stream in (("save", dev.save), ("load", dev.load)):
+                host, device = cuda_driver.mapped_word()
+                probe = StreamFlag(host, device, cuda_driver.stream_write32, 1.0)
+                sync = functools.partial(self._k.synchronize, stream)
+                if not probe.wait(int(stream.handle), sync):
+                    raise cuda_driver.CudaError("the first flag write never landed")
+                flags[direction] = StreamFlag(host, device, cuda_driver.stream_write32)
+        except CopyFailed as exc:  # CudaError, or the probe's synchronize
+            logger.warning("stream flags unavailable, stream syncs only: %s", exc)
+            return {}
+        return flags
 
     @property
     def faults(self) -> dict[int, str]:
@@ -382,8 +391,6 @@ class CudaCopyEngine:
             self._k.gather(
                 src, dst, t, stream=stream, max_blocks=self._ctas, before_launch=started
             )
-        elif dev.staging is not None and dev.staging.fits(t):
-            dev.staging.queue(src, dst, t, stream, self._ctas, started)
         else:
             self._k.scatter(
                 src, dst, t, stream=stream, max_blocks=self._ctas, before_launch=started

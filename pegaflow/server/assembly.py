@@ -398,7 +398,7 @@ def _cuda_bringup(
         policy = ContendedPolicy.from_config(config)
         return CudaCopyEngine(
             pool.base, pool.size, ordinals, config.max_ctas, config.event_timeout_s,
-            policy, pins, config.load_staging_mib << 20,
+            policy, pins,
         )  # fmt: skip
 
     def install(built: CopyEngine) -> None:

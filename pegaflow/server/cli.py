@@ -114,7 +114,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_ctas=args.copy_ctas,
             event_timeout_s=args.cuda_event_timeout,
             copy_path=args.copy_path,
-            load_staging_mib=args.load_staging_mib,
         ),
         ssd=ssd_config(args),
         remote=remote_flags.remote_config(args),

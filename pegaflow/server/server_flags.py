@@ -32,7 +32,6 @@ FLAG_OF = {
     "lease_ttl_s": "--lease-ttl",
     "copy_threads": "--copy-threads",
     "max_ctas": "--copy-ctas",
-    "load_staging_mib": "--load-staging-mib",
     "event_timeout_s": "--cuda-event-timeout",
     "metric_hll_windows": "--metric-hll-windows",
     "metric_hll_bucket_bits": "--metric-hll-bucket-bits",
@@ -214,15 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
         "per batch from a measured table, and copy engines while another "
         "process computes on the GPU (pegaflow/copiers/measured.py; default: "
         "auto)",
-    )
-    p.add_argument(
-        "--load-staging-mib",
-        type=int,
-        default=0,
-        help="MiB of GPU memory on each served GPU that loads go through: copy "
-        "engines move whole pool slots there, a kernel scatters the pages "
-        "(faster than the kernel reading the pool over PCIe; needs CUDA 12.8+; "
-        "default: 0, off)",
     )
     p.add_argument(
         "--cuda-event-timeout",

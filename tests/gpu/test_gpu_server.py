@@ -193,8 +193,6 @@ COPY_PATHS = {
     "dma": ("--copy-path", "dma"),
     "auto": ("--copy-path", "auto"),
     "kernel": ("--copy-path", "kernel"),
-    # loads staged through a 1 MiB device buffer: several parts per load
-    "staged": ("--copy-path", "kernel", "--load-staging-mib", "1"),
 }
 
 
@@ -206,8 +204,7 @@ def test_copy_paths_move_the_same_bytes(
     path: str,
 ) -> None:
     """Saves and loads by copy engines (cuMemcpyBatchAsync from numpy arrays,
-    forced or chosen by the measured crossover table), by kernels, and loads
-    staged through a device buffer (copy engines, then a kernel): every
+    forced or chosen by the measured crossover table) and by kernels: every
     byte equal for a one-segment and a K/V-first layout, and the server log
     shows which path moved them."""
     args = ("--pool-size", "2gb", "--devices", "0", *COPY_PATHS[path])

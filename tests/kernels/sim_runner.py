@@ -166,46 +166,6 @@ def numpy_checks_before_compiled_loops() -> None:
     assert {"check", "split"} <= set(calls), calls
 
 
-def staged_load_matches_a_direct_scatter() -> None:
-    """A load staged through a device buffer (pegaflow.copiers.staged_load):
-    the copy-engine batch on test_dma_batch's stand-in for libcuda (it moves
-    the bytes: the simulator's memory is the host's), the scatter out of the
-    buffer by the simulated kernel, in two parts; against numpy."""
-    from pegaflow.copiers import dma
-    from pegaflow.copiers.staged_load import LoadStaging
-    from tests.unit.test_dma_batch import FakeLib
-    from tests.unit.test_staged_load import LAYERS, PAGE, SLOT, load_table
-
-    k = kernels.backend("cuda")
-    rng = np.random.default_rng(11)
-    pool_mem = kernels.plan.aligned_empty(12 * SLOT)
-    pool_mem[:] = rng.integers(0, 256, pool_mem.size, np.uint8)
-    pool = k.wrap(pool_mem.ctypes.data, pool_mem.nbytes, mapped=True, owner=pool_mem)
-    got = kernels.plan.aligned_empty(LAYERS * 8 * PAGE)
-    got[:] = rng.integers(0, 256, got.size, np.uint8)
-    want = got.copy()
-    engine = k.wrap(got.ctypes.data, got.nbytes, owner=got)
-    lib = FakeLib()
-    lib.execute = True
-    staging = LoadStaging(
-        k, k.staging_buffer(3 * SLOT), dma.bind(lib), dma.attributes("load", 0),
-        (0, 1 << 40),
-    )  # fmt: skip
-    slots, blocks = rng.permutation(12)[:5], rng.permutation(8)[:5]
-    t = load_table(pool, engine, slots, blocks, 8)
-    stream = k.stream()
-    stream.handle = 0x5150  # the driver's CUstream; the simulator's has none
-    staging.queue(pool, engine, t, stream, 4)
-    k.synchronize(None)
-    pages = pool_mem.reshape(12, LAYERS, PAGE)
-    for slot, block in zip(slots.tolist(), blocks.tolist(), strict=True):
-        for layer in range(LAYERS):
-            at = (layer * 8 + block) * PAGE
-            want[at : at + PAGE] = pages[slot, layer]
-    assert np.array_equal(got, want)
-    assert len(lib.calls) == 2
-
-
 def main(shard: int, shards: int) -> dict[str, str]:
     k = kernels.backend("cuda")
     assert k.SIMULATED, "simulator not active"
@@ -217,7 +177,6 @@ def main(shard: int, shards: int) -> dict[str, str]:
         ("tables_per_stream_object", tables_per_stream_object),
         ("a_waiting_stream_holds_no_other", a_waiting_stream_holds_no_other),
         ("numpy_checks_before_compiled_loops", numpy_checks_before_compiled_loops),
-        ("staged_load_matches_a_direct_scatter", staged_load_matches_a_direct_scatter),
     ]
     for case in all_cases():
         jobs.append((case.name, lambda c=case: check(c, run_case(k, c, alloc, alloc))))

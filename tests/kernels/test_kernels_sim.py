@@ -21,7 +21,6 @@ RUNNER = Path(__file__).with_name("sim_runner.py")
 SHARDS = 2
 NAMES = ["shim_installed", "rejects_bad_requests", "tables_per_stream_object"]
 NAMES += ["a_waiting_stream_holds_no_other", "numpy_checks_before_compiled_loops"]
-NAMES += ["staged_load_matches_a_direct_scatter"]
 NAMES += [c.name for c in all_cases()]
 
 

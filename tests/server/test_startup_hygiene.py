@@ -159,7 +159,6 @@ def test_pool_larger_than_memory() -> None:
         ("--copy-threads", "0"),
         ("--prefault-threads", "0"),
         ("--copy-ctas", "100000"),
-        ("--load-staging-mib", "-1"),
         ("--cuda-event-timeout", "inf"),
         ("--metric-hll-bucket-bits", "40"),
         ("--metric-hll-windows", "infs"),

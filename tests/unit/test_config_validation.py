@@ -52,19 +52,6 @@ def test_counts_are_integers_in_range(make, field: str, value: object) -> None:
         make(value)
 
 
-@pytest.mark.parametrize("value", [-1, 1 << 17, 2.5, True])
-def test_load_staging_is_whole_mib_in_range(value: object) -> None:
-    with pytest.raises(ValueError, match="load_staging_mib"):
-        CudaConfig(load_staging_mib=value)  # type: ignore[arg-type]
-
-
-def test_load_staging_is_off_by_default_and_takes_mib() -> None:
-    assert CudaConfig().load_staging_mib == 0
-    assert CudaConfig(load_staging_mib=256).load_staging_mib == 256
-    args = build_parser().parse_args(["--load-staging-mib", "64"])
-    assert config_from_args(args).cuda.load_staging_mib == 64
-
-
 def test_sizes_and_windows() -> None:
     with pytest.raises(ValueError, match="pool_size"):
         PoolConfig(size_bytes=1 << 60)
@@ -114,8 +101,6 @@ def test_defaults_pass() -> None:
         (["--copy-threads", "0"], "--copy-threads"),
         (["--prefault-threads", "100000"], "--prefault-threads"),
         (["--copy-ctas", "0"], "--copy-ctas"),
-        (["--load-staging-mib", "-1"], "--load-staging-mib"),
-        (["--load-staging-mib", "100000"], "--load-staging-mib"),
         (["--cuda-event-timeout", "nan"], "--cuda-event-timeout"),
         (["--metric-hll-bucket-bits", "30"], "--metric-hll-bucket-bits"),
         (["--pool-size", "2000tb"], "--pool-size"),
