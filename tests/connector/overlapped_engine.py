@@ -63,8 +63,11 @@ class OverlappedEngine(Engine):
         for rid in so.num_scheduled_tokens:
             req = self.sched.requests.get(rid)
             if req is not None and not req.is_finished():
-                known = list(req.all_token_ids)
-                assert self.seqs[rid].tokens[: len(known)] == known, rid
+                known, mine = list(req.all_token_ids), self.seqs[rid].tokens
+                assert mine[: len(known)] == known, (
+                    f"{rid}: vLLM's tokens {known[-3:]} (of {len(known)}) are "
+                    f"not the worker's {mine[len(known) - 3 : len(known)]}"
+                )
         return {"scheduled": scheduled, "finished": finished}
 
     def idle(self) -> bool:
