@@ -125,6 +125,41 @@ def test_hits_and_misses_load_while_others_decode(
     b.close()
 
 
+def test_chunked_prefills_and_decode_blocks_are_saved_once_and_hit(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    """Prefills in chunks of 32 under a 64-token budget, decodes whose block
+    hashes lag a step (their last token a placeholder when the next step is
+    planned): every full block is saved once, B's hits beside its misses
+    load right, and C hits A's and B's prompts and outputs, all but the
+    last token's block."""
+    pega_server()
+    sched = {"long_prefill_token_threshold": 32, "max_num_batched_tokens": 64}
+    saved, misses = prompts(31, n=2), prompts(32, n=2)
+    a = OverlappedEngine(vllm_config(tiny_model, FAST, **sched))
+    serve(a, saved, max_tokens=20)
+    blocks = sum((len(t) + 19) // BLOCK for t in saved.values())
+    assert a.counters()["save_blocks"] == blocks
+    a.assert_clean()
+    b = OverlappedEngine(vllm_config(tiny_model, FAST, **sched))
+    b.step()
+    b.run()
+    serve(b, {**saved, **misses}, max_tokens=20)
+    want = sum(hit_tokens(t, len(t)) for t in saved.values())
+    assert b.counters()["hit_tokens"] == want
+    assert b.outputs == control(tiny_model, {**saved, **misses}, max_tokens=20)
+    b.assert_clean()
+    c = engine(tiny_model)
+    c.step()
+    c.run()
+    grown = {rid: t + b.outputs[rid] for rid, t in {**saved, **misses}.items()}
+    serve(c, grown, max_tokens=2)
+    want = sum((len(t) - 1) // BLOCK * BLOCK for t in grown.values())
+    assert c.counters()["hit_tokens"] == want
+    for e in (a, b, c):
+        e.close()
+
+
 @pytest.mark.parametrize("when", ["before_update", "between_steps"])
 def test_a_request_aborted_while_its_load_runs(
     pega_server: Callable[..., ServerProc], tiny_model: Path, when: str
