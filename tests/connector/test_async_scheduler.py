@@ -160,14 +160,15 @@ def test_chunked_prefills_and_decode_blocks_are_saved_once_and_hit(
         e.close()
 
 
-@pytest.mark.parametrize("when", ["before_update", "between_steps"])
+@pytest.mark.parametrize("when", ["before_update", "between_steps", "failing"])
 def test_a_request_aborted_while_its_load_runs(
     pega_server: Callable[..., ServerProc], tiny_model: Path, when: str
 ) -> None:
     """B aborts a hit in the step that loads it: after vLLM scheduled the
     next step, before that step's output came back (the engine core's
-    aborts queue), or between two steps. Its blocks come back once the load
-    is done; the others' outputs and pages are right."""
+    aborts queue; failing: a load that fails, heard after the abort), or
+    between two steps. Its blocks come back once the load is done; the
+    others' outputs and pages are right."""
     from vllm.v1.request import RequestStatus
 
     server = pega_server()
@@ -182,11 +183,15 @@ def test_a_request_aborted_while_its_load_runs(
     aborted: list[int] = []
 
     def note(so: Any) -> None:
-        if any(j.req_id == victim for j in so.kv_connector_metadata.plan.loads):
+        for job in so.kv_connector_metadata.plan.loads:
+            if job.req_id != victim:
+                continue
             b.after_schedule = None
             loading.append(len(b.queue))
-            if when == "before_update":
+            if when != "between_steps":
                 b.before_update = abort
+            if when == "failing":
+                job.lease_id ^= 2  # unknown to the server: the load fails
 
     def abort(_: Any = None) -> None:
         b.before_update = None
@@ -202,11 +207,14 @@ def test_a_request_aborted_while_its_load_runs(
         abort()
     b.run()
     assert b.errors == [] and aborted
+    assert b.counters()["load_failures"] == (when == "failing")
+    assert not b.scheduler_connector._scheduler._failed_loads  # gone with it
     rest = {rid: t for rid, t in batch.items() if rid != victim}
     outputs = control(tiny_model, rest)
     assert {rid: b.outputs[rid] for rid in rest} == outputs
     b.assert_clean()
-    assert server.metric("pegaflow_active_leases") == 0
+    # (the lease the fault replaced stays the server's until it expires)
+    assert server.metric("pegaflow_active_leases") == (when == "failing")
     a.close()
     b.close()
 
@@ -324,8 +332,9 @@ def test_preemption_keeps_bytes_right_and_leaks_nothing(
     pega_server: Callable[..., ServerProc], tiny_model: Path
 ) -> None:
     """A pool too small for every request's decode: vLLM preempts requests
-    with a step in flight and resumes them; saves of preempted requests end
-    before their blocks are reused, and B hits what A saved."""
+    with a step in flight and resumes them, loading what they saved; saves
+    of preempted requests end before their blocks are reused, and B hits
+    what A saved."""
     pega_server()
     batch = prompts(28, n=4, base=60)
     a = OverlappedEngine(vllm_config(tiny_model, FAST, max_len=256), num_blocks=24)
@@ -336,6 +345,9 @@ def test_preemption_keeps_bytes_right_and_leaks_nothing(
         a.step()
         preempted |= {r.request_id for r in a.sched.waiting if r.num_preemptions}
     assert preempted, "the scenario must preempt"
+    # resumed requests loaded the blocks they had saved
+    assert a.seen_waiting_remote and a.seen_waiting_remote <= preempted
+    assert a.counters()["hit_tokens"] > 0
     assert a.errors == []
     a.assert_clean()
     assert a.outputs == control(tiny_model, batch, max_tokens=60)
