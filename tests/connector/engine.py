@@ -329,7 +329,7 @@ class Engine(PageChecks):
                     finished[o.request_id] = table = tables[o.request_id]
                     # Check now: the freed blocks may be reused next step.
                     if self.write_kv:
-                        kv_tokens = self.kv_tokens(o.request_id)
+                        kv_tokens = len(self.seqs[o.request_id].tokens) - 1
                         self.errors += self.page_errors(o.request_id, table, kv_tokens)
         return finished
 
@@ -468,10 +468,6 @@ class Engine(PageChecks):
     def track_tokens(self, rid: str, seq: Seq) -> None:
         """The tokens the worker knows of: the scheduler's, in turn."""
         seq.tokens = list(self.sched.requests[rid].all_token_ids)
-
-    def kv_tokens(self, rid: str) -> int:
-        """Positions whose KV a finished request computed: not its last token."""
-        return len(self.seqs[rid].tokens) - 1
 
     def _sample(self, rid: str) -> list[int]:
         req = self.sched.requests[rid]
