@@ -65,8 +65,6 @@ def test_engine_b_hits_what_engine_a_saved(
         (len(t) + 19) // BLOCK for t in batch.values()
     )
     b = engine(tiny_model, extra)
-    b.step()  # the worker tells the scheduler the query socket
-    b.run()
     serve(b, batch, max_tokens=20)
     counters = b.counters()
     assert counters["hit_tokens"] == sum(hit_tokens(t, len(t)) for t in batch.values())
@@ -96,8 +94,6 @@ def test_hits_and_misses_load_while_others_decode(
     a = engine(tiny_model)
     serve(a, saved)
     b = engine(tiny_model)
-    b.step()
-    b.run()
     overlapped: list[int] = []
 
     def note(so: Any) -> None:
@@ -142,16 +138,12 @@ def test_chunked_prefills_and_decode_blocks_are_saved_once_and_hit(
     assert a.counters()["save_blocks"] == blocks
     a.assert_clean()
     b = OverlappedEngine(vllm_config(tiny_model, FAST, **sched))
-    b.step()
-    b.run()
     serve(b, {**saved, **misses}, max_tokens=20)
     want = sum(hit_tokens(t, len(t)) for t in saved.values())
     assert b.counters()["hit_tokens"] == want
     assert b.outputs == control(tiny_model, {**saved, **misses}, max_tokens=20)
     b.assert_clean()
     c = engine(tiny_model)
-    c.step()
-    c.run()
     grown = {rid: t + b.outputs[rid] for rid, t in {**saved, **misses}.items()}
     serve(c, grown, max_tokens=2)
     want = sum((len(t) - 1) // BLOCK * BLOCK for t in grown.values())
@@ -176,8 +168,6 @@ def test_a_request_aborted_while_its_load_runs(
     a = engine(tiny_model)
     serve(a, batch)
     b = engine(tiny_model)
-    b.step()
-    b.run()
     victim = next(iter(batch))
     loading: list[int] = []
     aborted: list[int] = []
@@ -258,8 +248,6 @@ def test_a_request_aborted_while_its_saves_are_in_flight(
     a.assert_clean()
     kv_tokens = len(a.seqs[victim].tokens) - 1
     c = engine(tiny_model)
-    c.step()
-    c.run()
     serve(c, {victim: a.seqs[victim].tokens})
     assert c.counters()["hit_tokens"] == kv_tokens // BLOCK * BLOCK
     c.assert_clean()
@@ -291,8 +279,6 @@ def test_a_failed_load_is_recomputed(
     a = engine(tiny_model, extra)
     serve(a, {"prefix": prefix})
     b = engine(tiny_model, extra)
-    b.step()
-    b.run()
     seen: dict[str, Any] = {}
 
     def break_the_lease(so: Any) -> None:
@@ -319,8 +305,6 @@ def test_a_failed_load_is_recomputed(
     assert seen == {"sync": False, "b_scheduled_with_queued": 1}
     b.assert_clean()
     c = engine(tiny_model, extra)
-    c.step()
-    c.run()
     serve(c, batch)
     assert c.counters()["hit_tokens"] == 2 * 160
     assert c.outputs == b.outputs
@@ -352,8 +336,6 @@ def test_preemption_keeps_bytes_right_and_leaks_nothing(
     a.assert_clean()
     assert a.outputs == control(tiny_model, batch, max_tokens=60)
     b = OverlappedEngine(vllm_config(tiny_model, FAST, max_len=256), num_blocks=24)
-    b.step()
-    b.run()
     serve(b, batch, max_tokens=2)
     assert b.counters()["hit_tokens"] > 0
     b.assert_clean()
