@@ -57,8 +57,15 @@ class SchedulerHalf:
     ) -> None:
         self.config = config
         # vLLM schedules a step before the last one's output came back (async
-        # scheduling, a pipeline's batch queue): see _note_reader.
+        # scheduling, a pipeline's batch queue): hits never load synchronously
+        # (num_new_matched_tokens).
         self.overlapped = overlapped
+        if overlapped and config.sync_load_max_tokens:
+            logger.warning(
+                "pegaflow: sync_load_max_tokens is ignored with async "
+                "scheduling (vLLM cannot recompute a failed sync load then): "
+                "hits load between steps; --no-async-scheduling allows them"
+            )
         self.instance_id = instance_id
         self.groups = groups or single_group(block_size)
         self.stages = stages
@@ -142,8 +149,12 @@ class SchedulerHalf:
         # Nor with several workers: the step's forward runs on every rank and
         # stage, and a load failing on one leaves the others' KV (and their
         # saves of it) computed over the hole, which only that one knows of.
+        # Nor with steps overlapped (async scheduling): vLLM 0.33 schedules
+        # the request's next step before it hears of the failure, and its
+        # recompute drops the failed step's token but delivers the next
+        # one's, sampled over the hole (its placeholders never resolved).
         sync_max = self.config.sync_load_max_tokens
-        if self.groups.several or self.num_workers > 1:
+        if self.groups.several or self.num_workers > 1 or self.overlapped:
             sync_max = 0
         hit.is_async = hit.num_tokens > sync_max
         return hit.num_tokens, hit.is_async
@@ -179,14 +190,13 @@ class SchedulerHalf:
         """vLLM caches a sync load's blocks as it allocates them, so a request
         admitted after it may hit them locally: if that load failed, it read
         KV that never arrived, and must not save what it computed over it.
-        In the same step, or in the next when steps overlap (vLLM admitted it
-        before it heard how the load went): a reader. Later, vLLM evicted the
-        blocks (policy "fail") or keeps them for their owner to recompute
-        ("recompute": _holes); a hit on them reads them as the owner rewrites
-        them in that step, or else reads the hole (_settle_holes)."""
+        In the same step: a reader (steps never overlap where loads are
+        sync, so vLLM heard how the load went before the next). Later, vLLM
+        evicted the blocks (policy "fail") or keeps them for their owner to
+        recompute ("recompute": _holes); a hit on them reads them as the owner
+        rewrites them in that step, or else reads the hole (_settle_holes)."""
         rid, rules = st.request.request_id, self.groups.rules
-        unheard = self._recent_sync[-1] if self.overlapped else []
-        for job in [*unheard, *self._loads]:
+        for job in self._loads:
             if not job.sync or job.req_id == rid:
                 continue
             pos = rules.index(self.groups.rule(job.group))

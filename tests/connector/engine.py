@@ -124,6 +124,8 @@ def vllm_config(
 class Engine(PageChecks):
     """Scheduler + worker connector in one process, stepped by hand."""
 
+    scheduler_cls: type[Scheduler] = Scheduler
+
     def __init__(
         self,
         config: VllmConfig,
@@ -208,7 +210,7 @@ class Engine(PageChecks):
             for name in group.layer_names
         } - self.replay_layers
         config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
-        self.sched = Scheduler(
+        self.sched = self.scheduler_cls(
             vllm_config=config,
             kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(config),
@@ -277,9 +279,15 @@ class Engine(PageChecks):
     # -- one engine step ------------------------------------------------------
     def step(self) -> dict[str, Any]:
         """schedule -> worker connector around a fake forward -> update."""
+        so, tables, mro = self.execute()
+        finished = self.update(so, tables, mro)
+        return {"scheduled": dict(so.num_scheduled_tokens), "finished": finished}
+
+    def execute(self) -> tuple[Any, dict[str, list[list[int]]], ModelRunnerOutput]:
+        """Schedule a step and run the worker's side of it."""
         t0 = time.perf_counter()
         so = self.sched.schedule()
-        t1 = time.perf_counter()
+        self._t_sched = time.perf_counter() - t0
         self.steps += 1
         if self.after_schedule is not None:
             self.after_schedule(so)
@@ -291,7 +299,7 @@ class Engine(PageChecks):
             self.errors += self.restored_errors(so, tables) + self.replay_changes()
         t2 = time.perf_counter()
         out = self._worker_step(so, tables)
-        t3 = time.perf_counter()
+        self._t_worker = time.perf_counter() - t2
         ids = list(so.num_scheduled_tokens)
         mro = ModelRunnerOutput(
             req_ids=ids,
@@ -299,10 +307,16 @@ class Engine(PageChecks):
             sampled_token_ids=[self._sample(rid) for rid in ids],
             kv_connector_output=out,
         )
+        return so, tables, mro
+
+    def update(
+        self, so: Any, tables: dict[str, list[list[int]]], mro: ModelRunnerOutput
+    ) -> dict[str, list[list[int]]]:
+        """The scheduler takes a step's output; returns the finished requests."""
         t4 = time.perf_counter()
         engine_outputs = self.sched.update_from_output(so, mro)
         t5 = time.perf_counter()
-        self.timing.append((t1 - t0 + t5 - t4, t3 - t2))
+        self.timing.append((self._t_sched + t5 - t4, self._t_worker))
         finished = {}
         for outputs in engine_outputs.values():
             # Worker and scheduler stats, merged by vLLM as for its logger.
@@ -317,7 +331,7 @@ class Engine(PageChecks):
                     if self.write_kv:
                         kv_tokens = len(self.seqs[o.request_id].tokens) - 1
                         self.errors += self.page_errors(o.request_id, table, kv_tokens)
-        return {"scheduled": dict(so.num_scheduled_tokens), "finished": finished}
+        return finished
 
     def _worker_step(
         self, so: Any, tables: dict[str, list[list[int]]]
@@ -417,7 +431,7 @@ class Engine(PageChecks):
         req = self.sched.requests[rid]
         start = req.num_computed_tokens - n  # the scheduler already advanced it
         seq = self.seqs[rid]
-        seq.tokens = list(req.all_token_ids)
+        self.track_tokens(rid, seq)
         pos = list(range(start, start + n))
         if layer == 0:
             seq.computed.extend(pos)
@@ -437,7 +451,7 @@ class Engine(PageChecks):
         req = self.sched.requests[rid]
         start = req.num_computed_tokens - n
         seq = self.seqs[rid]
-        seq.tokens = list(req.all_token_ids)
+        self.track_tokens(rid, seq)
         if layer == 0:
             seq.computed.extend(range(start, start + n))
         pages = view.reshape(view.shape[0], -1).view(torch.int16)
@@ -451,12 +465,16 @@ class Engine(PageChecks):
         assert dst > 0, f"{rid}: a computed state in a null block"
         pages[dst] = fake_state(seq.value(end - 1), layer, pages.shape[1])
 
+    def track_tokens(self, rid: str, seq: Seq) -> None:
+        """The tokens the worker knows of: the scheduler's, in turn."""
+        seq.tokens = list(self.sched.requests[rid].all_token_ids)
+
     def _sample(self, rid: str) -> list[int]:
         req = self.sched.requests[rid]
         if req.num_computed_tokens < req.num_tokens:
             return []  # a prefill chunk: nothing sampled
         seq = self.seqs[rid]
-        seq.tokens = list(req.all_token_ids)
+        self.track_tokens(rid, seq)
         return [seq.value(req.num_tokens - 1) % 900 + 50]
 
     def run(self, max_steps: int = 2000) -> dict[str, list[int]]:

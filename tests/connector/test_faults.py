@@ -18,7 +18,7 @@ from tests.procs import ServerProc
 needs_vllm()
 
 from tests.connector.engine import BLOCK, Engine, vllm_config  # noqa: E402
-from tests.connector.test_two_engines import prompts, serve  # noqa: E402
+from tests.connector.test_two_engines import IN_TURN, prompts, serve  # noqa: E402
 
 FAST = {"retry_interval_s": 0.2, "timeout_s": 5.0}
 
@@ -151,9 +151,9 @@ def test_a_failed_sync_load_saves_nothing_computed_over_it(
     rnd = random.Random(5)
     prefix = [rnd.randrange(50, 950) for _ in range(96)]  # 6 blocks
     longer = prefix + [rnd.randrange(50, 950) for _ in range(70)]
-    a = Engine(vllm_config(tiny_model, extra))
+    a = Engine(vllm_config(tiny_model, extra, **IN_TURN))
     serve(a, {"a": prefix})
-    b = Engine(vllm_config(tiny_model, extra))
+    b = Engine(vllm_config(tiny_model, extra, **IN_TURN))
     b.step()
     broke: dict[str, object] = {}
 
@@ -171,7 +171,7 @@ def test_a_failed_sync_load_saves_nothing_computed_over_it(
     assert broke["saves"] == ["b"]  # the step planned saves of b's new blocks
     assert b.counters()["load_failures"] == 1
     assert b.counters().get("save_blocks", 0) == 0
-    c = Engine(vllm_config(tiny_model, extra))
+    c = Engine(vllm_config(tiny_model, extra, **IN_TURN))
     c.step()
     serve(c, {"c": longer})
     assert c.counters()["hit_tokens"] == len(prefix)
@@ -239,9 +239,9 @@ def test_a_failed_sync_load_poisons_a_local_hit_on_its_blocks(
     prefix = [rnd.randrange(50, 950) for _ in range(96)]  # 6 blocks
     first = prefix + [rnd.randrange(50, 950) for _ in range(70)]
     second = prefix + [rnd.randrange(50, 950) for _ in range(70)]
-    a = Engine(vllm_config(tiny_model, extra))
+    a = Engine(vllm_config(tiny_model, extra, **IN_TURN))
     serve(a, {"a": prefix})
-    b = Engine(vllm_config(tiny_model, extra))
+    b = Engine(vllm_config(tiny_model, extra, **IN_TURN))
     b.step()
     seen: dict[str, object] = {}
 
@@ -264,7 +264,7 @@ def test_a_failed_sync_load_poisons_a_local_hit_on_its_blocks(
     assert b.counters()["load_failures"] == 1
     assert b.counters().get("save_blocks", 0) == 0
     b.assert_clean()
-    c = Engine(vllm_config(tiny_model, extra))
+    c = Engine(vllm_config(tiny_model, extra, **IN_TURN))
     c.step()
     serve(c, {"c": second})
     assert c.counters()["hit_tokens"] == len(prefix)
@@ -294,7 +294,7 @@ def test_a_failed_sync_load_leaves_a_next_step_hit_its_saves(
     first, second, third = (
         prefix + [rnd.randrange(50, 950) for _ in range(70)] for _ in range(3)
     )  # 10 full blocks each
-    a = Engine(vllm_config(tiny_model, extra))
+    a = Engine(vllm_config(tiny_model, extra, **IN_TURN))
     serve(a, {"a": prefix})
     config = vllm_config(
         tiny_model, extra, async_scheduling=False, long_prefill_token_threshold=chunk
@@ -338,7 +338,7 @@ def test_a_failed_sync_load_leaves_a_next_step_hit_its_saves(
     # failure, are not saved)
     assert b.counters().get("save_blocks", 0) == (0 if chunk else 8)
     b.assert_clean()
-    c = Engine(vllm_config(tiny_model, extra))
+    c = Engine(vllm_config(tiny_model, extra, **IN_TURN))
     c.step()
     serve(c, {"c": second, "d": third}, max_tokens=2)
     # d hits the prefix in C's own prefix cache: the server gives its tail
@@ -370,7 +370,7 @@ def test_a_failed_sync_loads_blocks_its_aborted_owner_left_poison_their_readers(
     rnd = random.Random(9)
     prefix = [rnd.randrange(50, 950) for _ in range(96)]  # 6 blocks
     first, second = (prefix + [rnd.randrange(50, 950) for _ in range(70)] for _ in "ab")
-    a = Engine(vllm_config(tiny_model, extra))
+    a = Engine(vllm_config(tiny_model, extra, **IN_TURN))
     serve(a, {"a": prefix})
     config = vllm_config(
         tiny_model, extra, async_scheduling=False, max_num_batched_tokens=1024
@@ -403,7 +403,7 @@ def test_a_failed_sync_loads_blocks_its_aborted_owner_left_poison_their_readers(
     read = {e.split(" (id")[0].split(": ")[-1] for e in b.errors}
     assert read == (set() if reallocated else {f"c block {k}" for k in range(6)})
     b.assert_clean()
-    c = Engine(vllm_config(tiny_model, extra))
+    c = Engine(vllm_config(tiny_model, extra, **IN_TURN))
     c.step()
     serve(c, {"c": second}, max_tokens=2)
     assert c.counters()["hit_tokens"] == (160 if reallocated else len(prefix))
@@ -434,7 +434,7 @@ def test_blocks_computed_over_a_failed_sync_load_are_holes_too(
     prefix = [rnd.randrange(50, 950) for _ in range(96)]  # 6 blocks
     first = prefix + [rnd.randrange(50, 950) for _ in range(70)]  # 10 blocks
     second = first[:160] + [rnd.randrange(50, 950) for _ in range(50)]
-    a = Engine(vllm_config(tiny_model, extra))
+    a = Engine(vllm_config(tiny_model, extra, **IN_TURN))
     serve(a, {"a": prefix})
     config = vllm_config(
         tiny_model, extra, async_scheduling=False, long_prefill_token_threshold=96

@@ -82,10 +82,17 @@ def test_zero_is_never_async_and_local_hits_are_not_asked() -> None:
     assert client.asked == [3]
 
 
-def test_small_hits_load_synchronously() -> None:
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_small_hits_load_synchronously_unless_steps_overlap(overlapped: bool) -> None:
+    """With async scheduling vLLM cannot recompute a failed sync load (it
+    delivers the next step's token, sampled over the hole): hits load
+    between steps whatever sync_load_max_tokens says."""
     client = FakeClient([QueryResult(2, 5), QueryResult(3, 6)])
-    s = half(client, sync_load_max_tokens=32)
-    assert s.num_new_matched_tokens(request("a", 100), 0) == (32, False)
+    cfg = ConnectorConfig(retry_interval_s=60, sync_load_max_tokens=32)
+    s = SchedulerHalf(
+        cfg, "engine", BS, num_workers=1, client=client, overlapped=overlapped
+    )
+    assert s.num_new_matched_tokens(request("a", 100), 0) == (32, overlapped)
     assert s.num_new_matched_tokens(request("b", 100), 0) == (48, True)
 
 
@@ -260,13 +267,11 @@ def _new_req_step(s: SchedulerHalf, rid: str, ids: list[int], **also: int) -> St
     )
 
 
-def _failed_sync_load(overlapped: bool) -> tuple[SchedulerHalf, SimpleNamespace]:
+def _failed_sync_load() -> tuple[SchedulerHalf, SimpleNamespace]:
     """ "a" sync-loads blocks 10, 11 in a step of its own."""
     client = FakeClient([QueryResult(2, 9)] + [QueryResult(0, 0)] * 4)
     cfg = ConnectorConfig(retry_interval_s=60, sync_load_max_tokens=64)
-    s = SchedulerHalf(
-        cfg, "engine", BS, num_workers=1, client=client, overlapped=overlapped
-    )
+    s = SchedulerHalf(cfg, "engine", BS, num_workers=1, client=client, overlapped=False)
     a = request("a", 80)
     assert s.num_new_matched_tokens(a, 0) == (32, False)
     s.after_alloc(a, ([10, 11, 12, 13, 14],), 32)
@@ -284,25 +289,23 @@ def _admit_hit(s: SchedulerHalf, rid: str, ids: list[int], **also: int) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("overlapped", "failed", "owner_tokens", "readers"),
+    ("failed", "owner_tokens", "readers"),
     [
-        (True, False, 48, {"a": {"c"}}),
-        (False, True, 0, {"a": {"c"}}),
-        (False, True, 16, {"a": {"c"}}),
-        (False, True, 48, {}),
-        (False, False, 0, {}),
+        (True, 0, {"a": {"c"}}),
+        (True, 16, {"a": {"c"}}),
+        (True, 48, {}),
+        (False, 0, {}),
     ],
 )
 def test_a_next_step_local_hit_on_a_sync_load_reads_it_unless_its_owner_rewrites(
-    overlapped: bool, failed: bool, owner_tokens: int, readers: dict
+    failed: bool, owner_tokens: int, readers: dict
 ) -> None:
     """ "c", admitted the step after "a"'s sync load, hits its blocks in vLLM's
-    prefix cache. With steps in flight together (async scheduling) vLLM
-    admitted "c" before it heard of the load: "c" fails with it. Without,
-    the load's outcome is known: if it failed, vLLM rewound "a" to recompute
-    the blocks, and "c" reads them as "a" writes them in that step, if it
+    prefix cache. Steps do not overlap (sync loads never do): the load's
+    outcome is known: if it failed, vLLM rewound "a" to recompute the
+    blocks, and "c" reads them as "a" writes them in that step, if it
     writes both (not when it is not scheduled, or its chunk ends in 10)."""
-    s, a = _failed_sync_load(overlapped)
+    s, a = _failed_sync_load()
     if failed:
         a.num_computed_tokens = 0  # vLLM rewinds it to the first failed block
         s.on_worker_report(WorkerReport(failed_loads={"a"}))
@@ -315,7 +318,7 @@ def test_a_failed_sync_loads_blocks_are_read_until_their_owner_rewrote_them() ->
     (long_prefill_token_threshold), the blocks cached all along: a request
     admitted while one is not rewritten yet reads it, however many steps
     after the load."""
-    s, a = _failed_sync_load(overlapped=False)
+    s, a = _failed_sync_load()
     a.num_computed_tokens = 0
     s.on_worker_report(WorkerReport(failed_loads={"a"}))
     assert _admit_hit(s, "c", [20, 21, 22], a=16) == {"a": {"c"}}  # 10 rewritten
@@ -352,7 +355,7 @@ def _aborted_owner(cap: int, monkeypatch: pytest.MonkeyPatch) -> SchedulerHalf:
     """ "a"'s sync load of blocks 10, 11 failed (it computed 12 over them) and
     "a" was aborted before it recomputed any."""
     monkeypatch.setattr(scheduler, "MAX_ORPHANS", cap)
-    s, a = _failed_sync_load(overlapped=False)
+    s, a = _failed_sync_load()
     a.num_computed_tokens = 0
     s.on_worker_report(WorkerReport(failed_loads={"a"}))
     a.status = SimpleNamespace(name="FINISHED_ABORTED")

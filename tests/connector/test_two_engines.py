@@ -17,6 +17,9 @@ needs_vllm()
 from tests.connector.engine import BLOCK, Engine, vllm_config  # noqa: E402
 
 FAST = {"retry_interval_s": 0.2}
+# Sync loads need vLLM's ordinary scheduler: with async scheduling (a step
+# scheduled before the last one's output) the connector loads between steps.
+IN_TURN = {"async_scheduling": False}
 
 
 def prompts(seed: int, n: int = 3, base: int = 100) -> dict[str, list[int]]:
@@ -54,14 +57,14 @@ def test_engine_b_hits_what_engine_a_saved(
     server = pega_server()
     extra = {**FAST, "sync_load_max_tokens": 4096 if sync else 0}
     batch = prompts(1)
-    a = Engine(vllm_config(tiny_model, extra), layout_a)
+    a = Engine(vllm_config(tiny_model, extra, **(IN_TURN if sync else {})), layout_a)
     serve(a, batch)
     a.assert_clean()
     assert a.counters()["save_blocks"] == sum(
         (len(t) + 3) // BLOCK for t in batch.values()
     )
 
-    b = Engine(vllm_config(tiny_model, extra), layout_b)
+    b = Engine(vllm_config(tiny_model, extra, **(IN_TURN if sync else {})), layout_b)
     b.step()  # an idle step: the worker tells the scheduler the query socket
     loads_per_step: list[int] = []
     b.after_schedule = lambda so: loads_per_step.append(
@@ -198,9 +201,9 @@ def test_full_cuda_graph_step_waits_for_the_whole_sync_load(
     pega_server()
     extra = {**FAST, "sync_load_max_tokens": 4096}
     batch = prompts(13)
-    a = Engine(vllm_config(tiny_model, extra))
+    a = Engine(vllm_config(tiny_model, extra, **IN_TURN))
     serve(a, batch)
-    b = Engine(vllm_config(tiny_model, extra), full_cuda_graph=True)
+    b = Engine(vllm_config(tiny_model, extra, **IN_TURN), full_cuda_graph=True)
     b.step()  # an idle step: the worker tells the scheduler the query socket
     serve(b, batch)  # pages checked when start_load_kv returned and at the end
     counters = b.counters()
@@ -221,13 +224,19 @@ def test_speculative_decoding_order_saves_and_loads(
     server = pega_server()
     extra = {**FAST, "sync_load_max_tokens": 4096 if sync else 0}
     batch = prompts(14)
-    a = Engine(vllm_config(tiny_model, extra), spec_decode_order=True)
+    a = Engine(
+        vllm_config(tiny_model, extra, **(IN_TURN if sync else {})),
+        spec_decode_order=True,
+    )
     serve(a, batch, max_tokens=20)
     a.assert_clean()
     assert a.counters()["save_blocks"] == sum(
         (len(t) + 19) // BLOCK for t in batch.values()
     )
-    b = Engine(vllm_config(tiny_model, extra), spec_decode_order=True)
+    b = Engine(
+        vllm_config(tiny_model, extra, **(IN_TURN if sync else {})),
+        spec_decode_order=True,
+    )
     b.step()
     serve(b, batch)
     counters = b.counters()
