@@ -401,6 +401,7 @@ class BlockStore(TierLoads):
         if short:
             self._settle()
         swept = 0  # bytes of other classes evicted in LRU order
+        drained = False  # the policy gave fewer than asked: none left for this save
         while short > 0:
             # Unchecked blocks are the least recently used of all: first,
             # those of this class (each frees a slot this save can take).
@@ -413,8 +414,9 @@ class BlockStore(TierLoads):
             # class's own blocks in LRU order, or the save is refused.
             victims = self._unchecked_victims(cls, short)
             bound = swept >= self.slabs.slab_bytes
-            if not victims and not bound:
+            if not victims and not bound and not drained:
                 victims = self._evict_lru(short, self._protected)
+                drained = len(victims) < short
                 if victims:
                     swept += self._bytes_of_others(victims, cls)  # ns still held
                     self._remove(victims)
@@ -440,11 +442,7 @@ class BlockStore(TierLoads):
 
     def _evict_lru(self, n: int, protected: Callable[[Key], bool]) -> list[Key]:
         """Up to n of the policy's victims (out of it, still in the store)."""
-        victims = self.policy.evict(n, protected)
-        while victims is None and n > 1:  # fewer evictable than asked
-            n //= 2
-            victims = self.policy.evict(n, protected)
-        return victims or []
+        return self.policy.evict(n, protected)
 
     def _empty_a_slab(self, cls: SlotClass) -> list[Key]:
         """Evict every block of a slab of another class (slab_victims)."""

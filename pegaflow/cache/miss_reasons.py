@@ -140,7 +140,7 @@ class RecordingPolicy:
         self.expect = inner.expect
         self.victims = inner.victims
 
-    def evict(self, n: int, protected: Protected) -> list[Key] | None:
+    def evict(self, n: int, protected: Protected) -> list[Key]:
         victims = self._inner.evict(n, protected)
         if victims:
             self._tracker.record_many(CAPACITY, victims)

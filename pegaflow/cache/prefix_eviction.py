@@ -219,7 +219,7 @@ class PrefixLRUPolicy:
                 self._revive(node)
 
     # --- choosing victims ------------------------------------------------------
-    def evict(self, n: int, protected: Protected) -> list[Key] | None:
+    def evict(self, n: int, protected: Protected) -> list[Key]:
         if n < 0:
             raise ValueError(f"evict: n must be >= 0, got {n}")
         if n == 0:
@@ -251,14 +251,14 @@ class PrefixLRUPolicy:
                 self._unlink(up)
         return keys
 
-    def _evict_scan(self, n: int, protected: Protected) -> list[Key] | None:
+    def _evict_scan(self, n: int, protected: Protected) -> list[Key]:
         """From the LRU end: leaves go, keys with live children are deferred
         and come back right after their last child; if every leaf is
-        protected, deferred keys go, oldest deferral first. Atomic."""
+        protected, deferred keys go, oldest deferral first. One pass: up to
+        n, every unprotected key where fewer are."""
         victims: list[Key] = []
         taken: list[Node] = []
         deferring: list[Node] = []  # met with live children in this call
-        freed: list[Node] = []  # parents decremented (undone if we fail)
         revived: list[Node] = []  # deferred parents left childless: next
         held: list[Node] = []  # of those, the protected ones
         for key, node in self._order.items():
@@ -268,13 +268,13 @@ class PrefixLRUPolicy:
                 node[STATE] = DEFERRING
                 deferring.append(node)
                 continue
-            self._take(node, victims, taken, freed, revived)
+            self._take(node, victims, taken, revived)
             while revived and len(victims) < n:  # a parent right after its tail
                 up = revived.pop()
                 if protected(up[KEY]):
                     held.append(up)
                 else:
-                    self._take(up, victims, taken, freed, revived)
+                    self._take(up, victims, taken, revived)
             if len(victims) == n:
                 break
         scanned = len(victims)  # leaves; any after them are the fallback's
@@ -287,12 +287,6 @@ class PrefixLRUPolicy:
                     taken.append(node)
                     if len(victims) == n:
                         break
-            else:
-                for up in freed:
-                    up[KIDS] += 1
-                for node in deferring:
-                    node[STATE] = IN_ORDER
-                return None
         self._commit(victims, taken, scanned, deferring, revived + held)
         return victims
 
@@ -301,7 +295,6 @@ class PrefixLRUPolicy:
         node: Node,
         victims: list[Key],
         taken: list[Node],
-        freed: list[Node],
         revived: list[Node],
     ) -> None:
         victims.append(node[KEY])
@@ -309,7 +302,6 @@ class PrefixLRUPolicy:
         up = node[UP]
         if up is not None and up[KIDS] and up[STATE] != GONE:
             up[KIDS] -= 1
-            freed.append(up)
             if not up[KIDS] and up[STATE] != IN_ORDER:  # deferred, or in this call
                 revived.append(up)
 
