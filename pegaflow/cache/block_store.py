@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
@@ -64,6 +64,10 @@ class BlockStore(TierLoads):
         self.slabs = slabs
         self.policy = policy
         self.entries: dict[Key, BlockEntry] = {}
+        # Entries made not ready (a save's, a tier read's), for drop_stale to
+        # look at instead of every entry (45 ms a second at 1,000,000 blocks):
+        # out once published; one gone otherwise, until drop_stale sees it.
+        self.unready: dict[Key, BlockEntry] = {}
         # Which block each slot holds is the allocator's map, set here as
         # slots are given (SlabAllocator.own) and cleared by every free: the
         # blocks of a slab to empty (pegaflow.cache.slab_victims).
@@ -213,7 +217,7 @@ class BlockStore(TierLoads):
         refused: set[Key] = set()  # asked once per request, however repeated
         admit: Callable[[Key], bool] | None = None  # past the room, in order
         room = self.slabs.free_slots(ns.slot_class)
-        table = self.entries
+        table, unready = self.entries, self.unready
         get = table.get
         now = time.monotonic()  # one creation time for the request's blocks
         for pos, key in enumerate(zip(repeat(ns.id), hashes)):
@@ -230,6 +234,7 @@ class BlockStore(TierLoads):
                         continue
                 slotless.append(len(entries))
                 entry = table[key] = BlockEntry(key, [0] * tp, 0, mask, False, 1, now)
+                unready[key] = entry
                 new += 1
                 entries.append(entry)
                 positions.append(pos)
@@ -361,6 +366,7 @@ class BlockStore(TierLoads):
 
     def _make_ready(self, entry: BlockEntry, cold: bool = False) -> None:
         entry.ready = True
+        self.unready.pop(entry.key, None)
         index = self._ready.get(entry.key[0])
         if index is None:
             index = self._ready[entry.key[0]] = ReadyIndex()
@@ -382,6 +388,7 @@ class BlockStore(TierLoads):
         (ns_id,) = ns_ids
         for entry in entries:
             entry.ready = True
+        deque(map(self.unready.pop, keys, repeat(None)), maxlen=0)
         index = self._ready.get(ns_id)
         if index is None:
             index = self._ready[ns_id] = ReadyIndex()
@@ -549,11 +556,14 @@ class BlockStore(TierLoads):
 
     def drop_stale(self, older_than: float) -> int:
         """Free incomplete blocks whose other shards or layers never came."""
-        stale = [
-            key
-            for key, e in self.entries.items()
-            if not e.ready and e.pins == 0 and e.created < older_than
-        ]
+        entries, unready = self.entries, self.unready
+        stale = []
+        for key, e in list(unready.items()):
+            if e.ready or entries.get(key) is not e:  # published, or gone
+                del unready[key]
+            elif e.pins == 0 and e.created < older_than:
+                stale.append(key)
+                del unready[key]
         self._remove(stale)
         self.counters.stale_dropped += len(stale)
         return len(stale)

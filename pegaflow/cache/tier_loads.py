@@ -26,6 +26,7 @@ class TierLoads:
                 break
             entry = BlockEntry(key, [0] * tp, in_flight=complete, pins=1)
             self.entries[key] = entry  # before allocating: never its own victim
+            self.unready[key] = entry
             entries.append(entry)
         if not entries:
             return []
@@ -133,6 +134,8 @@ class TierLoads:
                 entry = BlockEntry(key, row, landed=complete)
                 self._make_ready(entry)
             self.entries[key] = entry
+            if unchecked:
+                self.unready[key] = entry
             fresh.append(entry)
         if fresh:
             self._hold(ns, len(fresh))
