@@ -7,6 +7,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 import numpy as np
 
@@ -143,8 +144,12 @@ class LeaseTable:
         return len(owned)
 
     def sweep(self, now: float | None = None) -> int:
+        """Release the expired leases. They expire in the order they were
+        made (one ttl_s, a monotonic clock): the first live one ends the look,
+        not a pass over every lease each second (65,536 an instance)."""
         now = time.monotonic() if now is None else now
-        dead = [lid for lid, lease in self._leases.items() if lease.expires <= now]
+        leases = self._leases
+        dead = list(takewhile(lambda lid: leases[lid].expires <= now, leases))
         for lid in dead:
             self.release(lid)
         self.expired += len(dead)

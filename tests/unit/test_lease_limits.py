@@ -64,6 +64,34 @@ def test_an_instance_holds_a_bounded_number_of_leased_blocks(monkeypatch) -> Non
     assert table.sweep(now=1e18) == 2 and len(table) == 0
 
 
+def test_the_sweep_stops_at_the_first_live_lease() -> None:
+    """The sweep runs every second: it passed over every lease (65,536 an
+    instance may hold). Leases expire in the order they were made, so it
+    looks at the expired ones and the first live one only."""
+    store, entries = _ready_store(2)
+    table = LeaseTable(store, 30.0)
+    made = [table.create("a", 1, entries, 1) for _ in range(200)]
+    assert all(a.expires <= b.expires for a, b in zip(made, made[1:], strict=False))
+    looked: list[int] = []
+
+    class Counted(dict):
+        def __getitem__(self, lid: int) -> object:
+            looked.append(lid)
+            return dict.__getitem__(self, lid)
+
+        def items(self) -> None:  # type: ignore[override]
+            raise AssertionError("a pass over every lease")
+
+        values = items
+
+    table._leases = Counted(table._leases)
+    later = (i for i, m in enumerate(made) if m.expires > made[4].expires)
+    cut = next(later, len(made)) - 1  # the last lease expiring with the fifth
+    assert table.sweep(now=made[4].expires) == cut + 1
+    assert len(looked) <= cut + 2 and len(table) == 199 - cut
+    assert table.sweep(now=made[-1].expires) == 199 - cut and len(table) == 0
+
+
 def test_a_query_repeating_a_cached_hash_leases_it_once() -> None:
     pool = HostPool(PoolConfig(size_bytes=4 << 20, show_progress=False))
     engine = Engine(EngineConfig(), pool, {"host": NoCopy()})
