@@ -163,18 +163,19 @@ def main() -> int:
                 {"resident": args.leased_pool, "eviction": ev}
                 | {"save_ms": round(save, 1), "sweep_ms": round(sweep, 2)}
             )
-        print("One save of 64 blocks into a pool leased but for 10; the sweep")
-        print(table(rows, list(rows[0])))
-        if args.json:
-            payload = {"command": " ".join(sys.argv), "leased_pool": rows}
-            print(f"JSON: {write_json('bookkeeping_eviction', payload, args.json)}")
-        return 0
+        title = "One save of 64 blocks into a pool leased but for 10; the sweep"
+        return _report(title, "leased_pool", rows, args.json)
     costs = store_costs(args.blocks, args.eviction, args.reps, args.rounds)
-    print("Block store alone, full pool: a save of n fresh blocks evicts n")
-    print(table(costs, list(costs[0])))
-    if args.json:
-        payload = {"command": " ".join(sys.argv), "store_costs": costs}
-        print(f"JSON: {write_json('bookkeeping_eviction', payload, args.json)}")
+    title = "Block store alone, full pool: a save of n fresh blocks evicts n"
+    return _report(title, "store_costs", costs, args.json)
+
+
+def _report(title: str, key: str, rows: list[dict], json_path: str | None) -> int:
+    print(title)
+    print(table(rows, list(rows[0])))
+    if json_path:
+        payload = {"command": " ".join(sys.argv), key: rows}
+        print(f"JSON: {write_json('bookkeeping_eviction', payload, json_path)}")
     return 0
 
 

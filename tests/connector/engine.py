@@ -477,14 +477,16 @@ class Engine(PageChecks):
         self.track_tokens(rid, seq)
         return [seq.value(req.num_tokens - 1) % 900 + 50]
 
+    def idle(self) -> bool:
+        """Every request finished and every held block back."""
+        s = self.sched
+        return not (s.has_unfinished_requests() or s.has_finished_requests())
+
     def run(self, max_steps: int = 2000) -> dict[str, list[int]]:
-        """Step until every request finished and every held block is back."""
+        """Step until idle()."""
         finished: dict[str, list[int]] = {}
         for _ in range(max_steps):
-            if not (
-                self.sched.has_unfinished_requests()
-                or self.sched.has_finished_requests()
-            ):
+            if self.idle():
                 return finished
             result = self.step()
             finished.update(result["finished"])

@@ -10,7 +10,6 @@ sampled in step N when it runs N+1, where the scheduler has only a placeholder
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -71,20 +70,8 @@ class OverlappedEngine(Engine):
         return {"scheduled": scheduled, "finished": finished}
 
     def idle(self) -> bool:
+        """Also no step's output pending."""
         return not (self.sched.has_requests() or self.queue)
-
-    def run(self, max_steps: int = 2000) -> dict[str, list[int]]:
-        """Step until every request finished, every held block is back and
-        no step's output is pending."""
-        finished: dict[str, list[int]] = {}
-        for _ in range(max_steps):
-            if self.idle():
-                return finished
-            result = self.step()
-            finished.update(result["finished"])
-            if not result["scheduled"]:
-                time.sleep(0.002)  # waiting on async transfers
-        raise AssertionError(f"not done after {max_steps} steps")
 
     # -- the worker's tokens ------------------------------------------------
     def track_tokens(self, rid: str, seq: Seq) -> None:
