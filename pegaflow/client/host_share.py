@@ -42,7 +42,10 @@ PAGE = mmap.PAGESIZE
 CHUNK_BYTES = 64 << 20  # copied and remapped at a time
 
 
-@dataclass(frozen=True, slots=True, weakref_slot=True)
+# Equal only to itself: the registry's WeakSet keeps one of equal members, and
+# a handout can equal a closed one not yet collected (the descriptor number
+# reused, the same spans); the memfd then counted as unused once that one went.
+@dataclass(frozen=True, slots=True, weakref_slot=True, eq=False)
 class SharedMemory:
     """The memfd (kept open: every registration, after a server restart too,
     hands it over again) and what of this process's memory it backs. Its

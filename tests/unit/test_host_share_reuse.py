@@ -8,11 +8,15 @@ second stage's registration remapped the pages the first had shared)."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import mmap
 import os
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
+from pegaflow.client import host_share
 from pegaflow.client.host_share import PAGE, SharedMemory, share_memory
 from pegaflow.common.memfd import unmap
 
@@ -113,5 +117,49 @@ def test_pages_of_a_memfd_no_longer_in_use_move_into_a_new_one() -> None:
     assert np.array_equal(arr, want)
     assert _backs(new, arr, 0) and _backs(new, arr, 7)
     new.close()
+    del arr
+    m.close()
+
+
+def test_a_memfd_stays_in_use_while_a_handout_equal_to_a_collected_one_lives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine closed but not yet collected (its registrations sit in
+    reference cycles) still holds its SharedMemory, descriptor closed. A new
+    engine's buffer on the same pages is handed that memfd under the number
+    just closed (the kernel gives out the lowest free one), with the same
+    spans: an object equal to the old one by value. Once the collector takes
+    the old one, the memfd must still count as in use for the new one, or
+    its second stage maps a new memfd over the pages its first stage shared,
+    whose loads then all vanish (seen: test_pipeline_stages' hybrid test,
+    every stage-0 page zero, as the collector happened to run between the
+    two stages' registrations)."""
+    m, arr = _region(8)
+    base = arr.ctypes.data
+    old = share_memory([(base, 8 * PAGE)])
+    assert old is not None
+    # The handover's dup gets old's number: pinned with dup2 (which replaces
+    # old's descriptor, to the same memfd, at once), so no other thread can
+    # take the number in between as it could after a close.
+    real_os, number = host_share.os, old.fd
+    monkeypatch.setattr(
+        host_share,
+        "os",
+        SimpleNamespace(
+            **{**vars(real_os), "dup": lambda fd: real_os.dup2(fd, number)}
+        ),
+    )
+    stage0 = share_memory([(base, 8 * PAGE)])
+    monkeypatch.setattr(host_share, "os", real_os)
+    assert stage0 is not None
+    assert (stage0.fd, stage0.spans) == (old.fd, old.spans)  # the case at hand
+    del old
+    gc.collect()
+    stage1 = share_memory([(base, 8 * PAGE)])
+    assert stage1 is not None
+    assert os.fstat(stage1.fd).st_ino == os.fstat(stage0.fd).st_ino
+    assert _backs(stage0, arr, 0) and _backs(stage0, arr, 7)
+    for shared in (stage0, stage1):
+        shared.close()
     del arr
     m.close()
