@@ -90,12 +90,7 @@ def test_a_memfd_partly_unmapped_elsewhere_still_backs_its_live_pages() -> None:
     libc.mmap.argtypes += (ctypes.c_long,)
     got = libc.mmap(base + 8 * PAGE, 4 * PAGE, 3, anon, -1, 0)
     assert got == base + 8 * PAGE
-    stage1 = share_memory([(base, 8 * PAGE)])
-    assert stage1 is not None
-    assert os.fstat(stage1.fd).st_ino == os.fstat(stage0.fd).st_ino
-    assert _backs(stage0, arr, 0) and _backs(stage0, arr, 7)
-    for shared in (stage0, stage1):
-        shared.close()
+    _second_stage_shares_the_first_ones_memfd(stage0, arr)
     del arr
     m.close()
 
@@ -155,11 +150,19 @@ def test_a_memfd_stays_in_use_while_a_handout_equal_to_a_collected_one_lives(
     assert (stage0.fd, stage0.spans) == (old.fd, old.spans)  # the case at hand
     del old
     gc.collect()
-    stage1 = share_memory([(base, 8 * PAGE)])
+    _second_stage_shares_the_first_ones_memfd(stage0, arr)
+    del arr
+    m.close()
+
+
+def _second_stage_shares_the_first_ones_memfd(
+    stage0: SharedMemory, arr: np.ndarray
+) -> None:
+    """A second stage sharing the same pages gets stage0's memfd, which still
+    backs them; both are closed after."""
+    stage1 = share_memory([(arr.ctypes.data, 8 * PAGE)])
     assert stage1 is not None
     assert os.fstat(stage1.fd).st_ino == os.fstat(stage0.fd).st_ino
     assert _backs(stage0, arr, 0) and _backs(stage0, arr, 7)
     for shared in (stage0, stage1):
         shared.close()
-    del arr
-    m.close()
