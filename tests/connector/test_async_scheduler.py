@@ -222,11 +222,20 @@ def test_a_request_aborted_while_its_saves_are_in_flight(
     server = pega_server()
     batch = prompts(25, n=2)
     victim = next(iter(batch))
-    a = engine(tiny_model)
+    # A deadline far past the steps below: a save that gave up would be
+    # reported done, and the abort would then free the blocks at once.
+    a = engine(tiny_model, {**FAST, "timeout_s": 60.0})
+
+    def stop_before_the_first_saves(so: Any) -> None:
+        # Stopped after the plan, before the worker sends a byte: stopped
+        # after the step instead, the server could store the prefill first.
+        if so.kv_connector_metadata.plan.saves:
+            a.after_schedule = None
+            server.proc.send_signal(signal.SIGSTOP)
+
     for rid, tokens in batch.items():
         a.add(rid, tokens, max_tokens=16)
-    a.step()  # admitted: queries done
-    server.proc.send_signal(signal.SIGSTOP)
+    a.after_schedule = stop_before_the_first_saves
     try:
         while len(a.outputs.get(victim, ())) < 3:
             a.step()
