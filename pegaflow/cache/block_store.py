@@ -64,9 +64,10 @@ class BlockStore(TierLoads, SlotEviction):
         self.slabs = slabs
         self.policy = policy
         self.entries: dict[Key, BlockEntry] = {}
-        # Entries made not ready (a save's, a tier read's), for drop_stale to
-        # look at instead of every entry (45 ms a second at 1,000,000 blocks):
-        # out once published; one gone otherwise, until drop_stale sees it.
+        # Entries made not ready (a save's, a tier read's; not a restart's
+        # unchecked ones: their check decides), for drop_stale to look at
+        # instead of every entry (45 ms a second at 1,000,000 blocks): out
+        # once published; one gone otherwise, until drop_stale sees it.
         self.unready: dict[Key, BlockEntry] = {}
         # Which block each slot holds is the allocator's map, set here as
         # slots are given (SlabAllocator.own) and cleared by every free: the

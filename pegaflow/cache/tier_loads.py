@@ -133,9 +133,9 @@ class TierLoads:
             else:
                 entry = BlockEntry(key, row, landed=complete)
                 self._make_ready(entry)
+            # Not in `unready`: pinned by its check until finish_load, never
+            # stale, and the sweep would read every one each second.
             self.entries[key] = entry
-            if unchecked:
-                self.unready[key] = entry
             fresh.append(entry)
         if fresh:
             self._hold(ns, len(fresh))

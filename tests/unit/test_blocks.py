@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -141,6 +143,26 @@ def test_the_sweep_looks_only_at_blocks_not_published() -> None:
     assert (1, _h(1)[0]) not in store.entries and (1, _h(2)[0]) not in store.entries
     assert len(store.longest_prefix(ns, _h(*range(10, 40)))) == 30
     assert store.unready == {}  # the published ones forgotten too
+
+
+def test_the_sweep_passes_over_no_block_a_restart_still_checks() -> None:
+    """A warm restart's recovered blocks wait, unchecked and pinned by their
+    check, for minutes on a big pool: the sweep can never drop them, and
+    used to read every one of them each second (1,000,000 after a restart);
+    the check's verdict makes them ready or drops them."""
+    store, ns = _store(64), _ns()
+    base = store.slabs.base
+    addrs = [base + i * SLOT for i in range(40)]
+    assert all(store.slabs.claim(addrs, SLOT))
+    hashes = _h(*range(100, 140))
+    fresh = store.adopt(ns, hashes, np.array(addrs, np.uint64).reshape(-1, 1), True)
+    assert len(fresh) == 40 and store.unready == {}
+    store.entries = _NoFullScans(store.entries)
+    assert store.drop_stale(older_than=time.monotonic() + 3600) == 0
+    ok = np.arange(40) % 2 == 0  # half pass their check
+    store.finish_load(fresh, ok)
+    assert len(store.longest_prefix(ns, hashes[:1])) == 1
+    assert sum((1, h) in store.entries for h in hashes) == 20
 
 
 def test_tinylfu_keeps_hot_set_through_a_scan() -> None:
