@@ -191,11 +191,14 @@ class Registrar:
     def register_now(self) -> bool:
         """Register and open the liveness session; False (and retry later) if
         the server cannot be reached or refuses."""
+        register = self._register_fn
+        if register is None:  # closed meanwhile (an attempt on the pool thread)
+            return False
         if self._session is not None:
             self._session.close()
             self._session = None
         try:
-            reg = self._register_fn()
+            reg = register()
             self._session = self.client.open_session(self.instance_id, self.tp_rank)
         except PegaflowError as exc:
             self._next_try = time.monotonic() + self.config.retry_interval_s
@@ -302,6 +305,8 @@ class Registrar:
         if self._session is not None:
             self._session.close()
             self._session = None
+        self._shared = None  # the worker closes it (one may serve several)
+        self._register_fn = None  # a closure over self: a cycle until collected
         if self._events is not None:
             self._events.close()
             self._events = None

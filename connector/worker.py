@@ -469,6 +469,10 @@ class WorkerHalf:
         for shared in self._shares.values():
             if shared is not None:
                 shared.close()  # the descriptor: the tensors keep the mapping
+        # Let go of them too: while one lives its pages count as in use
+        # (pegaflow.client.host_share), and no later engine of this process
+        # could share them.
+        self._shares.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
 

@@ -246,3 +246,33 @@ def test_speculative_decoding_order_saves_and_loads(
     assert server.metric("pegaflow_active_leases") == 0
     a.close()
     b.close()
+
+
+def test_a_closed_engine_leaves_its_kv_memory_free_for_the_next(
+    pega_server: Callable[..., ServerProc], tiny_model: Path
+) -> None:
+    """Its memfd's pages count as in use while a SharedMemory handed out for
+    them lives (pegaflow.client.host_share): held past shutdown, a later
+    engine of the process whose KV lands on those pages could not share
+    them, and its server copies fell back to process_vm. Closed, A holds
+    none, with no collection of reference cycles needed."""
+    import gc
+    import os
+
+    from pegaflow.client import host_share
+
+    pega_server()
+    gc.disable()  # only what is no longer referenced goes
+    try:
+        a = Engine(vllm_config(tiny_model, FAST))
+        serve(a, prompts(27, n=1))
+        halves = [w._worker for w in a.workers]
+        shared = {p._shared for h in halves for p in h.parts.values()}
+        inodes = {os.fstat(s.fd).st_ino for s in shared if s is not None}
+        assert inodes  # the server mapped A's KV
+        del shared
+        a.close()
+        users = [host_share._held[i][1] for i in inodes if i in host_share._held]
+        assert all(len(u) == 0 for u in users), "a memfd still counted in use"
+    finally:
+        gc.enable()
