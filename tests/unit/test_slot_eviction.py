@@ -45,13 +45,14 @@ def _save(store: BlockStore, ns: Namespace, tag: str, n: int) -> int:
 
 
 def _save_admitted(store: BlockStore, ns: Namespace, tag: str, n: int) -> int:
-    """As _save; asked again while TinyLFU's admission refuses: each ask
-    counts, until the new blocks out-count the residents they displace."""
-    for _ in range(4):
+    """As _save, the blocks resident after; asked again while TinyLFU's
+    admission refuses some: each ask counts, until the new blocks out-count
+    the residents they displace."""
+    for _ in range(8):
         rejected = store.counters.admission_rejections
-        stored = _save(store, ns, tag, n)
+        _save(store, ns, tag, n)
         if store.counters.admission_rejections == rejected:
-            return stored
+            return sum((ns.id, _h(tag, i)) in store.entries for i in range(n))
     raise AssertionError(f"{tag}: still refused admission")
 
 
