@@ -70,6 +70,22 @@ def store_eviction_us(
     return med(saves) * 1e6 / n, med(queries) * 1e6 / n
 
 
+def _bench_pool(
+    resident: int, eviction: EvictionSetting
+) -> tuple[BlockStore, Namespace, list[bytes]]:
+    """An empty store whose pool holds `resident` one-layer blocks (rounded up
+    to whole slabs, at a fake base), and as many random hashes."""
+    slot, per_slab = 4096, 16
+    slabs = -(-resident // per_slab)
+    store = BlockStore(
+        SlabAllocator(1 << 40, slabs * per_slab * slot, per_slab * slot),
+        make_policy(eviction),
+    )
+    raw = np.random.default_rng(1).bytes(slabs * per_slab * HASH_LEN)
+    hashes = [raw[i : i + HASH_LEN] for i in range(0, len(raw), HASH_LEN)]
+    return store, Namespace("bench", 1, 1, 1, slot, (1, slot)), hashes
+
+
 def leased_pool_save_ms(
     resident: int, eviction: EvictionSetting
 ) -> tuple[float, float, float]:
@@ -81,17 +97,9 @@ def leased_pool_save_ms(
     server's once-a-second sweep for stale partial blocks there."""
     from pegaflow.cache.leases import LeaseTable
 
-    slot, per_slab = 4096, 16
-    ns = Namespace("bench", 1, 1, 1, slot, (1, slot))
+    store, ns, hashes = _bench_pool(resident, eviction)
     layers = np.arange(1)
-    slabs = -(-resident // per_slab)
-    store = BlockStore(
-        SlabAllocator(1 << 40, slabs * per_slab * slot, per_slab * slot),
-        make_policy(eviction),
-    )
-    rng = np.random.default_rng(1)
-    raw = rng.bytes(slabs * per_slab * HASH_LEN)
-    hashes = [raw[i : i + HASH_LEN] for i in range(0, len(raw), HASH_LEN)]
+    rng = np.random.default_rng(2)  # the fresh blocks: not the pool's hashes
     for a in range(0, len(hashes), 4096):
         store.finish_save(store.reserve_save(ns, 0, hashes[a : a + 4096], layers), True)
     t = time.perf_counter()
@@ -117,18 +125,9 @@ def leased_pool_save_ms(
 def restart_sweep_ms(resident: int) -> float:
     """ms of the once-a-second sweep while a warm restart's check has yet to
     reach any of `resident` recovered blocks (adopted unchecked)."""
-    slot, per_slab = 4096, 16
-    ns = Namespace("bench", 1, 1, 1, slot, (1, slot))
-    slabs = -(-resident // per_slab)
-    base = 1 << 40
-    store = BlockStore(
-        SlabAllocator(base, slabs * per_slab * slot, per_slab * slot),
-        make_policy("lru"),
-    )
-    raw = np.random.default_rng(2).bytes(resident * HASH_LEN)
-    hashes = [raw[i : i + HASH_LEN] for i in range(0, len(raw), HASH_LEN)]
-    addrs = base + slot * np.arange(resident, dtype=np.uint64)
-    assert all(store.slabs.claim(addrs.tolist(), slot))
+    store, ns, hashes = _bench_pool(resident, "lru")
+    addrs = store.slabs.base + ns.slot_bytes * np.arange(len(hashes), dtype=np.uint64)
+    assert all(store.slabs.claim(addrs.tolist(), ns.slot_bytes))
     store.adopt(ns, hashes, addrs.reshape(-1, 1), unchecked=True)
     took = []
     for _ in range(5):
