@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,6 +28,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def close_engines(server_factory: Callable[..., ServerProc]) -> Iterator[None]:
+    """Close the Engines a test left open (tests.connector.engine.OPEN_ENGINES),
+    while its servers still run (server_factory stops them after this)."""
+    yield
+    if "tests.connector.engine" not in sys.modules:  # vllm missing
+        return
+    from tests.connector.engine import OPEN_ENGINES
+
+    engines = OPEN_ENGINES[:]
+    OPEN_ENGINES.clear()
+    for engine in engines:
+        engine.close()
 
 
 @pytest.fixture(scope="session")

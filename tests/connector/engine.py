@@ -63,6 +63,11 @@ from pegaflow.connector import PegaKVConnector
 from tests.connector.fake_kv import BLOCK, Seq, fake_kv_batch, fake_state, pages
 from tests.connector.page_checks import PageChecks
 
+# Engines of the running test, closed at its end if it did not (conftest's
+# close_engines): one left open keeps its I/O threads, its liveness session
+# and the memfd its KV was shared through into every later test.
+OPEN_ENGINES: list[Engine] = []
+
 LAYERS = 4
 KV_HEADS = 2
 HEAD = 16
@@ -142,6 +147,7 @@ class Engine(PageChecks):
         mla_3d: bool = False,
     ) -> None:
         self.config = config
+        self.closed = False
         # As vLLM 0.33's V2 model runner: blocks the step allocates are zeroed
         # (Mamba, mixed-precision KV) before the connector's handle_preemptions.
         self.v2_runner = v2_runner
@@ -255,6 +261,7 @@ class Engine(PageChecks):
         self.after_schedule: Any = None  # test hook: (scheduler_output) -> None
         self.timing: list[tuple[float, float]] = []  # (scheduler s, worker s)
         self.steps = 0
+        OPEN_ENGINES.append(self)
 
     @property
     def scheduler_connector(self) -> Any:
@@ -517,6 +524,11 @@ class Engine(PageChecks):
         return total
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self in OPEN_ENGINES:
+            OPEN_ENGINES.remove(self)
         for w in self.workers:
             w.shutdown()
         self.sched.shutdown()
