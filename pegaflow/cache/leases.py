@@ -12,6 +12,7 @@ from itertools import takewhile
 import numpy as np
 
 from pegaflow.common.errors import LeaseNotFound, Overloaded
+from pegaflow.common.identity import UNKNOWN
 from pegaflow.common.keys import BlockHash
 
 from .block_entry import BlockEntry
@@ -28,6 +29,8 @@ class Lease:
     entries: list[BlockEntry]
     world_size: int
     expires: float
+    user: int  # the instance's owner uid (UNKNOWN: a remote engine's)
+    nbytes: int  # of the pool the entries pin
     loaded_by: set[int] = field(default_factory=set)
     # Blocks after the L1 entries that a lower tier reads straight into the
     # engine's blocks at its load (pegaflow.tiers.ssd_gpu_direct), and the
@@ -53,11 +56,22 @@ class TooManyLeases(Overloaded):
 
 
 class LeaseTable:
-    def __init__(self, store: BlockStore, ttl_s: float) -> None:
+    """max_user_bytes: what the leases of one user's instances may pin at once
+    (the owner uid's; all of unknown uid, remote engines, count as one user).
+    The blocks a user cached are its to lease, but leased they cannot be
+    evicted: one user leasing all it holds, again before each lease expires,
+    would leave no slot another user's saves could take. Queries past it are
+    answered the prefix that fits."""
+
+    def __init__(
+        self, store: BlockStore, ttl_s: float, max_user_bytes: int | None = None
+    ) -> None:
         self._store = store
         self.ttl_s = ttl_s
+        self.max_user_bytes = max_user_bytes
         self._leases: dict[int, Lease] = {}
         self._held: dict[str, list[int]] = {}  # owner -> [leases, leased blocks]
+        self._user_bytes: dict[int, int] = {}  # owner uid -> bytes its leases pin
         self.expired = 0
 
     def __len__(self) -> int:
@@ -65,6 +79,14 @@ class LeaseTable:
 
     def __contains__(self, lease_id: int) -> bool:
         return lease_id in self._leases
+
+    def room(self, user: int, block_bytes: int, wanted: int) -> int:
+        """How many of `wanted` blocks of block_bytes (over all shards) the
+        user's leases may pin now."""
+        if self.max_user_bytes is None or not wanted:
+            return wanted
+        free = self.max_user_bytes - self._user_bytes.get(user, 0)
+        return min(wanted, max(0, free) // max(1, block_bytes))
 
     def create(
         self,
@@ -74,7 +96,11 @@ class LeaseTable:
         world_size: int,
         direct: list[BlockHash] | None = None,
         read: DirectRead | None = None,
+        user: int = UNKNOWN,
+        block_bytes: int = 0,
     ) -> Lease:
+        """Past room(user, block_bytes, ...) too, the entries are leased: the
+        caller cuts the answer to room first."""
         held = self._held.setdefault(owner, [0, 0])
         if (
             held[0] >= MAX_LEASES_PER_INSTANCE
@@ -88,6 +114,8 @@ class LeaseTable:
             )
         held[0] += 1
         held[1] += len(entries)
+        nbytes = len(entries) * block_bytes
+        self._user_bytes[user] = self._user_bytes.get(user, 0) + nbytes
         lease_id = secrets.randbits(63) | 1  # unguessable, never 0 ("no lease")
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) | 1
@@ -98,6 +126,8 @@ class LeaseTable:
             entries,
             world_size,
             time.monotonic() + self.ttl_s,
+            user,
+            nbytes,
             direct=direct or [],
             read=read,
         )
@@ -130,6 +160,9 @@ class LeaseTable:
         held[1] -= len(lease.entries)
         if not held[0]:
             del self._held[lease.owner]
+        left = self._user_bytes.pop(lease.user, 0) - lease.nbytes
+        if left:
+            self._user_bytes[lease.user] = left
         self._store.unpin_lease(lease.id, lease.entries)
 
     def held_in(self, namespace_id: int) -> bool:

@@ -53,6 +53,16 @@ def check_seconds(name: str, value: float, hi: float, zero_ok: bool = False) -> 
         raise ValueError(f"{name}: must lie in {low}, {hi:g}] s, got {value!r}")
 
 
+def check_share(name: str, value: float) -> None:
+    """ValueError naming `name` unless value is a share in (0, 1]."""
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: need a number, got {value!r}") from None
+    if not (math.isfinite(share) and 0 < share <= 1):
+        raise ValueError(f"{name}: must lie in (0, 1], got {value!r}")
+
+
 def parse_size(text: str) -> int:
     """'512mb', '8GB', '1.5g', '64KiB', '4096' -> bytes (binary units, as PegaFlow)."""
     match = _SIZE_RE.match(text)
@@ -191,6 +201,9 @@ class EngineConfig:
     eviction: EvictionSetting = "lru"
     lease_ttl_s: float = 30.0
     lease_sweep_interval_s: float = 1.0
+    # The share of the pool one user's leases may pin (pegaflow.cache.leases):
+    # the rest stays evictable for everyone else's saves.
+    max_leased_share: float = 0.9
     copy_threads: int = 2
     # Copies up to this size run on the event loop itself: a hop to a worker
     # thread and back costs more than moving one block (measured ~0.25 ms on VMs).
@@ -218,6 +231,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_seconds("lease_ttl_s", self.lease_ttl_s, MAX_LEASE_TTL_S)
         check_seconds("lease_sweep_interval_s", self.lease_sweep_interval_s, 60.0)
+        check_share("max_leased_share", self.max_leased_share)
         check_int("copy_threads", self.copy_threads, 1, MAX_THREADS)
         check_int("inline_copy_bytes", self.inline_copy_bytes, 0, 1 << 30)
         check_int("max_blocks_per_request", self.max_blocks_per_request, 1, 1 << 24)

@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     stack = contextlib.ExitStack()
     nodes: list[dict[str, str]] = []
     if args.nodes == 2:
-        if args.pool_size < need * 1.1:
+        if args.pool_size < need * 1.15:  # its lease fits --max-leased-share
             p.error(f"--pool-size: the prompt needs {need / 2**20:.0f} MiB; give more")
         try:
             nodes = demo_nodes.start_nodes(stack, args.pool_size, 2)
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         addr = nodes[0]["grpc"]
     elif addr is None:
-        if args.pool_size < need * 1.1:
+        if args.pool_size < need * 1.15:  # its lease fits --max-leased-share
             p.error(f"--pool-size: the prompt needs {need / 2**20:.0f} MiB; give more")
         print(
             f"starting pegaflow-server with a {args.pool_size / 2**20:.0f} MiB pool",

@@ -99,6 +99,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             enable_lfu_admission=args.enable_lfu_admission,
             eviction=args.eviction,
             lease_ttl_s=args.lease_ttl,
+            max_leased_share=args.max_leased_share,
             copy_threads=args.copy_threads,
             allow_tcp_host_engines=args.allow_tcp_host_engines,
             max_idle_namespaces=args.max_idle_namespaces,

@@ -69,6 +69,12 @@ class Metrics:
             "queried blocks beyond the resident prefix",
             registry=r,
         )
+        self.lease_capped = Counter(
+            "pegaflow_lease_capped_blocks",
+            "blocks found but left out of a query's answer: the leases of the "
+            "instance's user already pinned --max-leased-share of the pool",
+            registry=r,
+        )
         self.evictions = Counter(
             "pegaflow_evictions", "blocks evicted from L1", registry=r
         )

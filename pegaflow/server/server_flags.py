@@ -30,6 +30,7 @@ FLAG_OF = {
     "prefault_threads": "--prefault-threads",
     "pool_check_rate": "--pool-check-rate",
     "lease_ttl_s": "--lease-ttl",
+    "max_leased_share": "--max-leased-share",
     "copy_threads": "--copy-threads",
     "max_ctas": "--copy-ctas",
     "event_timeout_s": "--cuda-event-timeout",
@@ -162,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds a query's lease pins its blocks (default: 30)",
+    )
+    p.add_argument(
+        "--max-leased-share",
+        type=float,
+        default=0.9,
+        help="share of the pool, in (0, 1], that the leases of one user's "
+        "engines may pin at once; a query past it is answered a shorter hit "
+        "(default: 0.9)",
     )
     p.add_argument(
         "--copy-threads",

@@ -19,7 +19,7 @@ from pegaflow.cache.pool import HostPool
 from pegaflow.cache.registration_checks import RegisterSpec
 from pegaflow.cache.slabs import SlabAllocator
 from pegaflow.common.geometry import LayerLayout, Segment
-from pegaflow.common.identity import CallContext, Caller
+from pegaflow.common.identity import UNKNOWN, CallContext, Caller
 from pegaflow.common.keys import Namespace
 from pegaflow.common.settings import EngineConfig, PoolConfig
 from pegaflow.server.engine import Engine
@@ -62,6 +62,23 @@ def test_an_instance_holds_a_bounded_number_of_leased_blocks(monkeypatch) -> Non
     table.release(first.id)
     table.create("a", 1, entries[:1], 1)
     assert table.sweep(now=1e18) == 2 and len(table) == 0
+
+
+def test_each_user_leases_its_own_share_of_the_pool() -> None:
+    """Room is counted per owner uid (remote engines, of unknown uid, as one
+    user), in bytes over every shard, and comes back when a lease ends."""
+    store, entries = _ready_store(2)
+    table = LeaseTable(store, 30.0, max_user_bytes=5 * SLOT)
+    assert table.room(1000, 2 * SLOT, 4) == 2
+    first = table.create("a", 1, entries, 1, user=1000, block_bytes=2 * SLOT)
+    assert table.room(1000, 2 * SLOT, 4) == 0  # 1 block's bytes left: too few
+    assert table.room(1000, SLOT, 4) == 1
+    assert table.room(1001, 2 * SLOT, 4) == 2  # another user: its own share
+    table.create("b", 1, entries, 1, user=UNKNOWN, block_bytes=2 * SLOT)
+    assert table.room(UNKNOWN, 2 * SLOT, 4) == 0
+    table.release(first.id)
+    assert table.room(1000, 2 * SLOT, 4) == 2
+    assert LeaseTable(store, 30.0).room(1000, 1 << 40, 7) == 7  # no bound given
 
 
 def test_the_sweep_stops_at_the_first_live_lease() -> None:
