@@ -56,7 +56,8 @@ class SlowTier:
 def test_a_query_does_not_lease_hits_it_evicted_for_ssd_room() -> None:
     pool = HostPool(PoolConfig(size_bytes=16 * PAGE, show_progress=False))
     tier = SlowTier()
-    engine = Engine(EngineConfig(), pool, {"host": NoCopy()})
+    # The whole pool leased at once: no share of it kept from one user's leases.
+    engine = Engine(EngineConfig(max_leased_share=1.0), pool, {"host": NoCopy()})
     engine.add_tier(ssd_link(engine, tier))
     layer = LayerLayout(0, 0, 32, PAGE, (Segment(0, PAGE),))
     region = ((PAGE, 32 * PAGE),)
