@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -82,6 +83,10 @@ class Registrar:
         self._host_regions: tuple[tuple[int, int], ...] = ()
         self._shared: SharedMemory | None = None  # host KV's memfd, if any
         self._session: Session | None = None
+        # An attempt on the I/O pool and close() on the engine's thread: the
+        # session an attempt opens is either kept (close ends it) or, once
+        # closed, ended by the attempt itself, never left open.
+        self._session_lock = threading.Lock()
         self._attempt: Future | None = None
         self._next_try = 0.0
 
@@ -199,7 +204,7 @@ class Registrar:
             self._session = None
         try:
             reg = register()
-            self._session = self.client.open_session(self.instance_id, self.tp_rank)
+            session = self.client.open_session(self.instance_id, self.tp_rank)
         except PegaflowError as exc:
             self._next_try = time.monotonic() + self.config.retry_interval_s
             logger.warning(
@@ -212,9 +217,16 @@ class Registrar:
                 self.config.retry_interval_s,
             )
             return False
-        self.slot_bytes = reg.slot_bytes
-        self.new_socket_path = reg.socket_path  # for the scheduler, once
-        self.registered = True
+        with self._session_lock:
+            closed = self._register_fn is None
+            if not closed:
+                self._session = session
+                self.slot_bytes = reg.slot_bytes
+                self.new_socket_path = reg.socket_path  # for the scheduler, once
+                self.registered = True
+        if closed:  # while it ran: the server drops what it registered
+            session.close()
+            return False
         logger.info("pegaflow: registered %s rank %d", self.instance_id, self.tp_rank)
         self._share()
         return True
@@ -302,12 +314,13 @@ class Registrar:
         self._events.wait(event, timeout_s, nbytes, sent, fd)
 
     def close(self) -> None:
-        if self._session is not None:
-            self._session.close()
-            self._session = None
+        with self._session_lock:
+            self._register_fn = None  # a closure over self: a cycle until collected
+            session, self._session = self._session, None
+            self.registered = False
+        if session is not None:
+            session.close()
         self._shared = None  # the worker closes it (one may serve several)
-        self._register_fn = None  # a closure over self: a cycle until collected
         if self._events is not None:
             self._events.close()
             self._events = None
-        self.registered = False

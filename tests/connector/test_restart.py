@@ -235,3 +235,49 @@ def test_a_load_does_not_wait_for_a_registration_queued_behind_it() -> None:
     registered, waited = loading.result(timeout=30)
     assert not registered and waited < 1.0
     pool.shutdown()
+
+
+def test_an_attempt_running_at_close_leaves_no_registration(
+    server_factory: Callable[..., ServerProc],
+) -> None:
+    """A re-registration runs on the worker's I/O pool, and shutdown does not
+    wait for it. Before, one that was under way when the worker closed went
+    on to open its session after close(): the server kept counting the
+    closed engine as a live worker. Now the attempt ends the session itself
+    and reports failure, and the server lets the registration go."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pegaflow.client.pegaflow_client import PegaflowClient
+    from pegaflow.connector.extra_config import parse_config
+    from pegaflow.connector.registrar import Registrar
+    from tests.kvbuf import LocalKV
+
+    server = server_factory("--pool-size", "16mb")
+    kv = LocalKV(layers=2, blocks=8)
+    pool = ThreadPoolExecutor(1)
+    client = PegaflowClient(server.addr, timeout_s=10)
+    registrar = Registrar(client, parse_config({"timeout_s": 10.0}), "i", 0, 1, pool)
+    registering, closed = threading.Event(), threading.Event()
+
+    def register() -> object:
+        reg = kv.register(client, "i", "m")
+        registering.set()
+        assert closed.wait(10), "the test never closed the registrar"
+        return reg
+
+    registrar._register_fn = register
+    attempt = pool.submit(registrar.register_now)
+    assert registering.wait(10)
+    assert json.loads(server.get("/health")[1])["workers"] == 1
+    registrar.close()
+    closed.set()
+    assert attempt.result(timeout=30) is False
+    assert not registrar.registered and registrar._session is None
+    deadline = time.monotonic() + 10
+    while json.loads(server.get("/health")[1])["workers"] and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert json.loads(server.get("/health")[1])["workers"] == 0
+    pool.shutdown()
+    client.close()
