@@ -106,6 +106,11 @@ class Namespace:
         return (self.slot_bytes, self.slot_skew)
 
     @property
+    def block_bytes(self) -> int:
+        """Pool bytes one block takes: a slot per shard."""
+        return self.slot_bytes * self.tp_size
+
+    @property
     def tag(self) -> str:
         return namespace_tag(self.name)
 

@@ -38,6 +38,9 @@ from .spawn import spawn_server
 
 PAGE_SHAPE = (8, 16, 256)  # Llama-3.1-8B per layer and block: kv_heads, block, 2*head
 PAGE_BYTES = int(np.prod(PAGE_SHAPE)) * 2  # bf16
+# The pool a demo server needs for the prompt: room beside it, and its hit
+# leased whole under the server's --max-leased-share (0.9).
+POOL_PER_PROMPT = 1.15
 
 
 @dataclass(frozen=True)
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     stack = contextlib.ExitStack()
     nodes: list[dict[str, str]] = []
     if args.nodes == 2:
-        if args.pool_size < need * 1.15:  # its lease fits --max-leased-share
+        if args.pool_size < need * POOL_PER_PROMPT:
             p.error(f"--pool-size: the prompt needs {need / 2**20:.0f} MiB; give more")
         try:
             nodes = demo_nodes.start_nodes(stack, args.pool_size, 2)
@@ -283,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         addr = nodes[0]["grpc"]
     elif addr is None:
-        if args.pool_size < need * 1.15:  # its lease fits --max-leased-share
+        if args.pool_size < need * POOL_PER_PROMPT:
             p.error(f"--pool-size: the prompt needs {need / 2**20:.0f} MiB; give more")
         print(
             f"starting pegaflow-server with a {args.pool_size / 2**20:.0f} MiB pool",

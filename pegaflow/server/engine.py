@@ -83,11 +83,8 @@ class Engine:
         policy = RecordingPolicy(policy, self.hit_rates)
         self.store = BlockStore(pool.slabs, policy)
         self.store.add_listener(self.hit_rates)  # saves refused: a miss cause
-        self.leases = LeaseTable(
-            self.store,
-            config.lease_ttl_s,
-            max_user_bytes=int(pool.size * config.max_leased_share),
-        )
+        leased = int(pool.size * config.max_leased_share)  # one user's at most
+        self.leases = LeaseTable(self.store, config.lease_ttl_s, leased)
         self.registry = Registry(
             copiers,
             max_slot_bytes=pool.slab_bytes,

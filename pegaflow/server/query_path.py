@@ -227,8 +227,7 @@ class PrefixQueries:
         l1_gbps = self._load_gbps(inst)
         if not hits and not n:
             return QueryResult(0, 0, 0.0, l1_gbps=l1_gbps)
-        per_block = ns.slot_bytes * ns.tp_size
-        fits = self._leases.room(inst.owner_uid, per_block, len(hits))
+        fits = self._leases.room(inst.owner_uid, ns.block_bytes, len(hits))
         if fits < len(hits):  # the user's leases pin their share of the pool
             self._metrics.lease_capped.inc(len(hits) - fits + n)
             hits, direct, read, n = hits[:fits], None, None, 0
@@ -242,6 +241,6 @@ class PrefixQueries:
             direct,
             read,
             user=inst.owner_uid,
-            block_bytes=per_block,
+            block_bytes=ns.block_bytes,
         )
         return QueryResult(len(hits) + n, lease.id, self._leases.ttl_s, l1_gbps=l1_gbps)

@@ -325,7 +325,7 @@ class RemoteLink(Tier):
             lost = sum(s.blocks for s, t in zip(plan, reads, strict=True) if t in late)
             self.metrics.failures.labels("deadline").inc(lost)
             # What a query waiting for them saw: the tier's rate drops.
-            planned = len(entries) * ns.slot_bytes * ns.tp_size
+            planned = len(entries) * ns.block_bytes
             self.rate.observe(planned, time.monotonic() - began)
             self._unloading(entries)
             self._remember(entries[0].key)
@@ -338,7 +338,7 @@ class RemoteLink(Tier):
         good = int(ok.sum())
         if good < len(entries):
             self._remember(entries[0].key)
-        nbytes = good * ns.slot_bytes * ns.tp_size
+        nbytes = good * ns.block_bytes
         seconds = time.monotonic() - began
         self.metrics.hits.inc(good)
         self.metrics.bytes.inc(nbytes)

@@ -95,7 +95,7 @@ class PinTable:
         entries = self._store.lookup(ns, hashes)[0]  # cut at a repeat
         if not entries:
             return NOTHING
-        per_block = ns.slot_bytes * ns.tp_size
+        per_block = ns.block_bytes
         if self._pinned_bytes + len(entries) * per_block > self._max_pinned_bytes:
             self.sweep()
             room = (self._max_pinned_bytes - self._pinned_bytes) // per_block
