@@ -22,9 +22,10 @@ without admission:
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Container, Hashable, Iterator, Sequence
 from functools import partial
-from itertools import repeat
+from itertools import compress, repeat
+from operator import not_
 from typing import Protocol
 
 import numpy as np
@@ -66,7 +67,32 @@ class EvictionPolicy(Protocol):
     # fewer are unprotected. It used to answer None then, and the store asked
     # again for half as many: one save into a pool of 1,000,000 blocks, all
     # but 10 leased, held the event loop 16.5 s (benchmarks/RESULTS.md).
-    def evict(self, n: int, protected: Protected) -> list[Key]: ...
+    # park: `protected` means pinned, and a pinned key passed over may be kept
+    # out of later passes until the store says its pins are gone (unpark).
+    def evict(self, n: int, protected: Protected, park: bool = False) -> list[Key]: ...
+
+    # Keys parked by evict (a Container; empty where a policy never parks).
+    parked: Container[Key]
+
+    # These keys' pins are gone (parked or not): back into the order.
+    def _park(self, passed: list[Key]) -> None:
+        order, parked = self._order, self.parked
+        if len(passed) < len(order):
+            deque(map(order.pop, passed), maxlen=0)
+            # No tuple per key (zip's): 1,000,000 of them set off collections.
+            parked.update(dict.fromkeys(passed))
+            return
+        # Every key left was passed (a pool all but leased): the order becomes
+        # the parked set whole, the smaller merged into the larger; moving
+        # 1,000,000 keys one by one cost this pass a third more.
+        if len(parked) > len(order):
+            parked.update(order)
+        else:
+            order.update(parked)
+            self.parked = order
+        self._order = OrderedDict()
+
+    def unpark(self, keys: Sequence[Key]) -> None: ...
     # For a request's candidates beyond the free room, in order: each one
     # admitted displaces the next victim, so the next candidate faces that one.
     def admitter(self, protected: Protected) -> Callable[[Key], bool]: ...
@@ -78,21 +104,33 @@ class EvictionPolicy(Protocol):
 class LRUPolicy:
     """Least recently used first; O(1) insert/touch/remove.
 
-    evict scans from the LRU end and skips protected keys, so it costs O(n + number
-    of protected keys older than the victims), not O(resident keys).
+    evict scans from the LRU end and skips protected keys. With park=True
+    (protected = pinned) the pinned keys it passes over leave the order until
+    the store unparks them, so each pinned key is passed over once per pin,
+    not once per eviction pass: a pool mostly leased cost every save a pass
+    over its leases (0.73 s at 1,000,000 blocks, benchmarks/RESULTS.md).
+
+    A parked key is unparked at the LRU end, where the pass found it: it was
+    then the least recently used key left. One touched while parked was used
+    since, and goes to the MRU end instead.
     """
 
     def __init__(self) -> None:
         # Values unused: the dict's order is the recency order, LRU first.
         self._order: OrderedDict[Key, None] = OrderedDict()
+        # Parked keys: True if touched while parked (None or False if not).
+        self.parked: dict[Key, bool | None] = {}
 
     def insert(self, key: Key) -> None:
+        self.parked.pop(key, None)
         self._order[key] = None
         self._order.move_to_end(key)
 
     def insert_many(self, keys: Sequence[Key]) -> None:
         # A save's blocks: C-level passes, as touch_many. A key already here
         # moves to the MRU end, as insert() moves it.
+        if self.parked:
+            deque(map(self.parked.pop, keys, repeat(None)), maxlen=0)
         order = self._order
         before = len(order)
         order.update(zip(keys, repeat(None)))
@@ -100,6 +138,8 @@ class LRUPolicy:
             deque(map(order.move_to_end, keys), maxlen=0)
 
     def insert_cold_many(self, keys: Sequence[Key]) -> None:
+        if self.parked:
+            deque(map(self.parked.pop, keys, repeat(None)), maxlen=0)
         order = self._order
         order.update(zip(keys, repeat(None)))
         deque(map(partial(order.move_to_end, last=False), reversed(keys)), maxlen=0)
@@ -107,35 +147,78 @@ class LRUPolicy:
     def touch(self, key: Key) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+        elif key in self.parked:
+            self.parked[key] = True
 
     def touch_many(self, keys: Sequence[Key]) -> None:
         # The prefix-query hot path: one C-level pass (a zero-length deque
-        # consumes the map), no Python frame per key. Keys must be resident.
-        deque(map(self._order.move_to_end, keys), maxlen=0)
+        # consumes the map), no Python frame per key. Keys must be resident;
+        # a parked one (leased long ago, hit again) takes the slow path.
+        try:
+            deque(map(self._order.move_to_end, keys), maxlen=0)
+        except KeyError:
+            deque(map(self.touch, keys), maxlen=0)
 
     def remove(self, key: Key) -> None:
         self._order.pop(key, None)
+        self.parked.pop(key, None)
 
     def evict_these(self, keys: Sequence[Key]) -> None:
         deque(map(self._order.pop, keys, repeat(None)), maxlen=0)
+        if self.parked:
+            deque(map(self.parked.pop, keys, repeat(None)), maxlen=0)
 
     def expect(self, child: Key, parent: Key) -> None:
         pass
 
-    def evict(self, n: int, protected: Protected) -> list[Key]:
+    def evict(self, n: int, protected: Protected, park: bool = False) -> list[Key]:
         if n < 0:
             raise ValueError(f"evict: n must be >= 0, got {n}")
         if n == 0:
             return []
         victims: list[Key] = []
+        passed: list[Key] = []
         for key in self._order:
             if not protected(key):
                 victims.append(key)
                 if len(victims) == n:
                     break
-        for key in victims:
-            del self._order[key]
+            elif park:
+                passed.append(key)
+        pop = self._order.pop
+        deque(map(pop, victims), maxlen=0)
+        if park and passed:
+            self._park(passed)
         return victims
+
+    def _park(self, passed: list[Key]) -> None:
+        order, parked = self._order, self.parked
+        if len(passed) < len(order):
+            deque(map(order.pop, passed), maxlen=0)
+            # No tuple per key (zip's): 1,000,000 of them set off collections.
+            parked.update(dict.fromkeys(passed))
+            return
+        # Every key left was passed (a pool all but leased): the order becomes
+        # the parked set whole, the smaller merged into the larger; moving
+        # 1,000,000 keys one by one cost this pass a third more.
+        if len(parked) > len(order):
+            parked.update(order)
+        else:
+            order.update(parked)
+            self.parked = order
+        self._order = OrderedDict()
+
+    def unpark(self, keys: Sequence[Key]) -> None:
+        parked = self.parked
+        back = [k for k in keys if k in parked]
+        if not back:
+            return
+        touched = list(map(parked.pop, back))
+        if not any(touched):
+            self.insert_cold_many(back)
+            return
+        self.insert_cold_many(list(compress(back, map(not_, touched))))
+        self._order.update(dict.fromkeys(compress(back, touched)))
 
     def admitter(self, protected: Protected) -> Callable[[Key], bool]:
         return _admit_all
@@ -146,10 +229,10 @@ class LRUPolicy:
         return (key for key in self._order if not protected(key))
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + len(self.parked)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._order
+        return key in self._order or key in self.parked
 
 
 def _admit_all(candidate: Key) -> bool:
@@ -332,8 +415,32 @@ class AdmissionPolicy:
     def expect(self, child: Key, parent: Key) -> None:
         self._inner.expect(child, parent)
 
-    def evict(self, n: int, protected: Protected) -> list[Key]:
-        return self._inner.evict(n, protected)
+    def evict(self, n: int, protected: Protected, park: bool = False) -> list[Key]:
+        return self._inner.evict(n, protected, park)
+
+    @property
+    def parked(self) -> Container[Key]:
+        return self._inner.parked
+
+    def _park(self, passed: list[Key]) -> None:
+        order, parked = self._order, self.parked
+        if len(passed) < len(order):
+            deque(map(order.pop, passed), maxlen=0)
+            # No tuple per key (zip's): 1,000,000 of them set off collections.
+            parked.update(dict.fromkeys(passed))
+            return
+        # Every key left was passed (a pool all but leased): the order becomes
+        # the parked set whole, the smaller merged into the larger; moving
+        # 1,000,000 keys one by one cost this pass a third more.
+        if len(parked) > len(order):
+            parked.update(order)
+        else:
+            order.update(parked)
+            self.parked = order
+        self._order = OrderedDict()
+
+    def unpark(self, keys: Sequence[Key]) -> None:
+        self._inner.unpark(keys)
 
     def admitter(self, protected: Protected) -> Callable[[Key], bool]:
         """Each admitted candidate displaces the next victim from the LRU end:

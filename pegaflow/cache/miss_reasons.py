@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby, repeat
 from typing import Literal
@@ -139,9 +139,14 @@ class RecordingPolicy:
         self.remove = inner.remove
         self.expect = inner.expect
         self.victims = inner.victims
+        self.unpark = inner.unpark
 
-    def evict(self, n: int, protected: Protected) -> list[Key]:
-        victims = self._inner.evict(n, protected)
+    @property
+    def parked(self) -> Container[Key]:
+        return self._inner.parked
+
+    def evict(self, n: int, protected: Protected, park: bool = False) -> list[Key]:
+        victims = self._inner.evict(n, protected, park)
         if victims:
             self._tracker.record_many(CAPACITY, victims)
         return victims

@@ -30,7 +30,7 @@ between them; it only defers one block until the next request's chain goes.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from functools import partial
 from itertools import chain, compress, islice, repeat
 from operator import is_, is_not, itemgetter, setitem
@@ -219,7 +219,14 @@ class PrefixLRUPolicy:
                 self._revive(node)
 
     # --- choosing victims ------------------------------------------------------
-    def evict(self, n: int, protected: Protected) -> list[Key]:
+    # Pinned keys are not parked here: the scan passes over them each time
+    # (a leaf's deferral and revival would have to follow it out and back).
+    parked: Container[Key] = frozenset()
+
+    def unpark(self, keys: Sequence[Key]) -> None:
+        pass
+
+    def evict(self, n: int, protected: Protected, park: bool = False) -> list[Key]:
         if n < 0:
             raise ValueError(f"evict: n must be >= 0, got {n}")
         if n == 0:

@@ -6,12 +6,14 @@ listeners these methods use (the mixin is below it, as pegaflow.cache.tier_loads
 kept apart because choosing victims is that one concern.
 
 The policy's pass skips pinned blocks one by one: with most of the pool leased
-it costs ~0.7 s of the event loop at 1,000,000 blocks. A pass that comes back
-short sets `policy_drained`, and the next save skips the pass until a block is
-published (policy insert) or unpinned: the two ways a block becomes a victim
-the policy can give (BlockStore._make_ready*, BlockStore.unpin). A ready
-block's pins drop only in BlockStore.unpin; the others that drop (a save's, a
-tier load's) are of blocks not ready, which the policy does not hold.
+it costs ~0.7 s of the event loop at 1,000,000 blocks. So the pass parks the
+pinned blocks it passes over (LRUPolicy: out of the order until
+BlockStore.unpin drops their last pin), and a pass that comes back short sets
+`policy_drained`: the next save skips the pass until a block is published
+(policy insert) or unpinned, the two ways a block becomes a victim the policy
+can give (BlockStore._make_ready*, BlockStore.unpin). A ready block's pins drop
+only in BlockStore.unpin; the others that drop (a save's, a tier load's) are
+of blocks not ready, which the policy does not hold.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class SlotEviction:
             victims = self._unchecked_victims(cls, short)
             bound = swept >= self.slabs.slab_bytes
             if not victims and not bound and not drained:
-                victims = self._evict_lru(short, self._protected)
+                victims = self._evict_lru(short, self._protected, park=True)
                 drained = len(victims) < short
                 self.policy_drained = drained
                 if victims:
@@ -81,9 +83,13 @@ class SlotEviction:
         entries = self.entries
         return self._evict_lru(n, lambda k: k[0] not in own or entries[k].pins > 0)
 
-    def _evict_lru(self, n: int, protected: Callable[[Key], bool]) -> list[Key]:
-        """Up to n of the policy's victims (out of it, still in the store)."""
-        return self.policy.evict(n, protected)
+    def _evict_lru(
+        self, n: int, protected: Callable[[Key], bool], park: bool = False
+    ) -> list[Key]:
+        """Up to n of the policy's victims (out of it, still in the store).
+        park: `protected` is "pinned", and the policy may keep the pinned
+        blocks it passes over out of later passes until BlockStore.unpin."""
+        return self.policy.evict(n, protected, park)
 
     def _empty_a_slab(self, cls: SlotClass) -> list[Key]:
         """Evict every block of a slab of another class (slab_victims)."""
