@@ -56,19 +56,23 @@ class TooManyLeases(Overloaded):
 
 
 class LeaseTable:
-    """max_user_bytes: what the leases of one user's instances may pin at once
-    (the owner uid's; all of unknown uid, remote engines, count as one user).
-    The blocks a user cached are its to lease, but leased they cannot be
-    evicted: one user leasing all it holds, again before each lease expires,
-    would leave no slot another user's saves could take. Queries past it are
-    answered the prefix that fits."""
+    """max_leased_bytes: what the leases of all users' instances may pin at
+    once, shared equally by the users holding leases (a user is an owner uid;
+    all of unknown uid, remote engines, count as one). The blocks a user
+    cached are its to lease, but leased they cannot be evicted: one user
+    leasing all it holds, again before each lease expires, would leave no
+    slot another user's saves could take; so would two users each leasing
+    the whole bound. Queries past a user's part are answered the prefix that
+    fits. A part shrinks as users come: leases taken before keep their
+    blocks until they end (a load, or the TTL), and that user's queries
+    lease nothing more until it is back within its part."""
 
     def __init__(
-        self, store: BlockStore, ttl_s: float, max_user_bytes: int | None = None
+        self, store: BlockStore, ttl_s: float, max_leased_bytes: int | None = None
     ) -> None:
         self._store = store
         self.ttl_s = ttl_s
-        self.max_user_bytes = max_user_bytes
+        self.max_leased_bytes = max_leased_bytes
         self._leases: dict[int, Lease] = {}
         self._held: dict[str, list[int]] = {}  # owner -> [leases, leased blocks]
         self._user_bytes: dict[int, int] = {}  # owner uid -> bytes its leases pin
@@ -83,9 +87,11 @@ class LeaseTable:
     def room(self, user: int, block_bytes: int, wanted: int) -> int:
         """How many of `wanted` blocks of block_bytes (over all shards) the
         user's leases may pin now."""
-        if self.max_user_bytes is None or not wanted:
+        if self.max_leased_bytes is None or not wanted:
             return wanted
-        free = self.max_user_bytes - self._user_bytes.get(user, 0)
+        held = self._user_bytes
+        part = self.max_leased_bytes // (len(held) + (user not in held))
+        free = part - held.get(user, 0)
         return min(wanted, max(0, free) // max(1, block_bytes))
 
     def create(
@@ -115,7 +121,8 @@ class LeaseTable:
         held[0] += 1
         held[1] += len(entries)
         nbytes = len(entries) * block_bytes
-        self._user_bytes[user] = self._user_bytes.get(user, 0) + nbytes
+        if nbytes:  # a user holding no bytes takes no part of the bound
+            self._user_bytes[user] = self._user_bytes.get(user, 0) + nbytes
         lease_id = secrets.randbits(63) | 1  # unguessable, never 0 ("no lease")
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) | 1

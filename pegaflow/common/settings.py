@@ -201,8 +201,8 @@ class EngineConfig:
     eviction: EvictionSetting = "lru"
     lease_ttl_s: float = 30.0
     lease_sweep_interval_s: float = 1.0
-    # The share of the pool one user's leases may pin (pegaflow.cache.leases):
-    # the rest stays evictable for everyone else's saves.
+    # The share of the pool leases may pin, in equal parts for the users
+    # holding them (pegaflow.cache.leases): the rest stays evictable for saves.
     max_leased_share: float = 0.9
     copy_threads: int = 2
     # Copies up to this size run on the event loop itself: a hop to a worker

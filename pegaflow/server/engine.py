@@ -83,7 +83,7 @@ class Engine:
         policy = RecordingPolicy(policy, self.hit_rates)
         self.store = BlockStore(pool.slabs, policy)
         self.store.add_listener(self.hit_rates)  # saves refused: a miss cause
-        leased = int(pool.size * config.max_leased_share)  # one user's at most
+        leased = int(pool.size * config.max_leased_share)  # all users' at most
         self.leases = LeaseTable(self.store, config.lease_ttl_s, leased)
         self.registry = Registry(
             copiers,

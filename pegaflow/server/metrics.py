@@ -72,7 +72,8 @@ class Metrics:
         self.lease_capped = Counter(
             "pegaflow_lease_capped_blocks",
             "blocks found but left out of a query's answer: the leases of the "
-            "instance's user already pinned --max-leased-share of the pool",
+            "instance's user already pinned its part of --max-leased-share of "
+            "the pool",
             registry=r,
         )
         self.evictions = Counter(

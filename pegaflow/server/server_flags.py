@@ -168,9 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-leased-share",
         type=float,
         default=0.9,
-        help="share of the pool, in (0, 1], that the leases of one user's "
-        "engines may pin at once; a query past it is answered a shorter hit "
-        "(default: 0.9)",
+        help="share of the pool, in (0, 1], that leases may pin at once, an "
+        "equal part of it for each user holding leases; a query past its "
+        "user's part is answered a shorter hit (default: 0.9)",
     )
     p.add_argument(
         "--copy-threads",

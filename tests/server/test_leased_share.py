@@ -1,10 +1,12 @@
-"""One user's leases pin at most --max-leased-share of the pool (0.9 by
-default, half here): a query past it is answered the prefix that fits, and the rest of
-the pool stays evictable, so the user's engines cannot lock everyone else's
+"""The leases of all users pin at most --max-leased-share of the pool (0.9 by
+default, half here), each user holding leases an equal part of it: a query
+past its part is answered the prefix that fits, and the rest of the pool stays
+evictable, so no user's engines (nor two users') can lock everyone else's
 saves out by leasing all they cached, again before each lease expires."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -58,6 +60,55 @@ def test_a_users_leases_leave_the_rest_of_the_pool_to_saves(
         assert np.array_equal(got, before)  # every leased byte, in the lease's order
         # Loaded, the lease is gone and its share is free again.
         assert client.query("e", new).num_blocks == saved
+
+
+NOBODY = 65534
+# Run as NOBODY once the packages are imported as root (the checkout may be
+# unreadable for that uid: a 0700 temp dir in CI).
+_AS_NOBODY = (
+    "import os, grpc._channel, grpc._interceptor, grpc._utilities\n"
+    "from pegaflow.client.pegaflow_client import PegaflowClient\n"
+    "from tests.kvbuf import LocalKV, hashes\n"
+    f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
+    "import ctypes; ctypes.CDLL(None).prctl(4, 1)  # PR_SET_DUMPABLE, as started\n"
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as uid 65534")
+def test_two_users_leasing_at_once_share_the_bound(
+    server_factory: Callable[..., ServerProc],
+) -> None:
+    """Scenario: two users' engines each leased the whole share of the pool,
+    and between them all of it: no save found a block to evict. Now each
+    user holding leases gets half the share: the second user's query is
+    answered its half, and the first user's next query nothing (its leases,
+    taken alone, keep their blocks until they end)."""
+    server = server_factory(
+        "--pool-size", "4mb", "--max-leased-share", "0.5", "--allow-tcp-host-engines"
+    )
+    part = POOL // 2 // 2 // BLOCK_BYTES
+    blocks = part * 3 // 2  # two users' blocks fit the pool, beside its slabs
+    kv = LocalKV(layers=LAYERS, blocks=blocks, page=PAGE, seed=7)
+    with PegaflowClient(server.addr, timeout_s=10) as client:
+        kv.register(client, "root-engine", "model")
+        mine = hashes(blocks)
+        assert client.save("root-engine", list(range(blocks)), mine).stored == blocks
+        assert client.query("root-engine", mine).num_blocks == blocks  # alone
+        other = (  # over gRPC: the server's socket is root's only
+            f"kv = LocalKV(layers={LAYERS}, blocks={blocks}, page={PAGE}, seed=8)\n"
+            f"with PegaflowClient({server.addr!r}, timeout_s=10) as c:\n"
+            "    kv.register(c, 'nobody-engine', 'model')\n"
+            f"    h = hashes({blocks}, b'n')\n"
+            f"    print(c.save('nobody-engine', list(range({blocks})), h).stored,\n"
+            "          c.query('nobody-engine', h).num_blocks)\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", _AS_NOBODY + other], capture_output=True,
+            text=True, env=_env(), cwd=ROOT, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == [str(blocks), str(part)]
+        assert client.query("root-engine", mine).num_blocks == 0
 
 
 @pytest.mark.parametrize("value", ["0", "1.5", "nan", "half"])

@@ -186,7 +186,10 @@ def test_a_batch_that_keeps_failing_is_dropped_and_counted(
 
 def test_unknown_incarnation_joins_again_and_resends_everything() -> None:
     """The metaserver forgot this node: Join, the full re-send, and the batch
-    that got the answer still lands (after the re-send)."""
+    that got the answer still lands. It goes first (it was queued before the
+    re-send's snapshot was taken), so the test waits for both: it waited for
+    the remove alone and then read the re-send's count, which the advertiser's
+    thread had not always sent yet (a CI flake)."""
 
     async def body() -> None:
         client = FakeClient(Terms())
@@ -196,9 +199,11 @@ def test_unknown_incarnation_joins_again_and_resends_everything() -> None:
             await until(lambda: len(client.inserted) == 100)
             client.faults["remove"] = [UNKNOWN]
             a.withdraw(NS, [h(7)])
-            await until(lambda: a.counters.withdrawn == 1)
+            await until(
+                lambda: a.counters.withdrawn == 1 and len(client.inserted) == 200
+            )
             assert client.joins == 2 and a.counters.rejoins == 1
-            assert held.snapshots == 2 and len(client.inserted) == 200
+            assert held.snapshots == 2
             assert client.removed == [h(7)] and a.counters.dropped == 0
         finally:
             close()

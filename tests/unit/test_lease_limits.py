@@ -68,17 +68,35 @@ def test_each_user_leases_its_own_share_of_the_pool() -> None:
     """Room is counted per owner uid (remote engines, of unknown uid, as one
     user), in bytes over every shard, and comes back when a lease ends."""
     store, entries = _ready_store(2)
-    table = LeaseTable(store, 30.0, max_user_bytes=5 * SLOT)
+    table = LeaseTable(store, 30.0, max_leased_bytes=5 * SLOT)
     assert table.room(1000, 2 * SLOT, 4) == 2
     first = table.create("a", 1, entries, 1, user=1000, block_bytes=2 * SLOT)
     assert table.room(1000, 2 * SLOT, 4) == 0  # 1 block's bytes left: too few
     assert table.room(1000, SLOT, 4) == 1
-    assert table.room(1001, 2 * SLOT, 4) == 2  # another user: its own share
-    table.create("b", 1, entries, 1, user=UNKNOWN, block_bytes=2 * SLOT)
-    assert table.room(UNKNOWN, 2 * SLOT, 4) == 0
     table.release(first.id)
     assert table.room(1000, 2 * SLOT, 4) == 2
     assert LeaseTable(store, 30.0).room(1000, 1 << 40, 7) == 7  # no bound given
+
+
+def test_users_holding_leases_share_the_bound_equally() -> None:
+    """Two users each leasing the whole bound would lease the whole pool
+    between them, and no save could evict: each user holding leases gets
+    an equal part of it, remote engines (unknown uid) together one part."""
+    store, entries = _ready_store(1)
+    table = LeaseTable(store, 30.0, max_leased_bytes=12 * SLOT)
+    a = table.create("a", 1, entries, 1, user=1000, block_bytes=8 * SLOT)
+    assert table.room(1001, SLOT, 12) == 6  # a newcomer: half of the bound
+    b = table.create("b", 1, entries, 1, user=1001, block_bytes=6 * SLOT)
+    assert table.room(1000, SLOT, 12) == 0  # past its half: nothing more
+    assert table.room(UNKNOWN, SLOT, 12) == 4  # a third user: a third
+    assert table.room(1001, SLOT, 12) == 0
+    table.release(a.id)  # 1000 holds nothing now: no part of the bound
+    assert table.room(1001, SLOT, 12) == 6
+    assert table.room(1000, SLOT, 12) == 6  # a newcomer again: the other half
+    table.release(b.id)
+    assert table.room(1000, SLOT, 12) == 12
+    table.create("c", 1, entries, 1, user=1002)  # no block_bytes: no part
+    assert table.room(1000, SLOT, 12) == 12
 
 
 def test_the_sweep_stops_at_the_first_live_lease() -> None:
