@@ -63,15 +63,21 @@ def test_a_users_leases_leave_the_rest_of_the_pool_to_saves(
 
 
 NOBODY = 65534
-# Run as NOBODY once the packages are imported as root (the checkout may be
-# unreadable for that uid: a 0700 temp dir in CI).
-_AS_NOBODY = (
-    "import os, grpc._channel, grpc._interceptor, grpc._utilities\n"
-    "from pegaflow.client.pegaflow_client import PegaflowClient\n"
-    "from tests.kvbuf import LocalKV, hashes\n"
-    f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
-    "import ctypes; ctypes.CDLL(None).prctl(4, 1)  # PR_SET_DUMPABLE, as started\n"
-)
+
+
+def _as_nobody(setup: str, code: str) -> subprocess.CompletedProcess:
+    """`setup` run as root, then `code` as NOBODY: everything it imports or
+    builds comes first (the checkout may be unreadable for that uid: a 0700
+    temp dir in CI), as does making the process dumpable again, as one that
+    user started would be (the kernel marks one that changed its uid not)."""
+    drop = (
+        f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
+        "import ctypes; ctypes.CDLL(None).prctl(4, 1)  # PR_SET_DUMPABLE\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", "import os\n" + setup + drop + code],
+        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=60,
+    )  # fmt: skip
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as uid 65534")
@@ -94,18 +100,20 @@ def test_two_users_leasing_at_once_share_the_bound(
         mine = hashes(blocks)
         assert client.save("root-engine", list(range(blocks)), mine).stored == blocks
         assert client.query("root-engine", mine).num_blocks == blocks  # alone
-        other = (  # over gRPC: the server's socket is root's only
+        setup = (
+            "import grpc._channel, grpc._interceptor, grpc._utilities\n"
+            "from pegaflow.client.pegaflow_client import PegaflowClient\n"
+            "from tests.kvbuf import LocalKV, hashes\n"
             f"kv = LocalKV(layers={LAYERS}, blocks={blocks}, page={PAGE}, seed=8)\n"
-            f"with PegaflowClient({server.addr!r}, timeout_s=10) as c:\n"
-            "    kv.register(c, 'nobody-engine', 'model')\n"
-            f"    h = hashes({blocks}, b'n')\n"
-            f"    print(c.save('nobody-engine', list(range({blocks})), h).stored,\n"
-            "          c.query('nobody-engine', h).num_blocks)\n"
+            f"h = hashes({blocks}, b'n')\n"
+            f"c = PegaflowClient({server.addr!r}, timeout_s=10)\n"
         )
-        out = subprocess.run(
-            [sys.executable, "-c", _AS_NOBODY + other], capture_output=True,
-            text=True, env=_env(), cwd=ROOT, timeout=60,
-        )  # fmt: skip
+        out = _as_nobody(  # over gRPC: the server's socket is root's only
+            setup,
+            "kv.register(c, 'nobody-engine', 'model')\n"
+            f"print(c.save('nobody-engine', list(range({blocks})), h).stored,\n"
+            "      c.query('nobody-engine', h).num_blocks)\n",
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == [str(blocks), str(part)]
         assert client.query("root-engine", mine).num_blocks == 0
