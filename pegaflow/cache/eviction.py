@@ -75,23 +75,6 @@ class EvictionPolicy(Protocol):
     parked: Container[Key]
 
     # These keys' pins are gone (parked or not): back into the order.
-    def _park(self, passed: list[Key]) -> None:
-        order, parked = self._order, self.parked
-        if len(passed) < len(order):
-            deque(map(order.pop, passed), maxlen=0)
-            # No tuple per key (zip's): 1,000,000 of them set off collections.
-            parked.update(dict.fromkeys(passed))
-            return
-        # Every key left was passed (a pool all but leased): the order becomes
-        # the parked set whole, the smaller merged into the larger; moving
-        # 1,000,000 keys one by one cost this pass a third more.
-        if len(parked) > len(order):
-            parked.update(order)
-        else:
-            order.update(parked)
-            self.parked = order
-        self._order = OrderedDict()
-
     def unpark(self, keys: Sequence[Key]) -> None: ...
     # For a request's candidates beyond the free room, in order: each one
     # admitted displaces the next victim, so the next candidate faces that one.
@@ -421,23 +404,6 @@ class AdmissionPolicy:
     @property
     def parked(self) -> Container[Key]:
         return self._inner.parked
-
-    def _park(self, passed: list[Key]) -> None:
-        order, parked = self._order, self.parked
-        if len(passed) < len(order):
-            deque(map(order.pop, passed), maxlen=0)
-            # No tuple per key (zip's): 1,000,000 of them set off collections.
-            parked.update(dict.fromkeys(passed))
-            return
-        # Every key left was passed (a pool all but leased): the order becomes
-        # the parked set whole, the smaller merged into the larger; moving
-        # 1,000,000 keys one by one cost this pass a third more.
-        if len(parked) > len(order):
-            parked.update(order)
-        else:
-            order.update(parked)
-            self.parked = order
-        self._order = OrderedDict()
 
     def unpark(self, keys: Sequence[Key]) -> None:
         self._inner.unpark(keys)
