@@ -7,14 +7,16 @@ another thread, and a Python loop handing the GIL back and forth could be
 late by a whole switch interval). When it should end comes from the recent
 loads of its size class (a faster one counts at once, a slower one by half),
 learnt only from waits that woke before their copy ended: one that found its
-copy already done overslept by an unknown time, so its class is forgotten and
-the next wait polls from the start, timing the copy afresh. A wait's own
-oversleep must never teach it to sleep longer (on an H100 host that feedback
-took 64-block loads from 3.4 to 4.2 ms, session 17), nor may one slow copy
-hold back the loads after it: waking 1.25x earlier after each oversleep, the
+copy already done overslept by an unknown time, so the next wait wakes 1.25x
+earlier and does not sleep at all, polling from the start to time the copy
+afresh. A wait's own oversleep must never teach it to sleep longer (on an
+H100 host that feedback took 64-block loads from 3.4 to 4.2 ms, session 17),
+nor may one slow copy hold back the loads after it: with only the 1.25x, the
 ~20 loads after a slow first one of 8 MiB each slept most of that one's time
 (4 contiguous blocks loaded at 2.3-3.3 GB/s against 14-20 random, H100,
-session 22).
+session 22). Forgetting the rate instead fixed that, but the waits after each
+probe slept on an exact rate, overslept more often, and 4 random blocks
+loaded at 15-17 GB/s against 18-21 (same call).
 
 A copy that fails never records its event, nor does one whose server died:
 the wait also watches the connection the load went out on, which the server
@@ -40,6 +42,7 @@ LIBCUDA = "libcuda.so.1"
 NOT_READY = 600  # CUDA_ERROR_NOT_READY
 _CLOCK_MONOTONIC = 1  # Linux's clockid
 WAKE_EARLY_S = 200e-6  # a sleeping thread wakes tens to hundreds of us late
+EARLIER = 1.25  # an overslept wait's class: assume it this much faster
 WATCH_S = 1e-3  # the connection is looked at between polls this often
 
 
@@ -76,6 +79,7 @@ class LoadWaits:
 
     def __init__(self) -> None:
         self._rates: dict[int, float] = {}  # size class -> bytes/s, send to done
+        self._probe: set[int] = set()  # classes whose next wait polls throughout
 
     def wait(self, event: Any, index: int, timeout_s: float, nbytes: int,
              sent_at: float, hang_up_fd: int = -1) -> None:  # fmt: skip
@@ -87,7 +91,9 @@ class LoadWaits:
         size = nbytes.bit_length()
         rate = self._rates.get(size)
         watch = _Watch(hang_up_fd, index)
-        if rate:
+        probe = size in self._probe
+        self._probe.discard(size)
+        if rate and not probe:
             nap = sent_at + nbytes / rate - WAKE_EARLY_S - time.monotonic()
             if nap > 0:
                 watch.nap(nap)
@@ -98,8 +104,9 @@ class LoadWaits:
         if not done_at_first:
             self._poll(event, index, timeout_s, sent_at, watch)
         took = time.monotonic() - sent_at
-        if done_at_first and rate:  # overslept, by an unknown time: re-time it
-            del self._rates[size]
+        if done_at_first and rate and not probe:  # overslept, by how much unknown
+            self._rates[size] = rate * EARLIER
+            self._probe.add(size)
         elif took > 0:  # waking early costs a spin, late the load: lean fast
             got = nbytes / took
             self._rates[size] = got if rate is None else max(got, (rate + got) / 2)

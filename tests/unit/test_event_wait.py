@@ -60,10 +60,14 @@ def test_a_wait_learns_from_copies_it_saw_end_and_wakes_earlier_after_oversleepi
     after = waits._rates[(64 * MB).bit_length()]
     assert (before + 64 * MB / 0.25) / 2 <= after <= (before + 64 * MB / 0.2) / 2
     fast = Copy(monkeypatch, 0.0)  # done long before the wait looks: overslept
+    learnt = waits._rates[(64 * MB).bit_length()]
     waits.wait(1, 1, 5.0, 64 * MB, fast.sent)
-    assert (64 * MB).bit_length() not in waits._rates  # the next one re-times it
+    assert waits._rates[(64 * MB).bit_length()] == learnt * event_wait.EARLIER
+    probe = Copy(monkeypatch, 0.03)  # the next one polls throughout: re-timed
+    waits.wait(1, 1, 5.0, 64 * MB, probe.sent)
+    assert probe.looks[0] < 0.015
     waits.wait(1, 1, 5.0, MB, Copy(monkeypatch, 0.001).sent)  # its own class
-    assert len(waits._rates) == 1
+    assert len(waits._rates) == 2
 
 
 def test_one_slow_copy_holds_back_one_load_after_it_not_twenty(monkeypatch) -> None:
