@@ -7,16 +7,15 @@ another thread, and a Python loop handing the GIL back and forth could be
 late by a whole switch interval). When it should end comes from the recent
 loads of its size class (a faster one counts at once, a slower one by half),
 learnt only from waits that woke before their copy ended: one that found its
-copy already done overslept by an unknown time, so the next wait wakes 1.25x
-earlier and does not sleep at all, polling from the start to time the copy
-afresh. A wait's own oversleep must never teach it to sleep longer (on an
-H100 host that feedback took 64-block loads from 3.4 to 4.2 ms, session 17),
-nor may one slow copy hold back the loads after it: with only the 1.25x, the
-~20 loads after a slow first one of 8 MiB each slept most of that one's time
-(4 contiguous blocks loaded at 2.3-3.3 GB/s against 14-20 random, H100,
-session 22). Forgetting the rate instead fixed that, but the waits after each
-probe slept on an exact rate, overslept more often, and 4 random blocks
-loaded at 15-17 GB/s against 18-21 (same call).
+copy already done overslept by an unknown time, and only says to wake earlier
+(a wait's own oversleep must never teach it to sleep longer: on an H100 host
+that feedback took 64-block loads from 3.4 to 4.2 ms, session 17). A class's
+first copy may be slow (its first launch): the wait after it polls from the
+start too, so that one copy's time is not what the next ~20 loads of the
+class sleep on, waking 1.25x earlier each (4 contiguous blocks, the first
+of their class in a run, loaded at 2.3-3.3 GB/s against 14-20 random, H100,
+session 22). Re-timing after every oversleep instead cost 64 random blocks
+~3 % (same session).
 
 A copy that fails never records its event, nor does one whose server died:
 the wait also watches the connection the load went out on, which the server
@@ -79,7 +78,7 @@ class LoadWaits:
 
     def __init__(self) -> None:
         self._rates: dict[int, float] = {}  # size class -> bytes/s, send to done
-        self._probe: set[int] = set()  # classes whose next wait polls throughout
+        self._second: set[int] = set()  # classes timed once: the next polls throughout
 
     def wait(self, event: Any, index: int, timeout_s: float, nbytes: int,
              sent_at: float, hang_up_fd: int = -1) -> None:  # fmt: skip
@@ -91,8 +90,8 @@ class LoadWaits:
         size = nbytes.bit_length()
         rate = self._rates.get(size)
         watch = _Watch(hang_up_fd, index)
-        probe = size in self._probe
-        self._probe.discard(size)
+        probe = size in self._second
+        self._second.discard(size)
         if rate and not probe:
             nap = sent_at + nbytes / rate - WAKE_EARLY_S - time.monotonic()
             if nap > 0:
@@ -104,11 +103,12 @@ class LoadWaits:
         if not done_at_first:
             self._poll(event, index, timeout_s, sent_at, watch)
         took = time.monotonic() - sent_at
-        if done_at_first and rate and not probe:  # overslept, by how much unknown
+        if done_at_first and rate and not probe:  # overslept: by how much, unknown
             self._rates[size] = rate * EARLIER
-            self._probe.add(size)
         elif took > 0:  # waking early costs a spin, late the load: lean fast
             got = nbytes / took
+            if rate is None:
+                self._second.add(size)
             self._rates[size] = got if rate is None else max(got, (rate + got) / 2)
 
     @staticmethod

@@ -51,9 +51,12 @@ def test_a_wait_learns_from_copies_it_saw_end_and_wakes_earlier_after_oversleepi
     assert first.looks[0] < 0.015  # (a loaded machine may be slow to get here)
     rate = waits._rates[(64 * MB).bit_length()]
     assert 64 * MB / 0.05 < rate <= 64 * MB / 0.02
-    second = Copy(monkeypatch, 0.02)
-    waits.wait(1, 1, 5.0, 64 * MB, second.sent)  # sleeps most of it, then polls
-    assert second.looks[0] > 0.01  # it slept most of the copy first
+    second = Copy(monkeypatch, 0.02)  # timed once: the first may have been slow
+    waits.wait(1, 1, 5.0, 64 * MB, second.sent)
+    assert second.looks[0] < 0.015
+    third = Copy(monkeypatch, 0.02)
+    waits.wait(1, 1, 5.0, 64 * MB, third.sent)  # sleeps most of it, then polls
+    assert third.looks[0] > 0.01  # it slept most of the copy first
     before = waits._rates[(64 * MB).bit_length()]
     slow = Copy(monkeypatch, 0.2)  # seen to end, 10x slower: counts by half
     waits.wait(1, 1, 5.0, 64 * MB, slow.sent)
@@ -63,18 +66,15 @@ def test_a_wait_learns_from_copies_it_saw_end_and_wakes_earlier_after_oversleepi
     learnt = waits._rates[(64 * MB).bit_length()]
     waits.wait(1, 1, 5.0, 64 * MB, fast.sent)
     assert waits._rates[(64 * MB).bit_length()] == learnt * event_wait.EARLIER
-    probe = Copy(monkeypatch, 0.03)  # the next one polls throughout: re-timed
-    waits.wait(1, 1, 5.0, 64 * MB, probe.sent)
-    assert probe.looks[0] < 0.015
     waits.wait(1, 1, 5.0, MB, Copy(monkeypatch, 0.001).sent)  # its own class
     assert len(waits._rates) == 2
 
 
-def test_one_slow_copy_holds_back_one_load_after_it_not_twenty(monkeypatch) -> None:
-    """A size class's first copy was slow (a first launch, a stall): the
-    loads after it are fast. Each woke 1.25x earlier than the last, so ~20 of
-    them slept most of the slow one's time (H100, session 22: 4 contiguous
-    blocks at 2.3-3.3 GB/s against 14-20 random)."""
+def test_a_slow_first_copy_holds_back_no_load_after_it(monkeypatch) -> None:
+    """A size class's first copy was slow (its first launch): the loads after
+    it are fast. Each woke 1.25x earlier than the last, so ~20 of them slept
+    most of the slow one's time (H100, session 22: 4 contiguous blocks, the
+    first of their class in a run, at 2.3-3.3 GB/s against 14-20 random)."""
     waits = event_wait.LoadWaits()
     waits.wait(1, 1, 5.0, 8 * MB, Copy(monkeypatch, 0.1).sent)  # slow, seen to end
     took = []
@@ -82,8 +82,7 @@ def test_one_slow_copy_holds_back_one_load_after_it_not_twenty(monkeypatch) -> N
         copy = Copy(monkeypatch, 0.002)
         waits.wait(1, 1, 5.0, 8 * MB, copy.sent)
         took.append(time.monotonic() - copy.sent)
-    assert took[0] > 0.05  # it slept on the slow copy's rate: overslept once
-    assert max(took[1:]) < 0.03, took  # then timed afresh (before: 0.08, 0.06..)
+    assert max(took) < 0.03, took  # before: 0.1, 0.08, 0.064, ...
 
 
 def test_a_failed_or_lost_event_fails_the_wait_naming_done_event(monkeypatch) -> None:
