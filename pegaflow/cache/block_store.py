@@ -456,11 +456,8 @@ class BlockStore(TierLoads, SlotEviction):
         self.policy_drained = False
         for entry in entries:
             entry.pins -= 1
-        parked = self.policy.parked
-        if parked:  # pinned blocks an eviction pass set aside: back in
-            free = [e.key for e in entries if not e.pins and e.key in parked]
-            if free:
-                self.policy.unpark(free)
+        if self.policy.parked:  # pinned blocks an eviction pass set aside
+            self.policy.unpark([e.key for e in entries if not e.pins])
 
     def drop_stale(self, older_than: float) -> int:
         """Free incomplete blocks whose other shards or layers never came."""

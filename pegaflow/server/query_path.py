@@ -228,7 +228,7 @@ class PrefixQueries:
         if not hits and not n:
             return QueryResult(0, 0, 0.0, l1_gbps=l1_gbps)
         fits = self._leases.room(inst.owner_uid, ns.block_bytes, len(hits))
-        if fits < len(hits):  # the user's leases pin their share of the pool
+        if fits < len(hits):  # the user's leases pin their part of the bound
             self._metrics.lease_capped.inc(len(hits) - fits + n)
             hits, direct, read, n = hits[:fits], None, None, 0
             if not hits:
